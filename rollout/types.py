@@ -1,0 +1,247 @@
+"""Typed records that cross the rollout boundary.
+
+`AgentData` is the whole resumable state of one trajectory while an agent loop works on it; it is a
+pydantic model so it round-trips through JSON losslessly (the buffer stores it in `partial` rows and
+a worker in another process resumes from it — never pickle). `Trajectory` is what leaves the loop and
+what the Arrow schema in `buffer/schema.py` mirrors field for field.
+
+Invariants (stated once, checked by `Trajectory.validate()` and `AgentData.check_aligned()`):
+- `response_ids`, `response_mask`, `behavior_logprobs` and `policy_versions` have equal length;
+- where `response_mask == 0` (tool / interaction / user tokens) the logprob is 0.0 and the
+  policy_version is -1; where it is 1 the policy_version is >= 0;
+- `len(prompt_ids) + len(response_ids) <= max_model_len` of the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+OBSERVATION_VERSION = -1  # policy_version of tokens not sampled by the policy (mask 0)
+
+
+class AgentState(StrEnum):
+    PENDING = "pending"
+    GENERATING = "generating"
+    PROCESSING_TOOLS = "processing_tools"
+    INTERACTING = "interacting"
+    TERMINATED = "terminated"
+
+
+class TrajectoryStatus(StrEnum):
+    FINISHED = "finished"
+    PARTIAL = "partial"  # parked by an interrupt; `agent_data_json` holds the resumable state
+    FAILED = "failed"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # the model ended its turn and no tool call / interaction continues it
+    LENGTH = "length"  # response token budget or model length exhausted
+    MAX_TURNS = "max_turns"  # assistant or user turn limit
+    INTERACTION_DONE = "interaction_done"  # the interaction terminated the episode
+    ABORT = "abort"  # interrupted (partial rows only)
+    ERROR = "error"  # failed trajectory
+
+
+class ToolCall(BaseModel):
+    """One parsed tool call of an assistant turn (hermes / harmony alike)."""
+
+    call_id: str
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    # Set when parsing or validation failed: the loop answers with an error observation instead.
+    error: str | None = None
+
+
+class ToolResult(BaseModel):
+    """The recorded outcome of a tool call; recorded before the observation is appended so a resume
+    never executes the same call twice."""
+
+    call_id: str
+    name: str
+    text: str
+    reward: float = 0.0
+    is_error: bool = False
+    latency_s: float = 0.0
+
+
+class AgentData(BaseModel):
+    """Everything needed to resume one trajectory, in any process.
+
+    Token arrays follow the module invariants. `turn_start` is the index in `response_ids` where
+    the current assistant turn began: when a generation is interrupted the tokens already streamed
+    are appended (mask 1, their versions) and the resumed generation continues the same turn.
+    """
+
+    trajectory_id: str
+    group_id: str
+    sample_index: int = 0
+    agent_name: str = "tool_agent"
+    state: AgentState = AgentState.PENDING
+
+    messages: list[dict[str, Any]] = Field(default_factory=list)  # OpenAI chat format
+    tools_kwargs: dict[str, Any] = Field(default_factory=dict)
+    ground_truth: str | None = None
+
+    prompt_ids: list[int] = Field(default_factory=list)  # [num_prompt_tokens]
+    response_ids: list[int] = Field(default_factory=list)  # [num_response_tokens]
+    response_mask: list[int] = Field(default_factory=list)  # [num_response_tokens]
+    response_logprobs: list[float] = Field(default_factory=list)  # [num_response_tokens]
+    policy_versions: list[int] = Field(default_factory=list)  # [num_response_tokens]
+    turn_start: int = 0
+
+    num_assistant_turns: int = 0
+    num_user_turns: int = 0
+    pending_tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_results: list[ToolResult] = Field(default_factory=list)
+    turn_scores: list[float] = Field(default_factory=list)
+    tool_rewards: list[float] = Field(default_factory=list)
+    num_tool_calls: int = 0
+    num_tool_errors: int = 0
+    num_parse_errors: int = 0
+
+    interaction_name: str | None = None
+    interaction_instance_id: str | None = None
+    interaction_done: bool = False
+
+    request_id: str = ""
+    engine_id: str | None = None  # sticky engine affinity
+    finish_reason: FinishReason | None = None
+    num_interrupts: int = 0
+    generate_s: float = 0.0
+    tool_s: float = 0.0
+    created_at: float = 0.0
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, text: str) -> AgentData:
+        return cls.model_validate_json(text)
+
+    def append_sampled(self, token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        assert len(token_ids) == len(logprobs) == len(versions), "engine arrays misaligned"
+        self.response_ids.extend(token_ids)
+        self.response_mask.extend([1] * len(token_ids))
+        self.response_logprobs.extend(logprobs)
+        self.policy_versions.extend(versions)
+
+    def append_observation(self, token_ids: list[int]) -> None:
+        n = len(token_ids)
+        self.response_ids.extend(token_ids)
+        self.response_mask.extend([0] * n)
+        self.response_logprobs.extend([0.0] * n)
+        self.policy_versions.extend([OBSERVATION_VERSION] * n)
+
+    def check_aligned(self) -> None:
+        n = len(self.response_ids)
+        if not (n == len(self.response_mask) == len(self.response_logprobs) == len(self.policy_versions)):
+            raise AssertionError(
+                f"per-token arrays misaligned: ids={n} mask={len(self.response_mask)} "
+                f"logprobs={len(self.response_logprobs)} versions={len(self.policy_versions)}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class Trajectory:
+    """One trajectory as it leaves the agent loop (`AgentLoopOutput`); a buffer row.
+
+    Status `partial` carries `agent_data_json`; a later row with the same `trajectory_id`
+    supersedes it. Rewards are final for `finished` rows only.
+    """
+
+    trajectory_id: str
+    group_id: str  # the prompt id; GRPO groups are the samples of one group_id
+    sample_index: int
+    agent_name: str
+    prompt_ids: list[int]  # [num_prompt_tokens]
+    response_ids: list[int]  # [num_response_tokens]
+    response_mask: list[int]  # [num_response_tokens]; 1 = sampled by the policy
+    behavior_logprobs: list[float]  # [num_response_tokens]; 0.0 where mask is 0
+    policy_versions: list[int]  # [num_response_tokens]; -1 where mask is 0
+    reward: float = 0.0
+    turn_scores: list[float] = field(default_factory=list)  # [num_scored_turns]
+    tool_rewards: list[float] = field(default_factory=list)  # [num_tool_calls]
+    num_turns: int = 0  # assistant + user turns
+    num_tool_calls: int = 0
+    num_tool_errors: int = 0
+    status: TrajectoryStatus = TrajectoryStatus.FINISHED
+    finish_reason: FinishReason = FinishReason.STOP
+    num_interrupts: int = 0
+    generate_s: float = 0.0
+    tool_s: float = 0.0
+    created_at: float = 0.0
+    finished_at: float = 0.0
+    agent_data_json: str | None = None  # resumable AgentData (partial rows)
+
+    @property
+    def num_response_tokens(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return sum(self.response_mask)
+
+    @property
+    def min_policy_version(self) -> int:
+        sampled = [v for v in self.policy_versions if v >= 0]
+        return min(sampled) if sampled else OBSERVATION_VERSION
+
+    @property
+    def max_policy_version(self) -> int:
+        return max(self.policy_versions, default=OBSERVATION_VERSION)
+
+    def validate(self, max_model_len: int | None = None) -> None:
+        """Raise AssertionError if the data contract is broken (a bug, never the world)."""
+        n = len(self.response_ids)
+        assert n == len(self.response_mask) == len(self.behavior_logprobs) == len(self.policy_versions), (
+            "per-token arrays misaligned"
+        )
+        for m, lp, v in zip(self.response_mask, self.behavior_logprobs, self.policy_versions):
+            if m:
+                assert v >= 0, "sampled token without a policy_version"
+            else:
+                assert v == OBSERVATION_VERSION and lp == 0.0, "observation token with a version/logprob"
+        if max_model_len is not None:
+            assert len(self.prompt_ids) + n <= max_model_len, "trajectory longer than max_model_len"
+        if self.status is TrajectoryStatus.PARTIAL:
+            assert self.agent_data_json is not None, "partial row without AgentData"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> Trajectory:
+        kwargs = {f.name: row[f.name] for f in dataclasses.fields(cls) if f.name in row}
+        kwargs["status"] = TrajectoryStatus(kwargs.get("status", TrajectoryStatus.FINISHED))
+        kwargs["finish_reason"] = FinishReason(kwargs.get("finish_reason", FinishReason.STOP))
+        return cls(**kwargs)
+
+    def agent_data(self) -> AgentData:
+        if self.agent_data_json is None:
+            raise ValueError(f"trajectory {self.trajectory_id} has no AgentData snapshot")
+        return AgentData.from_json(self.agent_data_json)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+@dataclass(kw_only=True, slots=True)
+class PromptRecord:
+    """One dataset row: a prompt that becomes a GRPO group of `n` trajectories.
+
+    Accepts verl's parquet layout (`prompt` holding the messages, `extra_info.tools_kwargs`,
+    `reward_model.ground_truth`) as well as the flat one (`messages`, `tools_kwargs`,
+    `ground_truth`)."""
+
+    group_id: str
+    messages: list[dict[str, Any]]
+    agent_name: str = "tool_agent"
+    tools_kwargs: dict[str, Any] = field(default_factory=dict)
+    ground_truth: str | None = None
+    data_index: int = 0  # position in the dataset: the data cursor of resumable runs
