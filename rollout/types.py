@@ -101,6 +101,7 @@ class AgentData(BaseModel):
     tool_results: list[ToolResult] = Field(default_factory=list)
     turn_scores: list[float] = Field(default_factory=list)
     tool_rewards: list[float] = Field(default_factory=list)
+    reward: float = 0.0  # final score, set when TERMINATED
     num_tool_calls: int = 0
     num_tool_errors: int = 0
     num_parse_errors: int = 0

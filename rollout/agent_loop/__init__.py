@@ -1,0 +1,15 @@
+"""Agent loops: `run(AgentData) -> Trajectory`, registered by name (`tool_agent`, `single_turn_agent`)."""
+
+from rollout.agent_loop.base import AgentContext, AgentLoopBase, LoopCounters, get_agent_loop_cls, register
+from rollout.agent_loop.single_turn import SingleTurnAgentLoop
+from rollout.agent_loop.tool_agent import ToolAgentLoop
+
+__all__ = [
+    "AgentContext",
+    "AgentLoopBase",
+    "LoopCounters",
+    "SingleTurnAgentLoop",
+    "ToolAgentLoop",
+    "get_agent_loop_cls",
+    "register",
+]

@@ -1,0 +1,62 @@
+"""Rollout configuration: the agent loop's limits and sampling, and how many workers/engines run."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollout.engine.config import EngineConfig
+
+
+class SamplingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = None
+
+
+class AgentConfig(BaseModel):
+    """Limits of one agent loop (per trajectory). Lengths are in tokens unless named `_chars`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    default_agent: str = "tool_agent"
+    prompt_length: int = Field(512, gt=0)  # prompts longer than this are rejected (failed row)
+    response_length: int = Field(512, gt=0)  # total budget over all turns, observations included
+    max_tokens_per_turn: int = Field(256, gt=0)
+    max_assistant_turns: int = Field(4, gt=0)
+    max_user_turns: int = Field(4, ge=0)  # tool responses and interaction replies
+    max_parallel_calls: int = Field(4, gt=0)
+    max_tool_response_chars: int = Field(512, gt=0)
+    tool_response_truncate: Literal["left", "right", "middle"] = "middle"
+    tool_timeout_s: float = Field(30.0, gt=0)
+    tool_parser: Literal["hermes", "gpt-oss"] = "hermes"
+    tool_config: str | None = None  # YAML (ours or verl's format)
+    interaction_config: str | None = None  # YAML (verl's format accepted)
+    reward_fn: str = "math_answer"  # registered name or "package.module:function"
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+
+
+class RolloutConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    num_engines: int = Field(1, gt=0)
+    num_workers: int = Field(1, gt=0)
+    max_concurrent_per_worker: int = Field(32, gt=0)
+    sticky_lru_size: int = Field(4096, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutConfig:
+        if self.agent.max_tokens_per_turn > self.agent.response_length:
+            raise ValueError("agent.max_tokens_per_turn must be <= agent.response_length")
+        return self
+
+    @property
+    def max_model_len(self) -> int:
+        """prompt_length + response_length: the engine must accept at least this."""
+        return self.agent.prompt_length + self.agent.response_length

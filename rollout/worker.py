@@ -1,0 +1,176 @@
+"""RolloutWorker: runs many agent loops concurrently and is the pause/resume point of weight sync.
+
+Consumes `AgentData` (new trajectories from the driver, or partial ones to resume), produces
+`Trajectory` rows into `sink` (the buffer). Interrupt protocol, worker side:
+
+- `pause()` sets the cancel Event. Loops in GENERATING abort their engine request, keep the streamed
+  tokens and park; their partial rows are in the sink before `pause()` returns. Loops running tools or
+  interactions keep going (tools do not depend on weights) and park when they next need the engine.
+  New submissions are held until `resume()`.
+- `resume()` clears the Event and relaunches every parked trajectory from its AgentData.
+
+In `keep` pause mode the worker does not cancel anything: the engine freezes its requests in place and
+the loops never notice (vLLM keep-mode pause); only admissions are held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+
+from rollout.agent_loop import AgentContext, get_agent_loop_cls
+from rollout.engine.base import PauseMode
+from rollout.types import AgentData, AgentState, FinishReason, Trajectory, TrajectoryStatus
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[Trajectory], Awaitable[None]]
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        ctx: AgentContext,
+        sink: Sink,
+        *,
+        max_concurrent: int = 32,
+        pause_mode: PauseMode = PauseMode.ABORT,
+        worker_id: str = "worker-0",
+    ) -> None:
+        self.ctx = ctx
+        self.sink = sink
+        self.worker_id = worker_id
+        self.pause_mode = pause_mode
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._states: dict[str, AgentData] = {}
+        self._active: set[str] = set()  # holding a concurrency slot
+        self._held: list[AgentData] = []  # submitted or parked while paused
+        self._paused = False
+        self._num_sinking = 0
+        self.num_finished = 0
+        self.num_partial = 0
+        self.num_failed = 0
+        self.num_resumed = 0
+        self.errors: list[str] = []
+
+    # ---- submission ---------------------------------------------------------------------------
+
+    def submit(self, data: AgentData) -> None:
+        """Start (or resume) one trajectory; held until `resume()` while paused."""
+        if data.trajectory_id in self._tasks:
+            raise ValueError(f"trajectory {data.trajectory_id} is already running on {self.worker_id}")
+        if self._paused:
+            self._held.append(data)
+            return
+        if data.state is not AgentState.PENDING:
+            self.num_resumed += 1
+        self._states[data.trajectory_id] = data
+        self._tasks[data.trajectory_id] = asyncio.create_task(self._drive(data), name=data.trajectory_id)
+
+    async def _drive(self, data: AgentData) -> None:
+        async with self._slots:
+            self._active.add(data.trajectory_id)
+            loop = get_agent_loop_cls(data.agent_name)(self.ctx)
+            try:
+                traj = await loop.run(data)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # fault boundary: one bad trajectory must not stop the worker
+                logger.warning("trajectory %s failed: %s", data.trajectory_id, exc)
+                self.errors.append(f"{data.trajectory_id}: {exc!r}\n{traceback.format_exc(limit=3)}")
+                self.num_failed += 1
+                data.finish_reason = FinishReason.ERROR
+                traj = loop.to_trajectory(data, TrajectoryStatus.FAILED)
+            self._num_sinking += 1
+            self._active.discard(data.trajectory_id)
+        try:
+            if traj.status is TrajectoryStatus.PARTIAL:
+                self.num_partial += 1
+                self._held.append(AgentData.from_json(traj.agent_data_json))
+            elif traj.status is TrajectoryStatus.FINISHED:
+                self.num_finished += 1
+            await self.sink(traj)
+        finally:
+            self._num_sinking -= 1
+            self._tasks.pop(data.trajectory_id, None)
+            self._states.pop(data.trajectory_id, None)
+
+    # ---- interrupt protocol -------------------------------------------------------------------
+
+    async def pause(self, timeout_s: float = 60.0) -> None:
+        """Hold admissions and (abort mode) park every loop that uses the engine; see module doc."""
+        self._paused = True
+        if self.pause_mode is PauseMode.KEEP:
+            return
+        self.ctx.cancel.set()
+        deadline = time.monotonic() + timeout_s
+        while self.ctx.num_in_engine > 0 or self._num_sinking > 0 or self._num_about_to_generate() > 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.worker_id}: {self.ctx.num_in_engine} generations did not park within {timeout_s}s"
+                )
+            await asyncio.sleep(0.005)
+
+    def _num_about_to_generate(self) -> int:
+        """Running loops that will enter (or are in) GENERATING without first running a tool."""
+        return sum(
+            1
+            for tid in self._active
+            if self._states[tid].state in (AgentState.PENDING, AgentState.GENERATING)
+        )
+
+    async def resume(self) -> None:
+        """Serve again: relaunch parked trajectories from their AgentData, then held submissions."""
+        self.ctx.cancel.clear()
+        self._paused = False
+        held, self._held = self._held, []
+        for data in held:
+            self.submit(data)
+
+    # ---- introspection ------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._tasks)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def check(self) -> None:
+        """Surface a crashed background task (a bug, not a failed trajectory) in the caller."""
+        for task in list(self._tasks.values()):
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise RuntimeError(f"{self.worker_id}: agent loop task crashed") from task.exception()
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Wait until no trajectory is running (held ones excluded)."""
+        tasks = list(self._tasks.values())
+        if tasks:
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout_s)
+
+    async def shutdown(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    def metrics(self) -> dict[str, float]:
+        c = self.ctx.counters
+        return {
+            "rollout/num_running": self.num_running,
+            "rollout/num_held": self.num_held,
+            "rollout/num_finished": self.num_finished,
+            "rollout/num_partial": self.num_partial,
+            "rollout/num_failed": self.num_failed,
+            "rollout/num_resumed": self.num_resumed,
+            "rollout/num_interrupts": c.num_interrupts,
+            "rollout/num_parse_errors": c.num_parse_errors,
+            "rollout/num_tool_calls": c.num_tool_calls,
+            "rollout/num_tool_errors": c.num_tool_errors,
+            "rollout/num_generated_tokens": c.num_generated_tokens,
+            "rollout/num_reprefill_tokens": c.num_reprefill_tokens,
+        }

@@ -1,0 +1,133 @@
+"""The root run configuration: one pydantic model composed of each component's own config.
+
+Run files are sparse TOML (`configs/*.toml`); `key.sub=value` overrides come from the CLI; the
+resolved config is written as JSON beside every run (`RUN_DIR/run_info.json`). Bad config raises one
+`ValueError` that names the offending field.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from buffer.config import BufferConfig
+from learner.config import LearnerConfig
+from rollout.config import RolloutConfig
+from streaming.metrics import WandbConfig
+from weight_sync.config import WeightSyncConfig
+
+
+class DataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # "arithmetic" = generated arithmetic word problems (the embedded default); else a parquet/jsonl path.
+    source: str = "arithmetic"
+    num_prompts: int = Field(256, gt=0)  # for generated sources
+    seed: int = 0
+    shuffle: bool = True
+    num_epochs: int = Field(100, gt=0)  # the data iterator cycles; total_steps ends the run
+
+
+class SFTConfig(BaseModel):
+    """Short supervised warm-up on generated tool-use transcripts for a model new to our format."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    num_examples: int = Field(256, gt=0)
+    num_steps: int = Field(60, ge=0)
+    batch_size: int = Field(8, gt=0)
+    lr: float = Field(5e-5, gt=0)
+    skip_if_cached: bool = True  # reuse the warmed-up folder cached under $STREAMRL_CACHE
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["async", "sync"] = "async"
+    total_steps: int = Field(20, gt=0)  # learner optimizer steps
+    sync_every: int = Field(1, gt=0)  # publish weights every K learner steps
+    checkpoint_every: int = Field(5, gt=0)
+    run_root: str = "runs"
+    run_name: str | None = None  # default: <config stem>-<timestamp>
+    step_timeout_s: float = Field(1800.0, gt=0)  # a learner step or a sync longer than this fails the run
+    log_samples_every: int = Field(1, gt=0)
+    seed: int = 0
+
+
+class StreamRLConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "tiny"  # 'tiny', 'smollm2' or a HF folder: the engines and the learner both use it
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    @model_validator(mode="after")
+    def _propagate(self) -> StreamRLConfig:
+        self.rollout.engine.model = self.model
+        self.learner.model = self.model
+        if self.rollout.engine.max_model_len < self.rollout.max_model_len:
+            raise ValueError(
+                f"rollout.engine.max_model_len={self.rollout.engine.max_model_len} < prompt_length + "
+                f"response_length = {self.rollout.max_model_len}"
+            )
+        return self
+
+    @property
+    def group_size(self) -> int:
+        """Trajectories per prompt (GRPO n)."""
+        return self.buffer.group_size
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # a bare string
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (TOML values; bare words are strings) to a nested dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not key=value")
+        key, raw = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {part!r} is not a table")
+        node[parts[-1]] = _parse_value(raw.strip())
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> StreamRLConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"config file {path} does not exist")
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    apply_overrides(data, overrides or [])
+    try:
+        return StreamRLConfig.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(root)"
+        raise ValueError(f"invalid config at {where}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+def dump_config(cfg: StreamRLConfig) -> str:
+    return json.dumps(cfg.model_dump(mode="json"), indent=2)

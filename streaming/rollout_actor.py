@@ -1,0 +1,108 @@
+"""RolloutWorkerActor: a Ray actor hosting one `RolloutWorker` and everything its loops need.
+
+Built from the resolved config (JSON) so it can start on any node. Its engines are `EngineActor`s
+reached through `RayEngineClient`; its sink appends each trajectory to the `BufferActor` as an Arrow
+RecordBatch passed by object ref. The learner's weight-sync coordinator pauses and resumes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+def build_agent_context(cfg: Any, model_path: str, server: Any) -> Any:
+    """Tokenizer, observation encoder, tools, parser, interactions and reward for one worker."""
+    from transformers import AutoTokenizer
+
+    from rollout.agent_loop import AgentContext
+    from rollout.agent_loop.observation import ObservationEncoder
+    from rollout.interactions import load_interactions
+    from rollout.parsers import get_parser
+    from rollout.rewards import get_reward_fn
+    from rollout.tools.config import load_tool_config
+
+    agent = cfg.rollout.agent
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tools = load_tool_config(agent.tool_config) if agent.tool_config else None
+    interactions = load_interactions(agent.interaction_config) if agent.interaction_config else {}
+    return AgentContext(
+        cfg=agent,
+        server=server,
+        tokenizer=tokenizer,
+        encoder=ObservationEncoder(tokenizer),
+        tools=tools,
+        parser=get_parser(agent.tool_parser),
+        interactions=interactions,
+        reward_fn=get_reward_fn(agent.reward_fn),
+    )
+
+
+@ray.remote
+class RolloutWorkerActor:
+    def __init__(self, worker_id: str, cfg_json: str, model_path: str, engines: list, buffer: Any) -> None:
+        from rollout.engine.base import PauseMode
+        from rollout.engine.ray_engine import RayEngineClient
+        from rollout.server_manager import ServerManager
+        from rollout.worker import RolloutWorker
+        from streaming.config import StreamRLConfig
+
+        logging.basicConfig(level=logging.INFO)
+        cfg = StreamRLConfig.model_validate_json(cfg_json)
+        self.buffer = buffer
+        clients = [
+            RayEngineClient(handle, engine_id=f"engine-{i}", call_timeout_s=cfg.rollout.engine.call_timeout_s)
+            for i, handle in enumerate(engines)
+        ]
+        server = ServerManager(clients, max_sticky=cfg.rollout.sticky_lru_size)
+        ctx = build_agent_context(cfg, model_path, server)
+        self.worker = RolloutWorker(
+            ctx,
+            self._sink,
+            max_concurrent=cfg.rollout.max_concurrent_per_worker,
+            pause_mode=PauseMode(cfg.weight_sync.pause_mode),
+            worker_id=worker_id,
+        )
+        self.append_timeout_s = 120.0
+
+    async def _sink(self, traj: Any) -> None:
+        from buffer.schema import trajectories_to_batch
+
+        ref = ray.put(trajectories_to_batch([traj]))
+        await self.buffer.append.remote(ref)
+
+    async def submit(self, agent_data_jsons: list[str]) -> int:
+        from rollout.types import AgentData
+
+        for text in agent_data_jsons:
+            self.worker.submit(AgentData.from_json(text))
+        return self.worker.num_running
+
+    async def pause(self) -> None:
+        await self.worker.pause()
+
+    async def resume(self) -> None:
+        await self.worker.resume()
+
+    async def metrics(self) -> dict[str, float]:
+        self.worker.check()
+        return self.worker.metrics()
+
+    async def running_ids(self) -> list[str]:
+        return list(self.worker._tasks) + [d.trajectory_id for d in self.worker._held]
+
+    async def num_outstanding(self) -> int:
+        return self.worker.num_running + self.worker.num_held
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        await self.worker.wait_idle(timeout_s)
+
+    async def errors(self) -> list[str]:
+        return list(self.worker.errors)
+
+    async def shutdown(self) -> None:
+        await self.worker.shutdown()
