@@ -1,0 +1,91 @@
+"""`streamrl` command line. Heavy modules are imported inside the commands so `--help` is instant.
+
+    streamrl train --config configs/default.toml [key=value ...]
+    streamrl train --resume RUN_DIR [key=value ...]
+    streamrl rollout --config configs/default.toml [--num-prompts N] [--out FILE]   (eval only)
+    streamrl report RUN_DIR
+    streamrl buffer export DIR --parquet OUT
+    streamrl buffer stats DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _train(args: argparse.Namespace) -> int:
+    from streaming.train import train_main
+
+    return train_main(config=args.config, overrides=args.overrides, resume=args.resume)
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from streaming.eval import rollout_main
+
+    return rollout_main(
+        config=args.config, overrides=args.overrides, num_prompts=args.num_prompts, out=args.out, show=args.show
+    )
+
+
+def _report(args: argparse.Namespace) -> int:
+    from streaming.report import write_report
+
+    path = write_report(args.run_dir)
+    print(f"report written to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamrl",
+        description="Fully asynchronous streaming RL for tool-using LLM agents.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train (async by default; trainer.mode=sync for the baseline)")
+    train.add_argument("--config", help="TOML run file (configs/*.toml)")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue a killed or finished run from its directory")
+    train.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.total_steps=10")
+    train.set_defaults(func=_train)
+
+    rollout = sub.add_parser("rollout", help="run agent loops only (evaluation), print and save trajectories")
+    rollout.add_argument("--config", help="TOML run file")
+    rollout.add_argument("--num-prompts", type=int, default=4)
+    rollout.add_argument("--out", default=None, help="JSONL file for the trajectories (default: runs/rollout-*.jsonl)")
+    rollout.add_argument("--show", type=int, default=3, help="how many trajectories to print decoded")
+    rollout.add_argument("overrides", nargs="*", help="config overrides")
+    rollout.set_defaults(func=_rollout)
+
+    report = sub.add_parser("report", help="write RUN_DIR/report.html (plots + trajectory viewer)")
+    report.add_argument("run_dir")
+    report.set_defaults(func=_report)
+
+    buffer = sub.add_parser("buffer", help="inspect or export a buffer directory")
+    buffer_sub = buffer.add_subparsers(dest="buffer_command", required=True)
+    from buffer.cli import register
+
+    register(buffer_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:  # bad config / input: one clear line, no traceback
+        print(f"streamrl: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The driver: the loops of fully asynchronous RL, and the synchronous baseline, on a built `System`.
+
+    admission ──► rollout workers ──► buffer ──► learner ──► weight sync ──┐
+        ▲                                                                │
+        └────────────── capacity (max_staleness, learner version) ◄──────┘
+
+Async mode runs three named loops concurrently; the first one to fail cancels the others and the
+error surfaces in `run_async` (no fire-and-forget). Sync mode (`trainer.mode="sync"`) uses the same
+components one phase at a time: admit one batch, wait for it, train, publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from streaming.system import System
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.1
+
+
+async def admission_loop(sys: System) -> None:
+    """Start new trajectory groups while the staleness bound allows.
+
+    Consumes: prompts from the stream (cursor). Waits for: rollout capacity, which grows when the
+    learner publishes a new policy version (learner_loop) and shrinks as groups are admitted.
+    Every admitted group is first appended to the buffer as PENDING partial rows (durable), so a
+    crash never loses or duplicates a prompt.
+    """
+    while not sys.done:
+        num_groups = await sys.admission_capacity_groups()
+        for _ in range(num_groups):
+            if not await sys.admit_next_group():
+                break
+        await asyncio.sleep(POLL_S)
+
+
+async def learner_loop(sys: System) -> None:
+    """Train on complete batches as they become ready and publish weights every `sync_every` steps.
+
+    Consumes: batches from the buffer (whole GRPO groups within the staleness bound). Waits for:
+    the buffer (rollout workers unblock it by appending finished trajectories). Unblocks: admission
+    (a new policy version raises capacity). Ends the run after `total_steps`.
+    """
+    cfg = sys.cfg.trainer
+    while sys.state.learner_step < cfg.total_steps:
+        t_wait = time.monotonic()
+        batch_ref = await sys.sample_batch()
+        while batch_ref is None:
+            await asyncio.sleep(POLL_S)
+            batch_ref = await sys.sample_batch()
+        sys.learner_idle_s += time.monotonic() - t_wait
+        metrics = await sys.train_step(batch_ref)
+        if sys.state.learner_step % cfg.sync_every == 0 or sys.state.learner_step == cfg.total_steps:
+            metrics.update(await sys.publish_weights())
+        if sys.state.learner_step % cfg.checkpoint_every == 0 or sys.state.learner_step == cfg.total_steps:
+            await sys.checkpoint()
+        await sys.log_step(metrics)
+    sys.done = True
+
+
+async def health_loop(sys: System) -> None:
+    """Replace preempted rollout workers and resubmit their trajectories from the buffer.
+
+    Consumes: worker liveness (a cheap call per worker). Waits for: a poll interval. Unblocks:
+    admission and the learner (resumed trajectories finish and fill batches).
+    """
+    while not sys.done:
+        await sys.check_workers()
+        await asyncio.sleep(1.0)
+
+
+async def run_async(sys: System) -> None:
+    tasks = [
+        asyncio.create_task(admission_loop(sys), name="admission"),
+        asyncio.create_task(learner_loop(sys), name="learner"),
+        asyncio.create_task(health_loop(sys), name="health"),
+    ]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                raise RuntimeError(f"{task.get_name()} loop failed") from task.exception()
+        await tasks[1]  # the learner loop ends the run
+    finally:
+        sys.done = True
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_sync(sys: System) -> None:
+    """On-policy baseline: admit exactly one batch, wait for all of it, train, publish, repeat."""
+    cfg = sys.cfg.trainer
+    while sys.state.learner_step < cfg.total_steps:
+        for _ in range(sys.groups_per_step):
+            await sys.admit_next_group()
+        t_wait = time.monotonic()
+        batch_ref = await sys.sample_batch()
+        while batch_ref is None:
+            await sys.check_workers()
+            await asyncio.sleep(POLL_S)
+            batch_ref = await sys.sample_batch()
+        sys.learner_idle_s += time.monotonic() - t_wait
+        metrics = await sys.train_step(batch_ref)
+        metrics.update(await sys.publish_weights())
+        if sys.state.learner_step % cfg.checkpoint_every == 0 or sys.state.learner_step == cfg.total_steps:
+            await sys.checkpoint()
+        await sys.log_step(metrics)
+    sys.done = True

@@ -1,0 +1,113 @@
+"""`streamrl rollout`: run agent loops against a local engine (no learner), print and save trajectories.
+
+Used to eyeball a model + tool set before training, and as the evaluation entry point. Decoded
+trajectories are printed with policy-sampled tokens and observation tokens in different colours and
+a marker wherever the policy_version changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from rollout.types import Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+def segments(traj: Trajectory) -> list[tuple[int, int, list[int]]]:
+    """Split the response into runs of equal (mask, policy_version): [(mask, version, token_ids)]."""
+    out: list[tuple[int, int, list[int]]] = []
+    for tok, m, v in zip(traj.response_ids, traj.response_mask, traj.policy_versions):
+        if out and out[-1][0] == m and out[-1][1] == v:
+            out[-1][2].append(tok)
+        else:
+            out.append((m, v, [tok]))
+    return out
+
+
+def render_trajectory(traj: Trajectory, tokenizer: Any) -> Any:
+    """A rich Text: prompt dim, sampled tokens green, observations yellow, [v=k] at version changes."""
+    from rich.text import Text
+
+    text = Text()
+    text.append(tokenizer.decode(traj.prompt_ids[-64:]), style="dim")
+    for mask, version, ids in segments(traj):
+        if mask:
+            text.append(f"[v={version}]", style="bold magenta")
+            text.append(tokenizer.decode(ids), style="green")
+        else:
+            text.append(tokenizer.decode(ids), style="yellow")
+    text.append(
+        f"\n  reward={traj.reward:.2f} turns={traj.num_turns} tool_calls={traj.num_tool_calls} "
+        f"status={traj.status} finish={traj.finish_reason}",
+        style="bold",
+    )
+    return text
+
+
+async def run_rollouts(cfg: Any, records: list, *, group_size: int) -> list[Trajectory]:
+    """Run `group_size` trajectories per record on one local engine; returns finished trajectories."""
+    from rollout.engine import make_engine
+    from rollout.models import resolve_model
+    from rollout.server_manager import ServerManager
+    from rollout.worker import RolloutWorker
+    from streaming.prompts import make_group
+    from streaming.rollout_actor import build_agent_context
+
+    engine_cfg = cfg.rollout.engine.model_copy(update={"placement": "local"})
+    engine = make_engine(engine_cfg, "engine-0")
+    results: list[Trajectory] = []
+
+    async def sink(traj: Trajectory) -> None:
+        results.append(traj)
+
+    try:
+        server = ServerManager([engine], max_sticky=cfg.rollout.sticky_lru_size)
+        ctx = build_agent_context(cfg, str(resolve_model(cfg.model)), server)
+        worker = RolloutWorker(ctx, sink, max_concurrent=cfg.rollout.max_concurrent_per_worker)
+        for record in records:
+            for data in make_group(record, 0, group_size, None):
+                worker.submit(data)
+        await worker.wait_idle(timeout_s=3600)
+        worker.check()
+    finally:
+        await engine.shutdown()
+    return results
+
+
+def rollout_main(
+    *, config: str | None, overrides: list[str], num_prompts: int, out: str | None, show: int
+) -> int:
+    from rich.console import Console
+    from transformers import AutoTokenizer
+
+    from rollout.models import resolve_model
+    from streaming.config import load_config
+    from streaming.prompts import load_records
+
+    cfg = load_config(config, overrides)
+    records = load_records(cfg.data.source, max(num_prompts, 1), cfg.data.seed)[:num_prompts]
+    t0 = time.time()
+    trajs = asyncio.run(run_rollouts(cfg, records, group_size=1))
+    elapsed = time.time() - t0
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.model))
+    console = Console()
+    for traj in trajs[:show]:
+        console.rule(traj.trajectory_id)
+        console.print(render_trajectory(traj, tokenizer))
+    out_path = Path(out or f"runs/rollout-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "w") as f:
+        for traj in trajs:
+            f.write(json.dumps(traj.to_dict()) + "\n")
+    rewards = [t.reward for t in trajs]
+    console.print(
+        f"{len(trajs)} trajectories in {elapsed:.1f}s, mean reward {sum(rewards) / max(len(rewards), 1):.3f}, "
+        f"written to {out_path}"
+    )
+    return 0

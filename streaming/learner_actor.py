@@ -1,0 +1,93 @@
+"""LearnerActor: the training engine plus rank 0 of weight sync, in one Ray actor.
+
+The driver hands it buffer batches by object ref (`train_step`), asks it to publish weights
+(`publish`, which pauses the rollout workers, moves the weights into every engine, verifies and
+resumes), and to checkpoint. On GPU the same actor drives a learner group (FSDP) instead of a single
+process; the interface does not change.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+class _RemoteWorker:
+    """Adapts a RolloutWorkerActor handle to weight_sync's pausable protocol."""
+
+    def __init__(self, handle: Any, timeout_s: float) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    async def pause(self) -> None:
+        import asyncio
+
+        await asyncio.wait_for(self.handle.pause.remote(), self.timeout_s)
+
+    async def resume(self) -> None:
+        import asyncio
+
+        await asyncio.wait_for(self.handle.resume.remote(), self.timeout_s)
+
+
+@ray.remote
+class LearnerActor:
+    def __init__(self, cfg_json: str, init_checkpoint: str | None = None) -> None:
+        from learner.engine import TrainingEngine
+        from streaming.config import StreamRLConfig
+
+        logging.basicConfig(level=logging.INFO)
+        self.cfg = StreamRLConfig.model_validate_json(cfg_json)
+        self.engine = TrainingEngine(self.cfg.learner)
+        if init_checkpoint is not None:
+            self.engine.load_checkpoint(init_checkpoint)
+        self.coordinator = None
+        self.workers: list[_RemoteWorker] = []
+        self.busy_s = 0.0
+        self.started = time.monotonic()
+
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def model_path(self) -> str:
+        return str(self.engine.model_path)
+
+    def train_step(self, sampled: Any) -> dict[str, float]:
+        t0 = time.monotonic()
+        metrics = self.engine.train_step(sampled.to_padded())
+        self.busy_s += time.monotonic() - t0
+        metrics["learner/step_s"] = time.monotonic() - t0
+        metrics["learner/busy_fraction"] = self.busy_s / max(time.monotonic() - self.started, 1e-9)
+        return metrics
+
+    async def connect(self, engines: list, workers: list) -> None:
+        """Build the weight-sync coordinator over the engine actors and rollout worker actors."""
+        from rollout.engine.ray_engine import RayEngineClient
+        from weight_sync.coordinator import WeightSyncCoordinator
+
+        timeout = self.cfg.weight_sync.timeouts.pause
+        self.workers = [_RemoteWorker(w, timeout) for w in workers]
+        clients = [RayEngineClient(h, engine_id=f"engine-{i}") for i, h in enumerate(engines)]
+        self.coordinator = WeightSyncCoordinator(self.cfg.weight_sync, clients, self.workers)
+
+    def set_workers(self, workers: list) -> None:
+        """Replace the pausable set after a preempted worker was replaced."""
+        timeout = self.cfg.weight_sync.timeouts.pause
+        self.workers[:] = [_RemoteWorker(w, timeout) for w in workers]
+
+    async def publish(self) -> dict[str, float]:
+        """Move the current weights into every engine (transactional); returns `sync/*` metrics."""
+        assert self.coordinator is not None, "connect() first"
+        result = await self.coordinator.sync(self.engine.named_parameters_for_sync, self.engine.policy_version)
+        return result.metrics()
+
+    def save_checkpoint(self, path: str) -> None:
+        self.engine.save_checkpoint(path)
+
+    def save_hf(self, path: str) -> None:
+        self.engine.save_hf(path)

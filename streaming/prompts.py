@@ -1,0 +1,73 @@
+"""The prompt stream: a deterministic, resumable order over the dataset, and admission records.
+
+`cursor` counts prompts handed out; it is the data position saved in every checkpoint. Trajectory ids
+are deterministic (`<group>@e<epoch>/<sample>`), so admitting the same prompt twice after a crash is
+detected by the buffer already holding its rows — admission is idempotent.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+
+from rollout.types import AgentData, PromptRecord
+
+
+def load_records(source: str, num_prompts: int, seed: int) -> list[PromptRecord]:
+    from rollout.data import load_prompts, make_arithmetic_dataset
+
+    if source == "arithmetic":
+        return make_arithmetic_dataset(num_prompts, seed)
+    return load_prompts(source)
+
+
+class PromptStream:
+    def __init__(self, records: list[PromptRecord], *, seed: int, shuffle: bool, num_epochs: int, cursor: int = 0):
+        if not records:
+            raise ValueError("the dataset has no prompts")
+        self.records = records
+        self.seed = seed
+        self.shuffle = shuffle
+        self.num_epochs = num_epochs
+        self.cursor = cursor
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def peek(self) -> tuple[PromptRecord, int] | None:
+        epoch, pos = divmod(self.cursor, len(self.records))
+        if epoch >= self.num_epochs:
+            return None
+        return self.records[self._order(epoch)[pos]], epoch
+
+    def advance(self) -> None:
+        self.cursor += 1
+
+
+def group_id_for(record: PromptRecord, epoch: int) -> str:
+    return f"{record.group_id}@e{epoch}"
+
+
+def make_group(record: PromptRecord, epoch: int, group_size: int, interaction: str | None) -> list[AgentData]:
+    """The `group_size` AgentData (PENDING) of one prompt."""
+    gid = group_id_for(record, epoch)
+    now = time.time()
+    return [
+        AgentData(
+            trajectory_id=f"{gid}/{i}",
+            group_id=gid,
+            sample_index=i,
+            agent_name=record.agent_name,
+            messages=[dict(m) for m in record.messages],
+            tools_kwargs=dict(record.tools_kwargs),
+            ground_truth=record.ground_truth,
+            interaction_name=interaction,
+            request_id=uuid.uuid4().hex,
+            created_at=now,
+        )
+        for i in range(group_size)
+    ]

@@ -1,0 +1,216 @@
+"""Wiring: place engines, rollout workers, the buffer and the learner with Ray, and the operations
+the driver loops use (admit, sample, train, publish, checkpoint, replace a preempted worker).
+
+Placement is the same code on one laptop CPU and a multi-node cluster: every part is a Ray actor
+with explicit resources (`rollout.engine.num_cpus/num_gpus`, learner resources), so Ray puts engines
+and the learner on disjoint devices when they exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from streaming.config import StreamRLConfig
+from streaming.prompts import PromptStream, group_id_for, load_records, make_group
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class DriverState:
+    """The driver's part of a whole-system checkpoint (JSON, written atomically)."""
+
+    learner_step: int = 0
+    policy_version: int = 0  # version the engines serve
+    cursor: int = 0  # prompts admitted
+    num_admitted: int = 0  # trajectories admitted
+    checkpoint: str | None = None  # directory of the latest complete checkpoint
+    elapsed_s: float = 0.0  # wall time of earlier segments of this run
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> DriverState:
+        return cls(**json.loads(path.read_text()))
+
+
+@dataclass(kw_only=True)
+class System:
+    cfg: StreamRLConfig
+    run_dir: Path
+    model_path: str
+    engines: list[Any]
+    workers: list[Any]
+    buffer: Any
+    learner: Any
+    stream: PromptStream
+    metrics: Any  # streaming.metrics.MetricsLogger
+    state: DriverState
+    done: bool = False
+    learner_idle_s: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+    num_worker_replacements: int = 0
+    _next_worker: int = 0
+
+    # ---- admission ----------------------------------------------------------------------------
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.cfg.buffer.groups_per_batch
+
+    @property
+    def timeout_s(self) -> float:
+        return self.cfg.trainer.step_timeout_s
+
+    async def _call(self, ref: Any, timeout_s: float | None = None) -> Any:
+        return await asyncio.wait_for(ref, timeout_s or self.timeout_s)
+
+    async def admission_capacity_groups(self) -> int:
+        from buffer.admission import rollout_capacity
+
+        counts = await self._call(self.buffer.counts.remote())
+        num_done = counts["finished"] + counts["failed"]
+        cap = rollout_capacity(
+            learner_version=self.state.policy_version,
+            max_staleness=self.cfg.buffer.max_staleness,
+            batch_size=self.cfg.buffer.batch_size,
+            num_running=max(self.state.num_admitted - num_done, 0),
+            num_accepted=counts["finished"],
+            group_size=self.cfg.group_size,
+            max_concurrent=self.cfg.rollout.max_concurrent_per_worker * len(self.workers),
+        )
+        return cap // self.cfg.group_size
+
+    async def admit_next_group(self) -> bool:
+        """Append the next prompt's group as PENDING rows (durable), then hand it to a worker."""
+        from buffer.schema import trajectories_to_batch
+        from rollout.agent_loop.base import AgentLoopBase
+        from rollout.types import TrajectoryStatus
+
+        item = self.stream.peek()
+        if item is None:
+            return False
+        record, epoch = item
+        group = make_group(record, epoch, self.cfg.group_size, None)
+        rows = [AgentLoopBase.to_trajectory(d, TrajectoryStatus.PARTIAL) for d in group]
+        await self._call(self.buffer.append.remote(ray.put(trajectories_to_batch(rows))))
+        self.stream.advance()
+        self.state.cursor = self.stream.cursor
+        self.state.num_admitted += len(group)
+        worker = self.workers[self._next_worker % len(self.workers)]
+        self._next_worker += 1
+        await self._call(worker.submit.remote([d.to_json() for d in group]))
+        return True
+
+    # ---- learning -----------------------------------------------------------------------------
+
+    async def sample_batch(self) -> Any | None:
+        ref = self.buffer.sample.remote(learner_version=self.state.policy_version, learner_step=self.state.learner_step + 1)
+        batch = await self._call(ref)
+        return None if batch is None else ref
+
+    async def train_step(self, batch_ref: Any) -> dict[str, float]:
+        t0 = time.monotonic()
+        metrics = await self._call(self.learner.train_step.remote(batch_ref))
+        self.state.learner_step += 1
+        self.metrics.span("train", "learner", t0 - self.started, time.monotonic() - self.started)
+        return metrics
+
+    async def publish_weights(self) -> dict[str, float]:
+        t0 = time.monotonic()
+        metrics = await self._call(self.learner.publish.remote())
+        self.state.policy_version = await self._call(self.learner.policy_version.remote())
+        self.metrics.span("sync", "engines", t0 - self.started, time.monotonic() - self.started)
+        return metrics
+
+    # ---- checkpoint / resume ------------------------------------------------------------------
+
+    async def checkpoint(self) -> Path:
+        """Learner (HF weights + optimizer state), buffer (fsync), then the driver state pointer."""
+        step_dir = self.run_dir / "checkpoints" / f"step_{self.state.learner_step:06d}"
+        step_dir.parent.mkdir(parents=True, exist_ok=True)
+        await self._call(self.learner.save_checkpoint.remote(str(step_dir)))
+        await self._call(self.buffer.checkpoint.remote())
+        self.state.checkpoint = str(step_dir)
+        self.state.elapsed_s = self.elapsed_s
+        self.state.save(self.run_dir / "driver_state.json")
+        return step_dir
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    # ---- health -------------------------------------------------------------------------------
+
+    async def check_workers(self) -> None:
+        """Replace dead rollout workers; resubmit resumable trajectories nobody is running."""
+        alive, dead = [], []
+        for w in self.workers:
+            try:
+                await self._call(w.num_outstanding.remote(), 30.0)
+                alive.append(w)
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                dead.append(w)
+        if not dead:
+            return
+        logger.warning("%d rollout worker(s) lost; replacing and resuming their trajectories", len(dead))
+        for _ in dead:
+            alive.append(make_worker(self, f"worker-r{self.num_worker_replacements}"))
+            self.num_worker_replacements += 1
+        self.workers = alive
+        await self._call(self.learner.set_workers.remote(self.workers))
+        await self.resubmit_orphans()
+
+    async def resubmit_orphans(self) -> int:
+        running: set[str] = set()
+        for w in self.workers:
+            running.update(await self._call(w.running_ids.remote()))
+        jsons = await self._call(self.buffer.resumable_agent_data.remote())
+        orphans = [j for tid, j in jsons if tid not in running]
+        for i, text in enumerate(orphans):
+            await self._call(self.workers[i % len(self.workers)].submit.remote([text]))
+        return len(orphans)
+
+    async def log_step(self, metrics: dict[str, float]) -> None:
+        elapsed = self.elapsed_s
+        metrics["learner/idle_ratio"] = self.learner_idle_s / max(elapsed, 1e-9)
+        metrics["time/elapsed_s"] = elapsed + self.state.elapsed_s
+        metrics.update(await self._call(self.buffer.stats.remote()))
+        for w in self.workers:
+            for key, value in (await self._call(w.metrics.remote())).items():
+                metrics[key] = metrics.get(key, 0.0) + value
+        busy = []
+        for i, engine in enumerate(self.engines):
+            stats = await self._call(engine.stats.remote())
+            metrics[f"engine/busy_fraction/engine-{i}"] = stats.busy_fraction
+            busy.append(stats.busy_fraction)
+        metrics["engine/busy_fraction"] = sum(busy) / len(busy)
+        self.metrics.log(metrics, learner_step=self.state.learner_step, policy_version=self.state.policy_version)
+
+
+def make_worker(sys_or_parts: Any, worker_id: str) -> Any:
+    from streaming.rollout_actor import RolloutWorkerActor
+
+    cfg = sys_or_parts.cfg
+    return RolloutWorkerActor.options(num_cpus=0.25, name=None).remote(
+        worker_id, cfg.model_dump_json(), sys_or_parts.model_path, sys_or_parts.engines, sys_or_parts.buffer
+    )
+
+
+def group_of(trajectory_id: str) -> str:
+    return trajectory_id.rsplit("/", 1)[0]
+
+
+__all__ = ["DriverState", "System", "group_id_for", "load_records", "make_worker"]

@@ -1,0 +1,138 @@
+"""`streamrl train`: make (or reopen) the run directory, place the parts, run the driver, report.
+
+Resume (`--resume RUN_DIR`) reloads the resolved config saved in the run, the latest complete
+checkpoint (learner weights + optimizer + versions), the buffer from its durable log (finished,
+partial and consumption records), and the data cursor; partial trajectories are resubmitted and
+continue from their AgentData; consumption after the checkpoint is rolled back so nothing is trained
+on twice or skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+import ray
+
+from streaming.config import StreamRLConfig, apply_overrides, load_config
+from streaming.system import DriverState, System, make_worker
+
+logger = logging.getLogger(__name__)
+
+
+def _init_ray(cfg: StreamRLConfig) -> None:
+    if ray.is_initialized():
+        return
+    address = __import__("os").environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+        return
+    ray.init(
+        num_cpus=16,  # a scheduling count: actors ask for fractions; the OS shares the cores
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=512 * 1024 * 1024,
+        runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}},
+    )
+
+
+def open_run(config: str | None, overrides: list[str], resume: str | None) -> tuple[StreamRLConfig, Path, DriverState | None]:
+    if resume:
+        run_dir = Path(resume)
+        info_path = run_dir / "run_info.json"
+        if not info_path.exists():
+            raise ValueError(f"{run_dir} is not a streamrl run directory (no run_info.json)")
+        data = json.loads(info_path.read_text())["config"]
+        cfg = StreamRLConfig.model_validate(apply_overrides(data, overrides))
+        state_path = run_dir / "driver_state.json"
+        state = DriverState.load(state_path) if state_path.exists() else DriverState()
+        return cfg, run_dir, state
+    cfg = load_config(config, overrides)
+    name = cfg.trainer.run_name or f"{Path(config).stem if config else 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.trainer.run_root) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return cfg, run_dir, None
+
+
+async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> System:
+    from buffer.actor import BufferActor
+    from rollout.engine.ray_engine import EngineActor
+    from rollout.models import resolve_model
+    from streaming.learner_actor import LearnerActor
+    from streaming.metrics import MetricsLogger
+    from streaming.prompts import PromptStream, load_records
+    from streaming.sft import maybe_warm_up
+
+    resumed = state is not None and state.checkpoint is not None
+    model_path = str(resolve_model(cfg.model))
+    if not resumed and cfg.sft.enabled:
+        model_path = str(maybe_warm_up(cfg, model_path))
+    cfg = cfg.model_copy(deep=True)
+    cfg.model = model_path
+    cfg.learner.model = model_path
+    cfg.rollout.engine.model = model_path
+    cfg.buffer.root_dir = str(run_dir / "buffer")
+    if cfg.rollout.engine.worker_extension_cls is None:
+        cfg.rollout.engine.worker_extension_cls = "weight_sync.worker_extension.WeightSyncWorkerExtension"
+    state = state or DriverState()
+    if not resumed:
+        info = {"run_name": run_dir.name, "model_path": model_path, "mode": cfg.trainer.mode,
+                "config": cfg.model_dump(mode="json"), "started_at": time.time()}
+        (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
+
+    engine_path = str(Path(state.checkpoint) / "hf") if resumed else model_path
+    engine_cfg = cfg.rollout.engine.model_copy(update={"model": engine_path})
+    engines = [
+        EngineActor.options(num_cpus=engine_cfg.num_cpus, num_gpus=engine_cfg.num_gpus).remote(
+            engine_cfg.model_dump_json(), f"engine-{i}"
+        )
+        for i in range(cfg.rollout.num_engines)
+    ]
+    buffer = BufferActor.options(num_cpus=0.25).remote(cfg.buffer.model_dump_json())
+    learner = LearnerActor.options(num_cpus=1).remote(cfg.model_dump_json(), state.checkpoint if resumed else None)
+    records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed)
+    stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs,
+                          cursor=state.cursor)
+    metrics = MetricsLogger(run_dir, wandb_cfg=cfg.wandb, console=True, total_steps=cfg.trainer.total_steps)
+    system = System(cfg=cfg, run_dir=run_dir, model_path=model_path, engines=engines, workers=[], buffer=buffer,
+                    learner=learner, stream=stream, metrics=metrics, state=state)
+    system.workers = [make_worker(system, f"worker-{i}") for i in range(cfg.rollout.num_workers)]
+    startup = cfg.rollout.engine.startup_timeout_s
+    await asyncio.wait_for(asyncio.gather(*[e.ready.remote() for e in engines]), startup)
+    if resumed:
+        await asyncio.wait_for(asyncio.gather(*[e.set_policy_version.remote(state.policy_version) for e in engines]), 60)
+        await asyncio.wait_for(buffer.rollback_consumption.remote(state.learner_step), 120)
+    await asyncio.wait_for(learner.connect.remote(engines, system.workers), startup)
+    if resumed:
+        n = await system.resubmit_orphans()
+        logger.info("resumed run at learner step %d: %d unfinished trajectories resubmitted", state.learner_step, n)
+    return system
+
+
+async def _train(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> DriverState:
+    from streaming.driver import run_async, run_sync
+
+    system = await build_system(cfg, run_dir, state)
+    try:
+        await (run_async(system) if cfg.trainer.mode == "async" else run_sync(system))
+    finally:
+        system.metrics.close()
+    return system.state
+
+
+def train_main(*, config: str | None, overrides: list[str], resume: str | None) -> int:
+    cfg, run_dir, state = open_run(config, overrides, resume)
+    _init_ray(cfg)
+    try:
+        final = asyncio.run(_train(cfg, run_dir, state))
+    finally:
+        ray.shutdown()
+    logger.info("run finished at learner step %d; writing report", final.learner_step)
+    from streaming.report import write_report
+
+    path = write_report(run_dir)
+    print(f"run directory: {run_dir}\nreport: {path}")
+    return 0
