@@ -67,7 +67,7 @@ async def run_rollouts(cfg: Any, records: list, *, group_size: int) -> list[Traj
         results.append(traj)
 
     try:
-        server = ServerManager([engine], max_sticky=cfg.rollout.sticky_lru_size)
+        server = ServerManager([engine], max_sticky_keys=cfg.rollout.sticky_lru_size)
         ctx = build_agent_context(cfg, str(resolve_model(cfg.model)), server)
         worker = RolloutWorker(ctx, sink, max_concurrent=cfg.rollout.max_concurrent_per_worker)
         for record in records:

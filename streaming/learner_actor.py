@@ -57,13 +57,33 @@ class LearnerActor:
     def model_path(self) -> str:
         return str(self.engine.model_path)
 
-    def train_step(self, sampled: Any) -> dict[str, float]:
+    def train_step(self, sampled: Any, num_samples: int = 2) -> tuple[dict[str, float], list[dict]]:
+        """One optimizer step on a buffer batch; returns metrics and a few trajectories to log."""
+        import numpy as np
+
+        from buffer.schema import batch_to_trajectories
+        from streaming.metrics import Histogram, summarize
+
         t0 = time.monotonic()
-        metrics = self.engine.train_step(sampled.to_padded())
+        padded = sampled.to_padded()
+        metrics = self.engine.train_step(padded)
         self.busy_s += time.monotonic() - t0
         metrics["learner/step_s"] = time.monotonic() - t0
         metrics["learner/busy_fraction"] = self.busy_s / max(time.monotonic() - self.started, 1e-9)
-        return metrics
+        num_tokens = float(np.asarray(padded.seq_lens).sum())
+        metrics["learner/tokens_per_s"] = num_tokens / max(metrics["learner/step_s"], 1e-9)
+        rewards = np.asarray(padded.rewards, dtype=np.float64)
+        metrics["rollout/reward_mean"] = float(rewards.mean())
+        metrics["rollout/reward_std"] = float(rewards.std())
+        metrics["rollout/response_len_mean"] = float(np.mean(np.asarray(padded.seq_lens) - np.asarray(padded.prompt_lens)))
+        lags = np.asarray(sampled.lags)
+        metrics.update(summarize(lags, prefix="staleness/lag_"))
+        hist = Histogram(max_bucket=max(self.cfg.buffer.max_staleness + 1, 2))
+        hist.add(lags)
+        metrics.update(hist.to_metrics("staleness/lag_hist/"))
+        table = sampled.table
+        samples = [t.to_dict() for t in batch_to_trajectories(table.slice(0, min(num_samples, table.num_rows)))]
+        return metrics, samples
 
     async def connect(self, engines: list, workers: list) -> None:
         """Build the weight-sync coordinator over the engine actors and rollout worker actors."""

@@ -21,7 +21,7 @@ def build_agent_context(cfg: Any, model_path: str, server: Any) -> Any:
 
     from rollout.agent_loop import AgentContext
     from rollout.agent_loop.observation import ObservationEncoder
-    from rollout.interactions import load_interactions
+    from rollout.interactions import load_interaction_config
     from rollout.parsers import get_parser
     from rollout.rewards import get_reward_fn
     from rollout.tools.config import load_tool_config
@@ -29,7 +29,7 @@ def build_agent_context(cfg: Any, model_path: str, server: Any) -> Any:
     agent = cfg.rollout.agent
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tools = load_tool_config(agent.tool_config) if agent.tool_config else None
-    interactions = load_interactions(agent.interaction_config) if agent.interaction_config else {}
+    interactions = load_interaction_config(agent.interaction_config) if agent.interaction_config else {}
     return AgentContext(
         cfg=agent,
         server=server,
@@ -58,7 +58,7 @@ class RolloutWorkerActor:
             RayEngineClient(handle, engine_id=f"engine-{i}", call_timeout_s=cfg.rollout.engine.call_timeout_s)
             for i, handle in enumerate(engines)
         ]
-        server = ServerManager(clients, max_sticky=cfg.rollout.sticky_lru_size)
+        server = ServerManager(clients, max_sticky_keys=cfg.rollout.sticky_lru_size)
         ctx = build_agent_context(cfg, model_path, server)
         self.worker = RolloutWorker(
             ctx,

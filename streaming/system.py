@@ -31,10 +31,17 @@ class DriverState:
 
     learner_step: int = 0
     policy_version: int = 0  # version the engines serve
-    cursor: int = 0  # prompts admitted
+    cursor: int = 0  # prompts admitted (saved at every admission)
     num_admitted: int = 0  # trajectories admitted
     checkpoint: str | None = None  # directory of the latest complete checkpoint
+    checkpoint_step: int = 0  # learner_step / policy_version of that checkpoint: a resume restarts there
+    checkpoint_policy_version: int = 0
     elapsed_s: float = 0.0  # wall time of earlier segments of this run
+
+    def rewind_to_checkpoint(self) -> None:
+        """On resume: the learner restarts from its checkpoint; the cursor stays (data is in the buffer)."""
+        self.learner_step = self.checkpoint_step
+        self.policy_version = self.checkpoint_policy_version
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -62,6 +69,7 @@ class System:
     learner_idle_s: float = 0.0
     started: float = field(default_factory=time.monotonic)
     num_worker_replacements: int = 0
+    _last_counters: dict[str, float] = field(default_factory=dict)
     _next_worker: int = 0
 
     # ---- admission ----------------------------------------------------------------------------
@@ -78,18 +86,15 @@ class System:
         return await asyncio.wait_for(ref, timeout_s or self.timeout_s)
 
     async def admission_capacity_groups(self) -> int:
-        from buffer.admission import rollout_capacity
-
-        counts = await self._call(self.buffer.counts.remote())
-        num_done = counts["finished"] + counts["failed"]
-        cap = rollout_capacity(
-            learner_version=self.state.policy_version,
-            max_staleness=self.cfg.buffer.max_staleness,
-            batch_size=self.cfg.buffer.batch_size,
-            num_running=max(self.state.num_admitted - num_done, 0),
-            num_accepted=counts["finished"],
-            group_size=self.cfg.group_size,
-            max_concurrent=self.cfg.rollout.max_concurrent_per_worker * len(self.workers),
+        """Whole groups that may start now (AReaL capacity; running = the buffer's partial rows,
+        which include the PENDING rows written at admission, so it survives restarts)."""
+        stats = await self._call(self.buffer.stats.remote())
+        cap = await self._call(
+            self.buffer.capacity.remote(
+                learner_version=self.state.policy_version,
+                num_running=int(stats["buffer/partial_trajectories"]),
+                max_concurrent=self.cfg.rollout.max_concurrent_per_worker * len(self.workers),
+            )
         )
         return cap // self.cfg.group_size
 
@@ -104,11 +109,16 @@ class System:
             return False
         record, epoch = item
         group = make_group(record, epoch, self.cfg.group_size, None)
-        rows = [AgentLoopBase.to_trajectory(d, TrajectoryStatus.PARTIAL) for d in group]
-        await self._call(self.buffer.append.remote(ray.put(trajectories_to_batch(rows))))
+        (already,) = await self._call(self.buffer.has_groups.remote([group[0].group_id]))
         self.stream.advance()
         self.state.cursor = self.stream.cursor
+        if already:  # admitted before a crash, after the last saved cursor: resumed from the buffer
+            self.state.save(self.run_dir / "driver_state.json")
+            return True
+        rows = [AgentLoopBase.to_trajectory(d, TrajectoryStatus.PARTIAL) for d in group]
+        await self._call(self.buffer.append.remote(ray.put(trajectories_to_batch(rows))))
         self.state.num_admitted += len(group)
+        self.state.save(self.run_dir / "driver_state.json")
         worker = self.workers[self._next_worker % len(self.workers)]
         self._next_worker += 1
         await self._call(worker.submit.remote([d.to_json() for d in group]))
@@ -123,8 +133,12 @@ class System:
 
     async def train_step(self, batch_ref: Any) -> dict[str, float]:
         t0 = time.monotonic()
-        metrics = await self._call(self.learner.train_step.remote(batch_ref))
+        metrics, samples = await self._call(self.learner.train_step.remote(batch_ref))
         self.state.learner_step += 1
+        from rollout.types import Trajectory
+
+        for row in samples:
+            self.metrics.sample(Trajectory.from_dict(row), self.state.learner_step)
         self.metrics.span("train", "learner", t0 - self.started, time.monotonic() - self.started)
         return metrics
 
@@ -144,6 +158,8 @@ class System:
         await self._call(self.learner.save_checkpoint.remote(str(step_dir)))
         await self._call(self.buffer.checkpoint.remote())
         self.state.checkpoint = str(step_dir)
+        self.state.checkpoint_step = self.state.learner_step
+        self.state.checkpoint_policy_version = self.state.policy_version
         self.state.elapsed_s = self.elapsed_s
         self.state.save(self.run_dir / "driver_state.json")
         return step_dir
@@ -177,8 +193,8 @@ class System:
         running: set[str] = set()
         for w in self.workers:
             running.update(await self._call(w.running_ids.remote()))
-        jsons = await self._call(self.buffer.resumable_agent_data.remote())
-        orphans = [j for tid, j in jsons if tid not in running]
+        partial = await self._call(self.buffer.resumable.remote())
+        orphans = [t.agent_data_json for t in partial if t.trajectory_id not in running]
         for i, text in enumerate(orphans):
             await self._call(self.workers[i % len(self.workers)].submit.remote([text]))
         return len(orphans)
@@ -188,9 +204,16 @@ class System:
         metrics["learner/idle_ratio"] = self.learner_idle_s / max(elapsed, 1e-9)
         metrics["time/elapsed_s"] = elapsed + self.state.elapsed_s
         metrics.update(await self._call(self.buffer.stats.remote()))
+        totals: dict[str, float] = {}
         for w in self.workers:
             for key, value in (await self._call(w.metrics.remote())).items():
-                metrics[key] = metrics.get(key, 0.0) + value
+                totals[key] = totals.get(key, 0.0) + value
+        for key, value in totals.items():  # counters are logged as increments since the last step
+            if key.startswith("rollout/num_") and key not in ("rollout/num_running", "rollout/num_held"):
+                metrics[key] = max(value - self._last_counters.get(key, 0.0), 0.0)
+            else:
+                metrics[key] = value
+        self._last_counters = totals
         busy = []
         for i, engine in enumerate(self.engines):
             stats = await self._call(engine.stats.remote())

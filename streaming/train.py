@@ -58,7 +58,7 @@ def open_run(config: str | None, overrides: list[str], resume: str | None) -> tu
 
 
 async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> System:
-    from buffer.actor import BufferActor
+    from buffer.actor import create_buffer_actor
     from rollout.engine.ray_engine import EngineActor
     from rollout.models import resolve_model
     from streaming.learner_actor import LearnerActor
@@ -66,10 +66,15 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     from streaming.prompts import PromptStream, load_records
     from streaming.sft import maybe_warm_up
 
-    resumed = state is not None and state.checkpoint is not None
-    model_path = str(resolve_model(cfg.model))
-    if not resumed and cfg.sft.enabled:
-        model_path = str(maybe_warm_up(cfg, model_path))
+    resuming = state is not None
+    from_ckpt = resuming and state.checkpoint is not None
+    if resuming:
+        model_path = json.loads((run_dir / "run_info.json").read_text())["model_path"]
+        state.rewind_to_checkpoint()
+    else:
+        model_path = str(resolve_model(cfg.model))
+        if cfg.sft.enabled:
+            model_path = str(maybe_warm_up(cfg, model_path))
     cfg = cfg.model_copy(deep=True)
     cfg.model = model_path
     cfg.learner.model = model_path
@@ -78,12 +83,12 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     if cfg.rollout.engine.worker_extension_cls is None:
         cfg.rollout.engine.worker_extension_cls = "weight_sync.worker_extension.WeightSyncWorkerExtension"
     state = state or DriverState()
-    if not resumed:
+    if not resuming:
         info = {"run_name": run_dir.name, "model_path": model_path, "mode": cfg.trainer.mode,
                 "config": cfg.model_dump(mode="json"), "started_at": time.time()}
         (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
 
-    engine_path = str(Path(state.checkpoint) / "hf") if resumed else model_path
+    engine_path = str(Path(state.checkpoint) / "hf") if from_ckpt else model_path
     engine_cfg = cfg.rollout.engine.model_copy(update={"model": engine_path})
     engines = [
         EngineActor.options(num_cpus=engine_cfg.num_cpus, num_gpus=engine_cfg.num_gpus).remote(
@@ -91,8 +96,8 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
         )
         for i in range(cfg.rollout.num_engines)
     ]
-    buffer = BufferActor.options(num_cpus=0.25).remote(cfg.buffer.model_dump_json())
-    learner = LearnerActor.options(num_cpus=1).remote(cfg.model_dump_json(), state.checkpoint if resumed else None)
+    buffer = create_buffer_actor(cfg.buffer, resume_learner_step=state.learner_step if resuming else None)
+    learner = LearnerActor.options(num_cpus=1).remote(cfg.model_dump_json(), state.checkpoint if from_ckpt else None)
     records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed)
     stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs,
                           cursor=state.cursor)
@@ -102,11 +107,10 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     system.workers = [make_worker(system, f"worker-{i}") for i in range(cfg.rollout.num_workers)]
     startup = cfg.rollout.engine.startup_timeout_s
     await asyncio.wait_for(asyncio.gather(*[e.ready.remote() for e in engines]), startup)
-    if resumed:
+    if from_ckpt:
         await asyncio.wait_for(asyncio.gather(*[e.set_policy_version.remote(state.policy_version) for e in engines]), 60)
-        await asyncio.wait_for(buffer.rollback_consumption.remote(state.learner_step), 120)
     await asyncio.wait_for(learner.connect.remote(engines, system.workers), startup)
-    if resumed:
+    if resuming:
         n = await system.resubmit_orphans()
         logger.info("resumed run at learner step %d: %d unfinished trajectories resubmitted", state.learner_step, n)
     return system

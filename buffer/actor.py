@@ -1,0 +1,154 @@
+"""`BufferActor`: the replay buffer as a Ray async actor shared by rollout workers and the learner.
+
+Rollout workers append record batches through the object store, not pickled row lists:
+
+    ref = ray.put(trajectories_to_batch(trajs))     # Arrow buffers go to the object store once
+    ok = ray.get(actor.append.remote(ref), timeout=...)
+
+Ray resolves the ref to a zero-copy view of the object store; the actor copies it into its own heap
+before keeping it (a long-lived reference would pin object-store memory). The learner calls
+`sample` / `sample_padded`.
+
+Backpressure (when `capacity_rows` live rows are held): `append` *awaits* until samples or
+evictions make room, up to `timeout_s`, and returns False if the rows were not accepted in time
+(the caller keeps them and retries); `try_append` never waits. Partial rows are always accepted at
+once: they are parked in-flight work that admission already counted, and blocking them would stall
+the weight-sync interrupt behind the learner.
+
+Calls run one at a time on the actor's event loop, so the `ReplayBuffer` needs no lock. A background
+task flushes on the `flush_every_ms` timer; if it ever fails, the next call raises its error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from buffer.config import BufferConfig
+from buffer.schema import normalize_batch, trajectories_to_batch
+from buffer.store import ReplayBuffer
+from buffer.types import PaddedBatch, SampledBatch
+from rollout.types import Trajectory, TrajectoryStatus
+
+if TYPE_CHECKING:
+    import ray
+
+logger = logging.getLogger(__name__)
+
+
+def _owned(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A heap copy of a batch that may live in the object store."""
+    return batch.take(pa.array(np.arange(batch.num_rows)))
+
+
+class BufferActor:
+    def __init__(self, cfg: BufferConfig | dict[str, Any], resume_learner_step: int | None = None) -> None:
+        self.cfg = BufferConfig.model_validate(cfg)
+        self.buffer = ReplayBuffer(self.cfg, resume_learner_step=resume_learner_step)
+        self._room = asyncio.Condition()
+        self._flusher: asyncio.Task | None = None
+        self.num_backpressure_waits = 0
+        self.num_backpressure_timeouts = 0
+
+    def _check_flusher(self) -> None:
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+        elif self._flusher.done():
+            self._flusher.result()  # re-raises the background failure
+
+    async def _flush_loop(self) -> None:
+        """Consumes nothing, waits on the timer; flushes queued rows when `flush_every_ms` elapses."""
+        period = self.cfg.flush_every_ms / 1000.0 / 2
+        while True:
+            await asyncio.sleep(period)
+            self.buffer.poll()
+
+    @staticmethod
+    def _as_batch(data: pa.RecordBatch | pa.Table | list[Trajectory]) -> pa.RecordBatch:
+        if isinstance(data, list):
+            return trajectories_to_batch(data)
+        return _owned(normalize_batch(data))
+
+    @staticmethod
+    def _all_partial(batch: pa.RecordBatch) -> bool:
+        return bool(pc.all(pc.equal(batch.column("status"), TrajectoryStatus.PARTIAL.value)).as_py())
+
+    async def append(
+        self, data: pa.RecordBatch | pa.Table | list[Trajectory], timeout_s: float | None = 30.0
+    ) -> bool:
+        """Append rows, awaiting room under backpressure (None = wait as long as it takes); False if
+        they were not accepted within `timeout_s`."""
+        self._check_flusher()
+        batch = self._as_batch(data)
+        if not self._all_partial(batch) and not self.buffer.has_room(batch.num_rows):
+            self.num_backpressure_waits += 1
+            async with self._room:
+                try:
+                    await asyncio.wait_for(self._room.wait_for(lambda: self.buffer.has_room(batch.num_rows)), timeout_s)
+                except TimeoutError:
+                    self.num_backpressure_timeouts += 1
+                    return False
+        self.buffer.append(batch)
+        return True
+
+    async def try_append(self, data: pa.RecordBatch | pa.Table | list[Trajectory]) -> bool:
+        """Append only if there is room now (partial rows always); never waits."""
+        self._check_flusher()
+        batch = self._as_batch(data)
+        if self._all_partial(batch) or self.buffer.has_room(batch.num_rows):
+            self.buffer.append(batch)
+            return True
+        self.num_backpressure_timeouts += 1
+        return False
+
+    async def sample(self, learner_version: int, learner_step: int) -> SampledBatch | None:
+        self._check_flusher()
+        out = self.buffer.sample(learner_version=learner_version, learner_step=learner_step)
+        async with self._room:
+            self._room.notify_all()
+        return out
+
+    async def sample_padded(self, learner_version: int, learner_step: int) -> tuple[PaddedBatch, np.ndarray] | None:
+        """The padded learner batch and per-row lags, or None."""
+        out = await self.sample(learner_version, learner_step)
+        return None if out is None else (out.to_padded(), out.lags)
+
+    async def resumable(self) -> list[Trajectory]:
+        return self.buffer.resumable()
+
+    async def has_groups(self, group_ids: list[str]) -> list[bool]:
+        return self.buffer.has_groups(group_ids)
+
+    async def num_ready(self) -> int:
+        return self.buffer.num_ready()
+
+    async def capacity(self, learner_version: int, num_running: int, max_concurrent: int | None = None) -> int:
+        return self.buffer.capacity(learner_version=learner_version, num_running=num_running, max_concurrent=max_concurrent)
+
+    async def stats(self) -> dict[str, float]:
+        out = self.buffer.stats()
+        out["buffer/backpressure_waits"] = float(self.num_backpressure_waits)
+        out["buffer/backpressure_timeouts"] = float(self.num_backpressure_timeouts)
+        return out
+
+    async def checkpoint(self) -> None:
+        self.buffer.checkpoint()
+
+    async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+        self.buffer.close()
+
+
+def create_buffer_actor(cfg: BufferConfig, *, resume_learner_step: int | None = None, **options: Any) -> ray.actor.ActorHandle:
+    """Start a `BufferActor` (default `num_cpus=0`: it is I/O bound; pass Ray options to override)."""
+    import ray
+
+    options.setdefault("num_cpus", 0)
+    options.setdefault("max_concurrency", 64)
+    return ray.remote(BufferActor).options(**options).remote(cfg.model_dump(), resume_learner_step)

@@ -1,0 +1,71 @@
+"""Configuration of the replay buffer (the `[buffer]` table of a run file).
+
+Batch shape: `batch_size` trajectories per learner step, made of whole GRPO groups of `group_size`
+samples (so `batch_size % group_size == 0`); with `max_batch_tokens` set, batches are cut by a token
+budget instead (prompt + response tokens), still of whole groups, at most `batch_size` trajectories.
+
+Durability: rows are flushed to the log (written to the OS, survive a process kill) every
+`flush_every_rows` rows or `flush_every_ms` milliseconds, whichever comes first; `checkpoint()` also
+fsyncs (survives a machine crash) when `fsync_on_checkpoint`. `root_dir = None` keeps everything in
+memory only.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SamplingPolicy(StrEnum):
+    FIFO = "fifo"  # oldest complete group first (default; what admission control assumes)
+    UNIFORM = "uniform"  # uniformly random among the ready groups
+    PRIORITIZED = "prioritized"  # weight = (reward std + priority_eps) * lag_decay ** lag
+
+
+class OverAgePolicy(StrEnum):
+    EVICT = "evict"  # drop from memory (the rows stay in the log), counted and logged
+    KEEP = "keep"  # keep in memory for analysis, never sampled, counted and logged
+
+
+class BufferConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    root_dir: str | None = None  # None = memory only (no log, no recovery)
+    max_staleness: int = Field(default=4, ge=0)  # max learner_version - min policy_version at consume
+    batch_size: int = Field(default=64, gt=0)  # trajectories per learner step
+    group_size: int = Field(default=8, gt=0)  # GRPO n: samples per prompt
+    max_batch_tokens: int | None = Field(default=None, gt=0)  # token-budget batching when set
+    sampling: SamplingPolicy = SamplingPolicy.FIFO
+    reuse: int = Field(default=1, ge=1)  # times each finished trajectory is handed to the learner
+    priority_eps: float = Field(default=0.01, gt=0)
+    lag_decay: float = Field(default=0.5, gt=0, le=1)
+    seed: int = 0
+
+    filter_uniform_reward_groups: bool = False  # DAPO dynamic sampling: drop all-equal-reward groups
+    min_finished_per_group: int = Field(default=1, ge=1)  # groups with fewer finished members are dropped
+    over_age: OverAgePolicy = OverAgePolicy.EVICT
+    capacity_rows: int | None = Field(default=None, gt=0)  # live rows before appends are backpressured
+
+    flush_every_rows: int = Field(default=256, gt=0)
+    flush_every_ms: float = Field(default=1000.0, gt=0)
+    fsync_on_checkpoint: bool = True
+    segment_max_bytes: int = Field(default=256 * 1024 * 1024, gt=0)  # roll to a new segment file after
+    coalesce_below_rows: int = Field(default=64, ge=1)  # merge small appended batches at flush
+    compact_below_live_fraction: float = Field(default=0.75, gt=0, le=1)  # rewrite chunks below this
+
+    @model_validator(mode="after")
+    def _check(self) -> BufferConfig:
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of group_size ({self.group_size}): "
+                "batches are made of whole GRPO groups"
+            )
+        if self.min_finished_per_group > self.group_size:
+            raise ValueError("min_finished_per_group cannot exceed group_size")
+        return self
+
+    @property
+    def groups_per_batch(self) -> int:
+        """batch_size // group_size."""
+        return self.batch_size // self.group_size

@@ -1,0 +1,212 @@
+"""Append-only, checksummed log of Arrow record batches in IPC segment files.
+
+Layout of one log (`<prefix>` is `traj` or `consumed`) inside a buffer directory:
+
+    <prefix>-000001.arrow   Arrow IPC *stream*: schema message, record batch messages ("frames"),
+                            an end-of-stream marker once sealed. Readable by any Arrow reader.
+    <prefix>-000001.idx     one fixed-size 32-byte entry per frame: offset, length, crc32 of the
+                            frame bytes, row count, crc32 of the entry itself.
+
+Write order per frame: frame bytes -> flush -> index entry -> flush. A frame counts as written
+("flushed": it survives a kill -9 of the process) once its index entry is complete; `sync()` fsyncs
+both files (survives a machine crash). A writer never reopens an old segment: each process appends
+to a fresh one, so a torn tail left by a crash stays where it is and is reported on every read.
+
+Reading verifies every frame: bytes past the last complete index entry are a torn tail (reported,
+ignored); a frame whose crc32 does not match, or that does not parse, is corrupt (reported, skipped)
+and the other frames and segments are still returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from buffer.types import RecoveryReport
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = 0x53524C31  # "SRL1"
+_ENTRY = struct.Struct("<IQQII")  # magic, offset, length, crc32(frame), num_rows
+_ENTRY_SIZE = _ENTRY.size + 4  # + crc32(entry)
+_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+@dataclass(kw_only=True, slots=True)
+class SegmentInfo:
+    name: str
+    num_frames: int = 0
+    num_rows: int = 0
+    num_bytes: int = 0
+    sealed: bool = False
+
+
+def segment_paths(directory: Path, prefix: str) -> list[tuple[int, Path]]:
+    pattern = re.compile(rf"^{re.escape(prefix)}-(\d{{6}})\.arrow$")
+    found = [(int(m.group(1)), p) for p in directory.glob(f"{prefix}-*.arrow") if (m := pattern.match(p.name))]
+    return sorted(found)
+
+
+class SegmentWriter:
+    """Appends frames to `<prefix>-NNNNNN.arrow` segments, rolling after `segment_max_bytes`."""
+
+    def __init__(self, directory: Path, *, prefix: str, schema: pa.Schema, segment_max_bytes: int) -> None:
+        self.directory = directory
+        self.prefix = prefix
+        self.schema = schema
+        self.segment_max_bytes = segment_max_bytes
+        existing = segment_paths(directory, prefix)
+        self._next_index = (existing[-1][0] + 1) if existing else 1
+        self.segments: list[SegmentInfo] = []
+        self._data = None
+        self._idx = None
+        self._offset = 0
+
+    def _open_segment(self) -> None:
+        name = f"{self.prefix}-{self._next_index:06d}"
+        self._next_index += 1
+        self._data = open(self.directory / f"{name}.arrow", "xb")  # noqa: SIM115 (closed in _seal)
+        self._idx = open(self.directory / f"{name}.idx", "xb")  # noqa: SIM115
+        header = self.schema.serialize()
+        self._data.write(header)
+        self._data.flush()
+        self._offset = header.size
+        self.segments.append(SegmentInfo(name=name, num_bytes=self._offset))
+        _fsync_dir(self.directory)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        """Write one frame and flush it to the OS."""
+        if self._data is None:
+            self._open_segment()
+        frame = batch.serialize()
+        crc = zlib.crc32(frame)
+        self._data.write(frame)
+        self._data.flush()
+        entry = _ENTRY.pack(_MAGIC, self._offset, frame.size, crc, batch.num_rows)
+        self._idx.write(entry + struct.pack("<I", zlib.crc32(entry)))
+        self._idx.flush()
+        self._offset += frame.size
+        info = self.segments[-1]
+        info.num_frames += 1
+        info.num_rows += batch.num_rows
+        info.num_bytes = self._offset
+        if self._offset >= self.segment_max_bytes:
+            self._seal()
+
+    def sync(self) -> None:
+        for f in (self._data, self._idx):
+            if f is not None:
+                os.fsync(f.fileno())
+
+    def _seal(self) -> None:
+        self._data.write(_EOS)
+        self._data.flush()
+        self.sync()
+        self._data.close()
+        self._idx.close()
+        self._data = self._idx = None
+        self.segments[-1].sealed = True
+        self.segments[-1].num_bytes += len(_EOS)
+
+    def close(self) -> None:
+        if self._data is not None:
+            self._seal()
+
+
+def read_segments(
+    directory: Path, *, prefix: str, schema: pa.Schema, report: RecoveryReport, expected: dict[str, int] | None = None
+) -> Iterator[tuple[str, pa.RecordBatch]]:
+    """Yield (segment name, batch) for every verified frame of every segment, in write order.
+
+    `expected` maps segment name -> frame count from the manifest; missing or short segments are
+    reported. Problems go to `report` and to this module's logger; they never stop the read."""
+    paths = segment_paths(directory, prefix)
+    present = {p.stem for _, p in paths}
+    for name in sorted(set(expected or {}) - present):
+        _problem(report.missing, f"segment {name}.arrow listed in the manifest is missing; its rows are lost")
+    for _, path in paths:
+        report.num_segments += 1
+        num_frames = 0
+        for batch in _read_segment(path, schema, report):
+            num_frames += 1
+            yield path.stem, batch
+        want = (expected or {}).get(path.stem)
+        if want is not None and num_frames < want:
+            _problem(report.missing, f"segment {path.name}: manifest lists {want} frames, {num_frames} recovered")
+
+
+def _read_segment(path: Path, schema: pa.Schema, report: RecoveryReport) -> Iterator[pa.RecordBatch]:
+    idx_path = path.with_suffix(".idx")
+    entries = idx_path.read_bytes() if idx_path.exists() else b""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        try:
+            file_schema = pa.ipc.open_stream(f).schema
+        except (pa.ArrowInvalid, OSError) as e:
+            _problem(report.torn_tails, f"segment {path.name}: unreadable schema header ({e}); segment skipped")
+            return
+        if not file_schema.equals(schema):
+            _problem(report.corrupt, f"segment {path.name}: schema differs from this build's; segment skipped")
+            return
+        end = 0
+        for i in range(len(entries) // _ENTRY_SIZE):
+            raw = entries[i * _ENTRY_SIZE : (i + 1) * _ENTRY_SIZE]
+            magic, offset, length, crc, num_rows = _ENTRY.unpack_from(raw)
+            (entry_crc,) = struct.unpack_from("<I", raw, _ENTRY.size)
+            where = f"segment {path.name} frame {i} (offset {offset}, {num_rows} rows)"
+            if magic != _MAGIC or entry_crc != zlib.crc32(raw[: _ENTRY.size]):
+                _problem(report.corrupt, f"segment {path.name}: index entry {i} is corrupt; rest of segment skipped")
+                return
+            if offset + length > size:
+                _problem(report.torn_tails, f"{where}: indexed but only {size - offset} of {length} bytes on disk")
+                return
+            f.seek(offset)
+            frame = f.read(length)
+            end = offset + length
+            if zlib.crc32(frame) != crc:
+                _problem(report.corrupt, f"{where}: checksum mismatch (stored {crc:#010x}, computed {zlib.crc32(frame):#010x}); frame skipped")
+                continue
+            try:
+                batch = pa.ipc.read_record_batch(pa.ipc.read_message(pa.py_buffer(frame)), schema)
+            except (pa.ArrowInvalid, OSError) as e:
+                _problem(report.corrupt, f"{where}: checksum ok but frame does not parse ({e}); frame skipped")
+                continue
+            report.num_frames += 1
+            yield batch
+        if len(entries) % _ENTRY_SIZE:
+            _problem(report.torn_tails, f"segment {path.name}: torn index entry after frame {len(entries) // _ENTRY_SIZE - 1}")
+        tail = size - max(end, _header_size(schema))
+        if tail > 0 and not _is_eos_tail(f, end, size):
+            _problem(report.torn_tails, f"segment {path.name}: torn tail of {tail} bytes after the last complete frame ignored")
+
+
+def _header_size(schema: pa.Schema) -> int:
+    return schema.serialize().size
+
+
+def _is_eos_tail(f, end: int, size: int) -> bool:
+    if size - end != len(_EOS):
+        return False
+    f.seek(end)
+    return f.read(len(_EOS)) == _EOS
+
+
+def _problem(sink: list[str], message: str) -> None:
+    logger.warning("buffer log: %s", message)
+    sink.append(message)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

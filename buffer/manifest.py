@@ -1,0 +1,122 @@
+"""The buffer directory's manifest, its single-writer lock, and the consumption-log schema.
+
+`manifest.json` lists the segments of both logs with their frame counts; recovery uses it to notice
+segments that went missing or came back short. It is rewritten atomically (temp file + rename) at
+open, when a segment rolls, at checkpoint (fsync'd) and at close. A directory is written by one
+process at a time, enforced with an advisory `flock` on `LOCK` (released by the OS if that process is
+killed, so a crashed writer never blocks recovery).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from buffer.schema import SCHEMA_VERSION
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+TRAJ_PREFIX = "traj"
+CONSUMED_PREFIX = "consumed"
+FORMAT_VERSION = 1
+
+# One row per use of a trajectory (op "consume"), or a rollback marker (op "rollback"; trajectory_id
+# null): consumption at learner_step > the marker's learner_step, recorded before it, is undone.
+CONSUMPTION_SCHEMA = pa.schema(
+    [
+        pa.field("op", pa.string(), nullable=False),
+        pa.field("trajectory_id", pa.string()),
+        pa.field("group_id", pa.string()),
+        pa.field("learner_step", pa.int64(), nullable=False),
+        pa.field("learner_version", pa.int64(), nullable=False),
+        pa.field("lag", pa.int32(), nullable=False),  # learner_version - min_policy_version
+        pa.field("consumed_at", pa.float64(), nullable=False),
+    ]
+)
+
+
+def read_manifest(root: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, problem): a missing manifest is not a problem (fresh dir or crash before the first
+    write); an unreadable one is reported and recovery goes on from the segment files alone."""
+    path = root / MANIFEST
+    if not path.exists():
+        return None, None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format_version") != FORMAT_VERSION:
+            return None, f"{MANIFEST}: unsupported format_version {data.get('format_version')!r}; ignored"
+        return data, None
+    except (OSError, ValueError) as e:
+        return None, f"{MANIFEST} is unreadable ({e}); recovering from segment files alone"
+
+
+def write_manifest(root: Path, segments: dict[str, list[dict[str, Any]]], *, sync: bool) -> None:
+    payload = {
+        "format_version": FORMAT_VERSION,
+        "schema_version": SCHEMA_VERSION,
+        "updated_at": time.time(),
+        "segments": segments,
+    }
+    tmp = root / f".{MANIFEST}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1)
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
+    os.replace(tmp, root / MANIFEST)
+    if sync:
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class DirLock:
+    """Exclusive advisory lock on `<root>/LOCK` for the lifetime of a writer."""
+
+    def __init__(self, root: Path) -> None:
+        self._file = open(root / "LOCK", "a+")  # noqa: SIM115 (held until release)
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            self._file.close()
+            raise ValueError(f"buffer dir {root} is open by another writer process") from e
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"{os.getpid()}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()
+
+
+def consumption_history(batches: Iterable[pa.RecordBatch], resume_learner_step: int | None = None) -> dict[str, list[tuple[int, int]]]:
+    """Replay consumption records: trajectory_id -> [(learner_step, lag)] of its surviving uses.
+    A rollback marker (and `resume_learner_step`) drops uses at later learner steps."""
+    history: dict[str, list[tuple[int, int]]] = {}
+    for batch in batches:
+        cols = batch.to_pydict()
+        for op, tid, step, lag in zip(cols["op"], cols["trajectory_id"], cols["learner_step"], cols["lag"]):
+            if op == "consume":
+                history.setdefault(tid, []).append((step, lag))
+            else:
+                history = _rollback(history, step)
+    if resume_learner_step is not None:
+        history = _rollback(history, resume_learner_step)
+    return {tid: uses for tid, uses in history.items() if uses}
+
+
+def _rollback(history: dict[str, list[tuple[int, int]]], learner_step: int) -> dict[str, list[tuple[int, int]]]:
+    return {tid: [u for u in uses if u[0] <= learner_step] for tid, uses in history.items()}

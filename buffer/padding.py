@@ -1,0 +1,67 @@
+"""Arrow rows -> right-padded numpy arrays for the learner, without per-row Python loops.
+
+Each list column is read once as (flat values, row starts, row lengths) straight from Arrow's list
+offsets; tokens are scattered into the [B, T] arrays with one fancy-index assignment per column.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from buffer.schema import list_row_starts
+from buffer.types import PaddedBatch
+from rollout.types import OBSERVATION_VERSION
+
+
+def _positions(starts: np.ndarray, lengths: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, column) of every flat list value, with row b's values placed from column shift[b]."""
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    total = int(lengths.sum())
+    cols = np.arange(total, dtype=np.int64) - np.repeat(starts - shift, lengths)
+    return rows, cols
+
+
+def pad_table(table: pa.Table | pa.RecordBatch) -> PaddedBatch:
+    """Right-pad prompt + response of every row into [B, T] arrays (T = longest sequence)."""
+    if isinstance(table, pa.RecordBatch):
+        table = pa.Table.from_batches([table])
+    table = table.combine_chunks()
+    col = lambda name: table.column(name).chunk(0) if table.num_rows else pa.array([], table.schema.field(name).type)  # noqa: E731
+    batch_size = table.num_rows
+    p_vals, p_starts, p_lens = list_row_starts(col("prompt_ids"))
+    r_ids, r_starts, r_lens = list_row_starts(col("response_ids"))
+    seq_lens = p_lens + r_lens
+    width = int(seq_lens.max()) if batch_size else 0
+
+    input_ids = np.zeros((batch_size, width), dtype=np.int64)
+    loss_mask = np.zeros((batch_size, width), dtype=np.int8)
+    logprobs = np.zeros((batch_size, width), dtype=np.float32)
+    versions = np.full((batch_size, width), OBSERVATION_VERSION, dtype=np.int32)
+
+    rows, cols = _positions(p_starts, p_lens, np.zeros_like(p_lens))
+    input_ids[rows, cols] = p_vals
+    rows, cols = _positions(r_starts, r_lens, p_lens)
+    input_ids[rows, cols] = r_ids
+    loss_mask[rows, cols] = col("response_mask").flatten().to_numpy(zero_copy_only=False)
+    logprobs[rows, cols] = col("behavior_logprobs").flatten().to_numpy(zero_copy_only=False)
+    versions[rows, cols] = col("policy_versions").flatten().to_numpy(zero_copy_only=False)
+    attention_mask = (np.arange(width)[None, :] < seq_lens[:, None]).astype(np.int8)
+
+    group_col = table.column("group_id")
+    group_index = pc.dictionary_encode(group_col).combine_chunks().indices if batch_size else pa.array([], pa.int32())
+    return PaddedBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        behavior_logprobs=logprobs,
+        policy_versions=versions,
+        prompt_lens=p_lens.astype(np.int32),
+        seq_lens=seq_lens.astype(np.int32),
+        rewards=table.column("reward").to_numpy().astype(np.float32),
+        group_index=np.asarray(group_index.to_numpy(zero_copy_only=False), dtype=np.int64),
+        trajectory_ids=table.column("trajectory_id").to_pylist(),
+        group_ids=group_col.to_pylist(),
+        turn_scores=table.column("turn_scores").to_pylist(),
+    )

@@ -1,0 +1,205 @@
+"""The one Arrow schema of a buffer row, mirroring `rollout.types.Trajectory` field for field.
+
+Every trajectory row that enters the buffer (finished, partial or failed) is a row of
+`TRAJECTORY_SCHEMA`: the in-memory store keeps record batches of it, the durable log writes them as
+Arrow IPC, export writes them as Parquet. Per-token arrays are list columns (token ids int32, mask
+int8, behavior logprobs float32, per-token policy_version int32); the AgentData snapshot of partial
+rows is a JSON string column.
+
+Four derived columns follow the record's fields (`DERIVED_FIELDS`): prompt/response token counts and
+the min/max policy_version of the row. They are always recomputed here from the list columns
+(`normalize_batch`), never trusted from the caller.
+
+Round-trip contract: `batch_to_trajectories(trajectories_to_batch(ts)) == ts` for every field except
+`behavior_logprobs`, which is stored as float32 (the engine produces float32 logprobs): the round-trip
+returns the float32-rounded values, so a record whose logprobs are float32-representable round-trips
+exactly, and Arrow -> record -> Arrow is always bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rollout.types import OBSERVATION_VERSION, FinishReason, Trajectory, TrajectoryStatus
+
+SCHEMA_VERSION = "1"
+
+# name -> (arrow type, numpy dtype of the list values) for the per-token and per-turn list columns.
+_LIST_COLUMNS: dict[str, tuple[pa.DataType, type]] = {
+    "prompt_ids": (pa.int32(), np.int32),
+    "response_ids": (pa.int32(), np.int32),
+    "response_mask": (pa.int8(), np.int8),
+    "behavior_logprobs": (pa.float32(), np.float32),
+    "policy_versions": (pa.int32(), np.int32),
+    "turn_scores": (pa.float64(), np.float64),
+    "tool_rewards": (pa.float64(), np.float64),
+}
+TOKEN_LIST_COLUMNS = ("response_ids", "response_mask", "behavior_logprobs", "policy_versions")
+
+RECORD_FIELDS: list[pa.Field] = [
+    pa.field("trajectory_id", pa.string(), nullable=False),
+    pa.field("group_id", pa.string(), nullable=False),
+    pa.field("sample_index", pa.int32(), nullable=False),
+    pa.field("agent_name", pa.string(), nullable=False),
+    *(pa.field(name, pa.list_(_LIST_COLUMNS[name][0]), nullable=False) for name in ("prompt_ids", *TOKEN_LIST_COLUMNS)),
+    pa.field("reward", pa.float64(), nullable=False),
+    pa.field("turn_scores", pa.list_(pa.float64()), nullable=False),
+    pa.field("tool_rewards", pa.list_(pa.float64()), nullable=False),
+    pa.field("num_turns", pa.int32(), nullable=False),
+    pa.field("num_tool_calls", pa.int32(), nullable=False),
+    pa.field("num_tool_errors", pa.int32(), nullable=False),
+    pa.field("status", pa.string(), nullable=False),  # TrajectoryStatus value
+    pa.field("finish_reason", pa.string(), nullable=False),  # FinishReason value
+    pa.field("num_interrupts", pa.int32(), nullable=False),
+    pa.field("generate_s", pa.float64(), nullable=False),
+    pa.field("tool_s", pa.float64(), nullable=False),
+    pa.field("created_at", pa.float64(), nullable=False),
+    pa.field("finished_at", pa.float64(), nullable=False),
+    pa.field("agent_data_json", pa.string(), nullable=True),  # partial rows only
+]
+DERIVED_FIELDS: list[pa.Field] = [
+    pa.field("num_prompt_tokens", pa.int32(), nullable=False),
+    pa.field("num_response_tokens", pa.int32(), nullable=False),
+    pa.field("min_policy_version", pa.int32(), nullable=False),  # -1 if no sampled token
+    pa.field("max_policy_version", pa.int32(), nullable=False),  # -1 if no response token
+]
+TRAJECTORY_SCHEMA = pa.schema(RECORD_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": SCHEMA_VERSION})
+RECORD_FIELD_NAMES = tuple(f.name for f in RECORD_FIELDS)
+_ENUMS = {"status": TrajectoryStatus, "finish_reason": FinishReason}
+
+
+def _list_array(rows: list[list], value_type: pa.DataType, dtype: type) -> pa.ListArray:
+    lengths = np.fromiter(map(len, rows), dtype=np.int32, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=int(offsets[-1]))
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=value_type))
+
+
+def trajectories_to_batch(trajectories: list[Trajectory]) -> pa.RecordBatch:
+    """Records -> one RecordBatch of `TRAJECTORY_SCHEMA` (column-wise, one pass per column)."""
+    columns: dict[str, pa.Array] = {}
+    for f in RECORD_FIELDS:
+        values = [getattr(t, f.name) for t in trajectories]
+        if f.name in _LIST_COLUMNS:
+            columns[f.name] = _list_array(values, *_LIST_COLUMNS[f.name])
+        elif f.name in _ENUMS:
+            columns[f.name] = pa.array([_ENUMS[f.name](v).value for v in values], type=pa.string())
+        else:
+            columns[f.name] = pa.array(values, type=f.type)
+    if not trajectories:
+        return _empty_batch()
+    return normalize_batch(pa.RecordBatch.from_pydict(columns))
+
+
+def batch_to_trajectories(data: pa.RecordBatch | pa.Table) -> list[Trajectory]:
+    """Rows -> records (analysis, resume and tests; not the learner's hot path)."""
+    cols = {name: data.column(name).to_pylist() for name in RECORD_FIELD_NAMES}
+    out = []
+    for i in range(data.num_rows):
+        row = {name: cols[name][i] for name in RECORD_FIELD_NAMES}
+        out.append(Trajectory.from_dict(row))
+    return out
+
+
+def list_row_starts(arr: pa.ListArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(values, starts, lengths) of a list array with slicing accounted for: row i is
+    `values[starts[i] : starts[i] + lengths[i]]`."""
+    lengths = list_lengths(arr)
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1], out=starts[1:])
+    values = arr.flatten().to_numpy(zero_copy_only=False)
+    return values, starts, lengths
+
+
+def list_lengths(arr: pa.ListArray) -> np.ndarray:
+    """int64 length of every row, from the offsets buffer (slicing accounted for)."""
+    return np.diff(arr.offsets.to_numpy()).astype(np.int64)
+
+
+def _segment_reduce(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, ufunc: np.ufunc) -> np.ndarray:
+    """Per-row ufunc reduction over list rows; empty rows give -1."""
+    out = np.full(len(lengths), OBSERVATION_VERSION, dtype=np.int64)
+    nonempty = lengths > 0
+    if nonempty.any():
+        out[nonempty] = ufunc.reduceat(values, starts[nonempty])
+    return out
+
+
+def normalize_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
+    """Validate a batch against the data contract and return it in `TRAJECTORY_SCHEMA` with derived
+    columns recomputed. Raises ValueError naming the offending column / trajectory."""
+    if isinstance(data, pa.Table):
+        data = data.combine_chunks().to_batches()[0] if data.num_rows else _empty_batch()
+    missing = [n for n in RECORD_FIELD_NAMES if n not in data.schema.names]
+    if missing:
+        raise ValueError(f"batch is missing trajectory columns {missing}; build it with trajectories_to_batch")
+    arrays: list[pa.Array] = []
+    for f in RECORD_FIELDS:
+        col = data.column(f.name)
+        if not col.type.equals(f.type):
+            try:
+                col = col.cast(f.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise ValueError(f"column {f.name!r} has type {col.type}, expected {f.type}: {e}") from e
+        if not f.nullable and col.null_count:
+            raise ValueError(f"column {f.name!r} has {col.null_count} nulls; it is not nullable")
+        arrays.append(col)
+    cols = dict(zip(RECORD_FIELD_NAMES, arrays))
+    _check_enums(cols)
+    ids = cols["trajectory_id"]
+    lengths = [list_lengths(cols[n]) for n in TOKEN_LIST_COLUMNS]
+    bad = np.flatnonzero(np.any(np.stack(lengths) != lengths[0], axis=0)) if len(ids) else []
+    if len(bad):
+        raise ValueError(f"per-token arrays misaligned in trajectory {ids[int(bad[0])].as_py()!r}")
+    versions, starts, lens = list_row_starts(cols["policy_versions"])
+    mask = cols["response_mask"].flatten().to_numpy(zero_copy_only=False)
+    logprobs = cols["behavior_logprobs"].flatten().to_numpy(zero_copy_only=False)
+    sampled = versions >= 0
+    valid = len(mask) == 0 or (
+        int(mask.min()) >= 0
+        and int(mask.max()) <= 1
+        and int(versions.min()) >= OBSERVATION_VERSION
+        and np.array_equal(sampled, mask.view(np.bool_))
+        and not np.any(logprobs * ~sampled)
+    )
+    if not valid:
+        broken = ~(((mask == 1) & sampled) | ((mask == 0) & (versions == OBSERVATION_VERSION) & (logprobs == 0)))
+        row = int(np.searchsorted(starts, np.flatnonzero(broken)[0], side="right") - 1)
+        raise ValueError(
+            f"trajectory {ids[row].as_py()!r}: response_mask must be 0/1, sampled tokens need a "
+            "policy_version >= 0, observation tokens need policy_version -1 and logprob 0"
+        )
+    min_v = _segment_reduce(np.where(sampled, versions, np.iinfo(np.int32).max), starts, lens, np.minimum)
+    min_v[min_v == np.iinfo(np.int32).max] = OBSERVATION_VERSION
+    max_v = _segment_reduce(versions, starts, lens, np.maximum)
+    derived = [
+        pa.array(list_lengths(cols["prompt_ids"]).astype(np.int32)),
+        pa.array(lens.astype(np.int32)),
+        pa.array(min_v.astype(np.int32)),
+        pa.array(max_v.astype(np.int32)),
+    ]
+    return pa.RecordBatch.from_arrays(arrays + derived, schema=TRAJECTORY_SCHEMA)
+
+
+def _check_enums(cols: dict[str, pa.Array]) -> None:
+    for name, enum in _ENUMS.items():
+        allowed = {e.value for e in enum}
+        unknown = set(pc.unique(cols[name]).to_pylist()) - allowed
+        if unknown:
+            raise ValueError(f"column {name!r} has unknown values {sorted(unknown)}; allowed {sorted(allowed)}")
+
+
+def _empty_batch() -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays([pa.array([], type=f.type) for f in TRAJECTORY_SCHEMA], schema=TRAJECTORY_SCHEMA)
+
+
+def record_field_names() -> tuple[str, ...]:
+    """The Trajectory dataclass fields, for the schema-mirror test."""
+    return tuple(f.name for f in dataclasses.fields(Trajectory))

@@ -1,0 +1,422 @@
+"""`ReplayBuffer`: the in-memory trajectory store, its durable log, and the learner's sampling.
+
+Data flow: `append` normalizes rows into `TRAJECTORY_SCHEMA`, keeps the record batch in the row store
+(no copy), updates group bookkeeping (supersession, completion, DAPO filter) and queues the batch for
+the log; the queue is flushed every `flush_every_rows` rows / `flush_every_ms` ms (checked on every
+call; the Ray actor also polls). `sample` picks whole READY groups within the staleness bound,
+writes their consumption to the consumption log *before* returning them, and frees their rows once
+used `reuse` times. Constructing a buffer on an existing `root_dir` recovers it: the consumption log
+is replayed first, then every verified trajectory frame, so nothing consumed is handed out again and
+nothing unconsumed is skipped. If the learner restarts from an older checkpoint, pass
+`resume_learner_step` and consumption recorded after that step is rolled back (durably).
+
+Not thread-safe: one caller at a time (the Ray actor serializes calls).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from buffer.admission import lag_histogram, rollout_capacity, trajectory_lag
+from buffer.config import BufferConfig, OverAgePolicy
+from buffer.groups import GroupPhase, GroupState, GroupTable, RowUpdate
+from buffer.log import SegmentWriter, read_segments
+from buffer.manifest import (
+    CONSUMED_PREFIX,
+    CONSUMPTION_SCHEMA,
+    TRAJ_PREFIX,
+    DirLock,
+    consumption_history,
+    read_manifest,
+    write_manifest,
+)
+from buffer.rows import RowStore
+from buffer.sampling import group_order, select_prefix
+from buffer.schema import TRAJECTORY_SCHEMA, batch_to_trajectories, normalize_batch, trajectories_to_batch
+from buffer.types import RecoveryReport, SampledBatch
+from rollout.types import Trajectory, TrajectoryStatus
+
+logger = logging.getLogger(__name__)
+
+
+class ReplayBuffer:
+    def __init__(self, cfg: BufferConfig, *, resume_learner_step: int | None = None) -> None:
+        self.cfg = cfg
+        self._rows = RowStore(compact_below_live_fraction=cfg.compact_below_live_fraction)
+        self._groups = GroupTable(
+            group_size=cfg.group_size,
+            reuse=cfg.reuse,
+            min_finished=cfg.min_finished_per_group,
+            filter_uniform=cfg.filter_uniform_reward_groups,
+        )
+        self._rng = np.random.default_rng(cfg.seed)
+        self._pending_batches: list[pa.RecordBatch] = []
+        self._pending_chunks: list[int] = []
+        self._pending_rows = 0
+        self._pending_since = 0.0
+        self._counts: Counter[str] = Counter()
+        self._token_lag_hist = np.zeros(cfg.max_staleness + 2, dtype=np.int64)
+        self._traj_lag_hist = np.zeros(cfg.max_staleness + 2, dtype=np.int64)
+        self._last_batch: dict[str, float] = {}
+        self.recovery_report = RecoveryReport()
+        self._root = Path(cfg.root_dir) if cfg.root_dir is not None else None
+        self._lock: DirLock | None = None
+        self._traj_log: SegmentWriter | None = None
+        self._cons_log: SegmentWriter | None = None
+        self._old_segments: dict[str, list[dict]] = {TRAJ_PREFIX: [], CONSUMED_PREFIX: []}
+        if self._root is not None:
+            self._open_dir(resume_learner_step)
+        elif resume_learner_step is not None:
+            raise ValueError("resume_learner_step needs a root_dir: a memory-only buffer has no history")
+
+    # ---------------------------------------------------------------- appending
+    def append(self, data: list[Trajectory] | pa.RecordBatch | pa.Table) -> None:
+        """Add finished, partial or failed rows. Never drops data; see `has_room` for backpressure."""
+        batch = trajectories_to_batch(data) if isinstance(data, list) else normalize_batch(data)
+        if batch.num_rows == 0:
+            return
+        cid = self._ingest(batch)
+        if not self._pending_batches:
+            self._pending_since = time.monotonic()
+        self._pending_batches.append(batch)
+        self._pending_chunks.append(cid)
+        self._pending_rows += batch.num_rows
+        self._counts["rows_appended"] += batch.num_rows
+        self.poll()
+
+    def _ingest(self, batch: pa.RecordBatch) -> int:
+        tids = batch.column("trajectory_id").to_pylist()
+        gids = batch.column("group_id").to_pylist()
+        self._groups.check_overflow(list(zip(tids, gids)))
+        statuses = [TrajectoryStatus(s) for s in batch.column("status").to_pylist()]
+        sample_index = batch.column("sample_index").to_pylist()
+        rewards = batch.column("reward").to_pylist()
+        min_pv = batch.column("min_policy_version").to_pylist()
+        tokens = (
+            batch.column("num_prompt_tokens").to_numpy().astype(np.int64)
+            + batch.column("num_response_tokens").to_numpy()
+        ).tolist()
+        cid, first = self._rows.add(batch)
+        dead: list[int] = []
+        for i, tid in enumerate(tids):
+            update = RowUpdate(
+                trajectory_id=tid,
+                group_id=gids[i],
+                row=first + i,
+                status=statuses[i],
+                sample_index=sample_index[i],
+                num_tokens=tokens[i],
+                reward=rewards[i],
+                min_policy_version=min_pv[i],
+            )
+            dead.extend(self._groups.apply(update))
+        self._rows.kill(dead)
+        if self.cfg.max_batch_tokens is not None:
+            self._drop_oversized(set(gids))
+        return cid
+
+    def _drop_oversized(self, group_ids: set[str]) -> None:
+        budget = self.cfg.max_batch_tokens
+        ready = self._groups.ready
+        for group in [ready[gid] for gid in group_ids if gid in ready and ready[gid].num_tokens > budget]:
+            logger.warning("dropping group %s: %d tokens exceed max_batch_tokens %d", group.group_id, group.num_tokens, budget)
+            self._counts["groups_over_token_budget"] += 1
+            self._rows.kill(self._groups.retire(group, GroupPhase.EVICTED))
+
+    def has_room(self, num_rows: int = 1) -> bool:
+        """False when `capacity_rows` live rows are held (callers backpressure, see BufferActor)."""
+        cap = self.cfg.capacity_rows
+        return cap is None or self._rows.num_live + num_rows <= cap or self._rows.num_live == 0
+
+    # ---------------------------------------------------------------- durability
+    def poll(self) -> None:
+        """Flush if the row or time threshold of the durability policy is reached."""
+        if self._pending_batches and (
+            self._pending_rows >= self.cfg.flush_every_rows
+            or (time.monotonic() - self._pending_since) * 1000.0 >= self.cfg.flush_every_ms
+        ):
+            self.flush()
+
+    def flush(self) -> None:
+        """Write queued rows to the log (to the OS: they survive a process kill). Small appended
+        batches are coalesced into one chunk / one frame."""
+        if not self._pending_batches:
+            return
+        frames = self._pending_batches
+        if len(frames) > 1 and self._pending_rows / len(frames) < self.cfg.coalesce_below_rows:
+            present = [c for c in self._pending_chunks if c in self._rows.chunks]
+            if len(present) == len(self._pending_chunks):
+                frames = [self._rows.coalesce(present)]
+            else:  # some chunks were compacted or released meanwhile: coalesce only the log frame
+                frames = pa.Table.from_batches(frames, schema=TRAJECTORY_SCHEMA).combine_chunks().to_batches()
+        if self._traj_log is not None:
+            num_segments = len(self._traj_log.segments)
+            for frame in frames:
+                self._traj_log.write(frame)
+            if len(self._traj_log.segments) != num_segments:
+                self._write_manifest(sync=False)
+        self._counts["flushes"] += 1
+        self._pending_batches, self._pending_chunks, self._pending_rows = [], [], 0
+
+    def checkpoint(self) -> None:
+        """Flush, then fsync both logs and the manifest (when `fsync_on_checkpoint`)."""
+        self.flush()
+        if self._root is None:
+            return
+        if self.cfg.fsync_on_checkpoint:
+            self._traj_log.sync()
+            self._cons_log.sync()
+        self._write_manifest(sync=self.cfg.fsync_on_checkpoint)
+
+    def close(self) -> None:
+        if self._root is None or self._lock is None:
+            self.flush()
+            return
+        self.flush()
+        self._traj_log.close()
+        self._cons_log.close()
+        self._write_manifest(sync=self.cfg.fsync_on_checkpoint)
+        self._lock.release()
+        self._lock = None
+
+    # ---------------------------------------------------------------- sampling
+    def sample(self, *, learner_version: int, learner_step: int) -> SampledBatch | None:
+        """Whole READY groups within the staleness bound, or None if no complete batch is ready.
+        Their consumption at `learner_step` is recorded (durably with a root_dir) before returning."""
+        self.flush()  # rows are durable before their consumption is
+        self._retire_over_age(learner_version)
+        candidates = list(self._groups.ready.values())
+        if not candidates:
+            return None
+        lags = trajectory_lag(learner_version, np.array([g.min_policy_version for g in candidates]))
+        order = group_order(
+            self.cfg.sampling,
+            reward_std=np.array([g.reward_std for g in candidates]),
+            lags=lags,
+            rng=self._rng,
+            priority_eps=self.cfg.priority_eps,
+            lag_decay=self.cfg.lag_decay,
+        )
+        chosen = select_prefix(
+            order,
+            num_trajectories=np.array([len(g.finished) for g in candidates]),
+            num_tokens=np.array([g.num_tokens for g in candidates]),
+            max_groups=self.cfg.groups_per_batch,
+            max_trajectories=self.cfg.batch_size,
+            token_budget=self.cfg.max_batch_tokens,
+        )
+        if chosen is None:
+            return None
+        groups = [candidates[i] for i in chosen]
+        members = [m for g in groups for m in g.finished]
+        table = self._rows.take(np.array([m.row for m in members], dtype=np.int64))
+        row_lags = trajectory_lag(learner_version, table.column("min_policy_version").to_numpy())
+        self._record_consumption(table, row_lags, learner_step=learner_step, learner_version=learner_version)
+        dead: list[int] = []
+        for g in groups:
+            dead.extend(self._groups.consume(g, learner_step))
+        self._rows.kill(dead)
+        self._account_lags(table, row_lags, learner_version)
+        return SampledBatch(
+            table=table,
+            trajectory_ids=[m.trajectory_id for m in members],
+            learner_step=learner_step,
+            learner_version=learner_version,
+            lags=np.asarray(row_lags, dtype=np.int64),
+        )
+
+    def _retire_over_age(self, learner_version: int) -> None:
+        ready = list(self._groups.ready.values())
+        if not ready:
+            return
+        lags = trajectory_lag(learner_version, np.array([g.min_policy_version for g in ready]))
+        over = [g for g, lag in zip(ready, lags.tolist()) if lag > self.cfg.max_staleness]
+        if not over:
+            return
+        keep = self.cfg.over_age is OverAgePolicy.KEEP
+        phase = GroupPhase.OVER_AGE if keep else GroupPhase.EVICTED
+        for g in over:
+            self._rows.kill(self._groups.retire(g, phase))
+        num = sum(len(g.finished) for g in over)
+        self._counts["over_age_kept" if keep else "evicted_over_age"] += num
+        logger.warning(
+            "%s %d trajectories in %d groups whose lag exceeds max_staleness=%d at learner_version %d",
+            "keeping (never sampled)" if keep else "evicting",
+            num,
+            len(over),
+            self.cfg.max_staleness,
+            learner_version,
+        )
+
+    def _record_consumption(self, table: pa.Table, lags: np.ndarray, *, learner_step: int, learner_version: int) -> None:
+        n = table.num_rows
+        self._counts["trajectories_consumed"] += n
+        self._counts["batches_sampled"] += 1
+        if self._cons_log is None:
+            return
+        records = pa.RecordBatch.from_arrays(
+            [
+                pa.array(["consume"] * n),
+                table.column("trajectory_id").combine_chunks(),
+                table.column("group_id").combine_chunks(),
+                pa.array(np.full(n, learner_step, dtype=np.int64)),
+                pa.array(np.full(n, learner_version, dtype=np.int64)),
+                pa.array(np.asarray(lags, dtype=np.int32)),
+                pa.array(np.full(n, time.time())),
+            ],
+            schema=CONSUMPTION_SCHEMA,
+        )
+        self._cons_log.write(records)
+
+    def _account_lags(self, table: pa.Table, row_lags: np.ndarray, learner_version: int) -> None:
+        versions = table.column("policy_versions").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        token_lags = np.where(versions >= 0, learner_version - versions.astype(np.int64), -1)
+        self._token_lag_hist += lag_histogram(token_lags, self.cfg.max_staleness)
+        self._traj_lag_hist += lag_histogram(row_lags, self.cfg.max_staleness)
+        sampled = token_lags[token_lags >= 0]
+        self._last_batch = {
+            "staleness/batch_token_lag_mean": float(sampled.mean()) if len(sampled) else 0.0,
+            "staleness/batch_token_lag_max": float(sampled.max()) if len(sampled) else 0.0,
+            "staleness/batch_trajectory_lag_max": float(np.max(row_lags)) if len(row_lags) else 0.0,
+        }
+
+    # ---------------------------------------------------------------- queries
+    def resumable(self) -> list[Trajectory]:
+        """Trajectories whose latest row is partial (to be resumed from their AgentData)."""
+        rows = self._groups.resumable_rows()
+        return batch_to_trajectories(self._rows.take(np.array(rows, dtype=np.int64))) if rows else []
+
+    def has_groups(self, group_ids: list[str]) -> list[bool]:
+        """Whether each group has any row (admission idempotence after a restart)."""
+        return [gid in self._groups.groups for gid in group_ids]
+
+    def num_ready(self) -> int:
+        """Finished trajectories in complete groups waiting to be sampled (staleness not applied)."""
+        return self._groups.num_ready_trajectories
+
+    @property
+    def num_accepted(self) -> int:
+        return self._groups.num_accepted
+
+    def capacity(self, *, learner_version: int, num_running: int, max_concurrent: int | None = None) -> int:
+        """Admission: how many trajectories may start now (see `buffer.admission.rollout_capacity`)."""
+        return rollout_capacity(
+            learner_version=learner_version,
+            max_staleness=self.cfg.max_staleness,
+            batch_size=self.cfg.batch_size,
+            num_running=num_running,
+            num_accepted=self._groups.num_accepted,
+            group_size=self.cfg.group_size,
+            max_concurrent=max_concurrent,
+        )
+
+    def memory_bytes(self) -> int:
+        return self._rows.nbytes
+
+    def stats(self) -> dict[str, float]:
+        c, g = self._counts, self._groups
+        out = {
+            "buffer/rows_appended": c["rows_appended"],
+            "buffer/live_rows": self._rows.num_live,
+            "buffer/ready_trajectories": g.num_ready_trajectories,
+            "buffer/ready_groups": len(g.ready),
+            "buffer/partial_trajectories": g.num_partial,
+            "buffer/accepted_trajectories": g.num_accepted,
+            "buffer/trajectories_consumed": c["trajectories_consumed"],
+            "buffer/batches_sampled": c["batches_sampled"],
+            "buffer/evicted_over_age": c["evicted_over_age"],
+            "buffer/over_age_kept": c["over_age_kept"],
+            "buffer/groups_over_token_budget": c["groups_over_token_budget"],
+            "buffer/late_rows_ignored": g.num_late_rows,
+            "buffer/flushes": c["flushes"],
+            "buffer/memory_bytes": self.memory_bytes(),
+            "buffer/chunks": len(self._rows.chunks),
+            "buffer/recovered_rows": self.recovery_report.num_rows,
+            "buffer/recovery_problems": len(self.recovery_report.lines()) - 1,
+        }
+        out.update({f"buffer/groups_{phase.value}": n for phase, n in g.counts.items()})
+        for name, hist in (("token_lag", self._token_lag_hist), ("trajectory_lag", self._traj_lag_hist)):
+            total = max(int(hist.sum()), 1)
+            for lag, n in enumerate(hist.tolist()):
+                key = f"staleness/{name}_frac_{lag}" if lag <= self.cfg.max_staleness else f"staleness/{name}_frac_over"
+                out[key] = n / total
+            out[f"staleness/{name}_mean"] = float(np.dot(np.arange(len(hist)), hist) / total)
+        out.update(self._last_batch)
+        return {k: float(v) for k, v in out.items()}
+
+    # ---------------------------------------------------------------- recovery
+    def _open_dir(self, resume_learner_step: int | None) -> None:
+        root = self._root
+        root.mkdir(parents=True, exist_ok=True)
+        self._lock = DirLock(root)
+        report = self.recovery_report
+        manifest, problem = read_manifest(root)
+        if problem:
+            report.corrupt.append(problem)
+            logger.warning("buffer recovery: %s", problem)
+        listed = (manifest or {}).get("segments", {})
+        steps = self._replay_consumption(listed.get(CONSUMED_PREFIX, []), resume_learner_step)
+        self._groups.preloaded_steps = steps
+        seen: Counter[str] = Counter()
+        expected = {s["name"]: s["num_frames"] for s in listed.get(TRAJ_PREFIX, [])}
+        for name, batch in read_segments(root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, report=report, expected=expected):
+            seen[name] += 1
+            self._ingest(batch)
+            report.num_rows += batch.num_rows
+        self._old_segments[TRAJ_PREFIX] = [{"name": n, "num_frames": k} for n, k in seen.items()]
+        orphans = len(self._groups.preloaded_steps)
+        if orphans:
+            msg = f"{orphans} consumption records refer to trajectories whose rows were not recovered"
+            report.missing.append(msg)
+            logger.warning("buffer recovery: %s", msg)
+        self._groups.preloaded_steps = {}
+        self._traj_log = SegmentWriter(root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, segment_max_bytes=self.cfg.segment_max_bytes)
+        self._cons_log = SegmentWriter(root, prefix=CONSUMED_PREFIX, schema=CONSUMPTION_SCHEMA, segment_max_bytes=self.cfg.segment_max_bytes)
+        if resume_learner_step is not None:
+            self._cons_log.write(self._rollback_record(resume_learner_step))
+        self._write_manifest(sync=True)
+        if report.num_segments:
+            for line in report.lines():
+                (logger.info if report.clean else logger.warning)("buffer recovery: %s", line)
+
+    def _replay_consumption(self, listed: list[dict], resume_learner_step: int | None) -> dict[str, list[int]]:
+        report = self.recovery_report
+        seen: Counter[str] = Counter()
+        expected = {s["name"]: s["num_frames"] for s in listed}
+
+        def batches():
+            for name, batch in read_segments(
+                self._root, prefix=CONSUMED_PREFIX, schema=CONSUMPTION_SCHEMA, report=report, expected=expected
+            ):
+                seen[name] += 1
+                report.num_consumption_records += batch.num_rows
+                yield batch
+
+        history = consumption_history(batches(), resume_learner_step)
+        self._old_segments[CONSUMED_PREFIX] = [{"name": n, "num_frames": k} for n, k in seen.items()]
+        self._counts["trajectories_consumed"] = sum(len(uses) for uses in history.values())
+        return {tid: [step for step, _ in uses] for tid, uses in history.items()}
+
+    def _rollback_record(self, learner_step: int) -> pa.RecordBatch:
+        logger.info("rolling back consumption recorded after learner step %d", learner_step)
+        return pa.RecordBatch.from_pylist(
+            [{"op": "rollback", "trajectory_id": None, "group_id": None, "learner_step": learner_step,
+              "learner_version": -1, "lag": 0, "consumed_at": time.time()}],
+            schema=CONSUMPTION_SCHEMA,
+        )
+
+    def _write_manifest(self, *, sync: bool) -> None:
+        segments = {}
+        for prefix, writer in ((TRAJ_PREFIX, self._traj_log), (CONSUMED_PREFIX, self._cons_log)):
+            current = [{"name": s.name, "num_frames": s.num_frames} for s in writer.segments] if writer else []
+            segments[prefix] = self._old_segments[prefix] + current
+        write_manifest(self._root, segments, sync=sync)
+
+
+__all__ = ["ReplayBuffer", "SampledBatch", "GroupState"]

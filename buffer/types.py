@@ -1,0 +1,88 @@
+"""Typed records that leave the buffer: a sampled batch, its padded numpy form, a recovery report.
+
+`PaddedBatch` is the learner's input: one right-padded row per trajectory holding the full sequence
+(prompt tokens then response tokens). Invariants, for row b with P = prompt_lens[b] and
+S = seq_lens[b]:
+- positions [0, S) hold tokens (attention_mask 1), positions [S, T) are padding (everything 0,
+  policy_versions -1);
+- loss_mask is 1 exactly at response positions whose token was sampled by the policy
+  (response_mask 1); behavior_logprobs is 0 and policy_versions -1 wherever loss_mask is 0;
+- group_index[b] is the dense index of group_ids[b] within the batch, in order of first appearance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+
+@dataclass(kw_only=True, slots=True)
+class PaddedBatch:
+    input_ids: np.ndarray  # int64 [B, T]
+    attention_mask: np.ndarray  # int8 [B, T]
+    loss_mask: np.ndarray  # int8 [B, T]
+    behavior_logprobs: np.ndarray  # float32 [B, T]
+    policy_versions: np.ndarray  # int32 [B, T]
+    prompt_lens: np.ndarray  # int32 [B]
+    seq_lens: np.ndarray  # int32 [B]
+    rewards: np.ndarray  # float32 [B]
+    group_index: np.ndarray  # int64 [B]
+    trajectory_ids: list[str]  # [B]
+    group_ids: list[str]  # [B]
+    turn_scores: list[list[float]]  # [B][num_scored_turns]
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.seq_lens.sum())
+
+
+@dataclass(kw_only=True, slots=True)
+class SampledBatch:
+    """Whole GRPO groups handed to the learner at one step; their consumption is already recorded.
+
+    `table` rows are ordered group by group (sample_index order inside a group)."""
+
+    table: pa.Table  # TRAJECTORY_SCHEMA rows, [B]
+    trajectory_ids: list[str]  # [B]
+    learner_step: int
+    learner_version: int
+    lags: np.ndarray  # int64 [B]: learner_version - min_policy_version of each row
+
+    @property
+    def num_trajectories(self) -> int:
+        return self.table.num_rows
+
+    def to_padded(self) -> PaddedBatch:
+        from buffer.padding import pad_table
+
+        return pad_table(self.table)
+
+
+@dataclass(kw_only=True, slots=True)
+class RecoveryReport:
+    """What recovery found in a buffer directory; every problem has a human-readable line."""
+
+    num_segments: int = 0
+    num_frames: int = 0
+    num_rows: int = 0
+    num_consumption_records: int = 0
+    torn_tails: list[str] = field(default_factory=list)  # incomplete writes at a segment's end
+    corrupt: list[str] = field(default_factory=list)  # checksum mismatches / unreadable frames
+    missing: list[str] = field(default_factory=list)  # segments listed in the manifest but absent
+
+    @property
+    def clean(self) -> bool:
+        return not (self.torn_tails or self.corrupt or self.missing)
+
+    def lines(self) -> list[str]:
+        head = (
+            f"recovered {self.num_rows} rows from {self.num_frames} frames in {self.num_segments} segments, "
+            f"{self.num_consumption_records} consumption records"
+        )
+        return [head, *self.torn_tails, *self.corrupt, *self.missing]
