@@ -32,16 +32,16 @@ class ToolAgentLoop(AgentLoopBase):
             AgentState.PROCESSING_TOOLS: self.handle_processing_tools,
             AgentState.INTERACTING: self.handle_interacting,
         }
-        # Tool instances live for one `run` (one segment between parks); stateful tools key their
-        # state by the trajectory id they are created with, so a resumed segment finds it again.
+        # Tool instances live for one `run` (one segment between parks). Tools are stateless between
+        # calls or rebuild state from `tools_kwargs`, so a segment resumed in another process works.
         self.instance_ids: dict[str, str] = {}
         if self.ctx.tools is not None:
-            self.instance_ids = await self.ctx.tools.create_instances(data.trajectory_id, data.tools_kwargs)
+            self.instance_ids = await self.ctx.tools.create_instances(data.tools_kwargs)
         try:
             while data.state is not AgentState.TERMINATED:
                 await handlers[data.state](data)
             if self.ctx.tools is not None:
-                data.tool_rewards.extend(await self.ctx.tools.tool_rewards(self.instance_ids))
+                data.tool_rewards.extend((await self.ctx.tools.tool_rewards(self.instance_ids)).values())
             data.reward = await self.finalize(data)
         finally:
             if self.ctx.tools is not None:
