@@ -8,6 +8,7 @@ process; the interface does not change.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -17,22 +18,18 @@ import ray
 logger = logging.getLogger(__name__)
 
 
-class _RemoteWorker:
-    """Adapts a RolloutWorkerActor handle to weight_sync's pausable protocol."""
+class _RemoteWorkers:
+    """Adapts the RolloutWorkerActor handles to weight_sync's `PausableWorkers` protocol."""
 
-    def __init__(self, handle: Any, timeout_s: float) -> None:
-        self.handle = handle
+    def __init__(self, handles: list, timeout_s: float) -> None:
+        self.handles = list(handles)
         self.timeout_s = timeout_s
 
     async def pause(self) -> None:
-        import asyncio
-
-        await asyncio.wait_for(self.handle.pause.remote(), self.timeout_s)
+        await asyncio.wait_for(asyncio.gather(*[h.pause.remote() for h in self.handles]), self.timeout_s)
 
     async def resume(self) -> None:
-        import asyncio
-
-        await asyncio.wait_for(self.handle.resume.remote(), self.timeout_s)
+        await asyncio.wait_for(asyncio.gather(*[h.resume.remote() for h in self.handles]), self.timeout_s)
 
 
 @ray.remote
@@ -47,7 +44,7 @@ class LearnerActor:
         if init_checkpoint is not None:
             self.engine.load_checkpoint(init_checkpoint)
         self.coordinator = None
-        self.workers: list[_RemoteWorker] = []
+        self.workers: _RemoteWorkers | None = None
         self.busy_s = 0.0
         self.started = time.monotonic()
 
@@ -85,26 +82,36 @@ class LearnerActor:
         samples = [t.to_dict() for t in batch_to_trajectories(table.slice(0, min(num_samples, table.num_rows)))]
         return metrics, samples
 
-    async def connect(self, engines: list, workers: list) -> None:
+    async def connect(self, engines: list, workers: list, policy_version: int) -> None:
         """Build the weight-sync coordinator over the engine actors and rollout worker actors."""
         from rollout.engine.ray_engine import RayEngineClient
         from weight_sync.coordinator import WeightSyncCoordinator
 
-        timeout = self.cfg.weight_sync.timeouts.pause
-        self.workers = [_RemoteWorker(w, timeout) for w in workers]
-        clients = [RayEngineClient(h, engine_id=f"engine-{i}") for i, h in enumerate(engines)]
-        self.coordinator = WeightSyncCoordinator(self.cfg.weight_sync, clients, self.workers)
+        self.workers = _RemoteWorkers(workers, self.cfg.weight_sync.timeouts.pause)
+        engine_cfg = self.cfg.rollout.engine
+        clients = [
+            RayEngineClient(h, f"engine-{i}", cfg=engine_cfg, policy_version=policy_version)
+            for i, h in enumerate(engines)
+        ]
+        self.coordinator = WeightSyncCoordinator(self.cfg.weight_sync, clients, workers=self.workers)
 
     def set_workers(self, workers: list) -> None:
         """Replace the pausable set after a preempted worker was replaced."""
-        timeout = self.cfg.weight_sync.timeouts.pause
-        self.workers[:] = [_RemoteWorker(w, timeout) for w in workers]
+        self.workers.handles = list(workers)
 
-    async def publish(self) -> dict[str, float]:
-        """Move the current weights into every engine (transactional); returns `sync/*` metrics."""
+    async def publish(self) -> tuple[dict[str, float], int]:
+        """Move the current weights into every engine (transactional).
+
+        Returns `sync/*` metrics and the policy_version the engines serve afterwards: the new one, or
+        the old one if the sync failed (it is retried at the next publish)."""
         assert self.coordinator is not None, "connect() first"
-        result = await self.coordinator.sync(self.engine.named_parameters_for_sync, self.engine.policy_version)
-        return result.metrics()
+        target = self.engine.policy_version
+        if target <= self.coordinator.policy_version:
+            return {}, self.coordinator.policy_version
+        result = await self.coordinator.sync(self.engine.named_parameters_for_sync(), target)
+        if not result.ok:
+            logger.error("weight sync to version %d failed: %s", target, result.error)
+        return result.metrics(), self.coordinator.policy_version
 
     def save_checkpoint(self, path: str) -> None:
         self.engine.save_checkpoint(path)

@@ -54,10 +54,7 @@ class RolloutWorkerActor:
         logging.basicConfig(level=logging.INFO)
         cfg = StreamRLConfig.model_validate_json(cfg_json)
         self.buffer = buffer
-        clients = [
-            RayEngineClient(handle, engine_id=f"engine-{i}", call_timeout_s=cfg.rollout.engine.call_timeout_s)
-            for i, handle in enumerate(engines)
-        ]
+        clients = [RayEngineClient(h, f"engine-{i}", cfg=cfg.rollout.engine) for i, h in enumerate(engines)]
         server = ServerManager(clients, max_sticky_keys=cfg.rollout.sticky_lru_size)
         ctx = build_agent_context(cfg, model_path, server)
         self.worker = RolloutWorker(

@@ -144,8 +144,7 @@ class System:
 
     async def publish_weights(self) -> dict[str, float]:
         t0 = time.monotonic()
-        metrics = await self._call(self.learner.publish.remote())
-        self.state.policy_version = await self._call(self.learner.policy_version.remote())
+        metrics, self.state.policy_version = await self._call(self.learner.publish.remote())
         self.metrics.span("sync", "engines", t0 - self.started, time.monotonic() - self.started)
         return metrics
 
@@ -216,7 +215,7 @@ class System:
         self._last_counters = totals
         busy = []
         for i, engine in enumerate(self.engines):
-            stats = await self._call(engine.stats.remote())
+            stats = await self._call(engine.stats.remote(), 60.0)
             metrics[f"engine/busy_fraction/engine-{i}"] = stats.busy_fraction
             busy.append(stats.busy_fraction)
         metrics["engine/busy_fraction"] = sum(busy) / len(busy)

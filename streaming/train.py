@@ -31,6 +31,7 @@ def _init_ray(cfg: StreamRLConfig) -> None:
         ray.init(address=address)
         return
     ray.init(
+        address="local",  # always a fresh local cluster unless RAY_ADDRESS names one
         num_cpus=16,  # a scheduling count: actors ask for fractions; the OS shares the cores
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
@@ -59,7 +60,7 @@ def open_run(config: str | None, overrides: list[str], resume: str | None) -> tu
 
 async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> System:
     from buffer.actor import create_buffer_actor
-    from rollout.engine.ray_engine import EngineActor
+    from rollout.engine.ray_engine import RayEngineClient
     from rollout.models import resolve_model
     from streaming.learner_actor import LearnerActor
     from streaming.metrics import MetricsLogger
@@ -90,12 +91,12 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
 
     engine_path = str(Path(state.checkpoint) / "hf") if from_ckpt else model_path
     engine_cfg = cfg.rollout.engine.model_copy(update={"model": engine_path})
-    engines = [
-        EngineActor.options(num_cpus=engine_cfg.num_cpus, num_gpus=engine_cfg.num_gpus).remote(
-            engine_cfg.model_dump_json(), f"engine-{i}"
-        )
+    start_version = state.policy_version if from_ckpt else 0
+    clients = [
+        RayEngineClient.launch(engine_cfg, f"engine-{i}", policy_version=start_version)
         for i in range(cfg.rollout.num_engines)
     ]
+    engines = [c.actor for c in clients]
     buffer = create_buffer_actor(cfg.buffer, resume_learner_step=state.learner_step if resuming else None)
     learner = LearnerActor.options(num_cpus=1).remote(cfg.model_dump_json(), state.checkpoint if from_ckpt else None)
     records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed)
@@ -106,10 +107,8 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
                     learner=learner, stream=stream, metrics=metrics, state=state)
     system.workers = [make_worker(system, f"worker-{i}") for i in range(cfg.rollout.num_workers)]
     startup = cfg.rollout.engine.startup_timeout_s
-    await asyncio.wait_for(asyncio.gather(*[e.ready.remote() for e in engines]), startup)
-    if from_ckpt:
-        await asyncio.wait_for(asyncio.gather(*[e.set_policy_version.remote(state.policy_version) for e in engines]), 60)
-    await asyncio.wait_for(learner.connect.remote(engines, system.workers), startup)
+    await asyncio.gather(*[c.wait_ready() for c in clients])
+    await asyncio.wait_for(learner.connect.remote(engines, system.workers, start_version), startup)
     if resuming:
         n = await system.resubmit_orphans()
         logger.info("resumed run at learner step %d: %d unfinished trajectories resubmitted", state.learner_step, n)

@@ -1,0 +1,126 @@
+"""`BaseInteraction`: a simulated user / environment that answers the agent between turns.
+
+When the assistant ends a turn without tool calls and the trajectory has an interaction, the agent
+loop (state INTERACTING) calls `generate_response` with the chat so far; the interaction returns
+`(should_terminate, response_text, turn_score, extra)`. A non-terminating response is appended as
+a user message (mask 0 tokens) and generation continues. The life cycle mirrors tools and verl's
+interactions: `start_interaction` once per trajectory (with the row's interaction kwargs, e.g.
+`ground_truth`), `calculate_score` at the end, `finalize_interaction` always.
+
+Configs use verl's layout (`interaction: [{name, class_name, config}]`); `class_name` may be omitted
+for built-ins registered with `@register_interaction`, and `interactions:` is accepted as the key.
+"""
+
+from __future__ import annotations
+
+import abc
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rollout.tools.config import import_object
+
+
+class BaseInteraction(abc.ABC):
+    """Subclasses set `config_model` to validate `config` (verl passes the raw dict plus `name`)."""
+
+    config_model: type[BaseModel] | None = None
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        raw = dict(config or {})
+        self.name: str = str(raw.pop("name", type(self).__name__))
+        self.config = self.config_model.model_validate(raw) if self.config_model is not None else raw
+        self._instances: dict[str, dict[str, Any]] = {}
+
+    async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
+        instance_id = instance_id or uuid.uuid4().hex
+        self._instances[instance_id] = dict(kwargs)
+        return instance_id
+
+    def instance_state(self, instance_id: str) -> dict[str, Any]:
+        try:
+            return self._instances[instance_id]
+        except KeyError:
+            raise ValueError(f"interaction {self.name!r} has no instance {instance_id!r} (not started or finalized)") from None
+
+    @abc.abstractmethod
+    async def generate_response(
+        self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any
+    ) -> tuple[bool, str, float, dict[str, Any]]:
+        """(should_terminate, response text, turn score, extra) for the chat so far."""
+
+    async def calculate_score(self, instance_id: str) -> float:
+        return 0.0
+
+    async def finalize_interaction(self, instance_id: str) -> None:
+        self._instances.pop(instance_id, None)
+
+
+_INTERACTIONS: dict[str, type[BaseInteraction]] = {}
+
+
+def register_interaction(name: str) -> Callable[[type[BaseInteraction]], type[BaseInteraction]]:
+    def wrap(cls: type[BaseInteraction]) -> type[BaseInteraction]:
+        if name in _INTERACTIONS and _INTERACTIONS[name] is not cls:
+            raise ValueError(f"interaction {name!r} is already registered by {_INTERACTIONS[name].__name__}")
+        _INTERACTIONS[name] = cls
+        return cls
+
+    return wrap
+
+
+def _builtin(name: str) -> type[BaseInteraction] | None:
+    from rollout.interactions import math_feedback  # noqa: F401 (registers the built-ins)
+
+    return _INTERACTIONS.get(name)
+
+
+class InteractionEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    class_name: str | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+def build_interaction(entry: InteractionEntry) -> BaseInteraction:
+    if entry.class_name is not None:
+        cls = import_object(entry.class_name)
+    else:
+        cls = _builtin(entry.name)
+        if cls is None:
+            raise ValueError(f"unknown built-in interaction {entry.name!r}; built-ins: {sorted(_INTERACTIONS)}, or give `class_name`")
+    if not (isinstance(cls, type) and issubclass(cls, BaseInteraction)):
+        raise ValueError(f"{entry.class_name} is not a subclass of rollout.interactions.base.BaseInteraction")
+    return cls({**entry.config, "name": entry.name})
+
+
+def load_interaction_config(source: str | Path | Mapping[str, Any]) -> dict[str, BaseInteraction]:
+    """{name: interaction} from a YAML path or a loaded mapping with an `interaction` list."""
+    label = "<dict>"
+    if isinstance(source, Mapping):
+        data: Any = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"interaction config {path} does not exist")
+        label, data = str(path), yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, Mapping) or not ({"interaction", "interactions"} & set(data)):
+        raise ValueError(f"interaction config {label} must be a mapping with an `interaction` list")
+    entries = data.get("interaction", data.get("interactions")) or []
+    if not isinstance(entries, list):
+        raise ValueError(f"interaction config {label}: `interaction` must be a list")
+    out: dict[str, BaseInteraction] = {}
+    for i, raw in enumerate(entries):
+        try:
+            entry = InteractionEntry.model_validate(raw)
+            if entry.name in out:
+                raise ValueError(f"duplicate interaction name {entry.name!r}")
+            out[entry.name] = build_interaction(entry)
+        except (ValidationError, ValueError, TypeError) as exc:
+            raise ValueError(f"interaction config {label}: entry #{i}: {exc}") from exc
+    return out

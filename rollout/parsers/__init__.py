@@ -1,0 +1,17 @@
+"""Tool-call parsers: decoded assistant text -> content + tool calls (hermes, gpt-oss/harmony)."""
+
+from __future__ import annotations
+
+from rollout.parsers.base import ParsedTurn, ToolParser, get_parser, register_parser, validate_call
+from rollout.parsers.harmony import HarmonyToolParser
+from rollout.parsers.hermes import HermesToolParser
+
+__all__ = [
+    "HarmonyToolParser",
+    "HermesToolParser",
+    "ParsedTurn",
+    "ToolParser",
+    "get_parser",
+    "register_parser",
+    "validate_call",
+]

@@ -1,0 +1,193 @@
+"""Reward functions: a finished trajectory's text and counters -> one scalar.
+
+A reward function is any `Callable[[RewardInput], float]`. Configs name one by registry name
+(`math_answer`) or by import path (`package.module:function`); `get_reward_fn` resolves both. Reward
+functions are pure (no I/O), so they run inline in the agent loop at trajectory end.
+
+Answer extraction is shared with the math-feedback interaction: the content of the last `\\boxed{}`
+(balanced braces), otherwise the last number in the text. Answers compare numerically (fractions,
+thousands separators, `\\frac{a}{b}`, trailing units/punctuation tolerated) with a small tolerance,
+and as normalized strings when either side is not a number.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.tools.config import import_object
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardInput:
+    response_text: str  # decoded assistant text of the whole trajectory (no tool / user text)
+    final_answer_text: str  # the last assistant message
+    ground_truth: str | None
+    num_turns: int = 0
+    num_tool_calls: int = 0
+    num_tool_errors: int = 0
+    messages: list[dict[str, Any]] = field(default_factory=list)  # [num_messages] OpenAI chat format
+
+
+RewardFn = Callable[[RewardInput], float]
+
+_REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    def wrap(fn: RewardFn) -> RewardFn:
+        if name in _REWARDS and _REWARDS[name] is not fn:
+            raise ValueError(f"reward function {name!r} is already registered")
+        _REWARDS[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_reward_fn(spec: str) -> RewardFn:
+    """A registered name (see `registered_rewards()`) or `package.module:function`."""
+    if spec in _REWARDS:
+        return _REWARDS[spec]
+    if ":" not in spec and "." not in spec:
+        raise ValueError(f"unknown reward function {spec!r}; registered: {registered_rewards()} or 'pkg.mod:fn'")
+    fn = import_object(spec)
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r} is not callable")
+    return fn
+
+
+def registered_rewards() -> list[str]:
+    return sorted(_REWARDS)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Answer extraction and comparison
+# ---------------------------------------------------------------------------------------------------
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
+_FRAC = re.compile(r"^\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$")
+_TEXT_WRAPPER = re.compile(r"\\(?:text|mathrm|textbf|mathbf)\{([^{}]*)\}")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` with balanced braces, or None."""
+    result = None
+    for match in _BOXED.finditer(text):
+        depth, start = 1, match.end()
+        for i in range(start, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    result = text[start:i]
+                    break
+    return result
+
+
+def extract_answer(text: str) -> str | None:
+    """The last boxed answer, else the last number in `text`, else None."""
+    boxed = last_boxed(text)
+    if boxed is not None and boxed.strip():
+        return boxed.strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def parse_number(text: str) -> float | None:
+    """A number from an answer string ("1,234", "3/4", "\\frac{3}{4}", "$12.50", "42 apples")."""
+    s = _TEXT_WRAPPER.sub(r"\1", text.strip())
+    s = s.replace("$", "").replace("\\!", "").replace("\\,", "").replace("\\%", "").replace("%", "").strip()
+    s = s.rstrip(".").strip()
+    frac = _FRAC.match(s)
+    if frac:
+        num, den = parse_number(frac.group(1)), parse_number(frac.group(2))
+        return num / den if num is not None and den not in (None, 0) else None
+    if "/" in s:
+        num_text, _, den_text = s.partition("/")
+        num, den = parse_number(num_text), parse_number(den_text)
+        return num / den if num is not None and den not in (None, 0) else None
+    compact = s.replace(",", "").replace(" ", "")
+    try:
+        value = float(compact)
+    except ValueError:
+        # A number followed by units / words: "42 apples", "12 dollars".
+        match = re.match(r"^-?\d[\d,]*(?:\.\d+)?", s)
+        if match is None:
+            return None
+        value = float(match.group().replace(",", ""))
+    return value if math.isfinite(value) else None
+
+
+def _normalize(text: str) -> str:
+    return re.sub(r"\s+", "", _TEXT_WRAPPER.sub(r"\1", text)).strip("$.").lower()
+
+
+def answers_match(predicted: str | None, ground_truth: str | None, *, rel_tol: float = 1e-6, abs_tol: float = 1e-6) -> bool:
+    if predicted is None or ground_truth is None:
+        return False
+    pred_num, gt_num = parse_number(predicted), parse_number(ground_truth)
+    if pred_num is not None and gt_num is not None:
+        return math.isclose(pred_num, gt_num, rel_tol=rel_tol, abs_tol=abs_tol)
+    return _normalize(predicted) == _normalize(ground_truth)
+
+
+def _graded_text(inp: RewardInput) -> str:
+    return inp.final_answer_text if inp.final_answer_text.strip() else inp.response_text
+
+
+# ---------------------------------------------------------------------------------------------------
+# Built-in rewards
+# ---------------------------------------------------------------------------------------------------
+
+
+@register_reward("math_answer")
+def math_answer(inp: RewardInput) -> float:
+    """1.0 if the final answer (boxed, else last number) equals the ground truth, else 0.0."""
+    return 1.0 if answers_match(extract_answer(_graded_text(inp)), inp.ground_truth) else 0.0
+
+
+TOOL_SUCCESS_BONUS = 0.1  # once per trajectory with at least one tool call that did not error
+TOOL_ERROR_PENALTY = 0.05  # per erroring call (parse, validation, timeout, tool error) ...
+MAX_TOOL_ERROR_PENALTY = 0.2  # ... capped, so a long wrong trajectory is not punished without bound
+
+
+@register_reward("math_answer_with_tool_bonus")
+def math_answer_with_tool_bonus(inp: RewardInput) -> float:
+    """`math_answer` plus shaping for tool use, range [-0.2, 1.1].
+
+    +0.1 when at least one tool call succeeded (teaches a model new to the tool format to use it),
+    -0.05 per erroring call, at most -0.2 (teaches well-formed calls). The shaping is small next to
+    correctness so a correct answer always beats any tool behaviour on a wrong one."""
+    reward = math_answer(inp)
+    if inp.num_tool_calls > inp.num_tool_errors:
+        reward += TOOL_SUCCESS_BONUS
+    reward -= min(MAX_TOOL_ERROR_PENALTY, TOOL_ERROR_PENALTY * inp.num_tool_errors)
+    return reward
+
+
+def with_length_penalty(fn: RewardFn, *, max_chars: int, coef: float = 0.5) -> RewardFn:
+    """Wrap `fn`: subtract `coef * overshoot / max_chars` (at most `coef`) when the assistant text is
+    longer than `max_chars` characters."""
+    if max_chars <= 0 or coef < 0:
+        raise ValueError(f"max_chars must be positive and coef non-negative, got {max_chars}, {coef}")
+
+    def penalized(inp: RewardInput) -> float:
+        overshoot = max(0, len(inp.response_text) - max_chars)
+        return fn(inp) - min(coef, coef * overshoot / max_chars)
+
+    penalized.__name__ = f"{getattr(fn, '__name__', 'reward')}_with_length_penalty"
+    return penalized
+
+
+@register_reward("math_answer_length_penalty")
+def math_answer_length_penalty(inp: RewardInput) -> float:
+    """`math_answer` with a length penalty beyond 4000 characters of assistant text."""
+    return _MATH_LENGTH_PENALIZED(inp)
+
+
+_MATH_LENGTH_PENALIZED = with_length_penalty(math_answer, max_chars=4000, coef=0.5)

@@ -1,0 +1,182 @@
+"""`ToolRegistry`: the tools of a run, and the fault boundary that executes parsed tool calls.
+
+The agent loop hands every parsed call of one assistant turn to `execute_calls` and gets back one
+`ToolResult` per call, in call order. This is a deliberate catch-all boundary ("survive where it is
+the world"): parse errors, schema violations, unknown tools, timeouts, exceptions raised by a tool
+and calls beyond the per-turn parallel limit all become error results whose text tells the model what
+went wrong; each is counted in the registry's metrics. A tool's own result text starting with
+"Error:" (the convention of our tools) is also flagged `is_error`. Only `asyncio.CancelledError` propagates, so a
+cancelled trajectory cancels its tool calls.
+
+Instances: one per (trajectory, tool). `create_instances` makes them from verl-style `tools_kwargs`
+(`{tool_name: {"create_kwargs": {...}}}`); `execute_calls` creates a missing one lazily and records it
+in the caller's `instance_ids`, so `release_instances` releases everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from rollout.parsers.base import validate_call
+from rollout.tools.base import BaseTool, ToolExecution
+from rollout.types import ToolCall, ToolResult
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_RESULT_CHARS = 8192
+
+
+def coerce_execution(result: Any) -> ToolExecution:
+    """Accept our `ToolExecution`, a bare string, or verl's `(response, reward, metrics)` tuple where
+    the response is a string or an object with a `.text` attribute."""
+    if isinstance(result, ToolExecution):
+        return result
+    if isinstance(result, str):
+        return ToolExecution(text=result)
+    if isinstance(result, tuple) and len(result) == 3:
+        response, reward, metrics = result
+        text = response if isinstance(response, str) else getattr(response, "text", None)
+        if text is None:
+            raise TypeError(f"tool response {type(response).__name__} has no text")
+        numeric = {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))}
+        return ToolExecution(text=text, reward=float(reward or 0.0), metrics=numeric)
+    raise TypeError(f"tool returned {type(result).__name__}; expected ToolExecution, str or (text, reward, metrics)")
+
+
+class ToolRegistry:
+    def __init__(self, tools: Iterable[BaseTool] = (), *, max_result_chars: int = DEFAULT_MAX_RESULT_CHARS) -> None:
+        if max_result_chars <= 0:
+            raise ValueError(f"max_result_chars must be positive, got {max_result_chars}")
+        self.tools: dict[str, BaseTool] = {}
+        for tool in tools:
+            if tool.name in self.tools:
+                raise ValueError(f"two tools are named {tool.name!r}; tool names must be unique")
+            self.tools[tool.name] = tool
+        self.max_result_chars = max_result_chars
+        self._schemas = [tool.schema.to_openai() for tool in self.tools.values()]
+        self.num_calls = 0
+        self.num_errors = 0  # every error result, whatever the cause
+        self.num_timeouts = 0
+        self.num_parse_errors = 0  # calls the parser already marked malformed
+        self.num_validation_errors = 0  # unknown tool / bad arguments
+        self.num_exceptions = 0  # tools that raised
+        self.num_rejected = 0  # beyond max_parallel
+        self.num_executed = 0  # calls that ran to completion inside a tool
+        self.total_latency_s = 0.0  # of those calls
+
+    # -- catalogue -----------------------------------------------------------------------------------
+    def schemas(self) -> list[dict[str, Any]]:
+        """OpenAI tool schemas, for `apply_chat_template(tools=...)`."""
+        return [dict(s) for s in self._schemas]
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.tools)
+
+    def get(self, name: str) -> BaseTool:
+        if name not in self.tools:
+            raise ValueError(f"unknown tool {name!r}; available: {self.names}")
+        return self.tools[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tools
+
+    def __len__(self) -> int:
+        return len(self.tools)
+
+    # -- instance life cycle -------------------------------------------------------------------------
+    async def create_instances(self, tools_kwargs: Mapping[str, Any] | None = None) -> dict[str, str]:
+        """One instance per registered tool; returns {tool_name: instance_id}."""
+        tools_kwargs = tools_kwargs or {}
+        unknown = sorted(set(tools_kwargs) - set(self.tools))
+        if unknown:
+            raise ValueError(f"tools_kwargs names unknown tool(s) {unknown}; registered: {self.names}")
+        instance_ids: dict[str, str] = {}
+        for name, tool in self.tools.items():
+            create_kwargs = (tools_kwargs.get(name) or {}).get("create_kwargs") or {}
+            instance_ids[name] = await tool.create(**create_kwargs)
+        return instance_ids
+
+    async def release_instances(self, instance_ids: Mapping[str, str]) -> None:
+        for name, instance_id in instance_ids.items():
+            if name in self.tools:
+                await self.tools[name].release(instance_id)
+
+    async def tool_rewards(self, instance_ids: Mapping[str, str]) -> dict[str, float]:
+        """{tool_name: calc_reward} for every instance."""
+        return {
+            name: float(await self.tools[name].calc_reward(iid)) for name, iid in instance_ids.items() if name in self.tools
+        }
+
+    # -- execution -----------------------------------------------------------------------------------
+    async def execute_calls(
+        self, calls: list[ToolCall], instance_ids: dict[str, str], *, timeout_s: float, max_parallel: int
+    ) -> list[ToolResult]:
+        """Execute the first `max_parallel` calls concurrently; one ToolResult per call, in order."""
+        if timeout_s <= 0 or max_parallel <= 0:
+            raise ValueError(f"timeout_s and max_parallel must be positive, got {timeout_s}, {max_parallel}")
+        runnable = calls[:max_parallel]
+        results = list(await asyncio.gather(*(self._execute_one(c, instance_ids, timeout_s) for c in runnable)))
+        for call in calls[max_parallel:]:
+            self.num_rejected += 1
+            results.append(
+                self._error(call, f"too many tool calls in one turn (limit {max_parallel}); this call was not executed")
+            )
+        self.num_calls += len(calls)
+        return results
+
+    def _error(self, call: ToolCall, message: str, latency_s: float = 0.0) -> ToolResult:
+        self.num_errors += 1
+        return ToolResult(call_id=call.call_id, name=call.name, text=f"Error: {message}", is_error=True, latency_s=latency_s)
+
+    async def _execute_one(self, call: ToolCall, instance_ids: dict[str, str], timeout_s: float) -> ToolResult:
+        if call.error is not None:
+            self.num_parse_errors += 1
+            return self._error(call, call.error)
+        checked = validate_call(call, self._schemas)
+        if checked.error is not None:
+            self.num_validation_errors += 1
+            return self._error(call, checked.error)
+        tool = self.tools[checked.name]
+        start = time.perf_counter()
+        try:
+            if checked.name not in instance_ids:
+                instance_ids[checked.name] = await tool.create()
+            raw = await asyncio.wait_for(tool.execute(instance_ids[checked.name], checked.arguments), timeout_s)
+            execution = coerce_execution(raw)
+        except TimeoutError:
+            self.num_timeouts += 1
+            return self._error(call, f"tool '{call.name}' timed out after {timeout_s:g} s", time.perf_counter() - start)
+        except Exception as exc:  # fault boundary: a broken tool must not kill the trajectory
+            self.num_exceptions += 1
+            logger.warning("tool %s raised %s: %s", call.name, type(exc).__name__, exc)
+            return self._error(call, f"tool '{call.name}' failed: {type(exc).__name__}: {exc}", time.perf_counter() - start)
+        latency_s = time.perf_counter() - start
+        self.num_executed += 1
+        self.total_latency_s += latency_s
+        text = execution.text
+        if len(text) > self.max_result_chars:
+            text = text[: self.max_result_chars] + f"\n[truncated: {len(execution.text)} characters]"
+        is_error = text.startswith("Error:")
+        if is_error:
+            self.num_errors += 1
+        return ToolResult(
+            call_id=call.call_id, name=call.name, text=text, reward=execution.reward, is_error=is_error, latency_s=latency_s
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters, namespaced for the run's metrics stream."""
+        return {
+            "rollout/tools/num_calls": float(self.num_calls),
+            "rollout/tools/num_errors": float(self.num_errors),
+            "rollout/tools/num_timeouts": float(self.num_timeouts),
+            "rollout/tools/num_parse_errors": float(self.num_parse_errors),
+            "rollout/tools/num_validation_errors": float(self.num_validation_errors),
+            "rollout/tools/num_exceptions": float(self.num_exceptions),
+            "rollout/tools/num_rejected": float(self.num_rejected),
+            "rollout/tools/mean_latency_s": self.total_latency_s / max(1, self.num_executed),
+        }
