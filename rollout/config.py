@@ -36,6 +36,7 @@ class AgentConfig(BaseModel):
     tool_parser: Literal["hermes", "gpt-oss"] = "hermes"
     tool_config: str | None = None  # YAML (ours or verl's format)
     interaction_config: str | None = None  # YAML (verl's format accepted)
+    default_interaction: str | None = None  # interaction name for prompts that do not name one
     reward_fn: str = "math_answer"  # registered name or "package.module:function"
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
 

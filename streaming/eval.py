@@ -71,10 +71,12 @@ async def run_rollouts(cfg: Any, records: list, *, group_size: int) -> list[Traj
         ctx = build_agent_context(cfg, str(resolve_model(cfg.model)), server)
         worker = RolloutWorker(ctx, sink, max_concurrent=cfg.rollout.max_concurrent_per_worker)
         for record in records:
-            for data in make_group(record, 0, group_size, None):
+            for data in make_group(record, 0, group_size, cfg.rollout.agent.default_interaction):
                 worker.submit(data)
         await worker.wait_idle(timeout_s=3600)
         worker.check()
+        for err in worker.errors:
+            logger.error("failed trajectory: %s", err)
     finally:
         await engine.shutdown()
     return results

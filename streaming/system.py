@@ -108,7 +108,7 @@ class System:
         if item is None:
             return False
         record, epoch = item
-        group = make_group(record, epoch, self.cfg.group_size, None)
+        group = make_group(record, epoch, self.cfg.group_size, self.cfg.rollout.agent.default_interaction)
         (already,) = await self._call(self.buffer.has_groups.remote([group[0].group_id]))
         self.stream.advance()
         self.state.cursor = self.stream.cursor

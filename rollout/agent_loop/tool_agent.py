@@ -37,6 +37,7 @@ class ToolAgentLoop(AgentLoopBase):
         self.instance_ids: dict[str, str] = {}
         if self.ctx.tools is not None:
             self.instance_ids = await self.ctx.tools.create_instances(data.tools_kwargs)
+        await self._reattach_interaction(data)
         try:
             while data.state is not AgentState.TERMINATED:
                 await handlers[data.state](data)
@@ -158,13 +159,22 @@ class ToolAgentLoop(AgentLoopBase):
         data.num_user_turns += 1
         if should_stop:
             data.interaction_done = True
-            data.reward = float(score)
-            await interaction.finalize_interaction(data.interaction_instance_id)
             return self.terminate(data, FinishReason.INTERACTION_DONE)
         if not self.append_observation(data, [{"role": "user", "content": reply}]):
             return self.terminate(data, FinishReason.LENGTH)
         data.turn_start = len(data.response_ids)
         data.state = AgentState.GENERATING
+
+    async def _reattach_interaction(self, data: AgentData) -> None:
+        """A trajectory resumed in another process restarts its interaction instance under the same id
+        (interaction state that must survive a preemption belongs in the messages it sees)."""
+        if data.interaction_name is None or data.interaction_instance_id is None or data.interaction_done:
+            return
+        interaction = self._interaction(data)
+        try:
+            interaction.instance_state(data.interaction_instance_id)
+        except ValueError:
+            await interaction.start_interaction(data.interaction_instance_id, ground_truth=data.ground_truth)
 
     def _interaction(self, data: AgentData):
         name = data.interaction_name
@@ -177,6 +187,5 @@ class ToolAgentLoop(AgentLoopBase):
         if data.interaction_name is not None and data.interaction_instance_id is not None:
             interaction = self._interaction(data)
             reward = max(reward, float(await interaction.calculate_score(data.interaction_instance_id)))
-            if not data.interaction_done:
-                await interaction.finalize_interaction(data.interaction_instance_id)
+            await interaction.finalize_interaction(data.interaction_instance_id)
         return reward

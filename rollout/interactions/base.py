@@ -74,7 +74,7 @@ def register_interaction(name: str) -> Callable[[type[BaseInteraction]], type[Ba
 
 
 def _builtin(name: str) -> type[BaseInteraction] | None:
-    from rollout.interactions import math_feedback  # noqa: F401 (registers the built-ins)
+    from rollout.interactions import latency_env, math_feedback  # noqa: F401 (registers the built-ins)
 
     return _INTERACTIONS.get(name)
 

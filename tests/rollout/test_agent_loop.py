@@ -240,3 +240,23 @@ def test_truncate_text_sides():
     assert mid.startswith("a") and mid.endswith("b") and len(mid) == 40
     with pytest.raises(ValueError):
         truncate_text(text, 10, "up")
+
+
+async def test_interaction_turns_are_observations_and_end_the_episode(tiny_tokenizer):
+    from rollout.interactions import load_interaction_config
+
+    tok = tiny_tokenizer
+    script, turn_ids = turn_script(tok, ["I think it is \\boxed{80}.", ANSWER])
+    ctx = make_ctx(tok, FakeEngine(script=script))
+    ctx.tools = None
+    ctx.interactions = load_interaction_config("configs/interactions/math_feedback.yaml")
+    data = new_data()
+    data.interaction_name = "math_feedback"
+    traj = await ToolAgentLoop(ctx).run(data)
+    traj.validate()
+    assert traj.finish_reason is FinishReason.INTERACTION_DONE
+    assert traj.turn_scores == [0.0, 1.0] and traj.reward == 1.0
+    feedback = tok.decode([t for t, m in zip(traj.response_ids, traj.response_mask) if m == 0])
+    assert "incorrect" in feedback.lower()
+    assert traj.response_ids[: len(turn_ids[0])] == turn_ids[0]
+    assert traj.response_ids[-len(turn_ids[1]) :] == turn_ids[1]
