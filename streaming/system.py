@@ -69,6 +69,7 @@ class System:
     learner_idle_s: float = 0.0
     started: float = field(default_factory=time.monotonic)
     num_worker_replacements: int = 0
+    elapsed_base_s: float = 0.0  # state.elapsed_s when this segment started
     _last_counters: dict[str, float] = field(default_factory=dict)
     _next_worker: int = 0
 
@@ -159,13 +160,19 @@ class System:
         self.state.checkpoint = str(step_dir)
         self.state.checkpoint_step = self.state.learner_step
         self.state.checkpoint_policy_version = self.state.policy_version
-        self.state.elapsed_s = self.elapsed_s
+        self.state.elapsed_s = self.total_elapsed_s
         self.state.save(self.run_dir / "driver_state.json")
         return step_dir
 
     @property
     def elapsed_s(self) -> float:
+        """Wall time of this process's segment of the run."""
         return time.monotonic() - self.started
+
+    @property
+    def total_elapsed_s(self) -> float:
+        """Wall time over all segments (earlier ones were killed or finished and resumed)."""
+        return self.elapsed_base_s + self.elapsed_s
 
     # ---- health -------------------------------------------------------------------------------
 
@@ -201,7 +208,7 @@ class System:
     async def log_step(self, metrics: dict[str, float]) -> None:
         elapsed = self.elapsed_s
         metrics["learner/idle_ratio"] = self.learner_idle_s / max(elapsed, 1e-9)
-        metrics["time/elapsed_s"] = elapsed + self.state.elapsed_s
+        metrics["time/elapsed_s"] = self.total_elapsed_s
         metrics.update(await self._call(self.buffer.stats.remote()))
         totals: dict[str, float] = {}
         for w in self.workers:
@@ -217,8 +224,10 @@ class System:
         for i, engine in enumerate(self.engines):
             stats = await self._call(engine.stats.remote(), 60.0)
             metrics[f"engine/busy_fraction/engine-{i}"] = stats.busy_fraction
-            busy.append(stats.busy_fraction)
-        metrics["engine/busy_fraction"] = sum(busy) / len(busy)
+            busy.append((stats.busy_s, stats.uptime_s))
+        metrics["engine/busy_s"] = sum(b for b, _ in busy) / len(busy)
+        metrics["engine/uptime_s"] = sum(u for _, u in busy) / len(busy)
+        metrics["engine/busy_fraction"] = metrics["engine/busy_s"] / max(metrics["engine/uptime_s"], 1e-9)
         self.metrics.log(metrics, learner_step=self.state.learner_step, policy_version=self.state.policy_version)
 
 

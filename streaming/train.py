@@ -104,7 +104,8 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
                           cursor=state.cursor)
     metrics = MetricsLogger(run_dir, wandb_cfg=cfg.wandb, console=True, total_steps=cfg.trainer.total_steps)
     system = System(cfg=cfg, run_dir=run_dir, model_path=model_path, engines=engines, workers=[], buffer=buffer,
-                    learner=learner, stream=stream, metrics=metrics, state=state)
+                    learner=learner, stream=stream, metrics=metrics, state=state,
+                    elapsed_base_s=state.elapsed_s)
     system.workers = [make_worker(system, f"worker-{i}") for i in range(cfg.rollout.num_workers)]
     startup = cfg.rollout.engine.startup_timeout_s
     await asyncio.gather(*[c.wait_ready() for c in clients])

@@ -1,0 +1,186 @@
+"""Learner checkpoints and HF exports, both written to a temporary sibling and renamed into place.
+
+Checkpoint layout (`save_checkpoint(dir)`):
+
+    dir/hf/                  save_pretrained weights + config + tokenizer (vLLM can load it)
+    dir/value_head.pt        PPO value head state_dict
+    dir/optimizer.pt         AdamW state (FQN-keyed full state under FSDP)
+    dir/scheduler.pt         LambdaLR state
+    dir/rng.pt               torch CPU/CUDA, python, numpy and the engine's shuffle generator
+    dir/state.json           policy_version, num_optimizer_steps, the learner config
+
+Weights are fp32 safetensors and the optimiser state is saved as is, so on CPU a resumed engine
+takes bit-identical steps. Under FSDP rank 0 gathers full state dicts and writes; loading
+broadcasts from rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from learner.engine import TrainingEngine
+
+logger = logging.getLogger(__name__)
+
+
+def atomic_dir(final: Path, write: Callable[[Path], None]) -> Path:
+    """Run `write(tmp)` into a fresh sibling folder, then swap it into `final`."""
+    final = final.resolve()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        write(tmp)
+        if final.exists():
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _full_lm_state(engine: TrainingEngine) -> dict[str, torch.Tensor] | None:
+    """Unsharded LM state dict (rank 0 under FSDP, None on other ranks; None single-process: use the live model)."""
+    if not engine.is_distributed:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(engine.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k.removeprefix("lm."): v for k, v in sd.items() if k.startswith("lm.")} if engine.rank == 0 else None
+
+
+def _write_hf(engine: TrainingEngine, out: Path, state: dict[str, torch.Tensor] | None) -> None:
+    lm = engine.policy.lm
+    if state is None:
+        lm.save_pretrained(out, safe_serialization=True)
+    else:
+        lm.save_pretrained(out, state_dict=state, safe_serialization=True)
+    engine.tokenizer.save_pretrained(out)
+
+
+def save_hf(engine: TrainingEngine, directory: Path) -> Path:
+    state = _full_lm_state(engine)
+    if engine.rank == 0:
+        atomic_dir(directory, lambda tmp: _write_hf(engine, tmp, state))
+    _barrier(engine)
+    return directory
+
+
+def _optimizer_state(engine: TrainingEngine) -> dict:
+    if not engine.is_distributed:
+        return engine.optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(engine.policy, engine.optimizer, options=opts)
+
+
+def save_checkpoint(engine: TrainingEngine, directory: Path) -> Path:
+    lm_state = _full_lm_state(engine)
+    optim_state = _optimizer_state(engine)
+    head = engine.policy.value_head
+    head_state = None
+    if head is not None:
+        head_state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for k, v in head.state_dict().items()}
+    if engine.rank == 0:
+
+        def write(tmp: Path) -> None:
+            _write_hf(engine, tmp / "hf", lm_state)
+            if head_state is not None:
+                torch.save(head_state, tmp / "value_head.pt")
+            torch.save(optim_state, tmp / "optimizer.pt")
+            torch.save(engine.scheduler.state_dict(), tmp / "scheduler.pt")
+            torch.save(_rng_state(engine), tmp / "rng.pt")
+            state = {
+                "policy_version": engine.policy_version,
+                "num_optimizer_steps": engine.num_optimizer_steps,
+                "config": engine.cfg.model_dump(mode="json"),
+            }
+            (tmp / "state.json").write_text(json.dumps(state, indent=2))
+
+        atomic_dir(directory, write)
+        logger.info("saved checkpoint policy_version=%d to %s", engine.policy_version, directory)
+    _barrier(engine)
+    return directory
+
+
+def _rng_state(engine: TrainingEngine) -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "generator": engine.generator.get_state(),
+    }
+
+
+def _load_lm_weights(engine: TrainingEngine, folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def load_checkpoint(engine: TrainingEngine, directory: Path) -> None:
+    directory = Path(directory)
+    if not (directory / "state.json").exists():
+        raise ValueError(f"{directory} is not a learner checkpoint (no state.json)")
+    meta = json.loads((directory / "state.json").read_text())
+    lm_state = _load_lm_weights(engine, directory / "hf")
+    head_state = torch.load(directory / "value_head.pt") if (directory / "value_head.pt").exists() else None
+    if (head_state is None) != (engine.policy.value_head is None):
+        raise ValueError("checkpoint and config disagree on the value head (algo ppo vs grpo)")
+    optim_state = torch.load(directory / "optimizer.pt", weights_only=False)
+    if engine.is_distributed:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        full = {f"lm.{k}": v for k, v in lm_state.items()}
+        if head_state is not None:
+            full.update({f"value_head.{k}": v for k, v in head_state.items()})
+        opts = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(engine.policy, full, options=opts)
+        set_optimizer_state_dict(engine.policy, engine.optimizer, optim_state, options=opts)
+    else:
+        missing, unexpected = engine.policy.lm.load_state_dict(lm_state, strict=False)
+        tied = {"lm_head.weight"} if getattr(engine.policy.lm.config, "tie_word_embeddings", False) else set()
+        if unexpected or set(missing) - tied:
+            raise ValueError(f"checkpoint weights do not match the model: missing={missing} unexpected={unexpected}")
+        if head_state is not None:
+            engine.policy.value_head.load_state_dict(head_state)
+        engine.optimizer.load_state_dict(optim_state)
+    engine.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=False))
+    rng = torch.load(directory / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    engine.generator.set_state(rng["generator"])
+    engine.policy_version = int(meta["policy_version"])
+    engine.num_optimizer_steps = int(meta["num_optimizer_steps"])
+    logger.info("loaded checkpoint policy_version=%d from %s", engine.policy_version, directory)
+
+
+def _barrier(engine: TrainingEngine) -> None:
+    if engine.is_distributed:
+        torch.distributed.barrier()

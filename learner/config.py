@@ -1,0 +1,172 @@
+"""Learner configuration: optimisation, PPO/GRPO loss knobs and the staleness correction.
+
+`LearnerConfig` is the `[learner]` table of a run file; `CorrectionConfig` its `[learner.correction]`
+sub-table. Every knob the pure functions in `advantages.py`, `losses.py` and `correction.py` read is
+declared here with its constraint, so a bad run file fails at load time with a pydantic error instead
+of halfway through a step.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Algo(StrEnum):
+    GRPO = "grpo"  # group-normalised outcome advantage, no critic
+    PPO = "ppo"  # value head + GAE over action tokens
+
+
+class CorrectionMode(StrEnum):
+    NONE = "none"  # PPO ratio against behavior logprobs (naive off-policy baseline)
+    TIS = "tis"  # truncated IS: ratio (π_θ/π_prox)·min(π_prox/π_behav, C), clipped as PPO
+    DECOUPLED = "decoupled"  # AReaL: clip π_θ/π_prox, weight by min(π_prox/π_behav, C)
+    MASKED = "masked"  # IcePop/MIS: drop tokens/sequences whose π_prox/π_behav leaves [lo, hi]
+    M2PO = "m2po"  # second-moment trust region: mask largest (log π_prox/π_behav)² tokens
+
+
+class CorrectionLevel(StrEnum):
+    TOKEN = "token"  # per-token ratio
+    SEQUENCE = "sequence"  # product of token ratios over the sequence
+    GEOMETRIC = "geometric"  # geometric mean of token ratios over the sequence
+
+
+class ProxMode(StrEnum):
+    RECOMPUTE = "recompute"  # extra no-grad forward pass at the start of the step
+    LOGLINEAR = "loglinear"  # interpolate behav→current logprobs by version (no extra pass)
+
+
+class LossAggMode(StrEnum):
+    TOKEN_MEAN = "token-mean"
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    CONSTANT = "constant"  # Dr.GRPO: token sum / (num_seqs · constant)
+
+
+class KLEstimator(StrEnum):
+    K1 = "k1"  # log π_θ − log π_ref
+    K2 = "k2"  # ½ (log π_θ − log π_ref)²
+    K3 = "k3"  # exp(log π_ref − log π_θ) − 1 − (log π_ref − log π_θ)
+
+
+class LRSchedule(StrEnum):
+    CONSTANT = "constant"
+    LINEAR = "linear"
+    COSINE = "cosine"
+
+
+class CorrectionConfig(BaseModel):
+    """Staleness-aware importance correction (see `learner/correction.py` for the formulas)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: CorrectionMode = CorrectionMode.DECOUPLED
+    level: CorrectionLevel = CorrectionLevel.TOKEN
+    prox: ProxMode = ProxMode.RECOMPUTE
+    # Truncation cap C of π_prox/π_behav for tis/decoupled; `cap_by_lag[i]` overrides it for tokens of
+    # lag i (the last entry for all larger lags).
+    cap: float = Field(default=2.0, gt=0)
+    cap_by_lag: list[float] | None = None
+    # Keep interval [mask_low, mask_high] of π_prox/π_behav for `masked`; `mask_bounds_by_lag` per lag.
+    mask_low: float = Field(default=0.5, ge=0)
+    mask_high: float = Field(default=2.0, gt=0)
+    mask_bounds_by_lag: list[tuple[float, float]] | None = None
+    # M2PO: largest (log π_prox/π_behav)² tokens are masked until their mean is ≤ m2_threshold.
+    m2_threshold: float = Field(default=0.04, gt=0)
+    # Tokens whose lag exceeds this are masked out of every mode (None: no limit).
+    max_token_lag: int | None = Field(default=None, ge=0)
+    # Metrics break down by lag 0..num_lag_buckets-1 and `lag_{num_lag_buckets}plus`.
+    num_lag_buckets: int = Field(default=4, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> CorrectionConfig:
+        if self.mask_low >= self.mask_high:
+            raise ValueError(f"mask_low {self.mask_low} must be < mask_high {self.mask_high}")
+        if self.cap_by_lag is not None and (not self.cap_by_lag or min(self.cap_by_lag) <= 0):
+            raise ValueError("cap_by_lag must be a non-empty list of positive caps")
+        if self.mask_bounds_by_lag is not None:
+            if not self.mask_bounds_by_lag or any(lo >= hi or lo < 0 for lo, hi in self.mask_bounds_by_lag):
+                raise ValueError("mask_bounds_by_lag must be a non-empty list of (lo, hi) with 0 <= lo < hi")
+        return self
+
+    @property
+    def needs_prox(self) -> bool:
+        """Every mode but `none` reads π_prox."""
+        return self.mode != CorrectionMode.NONE
+
+
+class LearnerConfig(BaseModel):
+    """The training engine: model, optimiser, schedule, micro-batching and the PPO/GRPO loss."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "tiny"  # HF folder, or a built-in name resolved by rollout.models.resolve_model
+    algo: Algo = Algo.GRPO
+    device: str = Field(default="auto", pattern="^(auto|cpu|cuda)$")
+    dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16)$")  # autocast compute dtype
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    temperature: float = Field(default=1.0, gt=0)  # sampling temperature the engines use
+
+    # Optimiser and schedule (one scheduler step per optimiser step).
+    lr: float = Field(default=1e-6, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(default=1e-8, gt=0)
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    lr_schedule: LRSchedule = LRSchedule.CONSTANT
+    total_steps: int | None = Field(default=None, gt=0)  # optimiser steps; needed by linear/cosine
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+
+    # Batching: a train batch splits into num_minibatches optimiser steps per epoch; each mini-batch
+    # is packed into micro-batches of at most micro_batch_tokens padded tokens (grad accumulation).
+    ppo_epochs: int = Field(default=1, ge=1)
+    num_minibatches: int = Field(default=1, ge=1)
+    micro_batch_tokens: int = Field(default=4096, gt=0)
+    shuffle_minibatches: bool = True
+
+    # Policy loss.
+    clip_low: float = Field(default=0.2, ge=0, lt=1)
+    clip_high: float = Field(default=0.28, ge=0)
+    dual_clip_c: float | None = Field(default=3.0, gt=1)
+    loss_agg_mode: LossAggMode = LossAggMode.TOKEN_MEAN
+    loss_norm_constant: float | None = Field(default=None, gt=0)  # CONSTANT mode; None: padded length
+    entropy_coef: float = Field(default=0.0, ge=0)
+    kl_coef: float = Field(default=0.0, ge=0)
+    kl_estimator: KLEstimator = KLEstimator.K3
+    use_reference: bool = False  # keep a frozen copy of the initial model for the KL term
+
+    # Critic (PPO only): value head on the policy trunk.
+    vf_coef: float = Field(default=0.5, ge=0)
+    value_clip: float | None = Field(default=0.2, gt=0)
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    lam: float = Field(default=0.95, ge=0, le=1)
+    whiten_advantages: bool = True  # PPO: normalise GAE advantages over the batch's action tokens
+
+    # GRPO advantage.
+    grpo_scale_std: bool = True
+    dr_grpo: bool = False  # Dr.GRPO: no std scaling and the constant loss normaliser
+    use_turn_scores: bool = True  # per-turn scores join the return (PPO: at their turn's last token)
+
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> LearnerConfig:
+        if self.lr_schedule != LRSchedule.CONSTANT and self.total_steps is None:
+            raise ValueError(f"lr_schedule={self.lr_schedule.value!r} needs total_steps")
+        if self.kl_coef > 0 and not self.use_reference:
+            raise ValueError("kl_coef > 0 needs use_reference = true (the KL is to a frozen reference)")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must lie in [0, 1): {self.betas}")
+        return self
+
+    @property
+    def effective_loss_agg_mode(self) -> LossAggMode:
+        """Dr.GRPO forces the constant normaliser."""
+        return LossAggMode.CONSTANT if self.dr_grpo else self.loss_agg_mode
+
+    @property
+    def effective_scale_std(self) -> bool:
+        return self.grpo_scale_std and not self.dr_grpo

@@ -1,0 +1,342 @@
+"""`TrainingEngine`: one PPO/GRPO train step per buffer batch, on CPU or one rank of a GPU group.
+
+A step: (1) a no-grad pass over the batch for whatever the loss needs from the start-of-step policy —
+π_prox (correction `prox = recompute`), old values (PPO) and reference log-probs (KL); (2) advantages
+(GRPO group-normalised or masked GAE); (3) `ppo_epochs × num_minibatches` optimiser steps, each
+accumulating gradients over micro-batches packed by token budget; (4) `policy_version += 1`.
+
+policy_version convention: the engine starts at 0 (the initial weights); after `train_step` number k
+it holds policy_version k, which is the version weight_sync publishes. Token lag inside step k + 1 is
+k − (token policy_version).
+
+Under torch.distributed (the `LearnerGroup`, FSDP2) every rank receives the whole batch, computes
+the GRPO advantages on all of it, and trains on rows `rank::world_size`; normalisers are global and
+every rank runs the same number of micro-batch passes (collectives must match).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from learner import checkpoint as ckpt
+from learner.config import Algo, CorrectionMode, LearnerConfig, LossAggMode, LRSchedule
+from learner.correction import CorrectionTerms, loglinear_prox_logp, policy_ratio, staleness_correction
+from learner.is_metrics import TokenStats, correction_metrics
+from learner.losses import aggregate, kl_penalty, ppo_policy_loss, value_loss
+from learner.model import (
+    PolicyModel,
+    load_lm,
+    pack_by_tokens,
+    resolve_autocast_dtype,
+    resolve_device,
+    split_minibatches,
+)
+from learner.step_inputs import StepInputs, build_step_inputs
+from learner.types import TrainBatch
+
+logger = logging.getLogger(__name__)
+
+
+def _lr_lambda(cfg: LearnerConfig) -> Callable[[int], float]:
+    """Linear warmup to 1, then constant / linear / cosine decay to min_lr_ratio at total_steps."""
+    import math
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.lr_schedule == LRSchedule.CONSTANT or cfg.total_steps is None:
+            return 1.0
+        span = max(cfg.total_steps - cfg.warmup_steps, 1)
+        progress = min((step - cfg.warmup_steps) / span, 1.0)
+        if cfg.lr_schedule == LRSchedule.LINEAR:
+            decay = 1.0 - progress
+        else:
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+    return factor
+
+
+class TrainingEngine:
+    """HF policy (+ value head), AdamW, schedule and the PPO/GRPO step. See the module docstring."""
+
+    def __init__(self, cfg: LearnerConfig, *, shard: Callable[[torch.nn.Module], None] | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        from rollout.models import resolve_model
+
+        self.cfg = cfg
+        dist = torch.distributed
+        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world_size > 1 else 0
+        self.device = resolve_device(cfg.device)
+        if self.device.type == "cuda" and self.world_size > 1:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.autocast_dtype = resolve_autocast_dtype(cfg.dtype, self.device)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.model_path = resolve_model(cfg.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        lm = load_lm(self.model_path, self.device, gradient_checkpointing=cfg.gradient_checkpointing)
+        self.policy = PolicyModel(lm, with_value_head=cfg.algo == Algo.PPO).to(self.device)
+        self.reference: PolicyModel | None = None
+        if cfg.use_reference:
+            self.reference = PolicyModel(load_lm(self.model_path, self.device), with_value_head=False)
+            self.reference.requires_grad_(False).eval()
+        if shard is not None:
+            shard(self.policy)
+            if self.reference is not None:
+                shard(self.reference)
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.policy_version = 0
+        self.num_optimizer_steps = 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    # ---- forward helpers -------------------------------------------------------------------------
+
+    def _autocast(self) -> Any:
+        return torch.autocast(
+            self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
+        )
+
+    def _all_reduce(self, value: float, op: str = "sum") -> float:
+        if not self.is_distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        reduce_op = torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
+        torch.distributed.all_reduce(t, op=reduce_op)
+        return float(t.item())
+
+    def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Token-budget packing of `rows`, padded with empty entries to the group-wide count."""
+        lens = batch.seq_lens[rows].tolist()
+        groups = [rows[torch.tensor(g, dtype=torch.long)] for g in pack_by_tokens(lens, self.cfg.micro_batch_tokens)]
+        target = int(self._all_reduce(float(len(groups)), "max"))
+        return groups + [rows[:0]] * (target - len(groups))
+
+    def _forward(self, model: PolicyModel, mb: TrainBatch, *, with_entropy: bool = False) -> Any:
+        with self._autocast():
+            return model(
+                mb.input_ids,
+                mb.attention_mask,
+                temperature=self.cfg.temperature,
+                with_entropy=with_entropy,
+                entropy_requires_grad=self.cfg.entropy_coef > 0,
+            )
+
+    def _dummy_pass(self, batch: TrainBatch, *, backward: bool) -> None:
+        """A zero-weight pass so this rank joins the collectives of a micro-batch it does not have."""
+        mb = batch.select(torch.tensor([0]))
+        out = self._forward(self.policy, mb)
+        if backward:
+            zero = out.logp.sum() * 0.0 + (out.values.sum() * 0.0 if out.values is not None else 0.0)
+            zero.backward()
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Any, *, reference: bool = False) -> torch.Tensor:
+        """log π(token t) for every position of the batch under the current (or reference) weights,
+        [B, T] float32 on CPU, 0 at t = 0 and on padding. Uses the training micro-batching."""
+        tb = batch if isinstance(batch, TrainBatch) else TrainBatch.from_padded(batch, self.device)
+        model = self.reference if reference else self.policy
+        if model is None:
+            raise ValueError("compute_logprobs(reference=True) needs use_reference = true")
+        out = torch.zeros(tb.input_ids.shape, dtype=torch.float32)
+        for idx in self._micro_batches(tb, torch.arange(tb.batch_size)):
+            if idx.numel() == 0:
+                self._dummy_pass(tb, backward=False)
+                continue
+            mb = tb.select(idx)
+            logp = self._forward(model, mb).logp.float() * mb.attention_mask
+            out[idx, : mb.input_ids.shape[1]] = logp.cpu()
+        return out
+
+    # ---- the step ----------------------------------------------------------------------------------
+
+    def train_step(self, batch: Any) -> dict[str, float]:
+        """One PPO/GRPO step on a buffer batch; returns `learner/*`, `is/*`, `staleness/*` metrics."""
+        start = time.perf_counter()
+        cfg = self.cfg
+        full = batch if isinstance(batch, TrainBatch) else TrainBatch.from_padded(batch, self.device)
+        if full.batch_size < self.world_size:
+            raise ValueError(f"batch of {full.batch_size} sequences for {self.world_size} learner ranks")
+        self.policy.eval()  # no dropout anywhere: the no-grad pass and the training pass see one policy
+        inputs = build_step_inputs(self, full)
+        recompute_s = inputs.recompute_s
+        tb = inputs.batch
+        stats: list[TokenStats] = []
+        sums: dict[str, float] = {}
+        self.policy.train()
+        num_updates = 0
+        for _ in range(cfg.ppo_epochs):
+            gen = self.generator if cfg.shuffle_minibatches else None
+            for rows in split_minibatches(tb.batch_size, cfg.num_minibatches, gen):
+                parts = self._minibatch_update(tb, inputs, rows, stats)
+                for key, value in parts.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                num_updates += 1
+        self.policy_version += 1
+        elapsed = time.perf_counter() - start
+        metrics = {f"learner/{k}": v / num_updates for k, v in sums.items()}
+        num_tokens = self._all_reduce(float(tb.num_action_tokens))
+        total_tokens = self._all_reduce(float(tb.attention_mask.sum().item()))
+        metrics.update(
+            {
+                "learner/policy_version": float(self.policy_version),
+                "learner/num_optimizer_steps": float(self.num_optimizer_steps),
+                "learner/lr": float(self.scheduler.get_last_lr()[0]),
+                "learner/num_seqs": float(full.batch_size),
+                "learner/num_action_tokens": num_tokens,
+                "learner/tokens_per_s": total_tokens * cfg.ppo_epochs / max(elapsed, 1e-9),
+                "learner/step_time_s": elapsed,
+                "learner/recompute_time_s": recompute_s,
+                "learner/reward_mean": float(full.rewards.mean().item()),
+                "learner/advantage_mean": inputs.advantage_mean,
+                "learner/advantage_std": inputs.advantage_std,
+            }
+        )
+        if stats:
+            local = TokenStats.concat(stats)
+            if self.is_distributed:  # IS statistics cover every rank's tokens
+                gathered: list[Any] = [None] * self.world_size
+                torch.distributed.all_gather_object(gathered, local)
+                local = TokenStats.concat(gathered)
+            metrics.update(correction_metrics(local, cfg.correction.num_lag_buckets))
+        return metrics
+
+    def _minibatch_update(
+        self, tb: TrainBatch, inputs: StepInputs, rows: torch.Tensor, stats: list[TokenStats]
+    ) -> dict[str, float]:
+        """Accumulate gradients over the micro-batches of `rows`, clip, step; returns loss parts."""
+        cfg = self.cfg
+        mode = cfg.effective_loss_agg_mode
+        num_tokens = self._all_reduce(float(tb.loss_mask[rows].sum().item()))
+        num_seqs = self._all_reduce(float(rows.numel()))
+        constant = cfg.loss_norm_constant or self._all_reduce(float(inputs.full_width), "max")
+        norms = dict(num_tokens=num_tokens, num_seqs=num_seqs, constant=constant)
+        self.optimizer.zero_grad(set_to_none=True)
+        parts: dict[str, float] = {}
+        for idx in self._micro_batches(tb, rows):
+            if idx.numel() == 0:
+                self._dummy_pass(tb, backward=True)
+                continue
+            mb = tb.select(idx)
+            width = mb.input_ids.shape[1]
+            sl = lambda x: x[idx, :width]  # noqa: E731 — slice a [B, T] step tensor like `mb`
+            out = self._forward(self.policy, mb, with_entropy=True)
+            mask = mb.loss_mask
+            lag = sl(inputs.lag)
+            if inputs.terms is not None:
+                terms = _slice_terms(inputs.terms, sl)
+            else:
+                if cfg.correction.mode == CorrectionMode.NONE:
+                    prox = out.logp.detach()
+                else:
+                    prox = loglinear_prox_logp(out.logp, mb.behavior_logprobs, lag)
+                terms = staleness_correction(prox, mb.behavior_logprobs, lag, mask, cfg.correction)
+            ratio = policy_ratio(out.logp, terms)
+            pg, clipped, dual = ppo_policy_loss(
+                ratio,
+                sl(inputs.advantages),
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+                dual_clip_c=cfg.dual_clip_c,
+                clip=terms.clip,
+            )
+            pg_loss = aggregate(pg * terms.is_weight * terms.keep, mask, mode, **norms)
+            entropy = aggregate(out.entropy, mask, mode, **norms)
+            loss = pg_loss - cfg.entropy_coef * entropy
+            contrib = {"pg_loss": pg_loss.item(), "entropy": entropy.item()}
+            if inputs.ref_logp is not None:
+                kl = aggregate(kl_penalty(out.logp, sl(inputs.ref_logp), cfg.kl_estimator), mask, mode, **norms)
+                loss = loss + cfg.kl_coef * kl
+                contrib["kl"] = kl.item()
+            if out.values is not None:
+                vl, v_clipped = value_loss(out.values, sl(inputs.old_values), sl(inputs.returns), clip=cfg.value_clip)
+                vf = aggregate(vl, mask, LossAggMode.TOKEN_MEAN, num_tokens=num_tokens)
+                loss = loss + cfg.vf_coef * vf
+                contrib["value_loss"] = vf.item()
+                contrib["value_clip_frac"] = float((v_clipped & (mask != 0)).sum().item()) / max(num_tokens, 1.0)
+            # FSDP averages gradients over ranks; the normalisers are already global, so undo it.
+            (loss * self.world_size).backward()
+            contrib["loss"] = loss.item()
+            for key, value in contrib.items():
+                parts[key] = parts.get(key, 0.0) + value
+            valid = mask != 0
+            stats.append(
+                TokenStats(
+                    behav_ratio=terms.behav_ratio[valid].detach().float().cpu(),
+                    policy_ratio=ratio[valid].detach().float().cpu(),
+                    is_weight=terms.is_weight[valid].detach().float().cpu(),
+                    clipped=(clipped | dual)[valid].cpu(),
+                    masked=(~terms.keep)[valid].cpu(),
+                    lag=lag[valid].cpu(),
+                )
+            )
+        if self.is_distributed:
+            parts = {k: self._all_reduce(v) for k, v in parts.items()}
+        grad_norm = self._clip_and_step()
+        parts["grad_norm"] = grad_norm
+        return parts
+
+    def _clip_and_step(self) -> float:
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.num_optimizer_steps += 1
+        return float(norm.item())
+
+    # ---- weights out -------------------------------------------------------------------------------
+
+    def named_parameters_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) for every LM parameter, in the names vLLM's loader expects.
+
+        Single process: the live parameter tensors (detached views, no copy). FSDP: each parameter
+        is all-gathered on its own (`full_tensor()`), so at most one unsharded parameter is alive
+        beyond the shards; every rank must iterate (the gather is collective), rank 0 sends.
+        Tied weights appear once (under the input-embedding name), as in the HF checkpoint.
+        """
+        for name, param in self.policy.lm.named_parameters():
+            tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+            yield name, tensor.detach()
+
+    def save_hf(self, directory: str | Path) -> Path:
+        """HF `save_pretrained` folder (weights + config + tokenizer) that vLLM loads; atomic."""
+        return ckpt.save_hf(self, Path(directory))
+
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """Weights, optimiser, scheduler, RNG, step and policy_version; write-then-rename."""
+        return ckpt.save_checkpoint(self, Path(directory))
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        ckpt.load_checkpoint(self, Path(directory))
+
+
+def _slice_terms(terms: CorrectionTerms, sl: Callable[[torch.Tensor], torch.Tensor]) -> CorrectionTerms:
+    return CorrectionTerms(
+        anchor_logp=sl(terms.anchor_logp),
+        ratio_scale=sl(terms.ratio_scale),
+        is_weight=sl(terms.is_weight),
+        keep=sl(terms.keep),
+        behav_ratio=sl(terms.behav_ratio),
+        clip=terms.clip,
+    )

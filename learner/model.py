@@ -1,0 +1,120 @@
+"""The trainable module: a HF causal LM plus (PPO) a scalar value head on its last hidden state,
+and the micro-batch packing both the training pass and the log-prob recompute use.
+
+`PolicyModel.forward` returns per-token log-probs, entropies and values already shifted to the
+token they score (position t is predicted from the hidden state at t − 1), so everything downstream
+works on [B, T] tensors aligned with `input_ids`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from learner.losses import token_logprobs_and_entropy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class ForwardOut:
+    logp: torch.Tensor  # [B, T] log π(token t | prefix), 0 at t = 0
+    entropy: torch.Tensor | None  # [B, T]
+    values: torch.Tensor | None  # [B, T] V(prefix before token t), 0 at t = 0
+
+
+class PolicyModel(nn.Module):
+    """HF causal LM `lm` + optional `value_head` (Linear(hidden, 1), zero-initialised)."""
+
+    def __init__(self, lm: nn.Module, *, with_value_head: bool) -> None:
+        super().__init__()
+        self.lm = lm
+        hidden = lm.config.hidden_size
+        self.value_head = nn.Linear(hidden, 1) if with_value_head else None
+        if self.value_head is not None:
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor,  # [B, T]
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        entropy_requires_grad: bool = True,
+    ) -> ForwardOut:
+        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        logits = self.lm.get_output_embeddings()(hidden)
+        logp, entropy = token_logprobs_and_entropy(
+            logits,
+            input_ids,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_requires_grad=entropy_requires_grad,
+        )
+        values = None
+        if self.value_head is not None:
+            v = self.value_head(hidden[:, :-1]).squeeze(-1).float()
+            values = nn.functional.pad(v, (1, 0))
+        return ForwardOut(logp=logp, entropy=entropy, values=values)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """Mixed precision where the device has it: bf16 autocast on CUDA by default, fp32 on CPU."""
+    if name == "float32" or (name == "auto" and device.type != "cuda"):
+        return None
+    return torch.bfloat16
+
+
+def load_lm(path: Path, device: torch.device, *, gradient_checkpointing: bool = False) -> nn.Module:
+    """Load a HF folder as a float32 causal LM (master weights stay fp32; autocast handles bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    lm.config.use_cache = False
+    if gradient_checkpointing:
+        lm.gradient_checkpointing_enable()
+    return lm.to(device)
+
+
+def pack_by_tokens(seq_lens: list[int], budget: int) -> list[list[int]]:
+    """Group row indices into micro-batches whose padded size (rows × longest row) ≤ budget.
+
+    Longest rows first, greedy; a row longer than the budget gets a micro-batch of its own.
+    Deterministic, so every rank and every epoch packs a given mini-batch the same way.
+    """
+    order = sorted(range(len(seq_lens)), key=lambda i: (-seq_lens[i], i))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        width = seq_lens[current[0]] if current else seq_lens[i]
+        if current and (len(current) + 1) * max(width, 1) > budget:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def split_minibatches(
+    batch_size: int, num_minibatches: int, generator: torch.Generator | None
+) -> list[torch.Tensor]:
+    """Row indices of each mini-batch; shuffled with `generator` when one is given."""
+    if batch_size < num_minibatches:
+        raise ValueError(f"batch of {batch_size} sequences cannot split into {num_minibatches} mini-batches")
+    perm = torch.randperm(batch_size, generator=generator) if generator is not None else torch.arange(batch_size)
+    return list(torch.tensor_split(perm, num_minibatches))

@@ -1,0 +1,130 @@
+"""Everything a train step fixes before its first update: lags, the start-of-step no-grad pass
+(π_prox, old values, reference log-probs), advantages and — when π_prox is recomputed — the
+correction terms of the whole batch (so batch-level statistics such as M2PO's mask see every token).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from learner.advantages import (
+    broadcast_sequence_advantages,
+    grpo_advantages,
+    masked_gae,
+    masked_whiten,
+    token_level_rewards,
+)
+from learner.config import Algo, ProxMode
+from learner.correction import CorrectionTerms, staleness_correction
+from learner.types import TrainBatch
+
+if TYPE_CHECKING:
+    from learner.engine import TrainingEngine
+
+
+@dataclass(kw_only=True, slots=True)
+class StepInputs:
+    batch: TrainBatch  # this rank's rows
+    lag: torch.Tensor  # [B, T] learner policy_version − token policy_version (0 off the mask)
+    advantages: torch.Tensor  # [B, T]
+    returns: torch.Tensor | None  # [B, T] value targets (PPO)
+    old_values: torch.Tensor | None  # [B, T] (PPO)
+    ref_logp: torch.Tensor | None  # [B, T] (KL)
+    terms: CorrectionTerms | None  # whole-batch correction when prox = recompute
+    full_width: int  # padded length T of the batch as received
+    recompute_s: float  # time of the no-grad pass
+    advantage_mean: float
+    advantage_std: float
+
+
+def token_lags(batch: TrainBatch, policy_version: int) -> torch.Tensor:
+    """lag = policy_version − token policy_version on action tokens; ValueError for future tokens."""
+    valid = batch.loss_mask != 0
+    lag = torch.where(valid, policy_version - batch.policy_versions, torch.zeros_like(batch.policy_versions))
+    if bool((lag < 0).any()):
+        newest = int(batch.policy_versions[valid].max().item())
+        raise ValueError(f"batch has tokens of policy_version {newest} > learner policy_version {policy_version}")
+    return lag
+
+
+def sequence_returns(batch: TrainBatch, use_turn_scores: bool) -> torch.Tensor:
+    """[B] outcome per sequence: final reward (+ Σ turn scores when enabled)."""
+    if not (use_turn_scores and batch.turn_scores):
+        return batch.rewards
+    extra = torch.tensor([sum(s) for s in batch.turn_scores], dtype=torch.float32, device=batch.rewards.device)
+    return batch.rewards + extra
+
+
+@torch.no_grad()
+def _start_of_step_pass(engine: TrainingEngine, tb: TrainBatch, *, prox: bool, values: bool, ref: bool):
+    shape = tb.input_ids.shape
+    prox_logp = torch.zeros(shape, device=engine.device) if prox else None
+    old_values = torch.zeros(shape, device=engine.device) if values else None
+    ref_logp = torch.zeros(shape, device=engine.device) if ref else None
+    if not (prox or values or ref):
+        return prox_logp, old_values, ref_logp
+    for idx in engine._micro_batches(tb, torch.arange(tb.batch_size)):
+        if idx.numel() == 0:
+            engine._dummy_pass(tb, backward=False)
+            continue
+        mb = tb.select(idx)
+        width = mb.input_ids.shape[1]
+        if prox or values:
+            out = engine._forward(engine.policy, mb)
+            if prox_logp is not None:
+                prox_logp[idx, :width] = out.logp.float()
+            if old_values is not None:
+                old_values[idx, :width] = out.values.float()
+        if ref_logp is not None:
+            ref_logp[idx, :width] = engine._forward(engine.reference, mb).logp.float()
+    return prox_logp, old_values, ref_logp
+
+
+def build_step_inputs(engine: TrainingEngine, full: TrainBatch) -> StepInputs:
+    cfg = engine.cfg
+    full_lag = token_lags(full, engine.policy_version)
+    seq_adv = None
+    if cfg.algo == Algo.GRPO:  # group statistics need every row, before rows are split over ranks
+        seq_adv = grpo_advantages(
+            sequence_returns(full, cfg.use_turn_scores), full.group_index, scale_std=cfg.effective_scale_std
+        )
+    rows = torch.arange(full.batch_size)[engine.rank :: engine.world_size]
+    tb = full.select(rows) if engine.is_distributed else full
+    lag = full_lag[rows, : tb.input_ids.shape[1]]
+    recompute = cfg.correction.needs_prox and cfg.correction.prox == ProxMode.RECOMPUTE
+    start = time.perf_counter()
+    engine.policy.eval()
+    prox_logp, old_values, ref_logp = _start_of_step_pass(
+        engine, tb, prox=recompute, values=cfg.algo == Algo.PPO, ref=engine.reference is not None
+    )
+    recompute_s = time.perf_counter() - start
+    returns = None
+    if seq_adv is not None:
+        advantages = broadcast_sequence_advantages(seq_adv[rows], tb.loss_mask)
+    else:
+        token_rewards = token_level_rewards(tb.loss_mask, tb.rewards, tb.turn_scores if cfg.use_turn_scores else None)
+        advantages, returns = masked_gae(token_rewards, old_values, tb.loss_mask, gamma=cfg.gamma, lam=cfg.lam)
+        if cfg.whiten_advantages:
+            advantages = masked_whiten(advantages, tb.loss_mask, all_reduce=engine._all_reduce)
+    terms = None
+    if recompute:
+        terms = staleness_correction(prox_logp, tb.behavior_logprobs, lag, tb.loss_mask, cfg.correction)
+    valid = tb.loss_mask != 0
+    adv_valid = advantages[valid]
+    return StepInputs(
+        batch=tb,
+        lag=lag,
+        advantages=advantages,
+        returns=returns,
+        old_values=old_values,
+        ref_logp=ref_logp,
+        terms=terms,
+        full_width=int(full.input_ids.shape[1]),
+        recompute_s=recompute_s,
+        advantage_mean=float(adv_valid.mean().item()) if adv_valid.numel() else 0.0,
+        advantage_std=float(adv_valid.std().item()) if adv_valid.numel() > 1 else 0.0,
+    )

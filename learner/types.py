@@ -1,0 +1,107 @@
+"""`TrainBatch`: the learner's view of a buffer batch, as torch tensors on the learner device.
+
+Built from `buffer.types.PaddedBatch` (numpy, right-padded) with `TrainBatch.from_padded`; any object
+with the same attributes works, so the learner never imports the buffer package.
+
+Conventions (shared with the buffer):
+- sequences are prompt + response tokens, right-padded to T;
+- `loss_mask[b, t] == 1` iff token t was sampled by the policy; `behavior_logprobs[b, t]` is the
+  logprob of token t under the behavior policy and `policy_versions[b, t]` its weights' version
+  (-1 where the mask is 0);
+- the logprob of token t comes from the logits at position t-1, so position 0 never carries loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainBatch:
+    input_ids: torch.Tensor  # [B, T] int64
+    attention_mask: torch.Tensor  # [B, T] int64 (1 = real token)
+    loss_mask: torch.Tensor  # [B, T] float32 (1 = sampled by the policy)
+    behavior_logprobs: torch.Tensor  # [B, T] float32
+    policy_versions: torch.Tensor  # [B, T] int64, -1 where loss_mask == 0
+    seq_lens: torch.Tensor  # [B] int64
+    rewards: torch.Tensor  # [B] float32 (final score)
+    group_index: torch.Tensor  # [B] int64 (sequences of one GRPO group share it)
+    turn_scores: list[list[float]] = field(default_factory=list)  # [B][num_scored_turns]
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_action_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    @classmethod
+    def from_padded(cls, padded: Any, device: str | torch.device = "cpu") -> TrainBatch:
+        """Convert a `PaddedBatch`-like object (numpy arrays) and validate the data contract."""
+        import numpy as np
+        import torch
+
+        def t(name: str, dtype: torch.dtype) -> torch.Tensor:
+            value = getattr(padded, name)
+            arr = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))  # own copy
+            return arr.to(device=device, dtype=dtype)
+
+        batch = cls(
+            input_ids=t("input_ids", torch.int64),
+            attention_mask=t("attention_mask", torch.int64),
+            loss_mask=t("loss_mask", torch.float32),
+            behavior_logprobs=t("behavior_logprobs", torch.float32),
+            policy_versions=t("policy_versions", torch.int64),
+            seq_lens=t("seq_lens", torch.int64),
+            rewards=t("rewards", torch.float32),
+            group_index=t("group_index", torch.int64),
+            turn_scores=[list(map(float, s)) for s in getattr(padded, "turn_scores", None) or []],
+        )
+        batch.validate()
+        return batch
+
+    def validate(self) -> None:
+        """Raise ValueError when the arrays break the data contract."""
+        import torch
+
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(self.input_ids.shape)}")
+        shape = self.input_ids.shape
+        for name in ("attention_mask", "loss_mask", "behavior_logprobs", "policy_versions"):
+            if getattr(self, name).shape != shape:
+                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected {tuple(shape)}")
+        for name in ("seq_lens", "rewards", "group_index"):
+            if getattr(self, name).shape != shape[:1]:
+                raise ValueError(f"{name} must be [B={shape[0]}], got {tuple(getattr(self, name).shape)}")
+        if self.turn_scores and len(self.turn_scores) != shape[0]:
+            raise ValueError(f"turn_scores has {len(self.turn_scores)} rows for batch size {shape[0]}")
+        if bool((self.loss_mask[:, 0] != 0).any()):
+            raise ValueError("loss_mask at position 0 must be 0 (no logits predict the first token)")
+        if bool(((self.loss_mask != 0) & (self.attention_mask == 0)).any()):
+            raise ValueError("loss_mask is 1 on a padding position")
+        sampled = self.loss_mask != 0
+        if bool((self.policy_versions[sampled] < 0).any()):
+            raise ValueError("policy_versions must be >= 0 where loss_mask is 1")
+        if not bool(torch.isfinite(self.behavior_logprobs[sampled]).all()):
+            raise ValueError("behavior_logprobs must be finite where loss_mask is 1")
+
+    def select(self, index: torch.Tensor) -> TrainBatch:
+        """Rows `index` (a 1-D index tensor), trimmed to their longest sequence."""
+        width = max(int(self.seq_lens[index].max().item()), 1) if index.numel() else 1
+        rows = index.tolist()
+        return TrainBatch(
+            input_ids=self.input_ids[index, :width],
+            attention_mask=self.attention_mask[index, :width],
+            loss_mask=self.loss_mask[index, :width],
+            behavior_logprobs=self.behavior_logprobs[index, :width],
+            policy_versions=self.policy_versions[index, :width],
+            seq_lens=self.seq_lens[index],
+            rewards=self.rewards[index],
+            group_index=self.group_index[index],
+            turn_scores=[self.turn_scores[i] for i in rows] if self.turn_scores else [],
+        )
