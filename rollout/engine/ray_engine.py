@@ -1,0 +1,221 @@
+"""Engines in other processes or nodes: `EngineActor` (a Ray async actor hosting one `VLLMEngine`)
+and `RayEngineClient` (the `InferenceEngine` interface, implemented by awaiting actor calls).
+
+The actor is async with a high `max_concurrency`, so `abort` / `pause` run while `generate` calls
+are pending in the same actor. Every remote call is awaited with a timeout; a `generate` that
+times out is aborted on the actor and surfaces as `TimeoutError` (the `ServerManager` then treats
+the engine as unhealthy). Construction is lazy: `launch` returns at once and the first call waits
+for the engine to come up (bounded by `startup_timeout_s`).
+
+`stats()` is synchronous by interface, so the client reports what it observes itself (its requests
+in flight, tokens, aborts); `remote_stats()` asks the actor for the engine's own numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from typing import Any
+
+from rollout.engine.base import BusyClock, EngineStats, GenerationOutput, InferenceEngine, PauseMode, SamplingParams
+from rollout.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+MAX_CONCURRENCY = 4096  # concurrent actor calls: every in-flight generate holds one slot
+_IDS_KEPT = 65536  # request ids remembered for the abort-before-generate race
+
+
+def _remember(lru: OrderedDict[str, None], key: str) -> None:
+    lru[key] = None
+    lru.move_to_end(key)
+    while len(lru) > _IDS_KEPT:
+        lru.popitem(last=False)
+
+
+class EngineActor:
+    """Ray async actor body: one VLLMEngine per actor process (wrap with `ray.remote` to use)."""
+
+    def __init__(self, cfg: EngineConfig, engine_id: str, policy_version: int = 0) -> None:
+        self._cfg = cfg
+        self._engine_id = engine_id
+        self._policy_version = policy_version
+        self._engine: Any = None
+        self._starting: asyncio.Task[Any] | None = None
+        # Aborts that arrived before their generate (calls may interleave in an async actor) are
+        # honoured when the generate shows up; ids already started are never recorded, so an abort
+        # of a finished request cannot hit a later request reusing its id.
+        self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._started_ids: OrderedDict[str, None] = OrderedDict()
+
+    async def start(self) -> str:
+        """Build the engine (idempotent; concurrent callers share one build). Returns the device."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._build())
+        await self._starting
+        return self._engine.device
+
+    async def _build(self) -> None:
+        from rollout.engine.vllm_engine import VLLMEngine
+
+        self._engine = VLLMEngine(self._cfg, self._engine_id, policy_version=self._policy_version)
+
+    async def _ready(self) -> Any:
+        await self.start()
+        return self._engine
+
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
+        engine = await self._ready()
+        _remember(self._started_ids, request_id)
+        if request_id in self._early_aborts:
+            del self._early_aborts[request_id]
+            return GenerationOutput(
+                token_ids=[], logprobs=[], policy_versions=[], finish_reason="abort", num_prompt_tokens=len(prompt_ids)
+            )
+        return await engine.generate(request_id, prompt_ids, sampling)
+
+    async def abort(self, request_id: str) -> None:
+        engine = await self._ready()
+        if engine.has_request(request_id):
+            await engine.abort(request_id)
+        elif request_id not in self._started_ids:
+            _remember(self._early_aborts, request_id)
+
+    async def pause(self, mode: str = PauseMode.ABORT) -> None:
+        await (await self._ready()).pause(PauseMode(mode))
+
+    async def resume(self) -> None:
+        await (await self._ready()).resume()
+
+    async def load_weights_from_path(self, path: str, policy_version: int) -> None:
+        await (await self._ready()).load_weights_from_path(path, policy_version)
+
+    async def set_policy_version(self, policy_version: int) -> None:
+        await (await self._ready()).set_policy_version(policy_version)
+
+    async def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> list[Any]:
+        return await (await self._ready()).collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await (await self._ready()).reset_prefix_cache()
+
+    async def stats(self) -> EngineStats:
+        return (await self._ready()).stats()
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            await self._engine.shutdown()
+            self._engine = None
+            self._starting = None
+
+
+class RayEngineClient(InferenceEngine):
+    """`InferenceEngine` backed by an `EngineActor` handle."""
+
+    def __init__(self, actor: Any, engine_id: str, *, cfg: EngineConfig, policy_version: int = 0) -> None:
+        self.actor = actor
+        self.engine_id = engine_id
+        self.policy_version = policy_version
+        self.cfg = cfg
+        self._started: asyncio.Future[Any] | None = None
+        self._clock = BusyClock()
+        self._num_generated_tokens = 0
+        self._num_prompt_tokens = 0
+        self._num_aborted = 0
+
+    @classmethod
+    def launch(cls, cfg: EngineConfig, engine_id: str, *, policy_version: int = 0) -> RayEngineClient:
+        """Create the actor (needs `ray.init` done); returns without waiting for the engine to load."""
+        import ray
+
+        actor_cls = ray.remote(EngineActor).options(
+            num_cpus=cfg.num_cpus,
+            num_gpus=cfg.num_gpus,
+            max_concurrency=MAX_CONCURRENCY,
+        )
+        actor = actor_cls.remote(cfg, engine_id, policy_version)
+        return cls(actor, engine_id, cfg=cfg, policy_version=policy_version)
+
+    async def _call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        await self.wait_ready()
+        ref = getattr(self.actor, method).remote(*args, **kwargs)
+        return await asyncio.wait_for(ref, timeout or self.cfg.call_timeout_s)
+
+    async def wait_ready(self) -> str:
+        """Wait (bounded by `startup_timeout_s`) until the actor's engine is up; returns its device."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(
+                asyncio.wait_for(self.actor.start.remote(), self.cfg.startup_timeout_s)
+            )
+        return await asyncio.shield(self._started)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
+        self._clock.enter()
+        try:
+            output: GenerationOutput = await self._call("generate", request_id, list(prompt_ids), sampling)
+        except TimeoutError:
+            try:  # don't leave the request running on the actor; keep the timeout as the error
+                await self._call("abort", request_id, timeout=30.0)
+            except Exception as exc:  # fault boundary: the actor may be wedged or dead
+                logger.warning("engine %s: abort after timeout failed: %s", self.engine_id, exc)
+            raise
+        finally:
+            self._clock.exit()
+        self._num_generated_tokens += len(output.token_ids)
+        self._num_prompt_tokens += len(prompt_ids)
+        self._num_aborted += output.aborted
+        return output
+
+    async def abort(self, request_id: str) -> None:
+        await self._call("abort", request_id)
+
+    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
+        await self._call("pause", str(PauseMode(mode)))
+
+    async def resume(self) -> None:
+        await self._call("resume")
+
+    async def load_weights_from_path(self, path: str, policy_version: int) -> None:
+        await self._call("load_weights_from_path", str(path), policy_version)
+        self.policy_version = policy_version
+
+    async def set_policy_version(self, policy_version: int) -> None:
+        await self._call("set_policy_version", policy_version)
+        self.policy_version = policy_version
+
+    async def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> list[Any]:
+        call_timeout = None if timeout is None else timeout + 30.0  # the worker-side timeout fires first
+        return await self._call("collective_rpc", method, tuple(args), kwargs, timeout, timeout=call_timeout)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call("reset_prefix_cache")
+
+    async def remote_stats(self) -> EngineStats:
+        return await self._call("stats")
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            engine_id=self.engine_id,
+            policy_version=self.policy_version,
+            num_running=self._clock.num_running,
+            busy_s=self._clock.busy_s,
+            uptime_s=self._clock.uptime_s,
+            num_generated_tokens=self._num_generated_tokens,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_aborted=self._num_aborted,
+        )
+
+    async def shutdown(self) -> None:
+        """Shut the engine down and end the actor process."""
+        import ray
+
+        try:
+            await asyncio.wait_for(self.actor.shutdown.remote(), 60.0)
+        except Exception as exc:  # fault boundary: the actor may already be dead; kill it anyway
+            logger.warning("engine %s shutdown failed: %s", self.engine_id, exc)
+        ray.kill(self.actor, no_restart=True)

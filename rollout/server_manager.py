@@ -1,0 +1,209 @@
+"""`ServerManager`: routes agent-loop requests across N inference engines.
+
+Routing rule: a trajectory's first request goes to the healthy engine with the fewest outstanding
+requests (ties: the one that was given fewer requests so far); later turns of the same trajectory
+stick to that engine so its prefix cache (prompt + earlier turns) is reused. The sticky map is an
+LRU bounded by `max_sticky_keys`; an evicted trajectory is simply routed afresh.
+
+Health: an engine whose `generate` raises anything but `ValueError` (bad input is the caller's bug)
+is marked unhealthy and removed from routing; its sticky trajectories re-route, and the failed
+request is retried once on another engine (the output is a fresh sample of the same prompt, so
+nothing is lost). `AgentData` records the engine a trajectory used; `pin` restores that affinity
+after a resume in another worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rollout.engine.base import EngineStats, GenerationOutput, InferenceEngine, PauseMode, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class NoHealthyEngineError(RuntimeError):
+    """Every engine is marked unhealthy: rollouts cannot continue."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ServerManagerStats:
+    num_engines: int
+    num_healthy: int
+    num_sticky_keys: int
+    num_in_flight: int
+    num_sticky_evictions: int
+    num_engine_failures: int
+    num_retries: int
+    outstanding: dict[str, int]  # engine_id -> requests in flight through this manager
+    engines: list[EngineStats]  # healthy engines only
+
+    def metrics(self) -> dict[str, float]:
+        """Flat `rollout/*` metrics; busy fraction per engine is the engine idle-ratio vital."""
+        out: dict[str, float] = {
+            "rollout/num_engines_healthy": float(self.num_healthy),
+            "rollout/num_in_flight": float(self.num_in_flight),
+            "rollout/num_sticky_keys": float(self.num_sticky_keys),
+            "rollout/num_engine_failures": float(self.num_engine_failures),
+        }
+        for s in self.engines:
+            out[f"rollout/engine_busy_fraction/{s.engine_id}"] = s.busy_fraction
+        return out
+
+
+class ServerManager:
+    """Least-outstanding-requests choice on a trajectory's first call, sticky afterwards."""
+
+    def __init__(
+        self, engines: Sequence[InferenceEngine], *, max_sticky_keys: int = 100_000, max_retries: int = 1
+    ) -> None:
+        if not engines:
+            raise ValueError("ServerManager needs at least one engine")
+        ids = [e.engine_id for e in engines]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"engine ids must be unique, got {ids}")
+        if max_sticky_keys < 1:
+            raise ValueError(f"max_sticky_keys must be >= 1, got {max_sticky_keys}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self._engines: dict[str, InferenceEngine] = {e.engine_id: e for e in engines}
+        self._healthy: set[str] = set(ids)
+        self._outstanding: dict[str, int] = dict.fromkeys(ids, 0)
+        self._num_routed: dict[str, int] = dict.fromkeys(ids, 0)
+        self._sticky: OrderedDict[str, str] = OrderedDict()  # trajectory_key -> engine_id, LRU order
+        self._in_flight: dict[str, str] = {}  # request_id -> engine_id
+        self.max_sticky_keys = max_sticky_keys
+        self.max_retries = max_retries
+        self._num_sticky_evictions = 0
+        self._num_engine_failures = 0
+        self._num_retries = 0
+
+    # -- routing ----------------------------------------------------------------------------------
+
+    @property
+    def engine_ids(self) -> list[str]:
+        return list(self._engines)
+
+    @property
+    def healthy_engine_ids(self) -> list[str]:
+        return [e for e in self._engines if e in self._healthy]
+
+    def engine(self, engine_id: str) -> InferenceEngine:
+        return self._engines[engine_id]
+
+    def sticky_engine(self, trajectory_key: str) -> str | None:
+        """The engine a trajectory is pinned to, if any (does not refresh its LRU position)."""
+        return self._sticky.get(trajectory_key)
+
+    def _remember(self, trajectory_key: str, engine_id: str) -> None:
+        self._sticky[trajectory_key] = engine_id
+        self._sticky.move_to_end(trajectory_key)
+        while len(self._sticky) > self.max_sticky_keys:
+            self._sticky.popitem(last=False)
+            self._num_sticky_evictions += 1
+
+    def choose(self, trajectory_key: str) -> str:
+        """Engine for the next request of `trajectory_key` (and remember it)."""
+        engine_id = self._sticky.get(trajectory_key)
+        if engine_id is None or engine_id not in self._healthy:
+            if not self._healthy:
+                raise NoHealthyEngineError(f"all {len(self._engines)} engines are unhealthy")
+            engine_id = min(self.healthy_engine_ids, key=lambda e: (self._outstanding[e], self._num_routed[e]))
+        self._remember(trajectory_key, engine_id)
+        return engine_id
+
+    def pin(self, trajectory_key: str, engine_id: str) -> bool:
+        """Restore affinity (e.g. from AgentData after a resume); False if that engine can't take it."""
+        if engine_id not in self._healthy:
+            return False
+        self._remember(trajectory_key, engine_id)
+        return True
+
+    def release(self, trajectory_key: str) -> None:
+        """Forget a finished trajectory's affinity."""
+        self._sticky.pop(trajectory_key, None)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    async def generate(
+        self, trajectory_key: str, request_id: str, prompt_ids: list[int], sampling: SamplingParams
+    ) -> tuple[GenerationOutput, str]:
+        """Generate on the trajectory's engine; returns the output and the engine id that produced it."""
+        if request_id in self._in_flight:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        attempt = 0
+        while True:
+            engine_id = self.choose(trajectory_key)
+            self._outstanding[engine_id] += 1
+            self._num_routed[engine_id] += 1
+            self._in_flight[request_id] = engine_id
+            try:
+                output = await self._engines[engine_id].generate(request_id, prompt_ids, sampling)
+            except ValueError:  # bad request: the caller's bug, the engine is fine
+                raise
+            except Exception as exc:  # fault boundary: the engine, not the request, is broken
+                self._num_engine_failures += 1
+                self.mark_unhealthy(engine_id, reason=f"{type(exc).__name__}: {exc}")
+                if attempt >= self.max_retries or not self._healthy:
+                    raise
+                attempt += 1
+                self._num_retries += 1
+                continue
+            finally:
+                self._outstanding[engine_id] -= 1
+                del self._in_flight[request_id]
+            return output, engine_id
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request on the engine holding it; unknown/finished ids are ignored."""
+        engine_id = self._in_flight.get(request_id)
+        if engine_id is not None:
+            await self._engines[engine_id].abort(request_id)
+
+    def mark_unhealthy(self, engine_id: str, reason: str = "") -> None:
+        """Stop routing to an engine; its sticky trajectories will be re-routed on their next turn."""
+        if engine_id not in self._engines:
+            raise ValueError(f"unknown engine {engine_id!r}")
+        if engine_id in self._healthy:
+            self._healthy.discard(engine_id)
+            logger.warning("engine %s marked unhealthy: %s", engine_id, reason or "by caller")
+        for key in [k for k, e in self._sticky.items() if e == engine_id]:
+            del self._sticky[key]
+
+    def mark_healthy(self, engine_id: str) -> None:
+        if engine_id not in self._engines:
+            raise ValueError(f"unknown engine {engine_id!r}")
+        self._healthy.add(engine_id)
+
+    # -- fleet-wide control -----------------------------------------------------------------------
+
+    async def _each(self, method: str, *args: object) -> None:
+        await asyncio.gather(*(getattr(self._engines[e], method)(*args) for e in self.healthy_engine_ids))
+
+    async def pause_all(self, mode: PauseMode = PauseMode.ABORT) -> None:
+        await self._each("pause", PauseMode(mode))
+
+    async def resume_all(self) -> None:
+        await self._each("resume")
+
+    async def set_policy_version(self, policy_version: int) -> None:
+        await self._each("set_policy_version", policy_version)
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(e.shutdown() for e in self._engines.values()), return_exceptions=True)
+
+    def stats(self) -> ServerManagerStats:
+        return ServerManagerStats(
+            num_engines=len(self._engines),
+            num_healthy=len(self._healthy),
+            num_sticky_keys=len(self._sticky),
+            num_in_flight=len(self._in_flight),
+            num_sticky_evictions=self._num_sticky_evictions,
+            num_engine_failures=self._num_engine_failures,
+            num_retries=self._num_retries,
+            outstanding=dict(self._outstanding),
+            engines=[self._engines[e].stats() for e in self.healthy_engine_ids],
+        )

@@ -1,0 +1,176 @@
+"""ServerManager routing: least-outstanding first turn, sticky later turns, LRU bound, health."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollout.engine import EngineConfig, FakeEngine, SamplingParams
+from rollout.server_manager import NoHealthyEngineError, ServerManager
+
+SAMPLING = SamplingParams(max_tokens=4)
+
+
+def fleet(num: int, **kwargs) -> list[FakeEngine]:
+    return [FakeEngine(f"e{i}", **kwargs) for i in range(num)]
+
+
+@pytest.mark.timeout(30)
+async def test_first_turn_goes_to_least_outstanding_engine():
+    engines = fleet(3, script=[list(range(200))], token_delay_s=0.005)
+    manager = ServerManager(engines)
+    slow = [
+        asyncio.create_task(manager.generate(f"t{i}", f"r{i}", [1], SamplingParams(max_tokens=200))) for i in range(4)
+    ]
+    await asyncio.sleep(0.01)
+    # 4 long requests over 3 engines: 2 + 1 + 1 outstanding, spread by tie-breaking.
+    assert sorted(manager.stats().outstanding.values()) == [1, 1, 2]
+    busiest = max(manager.stats().outstanding, key=manager.stats().outstanding.get)
+    quick, engine_id = await manager.generate("fresh", "q", [1], SAMPLING)
+    assert engine_id != busiest and len(quick.token_ids) == 4
+    await manager.pause_all()
+    outs = await asyncio.gather(*slow)
+    assert all(out.finish_reason == "abort" for out, _ in outs)
+    await manager.resume_all()
+    assert manager.stats().num_in_flight == 0
+
+
+@pytest.mark.timeout(30)
+async def test_trajectory_sticks_to_its_engine_across_turns():
+    manager = ServerManager(fleet(3))
+    _, first = await manager.generate("traj", "t0", [1, 2], SAMPLING)
+    for turn in range(1, 6):
+        # Load elsewhere does not move a trajectory that already has an engine.
+        await manager.generate(f"other{turn}", f"o{turn}", [3], SAMPLING)
+        _, engine_id = await manager.generate("traj", f"t{turn}", [1, 2, turn], SAMPLING)
+        assert engine_id == first
+    requests = {e: [rid for rid, _ in manager.engine(e).requests_seen] for e in manager.engine_ids}
+    assert all(f"t{turn}" in requests[first] for turn in range(6))
+
+
+@pytest.mark.timeout(30)
+async def test_sticky_map_is_lru_bounded():
+    manager = ServerManager(fleet(2), max_sticky_keys=3)
+    for i in range(3):
+        await manager.generate(f"t{i}", f"r{i}", [1], SAMPLING)
+    await manager.generate("t0", "r0b", [1], SAMPLING)  # refresh t0: t1 is now the oldest
+    await manager.generate("t3", "r3", [1], SAMPLING)
+    assert manager.sticky_engine("t1") is None
+    assert all(manager.sticky_engine(k) is not None for k in ("t0", "t2", "t3"))
+    stats = manager.stats()
+    assert stats.num_sticky_keys == 3 and stats.num_sticky_evictions == 1
+    manager.release("t0")
+    assert manager.sticky_engine("t0") is None
+
+
+@pytest.mark.timeout(30)
+async def test_failing_engine_is_removed_and_request_retried():
+    engines = fleet(2)
+    manager = ServerManager(engines)
+    _, engine_id = await manager.generate("traj", "r0", [1], SAMPLING)
+    broken = manager.engine(engine_id)
+    broken.fail_with = RuntimeError("worker crashed")
+    out, new_engine = await manager.generate("traj", "r1", [1, 2], SAMPLING)
+    assert new_engine != engine_id and len(out.token_ids) == 4
+    assert manager.healthy_engine_ids == [new_engine]
+    assert manager.sticky_engine("traj") == new_engine
+    stats = manager.stats()
+    assert stats.num_engine_failures == 1 and stats.num_retries == 1 and stats.num_healthy == 1
+    assert manager.pin("traj", engine_id) is False  # can't pin to an unhealthy engine
+
+    manager.engine(new_engine).fail_with = RuntimeError("also crashed")
+    with pytest.raises(RuntimeError, match="also crashed"):
+        await manager.generate("traj", "r2", [1], SAMPLING)
+    with pytest.raises(NoHealthyEngineError):
+        await manager.generate("traj", "r3", [1], SAMPLING)
+
+
+@pytest.mark.timeout(30)
+async def test_bad_request_does_not_mark_engine_unhealthy():
+    manager = ServerManager(fleet(2))
+    with pytest.raises(ValueError):
+        await manager.generate("traj", "r0", [], SAMPLING)
+    assert manager.stats().num_healthy == 2
+
+
+@pytest.mark.timeout(30)
+async def test_mark_unhealthy_reroutes_and_pin_restores_affinity():
+    manager = ServerManager(fleet(2))
+    assert manager.pin("resumed", "e1") is True
+    _, engine_id = await manager.generate("resumed", "r0", [1], SAMPLING)
+    assert engine_id == "e1"
+    manager.mark_unhealthy("e1", reason="test")
+    assert manager.sticky_engine("resumed") is None
+    _, engine_id = await manager.generate("resumed", "r1", [1], SAMPLING)
+    assert engine_id == "e0"
+    manager.mark_healthy("e1")
+    assert manager.pin("resumed", "e1") is True
+    with pytest.raises(ValueError, match="unknown engine"):
+        manager.mark_unhealthy("nope")
+
+
+@pytest.mark.timeout(30)
+async def test_abort_is_routed_to_the_engine_holding_the_request():
+    manager = ServerManager(fleet(2, script=[list(range(500))], token_delay_s=0.002))
+    task = asyncio.create_task(manager.generate("traj", "long", [1], SamplingParams(max_tokens=500)))
+    await asyncio.sleep(0.02)
+    await manager.abort("long")
+    await manager.abort("unknown")
+    out, _ = await task
+    assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 500
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="at least one"):
+        ServerManager([])
+    with pytest.raises(ValueError, match="unique"):
+        ServerManager([FakeEngine("a"), FakeEngine("a")])
+    with pytest.raises(ValueError, match="max_sticky_keys"):
+        ServerManager([FakeEngine("a")], max_sticky_keys=0)
+
+
+@pytest.mark.vllm
+@pytest.mark.ray
+@pytest.mark.timeout(400)
+async def test_sticky_routing_over_two_ray_vllm_engines(ray_cluster, tiny_model_path):
+    from rollout.engine import make_engine
+
+    cfg = EngineConfig(
+        model=str(tiny_model_path),
+        device="cpu",
+        max_model_len=2048,
+        max_num_seqs=8,
+        placement="ray",
+        num_cpus=1,
+        startup_timeout_s=300,
+        call_timeout_s=300,
+    )
+    engines = [make_engine(cfg, f"ray-{i}") for i in range(2)]
+    manager = ServerManager(engines)
+    try:
+        assert await asyncio.gather(*(e.wait_ready() for e in engines)) == ["cpu", "cpu"]
+        greedy = SamplingParams(max_tokens=6, temperature=0.0)
+        prompts = {"traj-a": [5, 6, 7], "traj-b": [8, 9, 10]}
+        first = await asyncio.gather(*(manager.generate(k, f"{k}-0", p, greedy) for k, p in prompts.items()))
+        homes = {k: engine_id for k, (_, engine_id) in zip(prompts, first, strict=True)}
+        assert set(homes.values()) == {"ray-0", "ray-1"}  # concurrent first turns spread out
+        for turn in range(1, 3):
+            for key, (out, _) in zip(prompts, first, strict=True):
+                prompts[key] = prompts[key] + out.token_ids
+            first = await asyncio.gather(
+                *(manager.generate(k, f"{k}-{turn}", p, greedy) for k, p in prompts.items())
+            )
+            assert {k: e for k, (_, e) in zip(prompts, first, strict=True)} == homes
+        # Abort while a generate is in flight inside the actor.
+        task = asyncio.create_task(
+            manager.generate("traj-a", "long", [5, 6, 7], SamplingParams(max_tokens=2000, temperature=0.0))
+        )
+        await asyncio.sleep(0.5)
+        await manager.abort("long")
+        out, engine_id = await asyncio.wait_for(task, 60)
+        assert engine_id == homes["traj-a"] and out.finish_reason == "abort" and len(out.token_ids) < 2000
+        remote = await engines[0].remote_stats()
+        assert remote.engine_id == "ray-0" and remote.num_generated_tokens > 0
+    finally:
+        await manager.shutdown()

@@ -1,0 +1,70 @@
+"""Bucket layout, packing, checksums and the manifest wire format (pure, milliseconds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.weight_sync.fakes import toy_weights
+from weight_sync.buckets import checksum, pack_bucket, plan_buckets, unpack_bucket
+from weight_sync.types import SLOT_ALIGN, SyncManifest
+
+
+def test_buckets_group_by_dtype_and_respect_size_bound():
+    weights = toy_weights()
+    buckets = plan_buckets(weights, bucket_bytes=512)
+    for bucket in buckets:
+        assert {t.dtype for t in bucket.tensors} == {bucket.dtype}
+        assert bucket.nbytes % SLOT_ALIGN == 0
+        assert all(t.offset % SLOT_ALIGN == 0 for t in bucket.tensors)
+        assert bucket.nbytes <= 512 or len(bucket.tensors) == 1  # oversize tensors travel alone
+    assert sorted(t.name for b in buckets for t in b.tensors) == sorted(n for n, _ in weights)
+    assert len(buckets) > len({b.dtype for b in buckets})  # the bound actually split float32
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 1 << 20])  # 64: most tensors travel alone, zero-copy
+def test_pack_unpack_round_trip_is_exact(bucket_bytes):
+    weights = toy_weights()
+    by_name = dict(weights)
+    for bucket in plan_buckets(weights, bucket_bytes=bucket_bytes):
+        flat = pack_bucket(bucket, by_name, "cpu")
+        assert flat.dtype == torch.uint8 and flat.numel() == bucket.nbytes
+        received = flat.clone()  # what a receiver holds after the broadcast
+        assert checksum(received) == checksum(flat)
+        for name, view in unpack_bucket(bucket, received):
+            assert view.dtype == by_name[name].dtype
+            assert torch.equal(view, by_name[name])
+
+
+def test_checksum_is_additive_over_slots_and_detects_a_flipped_value():
+    weights = [(n, t) for n, t in toy_weights() if t.dtype == torch.float32]
+    by_name = dict(weights)
+    (bucket,) = plan_buckets(weights, bucket_bytes=1 << 20)
+    flat = pack_bucket(bucket, by_name, "cpu")
+    singles = [checksum(pack_bucket(b, by_name, "cpu")) for b in plan_buckets(weights, bucket_bytes=SLOT_ALIGN)]
+    assert checksum(flat) == sum(singles) % (1 << 64)
+    corrupted = flat.clone()
+    corrupted[17] ^= 0x01
+    assert checksum(corrupted) != checksum(flat)
+
+
+def test_bad_input_raises_value_error():
+    t = torch.zeros(2)
+    with pytest.raises(ValueError, match="duplicate"):
+        plan_buckets([("a", t), ("a", t)], bucket_bytes=1024)
+    (bucket,) = plan_buckets([("a", t)], bucket_bytes=1024)
+    with pytest.raises(ValueError, match="changed shape"):
+        pack_bucket(bucket, {"a": torch.zeros(3)}, "cpu")
+    bucket.tensors[0].dtype = "nonsense"
+    with pytest.raises(ValueError, match="unknown tensor dtype"):
+        list(unpack_bucket(bucket, torch.zeros(bucket.nbytes, dtype=torch.uint8)))
+
+
+def test_manifest_json_round_trip():
+    buckets = plan_buckets(toy_weights(), bucket_bytes=256)
+    buckets[0].checksum = (1 << 64) - 3
+    manifest = SyncManifest(policy_version=7, buckets=buckets)
+    again = SyncManifest.from_json(manifest.to_json())
+    assert again == manifest
+    assert again.num_bytes == sum(b.nbytes for b in buckets)
+    assert again.num_tensors == len(toy_weights())

@@ -1,0 +1,145 @@
+"""The transactional sync over a real gloo group with in-process engine doubles (no vLLM, seconds).
+
+Proves the protocol: phase order, resume in `finally`, checksum mismatch -> no load and no version
+bump, a peer that never joins -> failure within the transfer timeout, retry after failure, the
+filesystem transport and one broadcast into two engines.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from rollout.engine.base import PauseMode
+from tests.weight_sync.fakes import NeverJoinsEngine, RecordingWorkers, ThreadEngine, toy_weights
+from weight_sync.config import SyncTimeouts, TransportKind, WeightSyncConfig
+from weight_sync.coordinator import WeightSyncCoordinator
+from weight_sync.distributed import DistributedTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _config(**overrides) -> WeightSyncConfig:
+    base = dict(bucket_bytes=1024, timeouts=SyncTimeouts(transfer=3.0, load=5.0, pause=2.0, resume=2.0, verify=2.0))
+    return WeightSyncConfig(**(base | overrides))
+
+
+def _assert_loaded(engine: ThreadEngine, weights) -> None:
+    assert set(engine.worker.loaded) == {n for n, _ in weights}
+    for name, tensor in weights:
+        assert torch.equal(engine.worker.loaded[name], tensor), name
+
+
+async def test_one_broadcast_updates_two_engines_in_protocol_order():
+    events: list[tuple[str, str]] = []
+    engines = [ThreadEngine("e0", events), ThreadEngine("e1", events)]
+    coordinator = WeightSyncCoordinator(_config(), engines, workers=RecordingWorkers(events))
+    weights = toy_weights(1)
+    result = await coordinator.sync(weights)
+    assert result.ok, result.error
+    assert result.policy_version == 1 and coordinator.policy_version == 1
+    assert result.num_bytes > 0 and result.transfer_s > 0
+    for engine in engines:
+        _assert_loaded(engine, weights)
+        assert engine.policy_version == 1
+    assert events[0] == ("workers", "pause")
+    assert [e for _, e in events[1:3]] == ["pause:abort", "pause:abort"]
+    assert [e for _, e in events[3:5]] == ["version:1", "version:1"]
+    assert [e for _, e in events[5:7]] == ["resume", "resume"]
+    assert events[7] == ("workers", "resume")
+    metrics = coordinator.metrics()
+    assert metrics["sync/failed"] == 0.0 and metrics["sync/bytes"] == result.num_bytes
+    # the group is reused by the next sync
+    weights2 = toy_weights(2)
+    assert (await coordinator.sync(weights2)).ok
+    _assert_loaded(engines[1], weights2)
+    assert engines[1].policy_version == 2
+    await coordinator.close()
+
+
+async def test_corruption_in_flight_is_detected_and_nothing_is_loaded():
+    engines = [ThreadEngine("e0"), ThreadEngine("e1")]
+
+    def flip(bucket_index: int, flat: torch.Tensor) -> None:
+        if bucket_index == 1:
+            flat[3] ^= 0x40
+
+    transport = DistributedTransport(_config(), corrupt_hook=flip)
+    coordinator = WeightSyncCoordinator(_config(), engines, transport=transport)
+    result = await coordinator.sync(toy_weights(1))
+    assert not result.ok and result.failed_phase == "verify"
+    assert "checksum mismatch" in result.error and "buckets [1]" in result.error
+    assert all(e.worker.num_loads == 0 and e.policy_version == 0 for e in engines)
+    assert all(e.worker._ws_staged is None for e in engines)  # staging discarded
+    assert coordinator.metrics()["sync/failed"] == 1.0
+    transport.corrupt_hook = None  # the next sync retries over a rebuilt group
+    result = await coordinator.sync(toy_weights(1), policy_version=1)
+    assert result.ok, result.error
+    _assert_loaded(engines[0], toy_weights(1))
+    await coordinator.close()
+
+
+async def test_peer_that_never_joins_fails_within_the_timeout_then_retry_succeeds():
+    events: list[tuple[str, str]] = []
+    alive = ThreadEngine("alive", events)
+    config = _config()
+    coordinator = WeightSyncCoordinator(config, [alive, NeverJoinsEngine("dead", events)], workers=RecordingWorkers(events))
+    started = time.monotonic()
+    result = await coordinator.sync(toy_weights(1))
+    elapsed = time.monotonic() - started
+    assert not result.ok and result.failed_phase == "transfer"
+    assert "did not form" in result.error and "3 ranks" in result.error
+    assert elapsed < config.timeouts.transfer + 3.0
+    assert alive.policy_version == 0 and alive.worker.num_loads == 0
+    assert events[-1] == ("workers", "resume")  # resumed although the sync failed
+    survivor = WeightSyncCoordinator(config, [alive])
+    assert (await survivor.sync(toy_weights(1))).ok  # the live engine is not wedged by the failure
+    assert alive.policy_version == 1
+    await survivor.close()
+
+
+async def test_keep_mode_leaves_rollout_workers_alone():
+    events: list[tuple[str, str]] = []
+    engine = ThreadEngine("e0", events)
+    coordinator = WeightSyncCoordinator(
+        _config(pause_mode=PauseMode.KEEP), [engine], workers=RecordingWorkers(events)
+    )
+    assert (await coordinator.sync(toy_weights(1))).ok
+    assert [e for _, e in events] == ["pause:keep", "version:1", "resume"]
+    await coordinator.close()
+
+
+async def test_failed_pause_still_resumes_and_reports():
+    events: list[tuple[str, str]] = []
+    engine = ThreadEngine("e0", events)
+    coordinator = WeightSyncCoordinator(_config(), [engine], workers=RecordingWorkers(events, fail_pause=True))
+    result = await coordinator.sync(toy_weights(1))
+    assert not result.ok and result.failed_phase == "pause" and "crashed while parking" in result.error
+    assert ("e0", "resume") in events and events[-1] == ("workers", "resume")
+    assert engine.policy_version == 0
+
+
+async def test_filesystem_transport_stages_from_versioned_folders(tmp_path):
+    config = _config(transport=TransportKind.FILESYSTEM, fs_dir=str(tmp_path), keep_last_n=2)
+    engines = [ThreadEngine("e0"), ThreadEngine("e1")]
+    coordinator = WeightSyncCoordinator(config, engines)
+    for version in (1, 2, 3):
+        weights = toy_weights(version)
+        result = await coordinator.sync(weights)
+        assert result.ok and result.policy_version == version, result.error
+        for engine in engines:
+            _assert_loaded(engine, weights)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2", "v3"]
+    assert (tmp_path / "v3" / "manifest.json").exists()
+
+
+async def test_bad_requests_raise_value_error():
+    coordinator = WeightSyncCoordinator(_config(), [ThreadEngine("e0")])
+    with pytest.raises(ValueError, match="must increase"):
+        await coordinator.sync(toy_weights(), policy_version=0)
+    with pytest.raises(ValueError, match="no tensors"):
+        await coordinator.sync([])
+    with pytest.raises(ValueError, match="unique"):
+        WeightSyncCoordinator(_config(), [ThreadEngine("x"), ThreadEngine("x")])

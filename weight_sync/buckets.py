@@ -1,0 +1,129 @@
+"""Flat per-dtype buckets: plan the layout, pack tensors, checksum, and unpack views.
+
+Both sides of a sync use these functions: the learner plans and packs, engine workers allocate the
+same buffers from the manifest, receive into them and hand out zero-copy views for loading.
+The checksum is the wrapping sum of a bucket's 64-bit words: one streaming pass (memory bandwidth on
+CPU and GPU), detects any changed value; it does not detect whole words swapping places, which a
+transport that moves contiguous buffers does not produce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from weight_sync.types import SLOT_ALIGN, BucketMeta, TensorMeta
+
+if TYPE_CHECKING:
+    import torch
+
+_U64 = (1 << 64) - 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def to_dtype(name: str) -> torch.dtype:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {name!r} in weight-sync manifest")
+    return dtype
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
+
+
+def plan_buckets(
+    named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, alone_bytes: int | None = None
+) -> list[BucketMeta]:
+    """Group tensors by dtype (first-seen order) into buckets of at most `bucket_bytes` each.
+
+    A tensor of at least `alone_bytes` (default `bucket_bytes / 4`) gets a bucket of its own: such a
+    bucket is the tensor's own memory (`pack_bucket` does not copy it), so big matrices travel
+    zero-copy and only the many small tensors (norms, biases) pay for packing. Names must be unique.
+    """
+    alone_bytes = bucket_bytes // 4 if alone_bytes is None else min(alone_bytes, bucket_bytes)
+    if bucket_bytes < SLOT_ALIGN:
+        raise ValueError(f"bucket_bytes must be >= {SLOT_ALIGN}, got {bucket_bytes}")
+    seen: set[str] = set()
+    by_dtype: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in named_tensors:
+        if name in seen:
+            raise ValueError(f"duplicate tensor name {name!r} in weights to sync")
+        seen.add(name)
+        by_dtype.setdefault(dtype_name(tensor.dtype), []).append((name, tensor))
+    buckets: list[BucketMeta] = []
+    for dtype, items in by_dtype.items():
+        current: list[TensorMeta] = []
+        offset = 0
+        for name, tensor in items:
+            nbytes = tensor.numel() * tensor.element_size()
+            slot = _aligned(nbytes)
+            if slot >= alone_bytes:
+                meta = TensorMeta(name=name, shape=list(tensor.shape), dtype=dtype, offset=0, nbytes=nbytes)
+                buckets.append(BucketMeta(index=len(buckets), dtype=dtype, nbytes=slot, tensors=[meta]))
+                continue
+            if current and offset + slot > bucket_bytes:
+                buckets.append(BucketMeta(index=len(buckets), dtype=dtype, nbytes=offset, tensors=current))
+                current, offset = [], 0
+            current.append(TensorMeta(name=name, shape=list(tensor.shape), dtype=dtype, offset=offset, nbytes=nbytes))
+            offset += slot
+        if current:
+            buckets.append(BucketMeta(index=len(buckets), dtype=dtype, nbytes=offset, tensors=current))
+    return buckets
+
+
+def empty_bucket(bucket: BucketMeta, device: torch.device | str) -> torch.Tensor:
+    """Uninitialized receive buffer (the broadcast overwrites every byte, padding included)."""
+    import torch
+
+    return torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+
+
+def slot_view(flat: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    """Zero-copy view of one tensor inside a packed bucket."""
+    dtype = to_dtype(meta.dtype)
+    return flat[meta.offset : meta.offset + meta.nbytes].view(dtype).view(meta.shape)
+
+
+def pack_bucket(bucket: BucketMeta, tensors: dict[str, torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """The bucket as one flat uint8 buffer on `device`, padding zeroed.
+
+    A bucket of one contiguous tensor with no padding, already on `device`, is returned as a view of
+    that tensor (zero-copy): callers must not write into the result.
+    """
+    import torch
+
+    for meta in bucket.tensors:
+        src = tensors[meta.name]
+        if list(src.shape) != meta.shape or dtype_name(src.dtype) != meta.dtype:
+            raise ValueError(f"tensor {meta.name!r} changed shape/dtype between planning and packing")
+    if len(bucket.tensors) == 1:
+        src = tensors[bucket.tensors[0].name].detach()
+        aligned = src.data_ptr() % SLOT_ALIGN == 0
+        if aligned and src.is_contiguous() and src.device == torch.device(device) and src.nbytes == bucket.nbytes:
+            return src.reshape(-1).view(torch.uint8)
+    flat = empty_bucket(bucket, device)
+    with torch.no_grad():
+        for meta in bucket.tensors:
+            slot_view(flat, meta).copy_(tensors[meta.name].detach())
+            flat[meta.offset + meta.nbytes : meta.offset + _aligned(meta.nbytes)].zero_()
+    return flat
+
+
+def unpack_bucket(bucket: BucketMeta, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    for meta in bucket.tensors:
+        yield meta.name, slot_view(flat, meta)
+
+
+def checksum(flat: torch.Tensor) -> int:
+    """Wrapping sum of the buffer's 64-bit words, as an unsigned Python int."""
+    import torch
+
+    if flat.numel() % SLOT_ALIGN:
+        raise ValueError(f"bucket of {flat.numel()} bytes is not a multiple of {SLOT_ALIGN}")
+    return int(flat.view(torch.int64).sum().item()) & _U64

@@ -1,0 +1,59 @@
+"""Configuration of the learner -> engine weight sync (transport, group, timeouts, pause mode).
+
+`WeightSyncConfig` composes into the root run config under `[weight_sync]`. Every phase of a sync
+has its own timeout so a dead peer turns into a failed sync with a clear error, never a hang.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout.engine.base import PauseMode
+
+
+class TransportKind(StrEnum):
+    DISTRIBUTED = "distributed"  # torch.distributed broadcast (gloo on CPU, NCCL on GPU)
+    FILESYSTEM = "filesystem"  # safetensors into a versioned folder + reload in the engines
+
+
+class BackendKind(StrEnum):
+    AUTO = "auto"  # nccl when the learner's tensors live on CUDA, gloo otherwise
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class SyncTimeouts(BaseModel):
+    """Seconds allowed per phase; a phase that overruns fails the sync (old weights keep serving)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pause: float = Field(default=30.0, gt=0)
+    transfer: float = Field(default=120.0, gt=0)  # group (re)build + manifest + every bucket
+    verify: float = Field(default=10.0, gt=0)
+    load: float = Field(default=120.0, gt=0)  # commit of the staged weights inside every engine
+    resume: float = Field(default=30.0, gt=0)
+
+
+class WeightSyncConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    transport: TransportKind = TransportKind.DISTRIBUTED
+    backend: BackendKind = BackendKind.AUTO
+    master_addr: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)  # 0 = the OS picks a free port at each group build
+    bucket_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)  # upper bound of one flat buffer
+    # Tensors of at least this size travel as their own zero-copy bucket; smaller ones are packed into
+    # flat per-dtype buckets (packing amortizes per-collective latency; copying big tensors only costs).
+    zero_copy_bytes: int = Field(default=1024 * 1024, ge=8)
+    timeouts: SyncTimeouts = Field(default_factory=SyncTimeouts)
+    verify_checksum: bool = True
+    pause_mode: PauseMode = PauseMode.ABORT
+    fs_dir: str = "runs/weights"  # filesystem transport: one `v{policy_version}` folder per sync
+    keep_last_n: int = Field(default=2, ge=1)  # filesystem transport: versions kept on disk
+
+    @property
+    def group_timeout_s(self) -> float:
+        """Process-group timeout = the transfer budget, so a blocked collective ends by itself."""
+        return self.timeouts.transfer

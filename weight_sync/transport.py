@@ -1,0 +1,103 @@
+"""The weight transport seam (learner side): move one set of named tensors into every engine's staging.
+
+Two implementations: `DistributedTransport` (torch.distributed broadcast over a dedicated group,
+gloo on CPU / NCCL on GPU; `weight_sync/distributed.py`) and `FilesystemTransport` (safetensors in a
+versioned folder; `weight_sync/filesystem.py`). A transport only *stages*: engines hold the new
+weights next to the serving ones and report checksums. Verification, commit and the policy_version
+bump belong to `WeightSyncCoordinator`, so a failed transfer never changes what engines serve.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from weight_sync.config import TransportKind, WeightSyncConfig
+from weight_sync.types import StageReport, SyncManifest, WeightSyncError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@runtime_checkable
+class SyncEngine(Protocol):
+    """What weight_sync needs from an engine: the `InferenceEngine` interface plus `collective_rpc`."""
+
+    engine_id: str
+    policy_version: int
+
+    async def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> list[Any]: ...
+
+    async def pause(self, mode: Any = ...) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def set_policy_version(self, policy_version: int) -> None: ...
+
+
+@dataclass(kw_only=True, slots=True)
+class TransferOutcome:
+    manifest: SyncManifest  # with the learner-side bucket checksums filled in
+    reports: list[list[StageReport]]  # [num_engines][num_workers_of_engine]
+
+
+class WeightTransport(abc.ABC):
+    """Learner-side sender; one instance serves every sync of a run."""
+
+    def __init__(self, config: WeightSyncConfig) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    async def send(
+        self, engines: Sequence[SyncEngine], named_tensors: Sequence[tuple[str, torch.Tensor]], policy_version: int
+    ) -> TransferOutcome:
+        """Stage `named_tensors` as `policy_version` in every engine worker; raises WeightSyncError."""
+
+    async def reset(self, engines: Sequence[SyncEngine]) -> None:  # noqa: B027 - stateless transports
+        """Forget connection state after a failure so the next `send` rebuilds it."""
+
+    async def close(self, engines: Sequence[SyncEngine]) -> None:
+        await self.reset(engines)
+
+
+async def rpc_all(
+    engines: Sequence[SyncEngine],
+    method: str,
+    *,
+    timeout_s: float,
+    phase: str,
+    args_per_engine: Sequence[tuple] | None = None,
+    kwargs: dict[str, Any] | None = None,
+) -> list[list[Any]]:
+    """`collective_rpc` on every engine concurrently; one clear WeightSyncError on failure or timeout."""
+
+    async def one(i: int, engine: SyncEngine) -> list[Any]:
+        args = args_per_engine[i] if args_per_engine is not None else ()
+        try:
+            return await engine.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout_s)
+        except Exception as exc:
+            raise WeightSyncError(phase, f"engine {engine.engine_id}: {method} failed: {exc!r}") from exc
+
+    tasks = [asyncio.ensure_future(one(i, e)) for i, e in enumerate(engines)]
+    try:
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout_s)
+    except TimeoutError as exc:
+        raise WeightSyncError(phase, f"{method} did not finish on all engines within {timeout_s:.1f}s") from exc
+    finally:
+        for task in tasks:  # one engine failed: do not leave the others' calls running unobserved
+            task.cancel()
+
+
+def make_transport(config: WeightSyncConfig) -> WeightTransport:
+    if config.transport is TransportKind.DISTRIBUTED:
+        from weight_sync.distributed import DistributedTransport
+
+        return DistributedTransport(config)
+    from weight_sync.filesystem import FilesystemTransport
+
+    return FilesystemTransport(config)

@@ -1,0 +1,122 @@
+"""Records that cross the learner <-> engine boundary during a weight sync.
+
+The `SyncManifest` travels first (as JSON through `collective_rpc`): it names every tensor, its shape,
+dtype and place in a flat per-dtype bucket, the bucket checksums and the policy_version being
+published. Engines answer with a `StageReport` per worker; the coordinator returns a `SyncResult`.
+
+Invariants: buckets hold one dtype each; tensor slots inside a bucket start at multiples of
+`SLOT_ALIGN` bytes and the gaps are zero, so a bucket checksum equals the (wrapping) sum of its
+tensors' checksums and a receiver can verify a bucket without knowing how it was assembled.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+SLOT_ALIGN = 8  # bytes; checksums sum 64-bit words
+
+
+@dataclass(kw_only=True, slots=True)
+class TensorMeta:
+    name: str
+    shape: list[int]  # [ndim]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    offset: int  # byte offset of the slot inside its bucket (multiple of SLOT_ALIGN)
+    nbytes: int  # unpadded size of the tensor in bytes
+
+
+@dataclass(kw_only=True, slots=True)
+class BucketMeta:
+    index: int
+    dtype: str
+    nbytes: int  # padded size of the flat buffer (multiple of SLOT_ALIGN)
+    tensors: list[TensorMeta]  # [num_tensors_in_bucket], in slot order
+    checksum: int | None = None  # wrapping int64 word sum as an unsigned int; None = not computed
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncManifest:
+    policy_version: int
+    buckets: list[BucketMeta]  # [num_buckets], in broadcast order
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(b.tensors) for b in self.buckets)
+
+    @property
+    def checksums(self) -> list[int | None]:
+        return [b.checksum for b in self.buckets]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> SyncManifest:
+        raw = json.loads(text)
+        buckets = [
+            BucketMeta(
+                index=b["index"],
+                dtype=b["dtype"],
+                nbytes=b["nbytes"],
+                checksum=b["checksum"],
+                tensors=[TensorMeta(**t) for t in b["tensors"]],
+            )
+            for b in raw["buckets"]
+        ]
+        return cls(policy_version=raw["policy_version"], buckets=buckets)
+
+
+@dataclass(kw_only=True, slots=True)
+class StageReport:
+    """What one engine worker reports after receiving (staging, not yet loading) a manifest."""
+
+    rank: int  # rank in the weight group (filesystem transport: the worker's rank in its engine)
+    policy_version: int
+    checksums: list[int | None]  # [num_buckets]; None where verification is off
+    num_bytes: int
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> StageReport:
+        return cls(**raw)
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncResult:
+    ok: bool
+    policy_version: int  # version the engines serve after the sync (unchanged when ok is False)
+    pause_s: float = 0.0
+    transfer_s: float = 0.0
+    verify_s: float = 0.0
+    load_s: float = 0.0
+    resume_s: float = 0.0
+    total_s: float = 0.0
+    num_bytes: int = 0
+    error: str | None = None
+    failed_phase: str | None = None  # "pause" | "transfer" | "verify" | "load" | "commit"
+    engine_ids: list[str] = field(default_factory=list)  # [num_engines]
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "sync/pause_s": self.pause_s,
+            "sync/transfer_s": self.transfer_s,
+            "sync/verify_s": self.verify_s,
+            "sync/load_s": self.load_s,
+            "sync/resume_s": self.resume_s,
+            "sync/total_s": self.total_s,
+            "sync/bytes": float(self.num_bytes),
+            "sync/failed": 0.0 if self.ok else 1.0,
+            "sync/policy_version": float(self.policy_version),
+        }
+
+
+class WeightSyncError(RuntimeError):
+    """A sync failed; the engines keep serving the previous policy_version."""
+
+    def __init__(self, phase: str, message: str) -> None:
+        super().__init__(f"weight sync failed in phase '{phase}': {message}")
+        self.phase = phase

