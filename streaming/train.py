@@ -81,8 +81,6 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     cfg.learner.model = model_path
     cfg.rollout.engine.model = model_path
     cfg.buffer.root_dir = str(run_dir / "buffer")
-    if cfg.rollout.engine.worker_extension_cls is None:
-        cfg.rollout.engine.worker_extension_cls = "weight_sync.worker_extension.WeightSyncWorkerExtension"
     state = state or DriverState()
     if not resuming:
         info = {"run_name": run_dir.name, "model_path": model_path, "mode": cfg.trainer.mode,

