@@ -27,6 +27,7 @@ class DataConfig(BaseModel):
     # "arithmetic" = generated arithmetic word problems (the embedded default); else a parquet/jsonl path.
     source: str = "arithmetic"
     num_prompts: int = Field(256, gt=0)  # for generated sources
+    difficulty: Literal["easy", "medium", "hard"] = "medium"  # generated arithmetic only
     seed: int = 0
     shuffle: bool = True
     num_epochs: int = Field(100, gt=0)  # the data iterator cycles; total_steps ends the run
@@ -38,6 +39,7 @@ class SFTConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = False
+    difficulty: Literal["easy", "medium", "hard"] = "medium"  # of the generated transcripts
     num_examples: int = Field(256, gt=0)
     num_steps: int = Field(60, ge=0)
     batch_size: int = Field(8, gt=0)

@@ -93,7 +93,7 @@ def rollout_main(
     from streaming.prompts import load_records
 
     cfg = load_config(config, overrides)
-    records = load_records(cfg.data.source, max(num_prompts, 1), cfg.data.seed)[:num_prompts]
+    records = load_records(cfg.data.source, max(num_prompts, 1), cfg.data.seed, cfg.data.difficulty)[:num_prompts]
     t0 = time.time()
     trajs = asyncio.run(run_rollouts(cfg, records, group_size=1))
     elapsed = time.time() - t0

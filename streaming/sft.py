@@ -58,7 +58,7 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     tools = load_tool_config(cfg.rollout.agent.tool_config).schemas() if cfg.rollout.agent.tool_config else None
-    records = make_arithmetic_dataset(cfg.sft.num_examples, seed + 7919)
+    records = make_arithmetic_dataset(cfg.sft.num_examples, seed + 7919, difficulty=cfg.sft.difficulty)
     examples = [assistant_mask(tokenizer, conv, tools) for conv in make_tool_sft_transcripts(records)]
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr)
     model.train()

@@ -122,7 +122,12 @@ class System:
         self.state.save(self.run_dir / "driver_state.json")
         worker = self.workers[self._next_worker % len(self.workers)]
         self._next_worker += 1
-        await self._call(worker.submit.remote([d.to_json() for d in group]))
+        try:
+            await self._call(worker.submit.remote([d.to_json() for d in group]))
+        except ray.exceptions.RayActorError:
+            # The rows are durable: replacing the worker resubmits them with the other orphans.
+            logger.warning("worker died while admitting %s", group[0].group_id)
+            await self.check_workers()
         return True
 
     # ---- learning -----------------------------------------------------------------------------
@@ -212,7 +217,11 @@ class System:
         metrics.update(await self._call(self.buffer.stats.remote()))
         totals: dict[str, float] = {}
         for w in self.workers:
-            for key, value in (await self._call(w.metrics.remote())).items():
+            try:
+                worker_metrics = await self._call(w.metrics.remote(), 60.0)
+            except ray.exceptions.RayActorError:
+                continue  # preempted; the health loop replaces it
+            for key, value in worker_metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         for key, value in totals.items():  # counters are logged as increments since the last step
             if key.startswith("rollout/num_") and key not in ("rollout/num_running", "rollout/num_held"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 def _init_ray(cfg: StreamRLConfig) -> None:
     if ray.is_initialized():
         return
-    address = __import__("os").environ.get("RAY_ADDRESS")
+    address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
         return
@@ -96,8 +97,10 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     ]
     engines = [c.actor for c in clients]
     buffer = create_buffer_actor(cfg.buffer, resume_learner_step=state.learner_step if resuming else None)
-    learner = LearnerActor.options(num_cpus=1).remote(cfg.model_dump_json(), state.checkpoint if from_ckpt else None)
-    records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed)
+    # Ray pins OMP_NUM_THREADS to an actor's num_cpus (1); the learner's matmuls want every core.
+    threads = {"env_vars": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}}
+    learner = LearnerActor.options(num_cpus=1, runtime_env=threads).remote(cfg.model_dump_json(), state.checkpoint if from_ckpt else None)
+    records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
     stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs,
                           cursor=state.cursor)
     metrics = MetricsLogger(run_dir, wandb_cfg=cfg.wandb, console=True, total_steps=cfg.trainer.total_steps)

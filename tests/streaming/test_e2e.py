@@ -90,7 +90,7 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
     frame = load_frame(run_dir / "buffer")
     latest = frame[frame["is_latest"]]
     # Prompts: the admitted groups are exactly the first `cursor` prompts of the stream, once each.
-    records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed)
+    records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
     stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs)
     expected = []
     for _ in range(state["cursor"]):

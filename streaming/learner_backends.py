@@ -1,0 +1,208 @@
+"""The two learners behind `LearnerActor`: one process, or an FSDP2 group of Ray actors.
+
+`LocalLearner` (`learner.num_workers = 1`): the `TrainingEngine` and the `WeightPublisher` live in
+the LearnerActor's own process; the sync reads the live parameters (no copy).
+
+`GroupLearner` (`learner.num_workers > 1`): a `LearnerGroup` whose rank 0 is a
+`PublishingLearnerWorker`, i.e. learner rank 0 is also rank 0 of the weight-sync transport. A
+publish is one lockstep call on every rank: rank 0 iterates `named_parameters_for_sync()` (each
+parameter is all-gathered on its own) keeping the full tensors, ranks 1..M-1 iterate the same
+gathers and drop each result at once, then rank 0 alone runs the transactional sync (pause ->
+broadcast -> verify -> commit -> resume). Only rank 0 ever holds unsharded weights, once, and in
+the engines' dtype when they serve bf16/fp16 (halving that copy and the bytes on the wire; the
+engines would round identically on load). The gathers are bounded by the process-group timeout,
+every sync phase by `weight_sync.timeouts`, and every await here by `trainer.step_timeout_s`.
+
+Both expose the same async methods; LearnerActor picks one at construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from learner.group import LearnerWorker
+
+if TYPE_CHECKING:
+    from streaming.config import StreamRLConfig
+    from streaming.weight_publisher import WeightPublisher
+
+logger = logging.getLogger(__name__)
+
+_LOW_PRECISION = ("bfloat16", "float16")
+
+
+class LocalLearner:
+    """One process: the training engine and rank 0 of weight sync."""
+
+    def __init__(self, cfg: StreamRLConfig, init_checkpoint: str | None) -> None:
+        from learner.engine import TrainingEngine
+
+        self.cfg = cfg
+        self.engine = TrainingEngine(cfg.learner)
+        if init_checkpoint is not None:
+            self.engine.load_checkpoint(init_checkpoint)
+        self.publisher: WeightPublisher | None = None
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    @property
+    def model_path(self) -> str:
+        return str(self.engine.model_path)
+
+    async def train_step(self, padded: Any) -> dict[str, float]:
+        return self.engine.train_step(padded)
+
+    async def connect(self, engines: list[Any], workers: list[Any], policy_version: int) -> None:
+        from streaming.weight_publisher import WeightPublisher
+
+        cfg = self.cfg
+        self.publisher = WeightPublisher(cfg.weight_sync, cfg.rollout.engine, engines, workers, policy_version)
+
+    async def set_workers(self, workers: list[Any]) -> None:
+        assert self.publisher is not None, "connect() first"
+        self.publisher.set_workers(workers)
+
+    async def publish(self) -> tuple[dict[str, float], int]:
+        assert self.publisher is not None, "connect() first"
+        return await self.publisher.publish(self.engine.named_parameters_for_sync(), self.engine.policy_version)
+
+    async def save_checkpoint(self, path: str) -> None:
+        self.engine.save_checkpoint(path)
+
+    async def save_hf(self, path: str) -> None:
+        self.engine.save_hf(path)
+
+    async def shutdown(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.close()
+
+
+def drain_sync_tensors(engine: Any) -> int:
+    """Ranks 1..M-1 of a publish: join every per-parameter all-gather, keep nothing."""
+    count = 0
+    for _name, _tensor in engine.named_parameters_for_sync():
+        count += 1
+    return count
+
+
+class PublishingLearnerWorker(LearnerWorker):
+    """Learner rank 0 that is also rank 0 of weight sync (a Ray actor, like every rank).
+
+    Sync actor with a private event loop for the coordinator, kept across publishes because the
+    engine clients and the transport's group are bound to it."""
+
+    def connect(self, sync_cfg_json: str, engine_cfg_json: str, engines: list[Any], workers: list[Any],
+                policy_version: int) -> None:
+        from rollout.engine.config import EngineConfig
+        from streaming.weight_publisher import WeightPublisher
+        from weight_sync.config import WeightSyncConfig
+
+        self.close_publisher()
+        engine_cfg = EngineConfig.model_validate_json(engine_cfg_json)
+        self._loop = asyncio.new_event_loop()
+        self.publisher = WeightPublisher(
+            WeightSyncConfig.model_validate_json(sync_cfg_json), engine_cfg, engines, workers, policy_version
+        )
+        self._sync_dtype = engine_cfg.dtype if engine_cfg.dtype in _LOW_PRECISION else None
+
+    def set_workers(self, workers: list[Any]) -> None:
+        self.publisher.set_workers(workers)
+
+    def publish(self, target: int) -> tuple[dict[str, float], int]:
+        """Gather (collective: ranks 1..M-1 run `drain_sync_tensors` now), then sync as `target`."""
+        import torch
+
+        started = time.monotonic()
+        dtype = getattr(torch, self._sync_dtype) if self._sync_dtype else None
+        tensors = [(n, t.to(dtype) if dtype is not None else t) for n, t in self.engine.named_parameters_for_sync()]
+        gather_s = time.monotonic() - started
+        try:
+            metrics, served = self._loop.run_until_complete(self.publisher.publish(tensors, target))
+        finally:
+            del tensors  # the only unsharded copy; free it before training resumes
+        return {**metrics, "sync/gather_s": gather_s}, served
+
+    def close_publisher(self) -> None:
+        publisher = getattr(self, "publisher", None)
+        if publisher is not None:
+            self._loop.run_until_complete(publisher.close())
+            self._loop.close()
+        self.publisher = None
+
+    def shutdown(self) -> None:
+        try:
+            self.close_publisher()
+        finally:
+            super().shutdown()
+
+
+class GroupLearner:
+    """An FSDP2 `LearnerGroup` of `learner.num_workers` Ray actors; see the module docstring."""
+
+    def __init__(self, cfg: StreamRLConfig, init_checkpoint: str | None) -> None:
+        from learner.group import LearnerGroup
+
+        self.cfg = cfg
+        self.timeout_s = cfg.trainer.step_timeout_s
+        self.group = LearnerGroup(cfg.learner, timeout_s=self.timeout_s, rank0_cls=PublishingLearnerWorker)
+        if init_checkpoint is not None:
+            self.group.load_checkpoint(init_checkpoint)
+        self.served_version: int | None = None  # set by connect()
+
+    @property
+    def policy_version(self) -> int:
+        return self.group.policy_version
+
+    @property
+    def model_path(self) -> str:
+        return str(self.group.model_path)
+
+    async def _wait(self, refs: list[Any]) -> list[Any]:
+        return await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
+
+    async def train_step(self, padded: Any) -> dict[str, float]:
+        import ray
+
+        metrics = (await self._wait(self.group.submit("train_step", ray.put(padded))))[0]
+        self.group.policy_version = int(metrics["learner/policy_version"])
+        return metrics
+
+    async def connect(self, engines: list[Any], workers: list[Any], policy_version: int) -> None:
+        ref = self.group.rank0.connect.remote(
+            self.cfg.weight_sync.model_dump_json(), self.cfg.rollout.engine.model_dump_json(), engines, workers,
+            policy_version,
+        )
+        await self._wait([ref])
+        self.served_version = policy_version
+
+    async def set_workers(self, workers: list[Any]) -> None:
+        await self._wait([self.group.rank0.set_workers.remote(workers)])
+
+    async def publish(self) -> tuple[dict[str, float], int]:
+        assert self.served_version is not None, "connect() first"
+        target = self.group.policy_version
+        if target <= self.served_version:  # decided here, so either every rank gathers or none does
+            return {}, self.served_version
+        refs = [self.group.rank0.publish.remote(target)]
+        refs += [w.run.remote(drain_sync_tensors) for w in self.group.workers[1:]]
+        (metrics, served), *_ = await self._wait(refs)
+        self.served_version = served
+        return metrics, served
+
+    async def save_checkpoint(self, path: str) -> None:
+        await self._wait(self.group.submit("save_checkpoint", str(Path(path))))
+
+    async def save_hf(self, path: str) -> None:
+        await self._wait(self.group.submit("save_hf", str(Path(path))))
+
+    async def shutdown(self) -> None:
+        try:
+            await self._wait(self.group.submit("shutdown"))
+        finally:
+            self.group.kill()

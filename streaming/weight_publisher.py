@@ -1,0 +1,86 @@
+"""`WeightPublisher`: the learner end of weight sync, in the process that holds the full tensors.
+
+It owns what must outlive one sync: a `WeightSyncCoordinator` over the engine actors (as
+`RayEngineClient`s; the transport's group is reused while the engine set is unchanged), the
+rollout-worker handles it pauses and resumes, and the policy_version the engines serve. It lives
+in the single-process `LearnerActor`, or — with an FSDP learner group — in learner rank 0
+(`streaming/learner_backends.py`), because the transport's rank 0 must be where the gathered
+tensors are. Failure semantics are the coordinator's: a failed sync returns the old version, which
+keeps serving, and is retried at the next publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout.engine.config import EngineConfig
+    from weight_sync.config import WeightSyncConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteWorkers:
+    """Adapts the RolloutWorkerActor handles to weight_sync's `PausableWorkers` protocol."""
+
+    def __init__(self, handles: list[Any], timeout_s: float) -> None:
+        self.handles = list(handles)
+        self.timeout_s = timeout_s
+
+    async def pause(self) -> None:
+        await asyncio.wait_for(asyncio.gather(*[h.pause.remote() for h in self.handles]), self.timeout_s)
+
+    async def resume(self) -> None:
+        await asyncio.wait_for(asyncio.gather(*[h.resume.remote() for h in self.handles]), self.timeout_s)
+
+
+class WeightPublisher:
+    """Publishes named tensors as a policy_version to every engine; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: WeightSyncConfig,
+        engine_cfg: EngineConfig,
+        engines: list[Any],
+        workers: list[Any],
+        policy_version: int,
+    ) -> None:
+        from rollout.engine.ray_engine import RayEngineClient
+        from weight_sync.coordinator import WeightSyncCoordinator
+
+        self.workers = RemoteWorkers(workers, cfg.timeouts.pause)
+        clients = [
+            RayEngineClient(h, f"engine-{i}", cfg=engine_cfg, policy_version=policy_version)
+            for i, h in enumerate(engines)
+        ]
+        self.coordinator = WeightSyncCoordinator(cfg, clients, workers=self.workers)
+
+    @property
+    def served_version(self) -> int:
+        return self.coordinator.policy_version
+
+    def set_workers(self, handles: list[Any]) -> None:
+        """Replace the pausable set after a preempted rollout worker was replaced."""
+        self.workers.handles = list(handles)
+
+    async def publish(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], target: int
+    ) -> tuple[dict[str, float], int]:
+        """Move `named_tensors` into every engine as `target` (transactional).
+
+        Returns `sync/*` metrics and the policy_version served afterwards: `target`, or the old one
+        if the sync failed. A `target` not above the served version is a no-op."""
+        if target <= self.served_version:
+            return {}, self.served_version
+        result = await self.coordinator.sync(named_tensors, target)
+        if not result.ok:
+            logger.error("weight sync to policy_version %d failed: %s", target, result.error)
+        return self.coordinator.metrics(), self.served_version
+
+    async def close(self) -> None:
+        await self.coordinator.close()

@@ -1,0 +1,64 @@
+"""Preemption of a rollout worker mid-run: its actor is killed while it holds trajectories; the
+driver's health loop replaces it and another worker resumes them from their buffer rows; the run
+finishes and no admitted trajectory is lost."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.ray]
+
+
+@pytest.mark.timeout(600)
+async def test_killed_rollout_worker_is_replaced_and_its_trajectories_resume(ray_cluster, tmp_path, tiny_model_path):
+    import ray
+
+    from buffer.cli import load_frame
+    from streaming.config import load_config
+    from streaming.driver import run_async
+    from streaming.train import build_system
+
+    cfg = load_config(
+        "configs/tiny.toml",
+        [
+            f"trainer.run_root={tmp_path}",
+            "trainer.run_name=preempt",
+            "trainer.total_steps=4",
+            "trainer.checkpoint_every=100",
+            "rollout.num_workers=2",
+            "wandb.enabled=false",
+        ],
+    )
+    run_dir = tmp_path / "preempt"
+    run_dir.mkdir()
+    system = await build_system(cfg, run_dir, None)
+    victim = system.workers[0]
+    run = asyncio.create_task(run_async(system))
+    try:
+        # Wait until the victim holds trajectories, then kill it (no graceful shutdown).
+        for _ in range(1200):
+            if await victim.num_outstanding.remote() > 0 and system.state.learner_step >= 1:
+                break
+            await asyncio.sleep(0.1)
+        held = set(await victim.running_ids.remote())
+        assert held, "the worker to preempt never held a trajectory"
+        ray.kill(victim, no_restart=True)
+        await asyncio.wait_for(run, 480)
+    finally:
+        if not run.done():
+            run.cancel()
+        system.metrics.close()
+
+    assert system.num_worker_replacements == 1
+    assert victim not in system.workers
+    await asyncio.sleep(0)
+    frame = load_frame(run_dir / "buffer")
+    latest = frame[frame["is_latest"]].set_index("trajectory_id")
+    # Every trajectory the dead worker held still has its latest row: finished after being resumed
+    # by another worker, or partial (resumable) if the run ended first — never lost.
+    assert held <= set(latest.index)
+    finished_after = latest.loc[sorted(held)]
+    assert (finished_after["status"] == "finished").any(), "no preempted trajectory was finished elsewhere"
+    assert system.state.learner_step == 4

