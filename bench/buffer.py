@@ -177,7 +177,7 @@ def machine() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2048, help="rows appended (x1024 tokens each)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="write runs of each kind (medians reported)")
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--out", default="bench/results/buffer.json")
     parser.add_argument("--workdir", default=None, help="where to write logs (default: a temp dir)")

@@ -72,7 +72,7 @@ class BufferActor:
     def _as_batch(data: pa.RecordBatch | pa.Table | list[Trajectory]) -> pa.RecordBatch:
         if isinstance(data, list):
             return trajectories_to_batch(data)
-        return _owned(normalize_batch(data))
+        return normalize_batch(_owned(data))  # copy first: the stamp then covers the kept buffers
 
     @staticmethod
     def _all_partial(batch: pa.RecordBatch) -> bool:

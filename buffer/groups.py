@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from enum import StrEnum
+from operator import attrgetter
 
 from rollout.types import OBSERVATION_VERSION, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
+_sample_index = attrgetter("sample_index")
 
 
 class GroupPhase(StrEnum):
@@ -58,18 +60,22 @@ class GroupState:
     min_policy_version: int = OBSERVATION_VERSION
     num_tokens: int = 0
     reward_std: float = 0.0
+    num_partial_members: int = 0  # members whose latest row is PARTIAL (the group settles at 0)
 
 
 @dataclass(kw_only=True, slots=True)
-class RowUpdate:
-    trajectory_id: str
-    group_id: str
-    row: int
-    status: TrajectoryStatus
-    sample_index: int
-    num_tokens: int
-    reward: float
-    min_policy_version: int
+class RowColumns:
+    """The bookkeeping columns of consecutive rows `first_row, first_row + 1, ...` (one appended
+    batch), as plain Python lists of equal length."""
+
+    first_row: int
+    trajectory_ids: list[str]  # [num_rows]
+    group_ids: list[str]  # [num_rows]
+    statuses: list[TrajectoryStatus]  # [num_rows]
+    sample_index: list[int]  # [num_rows]
+    num_tokens: list[int]  # [num_rows] prompt + response
+    rewards: list[float]  # [num_rows]
+    min_policy_versions: list[int]  # [num_rows]
 
 
 class GroupTable:
@@ -89,12 +95,17 @@ class GroupTable:
         self.num_partial = 0
         self.num_accepted = 0  # finished trajectories kept for training (READY or CONSUMED groups)
 
-    def check_overflow(self, updates: list[tuple[str, str]]) -> None:
-        """Raise ValueError before any mutation if (trajectory_id, group_id) pairs overflow a group."""
+    def check_overflow(self, trajectory_ids: list[str], group_ids: list[str]) -> None:
+        """Raise ValueError before any mutation if these rows' new trajectories overflow a group."""
+        known_trajectories = self.trajectories
         new_per_group: dict[str, set[str]] = {}
-        for tid, gid in updates:
-            if tid not in self.trajectories:
-                new_per_group.setdefault(gid, set()).add(tid)
+        for tid, gid in zip(trajectory_ids, group_ids):
+            if tid not in known_trajectories:
+                tids = new_per_group.get(gid)
+                if tids is None:
+                    new_per_group[gid] = {tid}
+                else:
+                    tids.add(tid)
         for gid, tids in new_per_group.items():
             group = self.groups.get(gid)
             known = len(group.members) if group is not None else 0
@@ -106,56 +117,74 @@ class GroupTable:
                     f"{self.group_size}; group_id must identify one GRPO group of n samples"
                 )
 
-    def apply(self, u: RowUpdate) -> list[int]:
-        """Apply one row; returns ids of rows that died (superseded, late, or of a closed group)."""
-        group = self.trajectories.get(u.trajectory_id) or self.groups.get(u.group_id)
-        if group is None:
-            group = self.groups[u.group_id] = GroupState(group_id=u.group_id)
-            self.counts[GroupPhase.OPEN] += 1
-        if group.phase is not GroupPhase.OPEN:
-            self.num_late_rows += 1
-            logger.warning("ignoring late row of trajectory %s: group %s is %s", u.trajectory_id, u.group_id, group.phase)
-            return [u.row]
+    def apply(self, rows: RowColumns) -> list[int]:
+        """Apply rows in order; returns ids of rows that died (superseded, late, or of a closed
+        group). One tight loop per batch: this runs for every appended row."""
         dead: list[int] = []
-        old = group.members.get(u.trajectory_id)
-        if old is not None:
-            dead.append(old.row)
-            self.num_partial -= old.status is TrajectoryStatus.PARTIAL
-        self.num_partial += u.status is TrajectoryStatus.PARTIAL
-        group.members[u.trajectory_id] = TrajState(
-            trajectory_id=u.trajectory_id,
-            row=u.row,
-            status=u.status,
-            sample_index=u.sample_index,
-            num_tokens=u.num_tokens,
-            reward=u.reward,
-            min_policy_version=u.min_policy_version,
-            consume_steps=self.preloaded_steps.pop(u.trajectory_id, old.consume_steps if old else []),
+        groups, trajectories, preloaded = self.groups, self.trajectories, self.preloaded_steps
+        group_size, partial = self.group_size, TrajectoryStatus.PARTIAL
+        columns = zip(
+            rows.trajectory_ids, rows.group_ids, rows.statuses, rows.sample_index,
+            rows.num_tokens, rows.rewards, rows.min_policy_versions,
         )
-        self.trajectories[u.trajectory_id] = group
-        if len(group.members) == self.group_size and all(
-            m.status is not TrajectoryStatus.PARTIAL for m in group.members.values()
-        ):
-            dead.extend(self._settle(group))
+        for row, (tid, gid, status, sample_index, num_tokens, reward, min_pv) in enumerate(columns, rows.first_row):
+            group = trajectories.get(tid) or groups.get(gid)
+            if group is None:
+                group = groups[gid] = GroupState(group_id=gid)
+                self.counts[GroupPhase.OPEN] += 1
+            if group.phase is not GroupPhase.OPEN:
+                self.num_late_rows += 1
+                logger.warning("ignoring late row of trajectory %s: group %s is %s", tid, gid, group.phase)
+                dead.append(row)
+                continue
+            old = group.members.get(tid)
+            steps: list[int] = []
+            if old is not None:
+                dead.append(old.row)
+                steps = old.consume_steps
+                if old.status is partial:
+                    self.num_partial -= 1
+                    group.num_partial_members -= 1
+            if status is partial:
+                self.num_partial += 1
+                group.num_partial_members += 1
+            group.members[tid] = TrajState(
+                trajectory_id=tid,
+                row=row,
+                status=status,
+                sample_index=sample_index,
+                num_tokens=num_tokens,
+                reward=reward,
+                min_policy_version=min_pv,
+                consume_steps=preloaded.pop(tid, steps) if preloaded else steps,
+            )
+            trajectories[tid] = group
+            if group.num_partial_members == 0 and len(group.members) == group_size:
+                dead.extend(self._settle(group))
         return dead
 
     def _settle(self, group: GroupState) -> list[int]:
-        finished = sorted(
-            (m for m in group.members.values() if m.status is TrajectoryStatus.FINISHED), key=lambda m: m.sample_index
-        )
-        failed_rows = [m.row for m in group.members.values() if m.status is not TrajectoryStatus.FINISHED]
-        rewards = [m.reward for m in finished]
+        finished: list[TrajState] = []
+        failed_rows: list[int] = []
+        for m in group.members.values():
+            if m.status is TrajectoryStatus.FINISHED:
+                finished.append(m)
+            else:
+                failed_rows.append(m.row)
         if len(finished) < self.min_finished:
             return self._close(group, GroupPhase.DROPPED)
+        finished.sort(key=_sample_index)
+        rewards = [m.reward for m in finished]
         if self.filter_uniform and max(rewards) == min(rewards):
             return self._close(group, GroupPhase.FILTERED)
         group.finished = finished
-        sampled_versions = [m.min_policy_version for m in finished if m.min_policy_version >= 0]
-        group.min_policy_version = min(sampled_versions, default=OBSERVATION_VERSION)
-        group.num_tokens = sum(m.num_tokens for m in finished)
+        group.min_policy_version = min(
+            [m.min_policy_version for m in finished if m.min_policy_version >= 0], default=OBSERVATION_VERSION
+        )
+        group.num_tokens = sum([m.num_tokens for m in finished])
         mean = sum(rewards) / len(rewards)
-        group.reward_std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
-        group.num_uses = max(len(m.consume_steps) for m in finished)
+        group.reward_std = (sum([(r - mean) ** 2 for r in rewards]) / len(rewards)) ** 0.5
+        group.num_uses = max([len(m.consume_steps) for m in finished])
         self.num_accepted += len(finished)
         if group.num_uses >= self.reuse:
             return failed_rows + self._close(group, GroupPhase.CONSUMED)

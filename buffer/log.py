@@ -9,8 +9,11 @@ Layout of one log (`<prefix>` is `traj` or `consumed`) inside a buffer directory
 
 Write order per frame: frame bytes -> flush -> index entry -> flush. A frame counts as written
 ("flushed": it survives a kill -9 of the process) once its index entry is complete; `sync()` fsyncs
-both files (survives a machine crash). A writer never reopens an old segment: each process appends
-to a fresh one, so a torn tail left by a crash stays where it is and is reported on every read.
+both files (survives a machine crash). `submit` hands a frame to the writer's one background thread
+(serializing, checksumming and writing release the GIL, so they overlap the caller's bookkeeping);
+frames are written in submit order and a frame is written only once its future is done. A writer
+never reopens an old segment: each process appends to a fresh one, so a torn tail left by a crash
+stays where it is and is reported on every read.
 
 Reading verifies every frame: bytes past the last complete index entry are a torn tail (reported,
 ignored); a frame whose crc32 does not match, or that does not parse, is corrupt (reported, skipped)
@@ -25,6 +28,7 @@ import re
 import struct
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +60,10 @@ def segment_paths(directory: Path, prefix: str) -> list[tuple[int, Path]]:
 
 
 class SegmentWriter:
-    """Appends frames to `<prefix>-NNNNNN.arrow` segments, rolling after `segment_max_bytes`."""
+    """Appends frames to `<prefix>-NNNNNN.arrow` segments, rolling after `segment_max_bytes`.
+
+    Use either `write` (in the caller's thread) or `submit` (background thread) at a time; read
+    `segments` and call `sync` / `close` only once every submitted future is done."""
 
     def __init__(self, directory: Path, *, prefix: str, schema: pa.Schema, segment_max_bytes: int) -> None:
         self.directory = directory
@@ -69,6 +76,7 @@ class SegmentWriter:
         self._data = None
         self._idx = None
         self._offset = 0
+        self._thread: ThreadPoolExecutor | None = None
 
     def _open_segment(self) -> None:
         name = f"{self.prefix}-{self._next_index:06d}"
@@ -81,6 +89,13 @@ class SegmentWriter:
         self._offset = header.size
         self.segments.append(SegmentInfo(name=name, num_bytes=self._offset))
         _fsync_dir(self.directory)
+
+    def open(self) -> None:
+        """Start a segment (file creation, directory fsync) and the writer thread now rather than at
+        the first write."""
+        self._ensure_thread()
+        if self._data is None:
+            self._thread.submit(self._open_segment).result()
 
     def write(self, batch: pa.RecordBatch) -> None:
         """Write one frame and flush it to the OS."""
@@ -101,6 +116,15 @@ class SegmentWriter:
         if self._offset >= self.segment_max_bytes:
             self._seal()
 
+    def submit(self, batch: pa.RecordBatch) -> Future[None]:
+        """Queue one frame for the background writer thread; its future is done once `write` is."""
+        self._ensure_thread()
+        return self._thread.submit(self.write, batch)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"streamrl-log-{self.prefix}")
+
     def sync(self) -> None:
         for f in (self._data, self._idx):
             if f is not None:
@@ -117,6 +141,10 @@ class SegmentWriter:
         self.segments[-1].num_bytes += len(_EOS)
 
     def close(self) -> None:
+        """Wait for submitted frames, stop the writer thread, seal the open segment."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
         if self._data is not None:
             self._seal()
 

@@ -10,6 +10,14 @@ Four derived columns follow the record's fields (`DERIVED_FIELDS`): prompt/respo
 the min/max policy_version of the row. They are always recomputed here from the list columns
 (`normalize_batch`), never trusted from the caller.
 
+The contract is checked once, at the producer (`trajectories_to_batch` / `normalize_batch`): the
+batch it returns carries a validation stamp in its schema metadata (`VALIDATED_KEY`), a crc32 over
+the bytes the contract depends on (token-list offsets, mask / logprob / policy_version values,
+status and finish_reason, derived columns). `normalize_batch` on a stamped batch only recomputes
+that crc (about a tenth of a full check) and returns the batch as is; a batch whose stamped bytes
+changed (`set_column`, a slice, a foreign producer) is fully checked again. The stamp guards against
+bugs, not adversaries, and survives pickling / the Ray object store / `take`.
+
 Round-trip contract: `batch_to_trajectories(trajectories_to_batch(ts)) == ts` for every field except
 `behavior_logprobs`, which is stored as float32 (the engine produces float32 logprobs): the round-trip
 returns the float32-rounded values, so a record whose logprobs are float32-representable round-trips
@@ -20,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import struct
+import zlib
 
 import numpy as np
 import pyarrow as pa
@@ -70,6 +80,21 @@ DERIVED_FIELDS: list[pa.Field] = [
 ]
 TRAJECTORY_SCHEMA = pa.schema(RECORD_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": SCHEMA_VERSION})
 RECORD_FIELD_NAMES = tuple(f.name for f in RECORD_FIELDS)
+VALIDATED_KEY = b"streamrl.validated"  # schema metadata: crc32 (hex) of the stamped bytes
+# column -> which of its `Array.buffers()` the stamp covers (validity bitmaps are covered by the
+# null counts, which are checked on every call; token ids only matter through their offsets).
+_STAMPED_BUFFERS: dict[str, tuple[int, ...]] = {
+    "prompt_ids": (1,),
+    "response_ids": (1,),
+    "response_mask": (1, 3),
+    "behavior_logprobs": (1, 3),
+    "policy_versions": (1, 3),
+    "status": (1, 2),
+    "finish_reason": (1, 2),
+    **{f.name: (1,) for f in DERIVED_FIELDS},
+}
+_STAMPED_INDICES = [(TRAJECTORY_SCHEMA.get_field_index(name), which) for name, which in _STAMPED_BUFFERS.items()]
+_NOT_NULLABLE = [i for i, f in enumerate(TRAJECTORY_SCHEMA) if not f.nullable]
 _ENUMS = {"status": TrajectoryStatus, "finish_reason": FinishReason}
 
 
@@ -132,11 +157,40 @@ def _segment_reduce(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
     return out
 
 
+def _stamp(batch: pa.RecordBatch) -> str | None:
+    """crc32 (hex) of the bytes the contract depends on; None for a batch with sliced columns
+    (its buffers extend past its rows, so it is checked in full instead)."""
+    crc = zlib.crc32(struct.pack("<q", batch.num_rows))
+    for index, which in _STAMPED_INDICES:
+        col = batch.column(index)
+        if col.offset:
+            return None
+        buffers = col.buffers()
+        for i in which:
+            if buffers[i] is not None:
+                crc = zlib.crc32(buffers[i], crc)
+    return f"{crc:08x}"
+
+
+def is_validated(batch: pa.RecordBatch) -> bool:
+    """Whether `batch` is in `TRAJECTORY_SCHEMA` and carries a stamp matching its bytes."""
+    meta = batch.schema.metadata
+    stamp = meta.get(VALIDATED_KEY) if meta else None
+    if stamp is None or not batch.schema.equals(TRAJECTORY_SCHEMA):
+        return False
+    if any(batch.column(i).null_count for i in _NOT_NULLABLE):
+        return False
+    return _stamp(batch) == stamp.decode()
+
+
 def normalize_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
     """Validate a batch against the data contract and return it in `TRAJECTORY_SCHEMA` with derived
-    columns recomputed. Raises ValueError naming the offending column / trajectory."""
+    columns recomputed and a validation stamp. A batch whose stamp matches is returned as is.
+    Raises ValueError naming the offending column / trajectory."""
     if isinstance(data, pa.Table):
         data = data.combine_chunks().to_batches()[0] if data.num_rows else _empty_batch()
+    if is_validated(data):
+        return data
     missing = [n for n in RECORD_FIELD_NAMES if n not in data.schema.names]
     if missing:
         raise ValueError(f"batch is missing trajectory columns {missing}; build it with trajectories_to_batch")
@@ -185,7 +239,11 @@ def normalize_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
         pa.array(min_v.astype(np.int32)),
         pa.array(max_v.astype(np.int32)),
     ]
-    return pa.RecordBatch.from_arrays(arrays + derived, schema=TRAJECTORY_SCHEMA)
+    batch = pa.RecordBatch.from_arrays(arrays + derived, schema=TRAJECTORY_SCHEMA)
+    stamp = _stamp(batch)
+    if stamp is None:
+        return batch
+    return batch.replace_schema_metadata({**TRAJECTORY_SCHEMA.metadata, VALIDATED_KEY: stamp})
 
 
 def _check_enums(cols: dict[str, pa.Array]) -> None:

@@ -1,13 +1,18 @@
 """`ReplayBuffer`: the in-memory trajectory store, its durable log, and the learner's sampling.
 
-Data flow: `append` normalizes rows into `TRAJECTORY_SCHEMA`, keeps the record batch in the row store
-(no copy), updates group bookkeeping (supersession, completion, DAPO filter) and queues the batch for
-the log; the queue is flushed every `flush_every_rows` rows / `flush_every_ms` ms (checked on every
-call; the Ray actor also polls). `sample` picks whole READY groups within the staleness bound,
-writes their consumption to the consumption log *before* returning them, and frees their rows once
-used `reuse` times. Constructing a buffer on an existing `root_dir` recovers it: the consumption log
-is replayed first, then every verified trajectory frame, so nothing consumed is handed out again and
-nothing unconsumed is skipped. If the learner restarts from an older checkpoint, pass
+Data flow: `append` normalizes rows into `TRAJECTORY_SCHEMA` (a batch stamped as validated by its
+producer is only re-checksummed), keeps the record batch in the row store (no copy), updates group
+bookkeeping (supersession, completion, DAPO filter) and hands the batch to the log's background
+writer thread at once; batches smaller than `coalesce_below_rows` are held and coalesced into one
+chunk / one frame first. Frames reach the log in append order. Every `flush_every_rows` rows /
+`flush_every_ms` ms (checked on every call; the Ray actor also polls) `flush` waits until every
+appended row is written: that is when rows are acknowledged as durable, exactly as without the
+thread; writing them earlier only overlaps the I/O with the next appends. `sample` picks whole READY
+groups within the staleness bound, writes their consumption to the consumption log *before*
+returning them, and frees their rows once used `reuse` times. Constructing a buffer on an existing
+`root_dir` recovers it (and starts a fresh log segment): the consumption log is replayed first, then
+every verified trajectory frame, so nothing consumed is handed out again and nothing unconsumed is
+skipped. If the learner restarts from an older checkpoint, pass
 `resume_learner_step` and consumption recorded after that step is rolled back (durably).
 
 Not thread-safe: one caller at a time (the Ray actor serializes calls).
@@ -18,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +31,7 @@ import pyarrow as pa
 
 from buffer.admission import lag_histogram, rollout_capacity, trajectory_lag
 from buffer.config import BufferConfig, OverAgePolicy
-from buffer.groups import GroupPhase, GroupState, GroupTable, RowUpdate
+from buffer.groups import GroupPhase, GroupState, GroupTable, RowColumns
 from buffer.log import SegmentWriter, read_segments
 from buffer.manifest import (
     CONSUMED_PREFIX,
@@ -44,6 +50,8 @@ from rollout.types import Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
 
+_STATUS = {s.value: s for s in TrajectoryStatus}
+
 
 class ReplayBuffer:
     def __init__(self, cfg: BufferConfig, *, resume_learner_step: int | None = None) -> None:
@@ -56,10 +64,12 @@ class ReplayBuffer:
             filter_uniform=cfg.filter_uniform_reward_groups,
         )
         self._rng = np.random.default_rng(cfg.seed)
-        self._pending_batches: list[pa.RecordBatch] = []
-        self._pending_chunks: list[int] = []
-        self._pending_rows = 0
+        self._held_batches: list[pa.RecordBatch] = []  # small batches waiting to be coalesced
+        self._held_chunks: list[int] = []  # their row-store chunk ids
+        self._inflight: list[Future[None]] = []  # frames handed to the log writer thread
+        self._pending_rows = 0  # rows appended since the last flush (not yet acknowledged)
         self._pending_since = 0.0
+        self._manifest_segments = 0  # trajectory segments listed by the last manifest write
         self._counts: Counter[str] = Counter()
         self._token_lag_hist = np.zeros(cfg.max_staleness + 2, dtype=np.int64)
         self._traj_lag_hist = np.zeros(cfg.max_staleness + 2, dtype=np.int64)
@@ -82,41 +92,40 @@ class ReplayBuffer:
         if batch.num_rows == 0:
             return
         cid = self._ingest(batch)
-        if not self._pending_batches:
+        if not self._pending_rows:
             self._pending_since = time.monotonic()
-        self._pending_batches.append(batch)
-        self._pending_chunks.append(cid)
         self._pending_rows += batch.num_rows
         self._counts["rows_appended"] += batch.num_rows
+        if batch.num_rows < self.cfg.coalesce_below_rows:
+            self._held_batches.append(batch)
+            self._held_chunks.append(cid)
+        else:
+            self._submit_held()
+            self._submit(batch)
         self.poll()
 
     def _ingest(self, batch: pa.RecordBatch) -> int:
+        """Row store + group bookkeeping for one batch; returns its chunk id. Raises ValueError
+        (group overflow) before mutating anything."""
         tids = batch.column("trajectory_id").to_pylist()
         gids = batch.column("group_id").to_pylist()
-        self._groups.check_overflow(list(zip(tids, gids)))
-        statuses = [TrajectoryStatus(s) for s in batch.column("status").to_pylist()]
-        sample_index = batch.column("sample_index").to_pylist()
-        rewards = batch.column("reward").to_pylist()
-        min_pv = batch.column("min_policy_version").to_pylist()
-        tokens = (
-            batch.column("num_prompt_tokens").to_numpy().astype(np.int64)
-            + batch.column("num_response_tokens").to_numpy()
-        ).tolist()
+        self._groups.check_overflow(tids, gids)
+        tokens = batch.column("num_prompt_tokens").to_numpy().astype(np.int64) + batch.column("num_response_tokens").to_numpy()
         cid, first = self._rows.add(batch)
-        dead: list[int] = []
-        for i, tid in enumerate(tids):
-            update = RowUpdate(
-                trajectory_id=tid,
-                group_id=gids[i],
-                row=first + i,
-                status=statuses[i],
-                sample_index=sample_index[i],
-                num_tokens=tokens[i],
-                reward=rewards[i],
-                min_policy_version=min_pv[i],
+        dead = self._groups.apply(
+            RowColumns(
+                first_row=first,
+                trajectory_ids=tids,
+                group_ids=gids,
+                statuses=[_STATUS[s] for s in batch.column("status").to_pylist()],
+                sample_index=batch.column("sample_index").to_numpy().tolist(),
+                num_tokens=tokens.tolist(),
+                rewards=batch.column("reward").to_numpy().tolist(),
+                min_policy_versions=batch.column("min_policy_version").to_numpy().tolist(),
             )
-            dead.extend(self._groups.apply(update))
-        self._rows.kill(dead)
+        )
+        if dead:
+            self._rows.kill(dead)
         if self.cfg.max_batch_tokens is not None:
             self._drop_oversized(set(gids))
         return cid
@@ -137,32 +146,45 @@ class ReplayBuffer:
     # ---------------------------------------------------------------- durability
     def poll(self) -> None:
         """Flush if the row or time threshold of the durability policy is reached."""
-        if self._pending_batches and (
+        if self._pending_rows and (
             self._pending_rows >= self.cfg.flush_every_rows
             or (time.monotonic() - self._pending_since) * 1000.0 >= self.cfg.flush_every_ms
         ):
             self.flush()
 
     def flush(self) -> None:
-        """Write queued rows to the log (to the OS: they survive a process kill). Small appended
-        batches are coalesced into one chunk / one frame."""
-        if not self._pending_batches:
+        """Write every appended row to the log and wait for it (to the OS: the rows survive a process
+        kill from when this returns). Re-raises a failure of the writer thread."""
+        if not self._pending_rows and not self._inflight:
             return
-        frames = self._pending_batches
-        if len(frames) > 1 and self._pending_rows / len(frames) < self.cfg.coalesce_below_rows:
-            present = [c for c in self._pending_chunks if c in self._rows.chunks]
-            if len(present) == len(self._pending_chunks):
+        self._submit_held()
+        inflight, self._inflight = self._inflight, []
+        errors = [e for e in (f.exception() for f in inflight) if e is not None]
+        if errors:
+            raise errors[0]
+        if self._traj_log is not None and len(self._traj_log.segments) != self._manifest_segments:
+            self._write_manifest(sync=False)
+        self._counts["flushes"] += 1
+        self._pending_rows = 0
+
+    def _submit_held(self) -> None:
+        """Hand the held small batches to the log as one frame (and one row-store chunk)."""
+        frames, chunks = self._held_batches, self._held_chunks
+        if not frames:
+            return
+        self._held_batches, self._held_chunks = [], []
+        if len(frames) > 1:
+            present = [c for c in chunks if c in self._rows.chunks]
+            if len(present) == len(chunks):
                 frames = [self._rows.coalesce(present)]
             else:  # some chunks were compacted or released meanwhile: coalesce only the log frame
                 frames = pa.Table.from_batches(frames, schema=TRAJECTORY_SCHEMA).combine_chunks().to_batches()
+        for frame in frames:
+            self._submit(frame)
+
+    def _submit(self, frame: pa.RecordBatch) -> None:
         if self._traj_log is not None:
-            num_segments = len(self._traj_log.segments)
-            for frame in frames:
-                self._traj_log.write(frame)
-            if len(self._traj_log.segments) != num_segments:
-                self._write_manifest(sync=False)
-        self._counts["flushes"] += 1
-        self._pending_batches, self._pending_chunks, self._pending_rows = [], [], 0
+            self._inflight.append(self._traj_log.submit(frame))
 
     def checkpoint(self) -> None:
         """Flush, then fsync both logs and the manifest (when `fsync_on_checkpoint`)."""
@@ -377,6 +399,7 @@ class ReplayBuffer:
             logger.warning("buffer recovery: %s", msg)
         self._groups.preloaded_steps = {}
         self._traj_log = SegmentWriter(root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, segment_max_bytes=self.cfg.segment_max_bytes)
+        self._traj_log.open()  # its directory fsync happens here, not in the first append
         self._cons_log = SegmentWriter(root, prefix=CONSUMED_PREFIX, schema=CONSUMPTION_SCHEMA, segment_max_bytes=self.cfg.segment_max_bytes)
         if resume_learner_step is not None:
             self._cons_log.write(self._rollback_record(resume_learner_step))
@@ -413,6 +436,7 @@ class ReplayBuffer:
 
     def _write_manifest(self, *, sync: bool) -> None:
         segments = {}
+        self._manifest_segments = len(self._traj_log.segments) if self._traj_log else 0
         for prefix, writer in ((TRAJ_PREFIX, self._traj_log), (CONSUMED_PREFIX, self._cons_log)):
             current = [{"name": s.name, "num_frames": s.num_frames} for s in writer.segments] if writer else []
             segments[prefix] = self._old_segments[prefix] + current

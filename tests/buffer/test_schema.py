@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import numpy as np
 import pyarrow as pa
@@ -13,6 +14,7 @@ from buffer.schema import (
     RECORD_FIELD_NAMES,
     TRAJECTORY_SCHEMA,
     batch_to_trajectories,
+    is_validated,
     normalize_batch,
     record_field_names,
     trajectories_to_batch,
@@ -119,3 +121,30 @@ def test_sliced_batch_normalizes_with_correct_offsets():
     batch = trajectories_to_batch([make_traj("g", i, version=i) for i in range(4)])
     part = normalize_batch(batch.slice(2, 2))
     assert part.column("min_policy_version").to_pylist() == [2, 3]
+
+
+def test_validated_stamp_is_trusted_and_survives_transport():
+    batch = trajectories_to_batch([make_traj("g", i, version=i) for i in range(3)])
+    assert is_validated(batch)
+    assert normalize_batch(batch) is batch  # checked once, at the producer
+    carried = pickle.loads(pickle.dumps(batch))  # what the Ray object store does
+    assert is_validated(carried) and normalize_batch(carried) is carried
+    copied = batch.take(pa.array([0, 1, 2]))
+    assert is_validated(copied)
+    assert not is_validated(batch.slice(1, 2))  # sliced columns are checked in full
+    unstamped = pa.RecordBatch.from_arrays(batch.columns, schema=TRAJECTORY_SCHEMA)
+    assert not is_validated(unstamped) and is_validated(normalize_batch(unstamped))
+
+
+def test_tampered_stamped_batch_is_checked_again():
+    batch = trajectories_to_batch([make_traj("g", 0, version=2)])
+    i = batch.schema.get_field_index("response_mask")
+    zero_mask = pa.array([[0, 0, 0, 0]], pa.list_(pa.int8()))  # sampled tokens relabelled as observations
+    with pytest.raises(ValueError, match="g/0"):
+        normalize_batch(batch.set_column(i, "response_mask", zero_mask))
+    i = batch.schema.get_field_index("reward")
+    with pytest.raises(ValueError, match="nulls"):
+        normalize_batch(batch.set_column(i, "reward", pa.array([None], pa.float64())))
+    i = batch.schema.get_field_index("max_policy_version")
+    forged = batch.set_column(i, "max_policy_version", pa.array([9], pa.int32()))
+    assert normalize_batch(forged).column("max_policy_version").to_pylist() == [2]
