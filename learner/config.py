@@ -109,6 +109,13 @@ class LearnerConfig(BaseModel):
     gradient_checkpointing: bool = False
     temperature: float = Field(default=1.0, gt=0)  # sampling temperature the engines use
 
+    # Placement. num_workers = 1: one process (the LearnerActor itself). num_workers > 1: an FSDP2
+    # group of that many rank actors (`learner/group.py`; NCCL on CUDA, gloo on CPU), each asking
+    # Ray for the resources below, so engines and learner ranks land on disjoint GPUs.
+    num_workers: int = Field(default=1, ge=1)  # FSDP ranks
+    num_gpus_per_worker: float | None = Field(default=None, ge=0)  # None: 1 on CUDA, 0 on CPU
+    num_cpus_per_worker: float = Field(default=1.0, ge=0)  # a Ray scheduling count, not cores
+
     # Optimiser and schedule (one scheduler step per optimiser step).
     lr: float = Field(default=1e-6, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
@@ -160,7 +167,20 @@ class LearnerConfig(BaseModel):
             raise ValueError("kl_coef > 0 needs use_reference = true (the KL is to a frozen reference)")
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must lie in [0, 1): {self.betas}")
+        gpus = self.num_gpus_per_worker
+        if self.device == "cpu" and gpus:
+            raise ValueError(f"device='cpu' with num_gpus_per_worker={gpus} would reserve GPUs the learner never uses")
+        if self.device == "cuda" and gpus is not None and gpus == 0:
+            raise ValueError("device='cuda' needs num_gpus_per_worker > 0 (or unset: 1)")
+        if self.device == "cuda" and self.num_workers > 1 and gpus not in (None, 1):
+            raise ValueError(f"an FSDP rank uses exactly one GPU: num_gpus_per_worker must be 1, got {gpus}")
         return self
+
+    def resolved_num_gpus_per_worker(self, device: str) -> float:
+        """Ray GPUs per learner process once `device` is resolved: the set value, else 1 on CUDA, 0 on CPU."""
+        if self.num_gpus_per_worker is not None:
+            return self.num_gpus_per_worker
+        return 1.0 if device == "cuda" else 0.0
 
     @property
     def effective_loss_agg_mode(self) -> LossAggMode:

@@ -2,11 +2,17 @@
 whose policy is sharded with FSDP2 `fully_shard` (per decoder layer, then the root).
 
 Backend by device: NCCL on CUDA (one GPU per actor), gloo on CPU (FSDP2 runs on gloo; used by the
-M = 2 CPU test). Every rank receives the whole batch and trains on its rows (see `engine.py`);
-rank 0's metrics are returned. Collective operations — `train_step`, `compute_logprobs`,
-`save_*`, and iterating `named_parameters_for_sync` (per-parameter all-gathers) — run on all ranks;
-`run_on_all(fn)` is the hook weight_sync uses to iterate the full tensors on every rank while rank 0
-sends them. Every `ray.get` has a timeout.
+M = 2 CPU tests). Resources per rank come from `LearnerConfig` (`num_gpus_per_worker`,
+`num_cpus_per_worker`; `placement()` resolves them), so Ray never puts a rank on an engine's GPU.
+The rendezvous is on rank 0's node (loopback when all ranks share it), so ranks may span nodes.
+
+Every rank receives the whole batch and trains on its rows (see `engine.py`); rank 0's metrics are
+returned. Collective operations — `train_step`, `compute_logprobs`, `save_*`, and iterating
+`named_parameters_for_sync` (per-parameter all-gathers) — run on all ranks. Rank 0 may be a
+subclass of `LearnerWorker` (`rank0_cls`) that adds methods of its own — streaming's weight
+publisher, which iterates the gathers while `run` makes ranks 1..M-1 iterate them in lockstep.
+`submit` returns the object refs of one call on all ranks for callers that await them; every
+blocking `ray.get` here has a timeout.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +39,69 @@ def fsdp_shard(model: Any) -> None:
     fully_shard(model)
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LearnerPlacement:
+    """Resolved device and Ray resources of each learner process."""
+
+    device: str  # "cpu" | "cuda"
+    num_workers: int
+    num_cpus_per_worker: float
+    num_gpus_per_worker: float
+
+    def actor_options(self) -> dict[str, float]:
+        return {"num_cpus": self.num_cpus_per_worker, "num_gpus": self.num_gpus_per_worker}
+
+
+def placement(cfg: LearnerConfig, cluster_gpus: float | None = None) -> LearnerPlacement:
+    """`device = "auto"` becomes cuda when the cluster has a GPU for every rank (`cluster_gpus`,
+    default: ask Ray), else cpu; then the per-rank resources follow the config."""
+    device = cfg.device
+    if device == "auto":
+        if cluster_gpus is None:
+            import ray
+
+            cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
+        device = "cuda" if cluster_gpus >= cfg.num_workers else "cpu"
+    return LearnerPlacement(
+        device=device,
+        num_workers=cfg.num_workers,
+        num_cpus_per_worker=cfg.num_cpus_per_worker,
+        num_gpus_per_worker=cfg.resolved_num_gpus_per_worker(device),
+    )
+
+
 class LearnerWorker:
     """One rank: process group + sharded TrainingEngine. Instantiated as a Ray actor."""
 
-    def __init__(self, cfg_json: str, rank: int, world_size: int, master: str) -> None:
+    def __init__(self, cfg_json: str, rank: int, world_size: int) -> None:
+        logging.basicConfig(level=logging.INFO)
         self.cfg = LearnerConfig.model_validate_json(cfg_json)
-        self.rank, self.world_size, self.master = rank, world_size, master
+        self.rank, self.world_size = rank, world_size
         self.engine: Any = None
 
-    def setup(self) -> int:
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def master_address(self, loopback: bool) -> str:
+        """`ip:port` for the rendezvous (called on rank 0) with a port free here: 127.0.0.1 when every
+        rank runs on this node, else the address Ray registered for this node."""
+        import ray
+
+        ip = "127.0.0.1"
+        if not loopback:
+            node_id = self.node_id()
+            ip = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return f"{ip}:{s.getsockname()[1]}"
+
+    def setup(self, master: str, timeout_s: float) -> int:
+        """Join the default process group (its timeout bounds every collective, so a dead rank is an
+        error after `timeout_s`, not a hang) and build the sharded engine."""
+        from datetime import timedelta
+
         import torch
         import torch.distributed as dist
 
@@ -53,9 +114,10 @@ class LearnerWorker:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(
             backend="nccl" if cuda else "gloo",
-            init_method=f"tcp://{self.master}",
+            init_method=f"tcp://{master}",
             rank=self.rank,
             world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
         )
         self.engine = TrainingEngine(self.cfg, shard=fsdp_shard)
         return self.engine.policy_version
@@ -86,64 +148,88 @@ class LearnerWorker:
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LearnerGroup:
-    """M learner ranks as Ray actors; the same methods as `TrainingEngine`, executed on all ranks."""
+    """M learner ranks as Ray actors; the same methods as `TrainingEngine`, executed on all ranks.
+
+    `num_workers`, `num_cpus_per_worker` and `num_gpus_per_worker` default to the config's."""
 
     def __init__(
         self,
         cfg: LearnerConfig,
-        num_workers: int,
+        num_workers: int | None = None,
         *,
-        num_cpus_per_worker: float = 1.0,
+        num_cpus_per_worker: float | None = None,
+        num_gpus_per_worker: float | None = None,
         timeout_s: float = 600.0,
+        rank0_cls: type[LearnerWorker] = LearnerWorker,
     ) -> None:
         import ray
 
         from rollout.models import resolve_model
 
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        device = cfg.device
-        if device == "auto":
-            device = "cuda" if ray.cluster_resources().get("GPU", 0) >= num_workers else "cpu"
-        # resolve once on the driver so every rank loads the same folder
-        self.cfg = cfg.model_copy(update={"device": device, "model": str(resolve_model(cfg.model))})
+        overrides = {"num_workers": num_workers, "num_cpus_per_worker": num_cpus_per_worker,
+                     "num_gpus_per_worker": num_gpus_per_worker}
+        data = cfg.model_dump() | {k: v for k, v in overrides.items() if v is not None}
+        cfg = LearnerConfig.model_validate(data)  # overrides are validated like the config itself
+        where = placement(cfg)
+        # resolve once here so every rank loads the same folder
+        self.cfg = cfg.model_copy(update={"device": where.device, "model": str(resolve_model(cfg.model))})
+        self.placement = where
         self.timeout_s = timeout_s
-        master = f"127.0.0.1:{_free_port()}"
-        actor = ray.remote(LearnerWorker).options(
-            num_cpus=num_cpus_per_worker,
-            num_gpus=1 if device == "cuda" else 0,
-            runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}},
-        )
+        env_vars = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        if where.device == "cpu":  # Ray pins OMP_NUM_THREADS to num_cpus; CPU ranks share the cores instead
+            env_vars["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // where.num_workers))
+        env = {"env_vars": env_vars}
         cfg_json = self.cfg.model_dump_json()
-        self.workers = [actor.remote(cfg_json, rank, num_workers, master) for rank in range(num_workers)]
-        versions = self._all("setup")
+        self.workers = []
+        for rank in range(where.num_workers):
+            actor = ray.remote(rank0_cls if rank == 0 else LearnerWorker).options(
+                **where.actor_options(), runtime_env=env
+            )
+            self.workers.append(actor.remote(cfg_json, rank, where.num_workers))
+        try:
+            nodes = set(self._all("node_id"))
+            master = ray.get(self.rank0.master_address.remote(len(nodes) == 1), timeout=self.timeout_s)
+            versions = self._all("setup", master, timeout_s)
+        except BaseException:
+            self.kill()
+            raise
         self.policy_version = versions[0]
-        logger.info("learner group of %d ranks on %s ready", num_workers, device)
+        logger.info("learner group of %d ranks on %s ready (rendezvous %s)", where.num_workers, where.device, master)
+
+    @property
+    def rank0(self) -> Any:
+        """Rank 0's actor handle (an instance of `rank0_cls`)."""
+        return self.workers[0]
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
+
+    def submit(self, method: str, *args: Any) -> list[Any]:
+        """Start `method(*args)` on every rank; returns the object refs (await them with a timeout)."""
+        return [getattr(w, method).remote(*args) for w in self.workers]
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         import ray
 
-        refs = [getattr(w, method).remote(*args) for w in self.workers]
-        return ray.get(refs, timeout=self.timeout_s)
+        return ray.get(self.submit(method, *args), timeout=self.timeout_s)
 
     @property
     def model_path(self) -> Path:
         return Path(self.cfg.model)
 
     def train_step(self, batch: Any) -> dict[str, float]:
-        metrics = self._all("train_step", batch)[0]
+        import ray
+
+        metrics = self._all("train_step", ray.put(batch))[0]  # one copy in the object store for M ranks
         self.policy_version = int(metrics["learner/policy_version"])
         return metrics
 
     def compute_logprobs(self, batch: Any) -> Any:
-        return self._all("compute_logprobs", batch)[0]
+        import ray
+
+        return self._all("compute_logprobs", ray.put(batch))[0]
 
     def save_checkpoint(self, directory: str | Path) -> None:
         self._all("save_checkpoint", str(directory))
@@ -160,11 +246,15 @@ class LearnerGroup:
         return self._all("run", fn, *args)
 
     def shutdown(self) -> None:
-        import ray
-
         try:
             self._all("shutdown")
         finally:
-            for w in self.workers:
-                ray.kill(w)
-            self.workers = []
+            self.kill()
+
+    def kill(self) -> None:
+        """End every rank's actor now (after `shutdown`, or when a rank is already broken)."""
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []

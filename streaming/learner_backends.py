@@ -97,6 +97,12 @@ class PublishingLearnerWorker(LearnerWorker):
     Sync actor with a private event loop for the coordinator, kept across publishes because the
     engine clients and the transport's group are bound to it."""
 
+    def __init__(self, cfg_json: str, rank: int, world_size: int) -> None:
+        super().__init__(cfg_json, rank, world_size)
+        self.publisher: WeightPublisher | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sync_dtype: str | None = None  # the engines' dtype when lower than the learner's fp32
+
     def connect(self, sync_cfg_json: str, engine_cfg_json: str, engines: list[Any], workers: list[Any],
                 policy_version: int) -> None:
         from rollout.engine.config import EngineConfig
@@ -112,11 +118,14 @@ class PublishingLearnerWorker(LearnerWorker):
         self._sync_dtype = engine_cfg.dtype if engine_cfg.dtype in _LOW_PRECISION else None
 
     def set_workers(self, workers: list[Any]) -> None:
+        assert self.publisher is not None, "connect() first"
         self.publisher.set_workers(workers)
 
     def publish(self, target: int) -> tuple[dict[str, float], int]:
         """Gather (collective: ranks 1..M-1 run `drain_sync_tensors` now), then sync as `target`."""
         import torch
+
+        assert self.publisher is not None and self._loop is not None, "connect() first"
 
         started = time.monotonic()
         dtype = getattr(torch, self._sync_dtype) if self._sync_dtype else None
@@ -129,11 +138,13 @@ class PublishingLearnerWorker(LearnerWorker):
         return {**metrics, "sync/gather_s": gather_s}, served
 
     def close_publisher(self) -> None:
-        publisher = getattr(self, "publisher", None)
-        if publisher is not None:
-            self._loop.run_until_complete(publisher.close())
-            self._loop.close()
-        self.publisher = None
+        """Release the weight-sync group (engines drop their side too); safe to call twice."""
+        publisher, loop, self.publisher, self._loop = self.publisher, self._loop, None, None
+        if publisher is not None and loop is not None:
+            try:
+                loop.run_until_complete(publisher.close())
+            finally:
+                loop.close()
 
     def shutdown(self) -> None:
         try:

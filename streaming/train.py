@@ -63,7 +63,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     from buffer.actor import create_buffer_actor
     from rollout.engine.ray_engine import RayEngineClient
     from rollout.models import resolve_model
-    from streaming.learner_actor import LearnerActor
+    from streaming.learner_actor import LearnerActor, learner_actor_options
     from streaming.metrics import MetricsLogger
     from streaming.prompts import PromptStream, load_records
     from streaming.sft import maybe_warm_up
@@ -99,7 +99,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     buffer = create_buffer_actor(cfg.buffer, resume_learner_step=state.learner_step if resuming else None)
     # Ray pins OMP_NUM_THREADS to an actor's num_cpus (1); the learner's matmuls want every core.
     threads = {"env_vars": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}}
-    learner = LearnerActor.options(num_cpus=1, runtime_env=threads).remote(cfg.model_dump_json(), state.checkpoint if from_ckpt else None)
+    learner = LearnerActor.options(**learner_actor_options(cfg), runtime_env=threads).remote(cfg.model_dump_json(), state.checkpoint if from_ckpt else None)
     records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
     stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs,
                           cursor=state.cursor)

@@ -26,17 +26,32 @@ logger = logging.getLogger(__name__)
 
 
 class RemoteWorkers:
-    """Adapts the RolloutWorkerActor handles to weight_sync's `PausableWorkers` protocol."""
+    """Adapts the RolloutWorkerActor handles to weight_sync's `PausableWorkers` protocol.
+
+    A preempted (dead) worker is skipped, not an error: it holds no loop to park or resume, its
+    engine requests are aborted by the engine pause, and the driver's health loop replaces it and
+    resumes its trajectories from the buffer."""
 
     def __init__(self, handles: list[Any], timeout_s: float) -> None:
         self.handles = list(handles)
         self.timeout_s = timeout_s
 
+    async def _each(self, method: str) -> None:
+        import ray
+
+        refs = [getattr(h, method).remote() for h in self.handles]
+        outcomes = await asyncio.wait_for(asyncio.gather(*refs, return_exceptions=True), self.timeout_s)
+        for outcome in outcomes:
+            if isinstance(outcome, ray.exceptions.RayActorError):
+                logger.warning("rollout worker died before %s; the driver replaces it", method)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+
     async def pause(self) -> None:
-        await asyncio.wait_for(asyncio.gather(*[h.pause.remote() for h in self.handles]), self.timeout_s)
+        await self._each("pause")
 
     async def resume(self) -> None:
-        await asyncio.wait_for(asyncio.gather(*[h.resume.remote() for h in self.handles]), self.timeout_s)
+        await self._each("resume")
 
 
 class WeightPublisher:

@@ -131,7 +131,12 @@ class WeightSyncCoordinator:
         mode = self.config.pause_mode
         if mode is PauseMode.ABORT and self.workers is not None:
             await self.workers.pause()
-        await asyncio.gather(*(e.pause(mode) for e in self.engines))
+        # Let every engine's pause settle before failing: resuming an engine whose pause is still in
+        # flight would leave it paused forever.
+        outcomes = await asyncio.gather(*(e.pause(mode) for e in self.engines), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def _commit(self, target: int) -> None:
         """Load staged weights everywhere, then advance the version of each engine that loaded."""

@@ -41,6 +41,23 @@ class CountingWorker:
         return self.calls
 
 
+@ray.remote(num_cpus=0)
+class BrokenEngine:
+    """An engine actor that pauses and resumes but cannot take part in a weight transfer."""
+
+    async def start(self) -> str:
+        return "cpu"
+
+    async def pause(self, mode: str) -> None:
+        pass
+
+    async def resume(self) -> None:
+        pass
+
+    async def collective_rpc(self, method: str, args=(), kwargs=None, timeout=None) -> list:
+        raise RuntimeError(f"{method}: this engine lost its weight-sync worker extension")
+
+
 def _config(model_path, *, num_workers: int):
     from streaming.config import StreamRLConfig
 
@@ -143,7 +160,7 @@ async def test_single_and_two_rank_learners_publish_what_they_save(ray_cluster, 
     client = RayEngineClient.launch(group_cfg.rollout.engine, "engine-0")
     worker = CountingWorker.remote()
     single = LearnerActor.options(**learner_actor_options(single_cfg)).remote(single_cfg.model_dump_json(), None)
-    group = None
+    group = broken = None
     try:
         initial = await _served(client, "v0")  # engine start overlaps the learner's
         assert set(initial.policy_versions) == {0}
@@ -161,6 +178,17 @@ async def test_single_and_two_rank_learners_publish_what_they_save(ray_cluster, 
         v2 = await _train_publish_check(group, client, tmp_path, version=2)
         assert v2 != v1
         assert await _call(worker.log.remote()) == ["pause", "resume"] * 2  # once per publish
+
+        # an engine that cannot receive: the sync fails in transfer, every rank still finished its
+        # gathers (no hang), and the live engine keeps serving v2 (paused and resumed, not updated)
+        broken = BrokenEngine.remote()
+        await _call(group.connect.remote([client.actor, broken], [worker], 2))
+        await _call(group.train_step.remote(_sampled_batch(2)))
+        sync_metrics, served_version = await _call(group.publish.remote())
+        assert served_version == 2 and sync_metrics["sync/num_failed"] == 1.0, sync_metrics
+        assert await _call(group.policy_version.remote()) == 3
+        still = await _served(client, "after-failure")
+        assert still.token_ids == v2 and set(still.policy_versions) == {2}
     finally:
         for learner in (single, group):
             if learner is None:
@@ -172,3 +200,5 @@ async def test_single_and_two_rank_learners_publish_what_they_save(ray_cluster, 
             ray.kill(learner)
         ray.kill(worker)
         await client.shutdown()
+        if broken is not None:
+            ray.kill(broken)
