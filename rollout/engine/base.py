@@ -97,6 +97,33 @@ class BusyClock:
         return time.monotonic() - self.started_at
 
 
+class EngineCounters:
+    """Busy time and token counts of one engine (or one client's view of it)."""
+
+    def __init__(self) -> None:
+        self.clock = BusyClock()
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_aborted = 0
+
+    def record(self, output: GenerationOutput, num_prompt_tokens: int) -> None:
+        self.num_generated_tokens += len(output.token_ids)
+        self.num_prompt_tokens += num_prompt_tokens
+        self.num_aborted += output.aborted
+
+    def stats(self, engine_id: str, policy_version: int) -> EngineStats:
+        return EngineStats(
+            engine_id=engine_id,
+            policy_version=policy_version,
+            num_running=self.clock.num_running,
+            busy_s=self.clock.busy_s,
+            uptime_s=self.clock.uptime_s,
+            num_generated_tokens=self.num_generated_tokens,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_aborted=self.num_aborted,
+        )
+
+
 class InferenceEngine(abc.ABC):
     """One inference engine (one vLLM instance, possibly tensor-parallel inside)."""
 

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from rollout.engine.base import BusyClock, EngineStats, GenerationOutput, InferenceEngine, PauseMode, SamplingParams
+from rollout.engine.base import EngineCounters, EngineStats, GenerationOutput, InferenceEngine, PauseMode, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +63,7 @@ class FakeEngine(InferenceEngine):
         self._abort_flags: dict[str, asyncio.Event] = {}
         self._running = asyncio.Event()
         self._running.set()
-        self._clock = BusyClock()
-        self._num_generated_tokens = 0
-        self._num_prompt_tokens = 0
-        self._num_aborted = 0
+        self.counters = EngineCounters()
 
     def _completion(self, prompt_ids: list[int]) -> list[int]:
         if callable(self.script):
@@ -92,7 +89,7 @@ class FakeEngine(InferenceEngine):
         logprobs: list[float] = []
         versions: list[int] = []
         finish_reason = "stop"
-        self._clock.enter()
+        self.counters.clock.enter()
         try:
             await self._wait_running(aborted)  # submitted while paused: wait for resume
             for token in completion:
@@ -113,11 +110,11 @@ class FakeEngine(InferenceEngine):
                 if len(token_ids) >= sampling.max_tokens:
                     finish_reason = "length"
         finally:
-            self._clock.exit()
+            self.counters.clock.exit()
             del self._abort_flags[request_id]
-        self._num_generated_tokens += len(token_ids)
-        self._num_prompt_tokens += len(prompt_ids)
-        self._num_aborted += finish_reason == "abort"
+        self.counters.num_generated_tokens += len(token_ids)
+        self.counters.num_prompt_tokens += len(prompt_ids)
+        self.counters.num_aborted += finish_reason == "abort"
         return GenerationOutput(
             token_ids=token_ids,
             logprobs=logprobs,
@@ -172,16 +169,7 @@ class FakeEngine(InferenceEngine):
         return [result]
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            engine_id=self.engine_id,
-            policy_version=self.policy_version,
-            num_running=self._clock.num_running,
-            busy_s=self._clock.busy_s,
-            uptime_s=self._clock.uptime_s,
-            num_generated_tokens=self._num_generated_tokens,
-            num_prompt_tokens=self._num_prompt_tokens,
-            num_aborted=self._num_aborted,
-        )
+        return self.counters.stats(self.engine_id, self.policy_version)
 
     async def shutdown(self) -> None:
         for request_id in list(self._abort_flags):

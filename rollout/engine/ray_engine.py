@@ -18,7 +18,7 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
-from rollout.engine.base import BusyClock, EngineStats, GenerationOutput, InferenceEngine, PauseMode, SamplingParams
+from rollout.engine.base import EngineCounters, EngineStats, GenerationOutput, InferenceEngine, PauseMode, SamplingParams
 from rollout.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -121,10 +121,7 @@ class RayEngineClient(InferenceEngine):
         self.policy_version = policy_version
         self.cfg = cfg
         self._started: asyncio.Future[Any] | None = None
-        self._clock = BusyClock()
-        self._num_generated_tokens = 0
-        self._num_prompt_tokens = 0
-        self._num_aborted = 0
+        self.counters = EngineCounters()
 
     @classmethod
     def launch(cls, cfg: EngineConfig, engine_id: str, *, policy_version: int = 0) -> RayEngineClient:
@@ -153,7 +150,7 @@ class RayEngineClient(InferenceEngine):
         return await asyncio.shield(self._started)
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
-        self._clock.enter()
+        self.counters.clock.enter()
         try:
             output: GenerationOutput = await self._call("generate", request_id, list(prompt_ids), sampling)
         except TimeoutError:
@@ -163,10 +160,8 @@ class RayEngineClient(InferenceEngine):
                 logger.warning("engine %s: abort after timeout failed: %s", self.engine_id, exc)
             raise
         finally:
-            self._clock.exit()
-        self._num_generated_tokens += len(output.token_ids)
-        self._num_prompt_tokens += len(prompt_ids)
-        self._num_aborted += output.aborted
+            self.counters.clock.exit()
+        self.counters.record(output, len(prompt_ids))
         return output
 
     async def abort(self, request_id: str) -> None:
@@ -199,16 +194,7 @@ class RayEngineClient(InferenceEngine):
         return await self._call("stats")
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            engine_id=self.engine_id,
-            policy_version=self.policy_version,
-            num_running=self._clock.num_running,
-            busy_s=self._clock.busy_s,
-            uptime_s=self._clock.uptime_s,
-            num_generated_tokens=self._num_generated_tokens,
-            num_prompt_tokens=self._num_prompt_tokens,
-            num_aborted=self._num_aborted,
-        )
+        return self.counters.stats(self.engine_id, self.policy_version)
 
     async def shutdown(self) -> None:
         """Shut the engine down and end the actor process."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollout.engine.base import BusyClock, EngineStats, GenerationOutput, InferenceEngine, PauseMode, SamplingParams
+from rollout.engine.base import EngineCounters, EngineStats, GenerationOutput, InferenceEngine, PauseMode, SamplingParams
 from rollout.engine.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -83,11 +83,8 @@ class VLLMEngine(InferenceEngine):
         self.device = cfg.resolved_device()
         self._llm: AsyncLLM = AsyncLLM.from_engine_args(build_engine_args(cfg, self.model_path))
         self._requests: dict[str, _InFlight] = {}
-        self._clock = BusyClock()
+        self.counters = EngineCounters()
         self._paused = False
-        self._num_generated_tokens = 0
-        self._num_prompt_tokens = 0
-        self._num_aborted = 0
         logger.info("engine %s up: model=%s device=%s", engine_id, self.model_path, self.device)
 
     # -- generation -------------------------------------------------------------------------------
@@ -137,7 +134,7 @@ class VLLMEngine(InferenceEngine):
         versions: list[int] = []
         finish_reason: str | None = None
         num_cached = 0
-        self._clock.enter()
+        self.counters.clock.enter()
         stream = self._llm.generate(prompt, params, request_id)
         try:
             async for out in stream:
@@ -159,14 +156,14 @@ class VLLMEngine(InferenceEngine):
                     break
         finally:
             await stream.aclose()  # no-op when finished; aborts inside vLLM when we stopped early
-            self._clock.exit()
+            self.counters.clock.exit()
             del self._requests[request_id]
         if finish_reason is None:  # stream ended without a final chunk (engine-side abort)
             finish_reason = ABORT
         if finish_reason == ABORT:
-            self._num_aborted += 1
-        self._num_generated_tokens += len(state.token_ids)
-        self._num_prompt_tokens += len(prompt_ids)
+            self.counters.num_aborted += 1
+        self.counters.num_generated_tokens += len(state.token_ids)
+        self.counters.num_prompt_tokens += len(prompt_ids)
         return GenerationOutput(
             token_ids=state.token_ids,
             logprobs=logprobs,
@@ -237,16 +234,7 @@ class VLLMEngine(InferenceEngine):
         return self._paused
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            engine_id=self.engine_id,
-            policy_version=self.policy_version,
-            num_running=self._clock.num_running,
-            busy_s=self._clock.busy_s,
-            uptime_s=self._clock.uptime_s,
-            num_generated_tokens=self._num_generated_tokens,
-            num_prompt_tokens=self._num_prompt_tokens,
-            num_aborted=self._num_aborted,
-        )
+        return self.counters.stats(self.engine_id, self.policy_version)
 
     async def shutdown(self) -> None:
         for request_id in list(self._requests):
