@@ -55,6 +55,7 @@ class RolloutWorker:
         self.num_partial = 0
         self.num_failed = 0
         self.num_resumed = 0
+        self.reward_sum = 0.0  # over finished trajectories
         self.errors: list[str] = []
 
     # ---- submission ---------------------------------------------------------------------------
@@ -93,6 +94,7 @@ class RolloutWorker:
                 self._held.append(AgentData.from_json(traj.agent_data_json))
             elif traj.status is TrajectoryStatus.FINISHED:
                 self.num_finished += 1
+                self.reward_sum += traj.reward
             await self.sink(traj)
         finally:
             self._num_sinking -= 1
@@ -167,6 +169,7 @@ class RolloutWorker:
             "rollout/num_partial": self.num_partial,
             "rollout/num_failed": self.num_failed,
             "rollout/num_resumed": self.num_resumed,
+            "rollout/reward_sum": self.reward_sum,
             "rollout/num_interrupts": c.num_interrupts,
             "rollout/num_parse_errors": c.num_parse_errors,
             "rollout/num_tool_calls": c.num_tool_calls,

@@ -224,11 +224,16 @@ class System:
             for key, value in worker_metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         for key, value in totals.items():  # counters are logged as increments since the last step
-            if key.startswith("rollout/num_") and key not in ("rollout/num_running", "rollout/num_held"):
+            if key == "rollout/reward_sum" or (
+                key.startswith("rollout/num_") and key not in ("rollout/num_running", "rollout/num_held")
+            ):
                 metrics[key] = max(value - self._last_counters.get(key, 0.0), 0.0)
             else:
                 metrics[key] = value
         self._last_counters = totals
+        if metrics.get("rollout/num_finished"):
+            # every trajectory finished since the last step, not only the trained batch
+            metrics["rollout/finished_reward_mean"] = metrics["rollout/reward_sum"] / metrics["rollout/num_finished"]
         busy = []
         for i, engine in enumerate(self.engines):
             stats = await self._call(engine.stats.remote(), 60.0)
