@@ -82,7 +82,9 @@ class ToolAgentLoop(AgentLoopBase):
             ]
         data.messages.append(message)
 
-        if finish == "length" or self.out_of_room(data):
+        # A turn cut by the per-turn budget still goes on to its tools / interaction while the
+        # trajectory's response budget lasts (the observation then starts with the missing eos).
+        if self.out_of_room(data):
             return self.terminate(data, FinishReason.LENGTH)
         if data.num_assistant_turns >= self.ctx.cfg.max_assistant_turns:
             return self.terminate(data, FinishReason.MAX_TURNS)
@@ -96,7 +98,7 @@ class ToolAgentLoop(AgentLoopBase):
                 return self.terminate(data, FinishReason.MAX_TURNS)
             data.state = AgentState.INTERACTING
         else:
-            self.terminate(data, FinishReason.STOP)
+            self.terminate(data, FinishReason.LENGTH if finish == "length" else FinishReason.STOP)
 
     def _validate(self, data: AgentData, calls: list[ToolCall]) -> list[ToolCall]:
         """Prefix call ids with the turn (unique per trajectory) and validate against schemas."""

@@ -260,3 +260,26 @@ async def test_interaction_turns_are_observations_and_end_the_episode(tiny_token
     assert "incorrect" in feedback.lower()
     assert traj.response_ids[: len(turn_ids[0])] == turn_ids[0]
     assert traj.response_ids[-len(turn_ids[1]) :] == turn_ids[1]
+
+
+async def test_turn_cut_by_per_turn_budget_still_reaches_the_environment(tiny_tokenizer):
+    from rollout.interactions import load_interaction_config
+
+    tok = tiny_tokenizer
+    long_turn = "word " * 200  # longer than max_tokens_per_turn: the engine stops with "length"
+    script, turn_ids = turn_script(tok, [long_turn, ANSWER])
+    ctx = make_ctx(tok, FakeEngine(script=script))
+    ctx.tools = None
+    ctx.interactions = load_interaction_config(
+        {"interaction": [{"name": "latency_env", "config": {"latency_s": 0.0, "num_turns": 2}}]}
+    )
+    data = new_data()
+    data.interaction_name = "latency_env"
+    traj = await ToolAgentLoop(ctx).run(data)
+    traj.validate()
+    n = ctx.cfg.max_tokens_per_turn
+    assert traj.response_ids[:n] == turn_ids[0][:n] and traj.response_mask[n] == 0
+    # the observation re-opens the template with the eos the cut turn lacked
+    obs_start = tok.decode(traj.response_ids[n : n + 3])
+    assert obs_start.startswith(tok.eos_token)
+    assert traj.finish_reason is FinishReason.INTERACTION_DONE and traj.num_turns == 4
