@@ -60,17 +60,23 @@ class RolloutWorker:
 
     # ---- submission ---------------------------------------------------------------------------
 
-    def submit(self, data: AgentData) -> None:
-        """Start (or resume) one trajectory; held until `resume()` while paused."""
-        if data.trajectory_id in self._tasks:
-            raise ValueError(f"trajectory {data.trajectory_id} is already running on {self.worker_id}")
+    def submit(self, data: AgentData) -> bool:
+        """Start (or resume) one trajectory; held until `resume()` while paused.
+
+        Idempotent: a trajectory already running or held here is not started twice (the driver may
+        resubmit orphans from the buffer while a copy is already on its way); returns False then."""
+        tid = data.trajectory_id
+        if tid in self._tasks or any(h.trajectory_id == tid for h in self._held):
+            logger.info("%s: trajectory %s is already here; duplicate submission dropped", self.worker_id, tid)
+            return False
         if self._paused:
             self._held.append(data)
-            return
+            return True
         if data.state is not AgentState.PENDING:
             self.num_resumed += 1
-        self._states[data.trajectory_id] = data
-        self._tasks[data.trajectory_id] = asyncio.create_task(self._drive(data), name=data.trajectory_id)
+        self._states[tid] = data
+        self._tasks[tid] = asyncio.create_task(self._drive(data), name=tid)
+        return True
 
     async def _drive(self, data: AgentData) -> None:
         async with self._slots:

@@ -71,6 +71,7 @@ class System:
     num_worker_replacements: int = 0
     elapsed_base_s: float = 0.0  # state.elapsed_s when this segment started
     _last_counters: dict[str, float] = field(default_factory=dict)
+    _health_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _next_worker: int = 0
 
     # ---- admission ----------------------------------------------------------------------------
@@ -182,7 +183,13 @@ class System:
     # ---- health -------------------------------------------------------------------------------
 
     async def check_workers(self) -> None:
-        """Replace dead rollout workers; resubmit resumable trajectories nobody is running."""
+        """Replace dead rollout workers; resubmit resumable trajectories nobody is running.
+
+        Serialized: the admission and health loops may both notice the same dead worker."""
+        async with self._health_lock:
+            await self._replace_dead_workers()
+
+    async def _replace_dead_workers(self) -> None:
         alive, dead = [], []
         for w in self.workers:
             try:

@@ -283,3 +283,21 @@ async def test_turn_cut_by_per_turn_budget_still_reaches_the_environment(tiny_to
     obs_start = tok.decode(traj.response_ids[n : n + 3])
     assert obs_start.startswith(tok.eos_token)
     assert traj.finish_reason is FinishReason.INTERACTION_DONE and traj.num_turns == 4
+
+
+async def test_duplicate_submission_is_dropped_running_or_held(tiny_tokenizer):
+    script, _ = turn_script(tiny_tokenizer, [ANSWER])
+    ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script, token_delay_s=0.002))
+    sink: list = []
+
+    async def collect(traj):
+        sink.append(traj)
+
+    worker = RolloutWorker(ctx, collect)
+    await worker.pause(timeout_s=5)
+    assert worker.submit(new_data()) is True
+    assert worker.submit(new_data()) is False  # held twice -> once
+    await worker.resume()
+    assert worker.submit(new_data()) is False  # running -> not again
+    await worker.wait_idle(10)
+    assert [t.status for t in sink] == [TrajectoryStatus.FINISHED]
