@@ -74,7 +74,7 @@ def write_env_config(root: Path, latency: float) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--latency", type=float, default=2.0, help="environment latency per turn (s)")
+    parser.add_argument("--latency", type=float, default=1.0, help="environment latency per turn (s)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
         root = Path(tmp)
