@@ -25,7 +25,7 @@ async def test_killed_rollout_worker_is_replaced_and_its_trajectories_resume(ray
         [
             f"trainer.run_root={tmp_path}",
             "trainer.run_name=preempt",
-            "trainer.total_steps=4",
+            "trainer.total_steps=8",
             "trainer.checkpoint_every=100",
             "rollout.num_workers=2",
             "wandb.enabled=false",
@@ -45,6 +45,11 @@ async def test_killed_rollout_worker_is_replaced_and_its_trajectories_resume(ray
         held = set(await victim.running_ids.remote())
         assert held, "the worker to preempt never held a trajectory"
         ray.kill(victim, no_restart=True)
+        for _ in range(600):  # the health loop notices within a poll or two, while the run goes on
+            if system.num_worker_replacements or run.done():
+                break
+            await asyncio.sleep(0.1)
+        assert not run.done() or run.exception() is None
         await asyncio.wait_for(run, 480)
     finally:
         if not run.done():
@@ -61,4 +66,4 @@ async def test_killed_rollout_worker_is_replaced_and_its_trajectories_resume(ray
     assert held <= set(latest.index)
     finished_after = latest.loc[sorted(held)]
     assert (finished_after["status"] == "finished").any(), "no preempted trajectory was finished elsewhere"
-    assert system.state.learner_step == 4
+    assert system.state.learner_step == 8
