@@ -14,7 +14,6 @@ for built-ins registered with `@register_interaction`, and `interactions:` is ac
 from __future__ import annotations
 
 import abc
-import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rollout.instances import InstanceStore
 from rollout.tools.config import import_object
 
 
@@ -34,18 +34,13 @@ class BaseInteraction(abc.ABC):
         raw = dict(config or {})
         self.name: str = str(raw.pop("name", type(self).__name__))
         self.config = self.config_model.model_validate(raw) if self.config_model is not None else raw
-        self._instances: dict[str, dict[str, Any]] = {}
+        self._instances = InstanceStore("interaction", self.name)
 
     async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
-        instance_id = instance_id or uuid.uuid4().hex
-        self._instances[instance_id] = dict(kwargs)
-        return instance_id
+        return self._instances.start(instance_id, kwargs)
 
     def instance_state(self, instance_id: str) -> dict[str, Any]:
-        try:
-            return self._instances[instance_id]
-        except KeyError:
-            raise ValueError(f"interaction {self.name!r} has no instance {instance_id!r} (not started or finalized)") from None
+        return self._instances.get(instance_id)
 
     @abc.abstractmethod
     async def generate_response(
@@ -57,7 +52,7 @@ class BaseInteraction(abc.ABC):
         return 0.0
 
     async def finalize_interaction(self, instance_id: str) -> None:
-        self._instances.pop(instance_id, None)
+        self._instances.drop(instance_id)
 
 
 _INTERACTIONS: dict[str, type[BaseInteraction]] = {}

@@ -14,12 +14,12 @@ the tool's `config_model` (pydantic, extra keys forbidden) and `tool_schema` def
 from __future__ import annotations
 
 import abc
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
+from rollout.instances import InstanceStore
 from rollout.tools.schema import OpenAIFunctionToolSchema
 
 
@@ -53,7 +53,7 @@ class BaseTool(abc.ABC):
         if not isinstance(tool_schema, OpenAIFunctionToolSchema):
             tool_schema = OpenAIFunctionToolSchema.model_validate(tool_schema)
         self.schema: OpenAIFunctionToolSchema = tool_schema
-        self._instances: dict[str, dict[str, Any]] = {}
+        self._instances = InstanceStore("tool", self.name)
 
     @classmethod
     def default_schema(cls) -> OpenAIFunctionToolSchema:
@@ -69,15 +69,10 @@ class BaseTool(abc.ABC):
 
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> str:
         """Start one instance (one per trajectory); `kwargs` are the row's create_kwargs."""
-        instance_id = instance_id or uuid.uuid4().hex
-        self._instances[instance_id] = dict(kwargs)
-        return instance_id
+        return self._instances.start(instance_id, kwargs)
 
     def instance_state(self, instance_id: str) -> dict[str, Any]:
-        try:
-            return self._instances[instance_id]
-        except KeyError:
-            raise ValueError(f"tool {self.name!r} has no instance {instance_id!r} (not created or released)") from None
+        return self._instances.get(instance_id)
 
     @abc.abstractmethod
     async def execute(self, instance_id: str, parameters: dict[str, Any]) -> ToolExecution:
@@ -87,4 +82,4 @@ class BaseTool(abc.ABC):
         return 0.0
 
     async def release(self, instance_id: str) -> None:
-        self._instances.pop(instance_id, None)
+        self._instances.drop(instance_id)
