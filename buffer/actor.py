@@ -79,10 +79,10 @@ class BufferActor:
         return bool(pc.all(pc.equal(batch.column("status"), TrajectoryStatus.PARTIAL.value)).as_py())
 
     async def append(
-        self, data: pa.RecordBatch | pa.Table | list[Trajectory], timeout_s: float | None = 30.0
+        self, data: pa.RecordBatch | pa.Table | list[Trajectory], timeout_s: float | None = 30.0, durable: bool = False
     ) -> bool:
         """Append rows, awaiting room under backpressure (None = wait as long as it takes); False if
-        they were not accepted within `timeout_s`."""
+        they were not accepted within `timeout_s`. `durable=True`: True only once they are in the log."""
         self._check_flusher()
         batch = self._as_batch(data)
         if not self._all_partial(batch) and not self.buffer.has_room(batch.num_rows):
@@ -93,7 +93,7 @@ class BufferActor:
                 except TimeoutError:
                     self.num_backpressure_timeouts += 1
                     return False
-        self.buffer.append(batch)
+        self.buffer.append(batch, durable=durable)
         return True
 
     async def try_append(self, data: pa.RecordBatch | pa.Table | list[Trajectory]) -> bool:
@@ -118,17 +118,28 @@ class BufferActor:
         out = await self.sample(learner_version, learner_step)
         return None if out is None else (out.to_padded(), out.lags)
 
-    async def resumable(self) -> list[Trajectory]:
-        return self.buffer.resumable()
+    async def resumable(self, trajectory_ids: list[str] | None = None) -> list[Trajectory]:
+        return self.buffer.resumable(trajectory_ids)
+
+    async def resumable_ids(self) -> list[str]:
+        return self.buffer.resumable_ids()
 
     async def has_groups(self, group_ids: list[str]) -> list[bool]:
         return self.buffer.has_groups(group_ids)
 
+    async def progress(self) -> tuple[int, int]:
+        """(trajectories in flight, rows appended so far): cheap, for the driver's stall checks."""
+        return self.buffer.num_in_flight, self.buffer.num_rows_appended
+
+    async def max_policy_version(self) -> int:
+        """Highest policy_version label in the buffer (recovered or appended); -1 if none."""
+        return self.buffer.max_policy_version
+
     async def num_ready(self) -> int:
         return self.buffer.num_ready()
 
-    async def capacity(self, learner_version: int, num_running: int, max_concurrent: int | None = None) -> int:
-        return self.buffer.capacity(learner_version=learner_version, num_running=num_running, max_concurrent=max_concurrent)
+    async def capacity(self, learner_version: int, max_concurrent: int | None = None) -> int:
+        return self.buffer.capacity(learner_version=learner_version, max_concurrent=max_concurrent)
 
     async def stats(self) -> dict[str, float]:
         out = self.buffer.stats()

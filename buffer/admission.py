@@ -16,7 +16,21 @@ A trajectory samples its first token at (or after) the version it starts at, so 
 bounds the min policy_version, however many versions its later turns span. Capacity is rounded down
 to whole GRPO groups (the n samples of a prompt start together) and clamped by a concurrency limit.
 Trajectories that will never be consumed (DAPO-filtered, dropped, evicted) must not count as
-accepted, or capacity leaks.
+accepted, or capacity leaks; every other admitted trajectory counts, including a *finished* member of
+a group whose other members still run (it is neither running nor accepted yet, and forgetting it
+over-admits by up to group_size - 1 per open group). With `reuse` r each trajectory is handed to the
+learner r times, so only batch_size / r fresh trajectories are consumed per step and
+
+    capacity = (max_staleness + v + 1) * batch_size // r - (num_accepted + num_in_flight)
+
+bounds the lag at a trajectory's first use.
+
+The bound holds when groups are consumed in start order. They finish in another order (a long group
+started at v can settle after shorter groups started at v + 2), so a group can still end up older
+than `max_staleness` when it is sampled: the buffer samples the oldest-started ready group first, and
+by default (`over_age = "train"`) trains on it with the lag-aware correction instead of dropping it,
+which would starve exactly the long trajectories; dropping is an explicit option and is counted by
+length bucket (`length_bucket`).
 """
 
 from __future__ import annotations
@@ -35,17 +49,20 @@ def rollout_capacity(
     num_accepted: int,
     group_size: int = 1,
     max_concurrent: int | None = None,
+    reuse: int = 1,
 ) -> int:
     """How many new trajectories may start now (a multiple of `group_size`, >= 0).
 
-    num_running: started and not yet finished (generating, in tools, or parked as partial rows).
+    num_running: admitted and not yet accepted: every member of a group that is still open
+        (generating, in tools, parked as a partial row, or finished while its siblings run).
     num_accepted: finished since the run began and kept for training (consumed or waiting).
+    max_concurrent: limit on trajectories running at once (compared with num_running).
     """
     if min(learner_version, max_staleness, num_running, num_accepted) < 0:
         raise ValueError("learner_version, max_staleness, num_running and num_accepted must be >= 0")
-    if batch_size <= 0 or group_size <= 0:
-        raise ValueError("batch_size and group_size must be > 0")
-    capacity = (max_staleness + learner_version + 1) * batch_size - (num_accepted + num_running)
+    if batch_size <= 0 or group_size <= 0 or reuse <= 0:
+        raise ValueError("batch_size, group_size and reuse must be > 0")
+    capacity = (max_staleness + learner_version + 1) * batch_size // reuse - (num_accepted + num_running)
     if max_concurrent is not None:
         capacity = min(capacity, max_concurrent - num_running)
     return max(0, capacity // group_size * group_size)
@@ -78,3 +95,9 @@ def lag_histogram(lags: np.ndarray, max_lag: int) -> np.ndarray:
     lags = np.asarray(lags)
     lags = lags[lags >= 0]
     return np.bincount(np.minimum(lags, max_lag + 1), minlength=max_lag + 2)[: max_lag + 2]
+
+
+def length_bucket(num_tokens: int) -> int:
+    """Power-of-two length bucket: the smallest 2**k >= num_tokens (lengths are compared by bucket
+    between what was generated, trained and dropped)."""
+    return 1 << max(int(num_tokens) - 1, 0).bit_length()

@@ -18,12 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class SamplingPolicy(StrEnum):
-    FIFO = "fifo"  # oldest complete group first (default; what admission control assumes)
+    FIFO = "fifo"  # oldest-started complete group first (default; what admission control assumes)
     UNIFORM = "uniform"  # uniformly random among the ready groups
     PRIORITIZED = "prioritized"  # weight = (reward std + priority_eps) * lag_decay ** lag
 
 
 class OverAgePolicy(StrEnum):
+    TRAIN = "train"  # sample it anyway; the learner's lag-aware correction handles the extra lag
     EVICT = "evict"  # drop from memory (the rows stay in the log), counted and logged
     KEEP = "keep"  # keep in memory for analysis, never sampled, counted and logged
 
@@ -44,7 +45,9 @@ class BufferConfig(BaseModel):
 
     filter_uniform_reward_groups: bool = False  # DAPO dynamic sampling: drop all-equal-reward groups
     min_finished_per_group: int = Field(default=1, ge=1)  # groups with fewer finished members are dropped
-    over_age: OverAgePolicy = OverAgePolicy.EVICT
+    # A group older than max_staleness when sampled (it started early and finished late: long
+    # trajectories). "train" (default) keeps them in the data; dropping them biases towards short ones.
+    over_age: OverAgePolicy = OverAgePolicy.TRAIN
     capacity_rows: int | None = Field(default=None, gt=0)  # live rows before appends are backpressured
 
     flush_every_rows: int = Field(default=256, gt=0)

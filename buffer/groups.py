@@ -17,10 +17,12 @@ row ids died so the row store can free them.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
 from operator import attrgetter
 
+from buffer.admission import length_bucket
 from rollout.types import OBSERVATION_VERSION, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
@@ -94,6 +96,8 @@ class GroupTable:
         self.num_late_rows = 0
         self.num_partial = 0
         self.num_accepted = 0  # finished trajectories kept for training (READY or CONSUMED groups)
+        self.num_in_flight = 0  # members of OPEN groups, finished or not: admitted, not yet accepted
+        self.generated_lengths: Counter[int] = Counter()  # length bucket -> finished members of settled groups
 
     def check_overflow(self, trajectory_ids: list[str], group_ids: list[str]) -> None:
         """Raise ValueError before any mutation if these rows' new trajectories overflow a group."""
@@ -145,6 +149,8 @@ class GroupTable:
                 if old.status is partial:
                     self.num_partial -= 1
                     group.num_partial_members -= 1
+            else:
+                self.num_in_flight += 1
             if status is partial:
                 self.num_partial += 1
                 group.num_partial_members += 1
@@ -164,6 +170,7 @@ class GroupTable:
         return dead
 
     def _settle(self, group: GroupState) -> list[int]:
+        self.num_in_flight -= len(group.members)
         finished: list[TrajState] = []
         failed_rows: list[int] = []
         for m in group.members.values():
@@ -174,6 +181,7 @@ class GroupTable:
         if len(finished) < self.min_finished:
             return self._close(group, GroupPhase.DROPPED)
         finished.sort(key=_sample_index)
+        self.generated_lengths.update(length_bucket(m.num_tokens) for m in finished)
         rewards = [m.reward for m in finished]
         if self.filter_uniform and max(rewards) == min(rewards):
             return self._close(group, GroupPhase.FILTERED)
@@ -186,8 +194,8 @@ class GroupTable:
         group.reward_std = (sum([(r - mean) ** 2 for r in rewards]) / len(rewards)) ** 0.5
         group.num_uses = max([len(m.consume_steps) for m in finished])
         self.num_accepted += len(finished)
-        if group.num_uses >= self.reuse:
-            return failed_rows + self._close(group, GroupPhase.CONSUMED)
+        if group.num_uses >= self.reuse:  # consumed before a restart: every member's row dies
+            return self._close(group, GroupPhase.CONSUMED)
         self._move(group, GroupPhase.READY)
         self.ready[group.group_id] = group
         return failed_rows
@@ -224,14 +232,28 @@ class GroupTable:
         self.counts[phase] += 1
         group.phase = phase
 
-    def resumable_rows(self) -> list[int]:
+    def _resumable(self) -> list[TrajState]:
         return [
-            m.row
+            m
             for g in self.groups.values()
             if g.phase is GroupPhase.OPEN
             for m in g.members.values()
             if m.status is TrajectoryStatus.PARTIAL
         ]
+
+    def resumable_rows(self, trajectory_ids: list[str] | None = None) -> list[int]:
+        if trajectory_ids is None:
+            return [m.row for m in self._resumable()]
+        out = []
+        for tid in trajectory_ids:
+            group = self.trajectories.get(tid)
+            m = group.members.get(tid) if group is not None and group.phase is GroupPhase.OPEN else None
+            if m is not None and m.status is TrajectoryStatus.PARTIAL:
+                out.append(m.row)
+        return out
+
+    def resumable_ids(self) -> list[str]:
+        return [m.trajectory_id for m in self._resumable()]
 
     @property
     def num_ready_trajectories(self) -> int:

@@ -72,7 +72,7 @@ class RowStore:
 
     def kill(self, rows: list[int] | np.ndarray) -> None:
         """Mark rows dead (idempotent); release or compact chunks that became mostly dead."""
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = np.unique(np.asarray(rows, dtype=np.int64))  # a row listed twice dies once
         rows = rows[self.live[rows]]
         if not len(rows):
             return

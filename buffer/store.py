@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from buffer.admission import lag_histogram, rollout_capacity, trajectory_lag
+from buffer.admission import lag_histogram, length_bucket, rollout_capacity, trajectory_lag
 from buffer.config import BufferConfig, OverAgePolicy
 from buffer.groups import GroupPhase, GroupState, GroupTable, RowColumns
 from buffer.log import SegmentWriter, read_segments
@@ -53,6 +54,10 @@ logger = logging.getLogger(__name__)
 _STATUS = {s.value: s for s in TrajectoryStatus}
 
 
+def _start_version(group: GroupState) -> int:
+    return group.min_policy_version
+
+
 class ReplayBuffer:
     def __init__(self, cfg: BufferConfig, *, resume_learner_step: int | None = None) -> None:
         self.cfg = cfg
@@ -74,6 +79,9 @@ class ReplayBuffer:
         self._token_lag_hist = np.zeros(cfg.max_staleness + 2, dtype=np.int64)
         self._traj_lag_hist = np.zeros(cfg.max_staleness + 2, dtype=np.int64)
         self._last_batch: dict[str, float] = {}
+        self.max_policy_version = -1  # highest version label of any row ever appended or recovered
+        self._trained_lengths: Counter[int] = Counter()  # length bucket -> trajectories at their first use
+        self._dropped_lengths: Counter[int] = Counter()  # length bucket -> trajectories dropped over age
         self.recovery_report = RecoveryReport()
         self._root = Path(cfg.root_dir) if cfg.root_dir is not None else None
         self._lock: DirLock | None = None
@@ -86,8 +94,12 @@ class ReplayBuffer:
             raise ValueError("resume_learner_step needs a root_dir: a memory-only buffer has no history")
 
     # ---------------------------------------------------------------- appending
-    def append(self, data: list[Trajectory] | pa.RecordBatch | pa.Table) -> None:
-        """Add finished, partial or failed rows. Never drops data; see `has_room` for backpressure."""
+    def append(self, data: list[Trajectory] | pa.RecordBatch | pa.Table, *, durable: bool = False) -> None:
+        """Add finished, partial or failed rows. Never drops data; see `has_room` for backpressure.
+
+        `durable=True` returns only once the rows are in the log (they survive a process kill): use it
+        when the caller acknowledges something on the strength of these rows (admission saves its
+        prompt cursor; a tool journal entry lets a side effect run)."""
         batch = trajectories_to_batch(data) if isinstance(data, list) else normalize_batch(data)
         if batch.num_rows == 0:
             return
@@ -102,7 +114,10 @@ class ReplayBuffer:
         else:
             self._submit_held()
             self._submit(batch)
-        self.poll()
+        if durable:
+            self.flush()
+        else:
+            self.poll()
 
     def _ingest(self, batch: pa.RecordBatch) -> int:
         """Row store + group bookkeeping for one batch; returns its chunk id. Raises ValueError
@@ -111,6 +126,9 @@ class ReplayBuffer:
         gids = batch.column("group_id").to_pylist()
         self._groups.check_overflow(tids, gids)
         tokens = batch.column("num_prompt_tokens").to_numpy().astype(np.int64) + batch.column("num_response_tokens").to_numpy()
+        top = pc.max(batch.column("max_policy_version")).as_py()
+        if top is not None and top > self.max_policy_version:
+            self.max_policy_version = top
         cid, first = self._rows.add(batch)
         dead = self._groups.apply(
             RowColumns(
@@ -213,7 +231,8 @@ class ReplayBuffer:
         Their consumption at `learner_step` is recorded (durably with a root_dir) before returning."""
         self.flush()  # rows are durable before their consumption is
         self._retire_over_age(learner_version)
-        candidates = list(self._groups.ready.values())
+        # Oldest-started first (settle order among equals): the order admission's bound assumes.
+        candidates = sorted(self._groups.ready.values(), key=_start_version)
         if not candidates:
             return None
         lags = trajectory_lag(learner_version, np.array([g.min_policy_version for g in candidates]))
@@ -240,8 +259,11 @@ class ReplayBuffer:
         table = self._rows.take(np.array([m.row for m in members], dtype=np.int64))
         row_lags = trajectory_lag(learner_version, table.column("min_policy_version").to_numpy())
         self._record_consumption(table, row_lags, learner_step=learner_step, learner_version=learner_version)
+        self._counts["over_age_trained"] += int(np.sum(np.asarray(row_lags) > self.cfg.max_staleness))
         dead: list[int] = []
         for g in groups:
+            if g.num_uses == 0:
+                self._trained_lengths.update(length_bucket(m.num_tokens) for m in g.finished)
             dead.extend(self._groups.consume(g, learner_step))
         self._rows.kill(dead)
         self._account_lags(table, row_lags, learner_version)
@@ -255,7 +277,7 @@ class ReplayBuffer:
 
     def _retire_over_age(self, learner_version: int) -> None:
         ready = list(self._groups.ready.values())
-        if not ready:
+        if not ready or self.cfg.over_age is OverAgePolicy.TRAIN:
             return
         lags = trajectory_lag(learner_version, np.array([g.min_policy_version for g in ready]))
         over = [g for g, lag in zip(ready, lags.tolist()) if lag > self.cfg.max_staleness]
@@ -264,6 +286,7 @@ class ReplayBuffer:
         keep = self.cfg.over_age is OverAgePolicy.KEEP
         phase = GroupPhase.OVER_AGE if keep else GroupPhase.EVICTED
         for g in over:
+            self._dropped_lengths.update(length_bucket(m.num_tokens) for m in g.finished)
             self._rows.kill(self._groups.retire(g, phase))
         num = sum(len(g.finished) for g in over)
         self._counts["over_age_kept" if keep else "evicted_over_age"] += num
@@ -309,10 +332,14 @@ class ReplayBuffer:
         }
 
     # ---------------------------------------------------------------- queries
-    def resumable(self) -> list[Trajectory]:
-        """Trajectories whose latest row is partial (to be resumed from their AgentData)."""
-        rows = self._groups.resumable_rows()
+    def resumable(self, trajectory_ids: list[str] | None = None) -> list[Trajectory]:
+        """Trajectories whose latest row is partial (to be resumed from their AgentData), all or
+        those of `trajectory_ids` that still are."""
+        rows = self._groups.resumable_rows(trajectory_ids)
         return batch_to_trajectories(self._rows.take(np.array(rows, dtype=np.int64))) if rows else []
+
+    def resumable_ids(self) -> list[str]:
+        return self._groups.resumable_ids()
 
     def has_groups(self, group_ids: list[str]) -> list[bool]:
         """Whether each group has any row (admission idempotence after a restart)."""
@@ -326,17 +353,33 @@ class ReplayBuffer:
     def num_accepted(self) -> int:
         return self._groups.num_accepted
 
-    def capacity(self, *, learner_version: int, num_running: int, max_concurrent: int | None = None) -> int:
-        """Admission: how many trajectories may start now (see `buffer.admission.rollout_capacity`)."""
-        return rollout_capacity(
+    @property
+    def num_in_flight(self) -> int:
+        """Admitted trajectories not yet accepted: every member of an open group (partial or finished)."""
+        return self._groups.num_in_flight
+
+    @property
+    def num_rows_appended(self) -> int:
+        return self._counts["rows_appended"]
+
+    def capacity(self, *, learner_version: int, max_concurrent: int | None = None) -> int:
+        """Admission: how many trajectories may start now (see `buffer.admission.rollout_capacity`).
+
+        Counts come from the buffer itself (every admitted group has rows here from admission on), so
+        they survive restarts; `max_concurrent` bounds the trajectories still running (partial rows)."""
+        cap = rollout_capacity(
             learner_version=learner_version,
             max_staleness=self.cfg.max_staleness,
             batch_size=self.cfg.batch_size,
-            num_running=num_running,
+            num_running=self._groups.num_in_flight,
             num_accepted=self._groups.num_accepted,
             group_size=self.cfg.group_size,
-            max_concurrent=max_concurrent,
+            reuse=self.cfg.reuse,
         )
+        if max_concurrent is not None:
+            room = max(max_concurrent - self._groups.num_partial, 0)
+            cap = min(cap, room // self.cfg.group_size * self.cfg.group_size)
+        return cap
 
     def memory_bytes(self) -> int:
         return self._rows.nbytes
@@ -349,11 +392,13 @@ class ReplayBuffer:
             "buffer/ready_trajectories": g.num_ready_trajectories,
             "buffer/ready_groups": len(g.ready),
             "buffer/partial_trajectories": g.num_partial,
+            "buffer/in_flight_trajectories": g.num_in_flight,
             "buffer/accepted_trajectories": g.num_accepted,
             "buffer/trajectories_consumed": c["trajectories_consumed"],
             "buffer/batches_sampled": c["batches_sampled"],
             "buffer/evicted_over_age": c["evicted_over_age"],
             "buffer/over_age_kept": c["over_age_kept"],
+            "buffer/over_age_trained": c["over_age_trained"],
             "buffer/groups_over_token_budget": c["groups_over_token_budget"],
             "buffer/late_rows_ignored": g.num_late_rows,
             "buffer/flushes": c["flushes"],
@@ -370,7 +415,24 @@ class ReplayBuffer:
                 out[key] = n / total
             out[f"staleness/{name}_mean"] = float(np.dot(np.arange(len(hist)), hist) / total)
         out.update(self._last_batch)
+        out.update(self._length_stats())
         return {k: float(v) for k, v in out.items()}
+
+    def _length_stats(self) -> dict[str, float]:
+        """Generated vs trained length distributions (tokens per trajectory, power-of-two buckets):
+        `staleness/length_bias` = trained mean / generated mean (1.0 = no bias towards short ones)."""
+        out: dict[str, float] = {}
+        means = {}
+        for name, hist in (("generated", self._groups.generated_lengths), ("trained", self._trained_lengths),
+                           ("dropped_over_age", self._dropped_lengths)):
+            total = sum(hist.values())
+            means[name] = sum(b * n for b, n in hist.items()) / total if total else 0.0
+            out[f"length/{name}_mean_bucket"] = means[name]
+            for bucket, n in hist.items():
+                out[f"length/{name}_le_{bucket}"] = n
+        if means["generated"] and means["trained"]:
+            out["staleness/length_bias"] = means["trained"] / means["generated"]
+        return out
 
     # ---------------------------------------------------------------- recovery
     def _open_dir(self, resume_learner_step: int | None) -> None:

@@ -9,6 +9,12 @@ Consumes `AgentData` (new trajectories from the driver, or partial ones to resum
   New submissions are held until `resume()`.
 - `resume()` clears the Event and relaunches every parked trajectory from its AgentData.
 
+A trajectory belongs to exactly one place at every moment (I2): its task in `_tasks` from submission
+until its row is in the sink (a parking loop included, while its partial row is being saved), then
+— if it parked — `_held` while paused, or a new task at once if `resume()` came meanwhile. Counters
+(`num_finished`, ...) move only once the sink accepted the row. A sink that refuses a row
+(backpressure: it returns False) is retried; one that raises is a worker fault that `check()` raises.
+
 In `keep` pause mode the worker does not cancel anything: the engine freezes its requests in place and
 the loops never notice (vLLM keep-mode pause); only admissions are held.
 """
@@ -27,7 +33,8 @@ from rollout.types import AgentData, AgentState, FinishReason, Trajectory, Traje
 
 logger = logging.getLogger(__name__)
 
-Sink = Callable[[Trajectory], Awaitable[None]]
+# Returns False when the row was not accepted (yet): the worker retries. None/True = accepted.
+Sink = Callable[[Trajectory], Awaitable[bool | None]]
 
 
 class RolloutWorker:
@@ -39,6 +46,7 @@ class RolloutWorker:
         max_concurrent: int = 32,
         pause_mode: PauseMode = PauseMode.ABORT,
         worker_id: str = "worker-0",
+        sink_retry_s: float = 0.5,
     ) -> None:
         self.ctx = ctx
         self.sink = sink
@@ -51,6 +59,9 @@ class RolloutWorker:
         self._held: list[AgentData] = []  # submitted or parked while paused
         self._paused = False
         self._num_sinking = 0
+        self.sink_retry_s = sink_retry_s
+        self.num_sink_retries = 0
+        self._faults: list[BaseException] = []  # sink failures: surfaced by check()
         self.num_finished = 0
         self.num_partial = 0
         self.num_failed = 0
@@ -79,33 +90,75 @@ class RolloutWorker:
         return True
 
     async def _drive(self, data: AgentData) -> None:
-        async with self._slots:
-            self._active.add(data.trajectory_id)
-            loop = get_agent_loop_cls(data.agent_name)(self.ctx)
+        tid = data.trajectory_id
+        sinking = False
+        try:
+            async with self._slots:
+                self._active.add(tid)
+                loop = get_agent_loop_cls(data.agent_name)(self.ctx)
+                try:
+                    traj = await loop.run(data)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # fault boundary: one bad trajectory must not stop the worker
+                    logger.warning("trajectory %s failed: %s", tid, exc)
+                    self.errors.append(f"{tid}: {exc!r}\n{traceback.format_exc(limit=3)}")
+                    data.finish_reason = FinishReason.ERROR
+                    traj = loop.to_trajectory(data, TrajectoryStatus.FAILED)
+                finally:
+                    self._active.discard(tid)
+                self._num_sinking += 1
+                sinking = True
+            await self._deliver(traj)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the sink failed for good: the row is not saved; a worker fault
+            logger.error("%s: could not save trajectory %s: %r", self.worker_id, tid, exc)
+            self._faults.append(exc)
+            return
+        finally:
+            if sinking:
+                self._num_sinking -= 1
+            if self._tasks.get(tid) is asyncio.current_task():
+                del self._tasks[tid]
+                self._states.pop(tid, None)
+        self._count(traj)
+        if traj.status is TrajectoryStatus.PARTIAL:
+            self._park(AgentData.from_json(traj.agent_data_json))
+
+    async def _deliver(self, traj: Trajectory, max_errors: int = 5) -> None:
+        """Hand the row to the sink until it is accepted: backpressure (False) is retried for as long
+        as it lasts, an exception up to `max_errors` times in a row (with growing pauses)."""
+        errors = 0
+        while True:
             try:
-                traj = await loop.run(data)
+                if (await self.sink(traj)) is not False:
+                    return
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # fault boundary: one bad trajectory must not stop the worker
-                logger.warning("trajectory %s failed: %s", data.trajectory_id, exc)
-                self.errors.append(f"{data.trajectory_id}: {exc!r}\n{traceback.format_exc(limit=3)}")
-                self.num_failed += 1
-                data.finish_reason = FinishReason.ERROR
-                traj = loop.to_trajectory(data, TrajectoryStatus.FAILED)
-            self._num_sinking += 1
-            self._active.discard(data.trajectory_id)
-        try:
-            if traj.status is TrajectoryStatus.PARTIAL:
-                self.num_partial += 1
-                self._held.append(AgentData.from_json(traj.agent_data_json))
-            elif traj.status is TrajectoryStatus.FINISHED:
-                self.num_finished += 1
-                self.reward_sum += traj.reward
-            await self.sink(traj)
-        finally:
-            self._num_sinking -= 1
-            self._tasks.pop(data.trajectory_id, None)
-            self._states.pop(data.trajectory_id, None)
+            except Exception:
+                errors += 1
+                if errors >= max_errors:
+                    raise
+            self.num_sink_retries += 1
+            await asyncio.sleep(self.sink_retry_s * (2 ** errors))
+
+    def _count(self, traj: Trajectory) -> None:
+        if traj.status is TrajectoryStatus.PARTIAL:
+            self.num_partial += 1
+        elif traj.status is TrajectoryStatus.FINISHED:
+            self.num_finished += 1
+            self.reward_sum += traj.reward
+        else:
+            self.num_failed += 1
+
+    def _park(self, data: AgentData) -> None:
+        """A parked trajectory (its partial row saved) waits for `resume()`, or goes on at once if
+        the resume already happened while its row was being saved."""
+        if self._paused:
+            self._held.append(data)
+        else:
+            self.submit(data)
 
     # ---- interrupt protocol -------------------------------------------------------------------
 
@@ -149,8 +202,14 @@ class RolloutWorker:
     def num_held(self) -> int:
         return len(self._held)
 
+    def running_ids(self) -> list[str]:
+        """Every trajectory this worker owns: running (incl. saving its row) or held."""
+        return list(self._tasks) + [d.trajectory_id for d in self._held]
+
     def check(self) -> None:
-        """Surface a crashed background task (a bug, not a failed trajectory) in the caller."""
+        """Surface a crashed background task or a failed sink (a fault, not a failed trajectory)."""
+        if self._faults:
+            raise RuntimeError(f"{self.worker_id}: a trajectory could not be saved") from self._faults[0]
         for task in list(self._tasks.values()):
             if task.done() and not task.cancelled() and task.exception() is not None:
                 raise RuntimeError(f"{self.worker_id}: agent loop task crashed") from task.exception()
@@ -175,6 +234,7 @@ class RolloutWorker:
             "rollout/num_partial": self.num_partial,
             "rollout/num_failed": self.num_failed,
             "rollout/num_resumed": self.num_resumed,
+            "rollout/num_sink_retries": self.num_sink_retries,
             "rollout/reward_sum": self.reward_sum,
             "rollout/num_interrupts": c.num_interrupts,
             "rollout/num_parse_errors": c.num_parse_errors,

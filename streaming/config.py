@@ -57,6 +57,9 @@ class TrainerConfig(BaseModel):
     run_root: str = "runs"
     run_name: str | None = None  # default: <config stem>-<timestamp>
     step_timeout_s: float = Field(1800.0, gt=0)  # a learner step or a sync longer than this fails the run
+    # The learner waiting this long for a batch while no trajectory row arrives fails the run with
+    # an error naming the counts (no silent hang on dead engines or stuck workers).
+    stall_timeout_s: float = Field(900.0, gt=0)
     log_samples_every: int = Field(1, gt=0)
     seed: int = 0
 

@@ -48,11 +48,10 @@ async def learner_loop(sys: System) -> None:
     cfg = sys.cfg.trainer
     while sys.state.learner_step < cfg.total_steps:
         t_wait = time.monotonic()
-        batch_ref = await sys.sample_batch()
-        while batch_ref is None:
-            await asyncio.sleep(POLL_S)
-            batch_ref = await sys.sample_batch()
+        batch_ref = await wait_for_batch(sys)
         sys.learner_idle_s += time.monotonic() - t_wait
+        if batch_ref is None:
+            break
         metrics = await sys.train_step(batch_ref)
         if sys.state.learner_step % cfg.sync_every == 0 or sys.state.learner_step == cfg.total_steps:
             metrics.update(await sys.publish_weights())
@@ -60,6 +59,37 @@ async def learner_loop(sys: System) -> None:
             await sys.checkpoint()
         await sys.log_step(metrics)
     sys.done = True
+
+
+class Stalled(RuntimeError):
+    """The learner waited `trainer.stall_timeout_s` for a batch while no trajectory row arrived."""
+
+
+async def wait_for_batch(sys: System, *, check_workers: bool = False):
+    """The next batch, or None when the prompts are used up and nothing is left in flight (the run
+    ends cleanly with fewer steps). Raises `Stalled` when nothing arrives for `stall_timeout_s`."""
+    stall_s = sys.cfg.trainer.stall_timeout_s
+    last_rows, last_change = -1, time.monotonic()
+    while (batch_ref := await sys.sample_batch()) is None:
+        in_flight, rows = await sys._call(sys.buffer.progress.remote())
+        if in_flight == 0 and sys.prompts_exhausted:
+            logger.warning("the prompt stream is exhausted (%d prompts admitted) and nothing is in flight: "
+                           "ending the run at learner step %d of %d", sys.state.cursor, sys.state.learner_step,
+                           sys.cfg.trainer.total_steps)
+            sys.exhausted = True
+            return None
+        if rows != last_rows:
+            last_rows, last_change = rows, time.monotonic()
+        elif time.monotonic() - last_change > stall_s:
+            raise Stalled(
+                f"no trajectory row arrived for {stall_s:.0f}s while the learner waited for a batch "
+                f"({in_flight} trajectories in flight, policy version {sys.state.policy_version}); "
+                "see RUN_DIR/logs for engine and worker errors (trainer.stall_timeout_s sets this limit)"
+            )
+        if check_workers:
+            await sys.check_workers()
+        await asyncio.sleep(POLL_S)
+    return batch_ref
 
 
 async def health_loop(sys: System) -> None:
@@ -99,12 +129,10 @@ async def run_sync(sys: System) -> None:
         for _ in range(sys.groups_per_step):
             await sys.admit_next_group()
         t_wait = time.monotonic()
-        batch_ref = await sys.sample_batch()
-        while batch_ref is None:
-            await sys.check_workers()
-            await asyncio.sleep(POLL_S)
-            batch_ref = await sys.sample_batch()
+        batch_ref = await wait_for_batch(sys, check_workers=True)
         sys.learner_idle_s += time.monotonic() - t_wait
+        if batch_ref is None:
+            break
         metrics = await sys.train_step(batch_ref)
         metrics.update(await sys.publish_weights())
         if sys.state.learner_step % cfg.checkpoint_every == 0 or sys.state.learner_step == cfg.total_steps:

@@ -66,11 +66,13 @@ class RolloutWorkerActor:
         )
         self.append_timeout_s = 120.0
 
-    async def _sink(self, traj: Any) -> None:
+    async def _sink(self, traj: Any) -> bool:
+        """Append one row; False when the buffer stayed full for `append_timeout_s` (the worker
+        retries). A finished row waits for room; partial rows are always accepted at once."""
         from buffer.schema import trajectories_to_batch
 
         ref = ray.put(trajectories_to_batch([traj]))
-        await self.buffer.append.remote(ref)
+        return await self.buffer.append.remote(ref, timeout_s=self.append_timeout_s)
 
     async def submit(self, agent_data_jsons: list[str]) -> int:
         from rollout.types import AgentData
@@ -90,7 +92,7 @@ class RolloutWorkerActor:
         return self.worker.metrics()
 
     async def running_ids(self) -> list[str]:
-        return list(self.worker._tasks) + [d.trajectory_id for d in self.worker._held]
+        return self.worker.running_ids()
 
     async def num_outstanding(self) -> int:
         return self.worker.num_running + self.worker.num_held

@@ -30,18 +30,41 @@ class DriverState:
     """The driver's part of a whole-system checkpoint (JSON, written atomically)."""
 
     learner_step: int = 0
-    policy_version: int = 0  # version the engines serve
-    cursor: int = 0  # prompts admitted (saved at every admission)
+    policy_version: int = 0  # version label of the weights the engines serve
+    # Version labels never repeat across restarts: a resume rewinds the learner to its checkpoint but
+    # labels its weights above every version ever handed out (`version_high_water`), so
+    # label = learner step of the weights + version_offset.
+    version_offset: int = 0
+    version_high_water: int = 0
+    cursor: int = 0  # prompts admitted (saved once the admitted group's rows are durable)
     num_admitted: int = 0  # trajectories admitted
     checkpoint: str | None = None  # directory of the latest complete checkpoint
     checkpoint_step: int = 0  # learner_step / policy_version of that checkpoint: a resume restarts there
     checkpoint_policy_version: int = 0
+    checkpoint_version_offset: int = 0  # version_offset when it was taken: its weights' label - step
     elapsed_s: float = 0.0  # wall time of earlier segments of this run
 
-    def rewind_to_checkpoint(self) -> None:
-        """On resume: the learner restarts from its checkpoint; the cursor stays (data is in the buffer)."""
+    def rewind_to_checkpoint(self, max_version_seen: int = 0) -> None:
+        """On resume: the learner restarts from its checkpoint; the cursor stays (data is in the buffer).
+
+        The checkpoint's weights get a fresh label above every version used before the crash (the
+        saved high-water mark and `max_version_seen` in the recovered buffer), so no label names two
+        different weights and versions never decrease inside a resumed trajectory."""
         self.learner_step = self.checkpoint_step
-        self.policy_version = self.checkpoint_policy_version
+        checkpoint_label = self.checkpoint_step + self.checkpoint_version_offset  # its weights' label
+        self.version_high_water = max(self.version_high_water, max_version_seen, self.policy_version)
+        if self.version_high_water <= checkpoint_label:  # no label beyond the checkpoint was used
+            self.policy_version = checkpoint_label
+            self.version_offset = self.checkpoint_version_offset
+            return
+        self.policy_version = self.version_high_water + 1
+        self.version_offset = self.policy_version - self.checkpoint_step
+        self.version_high_water = self.policy_version
+
+    @property
+    def served_step(self) -> int:
+        """Learner step of the weights the engines serve (admission counts in steps, not labels)."""
+        return self.policy_version - self.version_offset
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -66,13 +89,18 @@ class System:
     metrics: Any  # streaming.metrics.MetricsLogger
     state: DriverState
     done: bool = False
+    exhausted: bool = False  # the run ended early: prompts used up, nothing in flight
     learner_idle_s: float = 0.0
     started: float = field(default_factory=time.monotonic)
     num_worker_replacements: int = 0
     elapsed_base_s: float = 0.0  # state.elapsed_s when this segment started
     _last_counters: dict[str, float] = field(default_factory=dict)
     _health_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Admission and orphan resubmission both hand trajectories to workers; one at a time, or a group
+    # appended but not yet submitted looks orphaned and is sent to two workers.
+    _submit_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _next_worker: int = 0
+    num_stranded_checks: int = 0  # consistency checks that found trajectories nobody runs
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -88,20 +116,24 @@ class System:
         return await asyncio.wait_for(ref, timeout_s or self.timeout_s)
 
     async def admission_capacity_groups(self) -> int:
-        """Whole groups that may start now (AReaL capacity; running = the buffer's partial rows,
-        which include the PENDING rows written at admission, so it survives restarts)."""
-        stats = await self._call(self.buffer.stats.remote())
+        """Whole groups that may start now (AReaL capacity, counted by the buffer: every admitted
+        group has rows there from its admission on, so the count survives restarts)."""
         cap = await self._call(
             self.buffer.capacity.remote(
-                learner_version=self.state.policy_version,
-                num_running=int(stats["buffer/partial_trajectories"]),
+                learner_version=self.state.served_step,
                 max_concurrent=self.cfg.rollout.max_concurrent_per_worker * len(self.workers),
             )
         )
         return cap // self.cfg.group_size
 
+    @property
+    def prompts_exhausted(self) -> bool:
+        return self.stream.peek() is None
+
     async def admit_next_group(self) -> bool:
-        """Append the next prompt's group as PENDING rows (durable), then hand it to a worker."""
+        """Append the next prompt's group as PENDING rows, durably, then save the cursor, then hand
+        the group to a worker. A crash anywhere leaves the cursor at or behind the durable rows, and
+        a prompt whose rows are already in the buffer is skipped, not admitted twice (I1)."""
         from buffer.schema import trajectories_to_batch
         from rollout.agent_loop.base import AgentLoopBase
         from rollout.types import TrajectoryStatus
@@ -111,25 +143,49 @@ class System:
             return False
         record, epoch = item
         group = make_group(record, epoch, self.cfg.group_size, self.cfg.rollout.agent.default_interaction)
-        (already,) = await self._call(self.buffer.has_groups.remote([group[0].group_id]))
-        self.stream.advance()
-        self.state.cursor = self.stream.cursor
-        if already:  # admitted before a crash, after the last saved cursor: resumed from the buffer
+        async with self._submit_lock:
+            (already,) = await self._call(self.buffer.has_groups.remote([group[0].group_id]))
+            if not already:
+                rows = [AgentLoopBase.to_trajectory(d, TrajectoryStatus.PARTIAL) for d in group]
+                batch = ray.put(trajectories_to_batch(rows))
+                await self._call(self.buffer.append.remote(batch, timeout_s=None, durable=True))
+                self.state.num_admitted += len(group)
+            self.stream.advance()
+            self.state.cursor = self.stream.cursor
             self.state.save(self.run_dir / "driver_state.json")
-            return True
-        rows = [AgentLoopBase.to_trajectory(d, TrajectoryStatus.PARTIAL) for d in group]
-        await self._call(self.buffer.append.remote(ray.put(trajectories_to_batch(rows))))
-        self.state.num_admitted += len(group)
-        self.state.save(self.run_dir / "driver_state.json")
-        worker = self.workers[self._next_worker % len(self.workers)]
-        self._next_worker += 1
-        try:
-            await self._call(worker.submit.remote([d.to_json() for d in group]))
-        except ray.exceptions.RayActorError:
-            # The rows are durable: replacing the worker resubmits them with the other orphans.
-            logger.warning("worker died while admitting %s", group[0].group_id)
-            await self.check_workers()
+            if already:  # admitted before a crash, after the last saved cursor: resumed from the buffer
+                return True
+            await self._submit([d.to_json() for d in group])
         return True
+
+    async def reconcile_cursor(self) -> int:
+        """On resume: move the cursor past prompts whose rows are durable although the cursor save
+        did not happen (a kill between the two). Returns how many were skipped this way."""
+        skipped = 0
+        while (item := self.stream.peek()) is not None:
+            (present,) = await self._call(self.buffer.has_groups.remote([group_id_for(*item)]))
+            if not present:
+                break
+            self.stream.advance()
+            skipped += 1
+        if skipped:
+            self.state.cursor = self.stream.cursor
+            self.state.save(self.run_dir / "driver_state.json")
+        return skipped
+
+    async def _submit(self, agent_data_jsons: list[str]) -> None:
+        """Hand trajectories to the next live worker (round robin). A dead worker is skipped: its
+        rows are durable and `check_workers` resubmits them once it is replaced."""
+        for _ in range(len(self.workers)):
+            worker = self.workers[self._next_worker % len(self.workers)]
+            self._next_worker += 1
+            try:
+                await self._call(worker.submit.remote(agent_data_jsons))
+                return
+            except ray.exceptions.RayActorError:
+                logger.warning("rollout worker died while %d trajectories were handed to it", len(agent_data_jsons))
+        logger.warning("no live rollout worker took %d trajectories; the health loop resubmits them",
+                       len(agent_data_jsons))
 
     # ---- learning -----------------------------------------------------------------------------
 
@@ -152,6 +208,9 @@ class System:
     async def publish_weights(self) -> dict[str, float]:
         t0 = time.monotonic()
         metrics, self.state.policy_version = await self._call(self.learner.publish.remote())
+        if self.state.policy_version > self.state.version_high_water:
+            self.state.version_high_water = self.state.policy_version
+            self.state.save(self.run_dir / "driver_state.json")
         self.metrics.span("sync", "engines", t0 - self.started, time.monotonic() - self.started)
         return metrics
 
@@ -166,6 +225,7 @@ class System:
         self.state.checkpoint = str(step_dir)
         self.state.checkpoint_step = self.state.learner_step
         self.state.checkpoint_policy_version = self.state.policy_version
+        self.state.checkpoint_version_offset = self.state.version_offset
         self.state.elapsed_s = self.total_elapsed_s
         self.state.save(self.run_dir / "driver_state.json")
         return step_dir
@@ -190,6 +250,7 @@ class System:
             await self._replace_dead_workers()
 
     async def _replace_dead_workers(self) -> None:
+        """Replace dead workers, then resubmit whatever no live worker runs (stranded work: I2)."""
         alive, dead = [], []
         for w in self.workers:
             try:
@@ -197,25 +258,41 @@ class System:
                 alive.append(w)
             except (ray.exceptions.RayActorError, asyncio.TimeoutError):
                 dead.append(w)
-        if not dead:
-            return
-        logger.warning("%d rollout worker(s) lost; replacing and resuming their trajectories", len(dead))
-        for _ in dead:
-            alive.append(make_worker(self, f"worker-r{self.num_worker_replacements}"))
-            self.num_worker_replacements += 1
-        self.workers = alive
-        await self._call(self.learner.set_workers.remote(self.workers))
+                ray.kill(w, no_restart=True)  # a worker too slow to answer must not go on as a zombie
+        if dead:
+            logger.warning("%d rollout worker(s) lost; replacing and resuming their trajectories", len(dead))
+            for _ in dead:
+                alive.append(make_worker(self, f"worker-r{self.num_worker_replacements}"))
+                self.num_worker_replacements += 1
+            self.workers = alive
+            await self._call(self.learner.set_workers.remote(self.workers))
         await self.resubmit_orphans()
 
     async def resubmit_orphans(self) -> int:
-        running: set[str] = set()
-        for w in self.workers:
-            running.update(await self._call(w.running_ids.remote()))
-        partial = await self._call(self.buffer.resumable.remote())
-        orphans = [t.agent_data_json for t in partial if t.trajectory_id not in running]
-        for i, text in enumerate(orphans):
-            await self._call(self.workers[i % len(self.workers)].submit.remote([text]))
-        return len(orphans)
+        """Resubmit every resumable trajectory (latest row partial) that no worker runs or holds.
+
+        Serialized with admission (see `_submit_lock`); workers are asked before the buffer, and a
+        worker reports a trajectory from submission until its final row is appended, so a
+        trajectory in flight is never mistaken for an orphan. A worker dying meanwhile is left to
+        the next health check."""
+        async with self._submit_lock:
+            running: set[str] = set()
+            for w in self.workers:
+                try:
+                    running.update(await self._call(w.running_ids.remote(), 60.0))
+                except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                    return 0  # a worker is dying: the next check replaces it first
+            resumable = await self._call(self.buffer.resumable_ids.remote())
+            missing = [tid for tid in resumable if tid not in running]
+            if not missing:
+                return 0
+            orphans = [t.agent_data_json for t in await self._call(self.buffer.resumable.remote(missing))]
+            if orphans:
+                self.num_stranded_checks += 1
+                logger.info("resubmitting %d trajectories no worker runs", len(orphans))
+            for text in orphans:
+                await self._submit([text])
+            return len(orphans)
 
     async def log_step(self, metrics: dict[str, float]) -> None:
         elapsed = self.elapsed_s
@@ -241,13 +318,18 @@ class System:
         if metrics.get("rollout/num_finished"):
             # every trajectory finished since the last step, not only the trained batch
             metrics["rollout/finished_reward_mean"] = metrics["rollout/reward_sum"] / metrics["rollout/num_finished"]
+        metrics["invariants/stranded_checks"] = float(self.num_stranded_checks)
         busy = []
         for i, engine in enumerate(self.engines):
-            stats = await self._call(engine.stats.remote(), 60.0)
+            try:
+                stats = await self._call(engine.stats.remote(), 60.0)
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                metrics[f"engine/busy_fraction/engine-{i}"] = 0.0
+                continue
             metrics[f"engine/busy_fraction/engine-{i}"] = stats.busy_fraction
             busy.append((stats.busy_s, stats.uptime_s))
-        metrics["engine/busy_s"] = sum(b for b, _ in busy) / len(busy)
-        metrics["engine/uptime_s"] = sum(u for _, u in busy) / len(busy)
+        metrics["engine/busy_s"] = sum(b for b, _ in busy) / max(len(busy), 1)
+        metrics["engine/uptime_s"] = sum(u for _, u in busy) / max(len(busy), 1)
         metrics["engine/busy_fraction"] = metrics["engine/busy_s"] / max(metrics["engine/uptime_s"], 1e-9)
         self.metrics.log(metrics, learner_step=self.state.learner_step, policy_version=self.state.policy_version)
 

@@ -72,7 +72,6 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     from_ckpt = resuming and state.checkpoint is not None
     if resuming:
         model_path = json.loads((run_dir / "run_info.json").read_text())["model_path"]
-        state.rewind_to_checkpoint()
     else:
         model_path = str(resolve_model(cfg.model))
         if cfg.sft.enabled:
@@ -88,15 +87,18 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
                 "config": cfg.model_dump(mode="json"), "started_at": time.time()}
         (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
 
+    buffer = create_buffer_actor(cfg.buffer, resume_learner_step=state.checkpoint_step if resuming else None)
+    if resuming:  # versions continue above every label the buffer or the driver has seen (I4)
+        state.rewind_to_checkpoint(await asyncio.wait_for(buffer.max_policy_version.remote(), 600))
+        state.save(run_dir / "driver_state.json")
     engine_path = str(Path(state.checkpoint) / "hf") if from_ckpt else model_path
     engine_cfg = cfg.rollout.engine.model_copy(update={"model": engine_path})
-    start_version = state.policy_version if from_ckpt else 0
+    start_version = state.policy_version
     clients = [
         RayEngineClient.launch(engine_cfg, f"engine-{i}", policy_version=start_version)
         for i in range(cfg.rollout.num_engines)
     ]
     engines = [c.actor for c in clients]
-    buffer = create_buffer_actor(cfg.buffer, resume_learner_step=state.learner_step if resuming else None)
     # Ray pins OMP_NUM_THREADS to an actor's num_cpus (1); the learner's matmuls want every core.
     threads = {"env_vars": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}}
     learner = LearnerActor.options(**learner_actor_options(cfg), runtime_env=threads).remote(cfg.model_dump_json(), state.checkpoint if from_ckpt else None)
@@ -110,8 +112,11 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     system.workers = [make_worker(system, f"worker-{i}") for i in range(cfg.rollout.num_workers)]
     startup = cfg.rollout.engine.startup_timeout_s
     await asyncio.gather(*[c.wait_ready() for c in clients])
+    if await asyncio.wait_for(learner.policy_version.remote(), startup) != start_version:
+        await asyncio.wait_for(learner.set_policy_version.remote(start_version), startup)
     await asyncio.wait_for(learner.connect.remote(engines, system.workers, start_version), startup)
     if resuming:
+        await system.reconcile_cursor()
         n = await system.resubmit_orphans()
         logger.info("resumed run at learner step %d: %d unfinished trajectories resubmitted", state.learner_step, n)
     return system

@@ -169,7 +169,7 @@ def test_one_writer_per_directory(tmp_path):
 def test_export_stats_and_frame(tmp_path):
     buf = ReplayBuffer(_cfg(tmp_path))
     buf.append([make_traj("a", 0, status=TrajectoryStatus.PARTIAL)])
-    buf.append(make_group("a", 2, rewards=[0.0, 1.0], version=1) + make_group("b", 2))
+    buf.append(make_group("a", 2, rewards=[0.0, 1.0], version=1) + make_group("b", 2, version=2))
     buf.sample(learner_version=3, learner_step=1)
     buf.close()
     out = tmp_path / "export" / "rows.parquet"
@@ -228,3 +228,15 @@ def test_writer_thread_failure_surfaces_at_the_flush(tmp_path, monkeypatch):
     buf.append(make_group("a", 2))  # handed to the writer thread; not acknowledged yet
     with pytest.raises(OSError, match="disk full"):
         buf.append(make_group("b", 2))  # reaches flush_every_rows: waits for the writes
+
+
+def test_recovering_a_consumed_group_with_a_failed_member(tmp_path):
+    """Found by the stateful test: the failed member's row was killed twice on recovery, which
+    corrupted the row store's chunk counts and made the resume crash."""
+    buf = ReplayBuffer(_cfg(tmp_path, batch_size=2, group_size=3))
+    buf.append(make_group("a", 2) + [make_traj("a", 2, status=TrajectoryStatus.FAILED)])
+    assert buf.sample(learner_version=0, learner_step=1).trajectory_ids == ["a/0", "a/1"]
+    buf.close()
+    again = ReplayBuffer(_cfg(tmp_path, batch_size=2, group_size=3), resume_learner_step=1)
+    assert again.stats()["buffer/live_rows"] == 0 and again.num_ready() == 0
+    again.close()

@@ -125,7 +125,7 @@ def test_token_budget_batches_whole_groups():
     assert big.stats()["buffer/groups_over_token_budget"] == 1
 
 
-@pytest.mark.parametrize("policy", ["evict", "keep"])
+@pytest.mark.parametrize("policy", ["evict", "keep"])  # explicit options; the default trains them
 def test_over_age_groups_are_never_sampled_and_counted(policy, caplog):
     buf = _buf(max_staleness=1, over_age=policy)
     buf.append(make_group("old", 2, version=0) + make_group("new", 2, version=2))
@@ -157,11 +157,12 @@ def test_backpressure_room():
     assert buf.has_room(3)
 
 
-def test_capacity_uses_accepted_count():
+def test_capacity_uses_accepted_and_in_flight_counts():
     buf = _buf(batch_size=4, group_size=2, max_staleness=1)
     buf.append(make_group("a", 2) + make_group("b", 2))
-    # (1 + 0 + 1) * 4 - (4 accepted + 2 running) = 2
-    assert buf.capacity(learner_version=0, num_running=2) == 2
+    buf.append([make_traj("c", 0, status=TrajectoryStatus.PARTIAL), make_traj("c", 1)])
+    # (1 + 0 + 1) * 4 - (4 accepted + 2 in flight: c/0 partial, c/1 finished in an open group) = 2
+    assert buf.capacity(learner_version=0) == 2
 
 
 def test_padded_batch_layout():

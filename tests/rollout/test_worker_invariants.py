@@ -1,0 +1,85 @@
+"""RolloutWorker keeps every trajectory owned by exactly one place (I2) and never loses a row.
+
+Scenarios the first implementation got wrong: a resume that arrives while a parking loop is still
+saving its partial row dropped the trajectory for good; a sink refusing a row (backpressure) or
+raising was ignored while the trajectory was counted as finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollout.engine.fake import FakeEngine
+from rollout.types import TrajectoryStatus
+from rollout.worker import RolloutWorker
+from tests.rollout.test_agent_loop import ANSWER, CALL, make_ctx, new_data, turn_script
+
+
+async def _until(cond, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+async def test_resume_while_a_parked_row_is_being_saved_keeps_the_trajectory(tiny_tokenizer):
+    script, _ = turn_script(tiny_tokenizer, [CALL, ANSWER])
+    ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script, token_delay_s=0.01))
+    release = asyncio.Event()
+    rows = []
+
+    async def slow_sink(traj):
+        if traj.status is TrajectoryStatus.PARTIAL:
+            await release.wait()  # the buffer append of the parked row takes a while
+        rows.append(traj)
+
+    worker = RolloutWorker(ctx, slow_sink)
+    worker.submit(new_data())
+    await _until(lambda: ctx.num_in_engine > 0)
+    with pytest.raises(TimeoutError):
+        await worker.pause(timeout_s=0.2)  # the sync fails fast: the parked row is still being saved
+    await worker.resume()  # ... and generation resumes before the row is saved
+    release.set()
+    await _until(lambda: any(t.status is TrajectoryStatus.FINISHED for t in rows))
+    await worker.wait_idle(10)
+    assert [t.status for t in rows] == [TrajectoryStatus.PARTIAL, TrajectoryStatus.FINISHED]
+    assert worker.running_ids() == [] and worker.num_finished == 1 and worker.num_resumed == 1
+
+
+async def test_rows_refused_under_backpressure_are_retried_before_counting(tiny_tokenizer):
+    script, _ = turn_script(tiny_tokenizer, [ANSWER])
+    ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script))
+    answers = iter([False, False, True])
+    calls = []
+
+    async def full_buffer(traj):
+        calls.append(traj.trajectory_id)
+        accepted = next(answers)
+        if not accepted:
+            assert worker.num_finished == 0  # not counted before the row is saved
+        return accepted
+
+    worker = RolloutWorker(ctx, full_buffer, sink_retry_s=0.01)
+    worker.submit(new_data())
+    await _until(lambda: worker.num_finished == 1)
+    assert calls == ["g0/0"] * 3 and worker.num_sink_retries == 2
+    assert worker.running_ids() == []
+
+
+async def test_a_sink_that_keeps_failing_is_a_worker_fault(tiny_tokenizer):
+    script, _ = turn_script(tiny_tokenizer, [ANSWER])
+    ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script))
+    attempts = []
+
+    async def broken(traj):
+        attempts.append(traj.trajectory_id)
+        raise ConnectionError("buffer unreachable")
+
+    worker = RolloutWorker(ctx, broken, sink_retry_s=0.001)
+    worker.submit(new_data())
+    await _until(lambda: not worker.running_ids())
+    assert len(attempts) == 5 and worker.num_finished == 0
+    with pytest.raises(RuntimeError, match="could not be saved"):
+        worker.check()
