@@ -233,10 +233,10 @@ def test_writer_thread_failure_surfaces_at_the_flush(tmp_path, monkeypatch):
 def test_recovering_a_consumed_group_with_a_failed_member(tmp_path):
     """Found by the stateful test: the failed member's row was killed twice on recovery, which
     corrupted the row store's chunk counts and made the resume crash."""
-    buf = ReplayBuffer(_cfg(tmp_path, batch_size=2, group_size=3))
+    buf = ReplayBuffer(_cfg(tmp_path, batch_size=3, group_size=3))
     buf.append(make_group("a", 2) + [make_traj("a", 2, status=TrajectoryStatus.FAILED)])
     assert buf.sample(learner_version=0, learner_step=1).trajectory_ids == ["a/0", "a/1"]
     buf.close()
-    again = ReplayBuffer(_cfg(tmp_path, batch_size=2, group_size=3), resume_learner_step=1)
+    again = ReplayBuffer(_cfg(tmp_path, batch_size=3, group_size=3), resume_learner_step=1)
     assert again.stats()["buffer/live_rows"] == 0 and again.num_ready() == 0
     again.close()
