@@ -1,0 +1,92 @@
+"""Driver-side invariants in milliseconds, on fakes: version labels across restarts (I4) and the
+learner's wait for a batch ending cleanly or loudly, never hanging (I6)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from streaming.driver import Stalled, wait_for_batch
+from streaming.system import DriverState
+
+
+def test_resume_without_newer_labels_keeps_the_checkpoint_label():
+    state = DriverState(learner_step=5, policy_version=4, checkpoint="c", checkpoint_step=4,
+                        checkpoint_policy_version=4, version_high_water=4)
+    state.rewind_to_checkpoint(max_version_seen=4)
+    assert (state.learner_step, state.policy_version, state.served_step) == (4, 4, 4)
+
+
+def test_resume_labels_the_checkpoint_above_every_version_used_before():
+    """sync_every=1, checkpoint at step 4, killed at step 7: versions 5..7 were served before the
+    kill, so the checkpoint's weights (step 4) must not be called 4 again nor 5..7."""
+    state = DriverState(learner_step=7, policy_version=7, checkpoint="c", checkpoint_step=4,
+                        checkpoint_policy_version=4, version_high_water=7)
+    state.rewind_to_checkpoint(max_version_seen=7)
+    assert state.learner_step == 4 and state.policy_version == 8 and state.served_step == 4
+    # The next learner step is labelled 9: label = step + offset, never reused.
+    assert 5 + state.version_offset == 9
+    # A second crash before the next checkpoint: the same checkpoint gets yet another fresh label.
+    state.policy_version, state.version_high_water, state.learner_step = 10, 10, 6
+    state.rewind_to_checkpoint(max_version_seen=10)
+    assert state.policy_version == 11 and state.served_step == 4
+
+
+def test_a_version_seen_only_in_the_buffer_counts():
+    """Killed after an engine served version 3 but before the driver saved it: the buffer knows."""
+    state = DriverState(learner_step=2, policy_version=2, checkpoint=None, version_high_water=2)
+    state.rewind_to_checkpoint(max_version_seen=3)
+    assert state.policy_version == 4 and state.served_step == 0
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(self.fn(*args))
+        return fut
+
+
+def _fake_system(*, in_flight: int, rows, exhausted: bool, stall_timeout_s: float = 60.0):
+    rows = iter(rows)
+
+    async def call(ref, timeout_s=None):
+        return await ref
+
+    async def no_batch():
+        return None
+
+    sys = SimpleNamespace(
+        cfg=SimpleNamespace(trainer=SimpleNamespace(stall_timeout_s=stall_timeout_s, total_steps=10)),
+        state=SimpleNamespace(cursor=7, learner_step=3, policy_version=3),
+        buffer=SimpleNamespace(progress=_Remote(lambda: (in_flight, next(rows)))),
+        sample_batch=no_batch,
+        prompts_exhausted=exhausted,
+        exhausted=False,
+        _call=call,
+        run_dir=Path("."),
+    )
+    return sys
+
+
+async def test_exhausted_prompts_end_the_wait_cleanly():
+    sys = _fake_system(in_flight=0, rows=[5] * 10, exhausted=True)
+    assert await asyncio.wait_for(wait_for_batch(sys), 5) is None
+    assert sys.exhausted
+
+
+async def test_no_rows_for_the_stall_timeout_is_a_clear_error():
+    sys = _fake_system(in_flight=8, rows=[5] * 1000, exhausted=False, stall_timeout_s=0.3)
+    with pytest.raises(Stalled, match="8 trajectories in flight"):
+        await asyncio.wait_for(wait_for_batch(sys), 10)
+
+
+async def test_rows_arriving_keep_the_wait_alive():
+    sys = _fake_system(in_flight=8, rows=range(1000), exhausted=False, stall_timeout_s=0.3)
+    with pytest.raises(asyncio.TimeoutError):  # still waiting, no Stalled: rows keep arriving
+        await asyncio.wait_for(wait_for_batch(sys), 1.0)
