@@ -70,6 +70,29 @@ class ToolResult(BaseModel):
     latency_s: float = 0.0
 
 
+class ToolCallStatus(StrEnum):
+    INTENT = "intent"  # recorded (durably, via the snapshot hook) before the tool runs; outcome unknown
+    DONE = "done"  # the tool returned (or failed/timed out); `result` is what the model sees
+    INTERRUPTED = "interrupted"  # in doubt after a resume and not idempotent: never re-run
+
+
+class ToolJournalEntry(BaseModel):
+    """One call that reaches a tool's `execute`; the at-most-once record of its side effect.
+
+    Malformed, unknown or over-the-limit calls never reach a tool and have no entry (their error
+    results are in `AgentData.tool_results` only). An entry still in INTENT when a trajectory resumes
+    may or may not have had its effect: it is re-run only if the tool is idempotent."""
+
+    call_id: str
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)  # validated against the tool's schema
+    status: ToolCallStatus = ToolCallStatus.INTENT
+    result: ToolResult | None = None  # set with the status change away from INTENT
+
+    def call(self) -> ToolCall:
+        return ToolCall(call_id=self.call_id, name=self.name, arguments=self.arguments)
+
+
 class AgentData(BaseModel):
     """Everything needed to resume one trajectory, in any process.
 
@@ -98,7 +121,8 @@ class AgentData(BaseModel):
     num_assistant_turns: int = 0
     num_user_turns: int = 0
     pending_tool_calls: list[ToolCall] = Field(default_factory=list)
-    tool_results: list[ToolResult] = Field(default_factory=list)
+    tool_results: list[ToolResult] = Field(default_factory=list)  # every call's outcome, as the model saw it
+    tool_journal: list[ToolJournalEntry] = Field(default_factory=list)  # calls that reached a tool, in order
     turn_scores: list[float] = Field(default_factory=list)
     tool_rewards: list[float] = Field(default_factory=list)
     reward: float = 0.0  # final score, set when TERMINATED

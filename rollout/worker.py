@@ -240,6 +240,7 @@ class RolloutWorker:
             "rollout/num_parse_errors": c.num_parse_errors,
             "rollout/num_tool_calls": c.num_tool_calls,
             "rollout/num_tool_errors": c.num_tool_errors,
+            "rollout/num_tool_calls_interrupted": c.num_tool_calls_interrupted,
             "rollout/num_generated_tokens": c.num_generated_tokens,
             "rollout/num_reprefill_tokens": c.num_reprefill_tokens,
         }

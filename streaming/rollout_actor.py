@@ -7,6 +7,7 @@ RecordBatch passed by object ref. The learner's weight-sync coordinator pauses a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -57,6 +58,7 @@ class RolloutWorkerActor:
         clients = [RayEngineClient(h, f"engine-{i}", cfg=cfg.rollout.engine) for i, h in enumerate(engines)]
         server = ServerManager(clients, max_sticky_keys=cfg.rollout.sticky_lru_size)
         ctx = build_agent_context(cfg, model_path, server)
+        ctx.snapshot = self._snapshot  # I5: tool intents are durable before the tools run
         self.worker = RolloutWorker(
             ctx,
             self._sink,
@@ -73,6 +75,22 @@ class RolloutWorkerActor:
 
         ref = ray.put(trajectories_to_batch([traj]))
         return await self.buffer.append.remote(ref, timeout_s=self.append_timeout_s)
+
+    async def _snapshot(self, data: Any) -> None:
+        """Make a trajectory's journaled tool intents durable (a partial row flushed to the buffer's
+        log) before its tools run. Raising fails the trajectory; the tool never runs."""
+        from buffer.schema import trajectories_to_batch
+        from rollout.agent_loop.base import AgentLoopBase
+        from rollout.types import TrajectoryStatus
+
+        row = AgentLoopBase.to_trajectory(data, TrajectoryStatus.PARTIAL)
+        ref = ray.put(trajectories_to_batch([row]))
+        ok = await asyncio.wait_for(
+            self.buffer.append.remote(ref, timeout_s=self.append_timeout_s, durable=True),
+            self.append_timeout_s + 10.0,
+        )
+        if not ok:
+            raise RuntimeError(f"tool-intent snapshot of {data.trajectory_id} was not made durable")
 
     async def submit(self, agent_data_jsons: list[str]) -> int:
         from rollout.types import AgentData

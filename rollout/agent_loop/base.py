@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,13 +54,21 @@ class LoopCounters:
     num_parse_errors: int = 0
     num_tool_calls: int = 0
     num_tool_errors: int = 0
+    num_tool_calls_interrupted: int = 0  # in doubt after a resume, not idempotent: answered, not re-run
     num_generated_tokens: int = 0
     num_reprefill_tokens: int = 0  # prompt tokens re-sent to an engine after an interrupt
 
 
 @dataclass(kw_only=True)
 class AgentContext:
-    """What every agent loop of one worker shares. `cancel` set = park at the next chance."""
+    """What every agent loop of one worker shares. `cancel` set = park at the next chance.
+
+    `snapshot`, when set, makes a trajectory durable mid-turn: the tool loop awaits it with a copy of
+    the AgentData (PROCESSING_TOOLS, the turn's calls journaled as intents) before a turn with a call
+    to a non-idempotent tool runs, and it must return only once that state is durable (a partial row
+    flushed to the buffer's log); raising fails the trajectory before the tool runs. It is what makes
+    "a tool's side effect happens at most once" hold across worker death and job restart; without
+    it, that holds within one process only."""
 
     cfg: AgentConfig
     server: Any  # rollout.server_manager.ServerManager
@@ -70,6 +78,7 @@ class AgentContext:
     parser: Any = None  # rollout.parsers.base.ToolParser | None
     interactions: dict[str, Any] = field(default_factory=dict)
     reward_fn: Callable[[Any], float] | None = None
+    snapshot: Callable[[AgentData], Awaitable[None]] | None = None
     cancel: asyncio.Event = field(default_factory=asyncio.Event)
     counters: LoopCounters = field(default_factory=LoopCounters)
     num_in_engine: int = 0  # loops with an engine request in flight (pause waits for 0)

@@ -5,10 +5,22 @@
                     └──────► TERMINATED ◄─────── (limits, stop, interaction done)
 
 Every handler reads and writes only `AgentData`, so the loop can park after any handler and resume
-from the JSON snapshot. Tool results are recorded in `AgentData.tool_results` together with their
-observation tokens in one synchronous step, so a resumed trajectory never runs a tool twice.
-Malformed tool calls (bad JSON, unknown tool, wrong argument types, too many calls) become error
-observations (mask 0) the model can learn from, and are counted.
+from the JSON snapshot. Malformed tool calls (bad JSON, unknown tool, wrong argument types, too many
+calls) become error observations (mask 0) the model can learn from, and are counted.
+
+A tool call's side effect happens at most once per trajectory. PROCESSING_TOOLS first journals the
+calls that will reach a tool (`AgentData.tool_journal`, status INTENT) and, unless they all go to
+idempotent tools, awaits the context's `snapshot` hook, which makes that state durable, before
+running any of them; results, journal statuses and the observation then land in one synchronous
+step. Intents the handler finds already journaled come from such a snapshot, recorded by a process
+that died mid-call (a park never happens in this state): calls with a result are not run again,
+calls still in INTENT are re-run when their tool is idempotent and otherwise answered with an
+"interrupted" error observation.
+
+Tool instances and the interaction instance live for the whole trajectory: a park keeps them in this
+process, a resume in another process rebuilds them (`BaseTool.restore` from the journal,
+`BaseInteraction.restore` from the messages), and they are released when the trajectory ends,
+finished or failed.
 """
 
 from __future__ import annotations
@@ -16,9 +28,9 @@ from __future__ import annotations
 import logging
 import time
 
-from rollout.agent_loop.base import AgentLoopBase, register
+from rollout.agent_loop.base import AgentLoopBase, Parked, register
 from rollout.agent_loop.observation import truncate_text
-from rollout.types import AgentData, AgentState, FinishReason, ToolCall, ToolResult
+from rollout.types import AgentData, AgentState, FinishReason, ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
 
 logger = logging.getLogger(__name__)
 
@@ -32,21 +44,40 @@ class ToolAgentLoop(AgentLoopBase):
             AgentState.PROCESSING_TOOLS: self.handle_processing_tools,
             AgentState.INTERACTING: self.handle_interacting,
         }
-        # Tool instances live for one `run` (one segment between parks). Tools are stateless between
-        # calls or rebuild state from `tools_kwargs`, so a segment resumed in another process works.
         self.instance_ids: dict[str, str] = {}
-        if self.ctx.tools is not None:
-            self.instance_ids = await self.ctx.tools.create_instances(data.tools_kwargs)
-        await self._reattach_interaction(data)
         try:
+            await self._attach(data)
             while data.state is not AgentState.TERMINATED:
                 await handlers[data.state](data)
-            if self.ctx.tools is not None:
-                data.tool_rewards.extend((await self.ctx.tools.tool_rewards(self.instance_ids)).values())
             data.reward = await self.finalize(data)
+        except Parked:
+            raise  # the instances stay here for the resume
+        except BaseException:
+            try:
+                await self._close(data)
+            except Exception as exc:  # the trajectory's own error is the one to surface
+                logger.warning("cleanup of failed trajectory %s raised %r", data.trajectory_id, exc)
+            raise
+        await self._close(data)
+
+    async def _attach(self, data: AgentData) -> None:
+        """Get this trajectory's tool and interaction instances: live ones if it parked in this
+        process, otherwise rebuilt from what the trajectory carries."""
+        if self.ctx.tools is not None:
+            self.instance_ids = await self.ctx.tools.open_session(
+                data.trajectory_id, data.tools_kwargs, data.tool_journal
+            )
+        await self._reattach_interaction(data)
+
+    async def _close(self, data: AgentData) -> None:
+        """The trajectory ended (finished, failed or cancelled): finalize its interaction and release
+        its tool instances."""
+        try:
+            if data.interaction_name is not None and data.interaction_instance_id is not None:
+                await self._interaction(data).finalize_interaction(data.interaction_instance_id)
         finally:
             if self.ctx.tools is not None:
-                await self.ctx.tools.release_instances(self.instance_ids)
+                await self.ctx.tools.close_session(data.trajectory_id)
 
     async def handle_pending(self, data: AgentData) -> None:
         tools = self.ctx.tools.schemas() if self.ctx.tools is not None else None
@@ -117,25 +148,40 @@ class ToolAgentLoop(AgentLoopBase):
         return out
 
     async def handle_processing_tools(self, data: AgentData) -> None:
-        cfg = self.ctx.cfg
-        done = {r.call_id for r in data.tool_results}
-        todo = [c for c in data.pending_tool_calls if c.call_id not in done]
+        cfg, tools = self.ctx.cfg, self.ctx.tools
+        calls = data.pending_tool_calls
+        turn = {c.call_id for c in calls}
+        seen = {e.call_id for e in data.tool_journal} | {r.call_id for r in data.tool_results}
+        # Intents journaled by this call run now; intents found in the snapshot we resumed from are
+        # in doubt (the process that recorded them died while they ran).
+        fresh = set() if turn & seen else await self._journal_intents(data)
+        to_run: list[ToolJournalEntry] = []
+        lost: list[ToolJournalEntry] = []  # in doubt and not idempotent: never run twice
+        for entry in data.tool_journal:
+            if entry.call_id in turn and entry.status is ToolCallStatus.INTENT:
+                (to_run if entry.call_id in fresh or tools.is_idempotent(entry.name) else lost).append(entry)
         t0 = time.monotonic()
-        results: list[ToolResult] = await self.ctx.tools.execute_calls(
-            todo, self.instance_ids, timeout_s=cfg.tool_timeout_s, max_parallel=cfg.max_parallel_calls
+        results = await tools.run_calls(
+            [e.call() for e in to_run], self.instance_ids, timeout_s=cfg.tool_timeout_s
         )
         data.tool_s += time.monotonic() - t0
-        # From here to the state change there is no await: results and observation land together.
+        # From here to the state change there is no await: results, journal and observation land
+        # together.
+        for entry, result in zip(to_run, results):
+            entry.status, entry.result = ToolCallStatus.DONE, result
+        for entry in lost:
+            entry.status, entry.result = ToolCallStatus.INTERRUPTED, tools.interrupted(entry.call())
+            self.ctx.counters.num_tool_calls_interrupted += 1
+        new = {e.call_id: e.result for e in [*to_run, *lost]}
+        data.tool_results.extend(new[c.call_id] for c in calls if c.call_id in new)
         by_id = {r.call_id: r for r in data.tool_results}
-        by_id.update({r.call_id: r for r in results})
-        ordered = [by_id[c.call_id] for c in data.pending_tool_calls]
-        data.tool_results.extend(results)
-        data.num_tool_calls += len(results)
-        errors = sum(r.is_error for r in results)
+        ordered = [by_id[c.call_id] for c in calls]
+        data.num_tool_calls += len(ordered)
+        errors = sum(r.is_error for r in ordered)
         data.num_tool_errors += errors
-        self.ctx.counters.num_tool_calls += len(results)
+        self.ctx.counters.num_tool_calls += len(ordered)
         self.ctx.counters.num_tool_errors += errors
-        data.tool_rewards.extend(r.reward for r in results if r.reward)
+        data.tool_rewards.extend(r.reward for r in ordered if r.reward)
         messages = [
             {
                 "role": "tool",
@@ -151,6 +197,23 @@ class ToolAgentLoop(AgentLoopBase):
             return self.terminate(data, FinishReason.LENGTH)
         data.turn_start = len(data.response_ids)
         data.state = AgentState.GENERATING
+
+    async def _journal_intents(self, data: AgentData) -> set[str]:
+        """Answer the turn's calls that cannot reach a tool, journal the others as intents, and make
+        that state durable (the context's snapshot hook) before any of them runs; returns their ids.
+
+        A turn whose calls all go to idempotent tools skips the snapshot: redoing it from the last
+        durable row re-runs them, which is harmless, and calculator turns stay free of a log flush."""
+        tools = self.ctx.tools
+        plan = tools.check_calls(data.pending_tool_calls, max_parallel=self.ctx.cfg.max_parallel_calls)
+        intents = [c for c in plan if isinstance(c, ToolCall)]
+        data.tool_results.extend(r for r in plan if isinstance(r, ToolResult))
+        data.tool_journal.extend(
+            ToolJournalEntry(call_id=c.call_id, name=c.name, arguments=c.arguments) for c in intents
+        )
+        if self.ctx.snapshot is not None and any(not tools.is_idempotent(c.name) for c in intents):
+            await self.ctx.snapshot(data.model_copy(deep=True))
+        return {c.call_id for c in intents}
 
     async def handle_interacting(self, data: AgentData) -> None:
         interaction = self._interaction(data)
@@ -168,15 +231,15 @@ class ToolAgentLoop(AgentLoopBase):
         data.state = AgentState.GENERATING
 
     async def _reattach_interaction(self, data: AgentData) -> None:
-        """A trajectory resumed in another process restarts its interaction instance under the same id
-        (interaction state that must survive a preemption belongs in the messages it sees)."""
+        """A trajectory resumed in another process restores its interaction instance under the same id
+        (interaction state that must survive a preemption is rebuilt from the messages it sees)."""
         if data.interaction_name is None or data.interaction_instance_id is None or data.interaction_done:
             return
         interaction = self._interaction(data)
         try:
             interaction.instance_state(data.interaction_instance_id)
         except ValueError:
-            await interaction.start_interaction(data.interaction_instance_id, ground_truth=data.ground_truth)
+            await interaction.restore(data.interaction_instance_id, data.messages, ground_truth=data.ground_truth)
 
     def _interaction(self, data: AgentData):
         name = data.interaction_name
@@ -185,9 +248,9 @@ class ToolAgentLoop(AgentLoopBase):
         return self.ctx.interactions[name]
 
     async def finalize(self, data: AgentData) -> float:
+        if self.ctx.tools is not None:
+            data.tool_rewards.extend((await self.ctx.tools.tool_rewards(self.instance_ids)).values())
         reward = await super().finalize(data)
         if data.interaction_name is not None and data.interaction_instance_id is not None:
-            interaction = self._interaction(data)
-            reward = max(reward, float(await interaction.calculate_score(data.interaction_instance_id)))
-            await interaction.finalize_interaction(data.interaction_instance_id)
+            reward = max(reward, float(await self._interaction(data).calculate_score(data.interaction_instance_id)))
         return reward

@@ -5,7 +5,10 @@ loop (state INTERACTING) calls `generate_response` with the chat so far; the int
 `(should_terminate, response_text, turn_score, extra)`. A non-terminating response is appended as
 a user message (mask 0 tokens) and generation continues. The life cycle mirrors tools and verl's
 interactions: `start_interaction` once per trajectory (with the row's interaction kwargs, e.g.
-`ground_truth`), `calculate_score` at the end, `finalize_interaction` always.
+`ground_truth`), `calculate_score` at the end, `finalize_interaction` when the trajectory ends
+(finished or failed; a weight-sync park keeps the instance). Instance state is in-process: a
+trajectory resumed in another process gets its instance back through `restore`, which rebuilds what
+must survive from the messages (e.g. `num_replies`).
 
 Configs use verl's layout (`interaction: [{name, class_name, config}]`); `class_name` may be omitted
 for built-ins registered with `@register_interaction`, and `interactions:` is accepted as the key.
@@ -39,6 +42,12 @@ class BaseInteraction(abc.ABC):
     async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
         return self._instances.start(instance_id, kwargs)
 
+    async def restore(self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        """Restart the instance of a trajectory resumed in a process that does not hold it, with the
+        chat so far. The default starts it afresh; stateful interactions override this to rebuild
+        their state from `messages` (never from anything only the dead process knew)."""
+        return await self.start_interaction(instance_id, **kwargs)
+
     def instance_state(self, instance_id: str) -> dict[str, Any]:
         return self._instances.get(instance_id)
 
@@ -53,6 +62,14 @@ class BaseInteraction(abc.ABC):
 
     async def finalize_interaction(self, instance_id: str) -> None:
         self._instances.drop(instance_id)
+
+
+def num_replies(messages: list[dict[str, Any]]) -> int:
+    """How many times the interaction has answered this trajectory so far: the user messages after
+    the first assistant message (an agent loop adds user messages only for interaction replies; tool
+    results are `tool` messages). Assumes the prompt holds no assistant turn (no few-shot dialogue)."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    return sum(1 for m in messages[first:] if m.get("role") == "user")
 
 
 _INTERACTIONS: dict[str, type[BaseInteraction]] = {}

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.interactions.base import BaseInteraction, register_interaction
+from rollout.interactions.base import BaseInteraction, num_replies, register_interaction
 
 
 class LatencyEnvConfig(BaseModel):
@@ -33,6 +33,11 @@ class LatencyEnvironment(BaseInteraction):
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)
         self._rng = random.Random(self.config.seed)
+
+    async def restore(self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        instance_id = await self.start_interaction(instance_id, **kwargs)
+        self.instance_state(instance_id)["turns"] = num_replies(messages)
+        return instance_id
 
     async def generate_response(
         self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any

@@ -4,7 +4,9 @@ After each assistant turn that ends without tool calls, the last assistant messa
 same extraction as the `math_answer` reward (last `\\boxed{}`, else the last number; with
 `require_boxed` only boxed answers count). Correct -> terminate with turn score 1. Wrong or missing
 -> a feedback user message and turn score 0, until `max_attempts` graded turns, then terminate.
-`calculate_score` is 1.0 if any attempt was correct.
+`calculate_score` is 1.0 if any attempt was correct. The attempt count survives a process change:
+`restore` recounts it from the feedback messages in the chat (a correct attempt ends the episode, so
+a resumed one has score 0).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.interactions.base import BaseInteraction, register_interaction
+from rollout.interactions.base import BaseInteraction, num_replies, register_interaction
 from rollout.rewards import answers_match, extract_answer, last_boxed
 
 
@@ -43,6 +45,11 @@ class MathFeedbackInteraction(BaseInteraction):
         return await super().start_interaction(
             instance_id, ground_truth=str(ground_truth), num_attempts=0, score=0.0
         )
+
+    async def restore(self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        instance_id = await self.start_interaction(instance_id, **kwargs)
+        self.instance_state(instance_id)["num_attempts"] = num_replies(messages)
+        return instance_id
 
     def _answer(self, text: str) -> str | None:
         if self.config.require_boxed:

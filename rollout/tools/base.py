@@ -1,10 +1,17 @@
 """`BaseTool`: the interface every tool implements (same life cycle as verl's tools).
 
-Per trajectory the loop calls `create` once (one instance per tool, keyed by `instance_id`, with the
-row's `tools_kwargs[name]["create_kwargs"]`), `execute` for every call, `calc_reward` at the end and
-`release` always (in `finally`). Instance state lives in the tool object of the rollout worker, so it
-is in-process: tools must not depend on model weights, which is what lets tool calls keep running
-while a weight sync pauses generation.
+Per trajectory the loop calls `create` once (one instance per tool; the instance id is the
+trajectory id; kwargs are the row's `tools_kwargs[name]["create_kwargs"]`), `execute` for every call,
+`calc_reward` at the end and `release` when the trajectory ends (finished or failed). An instance
+lives for the whole trajectory: a weight-sync park keeps it. Instance state lives in the tool object
+of the rollout worker, so it is in-process: when a trajectory resumes in another process (worker
+death, job restart), `restore` rebuilds the instance from the create kwargs and the trajectory's tool
+journal (the calls that completed, with their results). Tools must not depend on model weights, which
+is what lets tool calls keep running while a weight sync pauses generation.
+
+At most once: the journal records each call before it runs. A call whose worker died mid-call is in
+doubt on resume; it is re-run only when the tool declares `idempotent = True` (running it twice has
+the effect of running it once), otherwise the model gets an "interrupted" error observation.
 
 A tool is built from its YAML entry as `cls(config=..., tool_schema=...)`: `config` is validated by
 the tool's `config_model` (pydantic, extra keys forbidden) and `tool_schema` defaults to the tool's
@@ -21,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rollout.instances import InstanceStore
 from rollout.tools.schema import OpenAIFunctionToolSchema
+from rollout.types import ToolJournalEntry
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,6 +46,9 @@ class EmptyToolConfig(BaseModel):
 
 class BaseTool(abc.ABC):
     config_model: ClassVar[type[BaseModel]] = EmptyToolConfig
+    # True when running a call twice has the effect of running it once (pure functions, lookups):
+    # a call interrupted by a worker's death is then re-run on resume instead of reported as lost.
+    idempotent: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -70,6 +81,15 @@ class BaseTool(abc.ABC):
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> str:
         """Start one instance (one per trajectory); `kwargs` are the row's create_kwargs."""
         return self._instances.start(instance_id, kwargs)
+
+    async def restore(self, instance_id: str, journal: list[ToolJournalEntry], **kwargs: Any) -> str:
+        """Rebuild the instance of a trajectory resumed in a process that does not hold it.
+
+        `journal` holds this tool's completed calls of the trajectory (status DONE, with results), in
+        call order. The default recreates the instance from its create kwargs and replays nothing,
+        which is right for tools whose instance state does not depend on earlier calls; a stateful tool
+        overrides this to replay the recorded results (never by re-executing the calls)."""
+        return await self.create(instance_id, **kwargs)
 
     def instance_state(self, instance_id: str) -> dict[str, Any]:
         return self._instances.get(instance_id)

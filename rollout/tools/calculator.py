@@ -143,6 +143,7 @@ def format_number(value: Number) -> str:
 
 class CalculatorTool(BaseTool):
     config_model = CalculatorConfig
+    idempotent = True  # a pure function of its arguments
 
     @classmethod
     def default_schema(cls) -> OpenAIFunctionToolSchema:

@@ -1,16 +1,22 @@
-"""`ToolRegistry`: the tools of a run, and the fault boundary that executes parsed tool calls.
+"""`ToolRegistry`: the tools of a run, the per-trajectory tool instances, and the fault boundary that
+executes parsed tool calls.
 
-The agent loop hands every parsed call of one assistant turn to `execute_calls` and gets back one
-`ToolResult` per call, in call order. This is a deliberate catch-all boundary ("survive where it is
-the world"): parse errors, schema violations, unknown tools, timeouts, exceptions raised by a tool
-and calls beyond the per-turn parallel limit all become error results whose text tells the model what
-went wrong; each is counted in the registry's metrics. A tool's own result text starting with
-"Error:" (the convention of our tools) is also flagged `is_error`. Only `asyncio.CancelledError` propagates, so a
-cancelled trajectory cancels its tool calls.
+Execution is two steps so the agent loop can journal a call before it runs: `check_calls` answers
+the calls that cannot reach a tool (malformed, unknown tool, wrong arguments, beyond the per-turn
+parallel limit) with error results and returns the others validated; `run_calls` runs those
+concurrently. `execute_calls` is both in one. This is a deliberate catch-all boundary ("survive where
+it is the world"): timeouts and exceptions raised by a tool also become error results whose text
+tells the model what went wrong; each is counted in the registry's metrics. A tool's own result text
+starting with "Error:" (the convention of our tools) is also flagged `is_error`. Only
+`asyncio.CancelledError` propagates, so a cancelled trajectory cancels its tool calls.
 
-Instances: one per (trajectory, tool). `create_instances` makes them from verl-style `tools_kwargs`
-(`{tool_name: {"create_kwargs": {...}}}`); `execute_calls` creates a missing one lazily and records it
-in the caller's `instance_ids`, so `release_instances` releases everything.
+Instances: one per (trajectory, tool), for the whole trajectory. `open_session` returns the live
+instances of a trajectory that parked in this process, and otherwise creates them from verl-style
+`tools_kwargs` (`{tool_name: {"create_kwargs": {...}}}`), restoring tools that have completed calls
+in the trajectory's journal (`BaseTool.restore`); `close_session` releases them when the trajectory
+ends. A trajectory that parked here but resumes elsewhere leaves its instances here until this
+process ends (the driver only moves trajectories whose worker died).
+`create_instances` / `release_instances` are the same without the session bookkeeping.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any
 
 from rollout.parsers.base import validate_call
 from rollout.tools.base import BaseTool, ToolExecution
-from rollout.types import ToolCall, ToolResult
+from rollout.types import ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +71,10 @@ class ToolRegistry:
         self.num_validation_errors = 0  # unknown tool / bad arguments
         self.num_exceptions = 0  # tools that raised
         self.num_rejected = 0  # beyond max_parallel
+        self.num_interrupted = 0  # in doubt after a resume, not idempotent, not re-run
         self.num_executed = 0  # calls that ran to completion inside a tool
         self.total_latency_s = 0.0  # of those calls
+        self._sessions: dict[str, dict[str, str]] = {}  # trajectory_id -> {tool_name: instance_id}
 
     # -- catalogue -----------------------------------------------------------------------------------
     def schemas(self) -> list[dict[str, Any]]:
@@ -89,22 +97,56 @@ class ToolRegistry:
         return len(self.tools)
 
     # -- instance life cycle -------------------------------------------------------------------------
-    async def create_instances(self, tools_kwargs: Mapping[str, Any] | None = None) -> dict[str, str]:
-        """One instance per registered tool; returns {tool_name: instance_id}."""
+    def _create_kwargs(self, tools_kwargs: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
         tools_kwargs = tools_kwargs or {}
         unknown = sorted(set(tools_kwargs) - set(self.tools))
         if unknown:
             raise ValueError(f"tools_kwargs names unknown tool(s) {unknown}; registered: {self.names}")
-        instance_ids: dict[str, str] = {}
-        for name, tool in self.tools.items():
-            create_kwargs = (tools_kwargs.get(name) or {}).get("create_kwargs") or {}
-            instance_ids[name] = await tool.create(**create_kwargs)
-        return instance_ids
+        return {name: dict((tools_kwargs.get(name) or {}).get("create_kwargs") or {}) for name in self.tools}
+
+    async def create_instances(self, tools_kwargs: Mapping[str, Any] | None = None) -> dict[str, str]:
+        """One instance per registered tool; returns {tool_name: instance_id}."""
+        create_kwargs = self._create_kwargs(tools_kwargs)
+        return {name: await tool.create(**create_kwargs[name]) for name, tool in self.tools.items()}
 
     async def release_instances(self, instance_ids: Mapping[str, str]) -> None:
         for name, instance_id in instance_ids.items():
             if name in self.tools:
                 await self.tools[name].release(instance_id)
+
+    async def open_session(
+        self, trajectory_id: str, tools_kwargs: Mapping[str, Any] | None, journal: list[ToolJournalEntry]
+    ) -> dict[str, str]:
+        """The instances of one trajectory ({tool_name: instance_id}, instance id = trajectory id).
+
+        Live ones if the trajectory parked in this process; otherwise created, or restored from the
+        journal's completed calls for tools that have some (the trajectory resumed from its snapshot
+        in a new process). The returned dict is the session: close it with `close_session`."""
+        if trajectory_id in self._sessions:
+            return self._sessions[trajectory_id]
+        create_kwargs = self._create_kwargs(tools_kwargs)
+        ids = self._sessions[trajectory_id] = {}  # filled as we go, so a failure still releases
+        for name, tool in self.tools.items():
+            done = [e for e in journal if e.name == name and e.status is ToolCallStatus.DONE]
+            if done:
+                ids[name] = await tool.restore(trajectory_id, done, **create_kwargs[name])
+            else:
+                ids[name] = await tool.create(trajectory_id, **create_kwargs[name])
+        return ids
+
+    async def close_session(self, trajectory_id: str) -> None:
+        """Release a trajectory's instances (it finished or failed); a no-op for an unknown one."""
+        ids = self._sessions.pop(trajectory_id, None)
+        if ids:
+            await self.release_instances(ids)
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def is_idempotent(self, name: str) -> bool:
+        tool = self.tools.get(name)
+        return tool is not None and tool.idempotent
 
     async def tool_rewards(self, instance_ids: Mapping[str, str]) -> dict[str, float]:
         """{tool_name: calc_reward} for every instance."""
@@ -113,40 +155,67 @@ class ToolRegistry:
         }
 
     # -- execution -----------------------------------------------------------------------------------
+    def check_calls(self, calls: list[ToolCall], *, max_parallel: int) -> list[ToolCall | ToolResult]:
+        """One entry per call, in order: the validated call if it will reach a tool (well formed, known
+        tool, valid arguments, among the first `max_parallel`), else its error result."""
+        if max_parallel <= 0:
+            raise ValueError(f"max_parallel must be positive, got {max_parallel}")
+        out: list[ToolCall | ToolResult] = []
+        for i, call in enumerate(calls):
+            if i >= max_parallel:
+                self.num_rejected += 1
+                message = f"too many tool calls in one turn (limit {max_parallel}); this call was not executed"
+                out.append(self._error(call, message))
+            elif call.error is not None:
+                self.num_parse_errors += 1
+                out.append(self._error(call, call.error))
+            elif (checked := validate_call(call, self._schemas)).error is not None:
+                self.num_validation_errors += 1
+                out.append(self._error(call, checked.error))
+            else:
+                out.append(checked)
+        self.num_calls += len(calls)
+        return out
+
+    async def run_calls(
+        self, calls: list[ToolCall], instance_ids: dict[str, str], *, timeout_s: float
+    ) -> list[ToolResult]:
+        """Run calls that passed `check_calls` concurrently; one ToolResult per call, in order."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        return list(await asyncio.gather(*(self._run_one(c, instance_ids, timeout_s) for c in calls)))
+
     async def execute_calls(
         self, calls: list[ToolCall], instance_ids: dict[str, str], *, timeout_s: float, max_parallel: int
     ) -> list[ToolResult]:
-        """Execute the first `max_parallel` calls concurrently; one ToolResult per call, in order."""
+        """`check_calls` then `run_calls`: one ToolResult per call, in order."""
         if timeout_s <= 0 or max_parallel <= 0:
             raise ValueError(f"timeout_s and max_parallel must be positive, got {timeout_s}, {max_parallel}")
-        runnable = calls[:max_parallel]
-        results = list(await asyncio.gather(*(self._execute_one(c, instance_ids, timeout_s) for c in runnable)))
-        for call in calls[max_parallel:]:
-            self.num_rejected += 1
-            results.append(
-                self._error(call, f"too many tool calls in one turn (limit {max_parallel}); this call was not executed")
-            )
-        self.num_calls += len(calls)
-        return results
+        plan = self.check_calls(calls, max_parallel=max_parallel)
+        runnable = [c for c in plan if isinstance(c, ToolCall)]
+        ran = iter(await self.run_calls(runnable, instance_ids, timeout_s=timeout_s))
+        return [next(ran) if isinstance(c, ToolCall) else c for c in plan]
+
+    def interrupted(self, call: ToolCall) -> ToolResult:
+        """The answer to a call whose worker stopped while it ran and that is not safe to re-run."""
+        self.num_interrupted += 1
+        return self._error(
+            call,
+            f"the call to tool '{call.name}' was interrupted and its outcome is unknown; "
+            "it was not run again (the tool is not idempotent)",
+        )
 
     def _error(self, call: ToolCall, message: str, latency_s: float = 0.0) -> ToolResult:
         self.num_errors += 1
         return ToolResult(call_id=call.call_id, name=call.name, text=f"Error: {message}", is_error=True, latency_s=latency_s)
 
-    async def _execute_one(self, call: ToolCall, instance_ids: dict[str, str], timeout_s: float) -> ToolResult:
-        if call.error is not None:
-            self.num_parse_errors += 1
-            return self._error(call, call.error)
-        checked = validate_call(call, self._schemas)
-        if checked.error is not None:
-            self.num_validation_errors += 1
-            return self._error(call, checked.error)
-        tool = self.tools[checked.name]
+    async def _run_one(self, call: ToolCall, instance_ids: dict[str, str], timeout_s: float) -> ToolResult:
+        tool = self.tools[call.name]
         start = time.perf_counter()
         try:
-            if checked.name not in instance_ids:
-                instance_ids[checked.name] = await tool.create()
-            raw = await asyncio.wait_for(tool.execute(instance_ids[checked.name], checked.arguments), timeout_s)
+            if call.name not in instance_ids:
+                instance_ids[call.name] = await tool.create()
+            raw = await asyncio.wait_for(tool.execute(instance_ids[call.name], call.arguments), timeout_s)
             execution = coerce_execution(raw)
         except TimeoutError:
             self.num_timeouts += 1
@@ -178,5 +247,6 @@ class ToolRegistry:
             "rollout/tools/num_validation_errors": float(self.num_validation_errors),
             "rollout/tools/num_exceptions": float(self.num_exceptions),
             "rollout/tools/num_rejected": float(self.num_rejected),
+            "rollout/tools/num_interrupted": float(self.num_interrupted),
             "rollout/tools/mean_latency_s": self.total_latency_s / max(1, self.num_executed),
         }

@@ -301,3 +301,34 @@ async def test_duplicate_submission_is_dropped_running_or_held(tiny_tokenizer):
     assert worker.submit(new_data()) is False  # running -> not again
     await worker.wait_idle(10)
     assert [t.status for t in sink] == [TrajectoryStatus.FINISHED]
+
+
+async def test_interaction_attempts_survive_a_resume_in_another_process(tiny_tokenizer):
+    from rollout.interactions import MathFeedbackInteraction
+
+    class PausingFeedback(MathFeedbackInteraction):
+        """A weight sync arrives while the environment answers: the loop parks at the next turn."""
+
+        async def generate_response(self, instance_id, messages, **kwargs):
+            ctx.cancel.set()
+            return await super().generate_response(instance_id, messages, **kwargs)
+
+    tok = tiny_tokenizer
+    script, _ = turn_script(tok, ["It is \\boxed{80}.", "It is \\boxed{81}.", ANSWER])
+    ctx = make_ctx(tok, FakeEngine(script=script))
+    ctx.tools = None
+    ctx.interactions = {"math_feedback": PausingFeedback({"name": "math_feedback", "max_attempts": 2})}
+    data = new_data()
+    data.interaction_name = "math_feedback"
+    partial = await ToolAgentLoop(ctx).run(data)
+    assert partial.status is TrajectoryStatus.PARTIAL and partial.turn_scores == [0.0]
+
+    ctx2 = make_ctx(tok, FakeEngine(script=script))  # another process: a fresh interaction instance
+    ctx2.tools = None
+    ctx2.interactions = {"math_feedback": MathFeedbackInteraction({"name": "math_feedback", "max_attempts": 2})}
+    final = await ToolAgentLoop(ctx2).run(AgentData.from_json(partial.agent_data_json))
+    final.validate()
+    # The second wrong answer is the last of max_attempts=2: the episode ends, no third attempt.
+    assert final.finish_reason is FinishReason.INTERACTION_DONE
+    assert final.turn_scores == [0.0, 0.0] and final.reward == 0.0 and final.num_turns == 4
+    assert len(ctx2.interactions["math_feedback"]._instances) == 0  # finalized at the end

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from rollout.interactions import BaseInteraction, MathFeedbackInteraction, load_interaction_config
+from rollout.interactions.base import num_replies
+from rollout.interactions.latency_env import LatencyEnvironment
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "interactions" / "math_feedback.yaml"
 
@@ -50,6 +52,39 @@ async def test_retry_then_correct_scores_one():
     assert (await interaction.generate_response(iid, _chat("\\boxed{1233}")))[0] is False
     done, _, score, _ = await interaction.generate_response(iid, _chat("\\boxed{1234}"))
     assert done and score == 1.0 and await interaction.calculate_score(iid) == 1.0
+
+
+async def test_attempts_survive_a_process_change():
+    first = MathFeedbackInteraction({"max_attempts": 2})
+    iid = await first.start_interaction("traj-1", ground_truth="97")
+    chat = _chat("\\boxed{96}")
+    done, feedback, _, _ = await first.generate_response(iid, chat)
+    assert not done
+    chat += [{"role": "user", "content": feedback}]
+    # The trajectory resumes in another process: a fresh interaction object, restored from the chat.
+    other = MathFeedbackInteraction({"max_attempts": 2})
+    assert await other.restore(iid, chat, ground_truth="97") == iid
+    chat += [{"role": "assistant", "content": "\\boxed{95}"}]
+    done, text, score, extra = await other.generate_response(iid, chat)
+    assert (done, text, score, extra["num_attempts"]) == (True, "Your answer 95 is incorrect.", 0.0, 2)
+
+
+async def test_latency_env_turns_survive_a_process_change():
+    config = {"latency_s": 0.0, "num_turns": 2}
+    env = LatencyEnvironment(config)
+    chat = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "a"}]
+    done, reply, _, _ = await env.generate_response(await env.start_interaction("t"), chat)
+    assert not done
+    chat += [{"role": "user", "content": reply}, {"role": "assistant", "content": "b"}]
+    other = LatencyEnvironment(config)
+    await other.restore("t", chat[:-1])
+    assert (await other.generate_response("t", chat))[0] is True
+
+
+def test_num_replies_counts_user_messages_after_the_first_assistant_turn():
+    assert num_replies([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]) == 0
+    assert num_replies(_chat("x")) == 0  # tool results are not replies
+    assert num_replies([*_chat("x"), {"role": "user", "content": "wrong"}, {"role": "assistant", "content": "y"}]) == 1
 
 
 async def test_require_boxed_asks_for_a_boxed_answer():

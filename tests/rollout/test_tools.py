@@ -12,7 +12,7 @@ from rollout.tools import CalculatorTool, SleepTool, ToolRegistry, evaluate_expr
 from rollout.tools.base import BaseTool, ToolExecution
 from rollout.tools.calculator import CalculatorConfig, CalculatorError
 from rollout.tools.schema import OpenAIFunctionToolSchema
-from rollout.types import ToolCall
+from rollout.types import ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tools"
 
@@ -217,6 +217,49 @@ async def test_execute_calls_propagates_cancellation():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+class _Replaying(CalculatorTool):
+    """Records what `restore` was given."""
+
+    @classmethod
+    def default_schema(cls) -> OpenAIFunctionToolSchema:
+        return OpenAIFunctionToolSchema.model_validate({"function": {"name": "replaying"}})
+
+    async def restore(self, instance_id, journal, **kwargs):
+        self.restored = [(e.call_id, e.result.text) for e in journal]
+        return await super().restore(instance_id, journal, **kwargs)
+
+
+async def test_sessions_live_until_closed_and_restore_from_completed_calls():
+    replaying = _Replaying()
+    registry = ToolRegistry([CalculatorTool(), replaying])
+    journal = [
+        ToolJournalEntry(
+            call_id="a", name="replaying", status=ToolCallStatus.DONE, result=ToolResult(call_id="a", name="replaying", text="1")
+        ),
+        ToolJournalEntry(call_id="b", name="replaying"),  # in doubt: not replayed
+    ]
+    kwargs = {"calculator": {"create_kwargs": {"ground_truth": "7"}}}
+    ids = await registry.open_session("traj-1", kwargs, journal)
+    assert ids == {"calculator": "traj-1", "replaying": "traj-1"} and replaying.restored == [("a", "1")]
+    assert registry.get("calculator").instance_state("traj-1") == {"ground_truth": "7"}
+    assert await registry.open_session("traj-1", kwargs, []) is ids  # parked here: the live instances
+    assert registry.num_sessions == 1
+    await registry.close_session("traj-1")
+    await registry.close_session("traj-1")  # idempotent
+    assert registry.num_sessions == 0 and all(t.num_instances == 0 for t in registry.tools.values())
+    assert CalculatorTool.idempotent and not _Raising.idempotent
+
+
+def test_check_calls_splits_runnable_calls_from_error_results(registry):
+    calls = [_call(0, "calculator", expression="1"), _call(1, "nope"), _call(2, "calculator", expression="2")]
+    plan = registry.check_calls(calls, max_parallel=2)
+    assert isinstance(plan[0], ToolCall) and plan[0].error is None
+    assert isinstance(plan[1], ToolResult) and plan[1].text.startswith("Error: unknown tool 'nope'")
+    assert isinstance(plan[2], ToolResult) and "too many tool calls" in plan[2].text
+    lost = registry.interrupted(calls[0])
+    assert lost.is_error and "interrupted" in lost.text and registry.metrics()["rollout/tools/num_interrupted"] == 1.0
 
 
 async def test_registry_rejects_bad_construction_and_kwargs():

@@ -7,6 +7,7 @@ twice."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engi
     from rollout.config import AgentConfig, SamplingConfig
     from rollout.interactions import load_interaction_config
     from rollout.server_manager import ServerManager
-    from rollout.types import AgentData, TrajectoryStatus
+    from rollout.types import AgentData, FinishReason, TrajectoryStatus
     from rollout.worker import RolloutWorker
     from weight_sync.config import WeightSyncConfig
     from weight_sync.coordinator import WeightSyncCoordinator
@@ -46,6 +47,15 @@ async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engi
     env = load_interaction_config(
         {"interaction": [{"name": "latency_env", "config": {"latency_s": 0.6, "num_turns": 2}}]}
     )
+    # Count environment calls per trajectory (the instance id is the trajectory id) as they start.
+    env_calls: Counter[str] = Counter()
+    respond = env["latency_env"].generate_response
+
+    async def counted_response(instance_id, messages, **kwargs):
+        env_calls[instance_id] += 1
+        return await respond(instance_id, messages, **kwargs)
+
+    env["latency_env"].generate_response = counted_response
     ctx = AgentContext(
         cfg=AgentConfig(
             prompt_length=256,
@@ -110,10 +120,15 @@ async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engi
         sampled = [v for v, m in zip(f.policy_versions, f.response_mask) if m]
         cut = sum(p.response_mask)  # sampled tokens before the interruption
         assert sampled == [v0] * cut + [v0 + 1] * (len(sampled) - cut)
-        # The environment answered each turn exactly once: observations = user turns, no duplicates.
         data = AgentData.from_json(p.agent_data_json)
         obs_msgs = [m for m in data.messages if m["role"] == "user"][1:]
         assert len(obs_msgs) == data.num_user_turns
+    # The environment ran exactly once per environment turn of every trajectory, interrupted or not:
+    # each call is either an observation in the token stream or the reply that ended the episode.
+    for f in final.values():
+        num_observations = sum(1 for i, m in enumerate(f.response_mask) if m == 0 and (i == 0 or f.response_mask[i - 1]))
+        num_env_turns = num_observations + (f.finish_reason is FinishReason.INTERACTION_DONE)
+        assert env_calls[f.trajectory_id] == num_env_turns == len(f.turn_scores), (f.trajectory_id, env_calls)
     mid_gen = [p for p in partial if p.response_mask[-1] == 1]
     assert mid_gen, "no loop was interrupted mid-generation"
     # Loops waiting on the environment kept waiting through the pause (free overlap) and their next
