@@ -9,7 +9,9 @@ Health: an engine whose `generate` raises anything but `ValueError` (bad input i
 is marked unhealthy and removed from routing; its sticky trajectories re-route, and the failed
 request is retried once on another engine (the output is a fresh sample of the same prompt, so
 nothing is lost). `AgentData` records the engine a trajectory used; `pin` restores that affinity
-after a resume in another worker.
+after a resume in another worker. `probe_unhealthy` (called by the driver's health loop) pings the
+engines and puts an unhealthy one back into routing once it answers again and serves the newest
+policy_version seen; one that comes back with stale weights waits until weight sync has caught it up.
 """
 
 from __future__ import annotations
@@ -17,16 +19,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from rollout.engine.base import EngineStats, GenerationOutput, InferenceEngine, PauseMode, SamplingParams
+from rollout.engine.base import (
+    EngineStats,
+    GenerationOutput,
+    InferenceEngine,
+    NoHealthyEngineError,
+    PauseMode,
+    SamplingParams,
+)
 
 logger = logging.getLogger(__name__)
 
-
-class NoHealthyEngineError(RuntimeError):
-    """Every engine is marked unhealthy: rollouts cannot continue."""
+__all__ = ["NoHealthyEngineError", "ServerManager", "ServerManagerStats"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,6 +45,7 @@ class ServerManagerStats:
     num_sticky_evictions: int
     num_engine_failures: int
     num_retries: int
+    num_restored: int
     outstanding: dict[str, int]  # engine_id -> requests in flight through this manager
     engines: list[EngineStats]  # healthy engines only
 
@@ -48,6 +56,7 @@ class ServerManagerStats:
             "rollout/num_in_flight": float(self.num_in_flight),
             "rollout/num_sticky_keys": float(self.num_sticky_keys),
             "rollout/num_engine_failures": float(self.num_engine_failures),
+            "rollout/num_engines_restored": float(self.num_restored),
         }
         for s in self.engines:
             out[f"rollout/engine_busy_fraction/{s.engine_id}"] = s.busy_fraction
@@ -80,6 +89,8 @@ class ServerManager:
         self._num_sticky_evictions = 0
         self._num_engine_failures = 0
         self._num_retries = 0
+        self._num_restored = 0
+        self._newest_version = -1  # newest policy_version seen in an output or a ping
 
     # -- routing ----------------------------------------------------------------------------------
 
@@ -155,6 +166,8 @@ class ServerManager:
             finally:
                 self._outstanding[engine_id] -= 1
                 del self._in_flight[request_id]
+            if output.policy_versions:
+                self._newest_version = max(self._newest_version, output.policy_versions[-1])
             return output, engine_id
 
     async def abort(self, request_id: str) -> None:
@@ -177,6 +190,33 @@ class ServerManager:
         if engine_id not in self._engines:
             raise ValueError(f"unknown engine {engine_id!r}")
         self._healthy.add(engine_id)
+
+    async def probe_unhealthy(self, timeout_s: float = 10.0, *, keep_out: Collection[str] = ()) -> list[str]:
+        """Ping every engine once (concurrently, each bounded by `timeout_s`) and restore each unhealthy
+        engine that answers with the newest policy_version seen (in these pings or in routed outputs),
+        except those in `keep_out` (e.g. engines weight sync dropped and has not taken back yet).
+        Returns the restored engine ids; a no-op while every engine is healthy."""
+        unhealthy = [e for e in self._engines if e not in self._healthy and e not in keep_out]
+        if not unhealthy:
+            return []
+        ids = list(self._engines)
+        outcomes = await asyncio.gather(
+            *(asyncio.wait_for(self._engines[e].ping(), timeout_s) for e in ids), return_exceptions=True
+        )
+        served = {e: v for e, v in zip(ids, outcomes, strict=True) if not isinstance(v, BaseException)}
+        self._newest_version = max([self._newest_version, *served.values()])
+        restored = [e for e in unhealthy if e in served and served[e] >= self._newest_version]
+        for engine_id in restored:
+            self.mark_healthy(engine_id)
+            self._num_restored += 1
+            logger.warning("engine %s answers again at policy_version %d: back in routing", engine_id, served[engine_id])
+        for engine_id in unhealthy:
+            if engine_id in served and engine_id not in restored:
+                logger.info(
+                    "engine %s answers but serves policy_version %d < %d: stays out of routing",
+                    engine_id, served[engine_id], self._newest_version,
+                )
+        return restored
 
     # -- fleet-wide control -----------------------------------------------------------------------
 
@@ -204,6 +244,7 @@ class ServerManager:
             num_sticky_evictions=self._num_sticky_evictions,
             num_engine_failures=self._num_engine_failures,
             num_retries=self._num_retries,
+            num_restored=self._num_restored,
             outstanding=dict(self._outstanding),
             engines=[self._engines[e].stats() for e in self.healthy_engine_ids],
         )

@@ -6,7 +6,9 @@ rollout-worker handles it pauses and resumes, and the policy_version the engines
 in the single-process `LearnerActor`, or — with an FSDP learner group — in learner rank 0
 (`streaming/learner_backends.py`), because the transport's rank 0 must be where the gathered
 tensors are. Failure semantics are the coordinator's: a failed sync returns the old version, which
-keeps serving, and is retried at the next publish.
+keeps serving, and is retried at the next publish; a dead engine leaves the sync set (named in
+`dropped_engines`, for the driver to take out of routing) and the run goes on with the others;
+with no engine left, `publish` raises `NoHealthyEngineError`.
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ class WeightPublisher:
     def served_version(self) -> int:
         return self.coordinator.policy_version
 
+    @property
+    def dropped_engines(self) -> dict[str, str]:
+        """engine_id (`engine-{i}`, the rollout workers' names too) -> why it left the sync set."""
+        return dict(self.coordinator.dropped)
+
     def set_workers(self, handles: list[Any]) -> None:
         """Replace the pausable set after a preempted rollout worker was replaced."""
         self.workers.handles = list(handles)
@@ -89,12 +96,15 @@ class WeightPublisher:
         """Move `named_tensors` into every engine as `target` (transactional).
 
         Returns `sync/*` metrics and the policy_version served afterwards: `target`, or the old one
-        if the sync failed. A `target` not above the served version is a no-op."""
+        if the sync failed. A `target` not above the served version is a no-op. Raises
+        `NoHealthyEngineError` ("no healthy inference engine left: ...") when every engine is gone."""
         if target <= self.served_version:
             return {}, self.served_version
         result = await self.coordinator.sync(named_tensors, target)
         if not result.ok:
             logger.error("weight sync to policy_version %d failed: %s", target, result.error)
+        if result.dropped_engine_ids:
+            logger.error("engines %s left the sync set: %s", result.dropped_engine_ids, self.dropped_engines)
         return self.coordinator.metrics(), self.served_version
 
     async def close(self) -> None:

@@ -34,6 +34,7 @@ class SyncTimeouts(BaseModel):
     verify: float = Field(default=10.0, gt=0)
     load: float = Field(default=120.0, gt=0)  # commit of the staged weights inside every engine
     resume: float = Field(default=30.0, gt=0)
+    probe: float = Field(default=5.0, gt=0)  # ping of a dropped engine before a sync (does it rejoin?)
 
 
 class WeightSyncConfig(BaseModel):

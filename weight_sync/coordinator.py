@@ -1,10 +1,24 @@
 """`WeightSyncCoordinator`: publish learner weights as a new policy_version, transactionally.
 
-One sync = pause -> transfer (stage in every engine) -> verify checksums -> load (commit in every
-engine) -> set policy_version on every engine -> resume. Every phase runs under its own timeout.
-The version advances only after every engine acknowledged; on any failure the staged weights are
-discarded, the transport's group is torn down (the next sync rebuilds it) and the engines keep serving
-the previous version. Resume always runs, in `finally`.
+One sync = pause -> transfer (stage in every engine) -> verify checksums -> commit (every engine loads
+its staged copy and flips its version label in the same step) -> resume. Every phase runs under its own
+timeout and every engine call carries the sync's epoch, a fencing token: a call that timed out here
+still runs on its engine actor, and the engine's `SyncFence` makes such late calls harmless (a pause
+that lands after its resume is undone, a resume always wins over an older pause).
+
+All or nothing for everything downstream (I7): after a failure before the commit the engines keep
+serving the old version (after the resume, staged weights are discarded and the transport's group is
+torn down; the next sync rebuilds it).
+Once the commit started, an engine whose commit failed or timed out gets one re-commit from its staged
+copy (kept until a load succeeds; a load still in flight is joined, not repeated) before generation
+resumes; an engine that still fails is dropped from the sync set, and it refuses to sample if its
+weights may be half loaded. The reported policy_version is the one every engine left in the set serves.
+
+Dead engines (I6): an engine that cannot be resumed (error or timeout) is dead or wedged and leaves
+the sync set; a sync that dropped engines is retried at once on the survivors, so the run goes on
+without them. A dropped engine that answers a ping before a later sync rejoins it (that sync brings
+it to the current weights). With no engine left, `sync` raises `NoHealthyEngineError`. Dropping here
+does not touch routing: `dropped` names the engines the driver should take out of its ServerManagers.
 
 Pause modes (`WeightSyncConfig.pause_mode`):
 - abort (default): rollout workers are paused first (their loops abort in-flight requests, keep the
@@ -12,8 +26,7 @@ Pause modes (`WeightSyncConfig.pause_mode`):
 - keep: only the engines pause, freezing in-flight requests with their KV; those continue after the
   swap (on KV computed by the old weights). Rollout workers are not touched.
 
-The KV prefix cache is safe across versions because engines salt requests with the policy_version;
-`reset_prefix_cache` is called as well where the engine offers it.
+The KV prefix cache is safe across versions because engines salt requests with the policy_version.
 """
 
 from __future__ import annotations
@@ -24,7 +37,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from rollout.engine.base import PauseMode
+from rollout.engine.base import NoHealthyEngineError, PauseMode
 from weight_sync.config import WeightSyncConfig
 from weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, make_transport, rpc_all
 from weight_sync.types import SyncResult, WeightSyncError
@@ -61,20 +74,28 @@ class WeightSyncCoordinator:
         if len(set(ids)) != len(ids):
             raise ValueError(f"engine ids must be unique, got {ids}")
         self.config = config
-        self.engines = list(engines)
+        self.all_engines = list(engines)
+        self.dropped: dict[str, str] = {}  # engine_id -> why it left the sync set (and should leave routing)
         self.workers = workers
         self.transport = transport if transport is not None else make_transport(config)
         self.policy_version = max(e.policy_version for e in engines)
         self.num_syncs = 0
         self.num_failed = 0
         self.last_result: SyncResult | None = None
+        self._epoch = 0
         self._lock = asyncio.Lock()
+
+    @property
+    def engines(self) -> list[SyncEngine]:
+        """The sync set: engines not dropped, in construction order."""
+        return [e for e in self.all_engines if e.engine_id not in self.dropped]
 
     async def sync(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], policy_version: int | None = None
     ) -> SyncResult:
-        """Publish `named_tensors` as `policy_version` (default: current + 1). Never raises for a failed
-        sync (see `SyncResult.ok/error`); raises ValueError for bad input."""
+        """Publish `named_tensors` as `policy_version` (default: current + 1). A failed sync does not
+        raise (see `SyncResult.ok/error`); raises ValueError for bad input and NoHealthyEngineError when
+        no engine is left to sync."""
         target = self.policy_version + 1 if policy_version is None else policy_version
         if target <= self.policy_version:
             raise ValueError(f"policy_version must increase: serving {self.policy_version}, asked for {target}")
@@ -82,44 +103,69 @@ class WeightSyncCoordinator:
         if not tensors:
             raise ValueError("no tensors to sync")
         async with self._lock:
+            await self._readmit()
+            self._check_engines_left()
             result = await self._sync(tensors, target)
+            self._count(result)
+            if not result.ok and result.dropped_engine_ids and self.engines:
+                logger.warning("retrying policy_version %d on the %d engines left", target, len(self.engines))
+                dropped = result.dropped_engine_ids
+                result = await self._sync(tensors, target)
+                result.dropped_engine_ids = dropped + result.dropped_engine_ids
+                self._count(result)
+            self._check_engines_left()
+        return result
+
+    def _count(self, result: SyncResult) -> None:
         self.num_syncs += 1
         self.num_failed += 0 if result.ok else 1
         self.last_result = result
-        return result
+
+    def _check_engines_left(self) -> None:
+        if not self.engines:
+            reasons = "; ".join(f"{eid}: {why}" for eid, why in self.dropped.items())
+            raise NoHealthyEngineError(f"no healthy inference engine left: {reasons}")
 
     async def _sync(self, tensors: list[tuple[str, torch.Tensor]], target: int) -> SyncResult:
         timeouts = self.config.timeouts
-        result = SyncResult(ok=False, policy_version=self.policy_version, engine_ids=[e.engine_id for e in self.engines])
+        engines = self.engines
+        self._epoch = epoch = max(self._epoch + 1, time.time_ns())  # fresh and increasing across coordinators
+        result = SyncResult(ok=False, policy_version=self.policy_version, engine_ids=[e.engine_id for e in engines])
+        drops: dict[str, str] = {}
         started = time.monotonic()
-        outcome: TransferOutcome | None = None
         try:
-            result.pause_s = await _timed(self._pause(), timeouts.pause, "pause")
+            result.pause_s = await _timed(self._pause(engines, epoch), timeouts.pause, "pause")
             t0 = time.monotonic()
-            outcome = await self.transport.send(self.engines, tensors, target)
+            outcome = await self.transport.send(engines, tensors, target)
             result.transfer_s = time.monotonic() - t0
             result.num_bytes = outcome.manifest.num_bytes
             t0 = time.monotonic()
             if self.config.verify_checksum:
-                _verify(outcome, [e.engine_id for e in self.engines])
+                _verify(outcome, [e.engine_id for e in engines])
             result.verify_s = time.monotonic() - t0
             t0 = time.monotonic()
-            await self._commit(target)
+            drops |= await self._commit(engines, target, epoch)
             result.load_s = time.monotonic() - t0
+            if len(drops) == len(engines):
+                raise WeightSyncError("load", f"commit failed on every engine: {drops}")
             result.ok, result.policy_version = True, target
             self.policy_version = target
         except WeightSyncError as exc:
             result.error, result.failed_phase = str(exc), exc.phase
             logger.error("%s; engines keep serving policy_version %d", exc, self.policy_version)
-            await self._rollback()
-        except BaseException:
-            await self._rollback()
-            raise
         finally:
             t0 = time.monotonic()
-            await self._resume()
-            result.resume_s = time.monotonic() - t0
-            result.total_s = time.monotonic() - started
+            try:
+                drops |= await self._resume_engines(engines, epoch)
+                await self._resume_workers()
+            finally:
+                result.resume_s = time.monotonic() - t0
+                for engine_id, why in drops.items():
+                    self._drop(engine_id, why)
+                result.dropped_engine_ids = sorted(drops)
+                if not result.ok:  # staged copies never serve, so this waits until generation runs again
+                    await self._rollback([e for e in engines if e.engine_id not in drops])
+                result.total_s = time.monotonic() - started
         if result.ok:
             logger.info(
                 "synced policy_version %d: %d bytes, pause %.3fs transfer %.3fs load %.3fs resume %.3fs",
@@ -127,71 +173,96 @@ class WeightSyncCoordinator:
             )
         return result
 
-    async def _pause(self) -> None:
+    async def _pause(self, engines: Sequence[SyncEngine], epoch: int) -> None:
         mode = self.config.pause_mode
         if mode is PauseMode.ABORT and self.workers is not None:
             await self.workers.pause()
-        # Let every engine's pause settle before failing: resuming an engine whose pause is still in
-        # flight would leave it paused forever.
-        outcomes = await asyncio.gather(*(e.pause(mode) for e in self.engines), return_exceptions=True)
-        for outcome in outcomes:
+        outcomes = await asyncio.gather(*(e.pause(mode, epoch=epoch) for e in engines), return_exceptions=True)
+        for engine, outcome in zip(engines, outcomes, strict=True):
             if isinstance(outcome, BaseException):
-                raise outcome
+                raise WeightSyncError("pause", f"engine {engine.engine_id}: {outcome!r}") from outcome
 
-    async def _commit(self, target: int) -> None:
-        """Load staged weights everywhere, then advance the version of each engine that loaded."""
+    async def _commit(self, engines: Sequence[SyncEngine], target: int, epoch: int) -> dict[str, str]:
+        """Commit everywhere, re-commit once where that failed; returns {engine_id: why} of engines that
+        still do not serve `target` (they get dropped)."""
+        failed = await self._commit_round(engines, target, epoch)
+        if not failed:
+            return {}
+        logger.warning("commit of policy_version %d failed on %s; re-committing there", target, failed)
+        again = await self._commit_round([e for e in engines if e.engine_id in failed], target, epoch)
+        repaired = sorted(set(failed) - set(again))
+        if repaired:
+            logger.info("re-commit repaired %s: they serve policy_version %d", repaired, target)
+        return {eid: f"commit of policy_version {target} failed ({failed[eid]}), re-commit too ({why})" for eid, why in again.items()}
+
+    async def _commit_round(self, engines: Sequence[SyncEngine], target: int, epoch: int) -> dict[str, str]:
         timeout_s = self.config.timeouts.load
+        outcomes = await asyncio.gather(
+            *(asyncio.wait_for(e.commit_weights(target, epoch=epoch, timeout_s=timeout_s), timeout_s) for e in engines),
+            return_exceptions=True,
+        )
+        return {
+            e.engine_id: _describe(o, timeout_s) for e, o in zip(engines, outcomes, strict=True) if isinstance(o, BaseException)
+        }
 
-        async def one(engine: SyncEngine) -> None:
-            await engine.collective_rpc("commit_weights", timeout=timeout_s)
-            await engine.set_policy_version(target)
-            reset = getattr(engine, "reset_prefix_cache", None)
-            if reset is not None:  # salting already isolates versions; this frees the stale blocks
-                await reset()
-
-        tasks = {e.engine_id: asyncio.ensure_future(one(e)) for e in self.engines}
-        done, pending = await asyncio.wait(tasks.values(), timeout=timeout_s)
-        for task in pending:
-            task.cancel()
-        failed = {eid: task for eid, task in tasks.items() if task not in done or task.exception() is not None}
-        if failed:
-            loaded = [eid for eid in tasks if eid not in failed]
-            reasons = "; ".join(
-                f"{eid}: {'timed out' if t not in done else repr(t.exception())}" for eid, t in failed.items()
-            )
-            raise WeightSyncError(
-                "load", f"commit failed on {sorted(failed)} ({reasons}); engines {loaded} already serve v{target}"
-            )
-
-    async def _rollback(self) -> None:
+    async def _rollback(self, engines: Sequence[SyncEngine]) -> None:
         """Drop staged weights and the (possibly broken) group; best effort, bounded."""
         try:
-            await rpc_all(self.engines, "discard_weights", timeout_s=self.config.timeouts.verify, phase="rollback")
+            await rpc_all(engines, "discard_weights", timeout_s=self.config.timeouts.verify, phase="rollback")
         except WeightSyncError as exc:
             logger.warning("could not discard staged weights everywhere: %s", exc)
-        await self.transport.reset(self.engines)
+        await self.transport.reset(engines)
 
-    async def _resume(self) -> None:
-        """Engines first (so parked loops find them serving), then workers; each bounded, all attempted."""
+    async def _resume_engines(self, engines: Sequence[SyncEngine], epoch: int) -> dict[str, str]:
+        """Resume every engine of this sync (bounded, all attempted); returns {engine_id: why} of those
+        that did not answer: dead or wedged."""
         timeout_s = self.config.timeouts.resume
         outcomes = await asyncio.gather(
-            *(asyncio.wait_for(e.resume(), timeout_s) for e in self.engines), return_exceptions=True
+            *(asyncio.wait_for(e.resume(epoch=epoch), timeout_s) for e in engines), return_exceptions=True
         )
-        for engine, outcome in zip(self.engines, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
-                logger.error("engine %s did not resume: %r", engine.engine_id, outcome)
+        return {
+            e.engine_id: f"resume failed: {_describe(o, timeout_s)}"
+            for e, o in zip(engines, outcomes, strict=True)
+            if isinstance(o, BaseException)
+        }
+
+    async def _resume_workers(self) -> None:
+        """After the engines, so that parked loops find them serving."""
         if self.config.pause_mode is PauseMode.ABORT and self.workers is not None:
             try:
-                await asyncio.wait_for(self.workers.resume(), timeout_s)
+                await asyncio.wait_for(self.workers.resume(), self.config.timeouts.resume)
             except Exception:
                 logger.exception("rollout workers did not resume")
                 raise
+
+    def _drop(self, engine_id: str, why: str) -> None:
+        self.dropped[engine_id] = why
+        logger.error(
+            "engine %s leaves the weight-sync set (take it out of routing): %s. "
+            "It rejoins if it answers a ping before a later sync.", engine_id, why,
+        )
+
+    async def _readmit(self) -> None:
+        """One bounded ping per dropped engine; those that answer rejoin the sync set."""
+        dropped = [e for e in self.all_engines if e.engine_id in self.dropped]
+        if not dropped:
+            return
+        timeout_s = self.config.timeouts.probe
+        outcomes = await asyncio.gather(*(asyncio.wait_for(e.ping(), timeout_s) for e in dropped), return_exceptions=True)
+        for engine, outcome in zip(dropped, outcomes, strict=True):
+            if not isinstance(outcome, BaseException):
+                logger.warning(
+                    "engine %s answers again (serving policy_version %s); it rejoins the weight-sync set",
+                    engine.engine_id, outcome,
+                )
+                del self.dropped[engine.engine_id]
 
     def metrics(self) -> dict[str, float]:
         """`sync/*` of the last sync plus run counters."""
         out = self.last_result.metrics() if self.last_result is not None else {}
         out["sync/num_syncs"] = float(self.num_syncs)
         out["sync/num_failed"] = float(self.num_failed)
+        out["sync/num_engines"] = float(len(self.engines))
         return out
 
     async def close(self) -> None:
@@ -209,6 +280,10 @@ async def _timed(coro, timeout_s: float, phase: str) -> float:
     except Exception as exc:
         raise WeightSyncError(phase, repr(exc)) from exc
     return time.monotonic() - started
+
+
+def _describe(exc: BaseException, timeout_s: float) -> str:
+    return f"no answer within {timeout_s:.1f}s" if isinstance(exc, TimeoutError) else repr(exc)
 
 
 def _verify(outcome: TransferOutcome, engine_ids: Sequence[str]) -> None:

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class SyncEngine(Protocol):
-    """What weight_sync needs from an engine: the `InferenceEngine` interface plus `collective_rpc`."""
+    """What weight_sync needs from an engine: the fenced part of the `InferenceEngine` interface plus
+    `collective_rpc` (every call carrying `epoch` goes through the engine's `SyncFence`)."""
 
     engine_id: str
     policy_version: int
@@ -33,11 +34,13 @@ class SyncEngine(Protocol):
         self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
     ) -> list[Any]: ...
 
-    async def pause(self, mode: Any = ...) -> None: ...
+    async def pause(self, mode: Any = ..., *, epoch: int | None = None) -> None: ...
 
-    async def resume(self) -> None: ...
+    async def resume(self, *, epoch: int | None = None) -> None: ...
 
-    async def set_policy_version(self, policy_version: int) -> None: ...
+    async def commit_weights(self, policy_version: int, *, epoch: int, timeout_s: float | None = None) -> None: ...
+
+    async def ping(self) -> int: ...
 
 
 @dataclass(kw_only=True, slots=True)

@@ -87,8 +87,11 @@ class StageReport:
 
 @dataclass(kw_only=True, slots=True)
 class SyncResult:
+    """One sync. ok: every engine left in the sync set serves `policy_version` (engines that could not
+    load it were dropped, see `dropped_engine_ids`); not ok: they all keep serving the old version."""
+
     ok: bool
-    policy_version: int  # version the engines serve after the sync (unchanged when ok is False)
+    policy_version: int
     pause_s: float = 0.0
     transfer_s: float = 0.0
     verify_s: float = 0.0
@@ -97,8 +100,9 @@ class SyncResult:
     total_s: float = 0.0
     num_bytes: int = 0
     error: str | None = None
-    failed_phase: str | None = None  # "pause" | "transfer" | "verify" | "load" | "commit"
-    engine_ids: list[str] = field(default_factory=list)  # [num_engines]
+    failed_phase: str | None = None  # "pause" | "transfer" | "verify" | "load"
+    engine_ids: list[str] = field(default_factory=list)  # [num_engines] the sync ran on
+    dropped_engine_ids: list[str] = field(default_factory=list)  # engines this sync removed from the sync set
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -110,6 +114,7 @@ class SyncResult:
             "sync/total_s": self.total_s,
             "sync/bytes": float(self.num_bytes),
             "sync/failed": 0.0 if self.ok else 1.0,
+            "sync/num_engines_dropped": float(len(self.dropped_engine_ids)),
             "sync/policy_version": float(self.policy_version),
         }
 

@@ -4,7 +4,8 @@ Methods are called through `collective_rpc` and return plain JSON values. A sync
 the engines stay transactional: `receive_weights` (or `stage_weights_from_path`) only stages the new
 weights in flat buffers and reports their checksums; the coordinator compares them with the
 learner's, then either `commit_weights` (load in place through vLLM's supported
-`reload_weights(weights_iterator=...)` path) or `discard_weights` (old weights keep serving).
+`reload_weights(weights_iterator=...)` path; the engine calls it and flips its version label in the
+same step) or `discard_weights` (old weights keep serving).
 Tensors never travel as RPC arguments (vLLM would turn them into lists); only the manifest does.
 
 Configure with `worker_extension_cls="weight_sync.worker_extension.WeightSyncWorkerExtension"`.
@@ -115,18 +116,21 @@ class WeightSyncWorkerExtension:
         checksums = [checksum(buf) if verify else None for buf in buffers]
         return self._ws_stage(manifest, buffers, checksums, int(getattr(self, "rank", 0)))
 
-    def commit_weights(self) -> dict[str, Any]:
-        """Load the staged weights in place; staging is freed whatever happens."""
-        staged, self._ws_staged = self._ws_staged, None
-        if staged is None:
+    def commit_weights(self, policy_version: int) -> dict[str, Any]:
+        """Load the staged weights of `policy_version` in place. Staging is freed once the load
+        succeeded and kept when it raised (the weights may be half loaded; a re-commit loads them again)."""
+        if self._ws_staged is None:
             raise RuntimeError("commit_weights called with nothing staged")
-        manifest, buffers = staged
+        manifest, buffers = self._ws_staged
+        if manifest.policy_version != policy_version:
+            raise RuntimeError(f"staged policy_version {manifest.policy_version}, asked to commit {policy_version}")
         started = time.monotonic()
         weights = itertools.chain.from_iterable(
             unpack_bucket(b, buf) for b, buf in zip(manifest.buckets, buffers, strict=True)
         )
         self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
         self.refresh_packed_embeddings()
+        self._ws_staged = None
         load_s = time.monotonic() - started
         logger.info("loaded %d tensors of policy_version %d in %.3fs", manifest.num_tensors, manifest.policy_version, load_s)
         return {"policy_version": manifest.policy_version, "num_tensors": manifest.num_tensors, "load_s": load_s}

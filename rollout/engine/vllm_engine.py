@@ -7,7 +7,11 @@ resumes after a weight swap therefore carries two versions, split exactly at the
 
 Prefix cache safety: every request carries `cache_salt = f"v{policy_version}"`, so KV blocks
 computed under old weights never match a prompt submitted under new ones; `load_weights_from_path`
-also resets the prefix cache outright.
+and `commit_weights` also reset the prefix cache outright.
+
+Weight sync: `pause` / `commit_weights` / `resume` are fenced by the sync's epoch (`SyncFence`);
+`commit_weights` loads the weights staged in the worker extension and flips `policy_version` in the
+same step, so the label always names the weights that sample.
 
 Abort: `abort(id)` flags the request and asks vLLM to abort it; the pending `generate` returns the
 tokens streamed so far with `finish_reason="abort"`. The flag closes the race where the abort
@@ -22,7 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollout.engine.base import EngineCounters, EngineStats, GenerationOutput, InferenceEngine, PauseMode, SamplingParams
+from rollout.engine.base import (
+    EngineCounters,
+    EngineStats,
+    GenerationOutput,
+    InferenceEngine,
+    PauseMode,
+    SamplingParams,
+    SyncFence,
+)
 from rollout.engine.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -85,6 +97,7 @@ class VLLMEngine(InferenceEngine):
         self._requests: dict[str, _InFlight] = {}
         self.counters = EngineCounters()
         self._paused = False
+        self._fence = SyncFence(engine_id)
         logger.info("engine %s up: model=%s device=%s", engine_id, self.model_path, self.device)
 
     # -- generation -------------------------------------------------------------------------------
@@ -125,6 +138,7 @@ class VLLMEngine(InferenceEngine):
     async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
         from vllm.inputs import TokensPrompt
 
+        self._fence.check_serving()
         max_tokens = self._check_request(request_id, prompt_ids, sampling)
         params = self._vllm_sampling(sampling, max_tokens)  # raises ValueError on bad sampling values
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=f"v{self.policy_version}")
@@ -190,19 +204,47 @@ class VLLMEngine(InferenceEngine):
 
     # -- pause / weights --------------------------------------------------------------------------
 
-    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
+    async def pause(self, mode: PauseMode = PauseMode.ABORT, *, epoch: int | None = None) -> None:
         """ABORT: end every in-flight request (each returns its partial tokens). KEEP: freeze them in
         place with their KV; they continue after `resume`, under whatever weights are loaded then."""
         mode = PauseMode(mode)
-        if mode is PauseMode.ABORT:
-            for state in self._requests.values():
-                state.abort_requested = True
-        await self._llm.pause_generation(mode=str(mode), clear_cache=False)
-        self._paused = True
 
-    async def resume(self) -> None:
+        async def pause_now() -> None:
+            if mode is PauseMode.ABORT:
+                for state in self._requests.values():
+                    state.abort_requested = True
+            await self._llm.pause_generation(mode=str(mode), clear_cache=False)
+            self._paused = True
+
+        await self._fence.pause(epoch, pause_now, self._resume_now)
+
+    async def resume(self, *, epoch: int | None = None) -> None:
+        self._fence.note_resume(epoch)
+        await self._resume_now()
+
+    async def _resume_now(self) -> None:
         await self._llm.resume_generation()
         self._paused = False
+
+    async def commit_weights(self, policy_version: int, *, epoch: int, timeout_s: float | None = None) -> None:
+        """Load the staged weights (worker extension) and flip the label in the same step."""
+
+        async def load() -> None:
+            try:
+                await self.collective_rpc("commit_weights", args=(policy_version,), timeout=timeout_s)
+            except BaseException:
+                for request_id in list(self._requests):  # KEEP-frozen requests must not sample on them
+                    await self.abort(request_id)
+                raise
+            self.policy_version = policy_version
+            logger.info("engine %s serves policy_version %d", self.engine_id, policy_version)
+
+        await self._fence.commit(epoch, load)
+        await self.reset_prefix_cache()  # salting already isolates versions; this frees the stale blocks
+
+    async def ping(self) -> int:
+        self._fence.check_serving()
+        return self.policy_version
 
     async def load_weights_from_path(self, path: str, policy_version: int) -> None:
         folder = Path(path)

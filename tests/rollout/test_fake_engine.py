@@ -91,6 +91,77 @@ async def test_abort_while_paused_returns_promptly():
     assert out.finish_reason == "abort" and out.token_ids == []
 
 
+async def test_fenced_pause_never_outlives_the_resume_of_its_sync():
+    engine = FakeEngine(script=[[7, 8, 9]])
+    # A pause older than an applied resume is ignored (the call reached the engine late).
+    await engine.resume(epoch=5)
+    await engine.pause(PauseMode.ABORT, epoch=5)
+    assert not engine.paused
+    # A pause in flight when the resume of its sync arrives is undone as soon as it lands.
+    engine.pause_delay_s = 0.05
+    late = asyncio.create_task(engine.pause(PauseMode.ABORT, epoch=6))
+    await asyncio.sleep(0.01)
+    await engine.resume(epoch=6)
+    await late
+    assert not engine.paused
+    assert (await asyncio.wait_for(engine.generate("r", [1], SamplingParams(max_tokens=3)), 1.0)).token_ids == [7, 8, 9]
+    # An older pause landing late does not undo the pause of a newer sync still in progress.
+    older = asyncio.create_task(engine.pause(PauseMode.KEEP, epoch=7))
+    await asyncio.sleep(0.01)
+    engine.pause_delay_s = 0.0
+    await engine.pause(PauseMode.KEEP, epoch=8)
+    await older
+    assert engine.paused
+    await engine.resume(epoch=8)
+    assert not engine.paused
+    # Unfenced calls behave as before.
+    await engine.pause(PauseMode.KEEP)
+    assert engine.paused
+    await engine.resume()
+    assert not engine.paused
+
+
+async def test_commit_relabels_with_the_load_once_per_epoch_and_a_failed_one_stops_sampling():
+    from rollout.engine.base import EngineOutOfServiceError, StaleSyncEpochError
+
+    loads: list[int] = []
+    fail = {"next": False}
+
+    async def commit(policy_version: int) -> dict:
+        await asyncio.sleep(0.05)
+        loads.append(policy_version)
+        if fail["next"]:
+            raise RuntimeError("reload died midway")
+        return {"policy_version": policy_version}
+
+    engine = FakeEngine(script=[[1, 2]], rpc_handlers={"commit_weights": commit})
+    # A caller that gives up does not stop the load; a repeated call of the same epoch joins it.
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(engine.commit_weights(1, epoch=10), 0.01)
+    assert engine.policy_version == 0
+    await engine.commit_weights(1, epoch=10)
+    assert engine.policy_version == 1 and loads == [1]
+    await engine.commit_weights(1, epoch=10)  # already done: no second load
+    assert loads == [1]
+    # A commit older than an applied resume is refused.
+    await engine.resume(epoch=11)
+    with pytest.raises(StaleSyncEpochError):
+        await engine.commit_weights(2, epoch=11)
+    # A failed load leaves the engine out of service (old label, weights unknown) until a commit succeeds.
+    fail["next"] = True
+    with pytest.raises(RuntimeError, match="midway"):
+        await engine.commit_weights(2, epoch=12)
+    assert engine.policy_version == 1
+    with pytest.raises(EngineOutOfServiceError):
+        await engine.generate("r", [1], SamplingParams(max_tokens=2))
+    with pytest.raises(EngineOutOfServiceError):
+        await engine.ping()
+    fail["next"] = False
+    await engine.commit_weights(2, epoch=12)  # the repair retries a failed load
+    assert loads == [1, 2, 2] and await engine.ping() == 2
+    assert (await engine.generate("r", [1], SamplingParams(max_tokens=2))).policy_versions == [2, 2]
+
+
 async def test_failure_injection_rpc_and_bad_input():
     engine = FakeEngine(rpc_handlers={"echo": lambda x: x * 2})
     assert await engine.collective_rpc("echo", args=(21,)) == [42]

@@ -111,6 +111,43 @@ async def test_mark_unhealthy_reroutes_and_pin_restores_affinity():
 
 
 @pytest.mark.timeout(30)
+async def test_probe_restores_an_engine_that_answers_again_at_the_current_version():
+    engines = fleet(2)
+    manager = ServerManager(engines)
+    assert await manager.probe_unhealthy() == []  # nothing to do while all are healthy
+    engines[1].fail_with = RuntimeError("actor died")
+    # Two concurrent first turns spread over both engines: e1's fails, is retried on e0.
+    await asyncio.gather(*(manager.generate(f"t{i}", f"r{i}", [1], SAMPLING) for i in range(2)))
+    assert manager.healthy_engine_ids == ["e0"]
+    assert await manager.probe_unhealthy(timeout_s=1.0) == []  # still dead
+    engines[1].fail_with = None
+    engines[0].policy_version = 3  # weight sync moved on while e1 was away
+    assert await manager.probe_unhealthy(timeout_s=1.0) == []  # answers, but with stale weights
+    assert manager.healthy_engine_ids == ["e0"]
+    engines[1].policy_version = 3
+    assert await manager.probe_unhealthy(timeout_s=1.0, keep_out={"e1"}) == []  # weight sync dropped it
+    assert await manager.probe_unhealthy(timeout_s=1.0) == ["e1"]
+    assert manager.healthy_engine_ids == ["e0", "e1"] and manager.stats().num_restored == 1
+    _, engine_id = await manager.generate("fresh", "r2", [1], SAMPLING)
+    assert engine_id == "e1"  # least loaded again
+
+
+@pytest.mark.timeout(30)
+async def test_probe_is_bounded_when_an_engine_never_answers():
+    class Hung(FakeEngine):
+        async def ping(self) -> int:
+            await asyncio.sleep(3600)
+            return 0
+
+    manager = ServerManager([FakeEngine("e0"), Hung("e1")])
+    manager.mark_unhealthy("e1", reason="test")
+    started = asyncio.get_running_loop().time()
+    assert await manager.probe_unhealthy(timeout_s=0.2) == []
+    assert asyncio.get_running_loop().time() - started < 2.0
+    assert manager.healthy_engine_ids == ["e0"]
+
+
+@pytest.mark.timeout(30)
 async def test_abort_is_routed_to_the_engine_holding_the_request():
     manager = ServerManager(fleet(2, script=[list(range(500))], token_delay_s=0.002))
     task = asyncio.create_task(manager.generate("traj", "long", [1], SamplingParams(max_tokens=500)))

@@ -48,10 +48,10 @@ class BrokenEngine:
     async def start(self) -> str:
         return "cpu"
 
-    async def pause(self, mode: str) -> None:
+    async def pause(self, mode: str, epoch: int | None = None) -> None:
         pass
 
-    async def resume(self) -> None:
+    async def resume(self, epoch: int | None = None) -> None:
         pass
 
     async def collective_rpc(self, method: str, args=(), kwargs=None, timeout=None) -> list:
