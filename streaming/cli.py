@@ -2,6 +2,7 @@
 
     streamrl train --config configs/default.toml [key=value ...]
     streamrl train --resume RUN_DIR [key=value ...]
+    streamrl train --dry-run --config configs/default.toml [key=value ...]   (config + memory estimate)
     streamrl rollout --config configs/default.toml [--num-prompts N] [--out FILE]   (eval only)
     streamrl report RUN_DIR
     streamrl buffer export DIR --parquet OUT
@@ -11,11 +12,16 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 
 def _train(args: argparse.Namespace) -> int:
+    from streaming import preflight
+
+    if args.dry_run:  # resolve and estimate only: no Ray, no run directory
+        print(preflight.dry_run(args.config, args.overrides, args.resume))
+        return 0
+    preflight.check(preflight.resolve_config(args.config, args.overrides, args.resume))
     from streaming.train import train_main
 
     return train_main(config=args.config, overrides=args.overrides, resume=args.resume)
@@ -44,12 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging; train: every part's logs on the console too (else in RUN_DIR/logs/)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train (async by default; trainer.mode=sync for the baseline)")
     train.add_argument("--config", help="TOML run file (configs/*.toml)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a killed or finished run from its directory")
+    train.add_argument("--dry-run", action="store_true", help="print the resolved config and the memory estimate; start nothing")
+    train.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help="every part's logs on the console too (else in RUN_DIR/logs/)")
     train.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.total_steps=10")
     train.set_defaults(func=_train)
 
@@ -65,26 +75,27 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir")
     report.set_defaults(func=_report)
 
-    buffer = sub.add_parser("buffer", help="inspect or export a buffer directory")
-    buffer_sub = buffer.add_subparsers(dest="buffer_command", required=True)
     from buffer.cli import register
 
-    register(buffer_sub)
+    register(sub)  # `buffer stats DIR`, `buffer export DIR --parquet OUT`
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from streaming.errors import StreamRLError
+    from streaming.logs import setup_console
+
+    setup_console(verbose=args.verbose)
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:  # bad config / input: one clear line, no traceback
         print(f"streamrl: error: {exc}", file=sys.stderr)
         return 2
+    except StreamRLError as exc:  # a failure explained in full (a part killed for memory, a failed child)
+        print(f"streamrl: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

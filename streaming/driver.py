@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 
+from streaming import faults
 from streaming.system import System
 
 logger = logging.getLogger(__name__)
@@ -53,8 +54,10 @@ async def learner_loop(sys: System) -> None:
         if batch_ref is None:
             break
         metrics = await sys.train_step(batch_ref)
+        faults.hit("learner.after_step")
         if sys.state.learner_step % cfg.sync_every == 0 or sys.state.learner_step == cfg.total_steps:
             metrics.update(await sys.publish_weights())
+            faults.hit("publish.after")
         if sys.state.learner_step % cfg.checkpoint_every == 0 or sys.state.learner_step == cfg.total_steps:
             await sys.checkpoint()
         await sys.log_step(metrics)

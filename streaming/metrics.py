@@ -25,7 +25,6 @@ import json
 import logging
 import math
 import os
-import sys
 import threading
 import time
 import uuid
@@ -38,6 +37,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
+from rich.text import Text
+
+from streaming.logs import PROGRESS_EXTRA, format_duration
+from streaming.logs import console as shared_console
 
 if TYPE_CHECKING:
     from rollout.types import Trajectory
@@ -258,48 +262,75 @@ class _JsonlWriter:
                 self._file.close()
 
 
+def eta_s(first: tuple[int, float] | None, step: int, now: float, total_steps: int | None) -> float | None:
+    """Seconds left at the mean pace since `first` = (step, monotonic time) this process first saw;
+    None until two steps are known (the first one carries the start-up time)."""
+    if first is None or total_steps is None or step <= first[0]:
+        return None
+    return (now - first[1]) / (step - first[0]) * max(total_steps - step, 0)
+
+
+def progress_line(latest: Mapping[str, float | None], *, total_steps: int | None, eta: float | None) -> str:
+    """`step 3/16 · reward 0.620 · lag 1.80 · busy 56% · 310 tok/s · v3 · 2:11 elapsed · eta 9:40`."""
+    step = f"step {int(latest.get('learner_step') or 0)}" + (f"/{total_steps}" if total_steps else "")
+    parts = [step, format_vitals(latest)]
+    if (elapsed := latest.get("elapsed_s")) is not None:
+        parts.append(f"{format_duration(elapsed)} elapsed")
+    if eta is not None:
+        parts.append(f"eta {format_duration(eta)}")
+    return " · ".join(p for p in parts if p)
+
+
 class _Progress:
-    """Live progress line: rich on a terminal, a throttled log line otherwise (CI logs)."""
+    """The console's view of a run: a rich progress bar on a terminal (step/total, vitals, elapsed,
+    ETA), else one concise line per step (CI logs, pipes). The per-step line always goes to the log
+    (`RUN_DIR/logs/driver.log`); the console drops it while the bar shows the same numbers."""
 
-    def __init__(self, *, total_steps: int | None, interval_s: float = 10.0) -> None:
+    def __init__(self, *, total_steps: int | None, elapsed_s: float) -> None:
         self._latest: dict[str, float | None] = {}
-        self._interval_s = interval_s
-        self._last_line = 0.0
-        self._rich = None
-        if sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._rich = Progress(
-                TextColumn("[bold]learner step"),
-                BarColumn(),
+        self._total_steps = total_steps
+        self._first: tuple[int, float] | None = None
+        self._bar = None
+        if shared_console().is_terminal:
+            self._bar = Progress(
+                TextColumn("[bold]step"),
+                BarColumn(bar_width=24),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[vitals]}", markup=False),
-                TimeElapsedColumn(),
-                console=Console(stderr=True),
+                _ClockColumn(),
+                console=shared_console(),
                 refresh_per_second=2,
             )
-            self._task = self._rich.add_task("train", total=total_steps, vitals="")
-            self._rich.start()
-        self._total_steps = total_steps
+            self._task = self._bar.add_task("train", total=total_steps, vitals="starting engines and learner",
+                                            elapsed=elapsed_s, eta=None, at=time.monotonic())
+            self._bar.start()
 
     def update(self, record: Mapping[str, Any]) -> None:
         self._latest.update({k: v for k, v in record.items() if v is not None})
-        vitals = format_vitals(self._latest)
-        step = int(record["learner_step"])
-        if self._rich is not None:
-            self._rich.update(self._task, completed=step, vitals=vitals)
-        elif time.monotonic() - self._last_line >= self._interval_s:
-            self._last_line = time.monotonic()
-            total = f"/{self._total_steps}" if self._total_steps else ""
-            logger.info("learner step %d%s · %s", step, total, vitals)
+        step, now = int(record["learner_step"]), time.monotonic()
+        if self._first is None:
+            self._first = (step, now)
+        eta = eta_s(self._first, step, now, self._total_steps)
+        logger.info("%s", progress_line(self._latest, total_steps=self._total_steps, eta=eta), extra=PROGRESS_EXTRA)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, vitals=format_vitals(self._latest),
+                             elapsed=float(record.get("elapsed_s") or 0.0), eta=eta, at=now)
 
     def close(self) -> None:
-        if self._rich is not None:
-            self._rich.stop()
-            self._rich = None
-        elif self._latest:
-            logger.info("learner step %d · %s", int(self._latest["learner_step"]), format_vitals(self._latest))
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+class _ClockColumn(ProgressColumn):
+    """Run time and ETA, ticking between steps from the values the last step set."""
+
+    def render(self, task: Any) -> Text:
+        since = time.monotonic() - task.fields["at"]
+        text = f"{format_duration(task.fields['elapsed'] + since)} elapsed"
+        if task.fields["eta"] is not None:
+            text += f" · eta {format_duration(max(task.fields['eta'] - since, 0.0))}"
+        return Text(text, style="progress.elapsed")
 
 
 class MetricsLogger:
@@ -329,7 +360,7 @@ class MetricsLogger:
         self._metrics = _JsonlWriter(self.run_dir / METRICS_FILE)
         self._timeline = _JsonlWriter(self.run_dir / TIMELINE_FILE)
         self._samples = _JsonlWriter(self.run_dir / SAMPLES_FILE)
-        self._progress = _Progress(total_steps=total_steps) if console else None
+        self._progress = _Progress(total_steps=total_steps, elapsed_s=self.elapsed()) if console else None
         self._wandb_run = None
         self._closed = False
         mode = resolve_wandb_mode(wandb_cfg)

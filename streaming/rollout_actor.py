@@ -72,9 +72,13 @@ class RolloutWorkerActor:
         """Append one row; False when the buffer stayed full for `append_timeout_s` (the worker
         retries). A finished row waits for room; partial rows are always accepted at once."""
         from buffer.schema import trajectories_to_batch
+        from streaming.faults import hit
 
+        hit("worker.sink")
         ref = ray.put(trajectories_to_batch([traj]))
-        return await self.buffer.append.remote(ref, timeout_s=self.append_timeout_s)
+        accepted = await self.buffer.append.remote(ref, timeout_s=self.append_timeout_s)
+        hit("worker.after_sink")
+        return accepted
 
     async def _snapshot(self, data: Any) -> None:
         """Make a trajectory's journaled tool intents durable (a partial row flushed to the buffer's
@@ -91,6 +95,9 @@ class RolloutWorkerActor:
         )
         if not ok:
             raise RuntimeError(f"tool-intent snapshot of {data.trajectory_id} was not made durable")
+        from streaming.faults import hit
+
+        hit("tool.before_run")
 
     async def submit(self, agent_data_jsons: list[str]) -> int:
         from rollout.types import AgentData

@@ -4,18 +4,30 @@ SmolLM2 has never seen `<tool_call>` in our template, so a cold GRPO run would s
 discovering the format. The warm-up trains on generated gold transcripts (calculator call -> result ->
 boxed answer) with the loss on assistant tokens only, and caches the result under $STREAMRL_CACHE
 keyed by model and warm-up settings, so `make run` pays for it once per machine.
+
+`prepare_model` is what `streamrl train` calls: model conversion (`resolve_model`) and the warm-up
+run in a child process (`python -m streaming.sft`), so the driver never imports torch or holds a
+model (it kept 5 GB after an in-process warm-up); a failed child is one error with its exit code and
+the last lines of its log.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
+
+from streaming.errors import StreamRLError
 
 logger = logging.getLogger(__name__)
 
@@ -102,3 +114,77 @@ def maybe_warm_up(cfg: Any, model_path: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _prepare_in_process(cfg: Any) -> Path:
+    from rollout.models import resolve_model
+
+    path = resolve_model(cfg.model)
+    return maybe_warm_up(cfg, str(path)) if cfg.sft.enabled else path
+
+
+def _tail(path: Path, num_lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    except OSError:
+        return "(no log)"
+
+
+def prepare_model(cfg: Any, *, log_file: str | Path | None = None) -> str:
+    """The model folder a run starts from: `cfg.model` built or converted (cached) and, with
+    `sft.enabled`, warmed up (cached). Work happens in a child process whose output goes to
+    `log_file` (else this process's console); raises StreamRLError if it fails."""
+    from streaming.logs import is_verbose
+
+    folder = Path(cfg.model).expanduser()
+    if not cfg.sft.enabled and (folder / "config.json").exists():
+        return str(folder)  # nothing to build: no child needed
+    work = Path(tempfile.mkdtemp(prefix="streamrl-prepare-"))
+    cfg_path, out_path = work / "config.json", work / "model_path"
+    cfg_path.write_text(cfg.model_dump_json())
+    log = Path(log_file) if log_file is not None and not is_verbose() else None
+    cmd = [sys.executable, "-m", "streaming.sft", "--config-json", str(cfg_path), "--out", str(out_path)]
+    what = "model conversion and SFT warm-up" if cfg.sft.enabled else "model build"
+    logger.info("preparing %r (%s, cached after the first run)%s", cfg.model, what, f"; log: {log}" if log else "")
+    try:
+        rc = _run_child(cmd, log, status=f"preparing the model ({what})")
+        if rc != 0:
+            killed = " (SIGKILL: most likely out of memory; sft.batch_size sets the warm-up's)" if rc == -signal.SIGKILL else ""
+            tail = f"; last lines of {log}:\n{_tail(log)}" if log is not None else " (its output is above)"
+            raise StreamRLError(f"preparing the model ({what}) failed in its child process with exit code {rc}{killed}{tail}")
+        return out_path.read_text().strip()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_child(cmd: list[str], log: Path | None, *, status: str) -> int:
+    """Run `cmd` to completion with its output appended to `log` (None: this console); a spinner
+    on a terminal meanwhile. Returns the exit code."""
+    from streaming.logs import console
+
+    if log is None:
+        return subprocess.run(cmd, check=False).returncode
+    log.parent.mkdir(parents=True, exist_ok=True)
+    spinner = console().status(status) if console().is_terminal else nullcontext()
+    with open(log, "ab") as out, spinner:
+        return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Child process of `prepare_model`: convert/build the model, warm it up, write its path to --out."""
+    parser = argparse.ArgumentParser(prog="python -m streaming.sft")
+    parser.add_argument("--config-json", required=True, help="the resolved StreamRLConfig as JSON")
+    parser.add_argument("--out", required=True, help="file that receives the prepared model folder")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from streaming.config import StreamRLConfig
+
+    cfg = StreamRLConfig.model_validate_json(Path(args.config_json).read_text())
+    path = _prepare_in_process(cfg)
+    Path(args.out).write_text(str(path))
+    logger.info("model ready: %s", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

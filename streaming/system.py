@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from streaming import faults
 from streaming.config import StreamRLConfig
 from streaming.prompts import PromptStream, group_id_for, load_records, make_group
 
@@ -150,11 +151,13 @@ class System:
                 batch = ray.put(trajectories_to_batch(rows))
                 await self._call(self.buffer.append.remote(batch, timeout_s=None, durable=True))
                 self.state.num_admitted += len(group)
+                faults.hit("admit.after_append")
             self.stream.advance()
             self.state.cursor = self.stream.cursor
             self.state.save(self.run_dir / "driver_state.json")
             if already:  # admitted before a crash, after the last saved cursor: resumed from the buffer
                 return True
+            faults.hit("admit.before_submit")
             await self._submit([d.to_json() for d in group])
         return True
 
@@ -293,6 +296,35 @@ class System:
             for text in orphans:
                 await self._submit([text])
             return len(orphans)
+
+    async def write_accounting(self) -> dict[str, list[str]]:
+        """I2 at the end of a run: park every worker, then the buffer's resumable trajectories must be
+        exactly the ones the workers hold. Writes RUN_DIR/accounting.json (the chaos checker reads it)."""
+        held: set[str] = set()
+        for w in self.workers:
+            try:
+                await self._call(w.pause.remote(), 120.0)
+                held.update(await self._call(w.running_ids.remote(), 60.0))
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError) as exc:
+                logger.warning("end-of-run accounting: a worker did not answer (%r)", exc)
+        resumable = set(await self._call(self.buffer.resumable_ids.remote()))
+        report = {"stranded": sorted(resumable - held), "untracked": sorted(held - resumable),
+                  "resumable": sorted(resumable)}
+        (self.run_dir / "accounting.json").write_text(json.dumps(report, indent=1))
+        if report["stranded"] or report["untracked"]:
+            logger.error("I2 violated at the end of the run: %d stranded, %d held without a partial row",
+                         len(report["stranded"]), len(report["untracked"]))
+        return report
+
+    async def shutdown(self) -> None:
+        """Orderly end: workers, then the learner, then the buffer (flush + fsync), best effort."""
+        steps = [(w.shutdown.remote, "rollout worker") for w in self.workers]
+        steps += [(self.learner.shutdown.remote, "learner"), (self.buffer.close.remote, "buffer")]
+        for method, what in steps:
+            try:
+                await self._call(method(), 120.0)
+            except Exception as exc:  # a part that already died must not hide the run's own outcome
+                logger.warning("shutdown of the %s failed: %r", what, exc)
 
     async def log_step(self, metrics: dict[str, float]) -> None:
         elapsed = self.elapsed_s

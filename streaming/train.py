@@ -24,12 +24,18 @@ from streaming.system import DriverState, System, make_worker
 logger = logging.getLogger(__name__)
 
 
-def _init_ray(cfg: StreamRLConfig) -> None:
+RAY_ENV = {"GLOO_SOCKET_IFNAME": "lo", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _init_ray(cfg: StreamRLConfig, run_dir: Path) -> None:
+    from streaming.faults import forwarded_env
+    from streaming.logs import link_ray_logs, ray_init_options
+
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address)
+        ray.init(address=address, **ray_init_options(run_dir, forwarded_env()))
         return
     ray.init(
         address="local",  # always a fresh local cluster unless RAY_ADDRESS names one
@@ -37,8 +43,9 @@ def _init_ray(cfg: StreamRLConfig) -> None:
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         object_store_memory=512 * 1024 * 1024,
-        runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}},
+        **ray_init_options(run_dir, {**RAY_ENV, **forwarded_env()}),  # actor output into RUN_DIR/logs
     )
+    link_ray_logs(run_dir)
 
 
 def open_run(config: str | None, overrides: list[str], resume: str | None) -> tuple[StreamRLConfig, Path, DriverState | None]:
@@ -62,20 +69,18 @@ def open_run(config: str | None, overrides: list[str], resume: str | None) -> tu
 async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> System:
     from buffer.actor import create_buffer_actor
     from rollout.engine.ray_engine import RayEngineClient
-    from rollout.models import resolve_model
     from streaming.learner_actor import LearnerActor, learner_actor_options
+    from streaming.logs import log_dir
     from streaming.metrics import MetricsLogger
     from streaming.prompts import PromptStream, load_records
-    from streaming.sft import maybe_warm_up
+    from streaming.sft import prepare_model
 
     resuming = state is not None
     from_ckpt = resuming and state.checkpoint is not None
     if resuming:
         model_path = json.loads((run_dir / "run_info.json").read_text())["model_path"]
-    else:
-        model_path = str(resolve_model(cfg.model))
-        if cfg.sft.enabled:
-            model_path = str(maybe_warm_up(cfg, model_path))
+    else:  # conversion and SFT warm-up run in a child process: the driver never holds a model
+        model_path = prepare_model(cfg, log_file=log_dir(run_dir) / "prepare_model.log")
     cfg = cfg.model_copy(deep=True)
     cfg.model = model_path
     cfg.learner.model = model_path
@@ -128,21 +133,35 @@ async def _train(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) 
     system = await build_system(cfg, run_dir, state)
     try:
         await (run_async(system) if cfg.trainer.mode == "async" else run_sync(system))
+        await system.write_accounting()
     finally:
         system.metrics.close()
+        await system.shutdown()
     return system.state
 
 
 def train_main(*, config: str | None, overrides: list[str], resume: str | None) -> int:
+    from streaming.errors import StreamRLError, explain_failure
+    from streaming.logs import FILE_ONLY, attach_run_log, name_worker_logs, run_summary
+
     cfg, run_dir, state = open_run(config, overrides, resume)
-    _init_ray(cfg)
+    attach_run_log(run_dir)
+    _init_ray(cfg, run_dir)
     try:
         final = asyncio.run(_train(cfg, run_dir, state))
+    except Exception as exc:
+        why = explain_failure(exc, run_dir)
+        if why is None:
+            raise
+        logger.error("run failed", exc_info=exc, extra=FILE_ONLY)  # traceback to driver.log only
+        raise StreamRLError(why) from None
     finally:
         ray.shutdown()
+        name_worker_logs(run_dir)
     logger.info("run finished at learner step %d; writing report", final.learner_step)
     from streaming.report import write_report
 
     path = write_report(run_dir)
-    print(f"run directory: {run_dir}\nreport: {path}")
+    print(run_summary(run_dir, learner_step=final.learner_step, total_steps=cfg.trainer.total_steps,
+                      elapsed_s=final.elapsed_s, report=path))
     return 0

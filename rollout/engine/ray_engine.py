@@ -69,6 +69,9 @@ class EngineActor:
         return self._engine
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
+        from streaming.faults import hit
+
+        hit("engine.generate")
         engine = await self._ready()
         _remember(self._started_ids, request_id)
         if request_id in self._early_aborts:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from rollout.types import FinishReason, Trajectory, TrajectoryStatus
+from streaming.logs import format_duration
 from streaming.metrics import (
     WANDB_ERRORS_KEY,
     Histogram,
@@ -19,7 +20,9 @@ from streaming.metrics import (
     WandbConfig,
     WandbMode,
     clean_metrics,
+    eta_s,
     format_vitals,
+    progress_line,
     resolve_wandb_mode,
     summarize,
 )
@@ -180,11 +183,25 @@ def test_wandb_log_failure_is_counted(tmp_path):
 
 
 def test_console_progress_line(tmp_path, caplog):
+    """Off a terminal (CI, pipes) every step prints one concise line; the ETA shows from the second step."""
     with caplog.at_level("INFO", logger="streaming.metrics"):
         with MetricsLogger(tmp_path, wandb_cfg=None, console=True, total_steps=10) as ml:
             ml.log({"rollout/reward_mean": 0.25, "staleness/lag_mean": 1.5, "engine/busy_fraction/engine-0": 0.9,
                     "engine/busy_fraction/engine-1": 1.0, "rollout/tokens_per_s": 1234.0}, learner_step=2, policy_version=2)
-    assert "learner step 2/10 · reward 0.250 · lag 1.50 · busy 95% · 1.2k tok/s · v2" in caplog.text
+            ml.log({"learner/loss": 1.0}, learner_step=3, policy_version=3)
+    lines = [r.getMessage() for r in caplog.records if r.name == "streaming.metrics"]
+    assert lines[0] == "step 2/10 · reward 0.250 · lag 1.50 · busy 95% · 1.2k tok/s · v2 · 0:00 elapsed"
+    assert lines[1].startswith("step 3/10 · reward 0.250 · lag 1.50 · busy 95% · 1.2k tok/s · v3 · 0:00 elapsed · eta 0:0")
+
+
+def test_eta_and_durations():
+    assert eta_s(None, 3, 10.0, 10) is None
+    assert eta_s((2, 0.0), 2, 10.0, 10) is None  # one step seen: its time includes the start-up
+    assert eta_s((2, 0.0), 4, 10.0, 10) == 30.0  # 5 s per step, 6 to go
+    assert eta_s((2, 0.0), 4, 10.0, None) is None
+    assert format_duration(65) == "1:05" and format_duration(3725) == "1:02:05" and format_duration(-1) == "0:00"
+    line = progress_line({"learner_step": 4, "elapsed_s": 70.0}, total_steps=None, eta=None)
+    assert line == "step 4 · 1:10 elapsed"
 
 
 def test_format_vitals_keeps_what_is_known():

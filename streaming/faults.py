@@ -1,0 +1,81 @@
+"""Named fault-injection points for the chaos suite; inert unless `STREAMRL_FAULTS` is set.
+
+A point is a line like `faults.hit("admit.after_append")` at a place where a crash or an error
+matters for the invariants (see README, "The async invariants"). The environment variable arms some
+of them, per process:
+
+    STREAMRL_FAULTS="admit.after_append=kill_job@3,worker.sink=raise@2"
+
+means: the 3rd time this process reaches `admit.after_append`, SIGKILL the whole job (the process
+group: driver and its local Ray node); the 2nd time it reaches `worker.sink`, raise `FaultInjected`.
+Actions: `kill_job`, `kill_self` (this process only: an actor dies, Ray reports it dead), `raise`.
+Every armed fault fires once. Ray actors see the same variable (`streaming.train` forwards it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+logger = logging.getLogger(__name__)
+
+ENV = "STREAMRL_FAULTS"
+LEDGER_ENV = "STREAMRL_FAULT_LEDGER"
+
+POINTS = {
+    "admit.after_append": "driver: a group's rows are durable, the cursor is not saved yet",
+    "admit.before_submit": "driver: cursor saved, the group not yet handed to a worker",
+    "learner.after_step": "driver: a learner step is done, its weights not yet published",
+    "publish.after": "driver: weights published, the step not yet checkpointed or logged",
+    "worker.sink": "rollout worker: appending a trajectory row to the buffer",
+    "worker.after_sink": "rollout worker: a row was saved, the worker's bookkeeping not yet updated",
+    "tool.before_run": "rollout worker: a tool call's intent is durable, the tool has not run",
+    "engine.generate": "engine: a generation request arrives",
+}
+
+
+class FaultInjected(RuntimeError):
+    """Raised by a `raise` fault."""
+
+
+def _parse(spec: str) -> dict[str, tuple[str, int]]:
+    armed: dict[str, tuple[str, int]] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        point, _, rest = item.partition("=")
+        action, _, nth = rest.partition("@")
+        if point not in POINTS or action not in ("kill_job", "kill_self", "raise"):
+            raise ValueError(f"bad {ENV} entry {item!r}: points {sorted(POINTS)}, actions kill_job/kill_self/raise")
+        armed[point] = (action, int(nth or 1))
+    return armed
+
+
+_armed = _parse(os.environ.get(ENV, ""))
+_hits: dict[str, int] = {}
+
+
+def hit(point: str) -> None:
+    """Count one pass through `point`; fire its fault if this is the armed pass."""
+    if point not in _armed:
+        return
+    _hits[point] = _hits.get(point, 0) + 1
+    action, nth = _armed[point]
+    if _hits[point] != nth:
+        return
+    logger.warning("fault injected at %s: %s (pass %d)", point, action, nth)
+    ledger = os.environ.get(LEDGER_ENV)
+    if ledger:  # one line per fired fault, written before it fires (the chaos runner counts them)
+        with open(ledger, "a") as f:
+            f.write(f"{point} {action} {nth} {os.getpid()}\n")
+    if action == "raise":
+        raise FaultInjected(point)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    if action == "kill_job":
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def forwarded_env() -> dict[str, str]:
+    """The variable for Ray actors' runtime_env (empty when no fault is armed)."""
+    return {k: os.environ[k] for k in (ENV, LEDGER_ENV) if os.environ.get(k)}

@@ -1,0 +1,107 @@
+"""Check a finished run against the async invariants (README, "The async invariants") from what is
+durable only: the buffer's log and the files of the run directory. The chaos suite runs it after
+every scenario; `python -m streaming.invariants RUN_DIR` prints the report.
+
+Counts (all must be 0): prompts lost (I1: one of the first `cursor` prompts has no rows), prompts
+duplicated (a group beyond the cursor, or with more than `group_size` trajectories), trajectories
+consumed twice or outside a learner step's full batch, stranded trajectories (I2, from the end-of-run
+accounting), version violations (I4: a trajectory whose versions decrease, or a label above the
+high-water mark the driver saved).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(kw_only=True)
+class InvariantReport:
+    run_dir: str
+    learner_step: int = 0
+    cursor: int = 0
+    prompts_lost: int = 0
+    prompts_duplicated: int = 0
+    consumed_twice: int = 0
+    bad_batches: int = 0  # learner steps whose batch is not one full batch
+    stranded: int | None = None  # None: the run ended without its accounting (killed)
+    untracked: int | None = None
+    version_violations: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        counts = (self.prompts_lost, self.prompts_duplicated, self.consumed_twice, self.bad_batches,
+                  self.stranded or 0, self.untracked or 0, self.version_violations)
+        return not any(counts)
+
+
+def check_run(run_dir: str | Path) -> InvariantReport:
+    from buffer.cli import load_frame
+    from streaming.config import StreamRLConfig
+    from streaming.prompts import PromptStream, group_id_for, load_records
+
+    run_dir = Path(run_dir)
+    cfg = StreamRLConfig.model_validate(json.loads((run_dir / "run_info.json").read_text())["config"])
+    state = json.loads((run_dir / "driver_state.json").read_text())
+    report = InvariantReport(run_dir=str(run_dir), learner_step=state["learner_step"], cursor=state["cursor"])
+    frame = load_frame(run_dir / "buffer")
+    latest = frame[frame["is_latest"]]
+
+    # I1: the groups are exactly the first `cursor` prompts, each with group_size trajectories.
+    records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
+    stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs)
+    expected = set()
+    for _ in range(state["cursor"]):
+        record, epoch = stream.peek()
+        expected.add(group_id_for(record, epoch))
+        stream.advance()
+    present = set(latest["group_id"])
+    lost, extra = sorted(expected - present), sorted(present - expected)
+    sizes = latest.groupby("group_id")["trajectory_id"].nunique()
+    oversized = sorted(sizes[sizes > cfg.buffer.group_size].index)
+    report.prompts_lost, report.prompts_duplicated = len(lost), len(extra) + len(oversized)
+    report.problems += [f"prompt lost: {g}" for g in lost] + [f"group beyond the cursor: {g}" for g in extra]
+    report.problems += [f"group with more than group_size trajectories: {g}" for g in oversized]
+
+    # Exactly-once consumption, one full batch per learner step.
+    consumed = latest[latest["num_consumed"] > 0]
+    twice = consumed[consumed["num_consumed"] > cfg.buffer.reuse]
+    report.consumed_twice = len(twice)
+    report.problems += [f"consumed {n} times: {t}" for t, n in zip(twice["trajectory_id"], twice["num_consumed"])]
+    if cfg.buffer.max_batch_tokens is None and cfg.buffer.reuse == 1:
+        per_step = consumed.groupby("last_consume_step").size()
+        steps = set(range(1, state["learner_step"] + 1))
+        bad = [s for s in steps if per_step.get(s, 0) != cfg.buffer.batch_size]
+        bad += [s for s in per_step.index if s not in steps]
+        report.bad_batches = len(bad)
+        report.problems += [f"learner step {s} consumed {per_step.get(s, 0)} trajectories" for s in bad]
+
+    # I2: what the end-of-run accounting saw (absent when the last segment was killed).
+    accounting = run_dir / "accounting.json"
+    if accounting.exists():
+        acc = json.loads(accounting.read_text())
+        report.stranded, report.untracked = len(acc["stranded"]), len(acc["untracked"])
+        report.problems += [f"stranded: {t}" for t in acc["stranded"]] + [f"untracked: {t}" for t in acc["untracked"]]
+
+    # I4: versions never decrease inside a trajectory and never exceed the saved high-water mark.
+    high = max(state.get("version_high_water", 0), state["policy_version"])
+    for tid, versions, mask in zip(latest["trajectory_id"], latest["policy_versions"], latest["response_mask"]):
+        sampled = [int(v) for v, m in zip(versions, mask) if m]
+        if sampled != sorted(sampled) or (sampled and sampled[-1] > high):
+            report.version_violations += 1
+            report.problems.append(f"versions of {tid}: {sampled[:8]}... (high-water {high})")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv if argv is not None else sys.argv[1:]
+    report = check_run(args[0])
+    print(json.dumps(asdict(report), indent=1))
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,200 @@
+"""What `streamrl train` checks and prepares before it starts, and how it explains a part that dies:
+the memory estimate (model dims without weights, plausible totals for the shipped configs, a refusal
+naming the knob), `explain_failure` on constructed Ray exceptions, and the model-preparation child."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from ray.exceptions import OutOfMemoryError, RayActorError
+
+from streaming import preflight
+from streaming.config import load_config
+from streaming.errors import StreamRLError, exception_chain, explain_failure
+from streaming.preflight import GiB, ModelDims, estimate_parts, model_dims
+
+REPO = Path(__file__).resolve().parents[2]
+# Ray 2.55+ memory-monitor text (src/ray/raylet/node_manager.cc), as an actor call surfaces it.
+OOM_TEXT = (
+    "1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 127.0.0.1, "
+    "ID: 3a4b) was 22.31GB used / 23.49GB limit (0.950). (job ID=01000000, lease ID=ab, "
+    "task name=LearnerActor.train_step, required resources={}, pid=4242, actual memory used=9.87GB, worker ID=5c9a)"
+)
+
+
+def _cfg(config: str, *overrides: str):
+    return load_config(REPO / config, list(overrides))
+
+
+def _host_gib(parts) -> float:
+    return sum(p.bytes for p in parts if not p.on_gpu) / GiB
+
+
+@pytest.fixture
+def machine_24g(monkeypatch):
+    """A 24 GiB machine with 16 GiB free, whatever this one has."""
+    monkeypatch.setattr(preflight, "available_memory", lambda: (int(22.8 * GiB), 16 * GiB, "this machine (24.0 GiB RAM)", None))
+
+
+def test_param_count_from_config_dims_matches_the_weights(tiny_model_path):
+    import safetensors
+
+    with safetensors.safe_open(str(next(Path(tiny_model_path).glob("*.safetensors"))), "np") as f:
+        stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert model_dims(str(tiny_model_path)).num_params == stored  # Qwen2: q/k/v biases, tied head
+    assert model_dims("smollm2").num_params == 134_515_008  # SmolLM2-135M-Instruct as converted
+    untied = ModelDims.from_hf_config({**preflight.SMOLLM2_CONFIG, "tie_word_embeddings": False})
+    assert untied.num_params == 134_515_008 + 49152 * 576
+
+
+def test_model_dims_rejects_what_is_not_a_model(tmp_path):
+    with pytest.raises(ValueError, match="neither a built-in"):
+        model_dims(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "clip", "hidden_size": 512}')
+    with pytest.raises(ValueError, match="has no 'num_attention_heads'"):
+        model_dims(str(tmp_path))
+
+
+def test_estimates_for_the_shipped_configs_are_plausible():
+    tiny = estimate_parts(_cfg("configs/tiny.toml"), model_dims("tiny"))
+    default = estimate_parts(_cfg("configs/default.toml"), model_dims("smollm2"))
+    by_name = {p.name: p.bytes for p in default}
+    assert by_name["learner weights+grads+AdamW"] == 16 * 134_515_008
+    assert by_name["engine KV cache (×1)"] == 2 * GiB  # rollout.engine.kv_cache_space_gb = 2
+    assert by_name["learner logits chunk"] == 1024 * 49152 * 4 * 3
+    assert 2 * GiB < by_name["learner activations"] < 8 * GiB  # 4096 tokens of SmolLM2, fp32
+    assert 4 < _host_gib(tiny) < 8  # mostly fixed process costs: the model is 0.1M params
+    assert 12 < _host_gib(default) < 20  # fits the 24 GB machine `make run` was measured on
+    assert not any(p.on_gpu for p in tiny + default)  # device "auto" on this CPU-only torch
+
+
+def test_knobs_move_the_estimate():
+    base = _host_gib(estimate_parts(_cfg("configs/default.toml"), model_dims("smollm2")))
+    for override in ("learner.gradient_checkpointing=true", "learner.micro_batch_tokens=1024", "learner.logits_chunk_tokens=256"):
+        assert _host_gib(estimate_parts(_cfg("configs/default.toml", override), model_dims("smollm2"))) < base, override
+    more = estimate_parts(_cfg("configs/default.toml", "rollout.num_engines=2"), model_dims("smollm2"))
+    assert _host_gib(more) == pytest.approx(base + 2 + 134_515_008 * 4 / GiB + 1.7, abs=0.01)
+
+
+def test_cuda_parts_leave_host_ram():
+    parts = estimate_parts(_cfg("configs/default.toml", "rollout.engine.device=cuda", "rollout.engine.num_gpus=1",
+                                "learner.device=cuda"), model_dims("smollm2"))
+    on_gpu = {p.name for p in parts if p.on_gpu}
+    assert {"learner weights+grads+AdamW", "learner activations", "engine weights (×1)", "engine KV cache (×1)"} <= on_gpu
+    assert "engine process (×1)" not in on_gpu and "driver" not in on_gpu
+
+
+def test_check_refuses_a_kv_cache_that_cannot_fit(machine_24g):
+    with pytest.raises(ValueError) as err:
+        preflight.check(_cfg("configs/tiny.toml", "rollout.engine.kv_cache_space_gb=100"))
+    message = str(err.value)
+    assert "rollout.engine.kv_cache_space_gb" in message and "22.8 GiB" in message
+    assert "\n" not in message and message.count(". ") == 0  # one sentence
+    assert preflight.check(_cfg("configs/default.toml")).fits
+
+
+def test_check_warns_when_other_processes_leave_too_little(monkeypatch, caplog):
+    monkeypatch.setattr(preflight, "available_memory", lambda: (int(22.8 * GiB), 2 * GiB, "this machine", None))
+    with caplog.at_level("WARNING", logger="streaming.preflight"):
+        assert preflight.check(_cfg("configs/tiny.toml")).tight
+    assert "may be killed for memory" in caplog.text
+
+
+def test_available_memory_of_this_machine(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    limit, free, source, gpus = preflight.available_memory()
+    assert 0 < free and 0 < limit and gpus is None and source.startswith("this machine")
+
+
+# ---- explain_failure -------------------------------------------------------------------------
+
+
+def _wrapped(inner: BaseException) -> BaseException:
+    """What streaming/driver.py raises: `RuntimeError("learner loop failed") from <the Ray error>`."""
+    try:
+        try:
+            raise inner
+        except BaseException as exc:
+            raise RuntimeError("learner loop failed") from exc
+    except RuntimeError as outer:
+        return outer
+
+
+def test_explain_failure_names_the_part_its_peak_and_the_resume_command(tmp_path):
+    run_dir = tmp_path / "runs" / "default-1"
+    text = explain_failure(_wrapped(OutOfMemoryError(OOM_TEXT)), run_dir)
+    assert text is not None and "\n" not in text
+    assert text.startswith("the learner (LearnerActor, pid 4242, peak 9.87GB) was killed for lack of memory "
+                           "with the node at 22.31GB of 23.49GB; shrink it with learner.micro_batch_tokens")
+    assert text.endswith(f"continue the run with: streamrl train --resume {run_dir}")
+
+
+def test_explain_failure_reads_an_actor_death_for_memory(tmp_path):
+    died = RayActorError(actor_id="ab", error_msg=(
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: EngineActor\n\tactor_id: ab\n\tpid: 77\n"
+        "The actor is dead because its worker process has died. Worker exit type: NODE_OUT_OF_MEMORY Worker exit detail: "
+        + OOM_TEXT.replace("LearnerActor.train_step", "EngineActor.generate").replace("pid=4242", "pid=77")))
+    loop_error = RuntimeError("admission loop failed")
+    loop_error.__cause__ = ExceptionGroup("tasks", [ValueError("unrelated"), died])
+    text = explain_failure(loop_error, tmp_path)
+    assert text is not None and text.startswith("the inference engine (EngineActor, pid 77, peak 9.87GB) was killed")
+    assert "rollout.engine.kv_cache_space_gb" in text and f"--resume {tmp_path}" in text
+
+
+def test_explain_failure_names_every_worker_one_kill_took(tmp_path):
+    """Ray >= 2.55 kills several workers at once and lists them all (text from a real run here)."""
+    text = (
+        "2 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 192.0.2.2, ID: ae32) "
+        "was 6.42GB used / 23.54GB limit (0.272555)\nSelected to kill: (Task: job ID=01000000, lease ID=0100, "
+        "task name=BufferActor.__init__, required resources={}, pid=27064, actual memory used=0.04GB, worker ID=d0fa)\n"
+        "Selected to kill: (Task: job ID=01000000, lease ID=0200, task name=EngineActor.__init__, "
+        "required resources={CPU: 1}, pid=27063, actual memory used=2.10GB, worker ID=6972)\n"
+    )
+    message = explain_failure(_wrapped(OutOfMemoryError(text)), tmp_path)
+    assert message is not None and message.startswith(
+        "the inference engine (EngineActor, pid 27063, peak 2.10GB) and the replay buffer (BufferActor, pid 27064, "
+        "peak 0.04GB) were killed for lack of memory with the node at 6.42GB of 23.54GB; shrink it with "
+        "rollout.engine.kv_cache_space_gb, rollout.num_engines, ")
+
+
+def test_explain_failure_leaves_other_failures_alone(tmp_path):
+    preempted = RayActorError(actor_id="cd", error_msg="The actor died unexpectedly: SIGKILL\n\tclass_name: RolloutWorkerActor")
+    assert explain_failure(_wrapped(preempted), tmp_path) is None
+    assert explain_failure(_wrapped(ValueError("out of memory?")), tmp_path) is None  # not a Ray kill
+    unknown = explain_failure(OutOfMemoryError("Task was killed due to the node running low on memory."), tmp_path)
+    assert unknown is not None and unknown.startswith("a part of the run was killed for lack of memory;")
+
+
+def test_exception_chain_terminates_on_cycles():
+    a, b = RuntimeError("a"), RuntimeError("b")
+    a.__context__, b.__context__ = b, a
+    assert [str(e) for e in exception_chain(a)] == ["a", "b"]
+
+
+# ---- prepare_model -----------------------------------------------------------------------------
+
+
+def test_prepare_model_returns_a_ready_folder_without_a_child(tiny_model_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("no child process for a ready folder"))
+    from streaming.sft import prepare_model
+
+    cfg = _cfg("configs/tiny.toml", f"model={tiny_model_path}")
+    assert prepare_model(cfg) == str(tiny_model_path)
+
+
+@pytest.mark.timeout(120)
+def test_prepare_model_builds_in_a_child_and_reports_its_failure(tmp_path, tiny_model_path, monkeypatch):
+    from streaming.sft import prepare_model
+
+    monkeypatch.chdir(REPO)
+    assert prepare_model(_cfg("configs/tiny.toml"), log_file=tmp_path / "ok.log") == str(tiny_model_path)
+    assert "model ready" in (tmp_path / "ok.log").read_text()  # resolved in the child
+    cfg = _cfg("configs/tiny.toml", "sft.enabled=true", f"model={tmp_path / 'missing'}")
+    log = tmp_path / "logs" / "prepare_model.log"
+    with pytest.raises(StreamRLError) as err:
+        prepare_model(cfg, log_file=log)
+    assert "exit code 1" in str(err.value) and "neither a built-in" in str(err.value) and str(log) in str(err.value)

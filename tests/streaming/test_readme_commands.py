@@ -1,0 +1,216 @@
+"""The commands README.md shows are the commands that work: every `streamrl ...` line of its CLI
+block parses, and `buffer stats`, `buffer export --parquet`, `report` and `train --dry-run` run on a
+small buffer / run directory built here (no Ray, no engine)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import shlex
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from streaming.cli import build_parser, main
+
+REPO = Path(__file__).resolve().parents[2]
+# What the README's optional groups stand for when filled in (others are used as written).
+FILL = {"key=value ...": "trainer.total_steps=2 learner.lr=1e-5", "--num-prompts N": "--num-prompts 4"}
+
+
+def readme_cli_lines() -> list[str]:
+    """The `streamrl ...` lines of the code block under README's `## CLI`, comments stripped."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## CLI", 1)[1]
+    block = section.split("```", 2)[1]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip().startswith("streamrl ")]
+
+
+def variants(line: str) -> list[str]:
+    """Each `[optional ...]` group left out and filled in, in every combination."""
+    groups = re.findall(r"\[([^\]]+)\]", line)
+    out = []
+    for keep in itertools.product([False, True], repeat=len(groups)):
+        text = line
+        for group, k in zip(groups, keep):
+            text = text.replace(f"[{group}]", FILL.get(group, group) if k else "", 1)
+        out.append(" ".join(text.split()))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """`main` and the logs helpers configure the root and `ray` loggers; put them back for the other tests."""
+    import logging
+
+    root, ray_logger = logging.getLogger(), logging.getLogger("ray")
+    saved = list(root.handlers), root.level, list(ray_logger.handlers), ray_logger.propagate
+    yield
+    root.handlers[:], ray_logger.handlers[:] = saved[0], saved[2]
+    root.setLevel(saved[1])
+    ray_logger.propagate = saved[3]
+
+
+def test_readme_cli_block_is_found():
+    lines = readme_cli_lines()
+    commands = {tuple(shlex.split(line)[1:3]) for line in lines}
+    assert len(lines) >= 6
+    assert ("buffer", "stats") in commands and ("buffer", "export") in commands
+    assert any(line.startswith("streamrl train --resume") for line in lines)
+
+
+@pytest.mark.parametrize("line", readme_cli_lines())
+def test_every_readme_command_parses(line):
+    parser = build_parser()
+    for text in variants(line):
+        argv = shlex.split(text)[1:]
+        args = parser.parse_args(argv)
+        assert callable(args.func), text
+        assert args.command == argv[0], text
+        if argv[0] == "buffer":
+            assert args.buffer_command == argv[1], text
+
+
+def _buffer_dir(root: Path) -> Path:
+    from buffer.config import BufferConfig
+    from buffer.store import ReplayBuffer
+    from tests.buffer.helpers import make_group
+
+    buf = ReplayBuffer(BufferConfig(root_dir=str(root), batch_size=2, group_size=2))
+    buf.append(make_group("a", 2, rewards=[0.0, 1.0]) + make_group("b", 2, version=1))
+    buf.sample(learner_version=1, learner_step=1)
+    buf.close()
+    return root
+
+
+def test_buffer_stats_and_export_as_the_readme_shows(tmp_path, capsys):
+    buffer_dir = _buffer_dir(tmp_path / "buffer")
+    assert main(["buffer", "stats", str(buffer_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "rows logged: 4, trajectories: 4, groups: 2" in out and "consumed: 2 trajectories" in out
+    parquet = tmp_path / "out" / "rows.parquet"
+    assert main(["buffer", "export", str(buffer_dir), "--parquet", str(parquet)]) == 0
+    assert f"wrote 4 rows to {parquet}" in capsys.readouterr().out
+    assert pq.read_table(parquet).num_rows == 4
+
+
+def test_buffer_stats_of_a_missing_directory_is_one_error_line(tmp_path, capsys):
+    assert main(["buffer", "stats", str(tmp_path / "nope")]) == 2
+    assert "streamrl: error:" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_report_as_the_readme_shows(tmp_path, capsys, tiny_model_path, tiny_tokenizer):
+    from tests.streaming.test_report import _write_run
+
+    _write_run(tmp_path, tiny_tokenizer, tiny_model_path)
+    assert main(["report", str(tmp_path)]) == 0
+    assert (tmp_path / "report.html").stat().st_size > 0
+    assert "report written to" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("config", ["configs/tiny.toml", "configs/default.toml"])
+def test_train_dry_run_prints_config_and_estimate_and_starts_nothing(config, tmp_path, capsys, monkeypatch):
+    import ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.chdir(REPO)
+    assert main(["train", "--dry-run", "--config", config, f"trainer.run_root={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("resolved config:\n{")
+    assert f'"run_root": "{tmp_path}"' in out
+    assert "memory estimate" in out and "engine KV cache" in out and "total (host)" in out
+    assert not ray.is_initialized()
+    assert list(tmp_path.iterdir()) == []  # no run directory
+
+
+def test_train_dry_run_of_a_bad_override_is_one_error_line(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["train", "--dry-run", "--config", "configs/tiny.toml", "rollout.num_engines=0"]) == 2
+    assert "rollout.num_engines" in capsys.readouterr().err
+
+
+# ---- what `streamrl train` shows, and where the rest goes (streaming/logs.py) -----------------
+
+
+def test_console_shows_our_lines_and_others_errors_while_driver_log_keeps_everything(tmp_path, capsys):
+    import logging
+
+    from streaming.logs import FILE_ONLY, PROGRESS_EXTRA, attach_run_log, setup_console
+
+    setup_console(verbose=False)
+    path = attach_run_log(tmp_path)
+    logging.getLogger("streaming.train").info("ours")
+    logging.getLogger("vllm.engine").info("vllm chatter")
+    logging.getLogger("ray").info("ray chatter")
+    logging.getLogger("vllm.engine").error("vllm failure")
+    logging.getLogger("streaming.train").error("traceback for the file", extra=FILE_ONLY)
+    logging.getLogger("streaming.metrics").info("step 1/4", extra=PROGRESS_EXTRA)  # no bar off a terminal
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    console = capsys.readouterr().err
+    assert "ours" in console and "vllm failure" in console and "step 1/4" in console
+    assert "chatter" not in console and "traceback for the file" not in console
+    text = path.read_text()
+    for line in ("ours", "vllm chatter", "ray chatter", "vllm failure", "traceback for the file", "step 1/4"):
+        assert line in text
+    for handler in [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]:
+        handler.close()
+
+
+def test_ray_options_send_actor_output_to_run_logs_unless_verbose(tmp_path):
+    from streaming.logs import LOG_DIR_ENV, WORKER_SETUP_HOOK, ray_init_options, setup_console
+
+    setup_console(verbose=False)
+    quiet = ray_init_options(tmp_path, {"A": "1"})
+    assert quiet["log_to_driver"] is False
+    assert quiet["runtime_env"] == {"env_vars": {"A": "1", LOG_DIR_ENV: str((tmp_path / "logs").resolve())},
+                                    "worker_process_setup_hook": WORKER_SETUP_HOOK}
+    setup_console(verbose=True)
+    assert ray_init_options(tmp_path, {"A": "1"}) == {"log_to_driver": True, "runtime_env": {"env_vars": {"A": "1"}}}
+    setup_console(verbose=False)
+
+
+WORKER = """
+import logging, os, sys
+from streaming.logs import setup_worker_logging
+setup_worker_logging()
+print(":actor_name:EngineActor")
+print("from print")
+os.write(2, b"from fd 2\\n")
+logging.getLogger("rollout.worker").info("from logging")
+print(os.getpid())
+"""
+
+
+def test_worker_hook_redirects_a_process_output_and_logs_are_named_after_their_actor(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from streaming.logs import LOG_DIR_ENV, name_worker_logs
+
+    logs = tmp_path / "logs"
+    env = {**os.environ, LOG_DIR_ENV: str(logs)}
+    done = subprocess.run([sys.executable, "-c", WORKER], env=env, cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout == "" and done.stderr == ""  # all of it went to the file
+    (logs / "worker-1.log").touch()  # an idle worker process: nothing written
+    pid = (logs / next(p.name for p in logs.glob("worker-*.log") if p.stat().st_size)).read_text().split()[-1]
+    named = name_worker_logs(tmp_path)
+    assert [p.name for p in named] == [f"EngineActor-{pid}.log"]
+    text = named[0].read_text()
+    assert "from print" in text and "from fd 2" in text and "INFO rollout.worker: from logging" in text
+    assert not (logs / "worker-1.log").exists()
+
+
+def test_run_summary_says_where_everything_is(tmp_path):
+    from streaming.logs import run_summary
+
+    (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
+    done = run_summary(tmp_path, learner_step=4, total_steps=4, elapsed_s=125, report=tmp_path / "report.html")
+    assert done.splitlines()[0] == "run finished at learner step 4/4 after 2:05"
+    assert f"report       {tmp_path / 'report.html'}" in done and "(latest step_000002)" in done
+    assert f"logs         {tmp_path / 'logs'}" in done and "--resume" not in done
+    stopped = run_summary(tmp_path, learner_step=2, total_steps=4, elapsed_s=60, report=None)
+    assert stopped.startswith("run stopped at learner step 2/4") and f"streamrl train --resume {tmp_path}" in stopped
