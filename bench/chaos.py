@@ -44,14 +44,15 @@ def scenarios(seed: int) -> dict[str, list[str]]:
     n = lambda lo, hi, salt: _seeded(seed, lo, hi, salt)  # noqa: E731
     return {
         # I1: a kill between the durable append and the cursor save, and between cursor and submit.
-        "admission": [f"admit.after_append=kill_job@{n(2, 8, 'a')}", f"admit.before_submit=kill_job@{n(2, 6, 'b')}"],
+        "admission": [f"admit.after_append=kill_job@{n(2, 6, 'a')}", f"admit.before_submit=kill_job@{n(1, 2, 'b')}"],
         # I4: kills between a learner step and its publish, and after a publish (before checkpoint).
         "versions": [f"learner.after_step=kill_job@{n(1, 2, 'c')}", f"publish.after=kill_job@{n(1, 2, 'd')}"],
-        # I2: a sink that raises (retried), a worker killed right after a row was saved (replaced,
-        # its trajectories resubmitted), then the whole job killed mid-admission.
+        # I2: a sink that raises every few rows (retried), every worker incarnation killed right
+        # after its k-th saved row (replaced, its trajectories resubmitted), then the whole job
+        # killed mid-admission.
         "workers": [
-            f"worker.sink=raise@{n(2, 10, 'e')},worker.after_sink=kill_self@{n(3, 12, 'f')}",
-            f"worker.sink=raise@{n(1, 5, 'g')},admit.after_append=kill_job@{n(2, 6, 'h')}",
+            f"worker.sink=raise%{n(3, 6, 'e')},worker.after_sink=kill_self@{n(6, 12, 'f')}",
+            f"worker.sink=raise%{n(2, 5, 'g')},admit.after_append=kill_job@{n(1, 2, 'h')}",
         ],
         # I6: the only engine dies: the run stops with a clear error (no hang); the resume continues.
         "engine": [f"engine.generate=kill_self@{n(5, 30, 'i')}"],

@@ -8,8 +8,9 @@ of them, per process:
 
 means: the 3rd time this process reaches `admit.after_append`, SIGKILL the whole job (the process
 group: driver and its local Ray node); the 2nd time it reaches `worker.sink`, raise `FaultInjected`.
-Actions: `kill_job`, `kill_self` (this process only: an actor dies, Ray reports it dead), `raise`.
-Every armed fault fires once. Ray actors see the same variable (`streaming.train` forwards it).
+`raise%4` fires at every 4th pass instead of once. Actions: `kill_job`, `kill_self` (this process
+only: an actor dies, Ray reports it dead; a replacement actor counts its own passes), `raise`.
+Ray actors see the same variable (`streaming.train` forwards it).
 """
 
 from __future__ import annotations
@@ -39,14 +40,16 @@ class FaultInjected(RuntimeError):
     """Raised by a `raise` fault."""
 
 
-def _parse(spec: str) -> dict[str, tuple[str, int]]:
-    armed: dict[str, tuple[str, int]] = {}
+def _parse(spec: str) -> dict[str, tuple[str, int, bool]]:
+    """point -> (action, pass number or period, periodic)."""
+    armed: dict[str, tuple[str, int, bool]] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         point, _, rest = item.partition("=")
-        action, _, nth = rest.partition("@")
+        periodic = "%" in rest
+        action, _, nth = rest.partition("%" if periodic else "@")
         if point not in POINTS or action not in ("kill_job", "kill_self", "raise"):
             raise ValueError(f"bad {ENV} entry {item!r}: points {sorted(POINTS)}, actions kill_job/kill_self/raise")
-        armed[point] = (action, int(nth or 1))
+        armed[point] = (action, int(nth or 1), periodic)
     return armed
 
 
@@ -59,9 +62,10 @@ def hit(point: str) -> None:
     if point not in _armed:
         return
     _hits[point] = _hits.get(point, 0) + 1
-    action, nth = _armed[point]
-    if _hits[point] != nth:
+    action, nth, periodic = _armed[point]
+    if (_hits[point] % nth if periodic else _hits[point] != nth):
         return
+    nth = _hits[point]
     logger.warning("fault injected at %s: %s (pass %d)", point, action, nth)
     ledger = os.environ.get(LEDGER_ENV)
     if ledger:  # one line per fired fault, written before it fires (the chaos runner counts them)
