@@ -11,7 +11,7 @@ export RAY_DEDUP_LOGS ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast bench lint clean
+.PHONY: install run test test-fast bench chaos fresh-run lint clean
 
 install: $(STAMP)
 
@@ -37,6 +37,14 @@ test-fast: install
 
 bench: install
 	$(PY) -m bench.run_all
+
+# >= 50 seeded faults on the real system, checked against the invariants: bench/results/chaos.json
+chaos: install
+	$(PY) -m bench.chaos --seeds 4
+
+# what a newcomer sees: clone, install and `make run` from scratch: bench/results/fresh_run.json
+fresh-run: install
+	$(PY) -m bench.fresh_run
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -87,10 +87,12 @@ class TrainingEngine:
         self.model_path = resolve_model(cfg.model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         lm = load_lm(self.model_path, self.device, gradient_checkpointing=cfg.gradient_checkpointing)
-        self.policy = PolicyModel(lm, with_value_head=cfg.algo == Algo.PPO).to(self.device)
+        chunk = cfg.logits_chunk_tokens
+        self.policy = PolicyModel(lm, with_value_head=cfg.algo == Algo.PPO, logits_chunk_tokens=chunk).to(self.device)
         self.reference: PolicyModel | None = None
         if cfg.use_reference:
-            self.reference = PolicyModel(load_lm(self.model_path, self.device), with_value_head=False)
+            ref_lm = load_lm(self.model_path, self.device)
+            self.reference = PolicyModel(ref_lm, with_value_head=False, logits_chunk_tokens=chunk)
             self.reference.requires_grad_(False).eval()
         if shard is not None:
             shard(self.policy)

@@ -135,6 +135,9 @@ class LearnerWorker:
         self.engine.load_checkpoint(directory)
         return self.engine.policy_version
 
+    def set_policy_version(self, version: int) -> None:
+        self.engine.policy_version = version
+
     def save_hf(self, directory: str) -> None:
         self.engine.save_hf(directory)
 
@@ -151,7 +154,8 @@ class LearnerWorker:
 class LearnerGroup:
     """M learner ranks as Ray actors; the same methods as `TrainingEngine`, executed on all ranks.
 
-    `num_workers`, `num_cpus_per_worker` and `num_gpus_per_worker` default to the config's."""
+    `num_workers`, `num_cpus_per_worker` and `num_gpus_per_worker` default to the config's;
+    `env_vars` join every rank's environment (the caller's allocator settings, for instance)."""
 
     def __init__(
         self,
@@ -162,6 +166,7 @@ class LearnerGroup:
         num_gpus_per_worker: float | None = None,
         timeout_s: float = 600.0,
         rank0_cls: type[LearnerWorker] = LearnerWorker,
+        env_vars: dict[str, str] | None = None,
     ) -> None:
         import ray
 
@@ -176,10 +181,10 @@ class LearnerGroup:
         self.cfg = cfg.model_copy(update={"device": where.device, "model": str(resolve_model(cfg.model))})
         self.placement = where
         self.timeout_s = timeout_s
-        env_vars = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        rank_env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), **(env_vars or {})}
         if where.device == "cpu":  # Ray pins OMP_NUM_THREADS to num_cpus; CPU ranks share the cores instead
-            env_vars["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // where.num_workers))
-        env = {"env_vars": env_vars}
+            rank_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // where.num_workers))
+        env = {"env_vars": rank_env}
         cfg_json = self.cfg.model_dump_json()
         self.workers = []
         for rank in range(where.num_workers):
@@ -236,6 +241,11 @@ class LearnerGroup:
 
     def load_checkpoint(self, directory: str | Path) -> None:
         self.policy_version = self._all("load_checkpoint", str(directory))[0]
+
+    def set_policy_version(self, version: int) -> None:
+        """Relabel the current weights (a resume labels them above every version used before)."""
+        self._all("set_policy_version", version)
+        self.policy_version = version
 
     def save_hf(self, directory: str | Path) -> Path:
         self._all("save_hf", str(directory))

@@ -4,6 +4,12 @@ and the micro-batch packing both the training pass and the log-prob recompute us
 `PolicyModel.forward` returns per-token log-probs, entropies and values already shifted to the
 token they score (position t is predicted from the hidden state at t − 1), so everything downstream
 works on [B, T] tensors aligned with `input_ids`.
+
+Memory: full-vocabulary logits are the largest tensors of a step ([B, T, V] float32: 0.8 GB for
+4096 tokens of a 49k vocabulary, and autograd keeps several of them for backward). With
+`logits_chunk_tokens > 0` the LM head runs on chunks of that many token positions
+(`chunked_token_logprobs_and_entropy`), each under activation checkpointing, so forward and
+backward hold one chunk's logits at a time and nothing vocabulary-sized survives to backward.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from learner.losses import token_logprobs_and_entropy
 
@@ -30,9 +37,10 @@ class ForwardOut:
 class PolicyModel(nn.Module):
     """HF causal LM `lm` + optional `value_head` (Linear(hidden, 1), zero-initialised)."""
 
-    def __init__(self, lm: nn.Module, *, with_value_head: bool) -> None:
+    def __init__(self, lm: nn.Module, *, with_value_head: bool, logits_chunk_tokens: int = 0) -> None:
         super().__init__()
         self.lm = lm
+        self.logits_chunk_tokens = logits_chunk_tokens  # 0: one [B, T, V] logits tensor (no chunking)
         hidden = lm.config.hidden_size
         self.value_head = nn.Linear(hidden, 1) if with_value_head else None
         if self.value_head is not None:
@@ -49,19 +57,77 @@ class PolicyModel(nn.Module):
         entropy_requires_grad: bool = True,
     ) -> ForwardOut:
         hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        logits = self.lm.get_output_embeddings()(hidden)
-        logp, entropy = token_logprobs_and_entropy(
-            logits,
-            input_ids,
-            temperature=temperature,
-            with_entropy=with_entropy,
-            entropy_requires_grad=entropy_requires_grad,
-        )
+        # the head is called as a module (per chunk) so FSDP2 hooks see it and its weight is unsharded
+        head = self.lm.get_output_embeddings()
+        score = dict(temperature=temperature, with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad)
+        if self.logits_chunk_tokens > 0:
+            logp, entropy = chunked_token_logprobs_and_entropy(
+                hidden, head, input_ids, chunk_tokens=self.logits_chunk_tokens, **score
+            )
+        else:
+            logp, entropy = token_logprobs_and_entropy(head(hidden), input_ids, **score)
         values = None
         if self.value_head is not None:
             v = self.value_head(hidden[:, :-1]).squeeze(-1).float()
             values = nn.functional.pad(v, (1, 0))
         return ForwardOut(logp=logp, entropy=entropy, values=values)
+
+
+def chunked_token_logprobs_and_entropy(
+    hidden: torch.Tensor,  # [B, T, H] last hidden states
+    head: nn.Module,  # hidden → logits (the LM head)
+    input_ids: torch.Tensor,  # [B, T]
+    *,
+    chunk_tokens: int,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    entropy_requires_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B, T] each
+    """`token_logprobs_and_entropy(head(hidden), input_ids, ...)` without the [B, T, V] logits.
+
+    The B·(T − 1) scoring positions (hidden at t − 1 scores token t) are flattened and cut into
+    chunks of `chunk_tokens`; each chunk runs head → log-softmax → gather (→ entropy) on its own.
+    With grad enabled each chunk is checkpointed (non-reentrant): forward keeps only the chunk's
+    hidden slice, backward recomputes the chunk's logits, so peak memory is one chunk's logits
+    whatever B·T is. The entropy carries a graph only when `entropy_requires_grad`.
+    """
+    batch, width, dim = hidden.shape
+    src = hidden[:, :-1].reshape(-1, dim)  # [N, H], N = B·(T − 1)
+    targets = input_ids[:, 1:].reshape(-1)  # [N]
+    grad = torch.is_grad_enabled()
+    entropy_grad = grad and entropy_requires_grad
+
+    def score(h: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = head(h).float()  # [n, V]
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp_all = torch.log_softmax(logits, dim=-1)  # [n, V]
+        del logits
+        logp = torch.gather(logp_all, -1, ids[:, None]).squeeze(-1)
+        if not with_entropy:
+            return logp, None
+        if entropy_grad:
+            return logp, -(logp_all.exp() * logp_all).sum(-1)
+        with torch.no_grad():  # metric-only: no graph, and one [n, V] temporary instead of two
+            return logp, -logp_all.exp().mul_(logp_all).sum(-1)
+
+    logps: list[torch.Tensor] = []
+    entropies: list[torch.Tensor] = []
+    for start in range(0, src.shape[0], chunk_tokens):
+        h, ids = src[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if grad:
+            logp, entropy = checkpoint(score, h, ids, use_reentrant=False, preserve_rng_state=False)
+        else:
+            logp, entropy = score(h, ids)
+        logps.append(logp)
+        if entropy is not None:
+            entropies.append(entropy)
+
+    def assemble(parts: list[torch.Tensor]) -> torch.Tensor:
+        flat = torch.cat(parts) if parts else src.new_zeros(0, dtype=torch.float32)
+        return nn.functional.pad(flat.view(batch, width - 1), (1, 0))
+
+    return assemble(logps), assemble(entropies) if with_entropy else None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,8 +151,8 @@ def load_lm(path: Path, device: torch.device, *, gradient_checkpointing: bool = 
 
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     lm.config.use_cache = False
-    if gradient_checkpointing:
-        lm.gradient_checkpointing_enable()
+    if gradient_checkpointing:  # non-reentrant: composes with FSDP2 and the chunked LM head
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return lm.to(device)
 
 

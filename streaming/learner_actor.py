@@ -50,11 +50,17 @@ class LearnerActor:
     def policy_version(self) -> int:
         return self.learner.policy_version
 
+    async def set_policy_version(self, version: int) -> None:
+        """Label the current weights `version` (a resume labels them above every version used
+        before the crash, so labels never repeat: invariant I4)."""
+        await self.learner.set_policy_version(version)
+
     def model_path(self) -> str:
         return self.learner.model_path
 
     async def train_step(self, sampled: Any, num_samples: int = 2) -> tuple[dict[str, float], list[dict]]:
-        """One optimizer step on a buffer batch; returns metrics and a few trajectories to log."""
+        """One optimizer step on a buffer batch; returns metrics (`learner/*`, `is/*`, `staleness/*` and
+        the learner's `memory/learner_peak_gb` / `memory/learner_rss_gb`) and a few trajectories to log."""
         import numpy as np
 
         from buffer.schema import batch_to_trajectories

@@ -13,7 +13,9 @@ the engines' dtype when they serve bf16/fp16 (halving that copy and the bytes on
 engines would round identically on load). The gathers are bounded by the process-group timeout,
 every sync phase by `weight_sync.timeouts`, and every await here by `trainer.step_timeout_s`.
 
-Both expose the same async methods; LearnerActor picks one at construction.
+Both expose the same async methods; LearnerActor picks one at construction. After every train step
+each learner process trims its allocator and reports `memory/learner_peak_gb` and
+`memory/learner_rss_gb` (`streaming/memory.py`; a group reports its fullest rank).
 """
 
 from __future__ import annotations
@@ -51,12 +53,18 @@ class LocalLearner:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
+    async def set_policy_version(self, version: int) -> None:
+        self.engine.policy_version = version
+
     @property
     def model_path(self) -> str:
         return str(self.engine.model_path)
 
     async def train_step(self, padded: Any) -> dict[str, float]:
-        return self.engine.train_step(padded)
+        from streaming.memory import end_of_step
+
+        metrics = self.engine.train_step(padded)
+        return metrics | end_of_step(str(self.engine.device))
 
     async def connect(self, engines: list[Any], workers: list[Any], policy_version: int) -> None:
         from streaming.weight_publisher import WeightPublisher
@@ -69,8 +77,13 @@ class LocalLearner:
         self.publisher.set_workers(workers)
 
     async def publish(self) -> tuple[dict[str, float], int]:
+        from streaming.memory import trim_allocator
+
         assert self.publisher is not None, "connect() first"
-        return await self.publisher.publish(self.engine.named_parameters_for_sync(), self.engine.policy_version)
+        try:
+            return await self.publisher.publish(self.engine.named_parameters_for_sync(), self.engine.policy_version)
+        finally:
+            trim_allocator()  # staging buffers of the sync go back to the OS before the next step
 
     async def save_checkpoint(self, path: str) -> None:
         self.engine.save_checkpoint(path)
@@ -161,7 +174,11 @@ class GroupLearner:
 
         self.cfg = cfg
         self.timeout_s = cfg.trainer.step_timeout_s
-        self.group = LearnerGroup(cfg.learner, timeout_s=self.timeout_s, rank0_cls=PublishingLearnerWorker)
+        from streaming.memory import MALLOC_ENV
+
+        self.group = LearnerGroup(
+            cfg.learner, timeout_s=self.timeout_s, rank0_cls=PublishingLearnerWorker, env_vars=MALLOC_ENV
+        )
         if init_checkpoint is not None:
             self.group.load_checkpoint(init_checkpoint)
         self.served_version: int | None = None  # set by connect()
@@ -169,6 +186,9 @@ class GroupLearner:
     @property
     def policy_version(self) -> int:
         return self.group.policy_version
+
+    async def set_policy_version(self, version: int) -> None:
+        self.group.set_policy_version(version)
 
     @property
     def model_path(self) -> str:
@@ -180,9 +200,12 @@ class GroupLearner:
     async def train_step(self, padded: Any) -> dict[str, float]:
         import ray
 
+        from streaming.memory import rank_end_of_step
+
         metrics = (await self._wait(self.group.submit("train_step", ray.put(padded))))[0]
         self.group.policy_version = int(metrics["learner/policy_version"])
-        return metrics
+        ranks = await self._wait([w.run.remote(rank_end_of_step) for w in self.group.workers])
+        return metrics | {key: max(r[key] for r in ranks) for key in ranks[0]}  # the fullest rank
 
     async def connect(self, engines: list[Any], workers: list[Any], policy_version: int) -> None:
         ref = self.group.rank0.connect.remote(

@@ -71,6 +71,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     from rollout.engine.ray_engine import RayEngineClient
     from streaming.learner_actor import LearnerActor, learner_actor_options
     from streaming.logs import log_dir
+    from streaming.memory import learner_runtime_env
     from streaming.metrics import MetricsLogger
     from streaming.prompts import PromptStream, load_records
     from streaming.sft import prepare_model
@@ -104,9 +105,12 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
         for i in range(cfg.rollout.num_engines)
     ]
     engines = [c.actor for c in clients]
-    # Ray pins OMP_NUM_THREADS to an actor's num_cpus (1); the learner's matmuls want every core.
-    threads = {"env_vars": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}}
-    learner = LearnerActor.options(**learner_actor_options(cfg), runtime_env=threads).remote(cfg.model_dump_json(), state.checkpoint if from_ckpt else None)
+    # Ray pins OMP_NUM_THREADS to an actor's num_cpus (1); the learner's matmuls want every core;
+    # glibc's allocator is configured so the learner's resident set stays flat across steps.
+    learner_env = {"env_vars": learner_runtime_env()}
+    learner = LearnerActor.options(**learner_actor_options(cfg), runtime_env=learner_env).remote(
+        cfg.model_dump_json(), state.checkpoint if from_ckpt else None
+    )
     records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
     stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs,
                           cursor=state.cursor)

@@ -59,11 +59,12 @@ def test_model_dims_rejects_what_is_not_a_model(tmp_path):
 
 def test_estimates_for_the_shipped_configs_are_plausible():
     tiny = estimate_parts(_cfg("configs/tiny.toml"), model_dims("tiny"))
-    default = estimate_parts(_cfg("configs/default.toml"), model_dims("smollm2"))
+    default_cfg = _cfg("configs/default.toml")
+    default = estimate_parts(default_cfg, model_dims("smollm2"))
     by_name = {p.name: p.bytes for p in default}
     assert by_name["learner weights+grads+AdamW"] == 16 * 134_515_008
     assert by_name["engine KV cache (×1)"] == 2 * GiB  # rollout.engine.kv_cache_space_gb = 2
-    assert by_name["learner logits chunk"] == 1024 * 49152 * 4 * 3
+    assert by_name["learner logits chunk"] == default_cfg.learner.logits_chunk_tokens * 49152 * 4 * 3
     assert 2 * GiB < by_name["learner activations"] < 8 * GiB  # 4096 tokens of SmolLM2, fp32
     assert 4 < _host_gib(tiny) < 8  # mostly fixed process costs: the model is 0.1M params
     assert 12 < _host_gib(default) < 20  # fits the 24 GB machine `make run` was measured on

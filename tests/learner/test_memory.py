@@ -1,0 +1,45 @@
+"""Learner memory reporting (`streaming/memory.py`) and the `memory/*` metrics of a train step."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from streaming import memory
+from tests.learner.test_engine import _batch
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmRSS/VmHWM and malloc_trim are Linux/glibc")
+def test_rss_peak_reset_and_trim():
+    rss, peak = memory.rss_gb(), memory.peak_rss_gb()
+    assert 0 < rss <= peak
+    block = bytearray(256 * 1024**2)  # touched: 256 MiB resident
+    assert memory.peak_rss_gb() >= rss + 0.2
+    del block
+    if memory.reset_peak_rss():  # the window restarts at the current RSS
+        assert memory.peak_rss_gb() < rss + 0.2
+    assert memory.trim_allocator()
+    assert memory.peak_memory_gb("cpu") == pytest.approx(memory.peak_rss_gb(), abs=0.05)
+    assert memory.cuda_peak_gb() is None or memory.cuda_peak_gb() >= 0
+
+
+def test_learner_runtime_env():
+    env = memory.learner_runtime_env(num_threads=3)
+    assert env["OMP_NUM_THREADS"] == "3"
+    assert {"MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} <= set(env)
+    assert all(isinstance(v, str) and v.isdigit() for v in env.values())  # Ray env_vars are strings
+
+
+def test_local_learner_reports_memory_per_step():
+    from streaming.config import StreamRLConfig
+    from streaming.learner_backends import LocalLearner
+
+    cfg = StreamRLConfig(model="tiny", learner={"device": "cpu", "micro_batch_tokens": 64, "logits_chunk_tokens": 16})
+    learner = LocalLearner(cfg, None)
+    metrics = asyncio.run(learner.train_step(_batch()))
+    assert metrics["learner/policy_version"] == 1.0
+    assert 0 < metrics["memory/learner_rss_gb"] <= metrics["memory/learner_peak_gb"] + 0.05
