@@ -1,0 +1,68 @@
+"""Memory of the default run, part by part, and of the learner's logits path before/after chunking.
+
+    python -m bench.memory [--steps 6] [--out bench/results/memory.json]
+
+1. Runs `streamrl train --config configs/default.toml trainer.total_steps=N` (this checkout, its
+   cache) while sampling every process of the job (`bench/memsample.py`): peak RSS of the driver,
+   the engine, the learner, the rollout worker, the buffer, and the node peak (their sum).
+2. Runs `bench.memory_learner` (one learner train step on the same synthetic default-shaped batch,
+   full [B, T, V] logits vs the chunked LM head, each in a fresh process, several seeds) and embeds
+   its result.
+Targets (issue 9): node peak <= 12 GB; learner peak <= 1.5 x (params + grads + AdamW states).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+
+from bench.memsample import sample_run
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2_PARAMS = 134_515_008
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default=str(REPO / "bench/results/memory.json"))
+    parser.add_argument("--skip-logits", action="store_true")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="streamrl-memory-") as tmp:
+        cmd = [sys.executable, "-m", "streaming.cli", "train", "--config", "configs/default.toml",
+               f"trainer.total_steps={args.steps}", f"trainer.run_root={tmp}", "trainer.run_name=memory"]
+        rc, wall, memory = sample_run(cmd, cwd=str(REPO), env=dict(os.environ), log_path=f"{tmp}/train.log",
+                                      timeout_s=3600)
+        metrics = [json.loads(x) for x in (Path(tmp) / "memory/metrics.jsonl").read_text().splitlines() if x.strip()] \
+            if (Path(tmp) / "memory/metrics.jsonl").exists() else []
+    state_gb = 16 * SMOLLM2_PARAMS / 2**30  # fp32 params + grads + AdamW m and v
+    learner = memory["part_peak_gb"].get("learner", 0.0)
+    result = {
+        "command": "python -m bench.memory " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "memory_gb": round(psutil.virtual_memory().total / 2**30, 1)},
+        "run": {"exit_code": rc, "wall_s": round(wall, 1), "steps": len(metrics), **memory,
+                "learner_rss_per_step_gb": [round(m.get("memory/learner_rss_gb", 0.0), 3) for m in metrics]},
+        "learner_state_gb": round(state_gb, 3),
+        "learner_peak_over_state": round(learner / state_gb, 2),
+        "targets": {"node_peak_gb_max": 12, "learner_peak_over_state_max": 1.5},
+    }
+    if not args.skip_logits:
+        out = Path(tempfile.mkdtemp()) / "logits.json"
+        subprocess.run([sys.executable, "-m", "bench.memory_learner", "--out", str(out)], cwd=REPO, check=False)
+        result["logits_path"] = json.loads(out.read_text()) if out.exists() else None
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
