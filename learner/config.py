@@ -107,8 +107,9 @@ class LearnerConfig(BaseModel):
     dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16)$")  # autocast compute dtype
     seed: int = 0
     # Activation checkpointing of the decoder layers (HF `gradient_checkpointing_enable`, non-reentrant):
-    # backward recomputes each layer's forward instead of keeping its activations, trading ~30% more
-    # compute for activation memory that no longer grows with the number of layers.
+    # backward recomputes each layer's forward instead of keeping its activations, trading about one
+    # more forward pass for activation memory that no longer grows with the number of layers
+    # (SmolLM2-135M, 4096-token micro-batches: step peak 7.8 → 3.1 GiB; bench/memory_learner.py).
     gradient_checkpointing: bool = False
     # The LM head, log-softmax and entropy run on chunks of this many token positions, each
     # checkpointed, so no [B, T, vocab] float32 logits tensor is ever held (the largest tensors of a
