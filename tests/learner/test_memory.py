@@ -43,3 +43,22 @@ def test_local_learner_reports_memory_per_step():
     metrics = asyncio.run(learner.train_step(_batch()))
     assert metrics["learner/policy_version"] == 1.0
     assert 0 < metrics["memory/learner_rss_gb"] <= metrics["memory/learner_peak_gb"] + 0.05
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_group_learner_reports_its_fullest_rank(ray_cluster):
+    from streaming.config import StreamRLConfig
+    from streaming.learner_backends import GroupLearner
+
+    cfg = StreamRLConfig(model="tiny", learner={"device": "cpu", "num_workers": 2, "num_cpus_per_worker": 1,
+                                                "micro_batch_tokens": 24, "logits_chunk_tokens": 7})
+    learner = GroupLearner(cfg, None)
+    try:
+        env = learner.group.run_on_all(lambda engine: __import__("os").environ.get("MALLOC_ARENA_MAX"))
+        assert env == [memory.MALLOC_ENV["MALLOC_ARENA_MAX"]] * 2  # every rank runs with the allocator settings
+        metrics = asyncio.run(learner.train_step(_batch()))
+        assert learner.policy_version == 1
+        assert 0 < metrics["memory/learner_rss_gb"] <= metrics["memory/learner_peak_gb"] + 0.05
+    finally:
+        asyncio.run(learner.shutdown())
