@@ -87,7 +87,7 @@ class _ProcEngine:
 
     async def pause(self, mode=None) -> None: ...
 
-    async def resume(self) -> None: ...
+    async def resume(self, epoch: int | None = None) -> None: ...
 
     async def set_policy_version(self, policy_version: int) -> None:
         self.policy_version = policy_version
@@ -212,11 +212,11 @@ async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]
             parked = {}
 
             class Workers:  # the agent loop's part, reduced to one request
-                async def pause(self) -> None:
+                async def pause(self, epoch: int | None = None) -> None:
                     await engine.abort(f"req-{mode}")
                     parked["out"] = await task
 
-                async def resume(self) -> None: ...
+                async def resume(self, epoch: int | None = None) -> None: ...
 
             coordinator = WeightSyncCoordinator(WeightSyncConfig(pause_mode=mode), [engine], workers=Workers())
             result = await coordinator.sync(weights)

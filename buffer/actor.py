@@ -147,6 +147,12 @@ class BufferActor:
         out["buffer/backpressure_timeouts"] = float(self.num_backpressure_timeouts)
         return out
 
+    async def memory(self) -> dict[str, float]:
+        """`memory/buffer_peak_gb`: this part's peak since it started (`streaming.memory.part_memory`)."""
+        from streaming.memory import part_memory
+
+        return part_memory("buffer")
+
     async def checkpoint(self) -> None:
         self.buffer.checkpoint()
 

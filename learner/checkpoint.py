@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from learner.sharded import full_tensor
+
 if TYPE_CHECKING:
     from learner.engine import TrainingEngine
 
@@ -96,7 +98,7 @@ def save_checkpoint(engine: TrainingEngine, directory: Path) -> Path:
     head = engine.policy.value_head
     head_state = None
     if head is not None:
-        head_state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for k, v in head.state_dict().items()}
+        head_state = {k: full_tensor(v).cpu() for k, v in head.state_dict().items()}
     if engine.rank == 0:
 
         def write(tmp: Path) -> None:

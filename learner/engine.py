@@ -39,6 +39,7 @@ from learner.model import (
     resolve_device,
     split_minibatches,
 )
+from learner.sharded import clip_grad_norm, full_tensor
 from learner.step_inputs import StepInputs, build_step_inputs
 from learner.types import TrainBatch
 
@@ -299,13 +300,11 @@ class TrainingEngine:
     def _clip_and_step(self) -> float:
         params = [p for p in self.policy.parameters() if p.grad is not None]
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+        norm = clip_grad_norm(params, max_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.num_optimizer_steps += 1
-        return float(norm.item())
+        return norm
 
     # ---- weights out -------------------------------------------------------------------------------
 
@@ -313,13 +312,12 @@ class TrainingEngine:
         """(HF name, full tensor) for every LM parameter, in the names vLLM's loader expects.
 
         Single process: the live parameter tensors (detached views, no copy). FSDP: each parameter
-        is all-gathered on its own (`full_tensor()`), so at most one unsharded parameter is alive
+        is all-gathered on its own (`learner.sharded.full_tensor`), so at most one unsharded parameter is alive
         beyond the shards; every rank must iterate (the gather is collective), rank 0 sends.
         Tied weights appear once (under the input-embedding name), as in the HF checkpoint.
         """
         for name, param in self.policy.lm.named_parameters():
-            tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
-            yield name, tensor.detach()
+            yield name, full_tensor(param).detach()
 
     def save_hf(self, directory: str | Path) -> Path:
         """HF `save_pretrained` folder (weights + config + tokenizer) that vLLM loads; atomic."""

@@ -218,6 +218,14 @@ class ServerManager:
                 )
         return restored
 
+    async def align(self, keep_out: Collection[str], timeout_s: float = 10.0) -> list[str]:
+        """Take the engines in `keep_out` out of routing (weight sync dropped them: they may serve
+        stale or half-loaded weights) and `probe_unhealthy` the others. Returns the engines restored."""
+        for engine_id in keep_out:
+            if engine_id in self._healthy:
+                self.mark_unhealthy(engine_id, reason="dropped from the weight-sync set")
+        return await self.probe_unhealthy(timeout_s, keep_out=keep_out)
+
     # -- fleet-wide control -----------------------------------------------------------------------
 
     async def _each(self, method: str, *args: object) -> None:

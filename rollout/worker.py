@@ -58,6 +58,8 @@ class RolloutWorker:
         self._active: set[str] = set()  # holding a concurrency slot
         self._held: list[AgentData] = []  # submitted or parked while paused
         self._paused = False
+        self._paused_epoch = -1  # newest sync epoch whose pause started here
+        self._resumed_epoch = -1  # newest sync epoch whose resume was applied
         self._num_sinking = 0
         self.sink_retry_s = sink_retry_s
         self.num_sink_retries = 0
@@ -162,14 +164,29 @@ class RolloutWorker:
 
     # ---- interrupt protocol -------------------------------------------------------------------
 
-    async def pause(self, timeout_s: float = 60.0) -> None:
-        """Hold admissions and (abort mode) park every loop that uses the engine; see module doc."""
+    async def pause(self, timeout_s: float = 60.0, epoch: int | None = None) -> None:
+        """Hold admissions and (abort mode) park every loop that uses the engine; see module doc.
+
+        `epoch` is the weight sync's fencing token (as for engines, `rollout.engine.base.SyncFence`):
+        a remote pause that timed out at the coordinator still runs here, possibly after its resume.
+        A pause not newer than an applied resume is ignored, and one overtaken by its resume while
+        parking stops waiting, so a late pause never leaves the worker holding its trajectories."""
+        if epoch is not None:
+            if epoch <= self._resumed_epoch or epoch < self._paused_epoch:
+                logger.warning(
+                    "%s: ignoring stale pause of sync epoch %d (newest pause %d, resume %d)",
+                    self.worker_id, epoch, self._paused_epoch, self._resumed_epoch,
+                )
+                return
+            self._paused_epoch = epoch
         self._paused = True
         if self.pause_mode is PauseMode.KEEP:
             return
         self.ctx.cancel.set()
         deadline = time.monotonic() + timeout_s
         while self.ctx.num_in_engine > 0 or self._num_sinking > 0 or self._num_about_to_generate() > 0:
+            if epoch is not None and self._resumed_epoch >= epoch:
+                return  # its resume came first: serving again
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{self.worker_id}: {self.ctx.num_in_engine} generations did not park within {timeout_s}s"
@@ -184,8 +201,16 @@ class RolloutWorker:
             if self._states[tid].state in (AgentState.PENDING, AgentState.GENERATING)
         )
 
-    async def resume(self) -> None:
-        """Serve again: relaunch parked trajectories from their AgentData, then held submissions."""
+    async def resume(self, epoch: int | None = None) -> None:
+        """Serve again: relaunch parked trajectories from their AgentData, then held submissions.
+        A resume older than the pause in force (a late one from an earlier sync) is ignored."""
+        if epoch is not None:
+            if epoch < self._paused_epoch:
+                logger.warning(
+                    "%s: ignoring stale resume of sync epoch %d (pause %d in force)", self.worker_id, epoch, self._paused_epoch
+                )
+                return
+            self._resumed_epoch = max(self._resumed_epoch, epoch)
         self.ctx.cancel.clear()
         self._paused = False
         held, self._held = self._held, []

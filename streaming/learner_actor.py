@@ -103,6 +103,10 @@ class LearnerActor:
         the old one if the sync failed (it is retried at the next publish)."""
         return await self.learner.publish()
 
+    async def dropped_engines(self) -> dict[str, str]:
+        """engine_id -> why weight sync dropped it from the sync set (it may rejoin at a later sync)."""
+        return await self.learner.dropped_engines()
+
     async def save_checkpoint(self, path: str) -> None:
         await self.learner.save_checkpoint(path)
 

@@ -85,6 +85,9 @@ class LocalLearner:
         finally:
             trim_allocator()  # staging buffers of the sync go back to the OS before the next step
 
+    async def dropped_engines(self) -> dict[str, str]:
+        return {} if self.publisher is None else self.publisher.dropped_engines
+
     async def save_checkpoint(self, path: str) -> None:
         self.engine.save_checkpoint(path)
 
@@ -149,6 +152,9 @@ class PublishingLearnerWorker(LearnerWorker):
         finally:
             del tensors  # the only unsharded copy; free it before training resumes
         return {**metrics, "sync/gather_s": gather_s}, served
+
+    def dropped_engines(self) -> dict[str, str]:
+        return {} if self.publisher is None else self.publisher.dropped_engines
 
     def close_publisher(self) -> None:
         """Release the weight-sync group (engines drop their side too); safe to call twice."""
@@ -228,6 +234,9 @@ class GroupLearner:
         (metrics, served), *_ = await self._wait(refs)
         self.served_version = served
         return metrics, served
+
+    async def dropped_engines(self) -> dict[str, str]:
+        return (await self._wait([self.group.rank0.dropped_engines.remote()]))[0]
 
     async def save_checkpoint(self, path: str) -> None:
         await self._wait(self.group.submit("save_checkpoint", str(Path(path))))

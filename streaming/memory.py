@@ -122,6 +122,39 @@ def end_of_step(device: str = "cpu") -> dict[str, float]:
     return metrics
 
 
+def _pid_peak_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:  # gone meanwhile, or not Linux
+        pass
+    return 0
+
+
+def part_peak_gb() -> float:
+    """Peak memory of a run part (an engine, a rollout worker, the buffer, the driver): the process's
+    own peak RSS plus its children's (vLLM's EngineCore and tool subprocesses), GiB. On CUDA the GPU
+    peak is reported apart (`part_gpu_peak_gb`). Never reset: this is the peak since the part started."""
+    import psutil
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        children = []
+    return peak_rss_gb() + sum(_pid_peak_kb(c.pid) for c in children) / 1024**2
+
+
+def part_memory(part: str) -> dict[str, float]:
+    """`memory/<part>_peak_gb` (and `memory/<part>_gpu_peak_gb` where this process uses CUDA)."""
+    out = {f"memory/{part}_peak_gb": part_peak_gb()}
+    gpu = cuda_peak_gb()
+    if gpu is not None:
+        out[f"memory/{part}_gpu_peak_gb"] = gpu
+    return out
+
+
 def rank_end_of_step(engine: Any) -> dict[str, float]:
     """`end_of_step` on one rank of a learner group (`LearnerWorker.run(rank_end_of_step)`)."""
     return end_of_step(str(engine.device))

@@ -149,6 +149,10 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
         ("lag at consume (mean / max)",
          f"{fmt_number(_col_mean(df, 'staleness/lag_mean'), '.2f')} / {fmt_number(df['staleness/lag_max'].max() if 'staleness/lag_max' in df else None, '.0f')}"),
         ("weight syncs (count, mean total s)", f"{len(syncs)}, {fmt_number(float(np.mean(syncs)) if len(syncs) else None)}"),
+        ("peak memory by part (GiB)", ", ".join(
+            f"{c[len('memory/'):-len('_peak_gb')]} {df[c].max():.2f}"
+            for c in sorted(df.columns) if c.startswith("memory/") and c.endswith("_peak_gb") and df[c].notna().any()
+        ) or "–"),
         ("resumes detected", str(len(resume_points(df)))),
         ("sampled trajectories", str(len(data.samples))),
     ]

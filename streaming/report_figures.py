@@ -272,6 +272,7 @@ def plot_remaining(df: pd.DataFrame, used: set[str], resumes: Sequence[float]) -
 def build_figures(df: pd.DataFrame, spans: pd.DataFrame, problems: list[str]) -> list[FigureBlock]:
     """All report sections in page order; failures are appended to `problems`."""
     resumes = resume_points(df)
+    memory_cols = sorted(c for c in df.columns if c.startswith("memory/") and c.endswith("peak_gb"))
     engine_cols = sorted(c for c in df.columns if c.startswith(ENGINE_BUSY_KEY + "/"))
     groups: list[tuple[str, str, list[tuple[str, Sequence[str], str]], str]] = [
         ("rollout", "Reward and rollouts", [
@@ -296,6 +297,11 @@ def build_figures(df: pd.DataFrame, spans: pd.DataFrame, problems: list[str]) ->
             ("IS ratio", ["is/ratio_mean", "is/ratio_max"], "learner_step"),
             ("IS clip / mask / mismatch", ["is/clip_frac", "is/mask_frac", "is/mismatch_kl"], "learner_step"),
         ], ""),
+        ("memory", "Memory", [
+            ("peak memory by part (GiB)", memory_cols, "learner_step"),
+            ("learner resident set after each step (GiB)", ["memory/learner_rss_gb"], "learner_step"),
+        ], "Peak RSS of each part (plus its child processes; GPU peaks where a part computes on CUDA). "
+           "The learner's peak is per step, the other parts' since they started."),
     ]
     used = {k for _, _, panels, _ in groups for _, keys, _ in panels for k in keys}
     used |= {c for c in df.columns if c.startswith(("staleness/lag_", "sync/"))}

@@ -59,6 +59,7 @@ class RolloutWorkerActor:
         server = ServerManager(clients, max_sticky_keys=cfg.rollout.sticky_lru_size)
         ctx = build_agent_context(cfg, model_path, server)
         ctx.snapshot = self._snapshot  # I5: tool intents are durable before the tools run
+        self.server = server
         self.worker = RolloutWorker(
             ctx,
             self._sink,
@@ -106,15 +107,28 @@ class RolloutWorkerActor:
             self.worker.submit(AgentData.from_json(text))
         return self.worker.num_running
 
-    async def pause(self) -> None:
-        await self.worker.pause()
+    async def pause(self, epoch: int | None = None) -> None:
+        await self.worker.pause(epoch=epoch)
 
-    async def resume(self) -> None:
-        await self.worker.resume()
+    async def resume(self, epoch: int | None = None) -> None:
+        await self.worker.resume(epoch=epoch)
 
     async def metrics(self) -> dict[str, float]:
         self.worker.check()
         return self.worker.metrics()
+
+    async def memory(self) -> dict[str, float]:
+        """`memory/rollout_worker_peak_gb`: this part's peak since it started (`streaming.memory.part_memory`)."""
+        from streaming.memory import part_memory
+
+        return part_memory("rollout_worker")
+
+    async def route(self, keep_out: list[str]) -> list[str]:
+        """Keep routing in line with weight sync (I6): engines in `keep_out` (dropped from the sync
+        set, so they may serve stale or half-loaded weights) leave routing; every other unhealthy
+        engine is pinged and rejoins once it answers at the newest policy_version. Returns the
+        engines restored."""
+        return await self.server.align(keep_out)
 
     async def running_ids(self) -> list[str]:
         return self.worker.running_ids()

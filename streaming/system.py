@@ -102,6 +102,7 @@ class System:
     _submit_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _next_worker: int = 0
     num_stranded_checks: int = 0  # consistency checks that found trajectories nobody runs
+    dropped_engines: dict[str, str] = field(default_factory=dict)  # out of the weight-sync set (I6)
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -211,6 +212,8 @@ class System:
     async def publish_weights(self) -> dict[str, float]:
         t0 = time.monotonic()
         metrics, self.state.policy_version = await self._call(self.learner.publish.remote())
+        self.dropped_engines = await self._call(self.learner.dropped_engines.remote())
+        metrics["sync/num_dropped_engines"] = float(len(self.dropped_engines))
         if self.state.policy_version > self.state.version_high_water:
             self.state.version_high_water = self.state.policy_version
             self.state.save(self.run_dir / "driver_state.json")
@@ -269,7 +272,17 @@ class System:
                 self.num_worker_replacements += 1
             self.workers = alive
             await self._call(self.learner.set_workers.remote(self.workers))
+        await self.align_routing(alive)
         await self.resubmit_orphans()
+
+    async def align_routing(self, workers: list[Any]) -> None:
+        """Every worker routes to the engines weight sync keeps (I6) and takes back recovered ones."""
+        keep_out = sorted(self.dropped_engines)
+        for w in workers:
+            try:
+                await self._call(w.route.remote(keep_out), 60.0)
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                continue  # dying: the next check replaces it
 
     async def resubmit_orphans(self) -> int:
         """Resubmit every resumable trajectory (latest row partial) that no worker runs or holds.
@@ -363,7 +376,25 @@ class System:
         metrics["engine/busy_s"] = sum(b for b, _ in busy) / max(len(busy), 1)
         metrics["engine/uptime_s"] = sum(u for _, u in busy) / max(len(busy), 1)
         metrics["engine/busy_fraction"] = metrics["engine/busy_s"] / max(metrics["engine/uptime_s"], 1e-9)
+        metrics.update(await self.memory_metrics())
         self.metrics.log(metrics, learner_step=self.state.learner_step, policy_version=self.state.policy_version)
+
+
+    async def memory_metrics(self) -> dict[str, float]:
+        """`memory/<part>_peak_gb` of every part but the learner (which reports its own per step): the
+        fullest engine and rollout worker, the buffer, and this driver process (its own RSS peak only:
+        a local Ray cluster's processes are its children)."""
+        from streaming.memory import peak_rss_gb
+
+        out = {"memory/driver_peak_gb": peak_rss_gb()}
+        for actor in [*self.engines, *self.workers, self.buffer]:
+            try:
+                reported = await self._call(actor.memory.remote(), 30.0)
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                continue  # gone: the health loop deals with it
+            for key, value in reported.items():
+                out[key] = max(out.get(key, 0.0), value)
+        return out
 
 
 def make_worker(sys_or_parts: Any, worker_id: str) -> Any:

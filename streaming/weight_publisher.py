@@ -38,10 +38,10 @@ class RemoteWorkers:
         self.handles = list(handles)
         self.timeout_s = timeout_s
 
-    async def _each(self, method: str) -> None:
+    async def _each(self, method: str, epoch: int | None) -> None:
         import ray
 
-        refs = [getattr(h, method).remote() for h in self.handles]
+        refs = [getattr(h, method).remote(epoch=epoch) for h in self.handles]
         outcomes = await asyncio.wait_for(asyncio.gather(*refs, return_exceptions=True), self.timeout_s)
         for outcome in outcomes:
             if isinstance(outcome, ray.exceptions.RayActorError):
@@ -49,11 +49,11 @@ class RemoteWorkers:
             elif isinstance(outcome, BaseException):
                 raise outcome
 
-    async def pause(self) -> None:
-        await self._each("pause")
+    async def pause(self, epoch: int | None = None) -> None:
+        await self._each("pause", epoch)
 
-    async def resume(self) -> None:
-        await self._each("resume")
+    async def resume(self, epoch: int | None = None) -> None:
+        await self._each("resume", epoch)
 
 
 class WeightPublisher:

@@ -52,11 +52,13 @@ logger = logging.getLogger(__name__)
 class PausableWorkers(Protocol):
     """The rollout side (implemented by the rollout workers / agent-loop driver)."""
 
-    async def pause(self) -> None:
-        """Abort in-flight generations keeping their tokens, park loops, stop admitting; returns when parked."""
+    async def pause(self, epoch: int | None = None) -> None:
+        """Abort in-flight generations keeping their tokens, park loops, stop admitting; returns when
+        parked. `epoch` fences it as for engines: stale or overtaken pauses must not stick."""
 
-    async def resume(self) -> None:
-        """Let parked loops re-prefill and continue; admit new trajectories again."""
+    async def resume(self, epoch: int | None = None) -> None:
+        """Let parked loops re-prefill and continue; admit new trajectories again (unless `epoch` is
+        older than the pause in force)."""
 
 
 class WeightSyncCoordinator:
@@ -157,7 +159,7 @@ class WeightSyncCoordinator:
             t0 = time.monotonic()
             try:
                 drops |= await self._resume_engines(engines, epoch)
-                await self._resume_workers()
+                await self._resume_workers(epoch)
             finally:
                 result.resume_s = time.monotonic() - t0
                 for engine_id, why in drops.items():
@@ -176,7 +178,7 @@ class WeightSyncCoordinator:
     async def _pause(self, engines: Sequence[SyncEngine], epoch: int) -> None:
         mode = self.config.pause_mode
         if mode is PauseMode.ABORT and self.workers is not None:
-            await self.workers.pause()
+            await self.workers.pause(epoch=epoch)
         outcomes = await asyncio.gather(*(e.pause(mode, epoch=epoch) for e in engines), return_exceptions=True)
         for engine, outcome in zip(engines, outcomes, strict=True):
             if isinstance(outcome, BaseException):
@@ -226,11 +228,11 @@ class WeightSyncCoordinator:
             if isinstance(o, BaseException)
         }
 
-    async def _resume_workers(self) -> None:
+    async def _resume_workers(self, epoch: int) -> None:
         """After the engines, so that parked loops find them serving."""
         if self.config.pause_mode is PauseMode.ABORT and self.workers is not None:
             try:
-                await asyncio.wait_for(self.workers.resume(), self.config.timeouts.resume)
+                await asyncio.wait_for(self.workers.resume(epoch=epoch), self.config.timeouts.resume)
             except Exception:
                 logger.exception("rollout workers did not resume")
                 raise

@@ -117,6 +117,12 @@ class EngineActor:
     async def stats(self) -> EngineStats:
         return (await self._ready()).stats()
 
+    async def memory(self) -> dict[str, float]:
+        """`memory/engine_peak_gb`: this part's peak since it started (`streaming.memory.part_memory`)."""
+        from streaming.memory import part_memory
+
+        return part_memory("engine")
+
     async def shutdown(self) -> None:
         if self._engine is not None:
             await self._engine.shutdown()

@@ -62,3 +62,22 @@ def test_group_learner_reports_its_fullest_rank(ray_cluster):
         assert 0 < metrics["memory/learner_rss_gb"] <= metrics["memory/learner_peak_gb"] + 0.05
     finally:
         asyncio.run(learner.shutdown())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_part_peak_counts_child_processes():
+    """An engine's memory is mostly its EngineCore child: a part's peak must include children."""
+    import subprocess
+
+    own = memory.peak_rss_gb()
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; b = bytearray(400 * 1024**2); sys.stdout.write('ok\\n'); sys.stdout.flush(); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert child.stdout.readline() == "ok\n"  # the 400 MiB are resident now
+        reported = memory.part_memory("engine")
+    finally:
+        child.communicate("", timeout=30)
+    assert set(reported) == {"memory/engine_peak_gb"}  # no CUDA here
+    assert reported["memory/engine_peak_gb"] >= own + 0.35

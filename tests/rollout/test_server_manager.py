@@ -133,6 +133,21 @@ async def test_probe_restores_an_engine_that_answers_again_at_the_current_versio
 
 
 @pytest.mark.timeout(30)
+async def test_align_follows_the_weight_sync_set():
+    """I6 wiring: an engine weight sync dropped leaves routing even while it still answers (it may
+    serve stale or half-loaded weights); once sync takes it back it rejoins at the current version."""
+    engines = fleet(3)
+    manager = ServerManager(engines)
+    assert await manager.align(keep_out=["e2"]) == []
+    assert manager.healthy_engine_ids == ["e0", "e1"]
+    outputs = await asyncio.gather(*(manager.generate(f"t{i}", f"r{i}", [1], SAMPLING) for i in range(6)))
+    assert {engine_id for _, engine_id in outputs} == {"e0", "e1"}  # nothing routed to the dropped engine
+    assert await manager.align(keep_out=["e2"]) == []  # still dropped: stays out though it answers
+    assert await manager.align(keep_out=[]) == ["e2"]  # sync took it back
+    assert manager.healthy_engine_ids == ["e0", "e1", "e2"]
+
+
+@pytest.mark.timeout(30)
 async def test_probe_is_bounded_when_an_engine_never_answers():
     class Hung(FakeEngine):
         async def ping(self) -> int:

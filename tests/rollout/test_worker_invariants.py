@@ -83,3 +83,64 @@ async def test_a_sink_that_keeps_failing_is_a_worker_fault(tiny_tokenizer):
     assert len(attempts) == 5 and worker.num_finished == 0
     with pytest.raises(RuntimeError, match="could not be saved"):
         worker.check()
+
+
+async def test_a_pause_landing_after_its_resume_is_ignored(tiny_tokenizer):
+    """Fencing (I2 with I7): the coordinator's pause timed out, it resumed, and then the pause ran
+    here. Unfenced, the worker would hold every trajectory until the next sync."""
+    script, _ = turn_script(tiny_tokenizer, [ANSWER])
+    ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script))
+    rows = []
+
+    async def sink(traj):
+        rows.append(traj)
+
+    worker = RolloutWorker(ctx, sink)
+    await worker.resume(epoch=7)
+    await worker.pause(timeout_s=1.0, epoch=7)  # late: ignored
+    worker.submit(new_data())
+    await _until(lambda: worker.num_finished == 1)
+    assert worker.num_held == 0 and [t.status for t in rows] == [TrajectoryStatus.FINISHED]
+
+
+async def test_a_pause_overtaken_by_its_resume_while_parking_returns(tiny_tokenizer):
+    """The resume of the same sync arrives while the pause still waits for a row to be saved: the
+    pause stops waiting (no timeout) and the worker serves."""
+    script, _ = turn_script(tiny_tokenizer, [CALL, ANSWER])
+    ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script, token_delay_s=0.01))
+    release = asyncio.Event()
+    rows = []
+
+    async def slow_sink(traj):
+        if traj.status is TrajectoryStatus.PARTIAL:
+            await release.wait()
+        rows.append(traj)
+
+    worker = RolloutWorker(ctx, slow_sink)
+    worker.submit(new_data())
+    await _until(lambda: ctx.num_in_engine > 0)
+    pausing = asyncio.create_task(worker.pause(timeout_s=30.0, epoch=3))
+    await _until(lambda: worker._num_sinking > 0)  # parking: the partial row is being saved
+    await worker.resume(epoch=3)
+    await asyncio.wait_for(pausing, 2.0)  # returns at once, not after 30 s or with a TimeoutError
+    release.set()
+    await _until(lambda: worker.num_finished == 1)
+    assert [t.status for t in rows] == [TrajectoryStatus.PARTIAL, TrajectoryStatus.FINISHED]
+
+
+async def test_a_stale_resume_does_not_end_a_newer_pause(tiny_tokenizer):
+    script, _ = turn_script(tiny_tokenizer, [ANSWER])
+    ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script))
+    rows = []
+
+    async def sink(traj):
+        rows.append(traj)
+
+    worker = RolloutWorker(ctx, sink)
+    await worker.pause(timeout_s=1.0, epoch=5)
+    await worker.resume(epoch=4)  # the late resume of the previous sync
+    worker.submit(new_data())
+    await asyncio.sleep(0.2)
+    assert worker.num_held == 1 and rows == []  # still paused: held, not generating
+    await worker.resume(epoch=5)
+    await _until(lambda: worker.num_finished == 1)

@@ -120,3 +120,10 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
 
     assert (run_dir / "report.html").exists()
     assert "resumed run at learner step" in log.read_text()
+    # Every part reports its peak memory on every logged step (issue 9).
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    logged = [m for m in logged if "learner/loss" in m]
+    assert logged
+    for part in ("learner", "engine", "rollout_worker", "buffer", "driver"):
+        peaks = [m.get(f"memory/{part}_peak_gb") for m in logged]
+        assert all(p is not None and 0.05 < p < 20 for p in peaks), (part, peaks)

@@ -31,10 +31,10 @@ class CountingWorker:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    async def pause(self) -> None:
+    async def pause(self, epoch: int | None = None) -> None:
         self.calls.append("pause")
 
-    async def resume(self) -> None:
+    async def resume(self, epoch: int | None = None) -> None:
         self.calls.append("resume")
 
     async def log(self) -> list[str]:

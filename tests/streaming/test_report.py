@@ -52,7 +52,8 @@ def _write_run(run_dir, tok, model_path, *, num_steps: int = 6) -> None:
                 "learner/idle_ratio": 0.1, "engine/busy_fraction": 0.97, "engine/busy_fraction/engine-0": 0.97,
                 "is/ratio_mean": 1.0, "is/ratio_mean/lag_0": 1.0, "is/ratio_mean/lag_1": 0.9, "is/clip_frac/lag_1": 0.2,
                 "sync/pause_s": 0.1, "sync/transfer_s": 0.3, "sync/resume_s": 0.05, "sync/total_s": 0.45,
-                "custom/thing": step,
+                "custom/thing": step, "memory/learner_peak_gb": 2.0 + step / 10, "memory/learner_rss_gb": 1.5,
+                "memory/engine_peak_gb": 4.25, "memory/driver_peak_gb": 0.5,
                 **hist.to_metrics("staleness/lag_hist/"),
                 **summarize([0, 1, step], prefix="staleness/lag_"),
             }, learner_step=step, policy_version=step)
@@ -74,7 +75,7 @@ def test_report_from_synthetic_run(tmp_path, tiny_model_path, tiny_tokenizer):
     html = out.read_text()
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", html)  # offline: nothing fetched, no CDN
     assert "<script" not in html and "<link" not in html
-    for anchor in ("rollout", "throughput", "learner", "staleness", "timeline", "sync", "is", "other"):
+    for anchor in ("rollout", "throughput", "learner", "memory", "staleness", "timeline", "sync", "is", "other"):
         section = html.split(f'<h2 id="{anchor}">', 1)[1].split("<h2", 1)[0]
         assert "<svg" in section, f"figure {anchor} missing"
     assert "custom/thing" in html  # metrics no dedicated figure shows still get a panel
@@ -93,6 +94,7 @@ def test_report_from_synthetic_run(tmp_path, tiny_model_path, tiny_tokenizer):
     assert summary["final reward (mean of last 3 steps)"] == "0.500"
     assert summary["engine busy fraction (mean)"] == "97.0%"
     assert summary["weight syncs (count, mean total s)"] == "6, 0.450"
+    assert summary["peak memory by part (GiB)"] == "driver 0.50, engine 4.25, learner 2.60"  # max over steps
 
 
 @pytest.mark.timeout(60)

@@ -161,14 +161,17 @@ class RecordingWorkers:
     def __init__(self, events: list[tuple[str, str]], *, fail_pause: bool = False) -> None:
         self.events = events
         self.fail_pause = fail_pause
+        self.epochs: list[tuple[str, int | None]] = []
 
-    async def pause(self) -> None:
+    async def pause(self, epoch: int | None = None) -> None:
         self.events.append(("workers", "pause"))
+        self.epochs.append(("pause", epoch))
         if self.fail_pause:
             raise RuntimeError("a rollout worker crashed while parking")
 
-    async def resume(self) -> None:
+    async def resume(self, epoch: int | None = None) -> None:
         self.events.append(("workers", "resume"))
+        self.epochs.append(("resume", epoch))
 
 
 def toy_weights(seed: int = 0) -> list[tuple[str, torch.Tensor]]:

@@ -35,7 +35,8 @@ def _assert_loaded(engine: ThreadEngine, weights) -> None:
 async def test_one_broadcast_updates_two_engines_in_protocol_order():
     events: list[tuple[str, str]] = []
     engines = [ThreadEngine("e0", events), ThreadEngine("e1", events)]
-    coordinator = WeightSyncCoordinator(_config(), engines, workers=RecordingWorkers(events))
+    workers = RecordingWorkers(events)
+    coordinator = WeightSyncCoordinator(_config(), engines, workers=workers)
     weights = toy_weights(1)
     result = await coordinator.sync(weights)
     assert result.ok, result.error
@@ -56,6 +57,10 @@ async def test_one_broadcast_updates_two_engines_in_protocol_order():
     assert (await coordinator.sync(weights2)).ok
     _assert_loaded(engines[1], weights2)
     assert engines[1].policy_version == 2
+    # the workers' pause and resume carry their sync's fencing epoch, increasing from sync to sync
+    (p1, e1), (r1, f1), (p2, e2), (r2, f2) = workers.epochs
+    assert (p1, r1, p2, r2) == ("pause", "resume", "pause", "resume")
+    assert e1 is not None and e1 == f1 < e2 == f2
     await coordinator.close()
 
 

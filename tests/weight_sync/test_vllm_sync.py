@@ -164,11 +164,11 @@ class AbortingWorkers:
         self.engine, self.request_id, self.task = engine, request_id, task
         self.parked = None
 
-    async def pause(self) -> None:
+    async def pause(self, epoch: int | None = None) -> None:
         await self.engine.abort(self.request_id)
         self.parked = await self.task
 
-    async def resume(self) -> None:
+    async def resume(self, epoch: int | None = None) -> None:
         pass
 
 
