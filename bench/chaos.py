@@ -56,6 +56,10 @@ def scenarios(seed: int) -> dict[str, list[str]]:
         ],
         # I6: the only engine dies: the run stops with a clear error (no hang); the resume continues.
         "engine": [f"engine.generate=kill_self@{n(5, 30, 'i')}"],
+        # I7/I6: a failing pause (the sync is abandoned, engines keep the old version) and failing
+        # commits (repaired by the re-commit; a commit and its re-commit both failing drop the only
+        # engine: a clear stop, and the resume goes on).
+        "sync": [f"sync.pause=raise@{n(2, 3, 'j')},sync.commit=raise%{n(2, 3, 'k')}"],
     }
 
 

@@ -1,7 +1,8 @@
 """Learner memory benchmark: peak of one train step with and without chunked logits, and RSS across steps.
 
     python -m bench.memory_learner [--config configs/default.toml] [--seeds 3] [--steps 50]
-                                   [--skip-chunks] [--out bench/results/memory_learner.json]
+                                   [--skip-chunks] [--growth-variants before,after]
+                                   [--out bench/results/memory_learner.json]
 
 The learner of the run file (SmolLM2-135M for configs/default.toml) gets synthetic batches shaped
 like that run's: `buffer.batch_size` sequences in groups of `buffer.group_size`, prompts up to
@@ -16,7 +17,8 @@ only that variant:
 - growth (with `--steps N > 0`): N steps on batches of varying lengths, RSS after each step, once
   as before issue 9 (no chunking, no activation checkpointing, no allocator settings, no trim) and
   once as the learner runs now (the run file + `--override`s, `streaming.memory.learner_runtime_env()`
-  in the environment, `trim_allocator()` after each step).
+  in the environment, `trim_allocator()` after each step); `--growth-variants after` runs only the
+  latter.
 
 `learner_memory()` returns the result dict (bench/memory.py folds it into its report).
 """
@@ -176,6 +178,7 @@ def learner_memory(
     chunk_steps: int = 2,
     chunks: bool = True,
     overrides: list[str] | None = None,
+    growth_variants: tuple[str, ...] = ("before", "after"),
     timeout_s: float = 6 * 3600,
 ) -> dict[str, Any]:
     """Run the variants (each in its own subprocess) and summarise; see the module docstring.
@@ -198,6 +201,8 @@ def learner_memory(
         }
         out["growth"] = {}
         for name, (chunk, fix, extra) in variants.items():
+            if name not in growth_variants:
+                continue
             spec = {**base, "overrides": [*base["overrides"], *extra], "name": f"growth-{name}", "chunk": chunk,
                     "steps": steps, "longest": False, "trim": fix}
             result = _spawn(spec, allocator_env=fix, timeout_s=timeout_s)
@@ -234,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the chunked-vs-unchunked peak")
     parser.add_argument("--chunk-steps", type=int, default=2, help="train steps per chunk-comparison run")
     parser.add_argument("--skip-chunks", action="store_true")
+    parser.add_argument("--growth-variants", default="before,after",
+                        help="which growth runs: before (the pre-issue-9 learner), after (as it runs now)")
     parser.add_argument("--override", action="append", default=[], help="a run-file override, key=value")
     parser.add_argument("--out", default="bench/results/memory_learner.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -248,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python -m bench.memory_learner", *(argv if argv is not None else sys.argv[1:])]),
         "machine": _machine(),
         **learner_memory(args.config, steps=args.steps, seeds=args.seeds, chunk_steps=args.chunk_steps,
-                         chunks=not args.skip_chunks, overrides=args.override),
+                         chunks=not args.skip_chunks, overrides=args.override,
+                         growth_variants=tuple(args.growth_variants.split(","))),
         "wall_s": time.perf_counter() - start,
     }
     out = Path(args.out)

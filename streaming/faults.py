@@ -33,6 +33,8 @@ POINTS = {
     "worker.after_sink": "rollout worker: a row was saved, the worker's bookkeeping not yet updated",
     "tool.before_run": "rollout worker: a tool call's intent is durable, the tool has not run",
     "engine.generate": "engine: a generation request arrives",
+    "sync.pause": "engine: a weight-sync pause arrives (before the transfer)",
+    "sync.commit": "engine: a weight-sync commit arrives (staged weights verified, not loaded yet)",
 }
 
 

@@ -89,12 +89,18 @@ class EngineActor:
             _remember(self._early_aborts, request_id)
 
     async def pause(self, mode: str = PauseMode.ABORT, epoch: int | None = None) -> None:
+        from streaming.faults import hit
+
+        hit("sync.pause")
         await (await self._ready()).pause(PauseMode(mode), epoch=epoch)
 
     async def resume(self, epoch: int | None = None) -> None:
         await (await self._ready()).resume(epoch=epoch)
 
     async def commit_weights(self, policy_version: int, epoch: int, timeout_s: float | None = None) -> None:
+        from streaming.faults import hit
+
+        hit("sync.commit")
         await (await self._ready()).commit_weights(policy_version, epoch=epoch, timeout_s=timeout_s)
 
     async def ping(self) -> int:

@@ -85,17 +85,21 @@ async def test_a_sink_that_keeps_failing_is_a_worker_fault(tiny_tokenizer):
         worker.check()
 
 
-async def test_a_pause_landing_after_its_resume_is_ignored(tiny_tokenizer):
-    """Fencing (I2 with I7): the coordinator's pause timed out, it resumed, and then the pause ran
-    here. Unfenced, the worker would hold every trajectory until the next sync."""
-    script, _ = turn_script(tiny_tokenizer, [ANSWER])
-    ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script))
-    rows = []
+def _one_turn_worker(tokenizer) -> tuple[RolloutWorker, list]:
+    """A worker whose trajectories answer in one turn, saving rows into the returned list."""
+    script, _ = turn_script(tokenizer, [ANSWER])
+    rows: list = []
 
     async def sink(traj):
         rows.append(traj)
 
-    worker = RolloutWorker(ctx, sink)
+    return RolloutWorker(make_ctx(tokenizer, FakeEngine(script=script)), sink), rows
+
+
+async def test_a_pause_landing_after_its_resume_is_ignored(tiny_tokenizer):
+    """Fencing (I2 with I7): the coordinator's pause timed out, it resumed, and then the pause ran
+    here. Unfenced, the worker would hold every trajectory until the next sync."""
+    worker, rows = _one_turn_worker(tiny_tokenizer)
     await worker.resume(epoch=7)
     await worker.pause(timeout_s=1.0, epoch=7)  # late: ignored
     worker.submit(new_data())
@@ -129,14 +133,7 @@ async def test_a_pause_overtaken_by_its_resume_while_parking_returns(tiny_tokeni
 
 
 async def test_a_stale_resume_does_not_end_a_newer_pause(tiny_tokenizer):
-    script, _ = turn_script(tiny_tokenizer, [ANSWER])
-    ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script))
-    rows = []
-
-    async def sink(traj):
-        rows.append(traj)
-
-    worker = RolloutWorker(ctx, sink)
+    worker, rows = _one_turn_worker(tiny_tokenizer)
     await worker.pause(timeout_s=1.0, epoch=5)
     await worker.resume(epoch=4)  # the late resume of the previous sync
     worker.submit(new_data())
