@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-BENCHMARKS = ["bench.buffer", "bench.learner", "bench.weight_sync", "bench.async_vs_sync"]
+BENCHMARKS = ["bench.buffer", "bench.learner", "bench.weight_sync", "bench.async_vs_sync", "bench.memory"]
 
 
 def main(argv: list[str] | None = None) -> int:
