@@ -40,7 +40,7 @@ bench: install
 
 # >= 50 seeded faults on the real system, checked against the invariants: bench/results/chaos.json
 chaos: install
-	$(PY) -m bench.chaos --seeds 4
+	$(PY) -m bench.chaos --seeds 2
 
 # what a newcomer sees: clone, install and `make run` from scratch: bench/results/fresh_run.json
 fresh-run: install

@@ -7,7 +7,9 @@ async invariants from the durable log and the run directory only (`streaming/inv
 A scenario is a list of segments; each segment is one `streamrl train` process (the first starts the
 run, the others `--resume` it) with its own armed faults. A segment killed by a `kill_job` fault, or
 stopped by a clear error (a dead engine), is followed by the next; after the faulted segments clean
-resumes run until the run completes. A segment that runs past its time limit is a hang.
+resumes run until the run completes. A segment that runs past its time limit is a hang. A segment
+entry `sigkill_after=S` is the runner's own fault: it SIGKILLs the whole job S seconds in, wherever
+the job is (start-up, a sync, a step, a checkpoint), the way a preempted node would.
 """
 
 from __future__ import annotations
@@ -60,7 +62,28 @@ def scenarios(seed: int) -> dict[str, list[str]]:
         # commits (repaired by the re-commit; a commit and its re-commit both failing drop the only
         # engine: a clear stop, and the resume goes on).
         "sync": [f"sync.pause=raise@{n(2, 3, 'j')},sync.commit=raise%{n(2, 3, 'k')}"],
+        # I1/I2/I4: the whole job SIGKILLed at a seeded random time, twice, with no armed point
+        # (a tiny-model job is ~20 s of start-up, then admission, steps and checkpoints; a resume
+        # is ~40 s of recovery first).
+        "sigkill": [f"sigkill_after={n(25, 60, 'l')}", f"sigkill_after={n(35, 70, 'm')}"],
+        # I2/I6: a slow sink (every few appends wait seconds: rows land during pauses and syncs)
+        # that also raises now and then; then the job killed mid-admission.
+        "slow_sink": [
+            f"buffer.append=delay{n(2, 6, 'n')}%{n(2, 4, 'o')},worker.sink=raise%{n(4, 7, 'p')}",
+            f"buffer.append=delay{n(2, 6, 'q')}%3,admit.after_append=kill_job@{n(2, 3, 'r')}",
+        ],
+        # I6: the prompt stream runs out (5 prompts, one epoch: 2 full batches) with a kill on the
+        # way: the run ends cleanly at step 2 of 3 and the leftover group is neither lost nor trained.
+        "exhausted": [f"admit.after_append=kill_job@{n(2, 4, 's')}"],
     }
+
+
+# Config overrides a scenario adds to OVERRIDES.
+SCENARIO_OVERRIDES = {
+    "exhausted": ["data.num_prompts=5", "data.num_epochs=1", "data.shuffle=false"],
+    "sigkill": ["trainer.total_steps=8"],  # long enough that the kills land mid-run
+}
+RUNNER_FAULT = "sigkill_after="
 
 
 @dataclass(kw_only=True)
@@ -74,13 +97,25 @@ class ScenarioResult:
     invariants: dict = field(default_factory=dict)
 
 
-def _segment(args: list[str], env: dict[str, str], log: Path, timeout_s: float) -> tuple[int | None, float]:
+def _segment(args: list[str], env: dict[str, str], log: Path, timeout_s: float,
+             kill_after_s: float | None = None) -> tuple[int | None, float, bool]:
+    """(exit code or None for a hang, wall seconds, whether the runner SIGKILLed it)."""
     t0 = time.monotonic()
+    killed = False
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "streaming.cli", "train", *args], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = proc.wait(timeout_s)
+            if kill_after_s is not None:
+                try:
+                    return_code = proc.wait(kill_after_s)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    killed = True
+                    return_code = proc.wait(30)
+                rc = return_code
+            else:
+                rc = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             rc = None  # a hang
         finally:
@@ -89,7 +124,7 @@ def _segment(args: list[str], env: dict[str, str], log: Path, timeout_s: float) 
             except ProcessLookupError:
                 pass
             proc.wait(30)
-    return rc, time.monotonic() - t0
+    return rc, time.monotonic() - t0, killed
 
 
 def run_scenario(name: str, seed: int, faulted: list[str], root: Path, *, config: str = "configs/tiny.toml",
@@ -104,17 +139,24 @@ def run_scenario(name: str, seed: int, faulted: list[str], root: Path, *, config
     base_env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     base_env.pop("RAY_ADDRESS", None)
     plan = [*faulted, *[""] * max_clean]
+    runner_faults = 0
     for i, spec in enumerate(plan):
         if i >= len(faulted) and result.completed:
             break
-        env = dict(base_env, STREAMRL_FAULTS=spec, STREAMRL_FAULT_LEDGER=str(ledger))
+        items = [item for item in spec.split(",") if item]
+        kill_after = [float(item.removeprefix(RUNNER_FAULT)) for item in items if item.startswith(RUNNER_FAULT)]
+        armed = ",".join(item for item in items if not item.startswith(RUNNER_FAULT))
+        env = dict(base_env, STREAMRL_FAULTS=armed, STREAMRL_FAULT_LEDGER=str(ledger))
         args = (["--config", config, f"trainer.run_root={root}", f"trainer.run_name={run_name}",
-                 f"trainer.seed={seed}", *OVERRIDES] if i == 0 else ["--resume", str(run_dir)])
-        rc, wall = _segment(args, env, log, timeout_s)
-        result.segments.append({"faults": spec, "rc": rc, "wall_s": round(wall, 1)})
+                 f"trainer.seed={seed}", *OVERRIDES, *SCENARIO_OVERRIDES.get(name, [])]
+                if i == 0 else ["--resume", str(run_dir)])
+        rc, wall, killed = _segment(args, env, log, timeout_s, kill_after[0] if kill_after else None)
+        runner_faults += killed
+        result.segments.append({"faults": spec, "rc": rc, "wall_s": round(wall, 1), "sigkilled_by_runner": killed})
         result.hangs += rc is None
         result.completed = rc == 0
-    result.faults_injected = len(ledger.read_text().splitlines()) if ledger.exists() else 0
+    ledger_faults = len(ledger.read_text().splitlines()) if ledger.exists() else 0
+    result.faults_injected = ledger_faults + runner_faults
     if (run_dir / "driver_state.json").exists():
         result.invariants = asdict(check_run(run_dir))
     return result

@@ -83,6 +83,9 @@ class BufferActor:
     ) -> bool:
         """Append rows, awaiting room under backpressure (None = wait as long as it takes); False if
         they were not accepted within `timeout_s`. `durable=True`: True only once they are in the log."""
+        from streaming.faults import ahit
+
+        await ahit("buffer.append")
         self._check_flusher()
         batch = self._as_batch(data)
         if not self._all_partial(batch) and not self.buffer.has_room(batch.num_rows):

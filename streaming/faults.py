@@ -9,15 +9,20 @@ of them, per process:
 means: the 3rd time this process reaches `admit.after_append`, SIGKILL the whole job (the process
 group: driver and its local Ray node); the 2nd time it reaches `worker.sink`, raise `FaultInjected`.
 `raise%4` fires at every 4th pass instead of once. Actions: `kill_job`, `kill_self` (this process
-only: an actor dies, Ray reports it dead; a replacement actor counts its own passes), `raise`.
+only: an actor dies, Ray reports it dead; a replacement actor counts its own passes), `raise`, and
+`delay<seconds>` (e.g. `buffer.append=delay5%3`: every 3rd append takes 5 s longer; a slow disk or a
+busy buffer). Async code passes through `await ahit(point)`, which sleeps without blocking its loop.
 Ray actors see the same variable (`streaming.train` forwards it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import re
 import signal
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +38,7 @@ POINTS = {
     "worker.after_sink": "rollout worker: a row was saved, the worker's bookkeeping not yet updated",
     "tool.before_run": "rollout worker: a tool call's intent is durable, the tool has not run",
     "engine.generate": "engine: a generation request arrives",
+    "buffer.append": "buffer actor: rows arrive to be appended (before the room check)",
     "sync.pause": "engine: a weight-sync pause arrives (before the transfer)",
     "sync.commit": "engine: a weight-sync commit arrives (staged weights verified, not loaded yet)",
 }
@@ -42,6 +48,9 @@ class FaultInjected(RuntimeError):
     """Raised by a `raise` fault."""
 
 
+_ACTION = re.compile(r"kill_job|kill_self|raise|delay\d+(\.\d+)?")
+
+
 def _parse(spec: str) -> dict[str, tuple[str, int, bool]]:
     """point -> (action, pass number or period, periodic)."""
     armed: dict[str, tuple[str, int, bool]] = {}
@@ -49,8 +58,10 @@ def _parse(spec: str) -> dict[str, tuple[str, int, bool]]:
         point, _, rest = item.partition("=")
         periodic = "%" in rest
         action, _, nth = rest.partition("%" if periodic else "@")
-        if point not in POINTS or action not in ("kill_job", "kill_self", "raise"):
-            raise ValueError(f"bad {ENV} entry {item!r}: points {sorted(POINTS)}, actions kill_job/kill_self/raise")
+        if point not in POINTS or not _ACTION.fullmatch(action):
+            raise ValueError(
+                f"bad {ENV} entry {item!r}: points {sorted(POINTS)}, actions kill_job/kill_self/raise/delay<seconds>"
+            )
         armed[point] = (action, int(nth or 1), periodic)
     return armed
 
@@ -61,12 +72,24 @@ _hits: dict[str, int] = {}
 
 def hit(point: str) -> None:
     """Count one pass through `point`; fire its fault if this is the armed pass."""
+    if seconds := _fire(point):
+        time.sleep(seconds)
+
+
+async def ahit(point: str) -> None:
+    """`hit` for async code: a delay sleeps without blocking the event loop."""
+    if seconds := _fire(point):
+        await asyncio.sleep(seconds)
+
+
+def _fire(point: str) -> float:
+    """Count one pass; raise or kill if this is the armed pass; return a delay's seconds (else 0)."""
     if point not in _armed:
-        return
+        return 0.0
     _hits[point] = _hits.get(point, 0) + 1
     action, nth, periodic = _armed[point]
     if (_hits[point] % nth if periodic else _hits[point] != nth):
-        return
+        return 0.0
     nth = _hits[point]
     logger.warning("fault injected at %s: %s (pass %d)", point, action, nth)
     ledger = os.environ.get(LEDGER_ENV)
@@ -75,6 +98,8 @@ def hit(point: str) -> None:
             f.write(f"{point} {action} {nth} {os.getpid()}\n")
     if action == "raise":
         raise FaultInjected(point)
+    if action.startswith("delay"):
+        return float(action.removeprefix("delay"))
     for handler in logging.getLogger().handlers:
         handler.flush()
     if action == "kill_job":
