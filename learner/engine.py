@@ -172,7 +172,7 @@ class TrainingEngine:
     # ---- the step ----------------------------------------------------------------------------------
 
     def train_step(self, batch: Any) -> dict[str, float]:
-        """One PPO/GRPO step on a buffer batch; returns `learner/*`, `is/*`, `staleness/*` metrics."""
+        """One PPO/GRPO step on a buffer batch; returns `learner/*` and `is/*` metrics (streaming/catalogue.py)."""
         start = time.perf_counter()
         cfg = self.cfg
         full = batch if isinstance(batch, TrainBatch) else TrainBatch.from_padded(batch, self.device)
@@ -206,7 +206,7 @@ class TrainingEngine:
                 "learner/num_seqs": float(full.batch_size),
                 "learner/num_action_tokens": num_tokens,
                 "learner/tokens_per_s": total_tokens * cfg.ppo_epochs / max(elapsed, 1e-9),
-                "learner/step_time_s": elapsed,
+                "learner/update_s": elapsed,
                 "learner/recompute_time_s": recompute_s,
                 "learner/reward_mean": float(full.rewards.mean().item()),
                 "learner/advantage_mean": inputs.advantage_mean,

@@ -2,7 +2,8 @@
 
 The engine collects one `TokenStats` per micro-batch forward (flattened over action tokens) and
 reduces them once per step with `correction_metrics`. Names: `is/<stat>` and `is/<stat>/lag_<k>`
-(k < num_lag_buckets) or `is/<stat>/lag_<K>plus`; `staleness/*` is the consumed-lag histogram.
+(k < num_lag_buckets) or `is/<stat>/lag_<K>plus`; `is/token_frac/lag_<k>` is the share of the step's
+action tokens at each token lag (lag itself is reported by the buffer: streaming/catalogue.py).
 
     is/ratio_*       ρ = π_prox/π_behav  (mean, max, min, p50, p90, p99)
     is/policy_ratio_mean  r·s, the ratio the PPO clip saw
@@ -60,7 +61,7 @@ def lag_bucket_names(num_buckets: int) -> list[str]:
 
 
 def correction_metrics(stats: TokenStats, num_lag_buckets: int) -> dict[str, float]:
-    """`is/*` overall and per lag bucket (buckets without tokens are omitted) + `staleness/*`."""
+    """`is/*` overall and per lag bucket (buckets without tokens are omitted) + `is/token_frac/*`."""
     out: dict[str, float] = {}
     n = int(stats.lag.numel())
     if n == 0:
@@ -71,10 +72,8 @@ def correction_metrics(stats: TokenStats, num_lag_buckets: int) -> dict[str, flo
     lag = stats.lag
     for k, name in enumerate(lag_bucket_names(num_lag_buckets)):
         sel = lag >= k if k == num_lag_buckets else lag == k
-        out[f"staleness/frac/{name}"] = sel.double().mean().item()
+        out[f"is/token_frac/{name}"] = sel.double().mean().item()
         if bool(sel.any()):
             for key, value in _stats(stats, sel).items():
                 out[f"is/{key}/{name}"] = value
-    out["staleness/lag_mean"] = lag.double().mean().item()
-    out["staleness/lag_max"] = float(lag.max().item())
     return out

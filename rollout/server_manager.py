@@ -50,17 +50,14 @@ class ServerManagerStats:
     engines: list[EngineStats]  # healthy engines only
 
     def metrics(self) -> dict[str, float]:
-        """Flat `rollout/*` metrics; busy fraction per engine is the engine idle-ratio vital."""
-        out: dict[str, float] = {
-            "rollout/num_engines_healthy": float(self.num_healthy),
+        """This manager's share of the `rollout/*` metrics (the driver sums them over workers; engine
+        busy fractions come from the engines themselves)."""
+        return {
             "rollout/num_in_flight": float(self.num_in_flight),
             "rollout/num_sticky_keys": float(self.num_sticky_keys),
             "rollout/num_engine_failures": float(self.num_engine_failures),
             "rollout/num_engines_restored": float(self.num_restored),
         }
-        for s in self.engines:
-            out[f"rollout/engine_busy_fraction/{s.engine_id}"] = s.busy_fraction
-        return out
 
 
 class ServerManager:

@@ -69,6 +69,8 @@ class RolloutWorker:
         self.num_failed = 0
         self.num_resumed = 0
         self.reward_sum = 0.0  # over finished trajectories
+        self.turns_sum = 0  # over finished trajectories
+        self.tool_calls_sum = 0  # over finished trajectories
         self.errors: list[str] = []
 
     # ---- submission ---------------------------------------------------------------------------
@@ -151,6 +153,8 @@ class RolloutWorker:
         elif traj.status is TrajectoryStatus.FINISHED:
             self.num_finished += 1
             self.reward_sum += traj.reward
+            self.turns_sum += traj.num_turns
+            self.tool_calls_sum += traj.num_tool_calls
         else:
             self.num_failed += 1
 
@@ -261,6 +265,8 @@ class RolloutWorker:
             "rollout/num_resumed": self.num_resumed,
             "rollout/num_sink_retries": self.num_sink_retries,
             "rollout/reward_sum": self.reward_sum,
+            "rollout/turns_sum": self.turns_sum,
+            "rollout/tool_calls_sum": self.tool_calls_sum,
             "rollout/num_interrupts": c.num_interrupts,
             "rollout/num_parse_errors": c.num_parse_errors,
             "rollout/num_tool_calls": c.num_tool_calls,
@@ -268,4 +274,6 @@ class RolloutWorker:
             "rollout/num_tool_calls_interrupted": c.num_tool_calls_interrupted,
             "rollout/num_generated_tokens": c.num_generated_tokens,
             "rollout/num_reprefill_tokens": c.num_reprefill_tokens,
+            **self.ctx.server.stats().metrics(),
+            **(self.ctx.tools.metrics() if self.ctx.tools is not None else {}),
         }

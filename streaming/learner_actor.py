@@ -72,8 +72,6 @@ class LearnerActor:
         self.busy_s += time.monotonic() - t0
         metrics["learner/step_s"] = time.monotonic() - t0
         metrics["learner/busy_fraction"] = self.busy_s / max(time.monotonic() - self.started, 1e-9)
-        num_tokens = float(np.asarray(padded.seq_lens).sum())
-        metrics["learner/tokens_per_s"] = num_tokens / max(metrics["learner/step_s"], 1e-9)
         metrics["learner/num_workers"] = float(self.cfg.learner.num_workers)
         rewards = np.asarray(padded.rewards, dtype=np.float64)
         metrics["rollout/reward_mean"] = float(rewards.mean())

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
 from rich.text import Text
 
+from streaming import catalogue
 from streaming.logs import PROGRESS_EXTRA, format_duration
 from streaming.logs import console as shared_console
 
@@ -53,14 +54,14 @@ TIMELINE_FILE = "timeline.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 RUN_INFO_FILE = "run_info.json"
 WANDB_ID_FILE = "wandb_run_id"
-RESERVED_KEYS = frozenset({"time", "elapsed_s", "learner_step", "policy_version"})
+RESERVED_KEYS = catalogue.RESERVED
 
-# Keys the progress line and the report summary read; the driver logs them under these names.
-REWARD_KEY = "rollout/reward_mean"
-LAG_KEY = "staleness/lag_mean"
-ENGINE_BUSY_KEY = "engine/busy_fraction"
-ROLLOUT_TOKENS_PER_S_KEY = "rollout/tokens_per_s"
-WANDB_ERRORS_KEY = "metrics/num_wandb_errors"
+# Keys the progress line and the report summary read (declared in streaming/catalogue.py).
+REWARD_KEY = catalogue.REWARD
+LAG_KEY = catalogue.LAG
+ENGINE_BUSY_KEY = catalogue.ENGINE_BUSY
+ROLLOUT_TOKENS_PER_S_KEY = catalogue.ROLLOUT_TOKENS_PER_S
+WANDB_ERRORS_KEY = catalogue.WANDB_ERRORS
 
 
 class SpanKind(StrEnum):

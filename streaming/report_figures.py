@@ -286,14 +286,15 @@ def build_figures(df: pd.DataFrame, spans: pd.DataFrame, problems: list[str]) ->
         ("throughput", "Throughput and utilization", [
             ("tokens/s", ["rollout/tokens_per_s", "learner/tokens_per_s"], "elapsed_s"),
             ("engine busy fraction", [ENGINE_BUSY_KEY, *engine_cols], "elapsed_s"),
-            ("idle ratios", ["learner/idle_ratio", "engine/idle_ratio"], "elapsed_s"),
-            ("buffer occupancy", ["buffer/occupancy"], "elapsed_s"),
+            ("learner idle ratio", ["learner/idle_ratio"], "elapsed_s"),
+            ("buffer contents (trajectories)", ["buffer/ready_trajectories", "buffer/partial_trajectories",
+                                                "buffer/in_flight_trajectories"], "elapsed_s"),
         ], ""),
         ("learner", "Learner", [
             ("loss", ["learner/loss"], "learner_step"),
             ("grad norm", ["learner/grad_norm"], "learner_step"),
             ("learning rate", ["learner/lr"], "learner_step"),
-            ("step time (s)", ["learner/step_s"], "learner_step"),
+            ("step time (s)", ["learner/step_s", "learner/update_s"], "learner_step"),
             ("IS ratio", ["is/ratio_mean", "is/ratio_max"], "learner_step"),
             ("IS clip / mask / mismatch", ["is/clip_frac", "is/mask_frac", "is/mismatch_kl"], "learner_step"),
         ], ""),

@@ -19,7 +19,8 @@ from typing import Any
 
 import ray
 
-from streaming import faults
+from streaming import catalogue, faults
+from streaming.catalogue import Reduction
 from streaming.config import StreamRLConfig
 from streaming.prompts import PromptStream, group_id_for, load_records, make_group
 
@@ -96,6 +97,7 @@ class System:
     num_worker_replacements: int = 0
     elapsed_base_s: float = 0.0  # state.elapsed_s when this segment started
     _last_counters: dict[str, float] = field(default_factory=dict)
+    _last_log_elapsed: float = 0.0
     _health_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Admission and orphan resubmission both hand trajectories to workers; one at a time, or a group
     # appended but not yet submitted looks orphaned and is sent to two workers.
@@ -213,7 +215,7 @@ class System:
         t0 = time.monotonic()
         metrics, self.state.policy_version = await self._call(self.learner.publish.remote())
         self.dropped_engines = await self._call(self.learner.dropped_engines.remote())
-        metrics["sync/num_dropped_engines"] = float(len(self.dropped_engines))
+        metrics["sync/num_engines_excluded"] = float(len(self.dropped_engines))
         if self.state.policy_version > self.state.version_high_water:
             self.state.version_high_water = self.state.policy_version
             self.state.save(self.run_dir / "driver_state.json")
@@ -353,16 +355,13 @@ class System:
             for key, value in worker_metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         for key, value in totals.items():  # counters are logged as increments since the last step
-            if key == "rollout/reward_sum" or (
-                key.startswith("rollout/num_") and key not in ("rollout/num_running", "rollout/num_held")
-            ):
+            if catalogue.reduction(key) is Reduction.COUNT:
                 metrics[key] = max(value - self._last_counters.get(key, 0.0), 0.0)
             else:
                 metrics[key] = value
         self._last_counters = totals
-        if metrics.get("rollout/num_finished"):
-            # every trajectory finished since the last step, not only the trained batch
-            metrics["rollout/finished_reward_mean"] = metrics["rollout/reward_sum"] / metrics["rollout/num_finished"]
+        metrics.update(rollout_interval_metrics(metrics, elapsed - self._last_log_elapsed))
+        self._last_log_elapsed = elapsed
         metrics["invariants/stranded_checks"] = float(self.num_stranded_checks)
         busy = []
         for i, engine in enumerate(self.engines):
@@ -395,6 +394,21 @@ class System:
             for key, value in reported.items():
                 out[key] = max(out.get(key, 0.0), value)
         return out
+
+
+def rollout_interval_metrics(metrics: dict[str, float], interval_s: float) -> dict[str, float]:
+    """Rates and per-trajectory means of the interval since the last log line, from the rollout
+    workers' counter increments in `metrics` (a mean of nothing is left out, not logged as 0)."""
+    out = {"rollout/tokens_per_s": metrics.get("rollout/num_generated_tokens", 0.0) / max(interval_s, 1e-9)}
+    if finished := metrics.get("rollout/num_finished"):  # every trajectory finished, not only the trained batch
+        out["rollout/finished_reward_mean"] = metrics.get("rollout/reward_sum", 0.0) / finished
+        out["rollout/num_turns_mean"] = metrics.get("rollout/turns_sum", 0.0) / finished
+        out["rollout/tool_calls_mean"] = metrics.get("rollout/tool_calls_sum", 0.0) / finished
+    if calls := metrics.get("rollout/num_tool_calls"):
+        out["rollout/tool_error_rate"] = metrics.get("rollout/num_tool_errors", 0.0) / calls
+    if executed := metrics.get("rollout/tools/num_executed"):
+        out["rollout/tools/mean_latency_s"] = metrics.get("rollout/tools/latency_sum_s", 0.0) / executed
+    return out
 
 
 def make_worker(sys_or_parts: Any, worker_id: str) -> Any:

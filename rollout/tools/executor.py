@@ -248,5 +248,6 @@ class ToolRegistry:
             "rollout/tools/num_exceptions": float(self.num_exceptions),
             "rollout/tools/num_rejected": float(self.num_rejected),
             "rollout/tools/num_interrupted": float(self.num_interrupted),
-            "rollout/tools/mean_latency_s": self.total_latency_s / max(1, self.num_executed),
+            "rollout/tools/num_executed": float(self.num_executed),
+            "rollout/tools/latency_sum_s": self.total_latency_s,
         }

@@ -51,9 +51,9 @@ def test_train_step_metrics_and_policy_version(algo):
     assert engine.policy_version == 2 and metrics["learner/policy_version"] == 2.0
     for key in ["learner/loss", "learner/pg_loss", "learner/grad_norm", "learner/tokens_per_s",
                 "is/ratio_mean", "is/ratio_p99", "is/clip_frac", "is/mask_frac", "is/mismatch_kl",
-                "is/ratio_mean/lag_0", "is/ratio_mean/lag_1", "staleness/lag_mean", "staleness/frac/lag_1"]:
+                "is/ratio_mean/lag_0", "is/ratio_mean/lag_1", "is/token_frac/lag_1"]:
         assert key in metrics, key
-    assert metrics["staleness/frac/lag_1"] == pytest.approx(10 / 18)  # rows 0, 2: 5 action tokens each
+    assert metrics["is/token_frac/lag_1"] == pytest.approx(10 / 18)  # rows 0, 2: 5 action tokens each
     if algo == "ppo":
         assert "learner/value_loss" in metrics
     assert all(v == v for v in metrics.values())  # no NaN

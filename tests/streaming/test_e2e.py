@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from streaming import catalogue
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -127,3 +129,8 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
     for part in ("learner", "engine", "rollout_worker", "buffer", "driver"):
         peaks = [m.get(f"memory/{part}_peak_gb") for m in logged]
         assert all(p is not None and 0.05 < p < 20 for p in peaks), (part, peaks)
+    # The metrics catalogue (issue 11): every key the run logged is declared, and every key declared
+    # as logged on every step was logged (a reader of it never shows an empty panel).
+    keys = {k for line in logged for k in line}
+    assert catalogue.undeclared(keys) == []
+    assert [m.key for m in catalogue.METRICS if m.always and not any(catalogue.matches(k) == [m] for k in keys)] == []
