@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from learner.config import LearnerConfig
+from learner.types import StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +123,9 @@ class LearnerWorker:
         self.engine = TrainingEngine(self.cfg, shard=fsdp_shard)
         return self.engine.policy_version
 
-    def train_step(self, batch: Any) -> dict[str, float]:
-        return self.engine.train_step(batch)
+    def train_step(self, batch: Any) -> StepResult:
+        metrics = self.engine.train_step(batch)
+        return StepResult(policy_version=self.engine.policy_version, metrics=metrics)
 
     def compute_logprobs(self, batch: Any) -> Any:
         return self.engine.compute_logprobs(batch)
@@ -227,9 +229,9 @@ class LearnerGroup:
     def train_step(self, batch: Any) -> dict[str, float]:
         import ray
 
-        metrics = self._all("train_step", ray.put(batch))[0]  # one copy in the object store for M ranks
-        self.policy_version = int(metrics["learner/policy_version"])
-        return metrics
+        result: StepResult = self._all("train_step", ray.put(batch))[0]  # one object-store copy for M ranks
+        self.policy_version = result.policy_version
+        return result.metrics
 
     def compute_logprobs(self, batch: Any) -> Any:
         import ray

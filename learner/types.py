@@ -20,6 +20,15 @@ if TYPE_CHECKING:
     import torch
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepResult:
+    """A learner rank's train step, across the actor boundary: the version its weights now carry
+    (control) and the step's metrics (observability only, never read for control)."""
+
+    policy_version: int
+    metrics: dict[str, float]
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainBatch:
     input_ids: torch.Tensor  # [B, T] int64

@@ -208,10 +208,10 @@ class GroupLearner:
 
         from streaming.memory import rank_end_of_step
 
-        metrics = (await self._wait(self.group.submit("train_step", ray.put(padded))))[0]
-        self.group.policy_version = int(metrics["learner/policy_version"])
+        result = (await self._wait(self.group.submit("train_step", ray.put(padded))))[0]
+        self.group.policy_version = result.policy_version
         ranks = await self._wait([w.run.remote(rank_end_of_step) for w in self.group.workers])
-        return metrics | {key: max(r[key] for r in ranks) for key in ranks[0]}  # the fullest rank
+        return result.metrics | {key: max(r[key] for r in ranks) for key in ranks[0]}  # the fullest rank
 
     async def connect(self, engines: list[Any], workers: list[Any], policy_version: int) -> None:
         ref = self.group.rank0.connect.remote(
