@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from buffer.admission import lag_histogram, length_bucket, rollout_capacity, trajectory_lag
+from buffer.admission import lag_histogram, length_bucket, rollout_capacity, token_lag, trajectory_lag
 from buffer.config import BufferConfig, OverAgePolicy
 from buffer.groups import GroupPhase, GroupState, GroupTable, RowColumns
 from buffer.log import SegmentWriter, read_segments
@@ -321,7 +321,7 @@ class ReplayBuffer:
 
     def _account_lags(self, table: pa.Table, row_lags: np.ndarray, learner_version: int) -> None:
         versions = table.column("policy_versions").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        token_lags = np.where(versions >= 0, learner_version - versions.astype(np.int64), -1)
+        token_lags = token_lag(learner_version, versions.astype(np.int64))
         self._token_lag_hist += lag_histogram(token_lags, self.cfg.max_staleness)
         self._traj_lag_hist += lag_histogram(row_lags, self.cfg.max_staleness)
         sampled = token_lags[token_lags >= 0]

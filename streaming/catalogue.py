@@ -8,9 +8,11 @@ real run logs a key that is not declared here, or does not log one that a reader
 A key is either exact (`rollout/reward_mean`) or a pattern whose `{placeholders}` stand for one of
 the values in `PLACEHOLDERS` (`is/{is_stat}/{bucket}` covers `is/ratio_mean/lag_0`).
 
-Lag is defined once, in `buffer.admission` (`trajectory_lag`, `token_lag`): the learner step that
-consumes a row minus the policy version that generated it (per trajectory: its first sampled
-token's version; per token: that token's). The keys below only report it.
+Lag is defined in `buffer.admission` (`trajectory_lag`, `token_lag`): the served version when a row
+is consumed minus the policy version that generated it (per trajectory: its oldest sampled token's
+version; per token: that token's). The loss uses the same rule against the learner's own version
+(`learner.step_inputs.token_lags`, in torch: the learner never imports the buffer). The keys below
+only report it.
 """
 
 from __future__ import annotations
