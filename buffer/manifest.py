@@ -21,6 +21,7 @@ from typing import Any
 import pyarrow as pa
 
 from buffer.schema import SCHEMA_VERSION
+from rollout.atomic import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -66,19 +67,7 @@ def write_manifest(root: Path, segments: dict[str, list[dict[str, Any]]], *, syn
         "updated_at": time.time(),
         "segments": segments,
     }
-    tmp = root / f".{MANIFEST}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1)
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
-    os.replace(tmp, root / MANIFEST)
-    if sync:
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    atomic_write(root / MANIFEST, json.dumps(payload, indent=1), sync=sync)
 
 
 class DirLock:

@@ -18,11 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,30 +26,12 @@ import numpy as np
 import torch
 
 from learner.sharded import full_tensor
+from rollout.atomic import atomic_dir
 
 if TYPE_CHECKING:
     from learner.engine import TrainingEngine
 
 logger = logging.getLogger(__name__)
-
-
-def atomic_dir(final: Path, write: Callable[[Path], None]) -> Path:
-    """Run `write(tmp)` into a fresh sibling folder, then swap it into `final`."""
-    final = final.resolve()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        write(tmp)
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def _full_lm_state(engine: TrainingEngine) -> dict[str, torch.Tensor] | None:

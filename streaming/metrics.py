@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
 from rich.text import Text
 
+from rollout.atomic import atomic_write
 from streaming import catalogue
 from streaming.logs import PROGRESS_EXTRA, format_duration
 from streaming.logs import console as shared_console
@@ -104,11 +105,7 @@ class RunInfo(BaseModel):
     started_at: float = Field(default_factory=time.time)  # unix seconds; the timeline's zero
 
     def save(self, run_dir: str | Path) -> Path:
-        path = Path(run_dir) / RUN_INFO_FILE
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(self.model_dump_json(indent=2))
-        os.replace(tmp, path)
-        return path
+        return atomic_write(Path(run_dir) / RUN_INFO_FILE, self.model_dump_json(indent=2))
 
     @classmethod
     def load(cls, run_dir: str | Path) -> RunInfo:

@@ -17,7 +17,6 @@ import argparse
 import hashlib
 import json
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -27,6 +26,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from rollout.atomic import atomic_dir
 from streaming.errors import StreamRLError
 
 logger = logging.getLogger(__name__)
@@ -103,17 +103,8 @@ def maybe_warm_up(cfg: Any, model_path: str) -> Path:
     if cfg.sft.skip_if_cached and (final / "config.json").exists():
         logger.info("using cached SFT warm-up %s", final)
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".sft-", dir=final.parent))
-    try:
-        logger.info("SFT warm-up of %s (%d steps)", model_path, cfg.sft.num_steps)
-        _train(model_path, tmp, cfg, cfg.data.seed)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    logger.info("SFT warm-up of %s (%d steps)", model_path, cfg.sft.num_steps)
+    return atomic_dir(final, lambda tmp: _train(model_path, tmp, cfg, cfg.data.seed))
 
 
 def _prepare_in_process(cfg: Any) -> Path:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import ray
 
+from rollout.atomic import atomic_write
 from streaming import catalogue, faults
 from streaming.catalogue import Reduction
 from streaming.config import StreamRLConfig
@@ -69,9 +69,7 @@ class DriverState:
         return self.policy_version - self.version_offset
 
     def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(asdict(self)))
 
     @classmethod
     def load(cls, path: Path) -> DriverState:

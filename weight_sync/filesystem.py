@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollout.atomic import atomic_dir
 from weight_sync.buckets import checksum, pack_bucket, plan_buckets
 from weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, rpc_all
 from weight_sync.types import StageReport, SyncManifest, WeightSyncError
@@ -66,18 +65,12 @@ class FilesystemTransport(WeightTransport):
         if self.config.verify_checksum:
             for bucket in manifest.buckets:
                 bucket.checksum = checksum(pack_bucket(bucket, by_name, "cpu"))
-        root = Path(self.config.fs_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".v{policy_version}-", dir=root))
-        try:
+
+        def write(tmp: Path) -> None:
             save_file(_host_copies(tensors), str(tmp / "model.safetensors"), metadata={"policy_version": str(policy_version)})
             (tmp / "manifest.json").write_text(manifest.to_json())
-            final = self.version_dir(policy_version)
-            if final.exists():  # a retried sync of the same version: replace the old attempt
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+        final = atomic_dir(self.version_dir(policy_version), write)  # a retried sync replaces the old attempt
         logger.info("wrote policy_version %d (%d bytes) to %s", policy_version, manifest.num_bytes, final)
         return manifest, final
 

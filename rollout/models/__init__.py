@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from rollout.atomic import atomic_dir
 
 BUILDER_VERSION = "1"
 
@@ -30,13 +30,7 @@ def _cached_build(name: str, build: Callable[[Path], object]) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (final / "config.json").exists():
             return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-        try:
-            build(tmp)
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+        return atomic_dir(final, build)
 
 
 def resolve_model(name_or_path: str) -> Path:
