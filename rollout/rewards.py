@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.registry import Registry
 from rollout.tools.config import import_object
 
 
@@ -34,23 +35,17 @@ class RewardInput:
 
 RewardFn = Callable[[RewardInput], float]
 
-_REWARDS: dict[str, RewardFn] = {}
+REWARDS: Registry[RewardFn] = Registry("reward function")
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    def wrap(fn: RewardFn) -> RewardFn:
-        if name in _REWARDS and _REWARDS[name] is not fn:
-            raise ValueError(f"reward function {name!r} is already registered")
-        _REWARDS[name] = fn
-        return fn
-
-    return wrap
+    return REWARDS.register(name)
 
 
 def get_reward_fn(spec: str) -> RewardFn:
     """A registered name (see `registered_rewards()`) or `package.module:function`."""
-    if spec in _REWARDS:
-        return _REWARDS[spec]
+    if (fn := REWARDS.find(spec)) is not None:
+        return fn
     if ":" not in spec and "." not in spec:
         raise ValueError(f"unknown reward function {spec!r}; registered: {registered_rewards()} or 'pkg.mod:fn'")
     fn = import_object(spec)
@@ -60,7 +55,7 @@ def get_reward_fn(spec: str) -> RewardFn:
 
 
 def registered_rewards() -> list[str]:
-    return sorted(_REWARDS)
+    return REWARDS.names()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -22,18 +22,17 @@ from typing import Any
 from rollout.agent_loop.observation import ObservationEncoder
 from rollout.config import AgentConfig
 from rollout.engine.base import SamplingParams
+from rollout.registry import Registry
 from rollout.types import AgentData, AgentState, FinishReason, Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
 
-_REGISTRY: dict[str, type[AgentLoopBase]] = {}
+LOOPS: Registry[type[AgentLoopBase]] = Registry("agent loop")
 
 
 def register(name: str) -> Callable[[type[AgentLoopBase]], type[AgentLoopBase]]:
     def wrap(cls: type[AgentLoopBase]) -> type[AgentLoopBase]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"agent loop {name!r} registered twice")
-        _REGISTRY[name] = cls
+        LOOPS.register(name)(cls)
         cls.name = name
         return cls
 
@@ -41,9 +40,7 @@ def register(name: str) -> Callable[[type[AgentLoopBase]], type[AgentLoopBase]]:
 
 
 def get_agent_loop_cls(name: str) -> type[AgentLoopBase]:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown agent loop {name!r}; registered: {sorted(_REGISTRY)}")
-    return _REGISTRY[name]
+    return LOOPS.get(name)
 
 
 @dataclass(kw_only=True)

@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rollout.instances import InstanceStore
+from rollout.registry import Registry
 from rollout.tools.config import import_object
 
 
@@ -72,23 +73,17 @@ def num_replies(messages: list[dict[str, Any]]) -> int:
     return sum(1 for m in messages[first:] if m.get("role") == "user")
 
 
-_INTERACTIONS: dict[str, type[BaseInteraction]] = {}
+INTERACTIONS: Registry[type[BaseInteraction]] = Registry("built-in interaction")
 
 
 def register_interaction(name: str) -> Callable[[type[BaseInteraction]], type[BaseInteraction]]:
-    def wrap(cls: type[BaseInteraction]) -> type[BaseInteraction]:
-        if name in _INTERACTIONS and _INTERACTIONS[name] is not cls:
-            raise ValueError(f"interaction {name!r} is already registered by {_INTERACTIONS[name].__name__}")
-        _INTERACTIONS[name] = cls
-        return cls
-
-    return wrap
+    return INTERACTIONS.register(name)
 
 
-def _builtin(name: str) -> type[BaseInteraction] | None:
+def _builtin(name: str) -> type[BaseInteraction]:
     from rollout.interactions import latency_env, math_feedback  # noqa: F401 (registers the built-ins)
 
-    return _INTERACTIONS.get(name)
+    return INTERACTIONS.get(name, hint=", or give `class_name`")
 
 
 class InteractionEntry(BaseModel):
@@ -104,8 +99,6 @@ def build_interaction(entry: InteractionEntry) -> BaseInteraction:
         cls = import_object(entry.class_name)
     else:
         cls = _builtin(entry.name)
-        if cls is None:
-            raise ValueError(f"unknown built-in interaction {entry.name!r}; built-ins: {sorted(_INTERACTIONS)}, or give `class_name`")
     if not (isinstance(cls, type) and issubclass(cls, BaseInteraction)):
         raise ValueError(f"{entry.class_name} is not a subclass of rollout.interactions.base.BaseInteraction")
     return cls({**entry.config, "name": entry.name})

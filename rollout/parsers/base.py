@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from rollout.registry import Registry
 from rollout.types import ToolCall
 
 
@@ -43,16 +44,14 @@ class ToolParser(abc.ABC):
         """Write `content` and `calls` in this parser's wire format."""
 
 
-_PARSERS: dict[str, type[ToolParser]] = {}
+PARSERS: Registry[type[ToolParser]] = Registry("tool parser")
 
 
 def register_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
     def wrap(cls: type[ToolParser]) -> type[ToolParser]:
-        if name in _PARSERS and _PARSERS[name] is not cls:
-            raise ValueError(f"tool parser {name!r} is already registered by {_PARSERS[name].__name__}")
+        PARSERS.register(name)(cls)
         if "name" not in cls.__dict__:  # an alias keeps the canonical name
             cls.name = name
-        _PARSERS[name] = cls
         return cls
 
     return wrap
@@ -63,9 +62,7 @@ def get_parser(name: str) -> ToolParser:
     # Importing the implementations registers them; kept here so `base` has no import cycle.
     from rollout.parsers import harmony, hermes  # noqa: F401
 
-    if name not in _PARSERS:
-        raise ValueError(f"unknown tool parser {name!r}; known: {sorted(_PARSERS)}")
-    return _PARSERS[name]()
+    return PARSERS.get(name)()
 
 
 def make_error_call(index: int, error: str, name: str = "", arguments: dict[str, Any] | None = None) -> ToolCall:
