@@ -128,7 +128,7 @@ def bench_sample(batches: list[pa.RecordBatch], work: Path, num_samples: int) ->
     sample_ms, pad_ms = [], []
     for step in range(num_samples):
         t0 = time.perf_counter()
-        batch = buf.sample(learner_version=0, learner_step=step)
+        batch = buf.sample(served_version=0, learner_step=step)
         t1 = time.perf_counter()
         batch.to_padded()
         t2 = time.perf_counter()

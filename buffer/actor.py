@@ -109,16 +109,16 @@ class BufferActor:
         self.num_backpressure_timeouts += 1
         return False
 
-    async def sample(self, learner_version: int, learner_step: int) -> SampledBatch | None:
+    async def sample(self, served_version: int, learner_step: int) -> SampledBatch | None:
         self._check_flusher()
-        out = self.buffer.sample(learner_version=learner_version, learner_step=learner_step)
+        out = self.buffer.sample(served_version=served_version, learner_step=learner_step)
         async with self._room:
             self._room.notify_all()
         return out
 
-    async def sample_padded(self, learner_version: int, learner_step: int) -> tuple[PaddedBatch, np.ndarray] | None:
+    async def sample_padded(self, served_version: int, learner_step: int) -> tuple[PaddedBatch, np.ndarray] | None:
         """The padded learner batch and per-row lags, or None."""
-        out = await self.sample(learner_version, learner_step)
+        out = await self.sample(served_version, learner_step)
         return None if out is None else (out.to_padded(), out.lags)
 
     async def resumable(self, trajectory_ids: list[str] | None = None) -> list[Trajectory]:
@@ -141,8 +141,8 @@ class BufferActor:
     async def num_ready(self) -> int:
         return self.buffer.num_ready()
 
-    async def capacity(self, learner_version: int, max_concurrent: int | None = None) -> int:
-        return self.buffer.capacity(learner_version=learner_version, max_concurrent=max_concurrent)
+    async def capacity(self, served_version: int, max_concurrent: int | None = None) -> int:
+        return self.buffer.capacity(served_version=served_version, max_concurrent=max_concurrent)
 
     async def stats(self) -> dict[str, float]:
         out = self.buffer.stats()

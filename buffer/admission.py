@@ -1,6 +1,11 @@
 """Admission control and staleness: pure functions on ints and numpy arrays, no I/O.
 
-Lag of a token = learner_version - policy_version of the weights that sampled it. A trajectory's lag
+`served_version` is the version of the weights the engines serve when the buffer is asked (what the
+next sampled token would carry; the learner has just produced it): the policy_version label when
+sampling, the learner step when admitting (`System` passes `served_step`, which ignores the label
+offset a resume adds).
+
+Lag of a token = served_version - policy_version of the weights that sampled it. A trajectory's lag
 is taken against its *oldest* sampled token (`min_policy_version`): a multi-turn trajectory that was
 interrupted and resumed across weight updates carries several versions, and the first turn is the
 stalest part of it. Observation tokens (policy_version -1) have no lag.
@@ -42,7 +47,7 @@ from rollout.types import OBSERVATION_VERSION
 
 def rollout_capacity(
     *,
-    learner_version: int,
+    served_version: int,
     max_staleness: int,
     batch_size: int,
     num_running: int,
@@ -58,34 +63,34 @@ def rollout_capacity(
     num_accepted: finished since the run began and kept for training (consumed or waiting).
     max_concurrent: limit on trajectories running at once (compared with num_running).
     """
-    if min(learner_version, max_staleness, num_running, num_accepted) < 0:
-        raise ValueError("learner_version, max_staleness, num_running and num_accepted must be >= 0")
+    if min(served_version, max_staleness, num_running, num_accepted) < 0:
+        raise ValueError("served_version, max_staleness, num_running and num_accepted must be >= 0")
     if batch_size <= 0 or group_size <= 0 or reuse <= 0:
         raise ValueError("batch_size, group_size and reuse must be > 0")
-    capacity = (max_staleness + learner_version + 1) * batch_size // reuse - (num_accepted + num_running)
+    capacity = (max_staleness + served_version + 1) * batch_size // reuse - (num_accepted + num_running)
     if max_concurrent is not None:
         capacity = min(capacity, max_concurrent - num_running)
     return max(0, capacity // group_size * group_size)
 
 
-def token_lag(learner_version: int, policy_versions: np.ndarray) -> np.ndarray:
+def token_lag(served_version: int, policy_versions: np.ndarray) -> np.ndarray:
     """Per-token lag, same shape as `policy_versions`; -1 where the token was not sampled (version -1)."""
     pv = np.asarray(policy_versions)
-    return np.where(pv >= 0, learner_version - pv, OBSERVATION_VERSION).astype(np.int64)
+    return np.where(pv >= 0, served_version - pv, OBSERVATION_VERSION).astype(np.int64)
 
 
-def trajectory_lag(learner_version: int, min_policy_version: int | np.ndarray) -> int | np.ndarray:
+def trajectory_lag(served_version: int, min_policy_version: int | np.ndarray) -> int | np.ndarray:
     """Lag of whole trajectories from their oldest sampled token; 0 for rows without sampled tokens."""
     mpv = np.asarray(min_policy_version)
-    lag = np.where(mpv >= 0, learner_version - mpv, 0)
+    lag = np.where(mpv >= 0, served_version - mpv, 0)
     return int(lag) if lag.ndim == 0 else lag
 
 
 def within_staleness(
-    *, learner_version: int, min_policy_version: int | np.ndarray, max_staleness: int
+    *, served_version: int, min_policy_version: int | np.ndarray, max_staleness: int
 ) -> bool | np.ndarray:
     """True where a trajectory may still be consumed: lag(oldest sampled token) <= max_staleness."""
-    ok = np.asarray(trajectory_lag(learner_version, min_policy_version)) <= max_staleness
+    ok = np.asarray(trajectory_lag(served_version, min_policy_version)) <= max_staleness
     return bool(ok) if ok.ndim == 0 else ok
 
 

@@ -33,7 +33,7 @@ class BufferConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     root_dir: str | None = None  # None = memory only (no log, no recovery)
-    max_staleness: int = Field(default=4, ge=0)  # max learner_version - min policy_version at consume
+    max_staleness: int = Field(default=4, ge=0)  # max served_version - min policy_version at consume
     batch_size: int = Field(default=64, gt=0)  # trajectories per learner step
     group_size: int = Field(default=8, gt=0)  # GRPO n: samples per prompt
     max_batch_tokens: int | None = Field(default=None, gt=0)  # token-budget batching when set

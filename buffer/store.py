@@ -226,16 +226,16 @@ class ReplayBuffer:
         self._lock = None
 
     # ---------------------------------------------------------------- sampling
-    def sample(self, *, learner_version: int, learner_step: int) -> SampledBatch | None:
+    def sample(self, *, served_version: int, learner_step: int) -> SampledBatch | None:
         """Whole READY groups within the staleness bound, or None if no complete batch is ready.
         Their consumption at `learner_step` is recorded (durably with a root_dir) before returning."""
         self.flush()  # rows are durable before their consumption is
-        self._retire_over_age(learner_version)
+        self._retire_over_age(served_version)
         # Oldest-started first (settle order among equals): the order admission's bound assumes.
         candidates = sorted(self._groups.ready.values(), key=_start_version)
         if not candidates:
             return None
-        lags = trajectory_lag(learner_version, np.array([g.min_policy_version for g in candidates]))
+        lags = trajectory_lag(served_version, np.array([g.min_policy_version for g in candidates]))
         order = group_order(
             self.cfg.sampling,
             reward_std=np.array([g.reward_std for g in candidates]),
@@ -257,8 +257,8 @@ class ReplayBuffer:
         groups = [candidates[i] for i in chosen]
         members = [m for g in groups for m in g.finished]
         table = self._rows.take(np.array([m.row for m in members], dtype=np.int64))
-        row_lags = trajectory_lag(learner_version, table.column("min_policy_version").to_numpy())
-        self._record_consumption(table, row_lags, learner_step=learner_step, learner_version=learner_version)
+        row_lags = trajectory_lag(served_version, table.column("min_policy_version").to_numpy())
+        self._record_consumption(table, row_lags, learner_step=learner_step, served_version=served_version)
         self._counts["over_age_trained"] += int(np.sum(np.asarray(row_lags) > self.cfg.max_staleness))
         dead: list[int] = []
         for g in groups:
@@ -266,20 +266,20 @@ class ReplayBuffer:
                 self._trained_lengths.update(length_bucket(m.num_tokens) for m in g.finished)
             dead.extend(self._groups.consume(g, learner_step))
         self._rows.kill(dead)
-        self._account_lags(table, row_lags, learner_version)
+        self._account_lags(table, row_lags, served_version)
         return SampledBatch(
             table=table,
             trajectory_ids=[m.trajectory_id for m in members],
             learner_step=learner_step,
-            learner_version=learner_version,
+            served_version=served_version,
             lags=np.asarray(row_lags, dtype=np.int64),
         )
 
-    def _retire_over_age(self, learner_version: int) -> None:
+    def _retire_over_age(self, served_version: int) -> None:
         ready = list(self._groups.ready.values())
         if not ready or self.cfg.over_age is OverAgePolicy.TRAIN:
             return
-        lags = trajectory_lag(learner_version, np.array([g.min_policy_version for g in ready]))
+        lags = trajectory_lag(served_version, np.array([g.min_policy_version for g in ready]))
         over = [g for g, lag in zip(ready, lags.tolist()) if lag > self.cfg.max_staleness]
         if not over:
             return
@@ -291,15 +291,15 @@ class ReplayBuffer:
         num = sum(len(g.finished) for g in over)
         self._counts["over_age_kept" if keep else "evicted_over_age"] += num
         logger.warning(
-            "%s %d trajectories in %d groups whose lag exceeds max_staleness=%d at learner_version %d",
+            "%s %d trajectories in %d groups whose lag exceeds max_staleness=%d at served_version %d",
             "keeping (never sampled)" if keep else "evicting",
             num,
             len(over),
             self.cfg.max_staleness,
-            learner_version,
+            served_version,
         )
 
-    def _record_consumption(self, table: pa.Table, lags: np.ndarray, *, learner_step: int, learner_version: int) -> None:
+    def _record_consumption(self, table: pa.Table, lags: np.ndarray, *, learner_step: int, served_version: int) -> None:
         n = table.num_rows
         self._counts["trajectories_consumed"] += n
         self._counts["batches_sampled"] += 1
@@ -311,7 +311,7 @@ class ReplayBuffer:
                 table.column("trajectory_id").combine_chunks(),
                 table.column("group_id").combine_chunks(),
                 pa.array(np.full(n, learner_step, dtype=np.int64)),
-                pa.array(np.full(n, learner_version, dtype=np.int64)),
+                pa.array(np.full(n, served_version, dtype=np.int64)),
                 pa.array(np.asarray(lags, dtype=np.int32)),
                 pa.array(np.full(n, time.time())),
             ],
@@ -319,9 +319,9 @@ class ReplayBuffer:
         )
         self._cons_log.write(records)
 
-    def _account_lags(self, table: pa.Table, row_lags: np.ndarray, learner_version: int) -> None:
+    def _account_lags(self, table: pa.Table, row_lags: np.ndarray, served_version: int) -> None:
         versions = table.column("policy_versions").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        token_lags = token_lag(learner_version, versions.astype(np.int64))
+        token_lags = token_lag(served_version, versions.astype(np.int64))
         self._token_lag_hist += lag_histogram(token_lags, self.cfg.max_staleness)
         self._traj_lag_hist += lag_histogram(row_lags, self.cfg.max_staleness)
         sampled = token_lags[token_lags >= 0]
@@ -362,13 +362,13 @@ class ReplayBuffer:
     def num_rows_appended(self) -> int:
         return self._counts["rows_appended"]
 
-    def capacity(self, *, learner_version: int, max_concurrent: int | None = None) -> int:
+    def capacity(self, *, served_version: int, max_concurrent: int | None = None) -> int:
         """Admission: how many trajectories may start now (see `buffer.admission.rollout_capacity`).
 
         Counts come from the buffer itself (every admitted group has rows here from admission on), so
         they survive restarts; `max_concurrent` bounds the trajectories still running (partial rows)."""
         cap = rollout_capacity(
-            learner_version=learner_version,
+            served_version=served_version,
             max_staleness=self.cfg.max_staleness,
             batch_size=self.cfg.batch_size,
             num_running=self._groups.num_in_flight,
@@ -492,7 +492,7 @@ class ReplayBuffer:
         logger.info("rolling back consumption recorded after learner step %d", learner_step)
         return pa.RecordBatch.from_pylist(
             [{"op": "rollback", "trajectory_id": None, "group_id": None, "learner_step": learner_step,
-              "learner_version": -1, "lag": 0, "consumed_at": time.time()}],
+              "served_version": -1, "lag": 0, "consumed_at": time.time()}],
             schema=CONSUMPTION_SCHEMA,
         )
 

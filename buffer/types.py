@@ -51,8 +51,8 @@ class SampledBatch:
     table: pa.Table  # TRAJECTORY_SCHEMA rows, [B]
     trajectory_ids: list[str]  # [B]
     learner_step: int
-    learner_version: int
-    lags: np.ndarray  # int64 [B]: learner_version - min_policy_version of each row
+    served_version: int
+    lags: np.ndarray  # int64 [B]: served_version - min_policy_version of each row
 
     @property
     def num_trajectories(self) -> int:

@@ -122,7 +122,7 @@ class System:
         group has rows there from its admission on, so the count survives restarts)."""
         cap = await self._call(
             self.buffer.capacity.remote(
-                learner_version=self.state.served_step,
+                served_version=self.state.served_step,
                 max_concurrent=self.cfg.rollout.max_concurrent_per_worker * len(self.workers),
             )
         )
@@ -194,7 +194,7 @@ class System:
     # ---- learning -----------------------------------------------------------------------------
 
     async def sample_batch(self) -> Any | None:
-        ref = self.buffer.sample.remote(learner_version=self.state.policy_version, learner_step=self.state.learner_step + 1)
+        ref = self.buffer.sample.remote(served_version=self.state.policy_version, learner_step=self.state.learner_step + 1)
         batch = await self._call(ref)
         return None if batch is None else ref
 

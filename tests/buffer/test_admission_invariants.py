@@ -29,20 +29,20 @@ def _admit(buf: ReplayBuffer, gid: str, version: int, n: int) -> None:
 def test_finished_members_of_open_groups_count_as_in_flight():
     """max_staleness=0, batch 16, groups of 8: after 7/8 finish in two groups nothing may start."""
     buf = _buf(batch_size=16, group_size=8, max_staleness=0)
-    assert buf.capacity(learner_version=0) == 16
+    assert buf.capacity(served_version=0) == 16
     for gid in ("a", "b"):
         _admit(buf, gid, 0, 8)
         buf.append([make_traj(gid, i, version=0) for i in range(7)])  # 7 of 8 finished, 1 still running
-    assert buf.capacity(learner_version=0) == 0
+    assert buf.capacity(served_version=0) == 0
 
 
 def test_capacity_counts_fresh_trajectories_per_step_under_reuse():
     """reuse=2: each step consumes batch/2 fresh trajectories, so capacity grows batch/2 per version."""
     buf = _buf(batch_size=4, group_size=2, max_staleness=0, reuse=2)
-    assert buf.capacity(learner_version=0) == 2
-    assert buf.capacity(learner_version=1) == 4
+    assert buf.capacity(served_version=0) == 2
+    assert buf.capacity(served_version=1) == 4
     buf.append(make_group("a", 2))
-    assert buf.capacity(learner_version=1) == 2
+    assert buf.capacity(served_version=1) == 2
 
 
 def test_long_group_that_finishes_late_is_trained_not_evicted():
@@ -52,15 +52,15 @@ def test_long_group_that_finishes_late_is_trained_not_evicted():
     _admit(buf, "A", 0, 4)
     _admit(buf, "B", 0, 4)
     buf.append(make_group("B", 4, version=0))
-    assert buf.sample(learner_version=0, learner_step=1).trajectory_ids[0] == "B/0"
+    assert buf.sample(served_version=0, learner_step=1).trajectory_ids[0] == "B/0"
     for step, gid in ((1, "C"), (2, "D")):
         _admit(buf, gid, step, 4)
         buf.append(make_group(gid, 4, version=step))
-        assert buf.sample(learner_version=step, learner_step=step + 1).trajectory_ids[0] == f"{gid}/0"
+        assert buf.sample(served_version=step, learner_step=step + 1).trajectory_ids[0] == f"{gid}/0"
     buf.append(make_group("A", 4, version=0, num_response=40))  # the long one
     _admit(buf, "E", 3, 4)
     buf.append(make_group("E", 4, version=3))
-    batch = buf.sample(learner_version=3, learner_step=4)
+    batch = buf.sample(served_version=3, learner_step=4)
     assert batch.trajectory_ids == ["A/0", "A/1", "A/2", "A/3"]  # oldest-started first, not E
     assert batch.lags.tolist() == [3, 3, 3, 3]
     stats = buf.stats()
@@ -73,7 +73,7 @@ def test_dropping_over_age_is_explicit_and_counted_by_length():
     _admit(buf, "A", 0, 4)
     buf.append(make_group("A", 4, version=0, num_response=40))
     buf.append(make_group("B", 4, version=3))
-    assert buf.sample(learner_version=3, learner_step=1).trajectory_ids[0] == "B/0"
+    assert buf.sample(served_version=3, learner_step=1).trajectory_ids[0] == "B/0"
     stats = buf.stats()
     assert stats["buffer/evicted_over_age"] == 4
     assert stats["length/dropped_over_age_le_64"] == 4  # 3 prompt + 40 response tokens

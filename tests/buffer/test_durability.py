@@ -50,7 +50,7 @@ def _run_child(root: Path, *, until: str, extra: list[str]) -> list[str]:
 def _all_group_ids(buf: ReplayBuffer) -> list[str]:
     out = []
     step = 0
-    while (batch := buf.sample(learner_version=0, learner_step=step)) is not None:
+    while (batch := buf.sample(served_version=0, learner_step=step)) is not None:
         out.append(batch.table.column("group_id")[0].as_py())
         step += 1
     return out
@@ -120,7 +120,7 @@ def test_exactly_once_across_restarts(tmp_path):
     buf = ReplayBuffer(_cfg(tmp_path, reuse=2))
     for g in "abc":
         buf.append(make_group(g, 2))
-    first = buf.sample(learner_version=0, learner_step=1)
+    first = buf.sample(served_version=0, learner_step=1)
     assert first.table.column("group_id")[0].as_py() == "a"
     del buf, first  # a crash: no close, no checkpoint
     gc.collect()
@@ -137,7 +137,7 @@ def test_resume_from_older_learner_step_rolls_back_consumption(tmp_path):
     for g in "abc":
         buf.append(make_group(g, 2))
     for step in (1, 2, 3):
-        buf.sample(learner_version=0, learner_step=step)
+        buf.sample(served_version=0, learner_step=step)
     buf.close()
     # the learner crashed after step 3 but its last checkpoint is step 1: b and c come back
     buf = ReplayBuffer(_cfg(tmp_path), resume_learner_step=1)
@@ -155,7 +155,7 @@ def test_partial_rows_survive_restart_for_resume(tmp_path):
     (resumable,) = buf.resumable()
     assert resumable.trajectory_id == "a/0" and resumable.agent_data().trajectory_id == "a/0"
     buf.append([make_traj("a", 0)])
-    assert buf.sample(learner_version=0, learner_step=1).trajectory_ids == ["a/0", "a/1"]
+    assert buf.sample(served_version=0, learner_step=1).trajectory_ids == ["a/0", "a/1"]
 
 
 def test_one_writer_per_directory(tmp_path):
@@ -170,7 +170,7 @@ def test_export_stats_and_frame(tmp_path):
     buf = ReplayBuffer(_cfg(tmp_path))
     buf.append([make_traj("a", 0, status=TrajectoryStatus.PARTIAL)])
     buf.append(make_group("a", 2, rewards=[0.0, 1.0], version=1) + make_group("b", 2, version=2))
-    buf.sample(learner_version=3, learner_step=1)
+    buf.sample(served_version=3, learner_step=1)
     buf.close()
     out = tmp_path / "export" / "rows.parquet"
     assert cli.export(tmp_path, out) == 5
@@ -213,7 +213,7 @@ def test_log_keeps_append_order_when_small_and_large_batches_mix(tmp_path):
     gc.collect()
     buf = ReplayBuffer(_cfg(tmp_path, batch_size=4, group_size=4))
     assert buf.resumable() == [] and buf.recovery_report.num_rows == 5
-    assert buf.sample(learner_version=0, learner_step=1).trajectory_ids == ["a/0", "a/1", "a/2", "a/3"]
+    assert buf.sample(served_version=0, learner_step=1).trajectory_ids == ["a/0", "a/1", "a/2", "a/3"]
 
 
 def test_writer_thread_failure_surfaces_at_the_flush(tmp_path, monkeypatch):
@@ -235,7 +235,7 @@ def test_recovering_a_consumed_group_with_a_failed_member(tmp_path):
     corrupted the row store's chunk counts and made the resume crash."""
     buf = ReplayBuffer(_cfg(tmp_path, batch_size=3, group_size=3))
     buf.append(make_group("a", 2) + [make_traj("a", 2, status=TrajectoryStatus.FAILED)])
-    assert buf.sample(learner_version=0, learner_step=1).trajectory_ids == ["a/0", "a/1"]
+    assert buf.sample(served_version=0, learner_step=1).trajectory_ids == ["a/0", "a/1"]
     buf.close()
     again = ReplayBuffer(_cfg(tmp_path, batch_size=3, group_size=3), resume_learner_step=1)
     assert again.stats()["buffer/live_rows"] == 0 and again.num_ready() == 0

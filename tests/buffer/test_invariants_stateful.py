@@ -66,7 +66,7 @@ class BufferMachine(RuleBasedStateMachine):
 
     @rule()
     def admit(self):
-        if self.buf.capacity(learner_version=self.step) < G:
+        if self.buf.capacity(served_version=self.step) < G:
             return
         gid = _gid(self.cursor)
         rows = [make_traj(gid, i, status=TrajectoryStatus.PARTIAL, num_response=0) for i in range(G)]
@@ -94,7 +94,7 @@ class BufferMachine(RuleBasedStateMachine):
 
     @rule()
     def sample(self):
-        batch = self.buf.sample(learner_version=self.step, learner_step=self.step + 1)
+        batch = self.buf.sample(served_version=self.step, learner_step=self.step + 1)
         if batch is None:
             return
         assert not self.consumed & set(batch.trajectory_ids), "a trajectory was consumed twice"
@@ -141,7 +141,7 @@ class BufferMachine(RuleBasedStateMachine):
         stats = self.buf.stats()
         accepted = int(stats["buffer/accepted_trajectories"])
         expected = (MAX_STALENESS + self.step + 1) * BATCH - (accepted + open_members)
-        assert self.buf.capacity(learner_version=self.step) == max(0, expected // G * G)
+        assert self.buf.capacity(served_version=self.step) == max(0, expected // G * G)
         assert stats["buffer/evicted_over_age"] == 0  # over-age groups are trained, not dropped
 
 

@@ -29,15 +29,15 @@ def test_group_is_sampled_only_when_complete():
     buf = _buf(batch_size=4, group_size=2)
     buf.append([make_traj("a", 0, reward=1.0), make_traj("b", 0), make_traj("b", 1, status=P)])
     assert buf.num_ready() == 0
-    assert buf.sample(learner_version=0, learner_step=1) is None
+    assert buf.sample(served_version=0, learner_step=1) is None
     buf.append([make_traj("a", 1)])
     assert buf.num_ready() == 2
-    assert buf.sample(learner_version=0, learner_step=1) is None  # one complete group, batch needs two
+    assert buf.sample(served_version=0, learner_step=1) is None  # one complete group, batch needs two
     buf.append([make_traj("b", 1)])  # finished row supersedes the partial one
-    batch = buf.sample(learner_version=0, learner_step=1)
+    batch = buf.sample(served_version=0, learner_step=1)
     assert batch.trajectory_ids == ["a/0", "a/1", "b/0", "b/1"]
     assert batch.table.column("status").to_pylist() == ["finished"] * 4
-    assert buf.sample(learner_version=0, learner_step=2) is None
+    assert buf.sample(served_version=0, learner_step=2) is None
     assert buf.stats()["buffer/live_rows"] == 0
 
 
@@ -57,7 +57,7 @@ def test_partial_superseded_and_resumable():
 def test_failed_members_are_not_sampled_and_too_few_finished_drops_group():
     buf = _buf(batch_size=4, group_size=4, min_finished_per_group=2)
     buf.append(make_group("a", 4, rewards=[0, 1, 2, 3])[:3] + [make_traj("a", 3, status=TrajectoryStatus.FAILED)])
-    batch = buf.sample(learner_version=0, learner_step=1)
+    batch = buf.sample(served_version=0, learner_step=1)
     assert batch.trajectory_ids == ["a/0", "a/1", "a/2"]
     fails = [make_traj("b", i, status=TrajectoryStatus.FAILED) for i in range(3)] + [make_traj("b", 3)]
     buf.append(fails)
@@ -68,7 +68,7 @@ def test_dapo_filter_drops_uniform_reward_groups_with_metric():
     buf = _buf(filter_uniform_reward_groups=True)
     buf.append(make_group("same", 2, rewards=[1.0, 1.0]) + make_group("diff", 2, rewards=[0.0, 1.0]))
     assert buf.stats()["buffer/groups_filtered"] == 1
-    assert buf.sample(learner_version=0, learner_step=1).trajectory_ids == ["diff/0", "diff/1"]
+    assert buf.sample(served_version=0, learner_step=1).trajectory_ids == ["diff/0", "diff/1"]
     assert buf.stats()["buffer/accepted_trajectories"] == 2  # filtered ones do not take admission capacity
 
 
@@ -77,9 +77,9 @@ def test_group_overflow_is_a_clear_error_and_late_rows_are_ignored():
     buf.append(make_group("a", 2))
     with pytest.raises(ValueError, match="group_size"):
         buf.append([make_traj("c", 0), make_traj("c", 1), make_traj("c", 2)])
-    buf.sample(learner_version=0, learner_step=1)
+    buf.sample(served_version=0, learner_step=1)
     buf.append([make_traj("a", 0)])  # duplicate after consumption: never handed out twice
-    assert buf.sample(learner_version=0, learner_step=2) is None
+    assert buf.sample(served_version=0, learner_step=2) is None
     assert buf.stats()["buffer/late_rows_ignored"] == 1
 
 
@@ -87,16 +87,16 @@ def test_fifo_order_and_reuse_count():
     buf = _buf(reuse=2)
     for g in "abc":
         buf.append(make_group(g, 2))
-    got = [buf.sample(learner_version=0, learner_step=s).table.column("group_id")[0].as_py() for s in range(6)]
+    got = [buf.sample(served_version=0, learner_step=s).table.column("group_id")[0].as_py() for s in range(6)]
     assert got == ["a", "b", "c", "a", "b", "c"]
-    assert buf.sample(learner_version=0, learner_step=7) is None
+    assert buf.sample(served_version=0, learner_step=7) is None
 
 
 def test_uniform_and_prioritized_sampling():
     buf = _buf(sampling="uniform", seed=1)
     for g in range(20):
         buf.append(make_group(f"g{g:02d}", 2))
-    order = [buf.sample(learner_version=0, learner_step=s).table.column("group_id")[0].as_py() for s in range(20)]
+    order = [buf.sample(served_version=0, learner_step=s).table.column("group_id")[0].as_py() for s in range(20)]
     assert sorted(order) == [f"g{g:02d}" for g in range(20)] and order != sorted(order)
 
     # prioritized: reward spread and freshness raise the weight; a flat-reward stale group goes last
@@ -105,7 +105,7 @@ def test_uniform_and_prioritized_sampling():
         buf = _buf(sampling="prioritized", seed=seed, max_staleness=10, lag_decay=0.25)
         buf.append(make_group("flat_stale", 2, rewards=[0.0, 0.0], version=0))
         buf.append(make_group("spread_fresh", 2, rewards=[0.0, 1.0], version=4))
-        picks.append(buf.sample(learner_version=4, learner_step=0).table.column("group_id")[0].as_py())
+        picks.append(buf.sample(served_version=4, learner_step=0).table.column("group_id")[0].as_py())
     assert picks.count("spread_fresh") >= 28
 
 
@@ -113,11 +113,11 @@ def test_token_budget_batches_whole_groups():
     # each trajectory: 3 prompt + 4 response = 7 tokens; a group of 2 = 14 tokens
     buf = _buf(batch_size=8, group_size=2, max_batch_tokens=30)
     buf.append(make_group("a", 2))
-    assert buf.sample(learner_version=0, learner_step=1) is None  # 14 tokens, next could still fit
+    assert buf.sample(served_version=0, learner_step=1) is None  # 14 tokens, next could still fit
     buf.append(make_group("b", 2))
-    assert buf.sample(learner_version=0, learner_step=1) is None  # 28 <= 30, batch not yet full
+    assert buf.sample(served_version=0, learner_step=1) is None  # 28 <= 30, batch not yet full
     buf.append(make_group("c", 2))
-    batch = buf.sample(learner_version=0, learner_step=1)
+    batch = buf.sample(served_version=0, learner_step=1)
     assert batch.trajectory_ids == ["a/0", "a/1", "b/0", "b/1"]  # c would overflow 30
     assert batch.to_padded().num_tokens == 28
     big = _buf(batch_size=2, group_size=2, max_batch_tokens=10)
@@ -129,7 +129,7 @@ def test_token_budget_batches_whole_groups():
 def test_over_age_groups_are_never_sampled_and_counted(policy, caplog):
     buf = _buf(max_staleness=1, over_age=policy)
     buf.append(make_group("old", 2, version=0) + make_group("new", 2, version=2))
-    batch = buf.sample(learner_version=2, learner_step=5)
+    batch = buf.sample(served_version=2, learner_step=5)
     assert batch.trajectory_ids == ["new/0", "new/1"]
     assert batch.lags.tolist() == [0, 0]
     stats = buf.stats()
@@ -142,7 +142,7 @@ def test_over_age_groups_are_never_sampled_and_counted(policy, caplog):
 def test_lag_histogram_at_consume_time():
     buf = _buf(max_staleness=3)
     buf.append(make_group("a", 2, version=1))
-    buf.sample(learner_version=3, learner_step=1)
+    buf.sample(served_version=3, learner_step=1)
     stats = buf.stats()
     assert stats["staleness/token_lag_frac_2"] == 1.0
     assert stats["staleness/trajectory_lag_mean"] == 2.0
@@ -153,7 +153,7 @@ def test_backpressure_room():
     assert buf.has_room(2)
     buf.append(make_group("a", 2))
     assert not buf.has_room(2) and buf.has_room(1)
-    buf.sample(learner_version=0, learner_step=1)
+    buf.sample(served_version=0, learner_step=1)
     assert buf.has_room(3)
 
 
@@ -162,13 +162,13 @@ def test_capacity_uses_accepted_and_in_flight_counts():
     buf.append(make_group("a", 2) + make_group("b", 2))
     buf.append([make_traj("c", 0, status=TrajectoryStatus.PARTIAL), make_traj("c", 1)])
     # (1 + 0 + 1) * 4 - (4 accepted + 2 in flight: c/0 partial, c/1 finished in an open group) = 2
-    assert buf.capacity(learner_version=0) == 2
+    assert buf.capacity(served_version=0) == 2
 
 
 def test_padded_batch_layout():
     buf = _buf(batch_size=2, group_size=2)
     buf.append([make_traj("g", 0, num_prompt=2, num_response=3, version=4), make_traj("g", 1, num_prompt=3, num_response=5, version=5)])
-    pb: PaddedBatch = buf.sample(learner_version=5, learner_step=1).to_padded()
+    pb: PaddedBatch = buf.sample(served_version=5, learner_step=1).to_padded()
     assert pb.input_ids.shape == (2, 8) and pb.input_ids.dtype == np.int64
     assert pb.input_ids[0].tolist() == [100, 101, 200, 201, 202, 0, 0, 0]
     assert pb.attention_mask[0].tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
@@ -190,6 +190,6 @@ def test_memory_is_released_and_compacted():
     assert buf.stats()["buffer/chunks"] == 1
     full = buf.memory_bytes()
     for s in range(40):
-        buf.sample(learner_version=0, learner_step=s)
+        buf.sample(served_version=0, learner_step=s)
     assert buf.memory_bytes() < full / 2
-    assert [buf.sample(learner_version=0, learner_step=100 + s).trajectory_ids[0] for s in range(10)] == [f"g{g}/0" for g in range(40, 50)]
+    assert [buf.sample(served_version=0, learner_step=100 + s).trajectory_ids[0] for s in range(10)] == [f"g{g}/0" for g in range(40, 50)]

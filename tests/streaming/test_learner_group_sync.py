@@ -98,7 +98,7 @@ def _sampled_batch(policy_version: int):
             )
     table = pa.Table.from_batches([trajectories_to_batch(rows)])
     return SampledBatch(table=table, trajectory_ids=[t.trajectory_id for t in rows], learner_step=policy_version + 1,
-                        learner_version=policy_version, lags=np.zeros(len(rows), dtype=np.int64))
+                        served_version=policy_version, lags=np.zeros(len(rows), dtype=np.int64))
 
 
 @torch.no_grad()

@@ -79,7 +79,7 @@ def _buffer_dir(root: Path) -> Path:
 
     buf = ReplayBuffer(BufferConfig(root_dir=str(root), batch_size=2, group_size=2))
     buf.append(make_group("a", 2, rewards=[0.0, 1.0]) + make_group("b", 2, version=1))
-    buf.sample(learner_version=1, learner_step=1)
+    buf.sample(served_version=1, learner_step=1)
     buf.close()
     return root
 
