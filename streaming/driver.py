@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.1
 
 
-async def admission_loop(sys: System) -> None:
+async def admission_loop(system: System) -> None:
     """Start new trajectory groups while the staleness bound allows.
 
     Consumes: prompts from the stream (cursor). Waits for: rollout capacity, which grows when the
@@ -31,86 +31,86 @@ async def admission_loop(sys: System) -> None:
     Every admitted group is first appended to the buffer as PENDING partial rows (durable), so a
     crash never loses or duplicates a prompt.
     """
-    while not sys.done:
-        num_groups = await sys.admission_capacity_groups()
+    while not system.done:
+        num_groups = await system.admission_capacity_groups()
         for _ in range(num_groups):
-            if not await sys.admit_next_group():
+            if not await system.admit_next_group():
                 break
         await asyncio.sleep(POLL_S)
 
 
-async def learner_loop(sys: System) -> None:
+async def learner_loop(system: System) -> None:
     """Train on complete batches as they become ready and publish weights every `sync_every` steps.
 
     Consumes: batches from the buffer (whole GRPO groups within the staleness bound). Waits for:
     the buffer (rollout workers unblock it by appending finished trajectories). Unblocks: admission
     (a new policy version raises capacity). Ends the run after `total_steps`.
     """
-    cfg = sys.cfg.trainer
-    while sys.state.learner_step < cfg.total_steps:
+    cfg = system.cfg.trainer
+    while system.state.learner_step < cfg.total_steps:
         t_wait = time.monotonic()
-        batch_ref = await wait_for_batch(sys)
-        sys.learner_idle_s += time.monotonic() - t_wait
+        batch_ref = await wait_for_batch(system)
+        system.learner_idle_s += time.monotonic() - t_wait
         if batch_ref is None:
             break
-        metrics = await sys.train_step(batch_ref)
+        metrics = await system.train_step(batch_ref)
         faults.hit("learner.after_step")
-        if sys.state.learner_step % cfg.sync_every == 0 or sys.state.learner_step == cfg.total_steps:
-            metrics.update(await sys.publish_weights())
+        if system.state.learner_step % cfg.sync_every == 0 or system.state.learner_step == cfg.total_steps:
+            metrics.update(await system.publish_weights())
             faults.hit("publish.after")
-        if sys.state.learner_step % cfg.checkpoint_every == 0 or sys.state.learner_step == cfg.total_steps:
-            await sys.checkpoint()
-        await sys.log_step(metrics)
-    sys.done = True
+        if system.state.learner_step % cfg.checkpoint_every == 0 or system.state.learner_step == cfg.total_steps:
+            await system.checkpoint()
+        await system.log_step(metrics)
+    system.done = True
 
 
 class Stalled(RuntimeError):
     """The learner waited `trainer.stall_timeout_s` for a batch while no trajectory row arrived."""
 
 
-async def wait_for_batch(sys: System, *, check_workers: bool = False):
+async def wait_for_batch(system: System, *, check_workers: bool = False):
     """The next batch, or None when the prompts are used up and nothing is left in flight (the run
     ends cleanly with fewer steps). Raises `Stalled` when nothing arrives for `stall_timeout_s`."""
-    stall_s = sys.cfg.trainer.stall_timeout_s
+    stall_s = system.cfg.trainer.stall_timeout_s
     last_rows, last_change = -1, time.monotonic()
-    while (batch_ref := await sys.sample_batch()) is None:
-        in_flight, rows = await sys._call(sys.buffer.progress.remote())
-        if in_flight == 0 and sys.prompts_exhausted:
+    while (batch_ref := await system.sample_batch()) is None:
+        in_flight, rows = await system._call(system.buffer.progress.remote())
+        if in_flight == 0 and system.prompts_exhausted:
             logger.warning("the prompt stream is exhausted (%d prompts admitted) and nothing is in flight: "
-                           "ending the run at learner step %d of %d", sys.state.cursor, sys.state.learner_step,
-                           sys.cfg.trainer.total_steps)
-            sys.exhausted = True
+                           "ending the run at learner step %d of %d", system.state.cursor, system.state.learner_step,
+                           system.cfg.trainer.total_steps)
+            system.exhausted = True
             return None
         if rows != last_rows:
             last_rows, last_change = rows, time.monotonic()
         elif time.monotonic() - last_change > stall_s:
             raise Stalled(
                 f"no trajectory row arrived for {stall_s:.0f}s while the learner waited for a batch "
-                f"({in_flight} trajectories in flight, policy version {sys.state.policy_version}); "
+                f"({in_flight} trajectories in flight, policy version {system.state.policy_version}); "
                 "see RUN_DIR/logs for engine and worker errors (trainer.stall_timeout_s sets this limit)"
             )
         if check_workers:
-            await sys.check_workers()
+            await system.check_workers()
         await asyncio.sleep(POLL_S)
     return batch_ref
 
 
-async def health_loop(sys: System) -> None:
+async def health_loop(system: System) -> None:
     """Replace preempted rollout workers and resubmit their trajectories from the buffer.
 
     Consumes: worker liveness (a cheap call per worker). Waits for: a poll interval. Unblocks:
     admission and the learner (resumed trajectories finish and fill batches).
     """
-    while not sys.done:
-        await sys.check_workers()
+    while not system.done:
+        await system.check_workers()
         await asyncio.sleep(1.0)
 
 
-async def run_async(sys: System) -> None:
+async def run_async(system: System) -> None:
     tasks = [
-        asyncio.create_task(admission_loop(sys), name="admission"),
-        asyncio.create_task(learner_loop(sys), name="learner"),
-        asyncio.create_task(health_loop(sys), name="health"),
+        asyncio.create_task(admission_loop(system), name="admission"),
+        asyncio.create_task(learner_loop(system), name="learner"),
+        asyncio.create_task(health_loop(system), name="health"),
     ]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -119,26 +119,26 @@ async def run_async(sys: System) -> None:
                 raise RuntimeError(f"{task.get_name()} loop failed") from task.exception()
         await tasks[1]  # the learner loop ends the run
     finally:
-        sys.done = True
+        system.done = True
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def run_sync(sys: System) -> None:
+async def run_sync(system: System) -> None:
     """On-policy baseline: admit exactly one batch, wait for all of it, train, publish, repeat."""
-    cfg = sys.cfg.trainer
-    while sys.state.learner_step < cfg.total_steps:
-        for _ in range(sys.groups_per_step):
-            await sys.admit_next_group()
+    cfg = system.cfg.trainer
+    while system.state.learner_step < cfg.total_steps:
+        for _ in range(system.groups_per_step):
+            await system.admit_next_group()
         t_wait = time.monotonic()
-        batch_ref = await wait_for_batch(sys, check_workers=True)
-        sys.learner_idle_s += time.monotonic() - t_wait
+        batch_ref = await wait_for_batch(system, check_workers=True)
+        system.learner_idle_s += time.monotonic() - t_wait
         if batch_ref is None:
             break
-        metrics = await sys.train_step(batch_ref)
-        metrics.update(await sys.publish_weights())
-        if sys.state.learner_step % cfg.checkpoint_every == 0 or sys.state.learner_step == cfg.total_steps:
-            await sys.checkpoint()
-        await sys.log_step(metrics)
-    sys.done = True
+        metrics = await system.train_step(batch_ref)
+        metrics.update(await system.publish_weights())
+        if system.state.learner_step % cfg.checkpoint_every == 0 or system.state.learner_step == cfg.total_steps:
+            await system.checkpoint()
+        await system.log_step(metrics)
+    system.done = True

@@ -409,12 +409,12 @@ def rollout_interval_metrics(metrics: dict[str, float], interval_s: float) -> di
     return out
 
 
-def make_worker(sys_or_parts: Any, worker_id: str) -> Any:
+def make_worker(system_or_parts: Any, worker_id: str) -> Any:
     from streaming.rollout_actor import RolloutWorkerActor
 
-    cfg = sys_or_parts.cfg
+    cfg = system_or_parts.cfg
     return RolloutWorkerActor.options(num_cpus=0.25, name=None).remote(
-        worker_id, cfg.model_dump_json(), sys_or_parts.model_path, sys_or_parts.engines, sys_or_parts.buffer
+        worker_id, cfg.model_dump_json(), system_or_parts.model_path, system_or_parts.engines, system_or_parts.buffer
     )
 
 
