@@ -133,7 +133,7 @@ class LearnerConfig(BaseModel):
     grad_clip: float | None = Field(default=1.0, gt=0)
     warmup_steps: int = Field(default=0, ge=0)
     lr_schedule: LRSchedule = LRSchedule.CONSTANT
-    total_steps: int | None = Field(default=None, gt=0)  # optimiser steps; needed by linear/cosine
+    lr_schedule_steps: int | None = Field(default=None, gt=0)  # optimiser steps the schedule spans; needed by linear/cosine
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
 
     # Batching: a train batch splits into num_minibatches optimiser steps per epoch; each mini-batch
@@ -170,8 +170,8 @@ class LearnerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:
-        if self.lr_schedule != LRSchedule.CONSTANT and self.total_steps is None:
-            raise ValueError(f"lr_schedule={self.lr_schedule.value!r} needs total_steps")
+        if self.lr_schedule != LRSchedule.CONSTANT and self.lr_schedule_steps is None:
+            raise ValueError(f"lr_schedule={self.lr_schedule.value!r} needs lr_schedule_steps (optimiser steps)")
         if self.kl_coef > 0 and not self.use_reference:
             raise ValueError("kl_coef > 0 needs use_reference = true (the KL is to a frozen reference)")
         if not all(0 <= b < 1 for b in self.betas):

@@ -47,15 +47,15 @@ logger = logging.getLogger(__name__)
 
 
 def _lr_lambda(cfg: LearnerConfig) -> Callable[[int], float]:
-    """Linear warmup to 1, then constant / linear / cosine decay to min_lr_ratio at total_steps."""
+    """Linear warmup to 1, then constant / linear / cosine decay to min_lr_ratio at lr_schedule_steps."""
     import math
 
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
-        if cfg.lr_schedule == LRSchedule.CONSTANT or cfg.total_steps is None:
+        if cfg.lr_schedule == LRSchedule.CONSTANT or cfg.lr_schedule_steps is None:
             return 1.0
-        span = max(cfg.total_steps - cfg.warmup_steps, 1)
+        span = max(cfg.lr_schedule_steps - cfg.warmup_steps, 1)
         progress = min((step - cfg.warmup_steps) / span, 1.0)
         if cfg.lr_schedule == LRSchedule.LINEAR:
             decay = 1.0 - progress

@@ -51,7 +51,7 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: Literal["async", "sync"] = "async"
-    total_steps: int = Field(20, gt=0)  # learner optimizer steps
+    total_steps: int = Field(20, gt=0)  # learner steps: one buffer batch each (num_minibatches x ppo_epochs optimiser steps)
     sync_every: int = Field(1, gt=0)  # publish weights every K learner steps
     checkpoint_every: int = Field(5, gt=0)
     run_root: str = "runs"

@@ -139,7 +139,7 @@ def test_save_hf_round_trips_and_sync_names_match(tmp_path):
 def test_kl_to_reference_and_config_checks():
     with pytest.raises(ValueError, match="use_reference"):
         _cfg(kl_coef=0.1)
-    with pytest.raises(ValueError, match="total_steps"):
+    with pytest.raises(ValueError, match="lr_schedule_steps"):
         _cfg(lr_schedule="cosine")
     engine = TrainingEngine(_cfg(kl_coef=0.1, use_reference=True, kl_estimator="k3"))
     m1 = engine.train_step(_batch())
