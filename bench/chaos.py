@@ -2,7 +2,7 @@
 named injection points (`streaming/faults.py`), resumed until they finish, then checked against the
 async invariants from the durable log and the run directory only (`streaming/invariants.py`).
 
-    python -m bench.chaos [--seeds 3] [--scenarios a,b] [--out bench/results/chaos.json]
+    python -m bench.chaos [--seeds 2] [--scenarios a,b] [--out bench/results/chaos.json] [--keep DIR]
 
 A scenario is a list of segments; each segment is one `streamrl train` process (the first starts the
 run, the others `--resume` it) with its own armed faults. A segment killed by a `kill_job` fault, or
@@ -185,11 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--scenarios", default=None, help="comma-separated subset")
     parser.add_argument("--out", default=str(REPO / "bench/results/chaos.json"))
+    parser.add_argument("--keep", default=None, help="keep the run directories and logs here (default: a temp dir)")
     args = parser.parse_args(argv)
     wanted = set(args.scenarios.split(",")) if args.scenarios else None
     results: list[ScenarioResult] = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="streamrl-chaos-") as tmp:
+        if args.keep:
+            tmp = args.keep
+            Path(tmp).mkdir(parents=True, exist_ok=True)
         for seed in range(args.seeds):
             for name, faulted in scenarios(seed).items():
                 if wanted and name not in wanted:

@@ -38,7 +38,7 @@ CONSUMPTION_SCHEMA = pa.schema(
         pa.field("trajectory_id", pa.string()),
         pa.field("group_id", pa.string()),
         pa.field("learner_step", pa.int64(), nullable=False),
-        pa.field("served_version", pa.int64(), nullable=False),
+        pa.field("learner_version", pa.int64(), nullable=False),  # the served version (on-disk name kept)
         pa.field("lag", pa.int32(), nullable=False),  # served_version - min_policy_version
         pa.field("consumed_at", pa.float64(), nullable=False),
     ]

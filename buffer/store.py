@@ -492,7 +492,7 @@ class ReplayBuffer:
         logger.info("rolling back consumption recorded after learner step %d", learner_step)
         return pa.RecordBatch.from_pylist(
             [{"op": "rollback", "trajectory_id": None, "group_id": None, "learner_step": learner_step,
-              "served_version": -1, "lag": 0, "consumed_at": time.time()}],
+              "learner_version": -1, "lag": 0, "consumed_at": time.time()}],
             schema=CONSUMPTION_SCHEMA,
         )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 
 class Algo(StrEnum):
@@ -133,7 +133,8 @@ class LearnerConfig(BaseModel):
     grad_clip: float | None = Field(default=1.0, gt=0)
     warmup_steps: int = Field(default=0, ge=0)
     lr_schedule: LRSchedule = LRSchedule.CONSTANT
-    lr_schedule_steps: int | None = Field(default=None, gt=0)  # optimiser steps the schedule spans; needed by linear/cosine
+    # optimiser steps the schedule spans; needed by linear/cosine ("total_steps", its earlier name, is read too)
+    lr_schedule_steps: int | None = Field(default=None, gt=0, validation_alias=AliasChoices("lr_schedule_steps", "total_steps"))
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
 
     # Batching: a train batch splits into num_minibatches optimiser steps per epoch; each mini-batch

@@ -66,18 +66,23 @@ def check_run(run_dir: str | Path) -> InvariantReport:
     report.problems += [f"prompt lost: {g}" for g in lost] + [f"group beyond the cursor: {g}" for g in extra]
     report.problems += [f"group with more than group_size trajectories: {g}" for g in oversized]
 
-    # Exactly-once consumption, one full batch per learner step.
+    # Exactly-once consumption, one full batch per learner step: `groups_per_batch` whole groups, every
+    # finished member of each (a member that failed is not trained; the group trains with the rest).
     consumed = latest[latest["num_consumed"] > 0]
     twice = consumed[consumed["num_consumed"] > cfg.buffer.reuse]
     report.consumed_twice = len(twice)
     report.problems += [f"consumed {n} times: {t}" for t, n in zip(twice["trajectory_id"], twice["num_consumed"])]
     if cfg.buffer.max_batch_tokens is None and cfg.buffer.reuse == 1:
-        per_step = consumed.groupby("last_consume_step").size()
+        groups_per_step = consumed.groupby("last_consume_step")["group_id"].nunique()
         steps = set(range(1, state["learner_step"] + 1))
-        bad = [s for s in steps if per_step.get(s, 0) != cfg.buffer.batch_size]
-        bad += [s for s in per_step.index if s not in steps]
+        bad = [s for s in steps if groups_per_step.get(s, 0) != cfg.buffer.groups_per_batch]
+        bad += [s for s in groups_per_step.index if s not in steps]
+        report.problems += [f"learner step {s} consumed {groups_per_step.get(s, 0)} groups" for s in bad]
+        finished = latest[(latest["status"] == "finished") & latest["group_id"].isin(set(consumed["group_id"]))]
+        left = finished[finished["num_consumed"] == 0]
+        bad += list(left["trajectory_id"])
+        report.problems += [f"finished member of a trained group never trained: {t}" for t in left["trajectory_id"]]
         report.bad_batches = len(bad)
-        report.problems += [f"learner step {s} consumed {per_step.get(s, 0)} trajectories" for s in bad]
 
     # I2: what the end-of-run accounting saw (absent when the last segment was killed).
     accounting = run_dir / "accounting.json"
