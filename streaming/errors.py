@@ -73,7 +73,14 @@ def _victims(text: str) -> list[tuple[str | None, str | None, str | None]]:
 
 
 def explain_failure(exc: BaseException, run_dir: str | Path) -> str | None:
-    """One sentence for a part killed for memory anywhere in `exc`'s chain; None for anything else."""
+    """One sentence for a part killed for memory, or for every engine gone, anywhere in `exc`'s
+    chain; None for anything else."""
+    from rollout.engine.base import NoHealthyEngineError
+
+    resume = f"continue the run with: streamrl train --resume {shlex.quote(str(run_dir))}"
+    if gone := next((e for e in exception_chain(exc) if isinstance(e, NoHealthyEngineError)), None):
+        reason = str(gone).strip().splitlines()[-1]
+        return f"the run stopped because no inference engine is left ({reason}); see {run_dir}/logs, then {resume}"
     killed = next((e for e in exception_chain(exc) if _killed_for_memory(e)), None)
     if killed is None:
         return None
@@ -90,5 +97,5 @@ def explain_failure(exc: BaseException, run_dir: str | Path) -> str | None:
     return (
         f"{' and '.join(names)} {'was' if len(names) == 1 else 'were'} killed for lack of memory"
         + (f" with the node at {node.group(1)} of {node.group(2)}" if node else "")
-        + f"; {fix}continue the run with: streamrl train --resume {shlex.quote(str(run_dir))}"
+        + f"; {fix}{resume}"
     )

@@ -253,7 +253,28 @@ class System:
 
         Serialized: the admission and health loops may both notice the same dead worker."""
         async with self._health_lock:
+            await self.check_engines()
             await self._replace_dead_workers()
+
+    async def check_engines(self) -> None:
+        """I6: raise `NoHealthyEngineError` when no engine actor is alive any more. Without this,
+        a run whose only engine died before its first weight sync would admit prompt after prompt,
+        each failing at once ("all engines are unhealthy"): rows keep arriving, so the learner's
+        stall check never fires, and the run cycles through the dataset instead of stopping. An
+        engine that is merely slow to answer is not dead; one dead among live ones is left to
+        routing (its requests fail over) and to the next sync (which drops it)."""
+        from rollout.engine.base import NoHealthyEngineError
+
+        dead = []
+        for i, engine in enumerate(self.engines):
+            try:
+                await self._call(engine.stats.remote(), 60.0)
+            except ray.exceptions.RayActorError as exc:
+                dead.append(f"engine-{i}: {type(exc).__name__}")
+            except asyncio.TimeoutError:
+                continue  # busy, not dead
+        if dead and len(dead) == len(self.engines):
+            raise NoHealthyEngineError(f"no inference engine is alive: {'; '.join(dead)}")
 
     async def _replace_dead_workers(self) -> None:
         """Replace dead workers, then resubmit whatever no live worker runs (stranded work: I2)."""

@@ -90,3 +90,40 @@ async def test_rows_arriving_keep_the_wait_alive():
     sys = _fake_system(in_flight=8, rows=range(1000), exhausted=False, stall_timeout_s=0.3)
     with pytest.raises(asyncio.TimeoutError):  # still waiting, no Stalled: rows keep arriving
         await asyncio.wait_for(wait_for_batch(sys), 1.0)
+
+
+def _engines_system(*answers):
+    """A System whose engines answer `stats` as given: "ok", "dead" (the actor is gone) or "slow"."""
+    import ray
+
+    from streaming.system import System
+
+    def engine(answer):
+        async def stats():
+            if answer == "dead":
+                raise ray.exceptions.RayActorError()
+            if answer == "slow":
+                raise asyncio.TimeoutError()
+            return SimpleNamespace(busy_fraction=0.5)
+
+        return SimpleNamespace(stats=SimpleNamespace(remote=lambda: stats()))
+
+    async def call(ref, timeout_s=None):
+        return await ref
+
+    fake = SimpleNamespace(engines=[engine(a) for a in answers], _call=call)
+    return lambda: System.check_engines(fake)
+
+
+async def test_no_engine_alive_is_a_clear_error_not_a_livelock():
+    """Found by `make chaos` (engine scenario, seed 0): the only engine died before the first sync,
+    every trajectory then failed at once, rows kept arriving, and the run cycled through 77 epochs
+    of prompts for 10 minutes. The health check now stops it."""
+    from rollout.engine.base import NoHealthyEngineError
+
+    with pytest.raises(NoHealthyEngineError, match="no inference engine is alive: engine-0: RayActorError"):
+        await _engines_system("dead")()
+    with pytest.raises(NoHealthyEngineError, match="engine-0: .*; engine-1: "):
+        await _engines_system("dead", "dead")()
+    await _engines_system("dead", "ok")()  # one left: routing and the next sync deal with the dead one
+    await _engines_system("slow")()  # slow is not dead

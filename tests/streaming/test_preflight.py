@@ -200,3 +200,14 @@ def test_prepare_model_builds_in_a_child_and_reports_its_failure(tmp_path, tiny_
     with pytest.raises(StreamRLError) as err:
         prepare_model(cfg, log_file=log)
     assert "exit code 1" in str(err.value) and "neither a built-in" in str(err.value) and str(log) in str(err.value)
+
+
+def test_explain_failure_for_every_engine_gone(tmp_path):
+    from rollout.engine.base import NoHealthyEngineError
+
+    run_dir = tmp_path / "runs" / "r"
+    text = explain_failure(_wrapped(NoHealthyEngineError("no inference engine is alive: engine-0: ActorDiedError")),
+                           run_dir)
+    assert text == (f"the run stopped because no inference engine is left (no inference engine is alive: engine-0: "
+                    f"ActorDiedError); see {run_dir}/logs, then continue the run with: streamrl train --resume {run_dir}")
+    assert explain_failure(_wrapped(ValueError("something else")), run_dir) is None
