@@ -35,6 +35,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from buffer.types import RecoveryReport
+from rollout.atomic import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class SegmentWriter:
         self._data.flush()
         self._offset = header.size
         self.segments.append(SegmentInfo(name=name, num_bytes=self._offset))
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     def open(self) -> None:
         """Start a segment (file creation, directory fsync) and the writer thread now rather than at
@@ -231,10 +232,3 @@ def _problem(sink: list[str], message: str) -> None:
     logger.warning("buffer log: %s", message)
     sink.append(message)
 
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

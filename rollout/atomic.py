@@ -30,7 +30,7 @@ def atomic_write(path: str | Path, data: str | bytes, *, sync: bool = False) -> 
         Path(tmp).unlink(missing_ok=True)
         raise
     if sync:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     return path
 
 
@@ -54,7 +54,8 @@ def atomic_dir(final: str | Path, write: Callable[[Path], object]) -> Path:
     return final
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` survive a lost machine."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
