@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
+
+if TYPE_CHECKING:
+    from rollout.types import AgentData
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +103,10 @@ class RolloutWorkerActor:
 
         hit("tool.before_run")
 
-    async def submit(self, agent_data_jsons: list[str]) -> int:
-        from rollout.types import AgentData
-
-        for text in agent_data_jsons:
-            self.worker.submit(AgentData.from_json(text))
+    async def submit(self, items: list[AgentData]) -> int:
+        """Start (or resume) these trajectories; returns how many this worker runs now."""
+        for data in items:
+            self.worker.submit(data)
         return self.worker.num_running
 
     async def pause(self, epoch: int | None = None) -> None:

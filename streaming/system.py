@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -23,6 +23,9 @@ from streaming import catalogue, faults
 from streaming.catalogue import Reduction
 from streaming.config import StreamRLConfig
 from streaming.prompts import PromptStream, group_id_for, load_records, make_group
+
+if TYPE_CHECKING:
+    from rollout.types import AgentData
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +162,7 @@ class System:
             if already:  # admitted before a crash, after the last saved cursor: resumed from the buffer
                 return True
             faults.hit("admit.before_submit")
-            await self._submit([d.to_json() for d in group])
+            await self._submit(group)
         return True
 
     async def reconcile_cursor(self) -> int:
@@ -177,19 +180,18 @@ class System:
             self.state.save(self.run_dir / "driver_state.json")
         return skipped
 
-    async def _submit(self, agent_data_jsons: list[str]) -> None:
+    async def _submit(self, items: list[AgentData]) -> None:
         """Hand trajectories to the next live worker (round robin). A dead worker is skipped: its
         rows are durable and `check_workers` resubmits them once it is replaced."""
         for _ in range(len(self.workers)):
             worker = self.workers[self._next_worker % len(self.workers)]
             self._next_worker += 1
             try:
-                await self._call(worker.submit.remote(agent_data_jsons))
+                await self._call(worker.submit.remote(items))
                 return
             except ray.exceptions.RayActorError:
-                logger.warning("rollout worker died while %d trajectories were handed to it", len(agent_data_jsons))
-        logger.warning("no live rollout worker took %d trajectories; the health loop resubmits them",
-                       len(agent_data_jsons))
+                logger.warning("rollout worker died while %d trajectories were handed to it", len(items))
+        logger.warning("no live rollout worker took %d trajectories; the health loop resubmits them", len(items))
 
     # ---- learning -----------------------------------------------------------------------------
 
@@ -323,12 +325,12 @@ class System:
             missing = [tid for tid in resumable if tid not in running]
             if not missing:
                 return 0
-            orphans = [t.agent_data_json for t in await self._call(self.buffer.resumable.remote(missing))]
+            orphans = [t.agent_data() for t in await self._call(self.buffer.resumable.remote(missing))]
             if orphans:
                 self.num_stranded_checks += 1
                 logger.info("resubmitting %d trajectories no worker runs", len(orphans))
-            for text in orphans:
-                await self._submit([text])
+            for data in orphans:
+                await self._submit([data])
             return len(orphans)
 
     async def write_accounting(self) -> dict[str, list[str]]:
