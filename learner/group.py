@@ -74,9 +74,9 @@ def placement(cfg: LearnerConfig, cluster_gpus: float | None = None) -> LearnerP
 class LearnerWorker:
     """One rank: process group + sharded TrainingEngine. Instantiated as a Ray actor."""
 
-    def __init__(self, cfg_json: str, rank: int, world_size: int) -> None:
+    def __init__(self, cfg: LearnerConfig, rank: int, world_size: int) -> None:
         logging.basicConfig(level=logging.INFO)
-        self.cfg = LearnerConfig.model_validate_json(cfg_json)
+        self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.engine: Any = None
 
@@ -187,13 +187,12 @@ class LearnerGroup:
         if where.device == "cpu":  # Ray pins OMP_NUM_THREADS to num_cpus; CPU ranks share the cores instead
             rank_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // where.num_workers))
         env = {"env_vars": rank_env}
-        cfg_json = self.cfg.model_dump_json()
         self.workers = []
         for rank in range(where.num_workers):
             actor = ray.remote(rank0_cls if rank == 0 else LearnerWorker).options(
                 **where.actor_options(), runtime_env=env
             )
-            self.workers.append(actor.remote(cfg_json, rank, where.num_workers))
+            self.workers.append(actor.remote(self.cfg, rank, where.num_workers))
         try:
             nodes = set(self._all("node_id"))
             master = ray.get(self.rank0.master_address.remote(len(nodes) == 1), timeout=self.timeout_s)

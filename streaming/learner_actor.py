@@ -37,11 +37,11 @@ def learner_actor_options(cfg: StreamRLConfig) -> dict[str, float]:
 
 @ray.remote
 class LearnerActor:
-    def __init__(self, cfg_json: str, init_checkpoint: str | None = None) -> None:
+    def __init__(self, cfg: StreamRLConfig, init_checkpoint: str | None = None) -> None:
         from streaming.learner_backends import GroupLearner, LocalLearner
 
         logging.basicConfig(level=logging.INFO)
-        self.cfg = StreamRLConfig.model_validate_json(cfg_json)
+        self.cfg = cfg
         backend = GroupLearner if self.cfg.learner.num_workers > 1 else LocalLearner
         self.learner = backend(self.cfg, init_checkpoint)
         self.busy_s = 0.0

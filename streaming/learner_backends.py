@@ -29,7 +29,10 @@ from typing import TYPE_CHECKING, Any
 from learner.group import LearnerWorker
 
 if TYPE_CHECKING:
+    from learner.config import LearnerConfig
+    from rollout.engine.config import EngineConfig
     from streaming.config import StreamRLConfig
+    from weight_sync.config import WeightSyncConfig
     from streaming.weight_publisher import WeightPublisher
 
 logger = logging.getLogger(__name__)
@@ -113,24 +116,19 @@ class PublishingLearnerWorker(LearnerWorker):
     Sync actor with a private event loop for the coordinator, kept across publishes because the
     engine clients and the transport's group are bound to it."""
 
-    def __init__(self, cfg_json: str, rank: int, world_size: int) -> None:
-        super().__init__(cfg_json, rank, world_size)
+    def __init__(self, cfg: LearnerConfig, rank: int, world_size: int) -> None:
+        super().__init__(cfg, rank, world_size)
         self.publisher: WeightPublisher | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sync_dtype: str | None = None  # the engines' dtype when lower than the learner's fp32
 
-    def connect(self, sync_cfg_json: str, engine_cfg_json: str, engines: list[Any], workers: list[Any],
+    def connect(self, sync_cfg: WeightSyncConfig, engine_cfg: EngineConfig, engines: list[Any], workers: list[Any],
                 policy_version: int) -> None:
-        from rollout.engine.config import EngineConfig
         from streaming.weight_publisher import WeightPublisher
-        from weight_sync.config import WeightSyncConfig
 
         self.close_publisher()
-        engine_cfg = EngineConfig.model_validate_json(engine_cfg_json)
         self._loop = asyncio.new_event_loop()
-        self.publisher = WeightPublisher(
-            WeightSyncConfig.model_validate_json(sync_cfg_json), engine_cfg, engines, workers, policy_version
-        )
+        self.publisher = WeightPublisher(sync_cfg, engine_cfg, engines, workers, policy_version)
         self._sync_dtype = engine_cfg.dtype if engine_cfg.dtype in _LOW_PRECISION else None
 
     def set_workers(self, workers: list[Any]) -> None:
@@ -215,8 +213,7 @@ class GroupLearner:
 
     async def connect(self, engines: list[Any], workers: list[Any], policy_version: int) -> None:
         ref = self.group.rank0.connect.remote(
-            self.cfg.weight_sync.model_dump_json(), self.cfg.rollout.engine.model_dump_json(), engines, workers,
-            policy_version,
+            self.cfg.weight_sync, self.cfg.rollout.engine, engines, workers, policy_version,
         )
         await self._wait([ref])
         self.served_version = policy_version

@@ -15,6 +15,7 @@ import ray
 
 if TYPE_CHECKING:
     from rollout.types import AgentData
+    from streaming.config import StreamRLConfig
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +49,13 @@ def build_agent_context(cfg: Any, model_path: str, server: Any) -> Any:
 
 @ray.remote
 class RolloutWorkerActor:
-    def __init__(self, worker_id: str, cfg_json: str, model_path: str, engines: list, buffer: Any) -> None:
+    def __init__(self, worker_id: str, cfg: StreamRLConfig, model_path: str, engines: list, buffer: Any) -> None:
         from rollout.engine.base import PauseMode
         from rollout.engine.ray_engine import RayEngineClient
         from rollout.server_manager import ServerManager
         from rollout.worker import RolloutWorker
-        from streaming.config import StreamRLConfig
 
         logging.basicConfig(level=logging.INFO)
-        cfg = StreamRLConfig.model_validate_json(cfg_json)
         self.buffer = buffer
         clients = [RayEngineClient(h, f"engine-{i}", cfg=cfg.rollout.engine) for i, h in enumerate(engines)]
         server = ServerManager(clients, max_sticky_keys=cfg.rollout.sticky_lru_size)

@@ -437,7 +437,7 @@ def make_worker(system_or_parts: Any, worker_id: str) -> Any:
 
     cfg = system_or_parts.cfg
     return RolloutWorkerActor.options(num_cpus=0.25, name=None).remote(
-        worker_id, cfg.model_dump_json(), system_or_parts.model_path, system_or_parts.engines, system_or_parts.buffer
+        worker_id, cfg, system_or_parts.model_path, system_or_parts.engines, system_or_parts.buffer
     )
 
 

@@ -109,7 +109,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     # glibc's allocator is configured so the learner's resident set stays flat across steps.
     learner_env = {"env_vars": learner_runtime_env()}
     learner = LearnerActor.options(**learner_actor_options(cfg), runtime_env=learner_env).remote(
-        cfg.model_dump_json(), state.checkpoint if from_ckpt else None
+        cfg, state.checkpoint if from_ckpt else None
     )
     records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
     stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs,

@@ -159,7 +159,7 @@ async def test_single_and_two_rank_learners_publish_what_they_save(ray_cluster, 
     assert learner_actor_options(group_cfg) == {"num_cpus": 0, "num_gpus": 0}  # the ranks hold the resources
     client = RayEngineClient.launch(group_cfg.rollout.engine, "engine-0")
     worker = CountingWorker.remote()
-    single = LearnerActor.options(**learner_actor_options(single_cfg)).remote(single_cfg.model_dump_json(), None)
+    single = LearnerActor.options(**learner_actor_options(single_cfg)).remote(single_cfg, None)
     group = broken = None
     try:
         initial = await _served(client, "v0")  # engine start overlaps the learner's
@@ -170,7 +170,7 @@ async def test_single_and_two_rank_learners_publish_what_they_save(ray_cluster, 
         await _call(single.shutdown.remote())
         ray.kill(single)
 
-        group = LearnerActor.options(**learner_actor_options(group_cfg)).remote(group_cfg.model_dump_json(), None)
+        group = LearnerActor.options(**learner_actor_options(group_cfg)).remote(group_cfg, None)
         await _call(group.connect.remote([client.actor], [], 1))  # the engine serves v1 already
         await _call(group.set_workers.remote([worker]))
         await _call(group.train_step.remote(_sampled_batch(0)))
