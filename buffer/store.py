@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from buffer.admission import lag_histogram, length_bucket, rollout_capacity, token_lag, trajectory_lag
+from buffer.admission import length_bucket, rollout_capacity, trajectory_lag
 from buffer.config import BufferConfig, OverAgePolicy
 from buffer.groups import GroupPhase, GroupState, GroupTable, RowColumns
 from buffer.log import SegmentWriter, read_segments
@@ -46,6 +46,7 @@ from buffer.manifest import (
 from buffer.rows import RowStore
 from buffer.sampling import group_order, select_prefix
 from buffer.schema import TRAJECTORY_SCHEMA, batch_to_trajectories, normalize_batch, trajectories_to_batch
+from buffer.stats import BufferStats
 from buffer.types import RecoveryReport, SampledBatch
 from rollout.types import Trajectory, TrajectoryStatus
 
@@ -75,13 +76,9 @@ class ReplayBuffer:
         self._pending_rows = 0  # rows appended since the last flush (not yet acknowledged)
         self._pending_since = 0.0
         self._manifest_segments = 0  # trajectory segments listed by the last manifest write
-        self._counts: Counter[str] = Counter()
-        self._token_lag_hist = np.zeros(cfg.max_staleness + 2, dtype=np.int64)
-        self._traj_lag_hist = np.zeros(cfg.max_staleness + 2, dtype=np.int64)
-        self._last_batch: dict[str, float] = {}
+        self._stats = BufferStats(cfg.max_staleness)
+        self._counts = self._stats.counts
         self.max_policy_version = -1  # highest version label of any row ever appended or recovered
-        self._trained_lengths: Counter[int] = Counter()  # length bucket -> trajectories at their first use
-        self._dropped_lengths: Counter[int] = Counter()  # length bucket -> trajectories dropped over age
         self.recovery_report = RecoveryReport()
         self._root = Path(cfg.root_dir) if cfg.root_dir is not None else None
         self._lock: DirLock | None = None
@@ -263,10 +260,10 @@ class ReplayBuffer:
         dead: list[int] = []
         for g in groups:
             if g.num_uses == 0:
-                self._trained_lengths.update(length_bucket(m.num_tokens) for m in g.finished)
+                self._stats.trained_lengths.update(length_bucket(m.num_tokens) for m in g.finished)
             dead.extend(self._groups.consume(g, learner_step))
         self._rows.kill(dead)
-        self._account_lags(table, row_lags, served_version)
+        self._stats.account_batch(table, row_lags, served_version)
         return SampledBatch(
             table=table,
             trajectory_ids=[m.trajectory_id for m in members],
@@ -286,7 +283,7 @@ class ReplayBuffer:
         keep = self.cfg.over_age is OverAgePolicy.KEEP
         phase = GroupPhase.OVER_AGE if keep else GroupPhase.EVICTED
         for g in over:
-            self._dropped_lengths.update(length_bucket(m.num_tokens) for m in g.finished)
+            self._stats.dropped_lengths.update(length_bucket(m.num_tokens) for m in g.finished)
             self._rows.kill(self._groups.retire(g, phase))
         num = sum(len(g.finished) for g in over)
         self._counts["over_age_kept" if keep else "evicted_over_age"] += num
@@ -318,18 +315,6 @@ class ReplayBuffer:
             schema=CONSUMPTION_SCHEMA,
         )
         self._cons_log.write(records)
-
-    def _account_lags(self, table: pa.Table, row_lags: np.ndarray, served_version: int) -> None:
-        versions = table.column("policy_versions").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        token_lags = token_lag(served_version, versions.astype(np.int64))
-        self._token_lag_hist += lag_histogram(token_lags, self.cfg.max_staleness)
-        self._traj_lag_hist += lag_histogram(row_lags, self.cfg.max_staleness)
-        sampled = token_lags[token_lags >= 0]
-        self._last_batch = {
-            "staleness/batch_token_lag_mean": float(sampled.mean()) if len(sampled) else 0.0,
-            "staleness/batch_token_lag_max": float(sampled.max()) if len(sampled) else 0.0,
-            "staleness/batch_trajectory_lag_max": float(np.max(row_lags)) if len(row_lags) else 0.0,
-        }
 
     # ---------------------------------------------------------------- queries
     def resumable(self, trajectory_ids: list[str] | None = None) -> list[Trajectory]:
@@ -408,31 +393,9 @@ class ReplayBuffer:
             "buffer/recovery_problems": len(self.recovery_report.lines()) - 1,
         }
         out.update({f"buffer/groups_{phase.value}": n for phase, n in g.counts.items()})
-        for name, hist in (("token_lag", self._token_lag_hist), ("trajectory_lag", self._traj_lag_hist)):
-            total = max(int(hist.sum()), 1)
-            for lag, n in enumerate(hist.tolist()):
-                key = f"staleness/{name}_frac_{lag}" if lag <= self.cfg.max_staleness else f"staleness/{name}_frac_over"
-                out[key] = n / total
-            out[f"staleness/{name}_mean"] = float(np.dot(np.arange(len(hist)), hist) / total)
-        out.update(self._last_batch)
-        out.update(self._length_stats())
+        out.update(self._stats.staleness())
+        out.update(self._stats.lengths(g.generated_lengths))
         return {k: float(v) for k, v in out.items()}
-
-    def _length_stats(self) -> dict[str, float]:
-        """Generated vs trained length distributions (tokens per trajectory, power-of-two buckets):
-        `staleness/length_bias` = trained mean / generated mean (1.0 = no bias towards short ones)."""
-        out: dict[str, float] = {}
-        means = {}
-        for name, hist in (("generated", self._groups.generated_lengths), ("trained", self._trained_lengths),
-                           ("dropped_over_age", self._dropped_lengths)):
-            total = sum(hist.values())
-            means[name] = sum(b * n for b, n in hist.items()) / total if total else 0.0
-            out[f"length/{name}_mean_bucket"] = means[name]
-            for bucket, n in hist.items():
-                out[f"length/{name}_le_{bucket}"] = n
-        if means["generated"] and means["trained"]:
-            out["staleness/length_bias"] = means["trained"] / means["generated"]
-        return out
 
     # ---------------------------------------------------------------- recovery
     def _open_dir(self, resume_learner_step: int | None) -> None:

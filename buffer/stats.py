@@ -1,0 +1,66 @@
+"""What the buffer reports: its event counters, the lag histograms of what was trained, and the
+length distributions of what was generated, trained and dropped (`ReplayBuffer.stats`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+
+from buffer.admission import lag_histogram, token_lag
+
+
+class BufferStats:
+    """Counters and histograms kept beside the row store; `ReplayBuffer.stats` merges them with the
+    row store's and group table's gauges."""
+
+    def __init__(self, max_staleness: int) -> None:
+        self.max_staleness = max_staleness
+        self.counts: Counter[str] = Counter()
+        self.token_lag_hist = np.zeros(max_staleness + 2, dtype=np.int64)  # last bin: over max_staleness
+        self.traj_lag_hist = np.zeros(max_staleness + 2, dtype=np.int64)
+        self.last_batch: dict[str, float] = {}
+        self.trained_lengths: Counter[int] = Counter()  # length bucket -> trajectories at their first use
+        self.dropped_lengths: Counter[int] = Counter()  # length bucket -> trajectories dropped over age
+
+    def account_batch(self, table: pa.Table, row_lags: np.ndarray, served_version: int) -> None:
+        """Token and trajectory lags of one sampled batch, relative to the version it is served at."""
+        versions = table.column("policy_versions").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        token_lags = token_lag(served_version, versions.astype(np.int64))
+        self.token_lag_hist += lag_histogram(token_lags, self.max_staleness)
+        self.traj_lag_hist += lag_histogram(row_lags, self.max_staleness)
+        sampled = token_lags[token_lags >= 0]
+        self.last_batch = {
+            "staleness/batch_token_lag_mean": float(sampled.mean()) if len(sampled) else 0.0,
+            "staleness/batch_token_lag_max": float(sampled.max()) if len(sampled) else 0.0,
+            "staleness/batch_trajectory_lag_max": float(np.max(row_lags)) if len(row_lags) else 0.0,
+        }
+
+    def staleness(self) -> dict[str, float]:
+        """Lag shares (`..._frac_<k>`, `..._frac_over`) and means over everything trained so far."""
+        out: dict[str, float] = {}
+        for name, hist in (("token_lag", self.token_lag_hist), ("trajectory_lag", self.traj_lag_hist)):
+            total = max(int(hist.sum()), 1)
+            for lag, n in enumerate(hist.tolist()):
+                key = f"staleness/{name}_frac_{lag}" if lag <= self.max_staleness else f"staleness/{name}_frac_over"
+                out[key] = n / total
+            out[f"staleness/{name}_mean"] = float(np.dot(np.arange(len(hist)), hist) / total)
+        out.update(self.last_batch)
+        return out
+
+    def lengths(self, generated: Counter[int]) -> dict[str, float]:
+        """Generated vs trained length distributions (tokens per trajectory, power-of-two buckets):
+        `staleness/length_bias` = trained mean / generated mean (1.0 = no bias towards short ones)."""
+        out: dict[str, float] = {}
+        means = {}
+        for name, hist in (("generated", generated), ("trained", self.trained_lengths),
+                           ("dropped_over_age", self.dropped_lengths)):
+            total = sum(hist.values())
+            means[name] = sum(b * n for b, n in hist.items()) / total if total else 0.0
+            out[f"length/{name}_mean_bucket"] = means[name]
+            for bucket, n in hist.items():
+                out[f"length/{name}_le_{bucket}"] = n
+        if means["generated"] and means["trained"]:
+            out["staleness/length_bias"] = means["trained"] / means["generated"]
+        return out
