@@ -14,13 +14,25 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
+from rollout.types import Trajectory
 from streaming.config import StreamRLConfig
+from streaming.weight_publisher import Published
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Trained:
+    """One learner step, across the actor boundary: its metrics (observability only) and a few of
+    the batch's trajectories for the report."""
+
+    metrics: dict[str, float]
+    samples: list[Trajectory]
 
 
 def learner_actor_options(cfg: StreamRLConfig) -> dict[str, float]:
@@ -58,7 +70,7 @@ class LearnerActor:
     def model_path(self) -> str:
         return self.learner.model_path
 
-    async def train_step(self, sampled: Any, num_samples: int = 2) -> tuple[dict[str, float], list[dict]]:
+    async def train_step(self, sampled: Any, num_samples: int = 2) -> Trained:
         """One optimizer step on a buffer batch; returns metrics (`learner/*`, `is/*`, `staleness/*` and
         the learner's `memory/learner_peak_gb` / `memory/learner_rss_gb`) and a few trajectories to log."""
         import numpy as np
@@ -83,8 +95,7 @@ class LearnerActor:
         hist.add(lags)
         metrics.update(hist.to_metrics("staleness/lag_hist/"))
         table = sampled.table
-        samples = [t.to_dict() for t in batch_to_trajectories(table.slice(0, min(num_samples, table.num_rows)))]
-        return metrics, samples
+        return Trained(metrics=metrics, samples=batch_to_trajectories(table.slice(0, min(num_samples, table.num_rows))))
 
     async def connect(self, engines: list, workers: list, policy_version: int) -> None:
         """Set up weight sync over the engine actors and rollout worker actors (engines serve `policy_version`)."""
@@ -94,11 +105,11 @@ class LearnerActor:
         """Replace the pausable set after a preempted worker was replaced."""
         await self.learner.set_workers(workers)
 
-    async def publish(self) -> tuple[dict[str, float], int]:
+    async def publish(self) -> Published:
         """Move the current weights into every engine (transactional).
 
-        Returns `sync/*` metrics and the policy_version the engines serve afterwards: the new one, or
-        the old one if the sync failed (it is retried at the next publish)."""
+        Returns the policy_version the engines serve afterwards (the new one, or the old one if the
+        sync failed: it is retried at the next publish) and `sync/*` metrics."""
         return await self.learner.publish()
 
     async def dropped_engines(self) -> dict[str, str]:

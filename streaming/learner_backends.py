@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from learner.group import LearnerWorker
+from streaming.weight_publisher import Published
 
 if TYPE_CHECKING:
     from learner.config import LearnerConfig
@@ -79,7 +80,7 @@ class LocalLearner:
         assert self.publisher is not None, "connect() first"
         self.publisher.set_workers(workers)
 
-    async def publish(self) -> tuple[dict[str, float], int]:
+    async def publish(self) -> Published:
         from streaming.memory import trim_allocator
 
         assert self.publisher is not None, "connect() first"
@@ -135,7 +136,7 @@ class PublishingLearnerWorker(LearnerWorker):
         assert self.publisher is not None, "connect() first"
         self.publisher.set_workers(workers)
 
-    def publish(self, target: int) -> tuple[dict[str, float], int]:
+    def publish(self, target: int) -> Published:
         """Gather (collective: ranks 1..M-1 run `drain_sync_tensors` now), then sync as `target`."""
         import torch
 
@@ -146,10 +147,10 @@ class PublishingLearnerWorker(LearnerWorker):
         tensors = [(n, t.to(dtype) if dtype is not None else t) for n, t in self.engine.named_parameters_for_sync()]
         gather_s = time.monotonic() - started
         try:
-            metrics, served = self._loop.run_until_complete(self.publisher.publish(tensors, target))
+            published = self._loop.run_until_complete(self.publisher.publish(tensors, target))
         finally:
             del tensors  # the only unsharded copy; free it before training resumes
-        return {**metrics, "sync/gather_s": gather_s}, served
+        return Published(policy_version=published.policy_version, metrics={**published.metrics, "sync/gather_s": gather_s})
 
     def dropped_engines(self) -> dict[str, str]:
         return {} if self.publisher is None else self.publisher.dropped_engines
@@ -221,16 +222,16 @@ class GroupLearner:
     async def set_workers(self, workers: list[Any]) -> None:
         await self._wait([self.group.rank0.set_workers.remote(workers)])
 
-    async def publish(self) -> tuple[dict[str, float], int]:
+    async def publish(self) -> Published:
         assert self.served_version is not None, "connect() first"
         target = self.group.policy_version
         if target <= self.served_version:  # decided here, so either every rank gathers or none does
-            return {}, self.served_version
+            return Published(policy_version=self.served_version, metrics={})
         refs = [self.group.rank0.publish.remote(target)]
         refs += [w.run.remote(drain_sync_tensors) for w in self.group.workers[1:]]
-        (metrics, served), *_ = await self._wait(refs)
-        self.served_version = served
-        return metrics, served
+        published, *_ = await self._wait(refs)
+        self.served_version = published.policy_version
+        return published
 
     async def dropped_engines(self) -> dict[str, str]:
         return (await self._wait([self.group.rank0.dropped_engines.remote()]))[0]

@@ -26,6 +26,8 @@ from streaming.prompts import PromptStream, group_id_for, load_records, make_gro
 
 if TYPE_CHECKING:
     from rollout.types import AgentData
+    from streaming.learner_actor import Trained
+    from streaming.weight_publisher import Published
 
 logger = logging.getLogger(__name__)
 
@@ -202,18 +204,17 @@ class System:
 
     async def train_step(self, batch_ref: Any) -> dict[str, float]:
         t0 = time.monotonic()
-        metrics, samples = await self._call(self.learner.train_step.remote(batch_ref))
+        trained: Trained = await self._call(self.learner.train_step.remote(batch_ref))
         self.state.learner_step += 1
-        from rollout.types import Trajectory
-
-        for row in samples:
-            self.metrics.sample(Trajectory.from_dict(row), self.state.learner_step)
+        for trajectory in trained.samples:
+            self.metrics.sample(trajectory, self.state.learner_step)
         self.metrics.span("train", "learner", t0 - self.started, time.monotonic() - self.started)
-        return metrics
+        return trained.metrics
 
     async def publish_weights(self) -> dict[str, float]:
         t0 = time.monotonic()
-        metrics, self.state.policy_version = await self._call(self.learner.publish.remote())
+        published: Published = await self._call(self.learner.publish.remote())
+        metrics, self.state.policy_version = dict(published.metrics), published.policy_version
         self.dropped_engines = await self._call(self.learner.dropped_engines.remote())
         metrics["sync/num_engines_excluded"] = float(len(self.dropped_engines))
         if self.state.policy_version > self.state.version_high_water:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -25,6 +26,16 @@ if TYPE_CHECKING:
     from weight_sync.config import WeightSyncConfig
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Published:
+    """One publish, across the actor boundary: the policy_version the engines serve afterwards
+    (control: the new one, or the old one when the sync failed) and its `sync/*` metrics
+    (observability only)."""
+
+    policy_version: int
+    metrics: dict[str, float]
 
 
 class RemoteWorkers:
@@ -92,20 +103,20 @@ class WeightPublisher:
 
     async def publish(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], target: int
-    ) -> tuple[dict[str, float], int]:
+    ) -> Published:
         """Move `named_tensors` into every engine as `target` (transactional).
 
-        Returns `sync/*` metrics and the policy_version served afterwards: `target`, or the old one
-        if the sync failed. A `target` not above the served version is a no-op. Raises
+        Returns the policy_version served afterwards (`target`, or the old one if the sync failed)
+        and `sync/*` metrics. A `target` not above the served version is a no-op. Raises
         `NoHealthyEngineError` ("no healthy inference engine left: ...") when every engine is gone."""
         if target <= self.served_version:
-            return {}, self.served_version
+            return Published(policy_version=self.served_version, metrics={})
         result = await self.coordinator.sync(named_tensors, target)
         if not result.ok:
             logger.error("weight sync to policy_version %d failed: %s", target, result.error)
         if result.dropped_engine_ids:
             logger.error("engines %s left the sync set: %s", result.dropped_engine_ids, self.dropped_engines)
-        return self.coordinator.metrics(), self.served_version
+        return Published(policy_version=self.served_version, metrics=self.coordinator.metrics())
 
     async def close(self) -> None:
         await self.coordinator.close()

@@ -129,16 +129,17 @@ async def _call(ref):
 
 async def _train_publish_check(learner, client, tmp_path, *, version: int) -> list[int]:
     """One step to `version`, publish, and check the engine serves exactly what the learner saves."""
-    metrics, samples = await _call(learner.train_step.remote(_sampled_batch(version - 1)))
+    trained = await _call(learner.train_step.remote(_sampled_batch(version - 1)))
+    metrics = trained.metrics
     assert metrics["learner/policy_version"] == float(version)
     assert np.isfinite(metrics["learner/loss"]) and metrics["learner/grad_norm"] > 0
-    assert [s["trajectory_id"] for s in samples] == ["g0/0", "g0/1"]
+    assert [t.trajectory_id for t in trained.samples] == ["g0/0", "g0/1"]
 
-    sync_metrics, served_version = await _call(learner.publish.remote())
-    assert served_version == version, sync_metrics
-    assert sync_metrics["sync/num_failed"] == 0.0
+    published = await _call(learner.publish.remote())
+    assert published.policy_version == version, published.metrics
+    assert published.metrics["sync/num_failed"] == 0.0
     assert await _call(learner.policy_version.remote()) == version
-    assert (await _call(learner.publish.remote()))[1] == version  # nothing new: a no-op
+    assert (await _call(learner.publish.remote())).policy_version == version  # nothing new: a no-op
 
     await _call(learner.save_hf.remote(str(tmp_path / f"hf-v{version}")))
     expected = _hf_greedy(tmp_path / f"hf-v{version}")
@@ -174,7 +175,8 @@ async def test_single_and_two_rank_learners_publish_what_they_save(ray_cluster, 
         await _call(group.connect.remote([client.actor], [], 1))  # the engine serves v1 already
         await _call(group.set_workers.remote([worker]))
         await _call(group.train_step.remote(_sampled_batch(0)))
-        assert await _call(group.publish.remote()) == ({}, 1)  # its v1 is not newer: no gather, no sync
+        published = await _call(group.publish.remote())  # its v1 is not newer: no gather, no sync
+        assert (published.policy_version, published.metrics) == (1, {})
         v2 = await _train_publish_check(group, client, tmp_path, version=2)
         assert v2 != v1
         assert await _call(worker.log.remote()) == ["pause", "resume"] * 2  # once per publish
@@ -184,8 +186,8 @@ async def test_single_and_two_rank_learners_publish_what_they_save(ray_cluster, 
         broken = BrokenEngine.remote()
         await _call(group.connect.remote([client.actor, broken], [worker], 2))
         await _call(group.train_step.remote(_sampled_batch(2)))
-        sync_metrics, served_version = await _call(group.publish.remote())
-        assert served_version == 2 and sync_metrics["sync/num_failed"] == 1.0, sync_metrics
+        published = await _call(group.publish.remote())
+        assert published.policy_version == 2 and published.metrics["sync/num_failed"] == 1.0, published.metrics
         assert await _call(group.policy_version.remote()) == 3
         still = await _served(client, "after-failure")
         assert still.token_ids == v2 and set(still.policy_versions) == {2}

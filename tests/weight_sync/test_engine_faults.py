@@ -200,10 +200,10 @@ async def test_publisher_goes_on_without_a_dead_engine_then_raises_when_none_is_
     engines = [DyingEngine("engine-0"), DyingEngine("engine-1")]
     monkeypatch.setattr(ray_engine, "RayEngineClient", lambda handle, engine_id, **kwargs: handle)
     publisher = WeightPublisher(_config(pause_mode=PauseMode.KEEP), EngineConfig(), engines, [], policy_version=0)
-    assert (await publisher.publish(toy_weights(1), 1))[1] == 1
+    assert (await publisher.publish(toy_weights(1), 1)).policy_version == 1
     engines[1].die()
-    metrics, served = await publisher.publish(toy_weights(2), 2)
-    assert served == 2 and metrics["sync/num_engines_dropped"] == 1.0
+    published = await publisher.publish(toy_weights(2), 2)
+    assert published.policy_version == 2 and published.metrics["sync/num_engines_dropped"] == 1.0
     assert list(publisher.dropped_engines) == ["engine-1"]
     engines[0].die()
     with pytest.raises(RuntimeError, match="no healthy inference engine left"):
