@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 from buffer.config import BufferConfig
 from buffer.schema import normalize_batch, trajectories_to_batch
 from buffer.store import ReplayBuffer
-from buffer.types import PaddedBatch, SampledBatch
+from buffer.types import BufferProgress, PaddedBatch, SampledBatch
 from rollout.types import Trajectory, TrajectoryStatus
 
 if TYPE_CHECKING:
@@ -116,6 +116,12 @@ class BufferActor:
             self._room.notify_all()
         return out
 
+    async def sample_counted(self, served_version: int, learner_step: int) -> tuple[int, SampledBatch | None]:
+        """`sample`, and its number of trajectories (0: none ready) first: called with
+        `num_returns=2`, the caller learns whether there is a batch without fetching it."""
+        out = await self.sample(served_version, learner_step)
+        return (0 if out is None else out.table.num_rows), out
+
     async def sample_padded(self, served_version: int, learner_step: int) -> tuple[PaddedBatch, np.ndarray] | None:
         """The padded learner batch and per-row lags, or None."""
         out = await self.sample(served_version, learner_step)
@@ -130,9 +136,9 @@ class BufferActor:
     async def has_groups(self, group_ids: list[str]) -> list[bool]:
         return self.buffer.has_groups(group_ids)
 
-    async def progress(self) -> tuple[int, int]:
-        """(trajectories in flight, rows appended so far): cheap, for the driver's stall checks."""
-        return self.buffer.num_in_flight, self.buffer.num_rows_appended
+    async def progress(self) -> BufferProgress:
+        """Trajectories in flight and rows appended so far: cheap, for the driver's stall checks."""
+        return BufferProgress(in_flight=self.buffer.num_in_flight, rows_appended=self.buffer.num_rows_appended)
 
     async def max_policy_version(self) -> int:
         """Highest policy_version label in the buffer (recovered or appended); -1 if none."""

@@ -64,6 +64,15 @@ class SampledBatch:
         return pad_table(self.table)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BufferProgress:
+    """What the driver's stall check reads: trajectories admitted and not yet accepted (every member
+    of an open group), and rows appended since the buffer started (grows while anything arrives)."""
+
+    in_flight: int
+    rows_appended: int
+
+
 @dataclass(kw_only=True, slots=True)
 class RecoveryReport:
     """What recovery found in a buffer directory; every problem has a human-readable line."""

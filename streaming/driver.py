@@ -74,7 +74,8 @@ async def wait_for_batch(system: System, *, check_workers: bool = False):
     stall_s = system.cfg.trainer.stall_timeout_s
     last_rows, last_change = -1, time.monotonic()
     while (batch_ref := await system.sample_batch()) is None:
-        in_flight, rows = await system._call(system.buffer.progress.remote())
+        progress = await system.buffer.progress()
+        in_flight, rows = progress.in_flight, progress.rows_appended
         if in_flight == 0 and system.prompts_exhausted:
             logger.warning("the prompt stream is exhausted (%d prompts admitted) and nothing is in flight: "
                            "ending the run at learner step %d of %d", system.state.cursor, system.state.learner_step,

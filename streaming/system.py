@@ -25,9 +25,11 @@ from streaming.config import StreamRLConfig
 from streaming.prompts import PromptStream, group_id_for, load_records, make_group
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from rollout.types import AgentData
-    from streaming.learner_actor import Trained
-    from streaming.weight_publisher import Published
+    from streaming.clients import BufferClient, EngineClient, LearnerClient, WorkerClient
+    from streaming.metrics import MetricsLogger
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +88,14 @@ class System:
     cfg: StreamRLConfig
     run_dir: Path
     model_path: str
-    engines: list[Any]
-    workers: list[Any]
-    buffer: Any
-    learner: Any
+    engines: list[EngineClient]
+    workers: list[WorkerClient]
+    buffer: BufferClient
+    learner: LearnerClient
     stream: PromptStream
-    metrics: Any  # streaming.metrics.MetricsLogger
+    metrics: MetricsLogger
+    # builds a replacement rollout worker (default: a RolloutWorkerActor, `make_worker`)
+    new_worker: Callable[[System, str], WorkerClient] = field(default=lambda system, wid: make_worker(system, wid))
     state: DriverState
     done: bool = False
     exhausted: bool = False  # the run ended early: prompts used up, nothing in flight
@@ -119,17 +123,12 @@ class System:
     def timeout_s(self) -> float:
         return self.cfg.trainer.step_timeout_s
 
-    async def _call(self, ref: Any, timeout_s: float | None = None) -> Any:
-        return await asyncio.wait_for(ref, timeout_s or self.timeout_s)
-
     async def admission_capacity_groups(self) -> int:
         """Whole groups that may start now (AReaL capacity, counted by the buffer: every admitted
         group has rows there from its admission on, so the count survives restarts)."""
-        cap = await self._call(
-            self.buffer.capacity.remote(
-                served_version=self.state.served_step,
-                max_concurrent=self.cfg.rollout.max_concurrent_per_worker * len(self.workers),
-            )
+        cap = await self.buffer.capacity(
+            served_version=self.state.served_step,
+            max_concurrent=self.cfg.rollout.max_concurrent_per_worker * len(self.workers),
         )
         return cap // self.cfg.group_size
 
@@ -141,7 +140,6 @@ class System:
         """Append the next prompt's group as PENDING rows, durably, then save the cursor, then hand
         the group to a worker. A crash anywhere leaves the cursor at or behind the durable rows, and
         a prompt whose rows are already in the buffer is skipped, not admitted twice (I1)."""
-        from buffer.schema import trajectories_to_batch
         from rollout.agent_loop.base import AgentLoopBase
         from rollout.types import TrajectoryStatus
 
@@ -151,11 +149,9 @@ class System:
         record, epoch = item
         group = make_group(record, epoch, self.cfg.group_size, self.cfg.rollout.agent.default_interaction)
         async with self._submit_lock:
-            (already,) = await self._call(self.buffer.has_groups.remote([group[0].group_id]))
+            already = await self.buffer.has_group(group[0].group_id)
             if not already:
-                rows = [AgentLoopBase.to_trajectory(d, TrajectoryStatus.PARTIAL) for d in group]
-                batch = ray.put(trajectories_to_batch(rows))
-                await self._call(self.buffer.append.remote(batch, timeout_s=None, durable=True))
+                await self.buffer.append_durable([AgentLoopBase.to_trajectory(d, TrajectoryStatus.PARTIAL) for d in group])
                 self.state.num_admitted += len(group)
                 faults.hit("admit.after_append")
             self.stream.advance()
@@ -172,8 +168,7 @@ class System:
         did not happen (a kill between the two). Returns how many were skipped this way."""
         skipped = 0
         while (item := self.stream.peek()) is not None:
-            (present,) = await self._call(self.buffer.has_groups.remote([group_id_for(*item)]))
-            if not present:
+            if not await self.buffer.has_group(group_id_for(*item)):
                 break
             self.stream.advance()
             skipped += 1
@@ -189,7 +184,7 @@ class System:
             worker = self.workers[self._next_worker % len(self.workers)]
             self._next_worker += 1
             try:
-                await self._call(worker.submit.remote(items))
+                await worker.submit(items)
                 return
             except ray.exceptions.RayActorError:
                 logger.warning("rollout worker died while %d trajectories were handed to it", len(items))
@@ -198,13 +193,12 @@ class System:
     # ---- learning -----------------------------------------------------------------------------
 
     async def sample_batch(self) -> Any | None:
-        ref = self.buffer.sample.remote(served_version=self.state.policy_version, learner_step=self.state.learner_step + 1)
-        batch = await self._call(ref)
-        return None if batch is None else ref
+        """The next batch (a reference, opaque here: it goes from the buffer to the learner), or None."""
+        return await self.buffer.sample(served_version=self.state.policy_version, learner_step=self.state.learner_step + 1)
 
     async def train_step(self, batch_ref: Any) -> dict[str, float]:
         t0 = time.monotonic()
-        trained: Trained = await self._call(self.learner.train_step.remote(batch_ref))
+        trained = await self.learner.train_step(batch_ref)
         self.state.learner_step += 1
         for trajectory in trained.samples:
             self.metrics.sample(trajectory, self.state.learner_step)
@@ -213,9 +207,9 @@ class System:
 
     async def publish_weights(self) -> dict[str, float]:
         t0 = time.monotonic()
-        published: Published = await self._call(self.learner.publish.remote())
+        published = await self.learner.publish()
         metrics, self.state.policy_version = dict(published.metrics), published.policy_version
-        self.dropped_engines = await self._call(self.learner.dropped_engines.remote())
+        self.dropped_engines = await self.learner.dropped_engines()
         metrics["sync/num_engines_excluded"] = float(len(self.dropped_engines))
         if self.state.policy_version > self.state.version_high_water:
             self.state.version_high_water = self.state.policy_version
@@ -229,8 +223,8 @@ class System:
         """Learner (HF weights + optimizer state), buffer (fsync), then the driver state pointer."""
         step_dir = self.run_dir / "checkpoints" / f"step_{self.state.learner_step:06d}"
         step_dir.parent.mkdir(parents=True, exist_ok=True)
-        await self._call(self.learner.save_checkpoint.remote(str(step_dir)))
-        await self._call(self.buffer.checkpoint.remote())
+        await self.learner.save_checkpoint(str(step_dir))
+        await self.buffer.checkpoint()
         self.state.checkpoint = str(step_dir)
         self.state.checkpoint_step = self.state.learner_step
         self.state.checkpoint_policy_version = self.state.policy_version
@@ -271,7 +265,7 @@ class System:
         dead = []
         for i, engine in enumerate(self.engines):
             try:
-                await self._call(engine.stats.remote(), 60.0)
+                await engine.stats()
             except ray.exceptions.RayActorError as exc:
                 dead.append(f"engine-{i}: {type(exc).__name__}")
             except asyncio.TimeoutError:
@@ -284,27 +278,27 @@ class System:
         alive, dead = [], []
         for w in self.workers:
             try:
-                await self._call(w.num_outstanding.remote(), 30.0)
+                await w.num_outstanding()
                 alive.append(w)
             except (ray.exceptions.RayActorError, asyncio.TimeoutError):
                 dead.append(w)
-                ray.kill(w, no_restart=True)  # a worker too slow to answer must not go on as a zombie
+                w.kill()  # a worker too slow to answer must not go on as a zombie
         if dead:
             logger.warning("%d rollout worker(s) lost; replacing and resuming their trajectories", len(dead))
             for _ in dead:
-                alive.append(make_worker(self, f"worker-r{self.num_worker_replacements}"))
+                alive.append(self.new_worker(self, f"worker-r{self.num_worker_replacements}"))
                 self.num_worker_replacements += 1
             self.workers = alive
-            await self._call(self.learner.set_workers.remote(self.workers))
+            await self.learner.set_workers(self.workers)
         await self.align_routing(alive)
         await self.resubmit_orphans()
 
-    async def align_routing(self, workers: list[Any]) -> None:
+    async def align_routing(self, workers: list[WorkerClient]) -> None:
         """Every worker routes to the engines weight sync keeps (I6) and takes back recovered ones."""
         keep_out = sorted(self.dropped_engines)
         for w in workers:
             try:
-                await self._call(w.route.remote(keep_out), 60.0)
+                await w.route(keep_out)
             except (ray.exceptions.RayActorError, asyncio.TimeoutError):
                 continue  # dying: the next check replaces it
 
@@ -319,14 +313,14 @@ class System:
             running: set[str] = set()
             for w in self.workers:
                 try:
-                    running.update(await self._call(w.running_ids.remote(), 60.0))
+                    running.update(await w.running_ids())
                 except (ray.exceptions.RayActorError, asyncio.TimeoutError):
                     return 0  # a worker is dying: the next check replaces it first
-            resumable = await self._call(self.buffer.resumable_ids.remote())
+            resumable = await self.buffer.resumable_ids()
             missing = [tid for tid in resumable if tid not in running]
             if not missing:
                 return 0
-            orphans = [t.agent_data() for t in await self._call(self.buffer.resumable.remote(missing))]
+            orphans = [t.agent_data() for t in await self.buffer.resumable(missing)]
             if orphans:
                 self.num_stranded_checks += 1
                 logger.info("resubmitting %d trajectories no worker runs", len(orphans))
@@ -340,11 +334,11 @@ class System:
         held: set[str] = set()
         for w in self.workers:
             try:
-                await self._call(w.pause.remote(), 120.0)
-                held.update(await self._call(w.running_ids.remote(), 60.0))
+                await w.pause()
+                held.update(await w.running_ids())
             except (ray.exceptions.RayActorError, asyncio.TimeoutError) as exc:
                 logger.warning("end-of-run accounting: a worker did not answer (%r)", exc)
-        resumable = set(await self._call(self.buffer.resumable_ids.remote()))
+        resumable = set(await self.buffer.resumable_ids())
         report = {"stranded": sorted(resumable - held), "untracked": sorted(held - resumable),
                   "resumable": sorted(resumable)}
         (self.run_dir / "accounting.json").write_text(json.dumps(report, indent=1))
@@ -355,11 +349,11 @@ class System:
 
     async def shutdown(self) -> None:
         """Orderly end: workers, then the learner, then the buffer (flush + fsync), best effort."""
-        steps = [(w.shutdown.remote, "rollout worker") for w in self.workers]
-        steps += [(self.learner.shutdown.remote, "learner"), (self.buffer.close.remote, "buffer")]
+        steps = [(w.shutdown, "rollout worker") for w in self.workers]
+        steps += [(self.learner.shutdown, "learner"), (self.buffer.close, "buffer")]
         for method, what in steps:
             try:
-                await self._call(method(), 120.0)
+                await method()
             except Exception as exc:  # a part that already died must not hide the run's own outcome
                 logger.warning("shutdown of the %s failed: %r", what, exc)
 
@@ -367,11 +361,11 @@ class System:
         elapsed = self.elapsed_s
         metrics["learner/idle_ratio"] = self.learner_idle_s / max(elapsed, 1e-9)
         metrics["time/elapsed_s"] = self.total_elapsed_s
-        metrics.update(await self._call(self.buffer.stats.remote()))
+        metrics.update(await self.buffer.stats())
         totals: dict[str, float] = {}
         for w in self.workers:
             try:
-                worker_metrics = await self._call(w.metrics.remote(), 60.0)
+                worker_metrics = await w.metrics()
             except ray.exceptions.RayActorError:
                 continue  # preempted; the health loop replaces it
             for key, value in worker_metrics.items():
@@ -388,7 +382,7 @@ class System:
         busy = []
         for i, engine in enumerate(self.engines):
             try:
-                stats = await self._call(engine.stats.remote(), 60.0)
+                stats = await engine.stats()
             except (ray.exceptions.RayActorError, asyncio.TimeoutError):
                 metrics[f"engine/busy_fraction/engine-{i}"] = 0.0
                 continue
@@ -410,7 +404,7 @@ class System:
         out = {"memory/driver_peak_gb": peak_rss_gb()}
         for actor in [*self.engines, *self.workers, self.buffer]:
             try:
-                reported = await self._call(actor.memory.remote(), 30.0)
+                reported = await actor.memory()
             except (ray.exceptions.RayActorError, asyncio.TimeoutError):
                 continue  # gone: the health loop deals with it
             for key, value in reported.items():
@@ -433,13 +427,15 @@ def rollout_interval_metrics(metrics: dict[str, float], interval_s: float) -> di
     return out
 
 
-def make_worker(system_or_parts: Any, worker_id: str) -> Any:
+def make_worker(system: System, worker_id: str) -> WorkerClient:
+    """A new RolloutWorkerActor over the system's engines and buffer."""
+    from streaming.clients import WorkerClient
     from streaming.rollout_actor import RolloutWorkerActor
 
-    cfg = system_or_parts.cfg
-    return RolloutWorkerActor.options(num_cpus=0.25, name=None).remote(
-        worker_id, cfg, system_or_parts.model_path, system_or_parts.engines, system_or_parts.buffer
+    handle = RolloutWorkerActor.options(num_cpus=0.25, name=None).remote(
+        worker_id, system.cfg, system.model_path, [e.handle for e in system.engines], system.buffer.handle
     )
+    return WorkerClient(handle, timeout_s=system.timeout_s)
 
 
 def group_of(trajectory_id: str) -> str:

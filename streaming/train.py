@@ -69,6 +69,7 @@ def open_run(config: str | None, overrides: list[str], resume: str | None) -> tu
 async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> System:
     from buffer.actor import create_buffer_actor
     from rollout.engine.ray_engine import RayEngineClient
+    from streaming.clients import BufferClient, EngineClient, LearnerClient
     from streaming.learner_actor import LearnerActor, learner_actor_options
     from streaming.logs import log_dir
     from streaming.memory import learner_runtime_env
@@ -93,9 +94,11 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
                 "config": cfg.model_dump(mode="json"), "started_at": time.time()}
         (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
 
-    buffer = create_buffer_actor(cfg.buffer, resume_learner_step=state.checkpoint_step if resuming else None)
+    timeout_s = cfg.trainer.step_timeout_s
+    buffer = BufferClient(create_buffer_actor(cfg.buffer, resume_learner_step=state.checkpoint_step if resuming else None),
+                          timeout_s=timeout_s)
     if resuming:  # versions continue above every label the buffer or the driver has seen (I4)
-        state.rewind_to_checkpoint(await asyncio.wait_for(buffer.max_policy_version.remote(), 600))
+        state.rewind_to_checkpoint(await buffer.max_policy_version())
         state.save(run_dir / "driver_state.json")
     engine_path = str(Path(state.checkpoint) / "hf") if from_ckpt else model_path
     engine_cfg = cfg.rollout.engine.model_copy(update={"model": engine_path})
@@ -104,12 +107,15 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
         RayEngineClient.launch(engine_cfg, f"engine-{i}", policy_version=start_version)
         for i in range(cfg.rollout.num_engines)
     ]
-    engines = [c.actor for c in clients]
+    engines = [EngineClient(c.actor, timeout_s=timeout_s) for c in clients]
     # Ray pins OMP_NUM_THREADS to an actor's num_cpus (1); the learner's matmuls want every core;
     # glibc's allocator is configured so the learner's resident set stays flat across steps.
     learner_env = {"env_vars": learner_runtime_env()}
-    learner = LearnerActor.options(**learner_actor_options(cfg), runtime_env=learner_env).remote(
-        cfg, state.checkpoint if from_ckpt else None
+    learner = LearnerClient(
+        LearnerActor.options(**learner_actor_options(cfg), runtime_env=learner_env).remote(
+            cfg, state.checkpoint if from_ckpt else None
+        ),
+        timeout_s=timeout_s,
     )
     records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
     stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs,
@@ -121,9 +127,11 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     system.workers = [make_worker(system, f"worker-{i}") for i in range(cfg.rollout.num_workers)]
     startup = cfg.rollout.engine.startup_timeout_s
     await asyncio.gather(*[c.wait_ready() for c in clients])
-    if await asyncio.wait_for(learner.policy_version.remote(), startup) != start_version:
-        await asyncio.wait_for(learner.set_policy_version.remote(start_version), startup)
-    await asyncio.wait_for(learner.connect.remote(engines, system.workers, start_version), startup)
+    learner.timeout_s = startup  # the first calls wait for the learner actor to load the model
+    if await learner.policy_version() != start_version:
+        await learner.set_policy_version(start_version)
+    await learner.connect(engines, system.workers, start_version)
+    learner.timeout_s = timeout_s
     if resuming:
         await system.reconcile_cursor()
         n = await system.resubmit_orphans()

@@ -7,7 +7,6 @@ a generation anywhere and check that the resumed trajectory is the same token se
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 

@@ -42,21 +42,13 @@ def test_a_version_seen_only_in_the_buffer_counts():
     assert state.policy_version == 4 and state.served_step == 0
 
 
-class _Remote:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(self.fn(*args))
-        return fut
-
-
 def _fake_system(*, in_flight: int, rows, exhausted: bool, stall_timeout_s: float = 60.0):
+    from buffer.types import BufferProgress
+
     rows = iter(rows)
 
-    async def call(ref, timeout_s=None):
-        return await ref
+    async def progress():
+        return BufferProgress(in_flight=in_flight, rows_appended=next(rows))
 
     async def no_batch():
         return None
@@ -64,11 +56,10 @@ def _fake_system(*, in_flight: int, rows, exhausted: bool, stall_timeout_s: floa
     sys = SimpleNamespace(
         cfg=SimpleNamespace(trainer=SimpleNamespace(stall_timeout_s=stall_timeout_s, total_steps=10)),
         state=SimpleNamespace(cursor=7, learner_step=3, policy_version=3),
-        buffer=SimpleNamespace(progress=_Remote(lambda: (in_flight, next(rows)))),
+        buffer=SimpleNamespace(progress=progress),
         sample_batch=no_batch,
         prompts_exhausted=exhausted,
         exhausted=False,
-        _call=call,
         run_dir=Path("."),
     )
     return sys
@@ -106,12 +97,9 @@ def _engines_system(*answers):
                 raise asyncio.TimeoutError()
             return SimpleNamespace(busy_fraction=0.5)
 
-        return SimpleNamespace(stats=SimpleNamespace(remote=lambda: stats()))
+        return SimpleNamespace(stats=stats)
 
-    async def call(ref, timeout_s=None):
-        return await ref
-
-    fake = SimpleNamespace(engines=[engine(a) for a in answers], _call=call)
+    fake = SimpleNamespace(engines=[engine(a) for a in answers])
     return lambda: System.check_engines(fake)
 
 

@@ -13,7 +13,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.ray]
 
 @pytest.mark.timeout(600)
 async def test_killed_rollout_worker_is_replaced_and_its_trajectories_resume(ray_cluster, tmp_path, tiny_model_path):
-    import ray
 
     from buffer.cli import load_frame
     from streaming.config import load_config
@@ -39,12 +38,12 @@ async def test_killed_rollout_worker_is_replaced_and_its_trajectories_resume(ray
     try:
         # Wait until the victim holds trajectories, then kill it (no graceful shutdown).
         for _ in range(1200):
-            if await victim.num_outstanding.remote() > 0 and system.state.learner_step >= 1:
+            if await victim.num_outstanding() > 0 and system.state.learner_step >= 1:
                 break
             await asyncio.sleep(0.1)
-        held = set(await victim.running_ids.remote())
+        held = set(await victim.running_ids())
         assert held, "the worker to preempt never held a trajectory"
-        ray.kill(victim, no_restart=True)
+        victim.kill()
         for _ in range(600):  # the health loop notices within a poll or two, while the run goes on
             if system.num_worker_replacements or run.done():
                 break
@@ -71,4 +70,4 @@ async def test_killed_rollout_worker_is_replaced_and_its_trajectories_resume(ray
     for tid, st in status.items():
         assert st == "finished" or (st == "partial" and tid in accounting["resumable"]), (tid, st)
     for w in system.workers:
-        ray.kill(w, no_restart=True)  # parked by the accounting; nothing more to run
+        w.kill()  # parked by the accounting; nothing more to run

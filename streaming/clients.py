@@ -1,0 +1,161 @@
+"""Typed clients of the actors the driver talks to: one small class per actor, whose methods take
+and return the records of that part's `types.py` (never JSON strings, never control values inside
+metric dicts), each call bounded by a timeout.
+
+    BufferClient   -> buffer.actor.BufferActor          (admission rows, batches, recovery, stats)
+    LearnerClient  -> streaming.learner_actor.LearnerActor (train step, publish, checkpoint)
+    WorkerClient   -> streaming.rollout_actor.RolloutWorkerActor (submit, pause, routing)
+    EngineClient   -> rollout.engine.ray_engine.EngineActor (liveness, stats, memory)
+
+`System` holds these, never raw handles, so the driver's loops run in-process against fakes with
+the same methods (tests/streaming/test_driver_loops.py). A dead actor raises
+`ray.exceptions.RayActorError` and a call past its deadline `asyncio.TimeoutError`, unchanged:
+the health checks tell the two apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import ray
+
+    from buffer.types import BufferProgress
+    from rollout.engine.base import EngineStats
+    from rollout.types import AgentData, Trajectory
+    from streaming.learner_actor import Trained
+    from streaming.weight_publisher import Published
+
+
+class ActorClient:
+    """A Ray actor handle and the deadline of its calls (`timeout_s`, overridable per call)."""
+
+    def __init__(self, handle: ray.actor.ActorHandle, *, timeout_s: float) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    async def _call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        ref = getattr(self.handle, method).remote(*args, **kwargs)
+        return await asyncio.wait_for(ref, timeout_s or self.timeout_s)
+
+    async def memory(self) -> dict[str, float]:
+        """`memory/<part>_peak_gb` of the actor's process and its children."""
+        return await self._call("memory", timeout_s=30.0)
+
+    def kill(self) -> None:
+        """End the actor now, without restart (a part too slow to answer must not go on as a zombie)."""
+        import ray
+
+        ray.kill(self.handle, no_restart=True)
+
+
+class BufferClient(ActorClient):
+    async def capacity(self, *, served_version: int, max_concurrent: int) -> int:
+        """Trajectories that may start now (`buffer.admission.rollout_capacity`)."""
+        return await self._call("capacity", served_version=served_version, max_concurrent=max_concurrent)
+
+    async def has_group(self, group_id: str) -> bool:
+        """Whether the group has any row (admission idempotence across restarts)."""
+        (present,) = await self._call("has_groups", [group_id])
+        return present
+
+    async def append_durable(self, rows: list[Trajectory]) -> None:
+        """Append rows and return once they are in the log (they survive a kill from then on)."""
+        import ray
+
+        from buffer.schema import trajectories_to_batch
+
+        await self._call("append", ray.put(trajectories_to_batch(rows)), timeout_s=None, durable=True)
+
+    async def sample(self, *, served_version: int, learner_step: int) -> ray.ObjectRef | None:
+        """A reference to the next batch (it goes from the buffer to the learner, never through the
+        driver), or None when no complete batch is ready. Its consumption is recorded at `learner_step`."""
+        count, batch = self.handle.sample_counted.options(num_returns=2).remote(served_version, learner_step)
+        return batch if await asyncio.wait_for(count, self.timeout_s) else None
+
+    async def progress(self) -> BufferProgress:
+        return await self._call("progress")
+
+    async def resumable_ids(self) -> list[str]:
+        return await self._call("resumable_ids")
+
+    async def resumable(self, trajectory_ids: list[str]) -> list[Trajectory]:
+        return await self._call("resumable", trajectory_ids)
+
+    async def max_policy_version(self) -> int:
+        """Highest version label in the buffer; the first call waits for the buffer's recovery."""
+        return await self._call("max_policy_version", timeout_s=600.0)
+
+    async def checkpoint(self) -> None:
+        await self._call("checkpoint")
+
+    async def stats(self) -> dict[str, float]:
+        return await self._call("stats")
+
+    async def close(self) -> None:
+        await self._call("close", timeout_s=120.0)
+
+
+class LearnerClient(ActorClient):
+    async def train_step(self, batch: ray.ObjectRef) -> Trained:
+        return await self._call("train_step", batch)
+
+    async def publish(self) -> Published:
+        return await self._call("publish")
+
+    async def dropped_engines(self) -> dict[str, str]:
+        """engine_id -> why weight sync dropped it (it may rejoin at a later sync)."""
+        return await self._call("dropped_engines")
+
+    async def save_checkpoint(self, path: str) -> None:
+        await self._call("save_checkpoint", path)
+
+    async def policy_version(self) -> int:
+        return await self._call("policy_version")
+
+    async def set_policy_version(self, version: int) -> None:
+        await self._call("set_policy_version", version)
+
+    async def connect(self, engines: list[EngineClient], workers: list[WorkerClient], policy_version: int) -> None:
+        await self._call("connect", [e.handle for e in engines], [w.handle for w in workers], policy_version)
+
+    async def set_workers(self, workers: list[WorkerClient]) -> None:
+        await self._call("set_workers", [w.handle for w in workers])
+
+    async def shutdown(self) -> None:
+        await self._call("shutdown", timeout_s=120.0)
+
+
+class WorkerClient(ActorClient):
+    async def submit(self, items: list[AgentData]) -> int:
+        """Start or resume these trajectories; returns how many the worker runs now."""
+        return await self._call("submit", items)
+
+    async def num_outstanding(self) -> int:
+        """Running plus held (paused) trajectories: the cheap liveness call."""
+        return await self._call("num_outstanding", timeout_s=30.0)
+
+    async def running_ids(self) -> list[str]:
+        """Every trajectory the worker holds, from submission until its final row is appended."""
+        return await self._call("running_ids", timeout_s=60.0)
+
+    async def route(self, keep_out: list[str]) -> list[str]:
+        return await self._call("route", keep_out, timeout_s=60.0)
+
+    async def pause(self) -> None:
+        await self._call("pause", timeout_s=120.0)
+
+    async def metrics(self) -> dict[str, float]:
+        return await self._call("metrics", timeout_s=60.0)
+
+    async def shutdown(self) -> None:
+        await self._call("shutdown", timeout_s=120.0)
+
+
+class EngineClient(ActorClient):
+    async def stats(self) -> EngineStats:
+        return await self._call("stats", timeout_s=60.0)
+
+
+__all__ = ["ActorClient", "BufferClient", "EngineClient", "LearnerClient", "WorkerClient"]

@@ -1,0 +1,323 @@
+"""The driver's loops in-process, on fakes of the actor clients (`streaming/clients.py`), in about a
+second: admission, learner and health loops over a real `ReplayBuffer`, a real `PromptStream`, a
+real `MetricsLogger` and real driver state; the workers, learner and engines are fakes with the
+clients' methods. The real-actor versions of these runs are test_e2e.py and test_preemption.py."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import ray
+
+from buffer.store import ReplayBuffer
+from buffer.types import BufferProgress
+from rollout.engine.base import EngineStats
+from rollout.types import AgentData, FinishReason, Trajectory, TrajectoryStatus
+from streaming.config import load_config
+from streaming.driver import run_async, run_sync
+from streaming.learner_actor import Trained
+from streaming.metrics import MetricsLogger
+from streaming.prompts import PromptStream, load_records
+from streaming.system import DriverState, System
+from streaming.weight_publisher import Published
+
+TIMEOUT_S = 60
+
+
+@dataclass
+class Served:
+    """The version the fake engines serve (the fake learner's publish sets it)."""
+
+    version: int = 0
+
+
+class FakeBuffer:
+    """`BufferClient`'s methods over an in-memory `ReplayBuffer` (what `BufferActor` does remotely)."""
+
+    def __init__(self, cfg) -> None:
+        self.rb = ReplayBuffer(cfg)
+        self.sampled: list = []
+
+    async def capacity(self, *, served_version: int, max_concurrent: int) -> int:
+        return self.rb.capacity(served_version=served_version, max_concurrent=max_concurrent)
+
+    async def has_group(self, group_id: str) -> bool:
+        return self.rb.has_groups([group_id])[0]
+
+    async def append_durable(self, rows: list[Trajectory]) -> None:
+        self.rb.append(rows, durable=True)
+
+    async def append(self, rows: list[Trajectory]) -> None:  # the rollout workers' sink
+        self.rb.append(rows)
+
+    async def sample(self, *, served_version: int, learner_step: int):
+        batch = self.rb.sample(served_version=served_version, learner_step=learner_step)
+        if batch is not None:
+            self.sampled.append(batch)
+        return batch
+
+    async def progress(self) -> BufferProgress:
+        return BufferProgress(in_flight=self.rb.num_in_flight, rows_appended=self.rb.num_rows_appended)
+
+    async def resumable_ids(self) -> list[str]:
+        return self.rb.resumable_ids()
+
+    async def resumable(self, trajectory_ids: list[str]) -> list[Trajectory]:
+        return self.rb.resumable(trajectory_ids)
+
+    async def checkpoint(self) -> None:
+        self.rb.checkpoint()
+
+    async def stats(self) -> dict[str, float]:
+        return self.rb.stats()
+
+    async def memory(self) -> dict[str, float]:
+        return {"memory/buffer_peak_gb": 0.0}
+
+    async def close(self) -> None:
+        self.rb.close()
+
+
+@dataclass
+class FakeLearner:
+    served: Served
+    version: int = 0
+    published: list[int] = field(default_factory=list)
+    on_step: object = None  # awaited after each step (a slow learner)
+
+    async def train_step(self, batch) -> Trained:
+        self.version += 1
+        if self.on_step is not None:
+            await self.on_step()
+        return Trained(metrics={"learner/policy_version": float(self.version)}, samples=[])
+
+    async def publish(self) -> Published:
+        self.served.version = self.version
+        self.published.append(self.version)
+        return Published(policy_version=self.version, metrics={})
+
+    async def dropped_engines(self) -> dict[str, str]:
+        return {}
+
+    async def save_checkpoint(self, path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    async def set_workers(self, workers) -> None:
+        self.workers = workers
+
+    async def shutdown(self) -> None:
+        pass
+
+
+class FakeWorker:
+    """Finishes each submitted trajectory after a short random delay, labelled with the served
+    version; `kill` loses everything it runs (only the buffer's partial rows remain)."""
+
+    def __init__(self, worker_id: str, buffer: FakeBuffer, served: Served, seed: int) -> None:
+        self.die_on_submit: int | None = None  # dies right after accepting its k-th submission
+        self.num_submits = 0
+        self.lost: set[str] = set()
+        self.worker_id = worker_id
+        self.buffer, self.served = buffer, served
+        self.rng = random.Random(seed)
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.dead = False
+        self.unpaused = asyncio.Event()
+        self.unpaused.set()
+        self.num_finished = 0
+        self.ever_held: set[str] = set()
+        self.finished: set[str] = set()
+
+    def _alive(self) -> None:
+        if self.dead:
+            raise ray.exceptions.RayActorError()
+
+    async def submit(self, items: list[AgentData]) -> int:
+        self._alive()
+        for data in items:
+            self.ever_held.add(data.trajectory_id)
+            self.tasks[data.trajectory_id] = asyncio.create_task(self._run(data, self.rng.uniform(0.001, 0.02)))
+        self.num_submits += 1
+        if self.num_submits == self.die_on_submit:
+            asyncio.get_running_loop().call_soon(self.kill)
+        return len(self.tasks)
+
+    async def _run(self, data: AgentData, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        await self.unpaused.wait()
+        version = self.served.version
+        row = Trajectory(
+            trajectory_id=data.trajectory_id, group_id=data.group_id, sample_index=data.sample_index,
+            agent_name=data.agent_name, prompt_ids=[1, 2, 3], response_ids=[5, 6, 7], response_mask=[1, 1, 1],
+            behavior_logprobs=[-0.5] * 3, policy_versions=[version] * 3, reward=float(data.sample_index % 2),
+            status=TrajectoryStatus.FINISHED, finish_reason=FinishReason.STOP,
+        )
+        await self.buffer.append([row])
+        self.num_finished += 1
+        self.finished.add(data.trajectory_id)
+        del self.tasks[data.trajectory_id]
+
+    async def num_outstanding(self) -> int:
+        self._alive()
+        return len(self.tasks)
+
+    async def running_ids(self) -> list[str]:
+        self._alive()
+        return list(self.tasks)
+
+    async def route(self, keep_out: list[str]) -> list[str]:
+        self._alive()
+        return []
+
+    async def pause(self) -> None:
+        self._alive()
+        self.unpaused.clear()
+
+    async def metrics(self) -> dict[str, float]:
+        self._alive()
+        return {"rollout/num_finished": float(self.num_finished)}
+
+    async def memory(self) -> dict[str, float]:
+        self._alive()
+        return {"memory/rollout_worker_peak_gb": 0.0}
+
+    async def shutdown(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+
+    def kill(self) -> None:
+        self.dead = True
+        self.lost |= set(self.tasks)
+        for task in self.tasks.values():
+            task.cancel()
+        self.tasks.clear()
+
+
+@dataclass
+class FakeEngine:
+    served: Served
+
+    async def stats(self) -> EngineStats:
+        return EngineStats(engine_id="engine-0", policy_version=self.served.version, num_running=0, busy_s=1.0,
+                           uptime_s=2.0, num_generated_tokens=0, num_prompt_tokens=0, num_aborted=0)
+
+    async def memory(self) -> dict[str, float]:
+        return {"memory/engine_peak_gb": 0.0}
+
+
+def _system(tmp_path: Path, *overrides: str, num_workers: int = 2) -> tuple[System, FakeBuffer, FakeLearner]:
+    cfg = load_config(None, [
+        "trainer.total_steps=8", "trainer.checkpoint_every=3", "trainer.stall_timeout_s=600",
+        "buffer.group_size=2", "buffer.batch_size=4", "buffer.max_staleness=1",
+        "rollout.max_concurrent_per_worker=8", "data.num_prompts=64", "wandb.enabled=false",
+        f"rollout.num_workers={num_workers}", *overrides,
+    ])
+    served = Served()
+    buffer = FakeBuffer(cfg.buffer)
+    learner = FakeLearner(served)
+    created: list[FakeWorker] = []
+
+    def new_worker(system: System, worker_id: str) -> FakeWorker:
+        worker = FakeWorker(worker_id, buffer, served, seed=len(created))
+        created.append(worker)
+        return worker
+
+    records = load_records("arithmetic", cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
+    system = System(
+        cfg=cfg, run_dir=tmp_path, model_path="fake", engines=[FakeEngine(served)], workers=[],
+        buffer=buffer, learner=learner, stream=PromptStream(records, seed=0, shuffle=False, num_epochs=1),
+        metrics=MetricsLogger(tmp_path, wandb_cfg=None, console=False), state=DriverState(), new_worker=new_worker,
+    )
+    system.workers = [new_worker(system, f"worker-{i}") for i in range(num_workers)]
+    system.created_workers = created
+    return system, buffer, learner
+
+
+def _check_batches(system: System, buffer: FakeBuffer) -> set[str]:
+    """Every step trained whole groups within the staleness bound, no trajectory twice; returns
+    the trained trajectory ids."""
+    cfg = system.cfg.buffer
+    trained: list[str] = []
+    for batch in buffer.sampled:
+        groups = batch.table.column("group_id").to_pylist()
+        assert all(groups.count(g) == cfg.group_size for g in groups), groups
+        assert max(batch.lags) <= cfg.max_staleness, (batch.served_version, batch.lags)
+        trained += batch.trajectory_ids
+    assert len(trained) == len(set(trained)) == system.state.learner_step * cfg.batch_size
+    return set(trained)
+
+
+def _check_admission(system: System, buffer: FakeBuffer) -> None:
+    """Every prompt before the cursor is in the buffer exactly as one whole group; none after it."""
+    stream = system.stream
+    admitted = [f"{r.group_id}@e0" for r in stream.records[: system.state.cursor]]
+    assert buffer.rb.has_groups(admitted) == [True] * len(admitted)
+    if system.state.cursor < len(stream.records):
+        assert buffer.rb.has_groups([f"{stream.records[system.state.cursor].group_id}@e0"]) == [False]
+    assert system.state.num_admitted == len(admitted) * system.cfg.group_size
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+async def test_async_loops_train_whole_fresh_groups_and_admit_each_prompt_once(tmp_path):
+    system, buffer, learner = _system(tmp_path)
+    try:
+        await asyncio.wait_for(run_async(system), TIMEOUT_S)
+        accounting = await system.write_accounting()
+    finally:
+        system.metrics.close()
+    assert system.state.learner_step == 8 and learner.published == list(range(1, 9))
+    assert system.state.policy_version == 8
+    _check_batches(system, buffer)
+    _check_admission(system, buffer)
+    assert accounting["stranded"] == [] and accounting["untracked"] == []
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000003", "step_000006", "step_000008"]
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+async def test_sync_loop_trains_on_policy(tmp_path):
+    system, buffer, learner = _system(tmp_path, "trainer.mode=sync", "trainer.total_steps=4")
+    try:
+        await asyncio.wait_for(run_sync(system), TIMEOUT_S)
+    finally:
+        system.metrics.close()
+    assert system.state.learner_step == 4
+    assert all(max(b.lags) == 0 for b in buffer.sampled)  # on-policy: every batch at the served version
+    _check_batches(system, buffer)
+    _check_admission(system, buffer)
+    assert system.state.cursor == 4 * system.cfg.buffer.groups_per_batch  # exactly one batch admitted per step
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+async def test_a_killed_worker_is_replaced_and_what_it_ran_is_finished_by_another(tmp_path):
+    system, buffer, learner = _system(tmp_path)
+    victim = system.workers[0]
+    victim.die_on_submit = 2  # while it runs two fresh groups' members
+
+    async def slow_step() -> None:  # a learner step outlasts the health check (not a race with it)
+        while victim.dead and not system.num_worker_replacements:
+            await asyncio.sleep(0.01)
+
+    learner.on_step = slow_step
+    try:
+        await asyncio.wait_for(run_async(system), TIMEOUT_S)
+        accounting = await system.write_accounting()
+    finally:
+        system.metrics.close()
+    lost = victim.lost
+    assert len(lost) >= 2, "the victim ran nothing when it was killed: the test proves nothing"
+    assert system.num_worker_replacements == 1 and victim not in system.workers
+    assert system.state.learner_step == 8
+    _check_batches(system, buffer)
+    _check_admission(system, buffer)
+    assert accounting["stranded"] == [] and accounting["untracked"] == []
+    # what the victim lost was resubmitted to a live worker (never lost, never failed)
+    survivors = [w for w in system.created_workers if w is not victim]
+    finished = set().union(*(w.finished for w in survivors))
+    held_now = set().union(*(w.tasks for w in survivors))
+    assert not lost & victim.finished
+    for tid in lost:  # finished by another worker, or still running there (a partial row, held)
+        assert tid in finished or (tid in held_now and tid in accounting["resumable"]), tid
