@@ -19,7 +19,7 @@ from rollout.types import Trajectory
 logger = logging.getLogger(__name__)
 
 
-def segments(traj: Trajectory) -> list[tuple[int, int, list[int]]]:
+def token_runs(traj: Trajectory) -> list[tuple[int, int, list[int]]]:
     """Split the response into runs of equal (mask, policy_version): [(mask, version, token_ids)]."""
     out: list[tuple[int, int, list[int]]] = []
     for tok, m, v in zip(traj.response_ids, traj.response_mask, traj.policy_versions):
@@ -30,13 +30,14 @@ def segments(traj: Trajectory) -> list[tuple[int, int, list[int]]]:
     return out
 
 
-def render_trajectory(traj: Trajectory, tokenizer: Any) -> Any:
-    """A rich Text: prompt dim, sampled tokens green, observations yellow, [v=k] at version changes."""
+def console_text(traj: Trajectory, tokenizer: Any) -> Any:
+    """The terminal view of a trajectory (the report's HTML view is `report_viewer.render_trajectory`):
+    a rich Text, prompt dim, sampled tokens green, observations yellow, [v=k] at version changes."""
     from rich.text import Text
 
     text = Text()
     text.append(tokenizer.decode(traj.prompt_ids[-64:]), style="dim")
-    for mask, version, ids in segments(traj):
+    for mask, version, ids in token_runs(traj):
         if mask:
             text.append(f"[v={version}]", style="bold magenta")
             text.append(tokenizer.decode(ids), style="green")
@@ -101,7 +102,7 @@ def rollout_main(
     console = Console()
     for traj in trajs[:show]:
         console.rule(traj.trajectory_id)
-        console.print(render_trajectory(traj, tokenizer))
+        console.print(console_text(traj, tokenizer))
     out_path = Path(out or f"runs/rollout-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "w") as f:
