@@ -8,6 +8,7 @@ of halfway through a step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
@@ -30,6 +31,67 @@ class CorrectionLevel(StrEnum):
     TOKEN = "token"  # per-token ratio
     SEQUENCE = "sequence"  # product of token ratios over the sequence
     GEOMETRIC = "geometric"  # geometric mean of token ratios over the sequence
+
+
+class Anchor(StrEnum):
+    """What the PPO ratio π_θ/π_anchor is taken against."""
+
+    BEHAVIOR = "behavior"
+    PROXIMAL = "proximal"
+
+
+class Weight(StrEnum):
+    """The importance weight built from ρ = π_prox/π_behav."""
+
+    NONE = "none"  # 1
+    TRUNCATED = "truncated"  # min(ρ, C)
+    FULL = "full"  # ρ
+
+
+class WeightAt(StrEnum):
+    LOSS = "loss"  # multiplies the clipped per-token loss (AReaL decoupled, verl rollout_is)
+    RATIO = "ratio"  # multiplies the ratio inside the clip (TIS as in Yao et al.)
+
+
+class Rejection(StrEnum):
+    """Which tokens (or sequences) carry no loss, decided from ρ."""
+
+    NONE = "none"
+    BOUNDS = "bounds"  # keep mask_low ≤ ρ ≤ mask_high (IcePop/MIS, AReaL mask mode, verl rollout_rs)
+    M2 = "m2"  # M2PO: drop the largest (log ρ)² until their mean ≤ m2_threshold
+
+
+class RatioLevel(StrEnum):
+    """The PPO ratio per token, or per sequence as the geometric mean of its token ratios (GSPO)."""
+
+    TOKEN = "token"
+    GEOMETRIC = "geometric"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CorrectionRecipe:
+    """A correction as independent choices (`CorrectionConfig.recipe()`; formulas in correction.py)."""
+
+    anchor: Anchor
+    weight: Weight
+    weight_at: WeightAt
+    rejection: Rejection
+    clip: bool
+
+
+# Each mode is a preset: exactly the behaviour the mode had before corrections composed.
+PRESETS: dict[CorrectionMode, CorrectionRecipe] = {
+    CorrectionMode.NONE: CorrectionRecipe(anchor=Anchor.BEHAVIOR, weight=Weight.NONE, weight_at=WeightAt.LOSS,
+                                          rejection=Rejection.NONE, clip=True),
+    CorrectionMode.TIS: CorrectionRecipe(anchor=Anchor.PROXIMAL, weight=Weight.TRUNCATED, weight_at=WeightAt.RATIO,
+                                         rejection=Rejection.NONE, clip=True),
+    CorrectionMode.DECOUPLED: CorrectionRecipe(anchor=Anchor.PROXIMAL, weight=Weight.TRUNCATED,
+                                               weight_at=WeightAt.LOSS, rejection=Rejection.NONE, clip=True),
+    CorrectionMode.MASKED: CorrectionRecipe(anchor=Anchor.PROXIMAL, weight=Weight.NONE, weight_at=WeightAt.LOSS,
+                                            rejection=Rejection.BOUNDS, clip=True),
+    CorrectionMode.M2PO: CorrectionRecipe(anchor=Anchor.BEHAVIOR, weight=Weight.NONE, weight_at=WeightAt.LOSS,
+                                          rejection=Rejection.M2, clip=False),
+}
 
 
 class ProxMode(StrEnum):
@@ -61,8 +123,19 @@ class CorrectionConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # `mode` is a preset (`PRESETS`); each of `anchor`, `weight`, `weight_at`, `rejection`, `clip`
+    # set here replaces the preset's choice, e.g. mode = "decoupled" + rejection = "bounds" is AReaL's
+    # rejection sampling in mask mode (kept tokens keep their weight min(ρ, C)).
     mode: CorrectionMode = CorrectionMode.DECOUPLED
+    anchor: Anchor | None = None
+    weight: Weight | None = None
+    weight_at: WeightAt | None = None
+    rejection: Rejection | None = None
+    clip: bool | None = None
+    # ρ of the weight per token, sequence or geometric mean; the rejection's level defaults to it.
     level: CorrectionLevel = CorrectionLevel.TOKEN
+    rejection_level: CorrectionLevel | None = None
+    ratio_level: RatioLevel = RatioLevel.TOKEN
     prox: ProxMode = ProxMode.RECOMPUTE
     # Truncation cap C of π_prox/π_behav for tis/decoupled; `cap_by_lag[i]` overrides it for tokens of
     # lag i (the last entry for all larger lags).
@@ -90,10 +163,22 @@ class CorrectionConfig(BaseModel):
                 raise ValueError("mask_bounds_by_lag must be a non-empty list of (lo, hi) with 0 <= lo < hi")
         return self
 
+    def recipe(self) -> CorrectionRecipe:
+        """The preset of `mode` with every choice set in this config put in its place."""
+        preset = PRESETS[self.mode]
+        return CorrectionRecipe(
+            anchor=self.anchor or preset.anchor,
+            weight=self.weight or preset.weight,
+            weight_at=self.weight_at or preset.weight_at,
+            rejection=self.rejection or preset.rejection,
+            clip=preset.clip if self.clip is None else self.clip,
+        )
+
     @property
     def needs_prox(self) -> bool:
-        """Every mode but `none` reads π_prox."""
-        return self.mode != CorrectionMode.NONE
+        """Whether anything reads π_prox: a proximal anchor, a weight or a rejection (all use ρ)."""
+        r = self.recipe()
+        return r.anchor is Anchor.PROXIMAL or r.weight is not Weight.NONE or r.rejection is not Rejection.NONE
 
 
 class LearnerConfig(BaseModel):

@@ -8,9 +8,17 @@ lag = learner policy_version − token policy_version, and
     ρ = π_prox / π_behav        (the staleness ratio; θ has no control over it)
     r = π_θ / π_anchor          (the PPO ratio; anchor = π_prox or π_behav by mode)
 
-Each mode yields `CorrectionTerms`; the policy loss is then
+A correction is three independent choices plus the clip (`CorrectionConfig.recipe()`):
 
-    L_t = w_t · keep_t · PPOclip(r_t · s_t, A_t)
+    anchor     π_behav | π_prox                       r = π_θ / π_anchor
+    weight     1 | min(ρ, C) | ρ,  applied at the loss (w) or inside the clip (s)
+    rejection  none | bounds [lo ≤ ρ ≤ hi] | M2 (largest (log ρ)² dropped until mean ≤ τ)
+
+and the policy loss is
+
+    L_t = w_t · keep_t · PPOclip(r_t · s_t, A_t)        (no clip: −r_t · s_t · A_t)
+
+The modes are presets of these choices, each exactly the behaviour the mode always had:
 
     none       anchor π_behav, s = 1,             w = 1,             keep = 1
     tis        anchor π_prox,  s = min(ρ, C),     w = 1,             keep = 1    (C = ∞ ⇒ none)
@@ -18,10 +26,16 @@ Each mode yields `CorrectionTerms`; the policy loss is then
     masked     anchor π_prox,  s = 1,             w = 1,             keep = [lo ≤ ρ ≤ hi]
     m2po       anchor π_behav, s = 1,             w = 1,             keep = M2 mask, no clip
 
-ρ is taken at `level`: token (ρ_t), sequence (Π_t ρ_t over the sequence's action tokens) or
-geometric (exp of the mean log ρ_t). Caps and bounds may depend on lag (`cap_by_lag`,
-`mask_bounds_by_lag`; a sequence uses its largest token lag), and tokens with lag > max_token_lag
-are dropped in every mode.
+Composed forms, e.g.: AReaL's rejection sampling in mask mode = decoupled + rejection "bounds"
+(kept tokens keep w = min(ρ, C)); verl's token TIS + sequence rejection = decoupled + rejection
+"bounds" at rejection_level "geometric" (or "sequence").
+
+ρ is taken at `level` (the weight) and `rejection_level` (the rejection; default `level`): token
+(ρ_t), sequence (Π_t ρ_t over the sequence's action tokens) or geometric (exp of the mean log ρ_t).
+Caps and bounds may depend on lag (`cap_by_lag`, `mask_bounds_by_lag`; a sequence uses its largest
+token lag), and tokens with lag > max_token_lag are dropped whatever the recipe. The PPO ratio r
+itself is per token, or with `ratio_level = "geometric"` per sequence: exp of the mean of
+log π_θ/π_anchor over its action tokens, as in GSPO.
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.config import CorrectionConfig, CorrectionLevel, CorrectionMode
+from learner.config import Anchor, CorrectionConfig, CorrectionLevel, RatioLevel, Rejection, Weight, WeightAt
 
 MAX_LOG_RATIO = 20.0  # exp(±20) keeps ratios finite in float32 while far beyond any cap
 
@@ -43,6 +57,7 @@ class CorrectionTerms:
     keep: torch.Tensor  # [B, T] bool: tokens that carry loss
     behav_ratio: torch.Tensor  # [B, T] token-level ρ = π_prox/π_behav (for metrics)
     clip: bool  # whether the PPO clip applies
+    mask: torch.Tensor | None = None  # [B, T] action tokens: set when the PPO ratio is per sequence
 
 
 def loglinear_prox_logp(
@@ -113,46 +128,52 @@ def staleness_correction(
     mask: torch.Tensor,  # [B, T] loss mask
     cfg: CorrectionConfig,
 ) -> CorrectionTerms:
-    """Build the correction terms of `cfg.mode` (formulas in the module docstring)."""
+    """Build the correction terms of `cfg.recipe()` (formulas in the module docstring)."""
+    recipe = cfg.recipe()
     prox_logp = prox_logp.detach().to(torch.float32)
     behav_logp = behav_logp.to(torch.float32)
     valid = mask != 0
     token_log_rho = torch.where(valid, prox_logp - behav_logp, torch.zeros_like(prox_logp))
-    log_rho = _sequence_reduce(token_log_rho, mask, cfg.level).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    rho = torch.exp(log_rho)
-    level_lag = _level_lag(lag, mask, cfg.level)
+
+    def log_rho_at(level: CorrectionLevel) -> torch.Tensor:
+        return _sequence_reduce(token_log_rho, mask, level).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
     ones = torch.ones_like(prox_logp)
     keep = valid.clone()
     if cfg.max_token_lag is not None:
         keep &= _level_lag(lag, mask, cfg.level) <= cfg.max_token_lag
-    anchor, scale, weight, clip = prox_logp, ones, ones, True
-    if cfg.mode == CorrectionMode.NONE:
-        anchor = behav_logp
-    elif cfg.mode == CorrectionMode.TIS:
-        scale = torch.minimum(rho, lag_table(cfg.cap_by_lag, cfg.cap, level_lag))
-    elif cfg.mode == CorrectionMode.DECOUPLED:
-        weight = torch.minimum(rho, lag_table(cfg.cap_by_lag, cfg.cap, level_lag))
-    elif cfg.mode == CorrectionMode.MASKED:
+    weight = ones
+    if recipe.weight is not Weight.NONE:
+        weight = torch.exp(log_rho_at(cfg.level))
+        if recipe.weight is Weight.TRUNCATED:
+            weight = torch.minimum(weight, lag_table(cfg.cap_by_lag, cfg.cap, _level_lag(lag, mask, cfg.level)))
+    scale, is_weight = (weight, ones) if recipe.weight_at is WeightAt.RATIO else (ones, weight)
+    rejection_level = cfg.rejection_level or cfg.level
+    if recipe.rejection is Rejection.BOUNDS:
+        rho = torch.exp(log_rho_at(rejection_level))
+        level_lag = _level_lag(lag, mask, rejection_level)
         bounds = cfg.mask_bounds_by_lag
         low = lag_table([b[0] for b in bounds] if bounds else None, cfg.mask_low, level_lag)
         high = lag_table([b[1] for b in bounds] if bounds else None, cfg.mask_high, level_lag)
         keep &= (rho >= low) & (rho <= high)
-    elif cfg.mode == CorrectionMode.M2PO:
-        anchor, clip = behav_logp, False
-        keep &= m2_keep_mask(log_rho, keep, cfg.m2_threshold)
-    else:
-        raise ValueError(f"unknown correction mode {cfg.mode!r}")
+    elif recipe.rejection is Rejection.M2:
+        keep &= m2_keep_mask(log_rho_at(rejection_level), keep, cfg.m2_threshold)
     return CorrectionTerms(
-        anchor_logp=anchor,
+        anchor_logp=prox_logp if recipe.anchor is Anchor.PROXIMAL else behav_logp,
         ratio_scale=scale * valid,
-        is_weight=weight * valid,
+        is_weight=is_weight * valid,
         keep=keep,
         behav_ratio=torch.exp(token_log_rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)) * valid,
-        clip=clip,
+        clip=recipe.clip,
+        mask=mask if cfg.ratio_level is RatioLevel.GEOMETRIC else None,
     )
 
 
 def policy_ratio(logp: torch.Tensor, terms: CorrectionTerms) -> torch.Tensor:
-    """r · s = exp(log π_θ − log π_anchor) · s  (carries the gradient through `logp`)."""
-    log_r = (logp - terms.anchor_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return torch.exp(log_r) * terms.ratio_scale
+    """r · s = exp(log π_θ − log π_anchor) · s  (carries the gradient through `logp`); per sequence
+    (the geometric mean of its token ratios, broadcast to its tokens) when `terms.mask` is set."""
+    log_r = logp - terms.anchor_logp
+    if terms.mask is not None:
+        log_r = _sequence_reduce(torch.where(terms.mask != 0, log_r, torch.zeros_like(log_r)), terms.mask,
+                                 CorrectionLevel.GEOMETRIC)
+    return torch.exp(log_r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)) * terms.ratio_scale

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from learner import checkpoint as ckpt
-from learner.config import Algo, CorrectionMode, LearnerConfig, LossAggMode, LRSchedule
+from learner.config import Algo, LearnerConfig, LossAggMode, LRSchedule
 from learner.correction import CorrectionTerms, loglinear_prox_logp, policy_ratio, staleness_correction
 from learner.is_metrics import TokenStats, correction_metrics
 from learner.losses import aggregate, kl_penalty, ppo_policy_loss, value_loss
@@ -247,7 +247,7 @@ class TrainingEngine:
             if inputs.terms is not None:
                 terms = _slice_terms(inputs.terms, sl)
             else:
-                if cfg.correction.mode == CorrectionMode.NONE:
+                if not cfg.correction.needs_prox:
                     prox = out.logp.detach()
                 else:
                     prox = loglinear_prox_logp(out.logp, mb.behavior_logprobs, lag)
@@ -339,4 +339,5 @@ def _slice_terms(terms: CorrectionTerms, sl: Callable[[torch.Tensor], torch.Tens
         keep=sl(terms.keep),
         behav_ratio=sl(terms.behav_ratio),
         clip=terms.clip,
+        mask=None if terms.mask is None else sl(terms.mask),
     )
