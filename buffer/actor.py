@@ -156,6 +156,12 @@ class BufferActor:
         out["buffer/backpressure_timeouts"] = float(self.num_backpressure_timeouts)
         return out
 
+    async def node_id(self) -> str:
+        """The Ray node this actor runs on (the driver records placement in RUN_DIR/placement.json)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     async def memory(self) -> dict[str, float]:
         """`memory/buffer_peak_gb`: this part's peak since it started (`streaming.memory.part_memory`)."""
         from streaming.memory import part_memory

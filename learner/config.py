@@ -209,6 +209,8 @@ class LearnerConfig(BaseModel):
     num_workers: int = Field(default=1, ge=1)  # FSDP ranks
     num_gpus_per_worker: float | None = Field(default=None, ge=0)  # None: 1 on CUDA, 0 on CPU
     num_cpus_per_worker: float = Field(default=1.0, ge=0)  # a Ray scheduling count, not cores
+    # Ray custom resources of each learner process, e.g. {learner_node = 1} to pin it to nodes
+    resources_per_worker: dict[str, float] = Field(default_factory=dict)
 
     # Optimiser and schedule (one scheduler step per optimiser step).
     lr: float = Field(default=1e-6, gt=0)

@@ -21,7 +21,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +48,13 @@ class LearnerPlacement:
     num_workers: int
     num_cpus_per_worker: float
     num_gpus_per_worker: float
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
 
-    def actor_options(self) -> dict[str, float]:
-        return {"num_cpus": self.num_cpus_per_worker, "num_gpus": self.num_gpus_per_worker}
+    def actor_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"num_cpus": self.num_cpus_per_worker, "num_gpus": self.num_gpus_per_worker}
+        if self.resources_per_worker:
+            options["resources"] = dict(self.resources_per_worker)
+        return options
 
 
 def placement(cfg: LearnerConfig, cluster_gpus: float | None = None) -> LearnerPlacement:
@@ -68,6 +72,7 @@ def placement(cfg: LearnerConfig, cluster_gpus: float | None = None) -> LearnerP
         num_workers=cfg.num_workers,
         num_cpus_per_worker=cfg.num_cpus_per_worker,
         num_gpus_per_worker=cfg.resolved_num_gpus_per_worker(device),
+        resources_per_worker=dict(cfg.resources_per_worker),
     )
 
 

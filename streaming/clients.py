@@ -43,6 +43,9 @@ class ActorClient:
         """`memory/<part>_peak_gb` of the actor's process and its children."""
         return await self._call("memory", timeout_s=30.0)
 
+    async def node_id(self) -> str:
+        return await self._call("node_id", timeout_s=60.0)
+
     def kill(self) -> None:
         """End the actor now, without restart (a part too slow to answer must not go on as a zombie)."""
         import ray
@@ -113,6 +116,10 @@ class LearnerClient(ActorClient):
 
     async def policy_version(self) -> int:
         return await self._call("policy_version")
+
+    async def node_ids(self) -> list[str]:
+        """The nodes of the training processes (one, or one per rank)."""
+        return await self._call("node_ids")
 
     async def set_policy_version(self, version: int) -> None:
         await self._call("set_policy_version", version)

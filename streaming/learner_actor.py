@@ -67,6 +67,10 @@ class LearnerActor:
         before the crash, so labels never repeat: invariant I4)."""
         await self.learner.set_policy_version(version)
 
+    async def node_ids(self) -> list[str]:
+        """The Ray nodes of the training processes: this actor's, or each rank's in a group."""
+        return await self.learner.node_ids()
+
     def model_path(self) -> str:
         return self.learner.model_path
 

@@ -44,6 +44,11 @@ _LOW_PRECISION = ("bfloat16", "float16")
 class LocalLearner:
     """One process: the training engine and rank 0 of weight sync."""
 
+    async def node_ids(self) -> list[str]:
+        import ray
+
+        return [ray.get_runtime_context().get_node_id()]
+
     def __init__(self, cfg: StreamRLConfig, init_checkpoint: str | None) -> None:
         from learner.engine import TrainingEngine
 
@@ -221,6 +226,9 @@ class GroupLearner:
 
     async def set_workers(self, workers: list[Any]) -> None:
         await self._wait([self.group.rank0.set_workers.remote(workers)])
+
+    async def node_ids(self) -> list[str]:
+        return await self._wait(self.group.submit("node_id"))
 
     async def publish(self) -> Published:
         assert self.served_version is not None, "connect() first"

@@ -118,6 +118,12 @@ class RolloutWorkerActor:
         self.worker.check()
         return self.worker.metrics()
 
+    async def node_id(self) -> str:
+        """The Ray node this actor runs on (the driver records placement in RUN_DIR/placement.json)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     async def memory(self) -> dict[str, float]:
         """`memory/rollout_worker_peak_gb`: this part's peak since it started (`streaming.memory.part_memory`)."""
         from streaming.memory import part_memory

@@ -347,6 +347,23 @@ class System:
                          len(report["stranded"]), len(report["untracked"]))
         return report
 
+    async def write_placement(self) -> dict[str, Any]:
+        """RUN_DIR/placement.json: the Ray node of every part, and the cluster's live nodes."""
+        placement = {
+            "driver": ray.get_runtime_context().get_node_id(),
+            "buffer": await self.buffer.node_id(),
+            "learner": await self.learner.node_ids(),
+            "engines": [await e.node_id() for e in self.engines],
+            "rollout_workers": [await w.node_id() for w in self.workers],
+            "nodes": {n["NodeID"]: {"address": n["NodeManagerAddress"], "resources": n["Resources"]}
+                      for n in ray.nodes() if n["Alive"]},
+        }
+        atomic_write(self.run_dir / "placement.json", json.dumps(placement, indent=1))
+        if len(placement["nodes"]) > 1:
+            logger.info("placement over %d nodes: %s", len(placement["nodes"]),
+                        {k: v for k, v in placement.items() if k != "nodes"})
+        return placement
+
     async def shutdown(self) -> None:
         """Orderly end: workers, then the learner, then the buffer (flush + fsync), best effort."""
         steps = [(w.shutdown, "rollout worker") for w in self.workers]

@@ -68,6 +68,8 @@ def open_run(config: str | None, overrides: list[str], resume: str | None) -> tu
 
 async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> System:
     from buffer.actor import create_buffer_actor
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     from rollout.engine.ray_engine import RayEngineClient
     from streaming.clients import BufferClient, EngineClient, LearnerClient
     from streaming.learner_actor import LearnerActor, learner_actor_options
@@ -95,8 +97,10 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
         (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
 
     timeout_s = cfg.trainer.step_timeout_s
-    buffer = BufferClient(create_buffer_actor(cfg.buffer, resume_learner_step=state.checkpoint_step if resuming else None),
-                          timeout_s=timeout_s)
+    # the buffer's log lives in RUN_DIR: on the driver's node (or a shared filesystem in a cluster)
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    buffer = BufferClient(create_buffer_actor(cfg.buffer, resume_learner_step=state.checkpoint_step if resuming else None,
+                                              scheduling_strategy=here), timeout_s=timeout_s)
     if resuming:  # versions continue above every label the buffer or the driver has seen (I4)
         state.rewind_to_checkpoint(await buffer.max_policy_version())
         state.save(run_dir / "driver_state.json")
@@ -132,6 +136,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
         await learner.set_policy_version(start_version)
     await learner.connect(engines, system.workers, start_version)
     learner.timeout_s = timeout_s
+    await system.write_placement()
     if resuming:
         await system.reconcile_cursor()
         n = await system.resubmit_orphans()

@@ -42,7 +42,9 @@ class WeightSyncConfig(BaseModel):
 
     transport: TransportKind = TransportKind.DISTRIBUTED
     backend: BackendKind = BackendKind.AUTO
-    master_addr: str = "127.0.0.1"
+    # Rendezvous address of the weight-sync group; None: the address Ray registered for the node
+    # of the publishing process (learner rank 0), so one config serves one node and many.
+    master_addr: str | None = None
     port: int = Field(default=0, ge=0, le=65535)  # 0 = the OS picks a free port at each group build
     bucket_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)  # upper bound of one flat buffer
     # Tensors of at least this size travel as their own zero-copy bucket; smaller ones are packed into

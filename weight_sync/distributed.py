@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from weight_sync.buckets import checksum, pack_bucket, plan_buckets
 from weight_sync.config import WeightSyncConfig
-from weight_sync.group import WeightGroup, backend_device, create_master_store, resolve_backend
+from weight_sync.group import WeightGroup, backend_device, create_master_store, rendezvous_address, resolve_backend
 from weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, rpc_all
 from weight_sync.types import StageReport, SyncManifest, WeightSyncError
 
@@ -121,13 +121,14 @@ class DistributedTransport(WeightTransport):
             offsets.append(next_rank)
             next_rank += len(per_engine)
         world_size = next_rank
-        store = create_master_store(cfg.master_addr, cfg.port, world_size, cfg.group_timeout_s)
+        master_addr = rendezvous_address(cfg.master_addr)
+        store = create_master_store(master_addr, cfg.port, world_size, cfg.group_timeout_s)
         self._num_builds += 1
         group_id = f"{self._run_id}-{self._num_builds}"
         learner = asyncio.ensure_future(
             asyncio.to_thread(
                 WeightGroup.join,
-                master_addr=cfg.master_addr,
+                master_addr=master_addr,
                 port=store.port,
                 rank=0,
                 world_size=world_size,
@@ -137,7 +138,7 @@ class DistributedTransport(WeightTransport):
                 store=store,
             )
         )
-        args = [(cfg.master_addr, store.port, off, world_size, backend, cfg.group_timeout_s, group_id) for off in offsets]
+        args = [(master_addr, store.port, off, world_size, backend, cfg.group_timeout_s, group_id) for off in offsets]
         joins = asyncio.ensure_future(
             rpc_all(engines, "init_weight_group", timeout_s=timeout_s, phase="transfer", args_per_engine=args)
         )

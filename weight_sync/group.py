@@ -39,6 +39,18 @@ def backend_device(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
+def rendezvous_address(configured: str | None) -> str:
+    """`configured`, else the address Ray registered for this process's node (so engines on other
+    nodes can reach the group's store), else 127.0.0.1 outside Ray."""
+    if configured:
+        return configured
+    try:
+        import ray
+    except ImportError:
+        return "127.0.0.1"
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
 def create_master_store(master_addr: str, port: int, world_size: int, timeout_s: float):
     """Rank 0's store; `port=0` lets the OS pick (read it back from `store.port`)."""
     from torch.distributed import TCPStore

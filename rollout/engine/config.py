@@ -45,6 +45,9 @@ class EngineConfig(BaseModel):
     placement: Literal["local", "ray"] = "local"
     num_cpus: float = Field(1.0, ge=0.0, description="Ray scheduling count for the engine actor")
     num_gpus: float = Field(0.0, ge=0.0, description="Ray GPUs for the engine actor (= tensor_parallel_size on GPU)")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources of the engine actor, e.g. {engine_node = 1} to pin it to nodes"
+    )
     call_timeout_s: float = Field(600.0, gt=0.0, description="timeout of one Ray call (generate included)")
     startup_timeout_s: float = Field(300.0, gt=0.0, description="engine construction + warm-up")
 

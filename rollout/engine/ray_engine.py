@@ -123,6 +123,12 @@ class EngineActor:
     async def stats(self) -> EngineStats:
         return (await self._ready()).stats()
 
+    async def node_id(self) -> str:
+        """The Ray node this actor runs on (the driver records placement in RUN_DIR/placement.json)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     async def memory(self) -> dict[str, float]:
         """`memory/engine_peak_gb`: this part's peak since it started (`streaming.memory.part_memory`)."""
         from streaming.memory import part_memory
@@ -155,6 +161,7 @@ class RayEngineClient(InferenceEngine):
         actor_cls = ray.remote(EngineActor).options(
             num_cpus=cfg.num_cpus,
             num_gpus=cfg.num_gpus,
+            resources=cfg.resources or None,
             max_concurrency=MAX_CONCURRENCY,
         )
         actor = actor_cls.remote(cfg, engine_id, policy_version)
