@@ -27,9 +27,14 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+# Every node of the simulated cluster is on 127.0.0.1. Ray resolves a loopback bootstrap address to
+# the machine's outward IP unless its "no cluster networking" switch is set (the default on macOS
+# and Windows): set it for this process and the job, so all of them talk over loopback.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def start_cluster() -> Any:
+    os.environ.update(LOOPBACK_ENV)
     from ray.cluster_utils import Cluster
 
     common = {"node_ip_address": "127.0.0.1", "object_store_memory": 256 * 1024 * 1024, "num_cpus": 4}
@@ -51,7 +56,7 @@ def run_two_node(work: Path, *, steps: int, timeout_s: float = 900.0) -> dict[st
             f"trainer.checkpoint_every={steps}", "wandb.enabled=false",
             "rollout.engine.resources={engine_node = 1}", "learner.resources_per_worker={learner_node = 1}",
         ]
-        env = {**os.environ, "RAY_ADDRESS": cluster.address}
+        env = {**os.environ, **LOOPBACK_ENV, "RAY_ADDRESS": cluster.address}
         started = time.monotonic()
         log = work / "train.log"
         with open(log, "w") as out:
@@ -108,9 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", default=str(REPO / "bench/results/two_node.json"))
+    parser.add_argument("--keep", default=None, help="run here and keep the run directory and its log")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="streamrl-two-node-") as tmp:
-        result = run_two_node(Path(tmp), steps=args.steps)
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+        result = run_two_node(Path(args.keep), steps=args.steps)
+    else:
+        with tempfile.TemporaryDirectory(prefix="streamrl-two-node-") as tmp:
+            result = run_two_node(Path(tmp), steps=args.steps)
     out = {
         "command": f"python -m bench.two_node --steps {args.steps}",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},

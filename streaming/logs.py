@@ -116,6 +116,13 @@ def attach_run_log(run_dir: str | Path) -> Path:
     return path
 
 
+def connect_options(address: str) -> dict[str, Any]:
+    """`ray.init` options to join the cluster at `address`: a cluster on 127.0.0.1 (several nodes
+    on one machine) is joined from 127.0.0.1 too, not from the machine's outward address."""
+    host = address.rsplit(":", 1)[0]
+    return {"_node_ip_address": "127.0.0.1"} if host in ("127.0.0.1", "localhost") else {}
+
+
 def ray_init_options(run_dir: str | Path, env_vars: Mapping[str, str]) -> dict[str, Any]:
     """`log_to_driver` and `runtime_env` for `ray.init`: `env_vars` for every actor and, unless
     verbose, actor output into `RUN_DIR/logs/` instead of the driver's console."""

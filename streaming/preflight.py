@@ -247,7 +247,9 @@ def available_memory() -> tuple[int, int, str, float | None]:
 
         connect_here = not ray.is_initialized()
         if connect_here:
-            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+            from streaming.logs import connect_options
+
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, **connect_options(address))
         try:
             total, free = ray.cluster_resources(), ray.available_resources()
         finally:

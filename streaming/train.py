@@ -29,13 +29,13 @@ RAY_ENV = {"GLOO_SOCKET_IFNAME": "lo", "WANDB_MODE": "offline", "TOKENIZERS_PARA
 
 def _init_ray(cfg: StreamRLConfig, run_dir: Path) -> None:
     from streaming.faults import forwarded_env
-    from streaming.logs import link_ray_logs, ray_init_options
+    from streaming.logs import connect_options, link_ray_logs, ray_init_options
 
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, **ray_init_options(run_dir, forwarded_env()))
+        ray.init(address=address, **connect_options(address), **ray_init_options(run_dir, forwarded_env()))
         return
     ray.init(
         address="local",  # always a fresh local cluster unless RAY_ADDRESS names one
