@@ -3,6 +3,7 @@ length distributions of what was generated, trained and dropped (`ReplayBuffer.s
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import numpy as np
@@ -24,8 +25,10 @@ class BufferStats:
         self.trained_lengths: Counter[int] = Counter()  # length bucket -> trajectories at their first use
         self.dropped_lengths: Counter[int] = Counter()  # length bucket -> trajectories dropped over age
 
-    def account_batch(self, table: pa.Table, row_lags: np.ndarray, served_version: int) -> None:
-        """Token and trajectory lags of one sampled batch, relative to the version it is served at."""
+    def account_batch(self, table: pa.Table, row_lags: np.ndarray, served_version: int, *, now: float | None = None) -> None:
+        """Token and trajectory lags of one sampled batch, relative to the version it is served at;
+        how many versions each trajectory spans and how often it was interrupted; its time in
+        flight (created → finished) and in the queue (finished → sampled, at `now`)."""
         versions = table.column("policy_versions").combine_chunks().flatten().to_numpy(zero_copy_only=False)
         token_lags = token_lag(served_version, versions.astype(np.int64))
         self.token_lag_hist += lag_histogram(token_lags, self.max_staleness)
@@ -36,6 +39,18 @@ class BufferStats:
             "staleness/batch_token_lag_max": float(sampled.max()) if len(sampled) else 0.0,
             "staleness/batch_trajectory_lag_max": float(np.max(row_lags)) if len(row_lags) else 0.0,
         }
+        if table.num_rows:
+            lo, hi = (table.column(c).to_numpy().astype(np.int64) for c in ("min_policy_version", "max_policy_version"))
+            span = np.where(lo >= 0, hi - lo, 0)
+            created, finished = (table.column(c).to_numpy() for c in ("created_at", "finished_at"))
+            now = time.time() if now is None else now
+            self.last_batch.update({
+                "staleness/batch_version_span_mean": float(span.mean()),
+                "staleness/batch_version_span_max": float(span.max()),
+                "staleness/batch_interrupts_mean": float(table.column("num_interrupts").to_numpy().mean()),
+                "staleness/batch_in_flight_s_mean": float(np.mean(finished - created)),
+                "staleness/batch_in_queue_s_mean": float(np.mean(now - finished)),
+            })
 
     def staleness(self) -> dict[str, float]:
         """Lag shares (`..._frac_<k>`, `..._frac_over`) and means over everything trained so far."""
