@@ -11,7 +11,7 @@ export RAY_DEDUP_LOGS ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast bench chaos fresh-run lint clean
+.PHONY: install run test test-fast bench chaos fresh-run gpu-check lint clean
 
 install: $(STAMP)
 
@@ -45,6 +45,13 @@ chaos: install
 # what a newcomer sees: clone, install and `make run` from scratch: bench/results/fresh_run.json
 fresh-run: install
 	$(PY) -m bench.fresh_run
+
+# on a CUDA machine: vLLM CUDA engine, NCCL weight sync, FSDP2 learner group, one async run:
+# bench/results/gpu.json (own venv: the GPU extra's torch/vllm; `--dry-run` checks the config anywhere)
+gpu-check:
+	test -x .venv-gpu/bin/python || $(PYTHON) -m venv .venv-gpu
+	.venv-gpu/bin/python -m pip install -q -e '.[gpu,test]'
+	.venv-gpu/bin/python -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV) .cache runs
