@@ -109,6 +109,11 @@ def stats(buffer_dir: str | Path) -> str:
     lines.append(_summary("reward (finished)", finished.column("reward").to_numpy()))
     lines.append(_summary("response tokens (finished)", finished.column("num_response_tokens").to_numpy()))
     lines.append(_summary("prompt tokens (finished)", finished.column("num_prompt_tokens").to_numpy()))
+    lo, hi = (finished.column(c).to_numpy().astype(np.int64) for c in ("min_policy_version", "max_policy_version"))
+    lines.append(_summary("versions spanned per trajectory (finished)", np.where(lo >= 0, hi - lo, 0)))
+    lines.append(_summary("interruptions per trajectory (finished)", finished.column("num_interrupts").to_numpy()))
+    lines.append(_summary("seconds in flight (finished)",
+                          finished.column("finished_at").to_numpy() - finished.column("created_at").to_numpy()))
     return "\n".join(lines)
 
 

@@ -184,6 +184,8 @@ def test_export_stats_and_frame(tmp_path):
     assert "trajectories: 4, groups: 2" in text
     assert "lag at consume (trajectory, oldest token): 0:0 1:0 2:2" in text
     assert "reward (finished): n=4" in text
+    assert "versions spanned per trajectory (finished): n=4 mean=0 " in text  # each made at one version
+    assert "interruptions per trajectory (finished): n=4 mean=0 " in text
 
 
 def test_cli_subcommands(tmp_path, capsys):
