@@ -31,7 +31,9 @@ if TYPE_CHECKING:
     import pyarrow.dataset as ds
 
 
-def _read(buffer_dir: str | Path) -> tuple[pa.Table, dict[str, list[tuple[int, int]]], RecoveryReport]:
+def read_dir(buffer_dir: str | Path) -> tuple[pa.Table, dict[str, list[tuple[int, int]]], RecoveryReport]:
+    """Every logged row (with its segment name), the surviving consumption history
+    (trajectory_id -> [(learner_step, lag)]) and what reading found wrong in the log."""
     root = Path(buffer_dir)
     if not root.is_dir():
         raise ValueError(f"{root} is not a buffer directory")
@@ -48,7 +50,7 @@ def _read(buffer_dir: str | Path) -> tuple[pa.Table, dict[str, list[tuple[int, i
 
 
 def load_table(buffer_dir: str | Path) -> pa.Table:
-    table, history, _ = _read(buffer_dir)
+    table, history, _ = read_dir(buffer_dir)
     n = table.num_rows
     table = table.append_column("log_index", pa.array(np.arange(n, dtype=np.int64)))
     latest = table.group_by("trajectory_id").aggregate([("log_index", "max")]).column("log_index_max")
@@ -91,7 +93,7 @@ def _summary(name: str, values: np.ndarray) -> str:
 
 def stats(buffer_dir: str | Path) -> str:
     """A human-readable report of a buffer directory."""
-    table, history, report = _read(buffer_dir)
+    table, history, report = read_dir(buffer_dir)
     lines = [f"buffer {buffer_dir}", *report.lines()]
     latest_idx = (
         pa.table({"t": table.column("trajectory_id"), "i": np.arange(table.num_rows)}).group_by("t").aggregate([("i", "max")])

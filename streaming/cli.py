@@ -5,6 +5,7 @@
     streamrl train --dry-run --config configs/default.toml [key=value ...]   (config + memory estimate)
     streamrl rollout --config configs/default.toml [--num-prompts N] [--out FILE]   (eval only)
     streamrl report RUN_DIR
+    streamrl staleness RUN_DIR                   (lags, version spans, length bias, reward by lag)
     streamrl buffer export DIR --parquet OUT
     streamrl buffer stats DIR
 """
@@ -43,6 +44,15 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _staleness(args: argparse.Namespace) -> int:
+    from buffer.staleness import summary, write_report
+
+    json_path, html_path, result = write_report(args.run_dir)
+    print(summary(result))
+    print(f"wrote {json_path} and {html_path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamrl",
@@ -74,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="write RUN_DIR/report.html (plots + trajectory viewer)")
     report.add_argument("run_dir")
     report.set_defaults(func=_report)
+
+    staleness = sub.add_parser("staleness", help="RUN_DIR/staleness.{json,html} from the run's durable buffer")
+    staleness.add_argument("run_dir")
+    staleness.set_defaults(func=_staleness)
 
     from buffer.cli import register
 

@@ -95,6 +95,14 @@ def test_buffer_stats_and_export_as_the_readme_shows(tmp_path, capsys):
     assert pq.read_table(parquet).num_rows == 4
 
 
+def test_staleness_as_the_readme_shows(tmp_path, capsys):
+    _buffer_dir(tmp_path / "buffer")
+    assert main(["staleness", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "4 finished trajectories, 2 trained (2 uses)" in out and "staleness.html" in out
+    assert (tmp_path / "staleness.json").exists() and (tmp_path / "staleness.html").exists()
+
+
 def test_buffer_stats_of_a_missing_directory_is_one_error_line(tmp_path, capsys):
     assert main(["buffer", "stats", str(tmp_path / "nope")]) == 2
     assert "streamrl: error:" in capsys.readouterr().err
