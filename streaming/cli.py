@@ -3,6 +3,7 @@
     streamrl train --config configs/default.toml [key=value ...]
     streamrl train --resume RUN_DIR [key=value ...]
     streamrl train --dry-run --config configs/default.toml [key=value ...]   (config + memory estimate)
+    streamrl train --replay RUN_DIR [key=value ...]   (re-train on the run's logged batches)
     streamrl rollout --config configs/default.toml [--num-prompts N] [--out FILE]   (eval only)
     streamrl report RUN_DIR
     streamrl staleness RUN_DIR                   (lags, version spans, length bias, reward by lag)
@@ -19,6 +20,10 @@ import sys
 def _train(args: argparse.Namespace) -> int:
     from streaming import preflight
 
+    if args.replay:
+        from streaming.replay import replay_main
+
+        return replay_main(args.replay, args.overrides)
     if args.dry_run:  # resolve and estimate only: no Ray, no run directory
         print(preflight.dry_run(args.config, args.overrides, args.resume))
         return 0
@@ -68,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="TOML run file (configs/*.toml)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a killed or finished run from its directory")
     train.add_argument("--dry-run", action="store_true", help="print the resolved config and the memory estimate; start nothing")
+    train.add_argument("--replay", metavar="RUN_DIR",
+                       help="re-train a fresh learner on exactly the batches RUN_DIR trained on, in order (no Ray)")
     train.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                        help="every part's logs on the console too (else in RUN_DIR/logs/)")
     train.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.total_steps=10")
