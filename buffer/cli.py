@@ -49,6 +49,14 @@ def read_dir(buffer_dir: str | Path) -> tuple[pa.Table, dict[str, list[tuple[int
     return table.append_column("segment", pa.array(names, pa.string())), consumption_history(cons), report
 
 
+def latest_rows(table: pa.Table) -> pa.Table:
+    """Each trajectory's last logged row (the one that superseded the others)."""
+    if not table.num_rows:
+        return table
+    idx = pa.table({"t": table.column("trajectory_id"), "i": np.arange(table.num_rows)}).group_by("t").aggregate([("i", "max")])
+    return table.take(idx.column("i_max"))
+
+
 def load_table(buffer_dir: str | Path) -> pa.Table:
     table, history, _ = read_dir(buffer_dir)
     n = table.num_rows
@@ -95,10 +103,7 @@ def stats(buffer_dir: str | Path) -> str:
     """A human-readable report of a buffer directory."""
     table, history, report = read_dir(buffer_dir)
     lines = [f"buffer {buffer_dir}", *report.lines()]
-    latest_idx = (
-        pa.table({"t": table.column("trajectory_id"), "i": np.arange(table.num_rows)}).group_by("t").aggregate([("i", "max")])
-    )
-    latest = table.take(latest_idx.column("i_max")) if table.num_rows else table
+    latest = latest_rows(table)
     status_counts = dict(zip(*np.unique(latest.column("status").to_numpy(zero_copy_only=False), return_counts=True)))
     lines.append(f"rows logged: {table.num_rows}, trajectories: {latest.num_rows}, groups: {len(pc.unique(latest.column('group_id')))}")
     lines.append("latest status: " + (", ".join(f"{k}={v}" for k, v in sorted(status_counts.items())) or "none"))

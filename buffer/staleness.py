@@ -21,19 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.compute as pc
 
 from buffer.admission import length_bucket
-from buffer.cli import read_dir
-
-
-def _latest_finished(table: pa.Table) -> pa.Table:
-    if not table.num_rows:
-        return table
-    idx = pa.table({"t": table.column("trajectory_id"), "i": np.arange(table.num_rows)}).group_by("t").aggregate([("i", "max")])
-    latest = table.take(idx.column("i_max"))
-    return latest.filter(pc.equal(latest.column("status"), "finished"))
+from buffer.cli import latest_rows, read_dir
 
 
 def _counts(values) -> dict[str, int]:
@@ -42,7 +33,8 @@ def _counts(values) -> dict[str, int]:
 
 def analyze(buffer_dir: str | Path) -> dict[str, Any]:
     table, history, report = read_dir(buffer_dir)
-    finished = _latest_finished(table)
+    latest = latest_rows(table)
+    finished = latest.filter(pc.equal(latest.column("status"), "finished"))
     rows = finished.to_pydict()
     by_id = {tid: i for i, tid in enumerate(rows["trajectory_id"])}
     traj_lags, token_lags, trained_lengths, rewards_by_lag = [], [], [], {}
