@@ -72,6 +72,14 @@ def scenarios(seed: int) -> dict[str, list[str]]:
             f"buffer.append=delay{n(2, 6, 'n')}%{n(2, 4, 'o')},worker.sink=raise%{n(4, 7, 'p')}",
             f"buffer.append=delay{n(2, 6, 'q')}%3,admit.after_append=kill_job@{n(2, 3, 'r')}",
         ],
+        # I5: a tool-calling model whose calculator writes an fsynced ledger line per execution:
+        # the job killed with a tool intent durable but the tool not run, then killed right after a
+        # tool ran (its result lost with it), then every worker incarnation killed after a tool ran.
+        "tools": [
+            f"tool.before_run=kill_job@{n(2, 5, 't')}",
+            f"tool.after_run=kill_job@{n(1, 4, 'u')}",
+            f"tool.after_run=kill_self@{n(3, 6, 'v')}",
+        ],
         # I6: the prompt stream runs out (5 prompts, one epoch: 2 full batches) with a kill on the
         # way: the run ends cleanly at step 2 of 3 and the leftover group is neither lost nor trained.
         "exhausted": [f"admit.after_append=kill_job@{n(2, 4, 's')}"],
@@ -82,7 +90,23 @@ def scenarios(seed: int) -> dict[str, list[str]]:
 SCENARIO_OVERRIDES = {
     "exhausted": ["data.num_prompts=5", "data.num_epochs=1", "data.shuffle=false"],
     "sigkill": ["trainer.total_steps=8"],  # long enough that the kills land mid-run
+    # The tiny model warmed up on calculator transcripts (cached once per STREAMRL_CACHE; under a
+    # minute) calls the calculator in most trajectories; easy problems keep it on the format.
+    "tools": ["sft.enabled=true", "sft.num_steps=120", "sft.lr=5e-3", "sft.batch_size=8", "sft.num_examples=128",
+              "sft.difficulty=easy", "data.difficulty=easy"],
 }
+TOOL_LEDGER = "tool_ledger.jsonl"  # in the run directory: streaming.invariants checks I5 from it
+
+
+def _ledger_tools(root: Path, run_dir: Path, run_name: str) -> list[str]:
+    """The override that gives a run the side-effect calculator (rollout.tools.ledger) under the
+    calculator's name, its ledger in the run directory."""
+    path = root / f"{run_name}.tools.yaml"
+    path.write_text(
+        "tools:\n  - name: calculator\n    class_name: rollout.tools.ledger:LedgerCalculator\n"
+        f"    config: {{ledger_path: {json.dumps(str(run_dir / TOOL_LEDGER))}}}\n"
+    )
+    return [f"rollout.agent.tool_config={path}"]
 RUNNER_FAULT = "sigkill_after="
 
 
@@ -148,7 +172,8 @@ def run_scenario(name: str, seed: int, faulted: list[str], root: Path, *, config
         armed = ",".join(item for item in items if not item.startswith(RUNNER_FAULT))
         env = dict(base_env, STREAMRL_FAULTS=armed, STREAMRL_FAULT_LEDGER=str(ledger))
         args = (["--config", config, f"trainer.run_root={root}", f"trainer.run_name={run_name}",
-                 f"trainer.seed={seed}", *OVERRIDES, *SCENARIO_OVERRIDES.get(name, [])]
+                 f"trainer.seed={seed}", *OVERRIDES, *SCENARIO_OVERRIDES.get(name, []),
+                 *(_ledger_tools(root, run_dir, run_name) if name == "tools" else [])]
                 if i == 0 else ["--resume", str(run_dir)])
         rc, wall, killed = _segment(args, env, log, timeout_s, kill_after[0] if kill_after else None)
         runner_faults += killed
@@ -175,7 +200,8 @@ def summarize(results: list[ScenarioResult]) -> dict:
         "bad_batches": total("bad_batches"),
         "trajectories_stranded": total("stranded") + total("untracked"),
         "version_violations": total("version_violations"),
-        "tool_side_effects_repeated": None,  # the tiny model emits no tool calls: see the note
+        "tool_calls_executed": total("tool_calls_executed"),
+        "tool_side_effects_repeated": total("tool_side_effects_repeated"),
         "hangs": sum(r.hangs for r in results),
     }
 
@@ -212,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "wall_s": round(time.monotonic() - t0, 1),
         "summary": summarize(results),
-        "note": "tool side effects are checked by tests/rollout/test_tool_journal.py (scripted engine): "
-                "the tiny CI model emits no tool calls, so the real-system scenarios cannot exercise them",
+        "note": "tool side effects: the `tools` scenario runs a tool-calling tiny model (SFT warm-up) whose "
+                "calculator appends an fsynced ledger line per execution (rollout.tools.ledger); the checker "
+                "counts (trajectory, call id) pairs run more than once",
         "results": [asdict(r) for r in results],
     }
     Path(args.out).write_text(json.dumps(out, indent=1))

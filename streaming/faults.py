@@ -6,8 +6,10 @@ of them, per process:
 
     STREAMRL_FAULTS="admit.after_append=kill_job@3,worker.sink=raise@2"
 
-means: the 3rd time this process reaches `admit.after_append`, SIGKILL the whole job (the process
-group: driver and its local Ray node); the 2nd time it reaches `worker.sink`, raise `FaultInjected`.
+means: the 3rd time this process reaches `admit.after_append`, SIGKILL the whole job (the driver's
+process group: the driver and its local Ray node, whose workers die with it; an actor reaches it
+through `STREAMRL_FAULT_JOB_PGID`, since Ray starts each worker in a group of its own); the 2nd time it
+reaches `worker.sink`, raise `FaultInjected`.
 `raise%4` fires at every 4th pass instead of once. Actions: `kill_job`, `kill_self` (this process
 only: an actor dies, Ray reports it dead; a replacement actor counts its own passes), `raise`, and
 `delay<seconds>` (e.g. `buffer.append=delay5%3`: every 3rd append takes 5 s longer; a slow disk or a
@@ -28,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "STREAMRL_FAULTS"
 LEDGER_ENV = "STREAMRL_FAULT_LEDGER"
+JOB_ENV = "STREAMRL_FAULT_JOB_PGID"  # the driver's process group, for a kill_job inside a Ray actor
 
 POINTS = {
     "admit.after_append": "driver: a group's rows are durable, the cursor is not saved yet",
@@ -37,6 +40,7 @@ POINTS = {
     "worker.sink": "rollout worker: appending a trajectory row to the buffer",
     "worker.after_sink": "rollout worker: a row was saved, the worker's bookkeeping not yet updated",
     "tool.before_run": "rollout worker: a tool call's intent is durable, the tool has not run",
+    "tool.after_run": "rollout worker: a tool ran (its side effect happened), its result is not recorded yet",
     "engine.generate": "engine: a generation request arrives",
     "buffer.append": "buffer actor: rows arrive to be appended (before the room check)",
     "sync.pause": "engine: a weight-sync pause arrives (before the transfer)",
@@ -103,10 +107,13 @@ def _fire(point: str) -> float:
     for handler in logging.getLogger().handlers:
         handler.flush()
     if action == "kill_job":
-        os.killpg(os.getpgrp(), signal.SIGKILL)
+        os.killpg(int(os.environ.get(JOB_ENV) or os.getpgrp()), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def forwarded_env() -> dict[str, str]:
-    """The variable for Ray actors' runtime_env (empty when no fault is armed)."""
-    return {k: os.environ[k] for k in (ENV, LEDGER_ENV) if os.environ.get(k)}
+    """The variables for Ray actors' runtime_env (empty when no fault is armed)."""
+    if not os.environ.get(ENV):
+        return {}
+    env = {k: os.environ[k] for k in (ENV, LEDGER_ENV) if os.environ.get(k)}
+    return {**env, JOB_ENV: os.environ.get(JOB_ENV) or str(os.getpgrp())}

@@ -6,7 +6,9 @@ Counts (all must be 0): prompts lost (I1: one of the first `cursor` prompts has 
 duplicated (a group beyond the cursor, or with more than `group_size` trajectories), trajectories
 consumed twice or outside a learner step's full batch, stranded trajectories (I2, from the end-of-run
 accounting), version violations (I4: a trajectory whose versions decrease, or a label above the
-high-water mark the driver saved).
+high-water mark the driver saved), tool side effects repeated (I5: when the run's tools keep a ledger
+at `RUN_DIR/tool_ledger.jsonl` (`rollout.tools.ledger`), a (trajectory, call id) with more than one
+line, or a finished trajectory with more ledger lines than tool calls).
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ class InvariantReport:
     stranded: int | None = None  # None: the run ended without its accounting (killed)
     untracked: int | None = None
     version_violations: int = 0
+    tool_calls_executed: int | None = None  # ledger lines; None: the run's tools keep no ledger
+    tool_side_effects_repeated: int = 0
     problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         counts = (self.prompts_lost, self.prompts_duplicated, self.consumed_twice, self.bad_batches,
-                  self.stranded or 0, self.untracked or 0, self.version_violations)
+                  self.stranded or 0, self.untracked or 0, self.version_violations,
+                  self.tool_side_effects_repeated)
         return not any(counts)
 
 
@@ -98,6 +103,25 @@ def check_run(run_dir: str | Path) -> InvariantReport:
         if sampled != sorted(sampled) or (sampled and sampled[-1] > high):
             report.version_violations += 1
             report.problems.append(f"versions of {tid}: {sampled[:8]}... (high-water {high})")
+
+    # I5: each tool call's side effect at most once, across pauses, worker deaths and job restarts.
+    ledger = run_dir / "tool_ledger.jsonl"
+    if ledger.exists():
+        from collections import Counter
+
+        from rollout.tools.ledger import read_ledger
+
+        lines = read_ledger(ledger)
+        report.tool_calls_executed = len(lines)
+        per_call = Counter((x["instance_id"], x["call_id"]) for x in lines)
+        repeated = sorted(k for k, n in per_call.items() if n > 1)
+        per_traj = Counter(x["instance_id"] for x in lines)
+        finished = latest[latest["status"] == "finished"]
+        over = [(t, per_traj[t], int(n)) for t, n in zip(finished["trajectory_id"], finished["num_tool_calls"])
+                if per_traj[t] > n and not any(k[0] == t for k in repeated)]
+        report.tool_side_effects_repeated = len(repeated) + len(over)
+        report.problems += [f"tool call ran {per_call[k]} times: {k[0]} {k[1]}" for k in repeated]
+        report.problems += [f"{t}: {n} ledger lines for {c} tool calls" for t, n, c in over]
     return report
 
 

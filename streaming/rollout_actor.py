@@ -61,6 +61,10 @@ class RolloutWorkerActor:
         server = ServerManager(clients, max_sticky_keys=cfg.rollout.sticky_lru_size)
         ctx = build_agent_context(cfg, model_path, server)
         ctx.snapshot = self._snapshot  # I5: tool intents are durable before the tools run
+        if ctx.tools is not None:
+            from streaming.faults import hit
+
+            ctx.tools.on_executed = lambda call: hit("tool.after_run")
         self.server = server
         self.worker = RolloutWorker(
             ctx,

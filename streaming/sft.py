@@ -96,8 +96,13 @@ def maybe_warm_up(cfg: Any, model_path: str) -> Path:
     """Return a warmed-up model folder (built once, cached) for `model_path`."""
     from rollout.models import cache_root
 
+    from rollout.tools.config import load_tool_config
+
+    # Keyed by what the transcripts render (the tool schemas), not by the tool config's path: a
+    # config naming another class under the same schema (rollout.tools.ledger) reuses the warm-up.
+    tools = load_tool_config(cfg.rollout.agent.tool_config).schemas() if cfg.rollout.agent.tool_config else None
     key = hashlib.sha256(
-        json.dumps([str(model_path), cfg.sft.model_dump(mode="json"), cfg.rollout.agent.tool_config, cfg.data.seed]).encode()
+        json.dumps([str(model_path), cfg.sft.model_dump(mode="json"), tools, cfg.data.seed], sort_keys=True).encode()
     ).hexdigest()[:12]
     final = cache_root() / "sft" / f"{Path(model_path).name}-{key}"
     if cfg.sft.skip_if_cached and (final / "config.json").exists():

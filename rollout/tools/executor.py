@@ -17,6 +17,11 @@ in the trajectory's journal (`BaseTool.restore`); `close_session` releases them 
 ends. A trajectory that parked here but resumes elsewhere leaves its instances here until this
 process ends (the driver only moves trajectories whose worker died).
 `create_instances` / `release_instances` are the same without the session bookkeeping.
+
+While a tool's `execute` runs, `current_call()` returns the call it serves (its call id is unique in
+the trajectory), so a tool with side effects can key them by (instance id, call id). `on_executed`,
+when set, is called right after a tool returned and before its result is recorded anywhere: the
+fault-injection point for "the side effect happened, the trajectory does not know yet".
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 from rollout.parsers.base import validate_call
@@ -34,6 +40,12 @@ from rollout.types import ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RESULT_CHARS = 8192
+_CURRENT_CALL: ContextVar[ToolCall | None] = ContextVar("streamrl_current_tool_call", default=None)
+
+
+def current_call() -> ToolCall | None:
+    """The call whose `execute` is running in this task (None outside one)."""
+    return _CURRENT_CALL.get()
 
 
 def coerce_execution(result: Any) -> ToolExecution:
@@ -75,6 +87,7 @@ class ToolRegistry:
         self.num_executed = 0  # calls that ran to completion inside a tool
         self.total_latency_s = 0.0  # of those calls
         self._sessions: dict[str, dict[str, str]] = {}  # trajectory_id -> {tool_name: instance_id}
+        self.on_executed: Callable[[ToolCall], None] | None = None
 
     # -- catalogue -----------------------------------------------------------------------------------
     def schemas(self) -> list[dict[str, Any]]:
@@ -212,10 +225,13 @@ class ToolRegistry:
     async def _run_one(self, call: ToolCall, instance_ids: dict[str, str], timeout_s: float) -> ToolResult:
         tool = self.tools[call.name]
         start = time.perf_counter()
+        token = _CURRENT_CALL.set(call)  # this task's own context (gather runs each call in a task)
         try:
             if call.name not in instance_ids:
                 instance_ids[call.name] = await tool.create()
             raw = await asyncio.wait_for(tool.execute(instance_ids[call.name], call.arguments), timeout_s)
+            if self.on_executed is not None:
+                self.on_executed(call)
             execution = coerce_execution(raw)
         except TimeoutError:
             self.num_timeouts += 1
@@ -224,6 +240,8 @@ class ToolRegistry:
             self.num_exceptions += 1
             logger.warning("tool %s raised %s: %s", call.name, type(exc).__name__, exc)
             return self._error(call, f"tool '{call.name}' failed: {type(exc).__name__}: {exc}", time.perf_counter() - start)
+        finally:
+            _CURRENT_CALL.reset(token)
         latency_s = time.perf_counter() - start
         self.num_executed += 1
         self.total_latency_s += latency_s

@@ -329,3 +329,47 @@ def test_bad_tool_configs_raise_value_errors(data, needle):
 def test_schema_requires_declared_required_arguments():
     with pytest.raises(ValueError, match="not declared"):
         OpenAIFunctionToolSchema.model_validate({"function": {"name": "f", "parameters": {"required": ["x"]}}})
+
+
+# -- a tool with a side effect: the ledger calculator (the chaos suite's I5 probe) -----------------
+
+
+def _ledger_registry(tmp_path: Path) -> ToolRegistry:
+    yaml_path = tmp_path / "tools.yaml"
+    yaml_path.write_text(
+        "tools:\n  - name: calculator\n    class_name: rollout.tools.ledger:LedgerCalculator\n"
+        f"    config: {{ledger_path: '{tmp_path / 'ledger.jsonl'}'}}\n"
+    )
+    return load_tool_config(yaml_path)
+
+
+def test_ledger_calculator_records_every_execution_under_its_call_id(tmp_path):
+    from rollout.tools.executor import current_call
+    from rollout.tools.ledger import read_ledger
+
+    reg = _ledger_registry(tmp_path)
+    assert not reg.is_idempotent("calculator")  # so the agent loop journals and snapshots its calls
+    assert reg.schemas() == load_tool_config("configs/tools/calculator.yaml").schemas()  # the model sees a calculator
+    calls = [ToolCall(call_id=f"t1_call_{i}", name="calculator", arguments={"expression": f"{i} + 1"}) for i in range(3)]
+    results = asyncio.run(reg.run_calls(calls, {"calculator": "traj-a"}, timeout_s=5))
+    assert [r.text for r in results] == ["1", "2", "3"]
+    lines = read_ledger(tmp_path / "ledger.jsonl")
+    assert sorted((x["instance_id"], x["call_id"], x["arguments"]["expression"]) for x in lines) == [
+        ("traj-a", "t1_call_0", "0 + 1"), ("traj-a", "t1_call_1", "1 + 1"), ("traj-a", "t1_call_2", "2 + 1")]
+    assert current_call() is None
+
+
+def test_on_executed_fires_after_the_side_effect_and_before_the_result(tmp_path):
+    from rollout.tools.ledger import read_ledger
+
+    reg = _ledger_registry(tmp_path)
+    seen = []
+
+    def hook(call):
+        seen.append((call.call_id, len(read_ledger(tmp_path / "ledger.jsonl"))))
+        raise RuntimeError("process dies here")  # what a kill at `tool.after_run` interrupts
+
+    reg.on_executed = hook
+    [result] = asyncio.run(reg.run_calls([_call(0, "calculator", expression="2 * 3")], {}, timeout_s=5))
+    assert seen == [("call_0", 1)]  # the effect is on disk when the hook runs
+    assert result.is_error and "process dies here" in result.text  # the result never got recorded as "6"

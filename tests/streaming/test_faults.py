@@ -76,3 +76,29 @@ def test_async_delay_sleeps_without_blocking_the_loop(armed):
     assert first < 0.2 and second >= 0.4
     assert ticks >= 5  # the loop kept running while the append was delayed
     assert len(ledger.read_text().splitlines()) == 1
+
+
+def test_kill_job_from_a_process_in_its_own_group_kills_the_drivers_group(tmp_path):
+    """Ray starts every worker in a process group of its own, so a `kill_job` inside an actor must
+    reach the driver's group (forwarded as STREAMRL_FAULT_JOB_PGID), not only the actor's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    actor = (
+        "import os; os.setpgid(0, 0); from streaming import faults; "  # like a Ray worker: a group of its own
+        "faults.hit('tool.after_run'); open(os.environ['OUT'] + '.survived', 'w')"
+    )
+    driver = (
+        "import os, subprocess, sys, time; from streaming import faults; "
+        "env = dict(os.environ, **faults.forwarded_env()); "
+        f"subprocess.Popen([sys.executable, '-c', {actor!r}], env=env).wait(); "
+        "time.sleep(30); open(os.environ['OUT'] + '.driver_survived', 'w')"
+    )
+    out = tmp_path / "out"
+    env = dict(os.environ, STREAMRL_FAULTS="tool.after_run=kill_job@1", OUT=str(out))
+    env.pop(faults.JOB_ENV, None)
+    proc = subprocess.Popen([sys.executable, "-c", driver], env=env, start_new_session=True)
+    assert proc.wait(60) == -signal.SIGKILL  # the driver died with the actor's fault, not 30 s later
+    assert not (tmp_path / "out.survived").exists() and not (tmp_path / "out.driver_survived").exists()
