@@ -328,16 +328,27 @@ class System:
                 await self._submit([data])
             return len(orphans)
 
-    async def write_accounting(self) -> dict[str, list[str]]:
+    async def write_accounting(self, attempts: int = 3) -> dict[str, list[str]]:
         """I2 at the end of a run: park every worker, then the buffer's resumable trajectories must be
-        exactly the ones the workers hold. Writes RUN_DIR/accounting.json (the chaos checker reads it)."""
-        held: set[str] = set()
-        for w in self.workers:
-            try:
-                await w.pause()
-                held.update(await w.running_ids())
-            except (ray.exceptions.RayActorError, asyncio.TimeoutError) as exc:
-                logger.warning("end-of-run accounting: a worker did not answer (%r)", exc)
+        exactly the ones the workers hold. Writes RUN_DIR/accounting.json (the chaos checker reads it).
+
+        A worker that dies at the very end (a kill mid-tool found one) left durable partial rows that
+        nobody holds: it is replaced and its trajectories handed to the replacement first, as the
+        health loop would have done, and the accounting retried (`attempts` times at most)."""
+        for attempt in range(attempts):
+            async with self._health_lock:
+                await self._replace_dead_workers()
+            held: set[str] = set()
+            answered = True
+            for w in self.workers:
+                try:
+                    await w.pause()
+                    held.update(await w.running_ids())
+                except (ray.exceptions.RayActorError, asyncio.TimeoutError) as exc:
+                    logger.warning("end-of-run accounting (attempt %d): a worker did not answer (%r)", attempt + 1, exc)
+                    answered = False
+            if answered:
+                break
         resumable = set(await self.buffer.resumable_ids())
         report = {"stranded": sorted(resumable - held), "untracked": sorted(held - resumable),
                   "resumable": sorted(resumable)}

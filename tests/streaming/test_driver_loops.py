@@ -321,3 +321,27 @@ async def test_a_killed_worker_is_replaced_and_what_it_ran_is_finished_by_anothe
     assert not lost & victim.finished
     for tid in lost:  # finished by another worker, or still running there (a partial row, held)
         assert tid in finished or (tid in held_now and tid in accounting["resumable"]), tid
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+async def test_a_worker_dying_at_the_end_of_the_run_strands_nothing(tmp_path):
+    """The chaos suite found this: a worker killed right before the end-of-run accounting left
+    durable partial rows nobody held. The accounting replaces it and hands its work over first."""
+    system, buffer, learner = _system(tmp_path)
+    try:
+        await asyncio.wait_for(run_async(system), TIMEOUT_S)
+        for w in system.workers:
+            w.unpaused.clear()  # what is submitted now stays in flight
+        assert await system.admit_next_group()
+        victim = max(system.workers, key=lambda w: len(w.tasks))
+        assert victim.tasks, "the victim holds nothing: the test proves nothing"
+        victim.kill()
+        accounting = await system.write_accounting()
+    finally:
+        system.metrics.close()
+    assert system.num_worker_replacements == 1 and victim not in system.workers
+    assert accounting["stranded"] == [] and accounting["untracked"] == []
+    survivors = system.workers  # the replacement and the worker that never died
+    assert victim.lost and victim.lost <= set().union(*(w.ever_held for w in survivors))
+    for tid in victim.lost:  # finished by a survivor, or held there with its partial row
+        assert any(tid in w.finished or (tid in w.tasks and tid in accounting["resumable"]) for w in survivors), tid
