@@ -33,7 +33,7 @@ def run_mode(mode: str, root: Path, steps: int, latency: float) -> dict:
     ]
     t0 = time.time()
     subprocess.run(
-        [sys.executable, "-m", "streaming.cli", "train", "--config", CONFIG, *overrides,
+        [sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", CONFIG, *overrides,
          f"rollout.agent.interaction_config={write_env_config(root, latency)}"],
         cwd=REPO, check=True,
     )

@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from buffer.config import BufferConfig
-from buffer.schema import RECORD_FIELDS, normalize_batch
-from buffer.store import ReplayBuffer
+from streamrl.buffer.config import BufferConfig
+from streamrl.buffer.schema import RECORD_FIELDS, normalize_batch
+from streamrl.buffer.store import ReplayBuffer
 
 PROMPT, RESPONSE, ROWS_PER_BATCH, GROUP = 256, 768, 64, 8
 

@@ -103,7 +103,7 @@ def _ledger_tools(root: Path, run_dir: Path, run_name: str) -> list[str]:
     calculator's name, its ledger in the run directory."""
     path = root / f"{run_name}.tools.yaml"
     path.write_text(
-        "tools:\n  - name: calculator\n    class_name: rollout.tools.ledger:LedgerCalculator\n"
+        "tools:\n  - name: calculator\n    class_name: streamrl.rollout.tools.ledger:LedgerCalculator\n"
         f"    config: {{ledger_path: {json.dumps(str(run_dir / TOOL_LEDGER))}}}\n"
     )
     return [f"rollout.agent.tool_config={path}"]
@@ -127,7 +127,7 @@ def _segment(args: list[str], env: dict[str, str], log: Path, timeout_s: float,
     t0 = time.monotonic()
     killed = False
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "streaming.cli", "train", *args], cwd=REPO, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "streamrl.streaming.cli", "train", *args], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             if kill_after_s is not None:
@@ -153,7 +153,7 @@ def _segment(args: list[str], env: dict[str, str], log: Path, timeout_s: float,
 
 def run_scenario(name: str, seed: int, faulted: list[str], root: Path, *, config: str = "configs/tiny.toml",
                  timeout_s: float = 600.0, max_clean: int = 2) -> ScenarioResult:
-    from streaming.invariants import check_run
+    from streamrl.streaming.invariants import check_run
 
     run_name = f"{name}-s{seed}"
     run_dir = root / run_name
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 def recheck(out_path: Path, runs: Path, argv: list[str]) -> int:
     """Re-run the invariant checker over kept run directories; the report the run wrote is kept per
     scenario as `invariants_at_run`."""
-    from streaming.invariants import check_run
+    from streamrl.streaming.invariants import check_run
 
     data = json.loads(out_path.read_text())
     results = []

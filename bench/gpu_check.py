@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                            "environment": env}
     with tempfile.TemporaryDirectory(prefix="streamrl-gpu-check-") as tmp:
         overrides = gpu_overrides(Path(tmp), steps=args.steps, num_gpus=max(num_gpus, 1))
-        base = [sys.executable, "-m", "streaming.cli", "train", "--config", "configs/tiny.toml"]
+        base = [sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", "configs/tiny.toml"]
         if args.dry_run:
             proc = subprocess.run([*base, "--dry-run", *overrides], cwd=REPO, capture_output=True, text=True)
             print(proc.stdout or proc.stderr)

@@ -52,8 +52,8 @@ def synthetic_batch(vocab: int, seed: int = 0) -> SimpleNamespace:
 def time_steps(model: str, steps: int) -> dict[str, dict[str, float]]:
     """One engine, one warm-up step, then `steps` rounds alternating prox recompute / loglinear
     (interleaved so background load on a shared machine hits both alike)."""
-    from learner.config import LearnerConfig, ProxMode
-    from learner.engine import TrainingEngine
+    from streamrl.learner.config import LearnerConfig, ProxMode
+    from streamrl.learner.engine import TrainingEngine
 
     cfg = LearnerConfig(
         model=model, algo="grpo", device="auto", lr=1e-6, micro_batch_tokens=BATCH * (PROMPT + RESPONSE),
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO)
     import torch
 
-    from rollout.models import resolve_model
+    from streamrl.rollout.models import resolve_model
 
     model, note = args.model, None
     try:

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-logits", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="streamrl-memory-") as tmp:
-        cmd = [sys.executable, "-m", "streaming.cli", "train", "--config", "configs/default.toml",
+        cmd = [sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", "configs/default.toml",
                f"trainer.total_steps={args.steps}", f"trainer.run_root={tmp}", "trainer.run_name=memory"]
         rc, wall, memory = sample_run(cmd, cwd=str(REPO), env=dict(os.environ), log_path=f"{tmp}/train.log",
                                       timeout_s=3600)

@@ -87,9 +87,9 @@ def _state_gb(engine: Any) -> dict[str, float]:
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """One variant in this process: build the engine, run `steps` train steps, measure RSS."""
-    from learner.engine import TrainingEngine
-    from streaming.config import load_config
-    from streaming.memory import peak_rss_gb, reset_peak_rss, rss_gb, trim_allocator
+    from streamrl.learner.engine import TrainingEngine
+    from streamrl.streaming.config import load_config
+    from streamrl.streaming.memory import peak_rss_gb, reset_peak_rss, rss_gb, trim_allocator
 
     cfg = load_config(spec["config"], [*spec["overrides"], f"learner.logits_chunk_tokens={spec['chunk']}"])
     engine = TrainingEngine(cfg.learner)
@@ -116,7 +116,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _spawn(spec: dict[str, Any], *, allocator_env: bool, timeout_s: float) -> dict[str, Any]:
     """Run `worker(spec)` in a fresh interpreter; glibc reads MALLOC_* only at process start."""
-    from streaming.memory import learner_runtime_env
+    from streamrl.streaming.memory import learner_runtime_env
 
     env = {k: v for k, v in os.environ.items() if k not in _MALLOC_VARS}
     runtime = learner_runtime_env()
@@ -185,7 +185,7 @@ def learner_memory(
 
     `overrides` (run-file `key=value`s) apply to every variant; the growth check's "before" variant
     is then forced back to the pre-issue-9 learner: no chunking, no activation checkpointing."""
-    from streaming.config import load_config
+    from streamrl.streaming.config import load_config
 
     cfg = load_config(config, overrides or [])
     default_chunk = cfg.learner.logits_chunk_tokens or 512

@@ -51,7 +51,7 @@ def run_two_node(work: Path, *, steps: int, timeout_s: float = 900.0) -> dict[st
     try:
         run_dir = work / "two-node"
         cmd = [
-            sys.executable, "-m", "streaming.cli", "train", "--config", "configs/tiny.toml",
+            sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", "configs/tiny.toml",
             f"trainer.run_root={work}", "trainer.run_name=two-node", f"trainer.total_steps={steps}",
             f"trainer.checkpoint_every={steps}", "wandb.enabled=false",
             "rollout.engine.resources={engine_node = 1}", "learner.resources_per_worker={learner_node = 1}",

@@ -28,7 +28,7 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from weight_sync.worker_extension import WeightSyncWorkerExtension  # noqa: E402
+from streamrl.weight_sync.worker_extension import WeightSyncWorkerExtension  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "weight_sync.json"
 
@@ -114,8 +114,8 @@ def synthetic_state_dict(num_params: int) -> list[tuple[str, Any]]:
 
 
 async def bench_transport(named: list[tuple[str, Any]], label: str, repeats: int, verify: bool) -> dict[str, Any]:
-    from weight_sync.config import WeightSyncConfig
-    from weight_sync.distributed import DistributedTransport
+    from streamrl.weight_sync.config import WeightSyncConfig
+    from streamrl.weight_sync.distributed import DistributedTransport
 
     receiver = _ProcEngine(f"recv-{label}")
     transport = DistributedTransport(WeightSyncConfig(verify_checksum=verify))
@@ -167,7 +167,7 @@ def bench_checksum(num_bytes: int = 256 * 1024 * 1024, repeats: int = 3) -> dict
     """
     import torch
 
-    from weight_sync.buckets import checksum
+    from streamrl.weight_sync.buckets import checksum
 
     flat = torch.empty(num_bytes, dtype=torch.uint8)
     flat.view(torch.float32).normal_()
@@ -189,10 +189,10 @@ async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollout.engine.base import PauseMode, SamplingParams
-    from rollout.engine.config import EngineConfig
-    from rollout.engine.vllm_engine import VLLMEngine
-    from weight_sync import WORKER_EXTENSION_CLS, WeightSyncConfig, WeightSyncCoordinator
+    from streamrl.rollout.engine.base import PauseMode, SamplingParams
+    from streamrl.rollout.engine.config import EngineConfig
+    from streamrl.rollout.engine.vllm_engine import VLLMEngine
+    from streamrl.weight_sync import WORKER_EXTENSION_CLS, WeightSyncConfig, WeightSyncCoordinator
 
     hf = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
     weights = [(n, p.detach()) for n, p in hf.named_parameters()]
@@ -257,7 +257,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from rollout.models import resolve_model
+    from streamrl.rollout.models import resolve_model
 
     started = time.monotonic()
     notes = []

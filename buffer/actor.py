@@ -29,11 +29,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from buffer.config import BufferConfig
-from buffer.schema import normalize_batch, trajectories_to_batch
-from buffer.store import ReplayBuffer
-from buffer.types import BufferProgress, PaddedBatch, SampledBatch
-from rollout.types import Trajectory, TrajectoryStatus
+from streamrl.buffer.config import BufferConfig
+from streamrl.buffer.schema import normalize_batch, trajectories_to_batch
+from streamrl.buffer.store import ReplayBuffer
+from streamrl.buffer.types import BufferProgress, PaddedBatch, SampledBatch
+from streamrl.rollout.types import Trajectory, TrajectoryStatus
 
 if TYPE_CHECKING:
     import ray
@@ -83,7 +83,7 @@ class BufferActor:
     ) -> bool:
         """Append rows, awaiting room under backpressure (None = wait as long as it takes); False if
         they were not accepted within `timeout_s`. `durable=True`: True only once they are in the log."""
-        from streaming.faults import ahit
+        from streamrl.streaming.faults import ahit
 
         await ahit("buffer.append")
         self._check_flusher()
@@ -164,7 +164,7 @@ class BufferActor:
 
     async def memory(self) -> dict[str, float]:
         """`memory/buffer_peak_gb`: this part's peak since it started (`streaming.memory.part_memory`)."""
-        from streaming.memory import part_memory
+        from streamrl.streaming.memory import part_memory
 
         return part_memory("buffer")
 

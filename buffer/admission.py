@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rollout.types import OBSERVATION_VERSION
+from streamrl.rollout.types import OBSERVATION_VERSION
 
 
 def rollout_capacity(

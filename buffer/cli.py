@@ -20,11 +20,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from buffer.admission import lag_histogram
-from buffer.log import read_segments
-from buffer.manifest import CONSUMED_PREFIX, CONSUMPTION_SCHEMA, TRAJ_PREFIX, consumption_history
-from buffer.schema import TRAJECTORY_SCHEMA
-from buffer.types import RecoveryReport
+from streamrl.buffer.admission import lag_histogram
+from streamrl.buffer.log import read_segments
+from streamrl.buffer.manifest import CONSUMED_PREFIX, CONSUMPTION_SCHEMA, TRAJ_PREFIX, consumption_history
+from streamrl.buffer.schema import TRAJECTORY_SCHEMA
+from streamrl.buffer.types import RecoveryReport
 
 if TYPE_CHECKING:
     import pandas as pd

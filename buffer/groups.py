@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from operator import attrgetter
 
-from buffer.admission import length_bucket
-from rollout.types import OBSERVATION_VERSION, TrajectoryStatus
+from streamrl.buffer.admission import length_bucket
+from streamrl.rollout.types import OBSERVATION_VERSION, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
 _sample_index = attrgetter("sample_index")

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from buffer.types import RecoveryReport
-from rollout.atomic import fsync_dir
+from streamrl.buffer.types import RecoveryReport
+from streamrl.rollout.atomic import fsync_dir
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from buffer.schema import SCHEMA_VERSION
-from rollout.atomic import atomic_write
+from streamrl.buffer.schema import SCHEMA_VERSION
+from streamrl.rollout.atomic import atomic_write
 
 logger = logging.getLogger(__name__)
 

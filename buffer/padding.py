@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from buffer.schema import list_row_starts
-from buffer.types import PaddedBatch
-from rollout.types import OBSERVATION_VERSION
+from streamrl.buffer.schema import list_row_starts
+from streamrl.buffer.types import PaddedBatch
+from streamrl.rollout.types import OBSERVATION_VERSION
 
 
 def _positions(starts: np.ndarray, lengths: np.ndarray, shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from buffer.schema import TRAJECTORY_SCHEMA
+from streamrl.buffer.schema import TRAJECTORY_SCHEMA
 
 
 class RowStore:

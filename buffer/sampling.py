@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from buffer.config import SamplingPolicy
+from streamrl.buffer.config import SamplingPolicy
 
 
 def group_order(

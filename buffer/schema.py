@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rollout.types import OBSERVATION_VERSION, FinishReason, Trajectory, TrajectoryStatus
+from streamrl.rollout.types import OBSERVATION_VERSION, FinishReason, Trajectory, TrajectoryStatus
 
 SCHEMA_VERSION = "1"
 

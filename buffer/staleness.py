@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
-from buffer.admission import length_bucket
-from buffer.cli import latest_rows, read_dir
+from streamrl.buffer.admission import length_bucket
+from streamrl.buffer.cli import latest_rows, read_dir
 
 
 def _counts(values) -> dict[str, int]:

@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pyarrow as pa
 
-from buffer.admission import lag_histogram, token_lag
+from streamrl.buffer.admission import lag_histogram, token_lag
 
 
 class BufferStats:

@@ -30,11 +30,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from buffer.admission import length_bucket, rollout_capacity, trajectory_lag
-from buffer.config import BufferConfig, OverAgePolicy
-from buffer.groups import GroupPhase, GroupState, GroupTable, RowColumns
-from buffer.log import SegmentWriter, read_segments
-from buffer.manifest import (
+from streamrl.buffer.admission import length_bucket, rollout_capacity, trajectory_lag
+from streamrl.buffer.config import BufferConfig, OverAgePolicy
+from streamrl.buffer.groups import GroupPhase, GroupState, GroupTable, RowColumns
+from streamrl.buffer.log import SegmentWriter, read_segments
+from streamrl.buffer.manifest import (
     CONSUMED_PREFIX,
     CONSUMPTION_SCHEMA,
     TRAJ_PREFIX,
@@ -43,12 +43,12 @@ from buffer.manifest import (
     read_manifest,
     write_manifest,
 )
-from buffer.rows import RowStore
-from buffer.sampling import group_order, select_prefix
-from buffer.schema import TRAJECTORY_SCHEMA, batch_to_trajectories, normalize_batch, trajectories_to_batch
-from buffer.stats import BufferStats
-from buffer.types import RecoveryReport, SampledBatch
-from rollout.types import Trajectory, TrajectoryStatus
+from streamrl.buffer.rows import RowStore
+from streamrl.buffer.sampling import group_order, select_prefix
+from streamrl.buffer.schema import TRAJECTORY_SCHEMA, batch_to_trajectories, normalize_batch, trajectories_to_batch
+from streamrl.buffer.stats import BufferStats
+from streamrl.buffer.types import RecoveryReport, SampledBatch
+from streamrl.rollout.types import Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ class SampledBatch:
         return self.table.num_rows
 
     def to_padded(self) -> PaddedBatch:
-        from buffer.padding import pad_table
+        from streamrl.buffer.padding import pad_table
 
         return pad_table(self.table)
 

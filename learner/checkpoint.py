@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from learner.sharded import full_tensor
-from rollout.atomic import atomic_dir
+from streamrl.learner.sharded import full_tensor
+from streamrl.rollout.atomic import atomic_dir
 
 if TYPE_CHECKING:
-    from learner.engine import TrainingEngine
+    from streamrl.learner.engine import TrainingEngine
 
 logger = logging.getLogger(__name__)
 

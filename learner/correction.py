@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.config import Anchor, CorrectionConfig, CorrectionLevel, RatioLevel, Rejection, Weight, WeightAt
+from streamrl.learner.config import Anchor, CorrectionConfig, CorrectionLevel, RatioLevel, Rejection, Weight, WeightAt
 
 MAX_LOG_RATIO = 20.0  # exp(±20) keeps ratios finite in float32 while far beyond any cap
 

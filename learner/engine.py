@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from learner import checkpoint as ckpt
-from learner.config import Algo, LearnerConfig, LossAggMode, LRSchedule
-from learner.correction import CorrectionTerms, loglinear_prox_logp, policy_ratio, staleness_correction
-from learner.is_metrics import TokenStats, correction_metrics
-from learner.losses import aggregate, kl_penalty, ppo_policy_loss, value_loss
-from learner.model import (
+from streamrl.learner import checkpoint as ckpt
+from streamrl.learner.config import Algo, LearnerConfig, LossAggMode, LRSchedule
+from streamrl.learner.correction import CorrectionTerms, loglinear_prox_logp, policy_ratio, staleness_correction
+from streamrl.learner.is_metrics import TokenStats, correction_metrics
+from streamrl.learner.losses import aggregate, kl_penalty, ppo_policy_loss, value_loss
+from streamrl.learner.model import (
     PolicyModel,
     load_lm,
     pack_by_tokens,
@@ -39,9 +39,9 @@ from learner.model import (
     resolve_device,
     split_minibatches,
 )
-from learner.sharded import clip_grad_norm, full_tensor
-from learner.step_inputs import StepInputs, build_step_inputs
-from learner.types import TrainBatch
+from streamrl.learner.sharded import clip_grad_norm, full_tensor
+from streamrl.learner.step_inputs import StepInputs, build_step_inputs
+from streamrl.learner.types import TrainBatch
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class TrainingEngine:
     def __init__(self, cfg: LearnerConfig, *, shard: Callable[[torch.nn.Module], None] | None = None) -> None:
         from transformers import AutoTokenizer
 
-        from rollout.models import resolve_model
+        from streamrl.rollout.models import resolve_model
 
         self.cfg = cfg
         dist = torch.distributed

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from learner.config import LearnerConfig
-from learner.types import StepResult
+from streamrl.learner.config import LearnerConfig
+from streamrl.learner.types import StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class LearnerWorker:
         import torch
         import torch.distributed as dist
 
-        from learner.engine import TrainingEngine
+        from streamrl.learner.engine import TrainingEngine
 
         cuda = self.cfg.device == "cuda"
         if cuda:
@@ -177,7 +177,7 @@ class LearnerGroup:
     ) -> None:
         import ray
 
-        from rollout.models import resolve_model
+        from streamrl.rollout.models import resolve_model
 
         overrides = {"num_workers": num_workers, "num_cpus_per_worker": num_cpus_per_worker,
                      "num_gpus_per_worker": num_gpus_per_worker}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from learner.config import KLEstimator, LossAggMode
+from streamrl.learner.config import KLEstimator, LossAggMode
 
 
 def token_logprobs_and_entropy(

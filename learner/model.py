@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from learner.losses import token_logprobs_and_entropy
+from streamrl.learner.losses import token_logprobs_and_entropy
 
 logger = logging.getLogger(__name__)
 

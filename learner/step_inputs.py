@@ -11,19 +11,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from learner.advantages import (
+from streamrl.learner.advantages import (
     broadcast_sequence_advantages,
     grpo_advantages,
     masked_gae,
     masked_whiten,
     token_level_rewards,
 )
-from learner.config import Algo, ProxMode
-from learner.correction import CorrectionTerms, staleness_correction
-from learner.types import TrainBatch
+from streamrl.learner.config import Algo, ProxMode
+from streamrl.learner.correction import CorrectionTerms, staleness_correction
+from streamrl.learner.types import TrainBatch
 
 if TYPE_CHECKING:
-    from learner.engine import TrainingEngine
+    from streamrl.learner.engine import TrainingEngine
 
 
 @dataclass(kw_only=True, slots=True)

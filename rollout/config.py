@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout.engine.config import EngineConfig
+from streamrl.rollout.engine.config import EngineConfig
 
 
 class SamplingConfig(BaseModel):

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from rollout.rewards import answers_match
-from rollout.tools.calculator import evaluate_expression, format_number
-from rollout.types import PromptRecord
+from streamrl.rollout.rewards import answers_match
+from streamrl.rollout.tools.calculator import evaluate_expression, format_number
+from streamrl.rollout.types import PromptRecord
 
 _ROLES = {"system", "user", "assistant", "tool"}
 _ID_COLUMNS = ("group_id", "id", "uid")

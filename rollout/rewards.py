@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.registry import Registry
-from rollout.tools.config import import_object
+from streamrl.rollout.registry import Registry
+from streamrl.rollout.tools.config import import_object
 
 
 @dataclass(kw_only=True, slots=True)

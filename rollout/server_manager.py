@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from rollout.engine.base import (
+from streamrl.rollout.engine.base import (
     EngineStats,
     GenerationOutput,
     InferenceEngine,

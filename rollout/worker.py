@@ -27,9 +27,9 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable
 
-from rollout.agent_loop import AgentContext, get_agent_loop_cls
-from rollout.engine.base import PauseMode
-from rollout.types import AgentData, AgentState, FinishReason, Trajectory, TrajectoryStatus
+from streamrl.rollout.agent_loop import AgentContext, get_agent_loop_cls
+from streamrl.rollout.engine.base import PauseMode
+from streamrl.rollout.types import AgentData, AgentState, FinishReason, Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
 

@@ -18,23 +18,23 @@ import sys
 
 
 def _train(args: argparse.Namespace) -> int:
-    from streaming import preflight
+    from streamrl.streaming import preflight
 
     if args.replay:
-        from streaming.replay import replay_main
+        from streamrl.streaming.replay import replay_main
 
         return replay_main(args.replay, args.overrides)
     if args.dry_run:  # resolve and estimate only: no Ray, no run directory
         print(preflight.dry_run(args.config, args.overrides, args.resume))
         return 0
     preflight.check(preflight.resolve_config(args.config, args.overrides, args.resume))
-    from streaming.train import train_main
+    from streamrl.streaming.train import train_main
 
     return train_main(config=args.config, overrides=args.overrides, resume=args.resume)
 
 
 def _rollout(args: argparse.Namespace) -> int:
-    from streaming.eval import rollout_main
+    from streamrl.streaming.eval import rollout_main
 
     return rollout_main(
         config=args.config, overrides=args.overrides, num_prompts=args.num_prompts, out=args.out, show=args.show
@@ -42,7 +42,7 @@ def _rollout(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from streaming.report import write_report
+    from streamrl.streaming.report import write_report
 
     path = write_report(args.run_dir)
     print(f"report written to {path}")
@@ -50,7 +50,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _staleness(args: argparse.Namespace) -> int:
-    from buffer.staleness import summary, write_report
+    from streamrl.buffer.staleness import summary, write_report
 
     json_path, html_path, result = write_report(args.run_dir)
     print(summary(result))
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     staleness.add_argument("run_dir")
     staleness.set_defaults(func=_staleness)
 
-    from buffer.cli import register
+    from streamrl.buffer.cli import register
 
     register(sub)  # `buffer stats DIR`, `buffer export DIR --parquet OUT`
     return parser
@@ -105,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from streaming.errors import StreamRLError
-    from streaming.logs import setup_console
+    from streamrl.streaming.errors import StreamRLError
+    from streamrl.streaming.logs import setup_console
 
     setup_console(verbose=args.verbose)
     try:

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import ray
 
-    from buffer.types import BufferProgress
-    from rollout.engine.base import EngineStats
-    from rollout.types import AgentData, Trajectory
-    from streaming.learner_actor import Trained
-    from streaming.weight_publisher import Published
+    from streamrl.buffer.types import BufferProgress
+    from streamrl.rollout.engine.base import EngineStats
+    from streamrl.rollout.types import AgentData, Trajectory
+    from streamrl.streaming.learner_actor import Trained
+    from streamrl.streaming.weight_publisher import Published
 
 
 class ActorClient:
@@ -67,7 +67,7 @@ class BufferClient(ActorClient):
         """Append rows and return once they are in the log (they survive a kill from then on)."""
         import ray
 
-        from buffer.schema import trajectories_to_batch
+        from streamrl.buffer.schema import trajectories_to_batch
 
         await self._call("append", ray.put(trajectories_to_batch(rows)), timeout_s=None, durable=True)
 

@@ -14,11 +14,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from buffer.config import BufferConfig
-from learner.config import LearnerConfig
-from rollout.config import RolloutConfig
-from streaming.metrics import WandbConfig
-from weight_sync.config import WeightSyncConfig
+from streamrl.buffer.config import BufferConfig
+from streamrl.learner.config import LearnerConfig
+from streamrl.rollout.config import RolloutConfig
+from streamrl.streaming.metrics import WandbConfig
+from streamrl.weight_sync.config import WeightSyncConfig
 
 
 class DataConfig(BaseModel):

@@ -15,8 +15,8 @@ import asyncio
 import logging
 import time
 
-from streaming import faults
-from streaming.system import System
+from streamrl.streaming import faults
+from streamrl.streaming.system import System
 
 logger = logging.getLogger(__name__)
 

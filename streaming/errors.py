@@ -75,7 +75,7 @@ def _victims(text: str) -> list[tuple[str | None, str | None, str | None]]:
 def explain_failure(exc: BaseException, run_dir: str | Path) -> str | None:
     """One sentence for a part killed for memory, or for every engine gone, anywhere in `exc`'s
     chain; None for anything else."""
-    from rollout.engine.base import NoHealthyEngineError
+    from streamrl.rollout.engine.base import NoHealthyEngineError
 
     resume = f"continue the run with: streamrl train --resume {shlex.quote(str(run_dir))}"
     if gone := next((e for e in exception_chain(exc) if isinstance(e, NoHealthyEngineError)), None):

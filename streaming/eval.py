@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollout.types import Trajectory
+from streamrl.rollout.types import Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +53,12 @@ def console_text(traj: Trajectory, tokenizer: Any) -> Any:
 
 async def run_rollouts(cfg: Any, records: list, *, group_size: int) -> list[Trajectory]:
     """Run `group_size` trajectories per record on one local engine; returns finished trajectories."""
-    from rollout.engine import make_engine
-    from rollout.models import resolve_model
-    from rollout.server_manager import ServerManager
-    from rollout.worker import RolloutWorker
-    from streaming.prompts import make_group
-    from streaming.rollout_actor import build_agent_context
+    from streamrl.rollout.engine import make_engine
+    from streamrl.rollout.models import resolve_model
+    from streamrl.rollout.server_manager import ServerManager
+    from streamrl.rollout.worker import RolloutWorker
+    from streamrl.streaming.prompts import make_group
+    from streamrl.streaming.rollout_actor import build_agent_context
 
     engine_cfg = cfg.rollout.engine.model_copy(update={"placement": "local"})
     engine = make_engine(engine_cfg, "engine-0")
@@ -89,9 +89,9 @@ def rollout_main(
     from rich.console import Console
     from transformers import AutoTokenizer
 
-    from rollout.models import resolve_model
-    from streaming.config import load_config
-    from streaming.prompts import load_records
+    from streamrl.rollout.models import resolve_model
+    from streamrl.streaming.config import load_config
+    from streamrl.streaming.prompts import load_records
 
     cfg = load_config(config, overrides)
     records = load_records(cfg.data.source, max(num_prompts, 1), cfg.data.seed, cfg.data.difficulty)[:num_prompts]

@@ -1,6 +1,6 @@
 """Check a finished run against the async invariants (README, "The async invariants") from what is
 durable only: the buffer's log and the files of the run directory. The chaos suite runs it after
-every scenario; `python -m streaming.invariants RUN_DIR` prints the report.
+every scenario; `python -m streamrl.streaming.invariants RUN_DIR` prints the report.
 
 Counts (all must be 0): prompts lost (I1: one of the first `cursor` prompts has no rows), prompts
 duplicated (a group beyond the cursor, or with more than `group_size` trajectories), trajectories
@@ -44,9 +44,9 @@ class InvariantReport:
 
 
 def check_run(run_dir: str | Path) -> InvariantReport:
-    from buffer.cli import load_frame
-    from streaming.config import StreamRLConfig
-    from streaming.prompts import PromptStream, group_id_for, load_records
+    from streamrl.buffer.cli import load_frame
+    from streamrl.streaming.config import StreamRLConfig
+    from streamrl.streaming.prompts import PromptStream, group_id_for, load_records
 
     run_dir = Path(run_dir)
     cfg = StreamRLConfig.model_validate(json.loads((run_dir / "run_info.json").read_text())["config"])
@@ -109,7 +109,7 @@ def check_run(run_dir: str | Path) -> InvariantReport:
     if ledger.exists():
         from collections import Counter
 
-        from rollout.tools.ledger import read_ledger
+        from streamrl.rollout.tools.ledger import read_ledger
 
         lines = read_ledger(ledger)
         report.tool_calls_executed = len(lines)

@@ -19,9 +19,9 @@ from typing import Any
 
 import ray
 
-from rollout.types import Trajectory
-from streaming.config import StreamRLConfig
-from streaming.weight_publisher import Published
+from streamrl.rollout.types import Trajectory
+from streamrl.streaming.config import StreamRLConfig
+from streamrl.streaming.weight_publisher import Published
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def learner_actor_options(cfg: StreamRLConfig) -> dict[str, float]:
     A group: nothing — the actor only coordinates; each rank actor asks for its own resources."""
     if cfg.learner.num_workers > 1:
         return {"num_cpus": 0, "num_gpus": 0}
-    from learner.group import placement
+    from streamrl.learner.group import placement
 
     return placement(cfg.learner).actor_options()
 
@@ -50,7 +50,7 @@ def learner_actor_options(cfg: StreamRLConfig) -> dict[str, float]:
 @ray.remote
 class LearnerActor:
     def __init__(self, cfg: StreamRLConfig, init_checkpoint: str | None = None) -> None:
-        from streaming.learner_backends import GroupLearner, LocalLearner
+        from streamrl.streaming.learner_backends import GroupLearner, LocalLearner
 
         logging.basicConfig(level=logging.INFO)
         self.cfg = cfg
@@ -79,8 +79,8 @@ class LearnerActor:
         the learner's `memory/learner_peak_gb` / `memory/learner_rss_gb`) and a few trajectories to log."""
         import numpy as np
 
-        from buffer.schema import batch_to_trajectories
-        from streaming.metrics import Histogram, summarize
+        from streamrl.buffer.schema import batch_to_trajectories
+        from streamrl.streaming.metrics import Histogram, summarize
 
         t0 = time.monotonic()
         padded = sampled.to_padded()

@@ -26,15 +26,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from learner.group import LearnerWorker
-from streaming.weight_publisher import Published
+from streamrl.learner.group import LearnerWorker
+from streamrl.streaming.weight_publisher import Published
 
 if TYPE_CHECKING:
-    from learner.config import LearnerConfig
-    from rollout.engine.config import EngineConfig
-    from streaming.config import StreamRLConfig
-    from weight_sync.config import WeightSyncConfig
-    from streaming.weight_publisher import WeightPublisher
+    from streamrl.learner.config import LearnerConfig
+    from streamrl.rollout.engine.config import EngineConfig
+    from streamrl.streaming.config import StreamRLConfig
+    from streamrl.weight_sync.config import WeightSyncConfig
+    from streamrl.streaming.weight_publisher import WeightPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class LocalLearner:
         return [ray.get_runtime_context().get_node_id()]
 
     def __init__(self, cfg: StreamRLConfig, init_checkpoint: str | None) -> None:
-        from learner.engine import TrainingEngine
+        from streamrl.learner.engine import TrainingEngine
 
         self.cfg = cfg
         self.engine = TrainingEngine(cfg.learner)
@@ -70,13 +70,13 @@ class LocalLearner:
         return str(self.engine.model_path)
 
     async def train_step(self, padded: Any) -> dict[str, float]:
-        from streaming.memory import end_of_step
+        from streamrl.streaming.memory import end_of_step
 
         metrics = self.engine.train_step(padded)
         return metrics | end_of_step(str(self.engine.device))
 
     async def connect(self, engines: list[Any], workers: list[Any], policy_version: int) -> None:
-        from streaming.weight_publisher import WeightPublisher
+        from streamrl.streaming.weight_publisher import WeightPublisher
 
         cfg = self.cfg
         self.publisher = WeightPublisher(cfg.weight_sync, cfg.rollout.engine, engines, workers, policy_version)
@@ -86,7 +86,7 @@ class LocalLearner:
         self.publisher.set_workers(workers)
 
     async def publish(self) -> Published:
-        from streaming.memory import trim_allocator
+        from streamrl.streaming.memory import trim_allocator
 
         assert self.publisher is not None, "connect() first"
         try:
@@ -130,7 +130,7 @@ class PublishingLearnerWorker(LearnerWorker):
 
     def connect(self, sync_cfg: WeightSyncConfig, engine_cfg: EngineConfig, engines: list[Any], workers: list[Any],
                 policy_version: int) -> None:
-        from streaming.weight_publisher import WeightPublisher
+        from streamrl.streaming.weight_publisher import WeightPublisher
 
         self.close_publisher()
         self._loop = asyncio.new_event_loop()
@@ -180,11 +180,11 @@ class GroupLearner:
     """An FSDP2 `LearnerGroup` of `learner.num_workers` Ray actors; see the module docstring."""
 
     def __init__(self, cfg: StreamRLConfig, init_checkpoint: str | None) -> None:
-        from learner.group import LearnerGroup
+        from streamrl.learner.group import LearnerGroup
 
         self.cfg = cfg
         self.timeout_s = cfg.trainer.step_timeout_s
-        from streaming.memory import MALLOC_ENV
+        from streamrl.streaming.memory import MALLOC_ENV
 
         self.group = LearnerGroup(
             cfg.learner, timeout_s=self.timeout_s, rank0_cls=PublishingLearnerWorker, env_vars=MALLOC_ENV
@@ -210,7 +210,7 @@ class GroupLearner:
     async def train_step(self, padded: Any) -> dict[str, float]:
         import ray
 
-        from streaming.memory import rank_end_of_step
+        from streamrl.streaming.memory import rank_end_of_step
 
         result = (await self._wait(self.group.submit("train_step", ray.put(padded))))[0]
         self.group.policy_version = result.policy_version

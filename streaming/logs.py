@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 LOG_DIR_ENV = "STREAMRL_LOG_DIR"  # set in actors' environment: where setup_worker_logging writes
-WORKER_SETUP_HOOK = "streaming.logs.setup_worker_logging"
+WORKER_SETUP_HOOK = "streamrl.streaming.logs.setup_worker_logging"
 DRIVER_LOG = "driver.log"
 FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Loggers whose INFO lines belong on the console; everyone else's only from ERROR up (unless --verbose).

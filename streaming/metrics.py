@@ -40,13 +40,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
 from rich.text import Text
 
-from rollout.atomic import atomic_write
-from streaming import catalogue
-from streaming.logs import PROGRESS_EXTRA, format_duration
-from streaming.logs import console as shared_console
+from streamrl.rollout.atomic import atomic_write
+from streamrl.streaming import catalogue
+from streamrl.streaming.logs import PROGRESS_EXTRA, format_duration
+from streamrl.streaming.logs import console as shared_console
 
 if TYPE_CHECKING:
-    from rollout.types import Trajectory
+    from streamrl.rollout.types import Trajectory
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from streaming.errors import join_or
+from streamrl.streaming.errors import join_or
 
 if TYPE_CHECKING:
-    from streaming.config import StreamRLConfig
+    from streamrl.streaming.config import StreamRLConfig
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class ModelDims:
 def model_dims(model: str) -> ModelDims:
     """Dims of a built-in model name or a HF folder, without loading (or building) weights."""
     if model == "tiny":
-        from rollout.models.tiny import TINY_CONFIG, TINY_VOCAB
+        from streamrl.rollout.models.tiny import TINY_CONFIG, TINY_VOCAB
 
         return ModelDims.from_hf_config({"model_type": "qwen2", "vocab_size": TINY_VOCAB, **TINY_CONFIG})
     if model == "smollm2":
@@ -247,7 +247,7 @@ def available_memory() -> tuple[int, int, str, float | None]:
 
         connect_here = not ray.is_initialized()
         if connect_here:
-            from streaming.logs import connect_options
+            from streamrl.streaming.logs import connect_options
 
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, **connect_options(address))
         try:
@@ -287,7 +287,7 @@ def check(cfg: StreamRLConfig) -> Estimate:
 
 def resolve_config(config: str | None, overrides: list[str], resume: str | None) -> StreamRLConfig:
     """The config `streamrl train` would run with (for `--resume`, the run's saved one), creating nothing."""
-    from streaming.config import StreamRLConfig, apply_overrides, load_config
+    from streamrl.streaming.config import StreamRLConfig, apply_overrides, load_config
 
     if not resume:
         return load_config(config, overrides)
@@ -299,7 +299,7 @@ def resolve_config(config: str | None, overrides: list[str], resume: str | None)
 
 def dry_run(config: str | None, overrides: list[str], resume: str | None) -> str:
     """`streamrl train --dry-run`: the resolved config (JSON) and the memory estimate, as text."""
-    from streaming.config import dump_config
+    from streamrl.streaming.config import dump_config
 
     cfg = resolve_config(config, overrides, resume)
     est = estimate(cfg)

@@ -11,11 +11,11 @@ import random
 import time
 import uuid
 
-from rollout.types import AgentData, PromptRecord
+from streamrl.rollout.types import AgentData, PromptRecord
 
 
 def load_records(source: str, num_prompts: int, seed: int, difficulty: str = "medium") -> list[PromptRecord]:
-    from rollout.data import load_prompts, make_arithmetic_dataset
+    from streamrl.rollout.data import load_prompts, make_arithmetic_dataset
 
     if source == "arithmetic":
         return make_arithmetic_dataset(num_prompts, seed, difficulty=difficulty)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from streaming.config import StreamRLConfig, apply_overrides
+from streamrl.streaming.config import StreamRLConfig, apply_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ COMPARED = ("learner/loss", "learner/pg_loss", "learner/entropy", "learner/grad_
 
 def logged_batches(buffer_dir: Path) -> list[tuple[int, pa.Table, np.ndarray]]:
     """(learner_step, rows in consumption order, trajectory lags) of every step the run trained."""
-    from buffer.cli import read_dir
+    from streamrl.buffer.cli import read_dir
 
     table, history, _ = read_dir(buffer_dir)
     latest: dict[str, int] = {}
@@ -64,8 +64,8 @@ def replay(run_dir: str | Path, overrides: list[str] | None = None, *, name: str
     """Train a fresh learner on the run's logged batches; returns one record per step."""
     import torch
 
-    from buffer.padding import pad_table
-    from learner.engine import TrainingEngine
+    from streamrl.buffer.padding import pad_table
+    from streamrl.learner.engine import TrainingEngine
 
     run_dir = Path(run_dir)
     info = json.loads((run_dir / "run_info.json").read_text())

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 if TYPE_CHECKING:
-    from rollout.types import AgentData
-    from streaming.config import StreamRLConfig
+    from streamrl.rollout.types import AgentData
+    from streamrl.streaming.config import StreamRLConfig
 
 logger = logging.getLogger(__name__)
 
@@ -24,12 +24,12 @@ def build_agent_context(cfg: Any, model_path: str, server: Any) -> Any:
     """Tokenizer, observation encoder, tools, parser, interactions and reward for one worker."""
     from transformers import AutoTokenizer
 
-    from rollout.agent_loop import AgentContext
-    from rollout.agent_loop.observation import ObservationEncoder
-    from rollout.interactions import load_interaction_config
-    from rollout.parsers import get_parser
-    from rollout.rewards import get_reward_fn
-    from rollout.tools.config import load_tool_config
+    from streamrl.rollout.agent_loop import AgentContext
+    from streamrl.rollout.agent_loop.observation import ObservationEncoder
+    from streamrl.rollout.interactions import load_interaction_config
+    from streamrl.rollout.parsers import get_parser
+    from streamrl.rollout.rewards import get_reward_fn
+    from streamrl.rollout.tools.config import load_tool_config
 
     agent = cfg.rollout.agent
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -50,10 +50,10 @@ def build_agent_context(cfg: Any, model_path: str, server: Any) -> Any:
 @ray.remote
 class RolloutWorkerActor:
     def __init__(self, worker_id: str, cfg: StreamRLConfig, model_path: str, engines: list, buffer: Any) -> None:
-        from rollout.engine.base import PauseMode
-        from rollout.engine.ray_engine import RayEngineClient
-        from rollout.server_manager import ServerManager
-        from rollout.worker import RolloutWorker
+        from streamrl.rollout.engine.base import PauseMode
+        from streamrl.rollout.engine.ray_engine import RayEngineClient
+        from streamrl.rollout.server_manager import ServerManager
+        from streamrl.rollout.worker import RolloutWorker
 
         logging.basicConfig(level=logging.INFO)
         self.buffer = buffer
@@ -62,7 +62,7 @@ class RolloutWorkerActor:
         ctx = build_agent_context(cfg, model_path, server)
         ctx.snapshot = self._snapshot  # I5: tool intents are durable before the tools run
         if ctx.tools is not None:
-            from streaming.faults import hit
+            from streamrl.streaming.faults import hit
 
             ctx.tools.on_executed = lambda call: hit("tool.after_run")
         self.server = server
@@ -78,8 +78,8 @@ class RolloutWorkerActor:
     async def _sink(self, traj: Any) -> bool:
         """Append one row; False when the buffer stayed full for `append_timeout_s` (the worker
         retries). A finished row waits for room; partial rows are always accepted at once."""
-        from buffer.schema import trajectories_to_batch
-        from streaming.faults import hit
+        from streamrl.buffer.schema import trajectories_to_batch
+        from streamrl.streaming.faults import hit
 
         hit("worker.sink")
         ref = ray.put(trajectories_to_batch([traj]))
@@ -90,9 +90,9 @@ class RolloutWorkerActor:
     async def _snapshot(self, data: Any) -> None:
         """Make a trajectory's journaled tool intents durable (a partial row flushed to the buffer's
         log) before its tools run. Raising fails the trajectory; the tool never runs."""
-        from buffer.schema import trajectories_to_batch
-        from rollout.agent_loop.base import AgentLoopBase
-        from rollout.types import TrajectoryStatus
+        from streamrl.buffer.schema import trajectories_to_batch
+        from streamrl.rollout.agent_loop.base import AgentLoopBase
+        from streamrl.rollout.types import TrajectoryStatus
 
         row = AgentLoopBase.to_trajectory(data, TrajectoryStatus.PARTIAL)
         ref = ray.put(trajectories_to_batch([row]))
@@ -102,7 +102,7 @@ class RolloutWorkerActor:
         )
         if not ok:
             raise RuntimeError(f"tool-intent snapshot of {data.trajectory_id} was not made durable")
-        from streaming.faults import hit
+        from streamrl.streaming.faults import hit
 
         hit("tool.before_run")
 
@@ -130,7 +130,7 @@ class RolloutWorkerActor:
 
     async def memory(self) -> dict[str, float]:
         """`memory/rollout_worker_peak_gb`: this part's peak since it started (`streaming.memory.part_memory`)."""
-        from streaming.memory import part_memory
+        from streamrl.streaming.memory import part_memory
 
         return part_memory("rollout_worker")
 

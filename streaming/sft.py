@@ -6,7 +6,7 @@ boxed answer) with the loss on assistant tokens only, and caches the result unde
 keyed by model and warm-up settings, so `make run` pays for it once per machine.
 
 `prepare_model` is what `streamrl train` calls: model conversion (`resolve_model`) and the warm-up
-run in a child process (`python -m streaming.sft`), so the driver never imports torch or holds a
+run in a child process (`python -m streamrl.streaming.sft`), so the driver never imports torch or holds a
 model (it kept 5 GB after an in-process warm-up); a failed child is one error with its exit code and
 the last lines of its log.
 """
@@ -26,8 +26,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from rollout.atomic import atomic_dir
-from streaming.errors import StreamRLError
+from streamrl.rollout.atomic import atomic_dir
+from streamrl.streaming.errors import StreamRLError
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,8 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.data import make_arithmetic_dataset, make_tool_sft_transcripts
-    from rollout.tools.config import load_tool_config
+    from streamrl.rollout.data import make_arithmetic_dataset, make_tool_sft_transcripts
+    from streamrl.rollout.tools.config import load_tool_config
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -94,9 +94,9 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
 
 def maybe_warm_up(cfg: Any, model_path: str) -> Path:
     """Return a warmed-up model folder (built once, cached) for `model_path`."""
-    from rollout.models import cache_root
+    from streamrl.rollout.models import cache_root
 
-    from rollout.tools.config import load_tool_config
+    from streamrl.rollout.tools.config import load_tool_config
 
     # Keyed by what the transcripts render (the tool schemas), not by the tool config's path: a
     # config naming another class under the same schema (rollout.tools.ledger) reuses the warm-up.
@@ -113,7 +113,7 @@ def maybe_warm_up(cfg: Any, model_path: str) -> Path:
 
 
 def _prepare_in_process(cfg: Any) -> Path:
-    from rollout.models import resolve_model
+    from streamrl.rollout.models import resolve_model
 
     path = resolve_model(cfg.model)
     return maybe_warm_up(cfg, str(path)) if cfg.sft.enabled else path
@@ -130,7 +130,7 @@ def prepare_model(cfg: Any, *, log_file: str | Path | None = None) -> str:
     """The model folder a run starts from: `cfg.model` built or converted (cached) and, with
     `sft.enabled`, warmed up (cached). Work happens in a child process whose output goes to
     `log_file` (else this process's console); raises StreamRLError if it fails."""
-    from streaming.logs import is_verbose
+    from streamrl.streaming.logs import is_verbose
 
     folder = Path(cfg.model).expanduser()
     if not cfg.sft.enabled and (folder / "config.json").exists():
@@ -139,7 +139,7 @@ def prepare_model(cfg: Any, *, log_file: str | Path | None = None) -> str:
     cfg_path, out_path = work / "config.json", work / "model_path"
     cfg_path.write_text(cfg.model_dump_json())
     log = Path(log_file) if log_file is not None and not is_verbose() else None
-    cmd = [sys.executable, "-m", "streaming.sft", "--config-json", str(cfg_path), "--out", str(out_path)]
+    cmd = [sys.executable, "-m", "streamrl.streaming.sft", "--config-json", str(cfg_path), "--out", str(out_path)]
     what = "model conversion and SFT warm-up" if cfg.sft.enabled else "model build"
     logger.info("preparing %r (%s, cached after the first run)%s", cfg.model, what, f"; log: {log}" if log else "")
     try:
@@ -156,7 +156,7 @@ def prepare_model(cfg: Any, *, log_file: str | Path | None = None) -> str:
 def _run_child(cmd: list[str], log: Path | None, *, status: str) -> int:
     """Run `cmd` to completion with its output appended to `log` (None: this console); a spinner
     on a terminal meanwhile. Returns the exit code."""
-    from streaming.logs import console
+    from streamrl.streaming.logs import console
 
     if log is None:
         return subprocess.run(cmd, check=False).returncode
@@ -168,12 +168,12 @@ def _run_child(cmd: list[str], log: Path | None, *, status: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Child process of `prepare_model`: convert/build the model, warm it up, write its path to --out."""
-    parser = argparse.ArgumentParser(prog="python -m streaming.sft")
+    parser = argparse.ArgumentParser(prog="python -m streamrl.streaming.sft")
     parser.add_argument("--config-json", required=True, help="the resolved StreamRLConfig as JSON")
     parser.add_argument("--out", required=True, help="file that receives the prepared model folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from streaming.config import StreamRLConfig
+    from streamrl.streaming.config import StreamRLConfig
 
     cfg = StreamRLConfig.model_validate_json(Path(args.config_json).read_text())
     path = _prepare_in_process(cfg)

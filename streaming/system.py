@@ -18,18 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from rollout.atomic import atomic_write
-from streaming import catalogue, faults
-from streaming.catalogue import Reduction
-from streaming.config import StreamRLConfig
-from streaming.prompts import PromptStream, group_id_for, load_records, make_group
+from streamrl.rollout.atomic import atomic_write
+from streamrl.streaming import catalogue, faults
+from streamrl.streaming.catalogue import Reduction
+from streamrl.streaming.config import StreamRLConfig
+from streamrl.streaming.prompts import PromptStream, group_id_for, load_records, make_group
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from rollout.types import AgentData
-    from streaming.clients import BufferClient, EngineClient, LearnerClient, WorkerClient
-    from streaming.metrics import MetricsLogger
+    from streamrl.rollout.types import AgentData
+    from streamrl.streaming.clients import BufferClient, EngineClient, LearnerClient, WorkerClient
+    from streamrl.streaming.metrics import MetricsLogger
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +140,8 @@ class System:
         """Append the next prompt's group as PENDING rows, durably, then save the cursor, then hand
         the group to a worker. A crash anywhere leaves the cursor at or behind the durable rows, and
         a prompt whose rows are already in the buffer is skipped, not admitted twice (I1)."""
-        from rollout.agent_loop.base import AgentLoopBase
-        from rollout.types import TrajectoryStatus
+        from streamrl.rollout.agent_loop.base import AgentLoopBase
+        from streamrl.rollout.types import TrajectoryStatus
 
         item = self.stream.peek()
         if item is None:
@@ -260,7 +260,7 @@ class System:
         stall check never fires, and the run cycles through the dataset instead of stopping. An
         engine that is merely slow to answer is not dead; one dead among live ones is left to
         routing (its requests fail over) and to the next sync (which drops it)."""
-        from rollout.engine.base import NoHealthyEngineError
+        from streamrl.rollout.engine.base import NoHealthyEngineError
 
         dead = []
         for i, engine in enumerate(self.engines):
@@ -427,7 +427,7 @@ class System:
         """`memory/<part>_peak_gb` of every part but the learner (which reports its own per step): the
         fullest engine and rollout worker, the buffer, and this driver process (its own RSS peak only:
         a local Ray cluster's processes are its children)."""
-        from streaming.memory import peak_rss_gb
+        from streamrl.streaming.memory import peak_rss_gb
 
         out = {"memory/driver_peak_gb": peak_rss_gb()}
         for actor in [*self.engines, *self.workers, self.buffer]:
@@ -457,8 +457,8 @@ def rollout_interval_metrics(metrics: dict[str, float], interval_s: float) -> di
 
 def make_worker(system: System, worker_id: str) -> WorkerClient:
     """A new RolloutWorkerActor over the system's engines and buffer."""
-    from streaming.clients import WorkerClient
-    from streaming.rollout_actor import RolloutWorkerActor
+    from streamrl.streaming.clients import WorkerClient
+    from streamrl.streaming.rollout_actor import RolloutWorkerActor
 
     handle = RolloutWorkerActor.options(num_cpus=0.25, name=None).remote(
         worker_id, system.cfg, system.model_path, [e.handle for e in system.engines], system.buffer.handle

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import ray
 
-from streaming.config import StreamRLConfig, apply_overrides, load_config
-from streaming.system import DriverState, System, make_worker
+from streamrl.streaming.config import StreamRLConfig, apply_overrides, load_config
+from streamrl.streaming.system import DriverState, System, make_worker
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +28,8 @@ RAY_ENV = {"GLOO_SOCKET_IFNAME": "lo", "WANDB_MODE": "offline", "TOKENIZERS_PARA
 
 
 def _init_ray(cfg: StreamRLConfig, run_dir: Path) -> None:
-    from streaming.faults import forwarded_env
-    from streaming.logs import connect_options, link_ray_logs, ray_init_options
+    from streamrl.streaming.faults import forwarded_env
+    from streamrl.streaming.logs import connect_options, link_ray_logs, ray_init_options
 
     if ray.is_initialized():
         return
@@ -67,17 +67,17 @@ def open_run(config: str | None, overrides: list[str], resume: str | None) -> tu
 
 
 async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> System:
-    from buffer.actor import create_buffer_actor
+    from streamrl.buffer.actor import create_buffer_actor
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from rollout.engine.ray_engine import RayEngineClient
-    from streaming.clients import BufferClient, EngineClient, LearnerClient
-    from streaming.learner_actor import LearnerActor, learner_actor_options
-    from streaming.logs import log_dir
-    from streaming.memory import learner_runtime_env
-    from streaming.metrics import MetricsLogger
-    from streaming.prompts import PromptStream, load_records
-    from streaming.sft import prepare_model
+    from streamrl.rollout.engine.ray_engine import RayEngineClient
+    from streamrl.streaming.clients import BufferClient, EngineClient, LearnerClient
+    from streamrl.streaming.learner_actor import LearnerActor, learner_actor_options
+    from streamrl.streaming.logs import log_dir
+    from streamrl.streaming.memory import learner_runtime_env
+    from streamrl.streaming.metrics import MetricsLogger
+    from streamrl.streaming.prompts import PromptStream, load_records
+    from streamrl.streaming.sft import prepare_model
 
     resuming = state is not None
     from_ckpt = resuming and state.checkpoint is not None
@@ -145,7 +145,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
 
 
 async def _train(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> DriverState:
-    from streaming.driver import run_async, run_sync
+    from streamrl.streaming.driver import run_async, run_sync
 
     system = await build_system(cfg, run_dir, state)
     try:
@@ -158,8 +158,8 @@ async def _train(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) 
 
 
 def train_main(*, config: str | None, overrides: list[str], resume: str | None) -> int:
-    from streaming.errors import StreamRLError, explain_failure
-    from streaming.logs import FILE_ONLY, attach_run_log, name_worker_logs, run_summary
+    from streamrl.streaming.errors import StreamRLError, explain_failure
+    from streamrl.streaming.logs import FILE_ONLY, attach_run_log, name_worker_logs, run_summary
 
     cfg, run_dir, state = open_run(config, overrides, resume)
     attach_run_log(run_dir)
@@ -176,7 +176,7 @@ def train_main(*, config: str | None, overrides: list[str], resume: str | None) 
         ray.shutdown()
         name_worker_logs(run_dir)
     logger.info("run finished at learner step %d; writing report", final.learner_step)
-    from streaming.report import write_report
+    from streamrl.streaming.report import write_report
 
     path = write_report(run_dir)
     print(run_summary(run_dir, learner_step=final.learner_step, total_steps=cfg.trainer.total_steps,

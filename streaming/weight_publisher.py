@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from rollout.engine.config import EngineConfig
-    from weight_sync.config import WeightSyncConfig
+    from streamrl.rollout.engine.config import EngineConfig
+    from streamrl.weight_sync.config import WeightSyncConfig
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,8 @@ class WeightPublisher:
         workers: list[Any],
         policy_version: int,
     ) -> None:
-        from rollout.engine.ray_engine import RayEngineClient
-        from weight_sync.coordinator import WeightSyncCoordinator
+        from streamrl.rollout.engine.ray_engine import RayEngineClient
+        from streamrl.weight_sync.coordinator import WeightSyncCoordinator
 
         self.workers = RemoteWorkers(workers, cfg.timeouts.pause)
         clients = [

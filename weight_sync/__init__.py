@@ -12,11 +12,11 @@ Heavy modules (torch, vLLM) are imported lazily inside functions; importing this
 
 from __future__ import annotations
 
-from weight_sync.config import BackendKind, SyncTimeouts, TransportKind, WeightSyncConfig
-from weight_sync.coordinator import PausableWorkers, WeightSyncCoordinator
-from weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, make_transport
-from weight_sync.types import BucketMeta, StageReport, SyncManifest, SyncResult, TensorMeta, WeightSyncError
-from weight_sync.worker_extension import WORKER_EXTENSION_CLS, WeightSyncWorkerExtension
+from streamrl.weight_sync.config import BackendKind, SyncTimeouts, TransportKind, WeightSyncConfig
+from streamrl.weight_sync.coordinator import PausableWorkers, WeightSyncCoordinator
+from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, make_transport
+from streamrl.weight_sync.types import BucketMeta, StageReport, SyncManifest, SyncResult, TensorMeta, WeightSyncError
+from streamrl.weight_sync.worker_extension import WORKER_EXTENSION_CLS, WeightSyncWorkerExtension
 
 __all__ = [
     "WORKER_EXTENSION_CLS",

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from weight_sync.types import SLOT_ALIGN, BucketMeta, TensorMeta
+from streamrl.weight_sync.types import SLOT_ALIGN, BucketMeta, TensorMeta
 
 if TYPE_CHECKING:
     import torch

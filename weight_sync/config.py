@@ -10,7 +10,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.engine.base import PauseMode
+from streamrl.rollout.engine.base import PauseMode
 
 
 class TransportKind(StrEnum):

@@ -37,10 +37,10 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from rollout.engine.base import NoHealthyEngineError, PauseMode
-from weight_sync.config import WeightSyncConfig
-from weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, make_transport, rpc_all
-from weight_sync.types import SyncResult, WeightSyncError
+from streamrl.rollout.engine.base import NoHealthyEngineError, PauseMode
+from streamrl.weight_sync.config import WeightSyncConfig
+from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, make_transport, rpc_all
+from streamrl.weight_sync.types import SyncResult, WeightSyncError
 
 if TYPE_CHECKING:
     import torch

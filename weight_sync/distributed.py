@@ -19,11 +19,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from weight_sync.buckets import checksum, pack_bucket, plan_buckets
-from weight_sync.config import WeightSyncConfig
-from weight_sync.group import WeightGroup, backend_device, create_master_store, rendezvous_address, resolve_backend
-from weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, rpc_all
-from weight_sync.types import StageReport, SyncManifest, WeightSyncError
+from streamrl.weight_sync.buckets import checksum, pack_bucket, plan_buckets
+from streamrl.weight_sync.config import WeightSyncConfig
+from streamrl.weight_sync.group import WeightGroup, backend_device, create_master_store, rendezvous_address, resolve_backend
+from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, rpc_all
+from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncError
 
 if TYPE_CHECKING:
     import torch

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollout.atomic import atomic_dir
-from weight_sync.buckets import checksum, pack_bucket, plan_buckets
-from weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, rpc_all
-from weight_sync.types import StageReport, SyncManifest, WeightSyncError
+from streamrl.rollout.atomic import atomic_dir
+from streamrl.weight_sync.buckets import checksum, pack_bucket, plan_buckets
+from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, rpc_all
+from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncError
 
 if TYPE_CHECKING:
     import torch

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from weight_sync.config import TransportKind, WeightSyncConfig
-from weight_sync.types import StageReport, SyncManifest, WeightSyncError
+from streamrl.weight_sync.config import TransportKind, WeightSyncConfig
+from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncError
 
 if TYPE_CHECKING:
     import torch
@@ -98,9 +98,9 @@ async def rpc_all(
 
 def make_transport(config: WeightSyncConfig) -> WeightTransport:
     if config.transport is TransportKind.DISTRIBUTED:
-        from weight_sync.distributed import DistributedTransport
+        from streamrl.weight_sync.distributed import DistributedTransport
 
         return DistributedTransport(config)
-    from weight_sync.filesystem import FilesystemTransport
+    from streamrl.weight_sync.filesystem import FilesystemTransport
 
     return FilesystemTransport(config)

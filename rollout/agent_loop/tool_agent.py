@@ -28,9 +28,9 @@ from __future__ import annotations
 import logging
 import time
 
-from rollout.agent_loop.base import AgentLoopBase, Parked, register
-from rollout.agent_loop.observation import truncate_text
-from rollout.types import AgentData, AgentState, FinishReason, ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
+from streamrl.rollout.agent_loop.base import AgentLoopBase, Parked, register
+from streamrl.rollout.agent_loop.observation import truncate_text
+from streamrl.rollout.types import AgentData, AgentState, FinishReason, ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class ToolAgentLoop(AgentLoopBase):
 
     def _validate(self, data: AgentData, calls: list[ToolCall]) -> list[ToolCall]:
         """Prefix call ids with the turn (unique per trajectory) and validate against schemas."""
-        from rollout.parsers import validate_call
+        from streamrl.rollout.parsers import validate_call
 
         schemas = self.ctx.tools.schemas()
         out = []

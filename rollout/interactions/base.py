@@ -24,9 +24,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rollout.instances import InstanceStore
-from rollout.registry import Registry
-from rollout.tools.config import import_object
+from streamrl.rollout.instances import InstanceStore
+from streamrl.rollout.registry import Registry
+from streamrl.rollout.tools.config import import_object
 
 
 class BaseInteraction(abc.ABC):
@@ -81,7 +81,7 @@ def register_interaction(name: str) -> Callable[[type[BaseInteraction]], type[Ba
 
 
 def _builtin(name: str) -> type[BaseInteraction]:
-    from rollout.interactions import latency_env, math_feedback  # noqa: F401 (registers the built-ins)
+    from streamrl.rollout.interactions import latency_env, math_feedback  # noqa: F401 (registers the built-ins)
 
     return INTERACTIONS.get(name, hint=", or give `class_name`")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.interactions.base import BaseInteraction, num_replies, register_interaction
+from streamrl.rollout.interactions.base import BaseInteraction, num_replies, register_interaction
 
 
 class LatencyEnvConfig(BaseModel):

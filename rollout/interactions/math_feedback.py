@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.interactions.base import BaseInteraction, num_replies, register_interaction
-from rollout.rewards import answers_match, extract_answer, last_boxed
+from streamrl.rollout.interactions.base import BaseInteraction, num_replies, register_interaction
+from streamrl.rollout.rewards import answers_match, extract_answer, last_boxed
 
 
 class MathFeedbackConfig(BaseModel):

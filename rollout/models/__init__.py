@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from rollout.atomic import atomic_dir
+from streamrl.rollout.atomic import atomic_dir
 
 BUILDER_VERSION = "1"
 
@@ -36,11 +36,11 @@ def _cached_build(name: str, build: Callable[[Path], object]) -> Path:
 def resolve_model(name_or_path: str) -> Path:
     """Return a HF model folder for a built-in name or an existing path."""
     if name_or_path == "tiny":
-        from rollout.models.tiny import build_tiny_model
+        from streamrl.rollout.models.tiny import build_tiny_model
 
         return _cached_build("tiny", build_tiny_model)
     if name_or_path == "smollm2":
-        from rollout.models.smollm2 import convert_smollm2
+        from streamrl.rollout.models.smollm2 import convert_smollm2
 
         return _cached_build("smollm2-135m-instruct", convert_smollm2)
     path = Path(name_or_path).expanduser()

@@ -13,7 +13,7 @@ import logging
 import random
 from pathlib import Path
 
-from rollout.models.template import CHAT_TEMPLATE, SPECIAL_TOKENS, TOOL_TAG_TOKENS
+from streamrl.rollout.models.template import CHAT_TEMPLATE, SPECIAL_TOKENS, TOOL_TAG_TOKENS
 
 logger = logging.getLogger(__name__)
 

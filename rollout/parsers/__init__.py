@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from rollout.parsers.base import ParsedTurn, ToolParser, get_parser, register_parser, validate_call
-from rollout.parsers.harmony import HarmonyToolParser
-from rollout.parsers.hermes import HermesToolParser
+from streamrl.rollout.parsers.base import ParsedTurn, ToolParser, get_parser, register_parser, validate_call
+from streamrl.rollout.parsers.harmony import HarmonyToolParser
+from streamrl.rollout.parsers.hermes import HermesToolParser
 
 __all__ = [
     "HarmonyToolParser",

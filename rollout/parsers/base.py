@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from rollout.registry import Registry
-from rollout.types import ToolCall
+from streamrl.rollout.registry import Registry
+from streamrl.rollout.types import ToolCall
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,7 +60,7 @@ def register_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]
 def get_parser(name: str) -> ToolParser:
     """A fresh parser by registry name ("hermes", "gpt-oss"; "harmony" is an alias of "gpt-oss")."""
     # Importing the implementations registers them; kept here so `base` has no import cycle.
-    from rollout.parsers import harmony, hermes  # noqa: F401
+    from streamrl.rollout.parsers import harmony, hermes  # noqa: F401
 
     return PARSERS.get(name)()
 

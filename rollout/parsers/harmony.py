@@ -23,8 +23,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from rollout.parsers.base import ParsedTurn, ToolParser, call_id_for, make_error_call, register_parser
-from rollout.types import ToolCall
+from streamrl.rollout.parsers.base import ParsedTurn, ToolParser, call_id_for, make_error_call, register_parser
+from streamrl.rollout.types import ToolCall
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"

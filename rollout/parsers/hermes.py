@@ -13,8 +13,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from rollout.parsers.base import ParsedTurn, ToolParser, call_id_for, make_error_call, register_parser
-from rollout.types import ToolCall
+from streamrl.rollout.parsers.base import ParsedTurn, ToolParser, call_id_for, make_error_call, register_parser
+from streamrl.rollout.types import ToolCall
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from rollout.tools.base import BaseTool, ToolExecution
-from rollout.tools.calculator import CalculatorTool, evaluate_expression, format_number
-from rollout.tools.config import load_tool_config
-from rollout.tools.executor import ToolRegistry
-from rollout.tools.schema import OpenAIFunctionToolSchema
-from rollout.tools.sleep_tool import SleepTool
+from streamrl.rollout.tools.base import BaseTool, ToolExecution
+from streamrl.rollout.tools.calculator import CalculatorTool, evaluate_expression, format_number
+from streamrl.rollout.tools.config import load_tool_config
+from streamrl.rollout.tools.executor import ToolRegistry
+from streamrl.rollout.tools.schema import OpenAIFunctionToolSchema
+from streamrl.rollout.tools.sleep_tool import SleepTool
 
 __all__ = [
     "BaseTool",

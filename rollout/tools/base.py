@@ -26,9 +26,9 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from rollout.instances import InstanceStore
-from rollout.tools.schema import OpenAIFunctionToolSchema
-from rollout.types import ToolJournalEntry
+from streamrl.rollout.instances import InstanceStore
+from streamrl.rollout.tools.schema import OpenAIFunctionToolSchema
+from streamrl.rollout.types import ToolJournalEntry
 
 
 @dataclass(kw_only=True, slots=True)

@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.tools.base import BaseTool, ToolExecution
-from rollout.tools.schema import OpenAIFunctionToolSchema
+from streamrl.rollout.tools.base import BaseTool, ToolExecution
+from streamrl.rollout.tools.schema import OpenAIFunctionToolSchema
 
 Number = int | float
 

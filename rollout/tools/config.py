@@ -10,7 +10,7 @@ Ours refers to built-in tools by short name and passes their (validated) config:
 verl's names a class and carries the OpenAI schema (`type: native` is the only kind supported):
 
     tools:
-      - class_name: rollout.tools.calculator.CalculatorTool
+      - class_name: streamrl.rollout.tools.calculator.CalculatorTool
         config: {type: native}
         tool_schema: {type: function, function: {name: calculator, ...}}
 
@@ -28,12 +28,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rollout.tools.base import BaseTool
-from rollout.tools.executor import DEFAULT_MAX_RESULT_CHARS, ToolRegistry
+from streamrl.rollout.tools.base import BaseTool
+from streamrl.rollout.tools.executor import DEFAULT_MAX_RESULT_CHARS, ToolRegistry
 
 BUILTIN_TOOLS: dict[str, str] = {
-    "calculator": "rollout.tools.calculator:CalculatorTool",
-    "sleep": "rollout.tools.sleep_tool:SleepTool",
+    "calculator": "streamrl.rollout.tools.calculator:CalculatorTool",
+    "sleep": "streamrl.rollout.tools.sleep_tool:SleepTool",
 }
 
 

@@ -33,9 +33,9 @@ from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar
 from typing import Any
 
-from rollout.parsers.base import validate_call
-from rollout.tools.base import BaseTool, ToolExecution
-from rollout.types import ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
+from streamrl.rollout.parsers.base import validate_call
+from streamrl.rollout.tools.base import BaseTool, ToolExecution
+from streamrl.rollout.types import ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
 
 logger = logging.getLogger(__name__)
 

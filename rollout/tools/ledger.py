@@ -13,7 +13,7 @@ the calculator calls it:
 
     tools:
       - name: calculator
-        class_name: rollout.tools.ledger:LedgerCalculator
+        class_name: streamrl.rollout.tools.ledger:LedgerCalculator
         config: {ledger_path: /abs/path/tool_ledger.jsonl}
 """
 
@@ -24,9 +24,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rollout.tools.base import ToolExecution
-from rollout.tools.calculator import CalculatorConfig, CalculatorTool
-from rollout.tools.executor import current_call
+from streamrl.rollout.tools.base import ToolExecution
+from streamrl.rollout.tools.calculator import CalculatorConfig, CalculatorTool
+from streamrl.rollout.tools.executor import current_call
 
 
 class LedgerConfig(CalculatorConfig):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollout.types import AgentData, FinishReason, Trajectory, TrajectoryStatus
+from streamrl.rollout.types import AgentData, FinishReason, Trajectory, TrajectoryStatus
 
 
 def make_traj(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from buffer.actor import create_buffer_actor
-from buffer.config import BufferConfig
-from buffer.schema import trajectories_to_batch
-from rollout.types import TrajectoryStatus
+from streamrl.buffer.actor import create_buffer_actor
+from streamrl.buffer.config import BufferConfig
+from streamrl.buffer.schema import trajectories_to_batch
+from streamrl.rollout.types import TrajectoryStatus
 from tests.buffer.helpers import make_group, make_traj
 from tests.fixtures.ray_cluster import RAY_TIMEOUT_S
 

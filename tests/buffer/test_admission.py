@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from buffer.admission import lag_histogram, rollout_capacity, token_lag, trajectory_lag, within_staleness
+from streamrl.buffer.admission import lag_histogram, rollout_capacity, token_lag, trajectory_lag, within_staleness
 
 
 def test_capacity_at_start_is_one_batch_per_allowed_version():

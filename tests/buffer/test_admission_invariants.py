@@ -7,9 +7,9 @@ shorter, younger ones was evicted (length bias).
 
 from __future__ import annotations
 
-from buffer.config import BufferConfig
-from buffer.store import ReplayBuffer
-from rollout.types import TrajectoryStatus
+from streamrl.buffer.config import BufferConfig
+from streamrl.buffer.store import ReplayBuffer
+from streamrl.rollout.types import TrajectoryStatus
 from tests.buffer.helpers import make_group, make_traj
 
 PARTIAL = TrajectoryStatus.PARTIAL

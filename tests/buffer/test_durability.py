@@ -12,10 +12,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from buffer import cli
-from buffer.config import BufferConfig
-from buffer.store import ReplayBuffer
-from rollout.types import TrajectoryStatus
+from streamrl.buffer import cli
+from streamrl.buffer.config import BufferConfig
+from streamrl.buffer.store import ReplayBuffer
+from streamrl.rollout.types import TrajectoryStatus
 from tests.buffer.helpers import make_group, make_traj
 
 REPO = Path(__file__).resolve().parents[2]
@@ -219,7 +219,7 @@ def test_log_keeps_append_order_when_small_and_large_batches_mix(tmp_path):
 
 
 def test_writer_thread_failure_surfaces_at_the_flush(tmp_path, monkeypatch):
-    from buffer.log import SegmentWriter
+    from streamrl.buffer.log import SegmentWriter
 
     buf = ReplayBuffer(_cfg(tmp_path, flush_every_rows=4, coalesce_below_rows=1))
 

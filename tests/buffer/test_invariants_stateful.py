@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from buffer.config import BufferConfig
-from buffer.store import ReplayBuffer
-from rollout.types import TrajectoryStatus
+from streamrl.buffer.config import BufferConfig
+from streamrl.buffer.store import ReplayBuffer
+from streamrl.rollout.types import TrajectoryStatus
 from tests.buffer.helpers import make_traj
 
 G = 2  # group size

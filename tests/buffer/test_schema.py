@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from buffer.schema import (
+from streamrl.buffer.schema import (
     DERIVED_FIELDS,
     RECORD_FIELD_NAMES,
     TRAJECTORY_SCHEMA,
@@ -19,7 +19,7 @@ from buffer.schema import (
     record_field_names,
     trajectories_to_batch,
 )
-from rollout.types import AgentData, AgentState, FinishReason, ToolResult, Trajectory, TrajectoryStatus
+from streamrl.rollout.types import AgentData, AgentState, FinishReason, ToolResult, Trajectory, TrajectoryStatus
 from tests.buffer.helpers import make_traj
 
 

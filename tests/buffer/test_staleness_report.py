@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from buffer.config import BufferConfig
-from buffer.staleness import analyze, write_report
-from buffer.store import ReplayBuffer
-from streaming.cli import build_parser
+from streamrl.buffer.config import BufferConfig
+from streamrl.buffer.staleness import analyze, write_report
+from streamrl.buffer.store import ReplayBuffer
+from streamrl.streaming.cli import build_parser
 from tests.buffer.helpers import make_traj
 
 

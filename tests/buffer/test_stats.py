@@ -7,8 +7,8 @@ import dataclasses
 
 import numpy as np
 
-from buffer.schema import trajectories_to_batch
-from buffer.stats import BufferStats
+from streamrl.buffer.schema import trajectories_to_batch
+from streamrl.buffer.stats import BufferStats
 from tests.buffer.helpers import make_traj
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from buffer.config import BufferConfig
-from buffer.store import ReplayBuffer
-from buffer.types import PaddedBatch
-from rollout.types import TrajectoryStatus
+from streamrl.buffer.config import BufferConfig
+from streamrl.buffer.store import ReplayBuffer
+from streamrl.buffer.types import PaddedBatch
+from streamrl.rollout.types import TrajectoryStatus
 from tests.buffer.helpers import make_group, make_traj
 
 P = TrajectoryStatus.PARTIAL

@@ -8,9 +8,9 @@ import argparse
 import sys
 import time
 
-from buffer.config import BufferConfig
-from buffer.log import SegmentWriter
-from buffer.store import ReplayBuffer
+from streamrl.buffer.config import BufferConfig
+from streamrl.buffer.log import SegmentWriter
+from streamrl.buffer.store import ReplayBuffer
 from tests.buffer.helpers import make_group
 
 

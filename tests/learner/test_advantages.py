@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from learner.advantages import (
+from streamrl.learner.advantages import (
     action_segments,
     grpo_advantages,
     masked_gae,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.config import LearnerConfig
-from learner.engine import TrainingEngine
-from learner.model import PolicyModel, load_lm
+from streamrl.learner.config import LearnerConfig
+from streamrl.learner.engine import TrainingEngine
+from streamrl.learner.model import PolicyModel, load_lm
 from tests.learner.test_engine import _batch
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
-from learner.config import CorrectionConfig, LossAggMode
-from learner.correction import (
+from streamrl.learner.config import CorrectionConfig, LossAggMode
+from streamrl.learner.correction import (
     loglinear_prox_logp,
     m2_keep_mask,
     policy_ratio,
     staleness_correction,
 )
-from learner.is_metrics import TokenStats, correction_metrics
-from learner.losses import aggregate, ppo_policy_loss
+from streamrl.learner.is_metrics import TokenStats, correction_metrics
+from streamrl.learner.losses import aggregate, ppo_policy_loss
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
 

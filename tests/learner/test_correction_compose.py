@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from learner.config import CorrectionConfig, CorrectionLevel, CorrectionMode
-from learner.correction import (
+from streamrl.learner.config import CorrectionConfig, CorrectionLevel, CorrectionMode
+from streamrl.learner.correction import (
     MAX_LOG_RATIO,
     CorrectionTerms,
     _level_lag,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.config import LearnerConfig
-from learner.engine import TrainingEngine
+from streamrl.learner.config import LearnerConfig
+from streamrl.learner.engine import TrainingEngine
 from tests.learner.helpers import padded_batch
 
 pytestmark = pytest.mark.timeout(120)

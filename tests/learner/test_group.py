@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.config import LearnerConfig
-from learner.engine import TrainingEngine
+from streamrl.learner.config import LearnerConfig
+from streamrl.learner.engine import TrainingEngine
 from tests.learner.test_engine import _batch
 
 
@@ -17,7 +17,7 @@ def _sync_names(engine) -> list[tuple[str, tuple[int, ...], float]]:
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_two_rank_fsdp_group_matches_single_process(ray_cluster, tmp_path):
-    from learner.group import LearnerGroup
+    from streamrl.learner.group import LearnerGroup
 
     # chunked LM head and activation checkpointing on: both must compose with FSDP2's hooks
     cfg = LearnerConfig(model="tiny", device="cpu", algo="ppo", lr=1e-3, micro_batch_tokens=24, seed=3,

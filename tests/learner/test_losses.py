@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from learner.config import KLEstimator, LossAggMode
-from learner.losses import aggregate, kl_penalty, ppo_policy_loss, token_logprobs_and_entropy, value_loss
+from streamrl.learner.config import KLEstimator, LossAggMode
+from streamrl.learner.losses import aggregate, kl_penalty, ppo_policy_loss, token_logprobs_and_entropy, value_loss
 
 
 def test_ppo_clip_asymmetric_and_dual_clip():

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from streaming import memory
+from streamrl.streaming import memory
 from tests.learner.test_engine import _batch
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,8 +35,8 @@ def test_learner_runtime_env():
 
 
 def test_local_learner_reports_memory_per_step():
-    from streaming.config import StreamRLConfig
-    from streaming.learner_backends import LocalLearner
+    from streamrl.streaming.config import StreamRLConfig
+    from streamrl.streaming.learner_backends import LocalLearner
 
     cfg = StreamRLConfig(model="tiny", learner={"device": "cpu", "micro_batch_tokens": 64, "logits_chunk_tokens": 16})
     learner = LocalLearner(cfg, None)
@@ -48,8 +48,8 @@ def test_local_learner_reports_memory_per_step():
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_group_learner_reports_its_fullest_rank(ray_cluster):
-    from streaming.config import StreamRLConfig
-    from streaming.learner_backends import GroupLearner
+    from streamrl.streaming.config import StreamRLConfig
+    from streamrl.streaming.learner_backends import GroupLearner
 
     cfg = StreamRLConfig(model="tiny", learner={"device": "cpu", "num_workers": 2, "num_cpus_per_worker": 1,
                                                 "micro_batch_tokens": 24, "logits_chunk_tokens": 7})

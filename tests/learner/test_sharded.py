@@ -23,7 +23,7 @@ def _worker(rank: int, world: int, port: int, results: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from learner.sharded import clip_grad_norm, full_tensor
+    from streamrl.learner.sharded import clip_grad_norm, full_tensor
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

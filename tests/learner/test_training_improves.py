@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from learner.config import LearnerConfig
-from learner.engine import TrainingEngine
+from streamrl.learner.config import LearnerConfig
+from streamrl.learner.engine import TrainingEngine
 from tests.learner.helpers import padded_batch
 
 TARGET = set(range(100, 160))

@@ -10,16 +10,16 @@ import asyncio
 
 import pytest
 
-from rollout.agent_loop import AgentContext, ToolAgentLoop
-from rollout.agent_loop.observation import ObservationEncoder, truncate_text
-from rollout.config import AgentConfig
-from rollout.engine.fake import FakeEngine
-from rollout.parsers import get_parser
-from rollout.rewards import get_reward_fn
-from rollout.server_manager import ServerManager
-from rollout.tools.config import load_tool_config
-from rollout.types import AgentData, AgentState, FinishReason, TrajectoryStatus
-from rollout.worker import RolloutWorker
+from streamrl.rollout.agent_loop import AgentContext, ToolAgentLoop
+from streamrl.rollout.agent_loop.observation import ObservationEncoder, truncate_text
+from streamrl.rollout.config import AgentConfig
+from streamrl.rollout.engine.fake import FakeEngine
+from streamrl.rollout.parsers import get_parser
+from streamrl.rollout.rewards import get_reward_fn
+from streamrl.rollout.server_manager import ServerManager
+from streamrl.rollout.tools.config import load_tool_config
+from streamrl.rollout.types import AgentData, AgentState, FinishReason, TrajectoryStatus
+from streamrl.rollout.worker import RolloutWorker
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n</tool_call>'
 ANSWER = "The answer is \\boxed{84}."
@@ -242,7 +242,7 @@ def test_truncate_text_sides():
 
 
 async def test_interaction_turns_are_observations_and_end_the_episode(tiny_tokenizer):
-    from rollout.interactions import load_interaction_config
+    from streamrl.rollout.interactions import load_interaction_config
 
     tok = tiny_tokenizer
     script, turn_ids = turn_script(tok, ["I think it is \\boxed{80}.", ANSWER])
@@ -262,7 +262,7 @@ async def test_interaction_turns_are_observations_and_end_the_episode(tiny_token
 
 
 async def test_turn_cut_by_per_turn_budget_still_reaches_the_environment(tiny_tokenizer):
-    from rollout.interactions import load_interaction_config
+    from streamrl.rollout.interactions import load_interaction_config
 
     tok = tiny_tokenizer
     long_turn = "word " * 200  # longer than max_tokens_per_turn: the engine stops with "length"
@@ -303,7 +303,7 @@ async def test_duplicate_submission_is_dropped_running_or_held(tiny_tokenizer):
 
 
 async def test_interaction_attempts_survive_a_resume_in_another_process(tiny_tokenizer):
-    from rollout.interactions import MathFeedbackInteraction
+    from streamrl.rollout.interactions import MathFeedbackInteraction
 
     class PausingFeedback(MathFeedbackInteraction):
         """A weight sync arrives while the environment answers: the loop parks at the next turn."""

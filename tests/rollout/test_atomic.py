@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.atomic import atomic_dir, atomic_write
+from streamrl.rollout.atomic import atomic_dir, atomic_write
 
 @pytest.mark.parametrize("sync", [False, True])
 def test_atomic_write_replaces_and_cleans_up_after_a_failure(tmp_path, sync):

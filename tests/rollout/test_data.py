@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollout.data import (
+from streamrl.rollout.data import (
     ARITHMETIC_SYSTEM_PROMPT,
     expression_for,
     load_prompts,
@@ -16,10 +16,10 @@ from rollout.data import (
     make_tool_sft_transcripts,
     messages_hash,
 )
-from rollout.models.template import CHAT_TEMPLATE
-from rollout.parsers import get_parser
-from rollout.rewards import RewardInput, math_answer
-from rollout.tools import evaluate_expression, format_number
+from streamrl.rollout.models.template import CHAT_TEMPLATE
+from streamrl.rollout.parsers import get_parser
+from streamrl.rollout.rewards import RewardInput, math_answer
+from streamrl.rollout.tools import evaluate_expression, format_number
 
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
 

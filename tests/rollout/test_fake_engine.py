@@ -8,7 +8,7 @@ import pytest
 
 from pydantic import ValidationError
 
-from rollout.engine import EngineConfig, FakeEngine, PauseMode, SamplingParams, fake_logprob
+from streamrl.rollout.engine import EngineConfig, FakeEngine, PauseMode, SamplingParams, fake_logprob
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -122,7 +122,7 @@ async def test_fenced_pause_never_outlives_the_resume_of_its_sync():
 
 
 async def test_commit_relabels_with_the_load_once_per_epoch_and_a_failed_one_stops_sampling():
-    from rollout.engine.base import EngineOutOfServiceError, StaleSyncEpochError
+    from streamrl.rollout.engine.base import EngineOutOfServiceError, StaleSyncEpochError
 
     loads: list[int] = []
     fail = {"next": False}

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout.interactions import BaseInteraction, MathFeedbackInteraction, load_interaction_config
-from rollout.interactions.base import num_replies
-from rollout.interactions.latency_env import LatencyEnvironment
+from streamrl.rollout.interactions import BaseInteraction, MathFeedbackInteraction, load_interaction_config
+from streamrl.rollout.interactions.base import num_replies
+from streamrl.rollout.interactions.latency_env import LatencyEnvironment
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "interactions" / "math_feedback.yaml"
 
@@ -134,7 +134,7 @@ class EchoInteraction(BaseInteraction):
         ({"tools": []}, "`interaction` list"),
         ({"interaction": {"name": "x"}}, "must be a list"),
         ({"interaction": [{"name": "nope"}]}, "unknown built-in interaction 'nope'"),
-        ({"interaction": [{"name": "a", "class_name": "rollout.types:ToolCall"}]}, "not a subclass"),
+        ({"interaction": [{"name": "a", "class_name": "streamrl.rollout.types:ToolCall"}]}, "not a subclass"),
         ({"interaction": [{"name": "math_feedback", "config": {"max_attempts": -1}}]}, "max_attempts"),
         ({"interaction": [{"name": "math_feedback"}, {"name": "math_feedback"}]}, "duplicate"),
         ({"interaction": [{"name": "math_feedback", "config": {"bogus": 1}}]}, "bogus"),

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.parsers import ParsedTurn, get_parser, validate_call
-from rollout.types import ToolCall
+from streamrl.rollout.parsers import ParsedTurn, get_parser, validate_call
+from streamrl.rollout.types import ToolCall
 
 CALC_SCHEMA = {
     "type": "function",

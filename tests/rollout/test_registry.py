@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.agent_loop.base import LOOPS
-from rollout.interactions.base import INTERACTIONS
-from rollout.parsers.base import PARSERS
-from rollout.registry import Registry
-from rollout.rewards import REWARDS
+from streamrl.rollout.agent_loop.base import LOOPS
+from streamrl.rollout.interactions.base import INTERACTIONS
+from streamrl.rollout.parsers.base import PARSERS
+from streamrl.rollout.registry import Registry
+from streamrl.rollout.rewards import REWARDS
 
 
 def test_register_get_and_errors():
@@ -27,8 +27,8 @@ def test_register_get_and_errors():
 
 
 def test_the_four_registries_are_registries():
-    import rollout.agent_loop  # noqa: F401  (registers the loops)
-    from rollout.parsers import get_parser
+    import streamrl.rollout.agent_loop  # noqa: F401  (registers the loops)
+    from streamrl.rollout.parsers import get_parser
 
     get_parser("hermes")  # registers the parsers
     assert LOOPS.names() == ["single_turn_agent", "tool_agent"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.rewards import (
+from streamrl.rollout.rewards import (
     RewardInput,
     answers_match,
     extract_answer,
@@ -114,7 +114,7 @@ def test_get_reward_fn_by_name_and_import_path():
     with pytest.raises(ValueError, match="cannot import"):
         get_reward_fn("no_such_pkg.mod:fn")
     with pytest.raises(ValueError, match="not callable"):
-        get_reward_fn("rollout.rewards:TOOL_SUCCESS_BONUS")
+        get_reward_fn("streamrl.rollout.rewards:TOOL_SUCCESS_BONUS")
 
 
 def test_register_reward_rejects_name_clash():

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from rollout.engine import EngineConfig, FakeEngine, SamplingParams
-from rollout.server_manager import NoHealthyEngineError, ServerManager
+from streamrl.rollout.engine import EngineConfig, FakeEngine, SamplingParams
+from streamrl.rollout.server_manager import NoHealthyEngineError, ServerManager
 
 SAMPLING = SamplingParams(max_tokens=4)
 
@@ -186,7 +186,7 @@ def test_constructor_validation():
 @pytest.mark.ray
 @pytest.mark.timeout(400)
 async def test_sticky_routing_over_two_ray_vllm_engines(ray_cluster, tiny_model_path):
-    from rollout.engine import make_engine
+    from streamrl.rollout.engine import make_engine
 
     cfg = EngineConfig(
         model=str(tiny_model_path),

@@ -13,11 +13,11 @@ import asyncio
 
 import pytest
 
-from rollout.agent_loop import AgentContext, ToolAgentLoop
-from rollout.engine.fake import FakeEngine
-from rollout.tools import ToolRegistry
-from rollout.tools.base import BaseTool, ToolExecution
-from rollout.types import (
+from streamrl.rollout.agent_loop import AgentContext, ToolAgentLoop
+from streamrl.rollout.engine.fake import FakeEngine
+from streamrl.rollout.tools import ToolRegistry
+from streamrl.rollout.tools.base import BaseTool, ToolExecution
+from streamrl.rollout.types import (
     AgentData,
     AgentState,
     FinishReason,
@@ -241,7 +241,7 @@ async def test_recorded_result_in_a_mid_tool_snapshot_is_used_not_rerun(tiny_tok
 
 
 async def test_failed_trajectory_finalizes_its_interaction_and_releases_its_tools(tiny_tokenizer):
-    from rollout.interactions import load_interaction_config
+    from streamrl.rollout.interactions import load_interaction_config
 
     inner, _ = turn_script(tiny_tokenizer, [COUNT, ANSWER])
     num_requests = []

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from rollout.tools import CalculatorTool, SleepTool, ToolRegistry, evaluate_expression, format_number, load_tool_config
-from rollout.tools.base import BaseTool, ToolExecution
-from rollout.tools.calculator import CalculatorConfig, CalculatorError
-from rollout.tools.schema import OpenAIFunctionToolSchema
-from rollout.types import ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
+from streamrl.rollout.tools import CalculatorTool, SleepTool, ToolRegistry, evaluate_expression, format_number, load_tool_config
+from streamrl.rollout.tools.base import BaseTool, ToolExecution
+from streamrl.rollout.tools.calculator import CalculatorConfig, CalculatorError
+from streamrl.rollout.tools.schema import OpenAIFunctionToolSchema
+from streamrl.rollout.types import ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tools"
 
@@ -297,7 +297,7 @@ def test_load_our_format_with_rename_and_custom_class(tmp_path):
         "  - name: sleep\n"
         "    config: {latency_s: 0.0}\n"
         "  - name: calc2\n"
-        "    class_name: rollout.tools.calculator:CalculatorTool\n"
+        "    class_name: streamrl.rollout.tools.calculator:CalculatorTool\n"
         "    config: {type: native, max_result_digits: 20}\n"
     )
     registry = load_tool_config(path)
@@ -313,9 +313,9 @@ def test_load_our_format_with_rename_and_custom_class(tmp_path):
         ({"tools": [{"config": {}}]}, "needs `name`"),
         ({"tools": [{"name": "sleep", "config": {"latency": 1}}]}, "latency"),
         ({"tools": [{"class_name": "verl.tools.gsm8k_tool.Gsm8kTool"}]}, "cannot import module"),
-        ({"tools": [{"class_name": "rollout.types.ToolCall"}]}, "not a subclass"),
+        ({"tools": [{"class_name": "streamrl.rollout.types.ToolCall"}]}, "not a subclass"),
         ({"tools": [{"name": "calculator", "config": {"type": "mcp"}}]}, "only 'native'"),
-        ({"tools": [{"class_name": "rollout.tools.calculator.CalculatorTool", "tool_schema": {"type": "function"}}]},
+        ({"tools": [{"class_name": "streamrl.rollout.tools.calculator.CalculatorTool", "tool_schema": {"type": "function"}}]},
          "function"),
         ({"toolz": []}, "toolz"),
     ],
@@ -337,15 +337,15 @@ def test_schema_requires_declared_required_arguments():
 def _ledger_registry(tmp_path: Path) -> ToolRegistry:
     yaml_path = tmp_path / "tools.yaml"
     yaml_path.write_text(
-        "tools:\n  - name: calculator\n    class_name: rollout.tools.ledger:LedgerCalculator\n"
+        "tools:\n  - name: calculator\n    class_name: streamrl.rollout.tools.ledger:LedgerCalculator\n"
         f"    config: {{ledger_path: '{tmp_path / 'ledger.jsonl'}'}}\n"
     )
     return load_tool_config(yaml_path)
 
 
 def test_ledger_calculator_records_every_execution_under_its_call_id(tmp_path):
-    from rollout.tools.executor import current_call
-    from rollout.tools.ledger import read_ledger
+    from streamrl.rollout.tools.executor import current_call
+    from streamrl.rollout.tools.ledger import read_ledger
 
     reg = _ledger_registry(tmp_path)
     assert not reg.is_idempotent("calculator")  # so the agent loop journals and snapshots its calls
@@ -360,7 +360,7 @@ def test_ledger_calculator_records_every_execution_under_its_call_id(tmp_path):
 
 
 def test_on_executed_fires_after_the_side_effect_and_before_the_result(tmp_path):
-    from rollout.tools.ledger import read_ledger
+    from streamrl.rollout.tools.ledger import read_ledger
 
     reg = _ledger_registry(tmp_path)
     seen = []

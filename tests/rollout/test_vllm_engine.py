@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.engine.base import PauseMode, SamplingParams
+from streamrl.rollout.engine.base import PauseMode, SamplingParams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 

@@ -11,9 +11,9 @@ import asyncio
 
 import pytest
 
-from rollout.engine.fake import FakeEngine
-from rollout.types import TrajectoryStatus
-from rollout.worker import RolloutWorker
+from streamrl.rollout.engine.fake import FakeEngine
+from streamrl.rollout.types import TrajectoryStatus
+from streamrl.rollout.worker import RolloutWorker
 from tests.rollout.test_agent_loop import ANSWER, CALL, make_ctx, new_data, turn_script
 
 

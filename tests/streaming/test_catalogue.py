@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from streaming import catalogue
-from streaming.catalogue import PLACEHOLDERS, Reduction
-from streaming.system import rollout_interval_metrics
+from streamrl.streaming import catalogue
+from streamrl.streaming.catalogue import PLACEHOLDERS, Reduction
+from streamrl.streaming.system import rollout_interval_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("streaming", "rollout", "buffer", "learner", "weight_sync")
@@ -57,7 +57,7 @@ def test_every_key_the_code_names_is_declared():
 
 
 def test_reader_keys_come_from_the_catalogue():
-    from streaming import metrics
+    from streamrl.streaming import metrics
 
     assert (metrics.REWARD_KEY, metrics.LAG_KEY, metrics.ENGINE_BUSY_KEY) == (
         catalogue.REWARD, catalogue.LAG, catalogue.ENGINE_BUSY)
@@ -67,7 +67,7 @@ def test_reader_keys_come_from_the_catalogue():
 
 
 def test_counters_are_the_worker_keys_the_driver_turns_into_increments():
-    from rollout.worker import RolloutWorker  # noqa: F401  (the keys below are what RolloutWorker.metrics writes)
+    from streamrl.rollout.worker import RolloutWorker  # noqa: F401  (the keys below are what RolloutWorker.metrics writes)
 
     for key in ("rollout/num_finished", "rollout/reward_sum", "rollout/turns_sum", "rollout/num_generated_tokens",
                 "rollout/tools/num_calls", "rollout/num_engine_failures"):

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from learner.config import LearnerConfig
-from learner.group import placement
-from streaming.config import load_config
+from streamrl.learner.config import LearnerConfig
+from streamrl.learner.group import placement
+from streamrl.streaming.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
@@ -71,7 +71,7 @@ def test_bad_learner_placement_is_one_clear_error(overrides, message):
 
 
 def test_learner_actor_options_follow_num_workers():
-    from streaming.learner_actor import learner_actor_options
+    from streamrl.streaming.learner_actor import learner_actor_options
 
     single = load_config(None, ["learner.device=cpu", "learner.num_cpus_per_worker=2"])
     assert learner_actor_options(single) == {"num_cpus": 2.0, "num_gpus": 0.0}

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from streaming.driver import Stalled, wait_for_batch
-from streaming.system import DriverState
+from streamrl.streaming.driver import Stalled, wait_for_batch
+from streamrl.streaming.system import DriverState
 
 
 def test_resume_without_newer_labels_keeps_the_checkpoint_label():
@@ -43,7 +43,7 @@ def test_a_version_seen_only_in_the_buffer_counts():
 
 
 def _fake_system(*, in_flight: int, rows, exhausted: bool, stall_timeout_s: float = 60.0):
-    from buffer.types import BufferProgress
+    from streamrl.buffer.types import BufferProgress
 
     rows = iter(rows)
 
@@ -87,7 +87,7 @@ def _engines_system(*answers):
     """A System whose engines answer `stats` as given: "ok", "dead" (the actor is gone) or "slow"."""
     import ray
 
-    from streaming.system import System
+    from streamrl.streaming.system import System
 
     def engine(answer):
         async def stats():
@@ -107,7 +107,7 @@ async def test_no_engine_alive_is_a_clear_error_not_a_livelock():
     """Found by `make chaos` (engine scenario, seed 0): the only engine died before the first sync,
     every trajectory then failed at once, rows kept arriving, and the run cycled through 77 epochs
     of prompts for 10 minutes. The health check now stops it."""
-    from rollout.engine.base import NoHealthyEngineError
+    from streamrl.rollout.engine.base import NoHealthyEngineError
 
     with pytest.raises(NoHealthyEngineError, match="no inference engine is alive: engine-0: RayActorError"):
         await _engines_system("dead")()

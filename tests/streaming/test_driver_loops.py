@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import ray
 
-from buffer.store import ReplayBuffer
-from buffer.types import BufferProgress
-from rollout.engine.base import EngineStats
-from rollout.types import AgentData, FinishReason, Trajectory, TrajectoryStatus
-from streaming.config import load_config
-from streaming.driver import run_async, run_sync
-from streaming.learner_actor import Trained
-from streaming.metrics import MetricsLogger
-from streaming.prompts import PromptStream, load_records
-from streaming.system import DriverState, System
-from streaming.weight_publisher import Published
+from streamrl.buffer.store import ReplayBuffer
+from streamrl.buffer.types import BufferProgress
+from streamrl.rollout.engine.base import EngineStats
+from streamrl.rollout.types import AgentData, FinishReason, Trajectory, TrajectoryStatus
+from streamrl.streaming.config import load_config
+from streamrl.streaming.driver import run_async, run_sync
+from streamrl.streaming.learner_actor import Trained
+from streamrl.streaming.metrics import MetricsLogger
+from streamrl.streaming.prompts import PromptStream, load_records
+from streamrl.streaming.system import DriverState, System
+from streamrl.streaming.weight_publisher import Published
 
 TIMEOUT_S = 60
 

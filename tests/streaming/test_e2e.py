@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from streaming import catalogue
+from streamrl.streaming import catalogue
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -41,7 +41,7 @@ def _train(args: list[str], log: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.pop("RAY_ADDRESS", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "streaming.cli", "train", *args],
+        [sys.executable, "-m", "streamrl.streaming.cli", "train", *args],
         cwd=REPO,
         env=env,
         stdout=open(log, "ab"),
@@ -52,9 +52,9 @@ def _train(args: list[str], log: Path) -> subprocess.Popen:
 
 @pytest.mark.timeout(1200)
 def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_path):
-    from buffer.cli import load_frame
-    from streaming.config import load_config
-    from streaming.prompts import PromptStream, group_id_for, load_records
+    from streamrl.buffer.cli import load_frame
+    from streamrl.streaming.config import load_config
+    from streamrl.streaming.prompts import PromptStream, group_id_for, load_records
 
     total_steps = 6
     overrides = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.gpu_check import gpu_overrides
-from streaming.config import load_config
+from streamrl.streaming.config import load_config
 from tests.conftest import REPO
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 
-from buffer.store import ReplayBuffer
-from rollout.types import TrajectoryStatus
-from streaming.config import StreamRLConfig
-from streaming.invariants import check_run
-from streaming.prompts import PromptStream, group_id_for, load_records
+from streamrl.buffer.store import ReplayBuffer
+from streamrl.rollout.types import TrajectoryStatus
+from streamrl.streaming.config import StreamRLConfig
+from streamrl.streaming.invariants import check_run
+from streamrl.streaming.prompts import PromptStream, group_id_for, load_records
 from tests.buffer.helpers import make_traj
 
 F = TrajectoryStatus.FAILED

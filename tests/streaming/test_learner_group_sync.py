@@ -59,7 +59,7 @@ class BrokenEngine:
 
 
 def _config(model_path, *, num_workers: int):
-    from streaming.config import StreamRLConfig
+    from streamrl.streaming.config import StreamRLConfig
 
     return StreamRLConfig.model_validate(
         {
@@ -79,9 +79,9 @@ def _sampled_batch(policy_version: int):
     """Two GRPO groups of two trajectories each, sampled by `policy_version`, mixed rewards."""
     import pyarrow as pa
 
-    from buffer.schema import trajectories_to_batch
-    from buffer.types import SampledBatch
-    from rollout.types import Trajectory
+    from streamrl.buffer.schema import trajectories_to_batch
+    from streamrl.buffer.types import SampledBatch
+    from streamrl.rollout.types import Trajectory
 
     rng = np.random.default_rng(policy_version)
     rows = []
@@ -117,7 +117,7 @@ def _hf_greedy(path) -> list[int]:
 
 
 async def _served(client, tag: str):
-    from rollout.engine.base import SamplingParams
+    from streamrl.rollout.engine.base import SamplingParams
 
     sampling = SamplingParams(max_tokens=NUM_GREEDY, temperature=0.0)
     return await client.generate(f"greedy-{tag}-{time.monotonic_ns()}", PROMPT, sampling)
@@ -152,8 +152,8 @@ async def _train_publish_check(learner, client, tmp_path, *, version: int) -> li
 async def test_single_and_two_rank_learners_publish_what_they_save(ray_cluster, tiny_model_path, tmp_path):
     """num_workers = 1 trains and publishes v1; then a num_workers = 2 group takes two steps and
     publishes v2 through its rank 0 — the same LearnerActor interface."""
-    from rollout.engine.ray_engine import RayEngineClient
-    from streaming.learner_actor import LearnerActor, learner_actor_options
+    from streamrl.rollout.engine.ray_engine import RayEngineClient
+    from streamrl.streaming.learner_actor import LearnerActor, learner_actor_options
 
     single_cfg, group_cfg = _config(tiny_model_path, num_workers=1), _config(tiny_model_path, num_workers=2)
     assert learner_actor_options(single_cfg) == {"num_cpus": 1.0, "num_gpus": 0.0}

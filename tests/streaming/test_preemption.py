@@ -14,10 +14,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.ray]
 @pytest.mark.timeout(600)
 async def test_killed_rollout_worker_is_replaced_and_its_trajectories_resume(ray_cluster, tmp_path, tiny_model_path):
 
-    from buffer.cli import load_frame
-    from streaming.config import load_config
-    from streaming.driver import run_async
-    from streaming.train import build_system
+    from streamrl.buffer.cli import load_frame
+    from streamrl.streaming.config import load_config
+    from streamrl.streaming.driver import run_async
+    from streamrl.streaming.train import build_system
 
     cfg = load_config(
         "configs/tiny.toml",

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from ray.exceptions import OutOfMemoryError, RayActorError
 
-from streaming import preflight
-from streaming.config import load_config
-from streaming.errors import StreamRLError, exception_chain, explain_failure
-from streaming.preflight import GiB, ModelDims, estimate_parts, model_dims
+from streamrl.streaming import preflight
+from streamrl.streaming.config import load_config
+from streamrl.streaming.errors import StreamRLError, exception_chain, explain_failure
+from streamrl.streaming.preflight import GiB, ModelDims, estimate_parts, model_dims
 
 REPO = Path(__file__).resolve().parents[2]
 # Ray 2.55+ memory-monitor text (src/ray/raylet/node_manager.cc), as an actor call surfaces it.
@@ -99,7 +99,7 @@ def test_check_refuses_a_kv_cache_that_cannot_fit(machine_24g):
 
 def test_check_warns_when_other_processes_leave_too_little(monkeypatch, caplog):
     monkeypatch.setattr(preflight, "available_memory", lambda: (int(22.8 * GiB), 2 * GiB, "this machine", None))
-    with caplog.at_level("WARNING", logger="streaming.preflight"):
+    with caplog.at_level("WARNING", logger="streamrl.streaming.preflight"):
         assert preflight.check(_cfg("configs/tiny.toml")).tight
     assert "may be killed for memory" in caplog.text
 
@@ -182,7 +182,7 @@ def test_prepare_model_returns_a_ready_folder_without_a_child(tiny_model_path, m
     import subprocess
 
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("no child process for a ready folder"))
-    from streaming.sft import prepare_model
+    from streamrl.streaming.sft import prepare_model
 
     cfg = _cfg("configs/tiny.toml", f"model={tiny_model_path}")
     assert prepare_model(cfg) == str(tiny_model_path)
@@ -190,7 +190,7 @@ def test_prepare_model_returns_a_ready_folder_without_a_child(tiny_model_path, m
 
 @pytest.mark.timeout(120)
 def test_prepare_model_builds_in_a_child_and_reports_its_failure(tmp_path, tiny_model_path, monkeypatch):
-    from streaming.sft import prepare_model
+    from streamrl.streaming.sft import prepare_model
 
     monkeypatch.chdir(REPO)
     assert prepare_model(_cfg("configs/tiny.toml"), log_file=tmp_path / "ok.log") == str(tiny_model_path)
@@ -203,7 +203,7 @@ def test_prepare_model_builds_in_a_child_and_reports_its_failure(tmp_path, tiny_
 
 
 def test_explain_failure_for_every_engine_gone(tmp_path):
-    from rollout.engine.base import NoHealthyEngineError
+    from streamrl.rollout.engine.base import NoHealthyEngineError
 
     run_dir = tmp_path / "runs" / "r"
     text = explain_failure(_wrapped(NoHealthyEngineError("no inference engine is alive: engine-0: ActorDiedError")),

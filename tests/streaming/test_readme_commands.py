@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from streaming.cli import build_parser, main
+from streamrl.streaming.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
 # What the README's optional groups stand for when filled in (others are used as written).
@@ -73,8 +73,8 @@ def test_every_readme_command_parses(line):
 
 
 def _buffer_dir(root: Path) -> Path:
-    from buffer.config import BufferConfig
-    from buffer.store import ReplayBuffer
+    from streamrl.buffer.config import BufferConfig
+    from streamrl.buffer.store import ReplayBuffer
     from tests.buffer.helpers import make_group
 
     buf = ReplayBuffer(BufferConfig(root_dir=str(root), batch_size=2, group_size=2))
@@ -147,7 +147,7 @@ def test_train_dry_run_of_a_bad_override_is_one_error_line(capsys, monkeypatch):
 def test_console_shows_our_lines_and_others_errors_while_driver_log_keeps_everything(tmp_path, capsys):
     import logging
 
-    from streaming.logs import FILE_ONLY, PROGRESS_EXTRA, attach_run_log, setup_console
+    from streamrl.streaming.logs import FILE_ONLY, PROGRESS_EXTRA, attach_run_log, setup_console
 
     setup_console(verbose=False)
     path = attach_run_log(tmp_path)
@@ -171,7 +171,7 @@ def test_console_shows_our_lines_and_others_errors_while_driver_log_keeps_everyt
 
 
 def test_ray_options_send_actor_output_to_run_logs_unless_verbose(tmp_path):
-    from streaming.logs import LOG_DIR_ENV, WORKER_SETUP_HOOK, ray_init_options, setup_console
+    from streamrl.streaming.logs import LOG_DIR_ENV, WORKER_SETUP_HOOK, ray_init_options, setup_console
 
     setup_console(verbose=False)
     quiet = ray_init_options(tmp_path, {"A": "1"})
@@ -185,7 +185,7 @@ def test_ray_options_send_actor_output_to_run_logs_unless_verbose(tmp_path):
 
 WORKER = """
 import logging, os, sys
-from streaming.logs import setup_worker_logging
+from streamrl.streaming.logs import setup_worker_logging
 setup_worker_logging()
 print(":actor_name:EngineActor")
 print("from print")
@@ -200,7 +200,7 @@ def test_worker_hook_redirects_a_process_output_and_logs_are_named_after_their_a
     import subprocess
     import sys
 
-    from streaming.logs import LOG_DIR_ENV, name_worker_logs
+    from streamrl.streaming.logs import LOG_DIR_ENV, name_worker_logs
 
     logs = tmp_path / "logs"
     env = {**os.environ, LOG_DIR_ENV: str(logs)}
@@ -216,7 +216,7 @@ def test_worker_hook_redirects_a_process_output_and_logs_are_named_after_their_a
 
 
 def test_run_summary_says_where_everything_is(tmp_path):
-    from streaming.logs import run_summary
+    from streamrl.streaming.logs import run_summary
 
     (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
     done = run_summary(tmp_path, learner_step=4, total_steps=4, elapsed_s=125, report=tmp_path / "report.html")

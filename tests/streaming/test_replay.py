@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from buffer.store import ReplayBuffer
-from streaming.config import load_config
-from streaming.metrics import MetricsLogger
-from streaming.replay import COMPARED, logged_batches, replay
+from streamrl.buffer.store import ReplayBuffer
+from streamrl.streaming.config import load_config
+from streamrl.streaming.metrics import MetricsLogger
+from streamrl.streaming.replay import COMPARED, logged_batches, replay
 from tests.buffer.helpers import make_traj
 from tests.conftest import REPO
 
@@ -28,7 +28,7 @@ def _group(gid: str, version: int, rewards: list[float], seed: int):
 
 
 def _original_run(run_dir, tiny_model_path, steps: int = 3) -> list[dict]:
-    from learner.engine import TrainingEngine
+    from streamrl.learner.engine import TrainingEngine
 
     cfg = load_config(REPO / "configs/tiny.toml", [f"model={tiny_model_path}", "buffer.batch_size=4",
                                                     "buffer.group_size=2", "learner.lr=1e-3",

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from rollout.engine.base import PauseMode
-from rollout.engine.fake import FakeEngine
-from weight_sync.worker_extension import WeightSyncWorkerExtension
+from streamrl.rollout.engine.base import PauseMode
+from streamrl.rollout.engine.fake import FakeEngine
+from streamrl.weight_sync.worker_extension import WeightSyncWorkerExtension
 
 
 class DictWorker(WeightSyncWorkerExtension):

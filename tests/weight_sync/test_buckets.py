@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.weight_sync.fakes import toy_weights
-from weight_sync.buckets import checksum, pack_bucket, plan_buckets, unpack_bucket
-from weight_sync.types import SLOT_ALIGN, SyncManifest
+from streamrl.weight_sync.buckets import checksum, pack_bucket, plan_buckets, unpack_bucket
+from streamrl.weight_sync.types import SLOT_ALIGN, SyncManifest
 
 
 def test_buckets_group_by_dtype_and_respect_size_bound():

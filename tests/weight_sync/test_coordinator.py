@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
-from rollout.engine.base import PauseMode
+from streamrl.rollout.engine.base import PauseMode
 from tests.weight_sync.fakes import NeverJoinsEngine, RecordingWorkers, ThreadEngine, toy_weights
-from weight_sync.config import SyncTimeouts, TransportKind, WeightSyncConfig
-from weight_sync.coordinator import WeightSyncCoordinator
-from weight_sync.distributed import DistributedTransport
+from streamrl.weight_sync.config import SyncTimeouts, TransportKind, WeightSyncConfig
+from streamrl.weight_sync.coordinator import WeightSyncCoordinator
+from streamrl.weight_sync.distributed import DistributedTransport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -146,7 +146,7 @@ async def test_engine_staging_different_weights_fails_verification(tmp_path, mon
     """The folder an engine reads holds other weights than the learner wrote (e.g. a stale version)."""
     from safetensors.torch import save_file
 
-    from weight_sync.filesystem import FilesystemTransport
+    from streamrl.weight_sync.filesystem import FilesystemTransport
 
     config = _config(transport=TransportKind.FILESYSTEM, fs_dir=str(tmp_path))
     write = FilesystemTransport._write_version

@@ -16,10 +16,10 @@ import time
 import pytest
 import torch
 
-from rollout.engine.base import NoHealthyEngineError, PauseMode, SamplingParams
+from streamrl.rollout.engine.base import NoHealthyEngineError, PauseMode, SamplingParams
 from tests.weight_sync.fakes import ActorLike, DyingEngine, RecordingWorkers, ThreadEngine, toy_weights
-from weight_sync.config import SyncTimeouts, WeightSyncConfig
-from weight_sync.coordinator import WeightSyncCoordinator
+from streamrl.weight_sync.config import SyncTimeouts, WeightSyncConfig
+from streamrl.weight_sync.coordinator import WeightSyncCoordinator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -193,9 +193,9 @@ async def test_no_engine_left_raises_a_clear_error():
 
 
 async def test_publisher_goes_on_without_a_dead_engine_then_raises_when_none_is_left(monkeypatch):
-    from rollout.engine import ray_engine
-    from rollout.engine.config import EngineConfig
-    from streaming.weight_publisher import WeightPublisher
+    from streamrl.rollout.engine import ray_engine
+    from streamrl.rollout.engine.config import EngineConfig
+    from streamrl.streaming.weight_publisher import WeightPublisher
 
     engines = [DyingEngine("engine-0"), DyingEngine("engine-1")]
     monkeypatch.setattr(ray_engine, "RayEngineClient", lambda handle, engine_id, **kwargs: handle)

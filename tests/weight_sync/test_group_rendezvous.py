@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from weight_sync.group import rendezvous_address
+from streamrl.weight_sync.group import rendezvous_address
 
 
 def test_configured_address_wins():

@@ -34,15 +34,15 @@ def _original(model_path) -> list[tuple[str, torch.Tensor]]:
 
 
 async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engine, tiny_tokenizer, tiny_model_path):
-    from rollout.agent_loop import AgentContext
-    from rollout.agent_loop.observation import ObservationEncoder
-    from rollout.config import AgentConfig, SamplingConfig
-    from rollout.interactions import load_interaction_config
-    from rollout.server_manager import ServerManager
-    from rollout.types import AgentData, FinishReason, TrajectoryStatus
-    from rollout.worker import RolloutWorker
-    from weight_sync.config import WeightSyncConfig
-    from weight_sync.coordinator import WeightSyncCoordinator
+    from streamrl.rollout.agent_loop import AgentContext
+    from streamrl.rollout.agent_loop.observation import ObservationEncoder
+    from streamrl.rollout.config import AgentConfig, SamplingConfig
+    from streamrl.rollout.interactions import load_interaction_config
+    from streamrl.rollout.server_manager import ServerManager
+    from streamrl.rollout.types import AgentData, FinishReason, TrajectoryStatus
+    from streamrl.rollout.worker import RolloutWorker
+    from streamrl.weight_sync.config import WeightSyncConfig
+    from streamrl.weight_sync.coordinator import WeightSyncCoordinator
 
     env = load_interaction_config(
         {"interaction": [{"name": "latency_env", "config": {"latency_s": 0.6, "num_turns": 2}}]}
@@ -89,7 +89,7 @@ async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engi
             )
         )
     # Sync while some loops wait on the environment and others are generating.
-    from rollout.types import AgentState
+    from streamrl.rollout.types import AgentState
 
     for _ in range(1000):
         states = [d.state for d in worker._states.values()]

@@ -14,12 +14,12 @@ import pytest
 import pytest_asyncio
 import torch
 
-from rollout.engine.base import PauseMode, SamplingParams
+from streamrl.rollout.engine.base import PauseMode, SamplingParams
 from tests.weight_sync.fakes import NeverJoinsEngine
-from weight_sync.config import SyncTimeouts, TransportKind, WeightSyncConfig
-from weight_sync.coordinator import WeightSyncCoordinator
-from weight_sync.distributed import DistributedTransport
-from weight_sync.worker_extension import WORKER_EXTENSION_CLS
+from streamrl.weight_sync.config import SyncTimeouts, TransportKind, WeightSyncConfig
+from streamrl.weight_sync.coordinator import WeightSyncCoordinator
+from streamrl.weight_sync.distributed import DistributedTransport
+from streamrl.weight_sync.worker_extension import WORKER_EXTENSION_CLS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -29,8 +29,8 @@ NUM_GREEDY = 12
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def engines(tiny_model_path):
-    from rollout.engine.config import EngineConfig
-    from rollout.engine.vllm_engine import VLLMEngine
+    from streamrl.rollout.engine.config import EngineConfig
+    from streamrl.rollout.engine.vllm_engine import VLLMEngine
 
     cfg = EngineConfig(
         model=str(tiny_model_path),
