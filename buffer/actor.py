@@ -163,8 +163,8 @@ class BufferActor:
         return ray.get_runtime_context().get_node_id()
 
     async def memory(self) -> dict[str, float]:
-        """`memory/buffer_peak_gb`: this part's peak since it started (`streaming.memory.part_memory`)."""
-        from streamrl.streaming.memory import part_memory
+        """`memory/buffer_peak_gb`: this part's peak since it started (`observability.memory.part_memory`)."""
+        from streamrl.observability.memory import part_memory
 
         return part_memory("buffer")
 

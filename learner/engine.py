@@ -172,7 +172,7 @@ class TrainingEngine:
     # ---- the step ----------------------------------------------------------------------------------
 
     def train_step(self, batch: Any) -> dict[str, float]:
-        """One PPO/GRPO step on a buffer batch; returns `learner/*` and `is/*` metrics (streaming/catalogue.py)."""
+        """One PPO/GRPO step on a buffer batch; returns `learner/*` and `is/*` metrics (observability/catalogue.py)."""
         start = time.perf_counter()
         cfg = self.cfg
         full = batch if isinstance(batch, TrainBatch) else TrainBatch.from_padded(batch, self.device)

@@ -42,7 +42,7 @@ def _rollout(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from streamrl.streaming.report import write_report
+    from streamrl.observability.report import write_report
 
     path = write_report(args.run_dir)
     print(f"report written to {path}")
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from streamrl.streaming.errors import StreamRLError
-    from streamrl.streaming.logs import setup_console
+    from streamrl.observability.logs import setup_console
 
     setup_console(verbose=args.verbose)
     try:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from streamrl.buffer.config import BufferConfig
 from streamrl.learner.config import LearnerConfig
 from streamrl.rollout.config import RolloutConfig
-from streamrl.streaming.metrics import WandbConfig
+from streamrl.observability.metrics import WandbConfig
 from streamrl.weight_sync.config import WeightSyncConfig
 
 

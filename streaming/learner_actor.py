@@ -80,7 +80,7 @@ class LearnerActor:
         import numpy as np
 
         from streamrl.buffer.schema import batch_to_trajectories
-        from streamrl.streaming.metrics import Histogram, summarize
+        from streamrl.observability.metrics import Histogram, summarize
 
         t0 = time.monotonic()
         padded = sampled.to_padded()

@@ -15,7 +15,7 @@ every sync phase by `weight_sync.timeouts`, and every await here by `trainer.ste
 
 Both expose the same async methods; LearnerActor picks one at construction. After every train step
 each learner process trims its allocator and reports `memory/learner_peak_gb` and
-`memory/learner_rss_gb` (`streaming/memory.py`; a group reports its fullest rank).
+`memory/learner_rss_gb` (`observability/memory.py`; a group reports its fullest rank).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class LocalLearner:
         return str(self.engine.model_path)
 
     async def train_step(self, padded: Any) -> dict[str, float]:
-        from streamrl.streaming.memory import end_of_step
+        from streamrl.observability.memory import end_of_step
 
         metrics = self.engine.train_step(padded)
         return metrics | end_of_step(str(self.engine.device))
@@ -86,7 +86,7 @@ class LocalLearner:
         self.publisher.set_workers(workers)
 
     async def publish(self) -> Published:
-        from streamrl.streaming.memory import trim_allocator
+        from streamrl.observability.memory import trim_allocator
 
         assert self.publisher is not None, "connect() first"
         try:
@@ -184,7 +184,7 @@ class GroupLearner:
 
         self.cfg = cfg
         self.timeout_s = cfg.trainer.step_timeout_s
-        from streamrl.streaming.memory import MALLOC_ENV
+        from streamrl.observability.memory import MALLOC_ENV
 
         self.group = LearnerGroup(
             cfg.learner, timeout_s=self.timeout_s, rank0_cls=PublishingLearnerWorker, env_vars=MALLOC_ENV
@@ -210,7 +210,7 @@ class GroupLearner:
     async def train_step(self, padded: Any) -> dict[str, float]:
         import ray
 
-        from streamrl.streaming.memory import rank_end_of_step
+        from streamrl.observability.memory import rank_end_of_step
 
         result = (await self._wait(self.group.submit("train_step", ray.put(padded))))[0]
         self.group.policy_version = result.policy_version

@@ -247,7 +247,7 @@ def available_memory() -> tuple[int, int, str, float | None]:
 
         connect_here = not ray.is_initialized()
         if connect_here:
-            from streamrl.streaming.logs import connect_options
+            from streamrl.observability.logs import connect_options
 
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, **connect_options(address))
         try:

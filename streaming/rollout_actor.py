@@ -129,8 +129,8 @@ class RolloutWorkerActor:
         return ray.get_runtime_context().get_node_id()
 
     async def memory(self) -> dict[str, float]:
-        """`memory/rollout_worker_peak_gb`: this part's peak since it started (`streaming.memory.part_memory`)."""
-        from streamrl.streaming.memory import part_memory
+        """`memory/rollout_worker_peak_gb`: this part's peak since it started (`observability.memory.part_memory`)."""
+        from streamrl.observability.memory import part_memory
 
         return part_memory("rollout_worker")
 

@@ -130,7 +130,7 @@ def prepare_model(cfg: Any, *, log_file: str | Path | None = None) -> str:
     """The model folder a run starts from: `cfg.model` built or converted (cached) and, with
     `sft.enabled`, warmed up (cached). Work happens in a child process whose output goes to
     `log_file` (else this process's console); raises StreamRLError if it fails."""
-    from streamrl.streaming.logs import is_verbose
+    from streamrl.observability.logs import is_verbose
 
     folder = Path(cfg.model).expanduser()
     if not cfg.sft.enabled and (folder / "config.json").exists():
@@ -156,7 +156,7 @@ def prepare_model(cfg: Any, *, log_file: str | Path | None = None) -> str:
 def _run_child(cmd: list[str], log: Path | None, *, status: str) -> int:
     """Run `cmd` to completion with its output appended to `log` (None: this console); a spinner
     on a terminal meanwhile. Returns the exit code."""
-    from streamrl.streaming.logs import console
+    from streamrl.observability.logs import console
 
     if log is None:
         return subprocess.run(cmd, check=False).returncode

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from streamrl.rollout.atomic import atomic_write
-from streamrl.streaming import catalogue, faults
-from streamrl.streaming.catalogue import Reduction
+from streamrl.observability import catalogue
+from streamrl.streaming import faults
+from streamrl.observability.catalogue import Reduction
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.prompts import PromptStream, group_id_for, load_records, make_group
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
     from streamrl.rollout.types import AgentData
     from streamrl.streaming.clients import BufferClient, EngineClient, LearnerClient, WorkerClient
-    from streamrl.streaming.metrics import MetricsLogger
+    from streamrl.observability.metrics import MetricsLogger
 
 logger = logging.getLogger(__name__)
 
@@ -427,7 +428,7 @@ class System:
         """`memory/<part>_peak_gb` of every part but the learner (which reports its own per step): the
         fullest engine and rollout worker, the buffer, and this driver process (its own RSS peak only:
         a local Ray cluster's processes are its children)."""
-        from streamrl.streaming.memory import peak_rss_gb
+        from streamrl.observability.memory import peak_rss_gb
 
         out = {"memory/driver_peak_gb": peak_rss_gb()}
         for actor in [*self.engines, *self.workers, self.buffer]:

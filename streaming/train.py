@@ -29,7 +29,7 @@ RAY_ENV = {"GLOO_SOCKET_IFNAME": "lo", "WANDB_MODE": "offline", "TOKENIZERS_PARA
 
 def _init_ray(cfg: StreamRLConfig, run_dir: Path) -> None:
     from streamrl.streaming.faults import forwarded_env
-    from streamrl.streaming.logs import connect_options, link_ray_logs, ray_init_options
+    from streamrl.observability.logs import connect_options, link_ray_logs, ray_init_options
 
     if ray.is_initialized():
         return
@@ -73,9 +73,9 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     from streamrl.rollout.engine.ray_engine import RayEngineClient
     from streamrl.streaming.clients import BufferClient, EngineClient, LearnerClient
     from streamrl.streaming.learner_actor import LearnerActor, learner_actor_options
-    from streamrl.streaming.logs import log_dir
-    from streamrl.streaming.memory import learner_runtime_env
-    from streamrl.streaming.metrics import MetricsLogger
+    from streamrl.observability.logs import log_dir
+    from streamrl.observability.memory import learner_runtime_env
+    from streamrl.observability.metrics import MetricsLogger
     from streamrl.streaming.prompts import PromptStream, load_records
     from streamrl.streaming.sft import prepare_model
 
@@ -159,7 +159,7 @@ async def _train(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) 
 
 def train_main(*, config: str | None, overrides: list[str], resume: str | None) -> int:
     from streamrl.streaming.errors import StreamRLError, explain_failure
-    from streamrl.streaming.logs import FILE_ONLY, attach_run_log, name_worker_logs, run_summary
+    from streamrl.observability.logs import FILE_ONLY, attach_run_log, name_worker_logs, run_summary
 
     cfg, run_dir, state = open_run(config, overrides, resume)
     attach_run_log(run_dir)
@@ -176,7 +176,7 @@ def train_main(*, config: str | None, overrides: list[str], resume: str | None) 
         ray.shutdown()
         name_worker_logs(run_dir)
     logger.info("run finished at learner step %d; writing report", final.learner_step)
-    from streamrl.streaming.report import write_report
+    from streamrl.observability.report import write_report
 
     path = write_report(run_dir)
     print(run_summary(run_dir, learner_step=final.learner_step, total_steps=cfg.trainer.total_steps,

@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TOP = ("buffer", "learner", "rollout", "streaming", "weight_sync")
+TOP = ("buffer", "learner", "observability", "rollout", "streaming", "weight_sync")
 BARE = re.compile(rf"^\s*(from|import) ({'|'.join(TOP)})(\.|\s|$)", re.M)
 
 

@@ -130,8 +130,8 @@ class EngineActor:
         return ray.get_runtime_context().get_node_id()
 
     async def memory(self) -> dict[str, float]:
-        """`memory/engine_peak_gb`: this part's peak since it started (`streaming.memory.part_memory`)."""
-        from streamrl.streaming.memory import part_memory
+        """`memory/engine_peak_gb`: this part's peak since it started (`observability.memory.part_memory`)."""
+        from streamrl.observability.memory import part_memory
 
         return part_memory("engine")
 

@@ -20,7 +20,7 @@ from streamrl.rollout.types import AgentData, FinishReason, Trajectory, Trajecto
 from streamrl.streaming.config import load_config
 from streamrl.streaming.driver import run_async, run_sync
 from streamrl.streaming.learner_actor import Trained
-from streamrl.streaming.metrics import MetricsLogger
+from streamrl.observability.metrics import MetricsLogger
 from streamrl.streaming.prompts import PromptStream, load_records
 from streamrl.streaming.system import DriverState, System
 from streamrl.streaming.weight_publisher import Published

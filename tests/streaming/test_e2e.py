@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.streaming import catalogue
+from streamrl.observability import catalogue
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

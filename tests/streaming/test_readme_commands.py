@@ -110,7 +110,7 @@ def test_buffer_stats_of_a_missing_directory_is_one_error_line(tmp_path, capsys)
 
 @pytest.mark.timeout(120)
 def test_report_as_the_readme_shows(tmp_path, capsys, tiny_model_path, tiny_tokenizer):
-    from tests.streaming.test_report import _write_run
+    from tests.observability.test_report import _write_run
 
     _write_run(tmp_path, tiny_tokenizer, tiny_model_path)
     assert main(["report", str(tmp_path)]) == 0
@@ -141,23 +141,23 @@ def test_train_dry_run_of_a_bad_override_is_one_error_line(capsys, monkeypatch):
     assert "rollout.num_engines" in capsys.readouterr().err
 
 
-# ---- what `streamrl train` shows, and where the rest goes (streaming/logs.py) -----------------
+# ---- what `streamrl train` shows, and where the rest goes (observability/logs.py) -----------------
 
 
 def test_console_shows_our_lines_and_others_errors_while_driver_log_keeps_everything(tmp_path, capsys):
     import logging
 
-    from streamrl.streaming.logs import FILE_ONLY, PROGRESS_EXTRA, attach_run_log, setup_console
+    from streamrl.observability.logs import FILE_ONLY, PROGRESS_EXTRA, attach_run_log, setup_console
 
     setup_console(verbose=False)
     path = attach_run_log(tmp_path)
-    logging.getLogger("streaming.train").info("ours")
+    logging.getLogger("streamrl.streaming.train").info("ours")
     # a library logger nobody configured (vLLM, once imported by an earlier test, stops propagating)
     logging.getLogger("otherlib.engine").info("vllm chatter")
     logging.getLogger("ray").info("ray chatter")
     logging.getLogger("otherlib.engine").error("vllm failure")
-    logging.getLogger("streaming.train").error("traceback for the file", extra=FILE_ONLY)
-    logging.getLogger("streaming.metrics").info("step 1/4", extra=PROGRESS_EXTRA)  # no bar off a terminal
+    logging.getLogger("streamrl.streaming.train").error("traceback for the file", extra=FILE_ONLY)
+    logging.getLogger("streamrl.observability.metrics").info("step 1/4", extra=PROGRESS_EXTRA)  # no bar off a terminal
     for handler in logging.getLogger().handlers:
         handler.flush()
     console = capsys.readouterr().err
@@ -171,7 +171,7 @@ def test_console_shows_our_lines_and_others_errors_while_driver_log_keeps_everyt
 
 
 def test_ray_options_send_actor_output_to_run_logs_unless_verbose(tmp_path):
-    from streamrl.streaming.logs import LOG_DIR_ENV, WORKER_SETUP_HOOK, ray_init_options, setup_console
+    from streamrl.observability.logs import LOG_DIR_ENV, WORKER_SETUP_HOOK, ray_init_options, setup_console
 
     setup_console(verbose=False)
     quiet = ray_init_options(tmp_path, {"A": "1"})
@@ -185,12 +185,12 @@ def test_ray_options_send_actor_output_to_run_logs_unless_verbose(tmp_path):
 
 WORKER = """
 import logging, os, sys
-from streamrl.streaming.logs import setup_worker_logging
+from streamrl.observability.logs import setup_worker_logging
 setup_worker_logging()
 print(":actor_name:EngineActor")
 print("from print")
 os.write(2, b"from fd 2\\n")
-logging.getLogger("rollout.worker").info("from logging")
+logging.getLogger("streamrl.rollout.worker").info("from logging")
 print(os.getpid())
 """
 
@@ -200,7 +200,7 @@ def test_worker_hook_redirects_a_process_output_and_logs_are_named_after_their_a
     import subprocess
     import sys
 
-    from streamrl.streaming.logs import LOG_DIR_ENV, name_worker_logs
+    from streamrl.observability.logs import LOG_DIR_ENV, name_worker_logs
 
     logs = tmp_path / "logs"
     env = {**os.environ, LOG_DIR_ENV: str(logs)}
@@ -211,12 +211,12 @@ def test_worker_hook_redirects_a_process_output_and_logs_are_named_after_their_a
     named = name_worker_logs(tmp_path)
     assert [p.name for p in named] == [f"EngineActor-{pid}.log"]
     text = named[0].read_text()
-    assert "from print" in text and "from fd 2" in text and "INFO rollout.worker: from logging" in text
+    assert "from print" in text and "from fd 2" in text and "INFO streamrl.rollout.worker: from logging" in text
     assert not (logs / "worker-1.log").exists()
 
 
 def test_run_summary_says_where_everything_is(tmp_path):
-    from streamrl.streaming.logs import run_summary
+    from streamrl.observability.logs import run_summary
 
     (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
     done = run_summary(tmp_path, learner_step=4, total_steps=4, elapsed_s=125, report=tmp_path / "report.html")

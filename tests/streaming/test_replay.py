@@ -12,7 +12,7 @@ import pytest
 
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.streaming.config import load_config
-from streamrl.streaming.metrics import MetricsLogger
+from streamrl.observability.metrics import MetricsLogger
 from streamrl.streaming.replay import COMPARED, logged_batches, replay
 from tests.buffer.helpers import make_traj
 from tests.conftest import REPO

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from streamrl.streaming.metrics import ENGINE_BUSY_KEY, METRICS_FILE, REWARD_KEY, RUN_INFO_FILE, SAMPLES_FILE, TIMELINE_FILE
-from streamrl.streaming.report_figures import build_figures, busy_fractions, per_step, resume_points
-from streamrl.streaming.report_viewer import VERSION_COLORS, fmt_number, load_tokenizer, pick_samples, render_trajectory
+from streamrl.observability.metrics import ENGINE_BUSY_KEY, METRICS_FILE, REWARD_KEY, RUN_INFO_FILE, SAMPLES_FILE, TIMELINE_FILE
+from streamrl.observability.report_figures import build_figures, busy_fractions, per_step, resume_points
+from streamrl.observability.report_viewer import VERSION_COLORS, fmt_number, load_tokenizer, pick_samples, render_trajectory
 
 if TYPE_CHECKING:
     import pandas as pd

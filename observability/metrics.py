@@ -41,9 +41,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.text import Text
 
 from streamrl.rollout.atomic import atomic_write
-from streamrl.streaming import catalogue
-from streamrl.streaming.logs import PROGRESS_EXTRA, format_duration
-from streamrl.streaming.logs import console as shared_console
+from streamrl.observability import catalogue
+from streamrl.observability.logs import PROGRESS_EXTRA, format_duration
+from streamrl.observability.logs import console as shared_console
 
 if TYPE_CHECKING:
     from streamrl.rollout.types import Trajectory
@@ -57,7 +57,7 @@ RUN_INFO_FILE = "run_info.json"
 WANDB_ID_FILE = "wandb_run_id"
 RESERVED_KEYS = catalogue.RESERVED
 
-# Keys the progress line and the report summary read (declared in streaming/catalogue.py).
+# Keys the progress line and the report summary read (declared in observability/catalogue.py).
 REWARD_KEY = catalogue.REWARD
 LAG_KEY = catalogue.LAG
 ENGINE_BUSY_KEY = catalogue.ENGINE_BUSY

@@ -1,7 +1,7 @@
 """The metrics catalogue: every key streamrl logs, declared once with its unit, reduction and meaning.
 
 Writers log under these keys; the progress line, the report and its figures import the keys they
-read from here (`REWARD`, `LAG`, ...). `tests/streaming/test_catalogue.py` fails when a reader names
+read from here (`REWARD`, `LAG`, ...). `tests/observability/test_catalogue.py` fails when a reader names
 a key nobody declares or two declarations could match one key, and the end-to-end test fails when a
 real run logs a key that is not declared here, or does not log one that a reader needs.
 
@@ -259,7 +259,7 @@ def reduction(key: str) -> Reduction | None:
 def lookup(key: str) -> Metric:
     found = matches(key)
     if len(found) != 1:
-        raise KeyError(f"{key!r} is {'not declared' if not found else 'declared twice'} in streaming/catalogue.py")
+        raise KeyError(f"{key!r} is {'not declared' if not found else 'declared twice'} in observability/catalogue.py")
     return found[0]
 
 

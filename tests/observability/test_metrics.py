@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from streamrl.rollout.types import FinishReason, Trajectory, TrajectoryStatus
-from streamrl.streaming.logs import format_duration
-from streamrl.streaming.metrics import (
+from streamrl.observability.logs import format_duration
+from streamrl.observability.metrics import (
     WANDB_ERRORS_KEY,
     Histogram,
     MetricsLogger,
@@ -184,12 +184,12 @@ def test_wandb_log_failure_is_counted(tmp_path):
 
 def test_console_progress_line(tmp_path, caplog):
     """Off a terminal (CI, pipes) every step prints one concise line; the ETA shows from the second step."""
-    with caplog.at_level("INFO", logger="streamrl.streaming.metrics"):
+    with caplog.at_level("INFO", logger="streamrl.observability.metrics"):
         with MetricsLogger(tmp_path, wandb_cfg=None, console=True, total_steps=10) as ml:
             ml.log({"rollout/reward_mean": 0.25, "staleness/lag_mean": 1.5, "engine/busy_fraction/engine-0": 0.9,
                     "engine/busy_fraction/engine-1": 1.0, "rollout/tokens_per_s": 1234.0}, learner_step=2, policy_version=2)
             ml.log({"learner/loss": 1.0}, learner_step=3, policy_version=3)
-    lines = [r.getMessage() for r in caplog.records if r.name == "streamrl.streaming.metrics"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "streamrl.observability.metrics"]
     assert lines[0] == "step 2/10 · reward 0.250 · lag 1.50 · busy 95% · 1.2k tok/s · v2 · 0:00 elapsed"
     assert lines[1].startswith("step 3/10 · reward 0.250 · lag 1.50 · busy 95% · 1.2k tok/s · v3 · 0:00 elapsed · eta 0:0")
 

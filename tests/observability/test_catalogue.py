@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.streaming import catalogue
-from streamrl.streaming.catalogue import PLACEHOLDERS, Reduction
+from streamrl.observability import catalogue
+from streamrl.observability.catalogue import PLACEHOLDERS, Reduction
 from streamrl.streaming.system import rollout_interval_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("streaming", "rollout", "buffer", "learner", "weight_sync")
+PACKAGES = ("streaming", "observability", "rollout", "buffer", "learner", "weight_sync")
 NAMESPACES = "rollout|learner|buffer|staleness|engine|sync|memory|is|length|time|metrics|invariants"
 # A complete key in a plain string literal (f-strings and prefixes such as "memory/" are not keys).
 KEY_LITERAL = re.compile(rf'(?<![fFrRbB\w])"((?:{NAMESPACES})/[\w/.+-]*[a-zA-Z0-9+])"')
@@ -57,7 +57,7 @@ def test_every_key_the_code_names_is_declared():
 
 
 def test_reader_keys_come_from_the_catalogue():
-    from streamrl.streaming import metrics
+    from streamrl.observability import metrics
 
     assert (metrics.REWARD_KEY, metrics.LAG_KEY, metrics.ENGINE_BUSY_KEY) == (
         catalogue.REWARD, catalogue.LAG, catalogue.ENGINE_BUSY)

@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 
 from streamrl.rollout.types import Trajectory
-from streamrl.streaming.metrics import Histogram, MetricsLogger, RunInfo, summarize
-from streamrl.streaming.report import load_run, write_report
-from streamrl.streaming.report_figures import busy_fractions, per_step, resume_points, union_length
-from streamrl.streaming.report_viewer import FastTokenizerFile, decode_pieces, load_tokenizer, pick_samples
+from streamrl.observability.metrics import Histogram, MetricsLogger, RunInfo, summarize
+from streamrl.observability.report import load_run, write_report
+from streamrl.observability.report_figures import busy_fractions, per_step, resume_points, union_length
+from streamrl.observability.report_viewer import FastTokenizerFile, decode_pieces, load_tokenizer, pick_samples
 
 CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call><|im_end|>'
 OBS_TEXT = "\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n"

@@ -30,11 +30,11 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 LOG_DIR_ENV = "STREAMRL_LOG_DIR"  # set in actors' environment: where setup_worker_logging writes
-WORKER_SETUP_HOOK = "streamrl.streaming.logs.setup_worker_logging"
+WORKER_SETUP_HOOK = "streamrl.observability.logs.setup_worker_logging"
 DRIVER_LOG = "driver.log"
 FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Loggers whose INFO lines belong on the console; everyone else's only from ERROR up (unless --verbose).
-OWN_PACKAGES = frozenset({"streaming", "buffer", "learner", "rollout", "weight_sync", "bench", "__main__"})
+OWN_PACKAGES = frozenset({"streamrl", "bench", "__main__"})
 # `logger.info(..., extra=PROGRESS_EXTRA)`: a per-step progress line. The console drops it while a
 # progress bar shows the same numbers (a terminal); in CI logs and pipes it is the progress.
 PROGRESS_EXTRA = {"streamrl_progress": True}
