@@ -40,6 +40,8 @@ length bucket (`length_bucket`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from streamrl.rollout.types import OBSERVATION_VERSION
@@ -73,8 +75,14 @@ def rollout_capacity(
     return max(0, capacity // group_size * group_size)
 
 
-def token_lag(served_version: int, policy_versions: np.ndarray) -> np.ndarray:
-    """Per-token lag, same shape as `policy_versions`; -1 where the token was not sampled (version -1)."""
+def token_lag(served_version: int, policy_versions: Any) -> Any:
+    """Per-token lag, same shape as `policy_versions`; -1 where the token was not sampled (version -1).
+
+    The one definition of token lag: numpy arrays (and lists) give int64 numpy, torch tensors give a
+    tensor of their dtype on their device. The buffer uses it at consume time against the served
+    version; the learner's loss uses it against its own version (`learner.step_inputs`)."""
+    if hasattr(policy_versions, "masked_fill"):  # a torch tensor (this module does not import torch)
+        return (served_version - policy_versions).masked_fill(policy_versions < 0, OBSERVATION_VERSION)
     pv = np.asarray(policy_versions)
     return np.where(pv >= 0, served_version - pv, OBSERVATION_VERSION).astype(np.int64)
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
-from streamrl.buffer.admission import length_bucket
+from streamrl.buffer.admission import length_bucket, token_lag
 from streamrl.buffer.cli import latest_rows, read_dir
 
 
@@ -42,11 +42,12 @@ def analyze(buffer_dir: str | Path) -> dict[str, Any]:
         i = by_id.get(tid)
         if i is None:  # consumed, but its finished row was not recovered (listed by `buffer stats`)
             continue
-        sampled = [v for v, m in zip(rows["policy_versions"][i], rows["response_mask"][i]) if m]
+        versions = np.asarray(rows["policy_versions"][i], dtype=np.int64)
+        sampled = versions[np.asarray(rows["response_mask"][i], dtype=bool)]
         for _, lag in uses:
             served = lag + rows["min_policy_version"][i]
             traj_lags.append(lag)
-            token_lags.extend(served - v for v in sampled)
+            token_lags.extend(int(x) for x in token_lag(served, sampled))
             trained_lengths.append(rows["num_response_tokens"][i])
             rewards_by_lag.setdefault(lag, []).append(rows["reward"][i])
     lo, hi = np.array(rows["min_policy_version"], dtype=np.int64), np.array(rows["max_policy_version"], dtype=np.int64)

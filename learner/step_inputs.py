@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from streamrl.buffer.admission import token_lag
 from streamrl.learner.advantages import (
     broadcast_sequence_advantages,
     grpo_advantages,
@@ -42,9 +43,10 @@ class StepInputs:
 
 
 def token_lags(batch: TrainBatch, policy_version: int) -> torch.Tensor:
-    """lag = policy_version − token policy_version on action tokens; ValueError for future tokens."""
+    """Lag of every action token against the learner's version (`buffer.admission.token_lag`, the
+    one definition), 0 off the loss mask; ValueError for tokens newer than the learner."""
     valid = batch.loss_mask != 0
-    lag = torch.where(valid, policy_version - batch.policy_versions, torch.zeros_like(batch.policy_versions))
+    lag = torch.where(valid, token_lag(policy_version, batch.policy_versions), torch.zeros_like(batch.policy_versions))
     if bool((lag < 0).any()):
         newest = int(batch.policy_versions[valid].max().item())
         raise ValueError(f"batch has tokens of policy_version {newest} > learner policy_version {policy_version}")

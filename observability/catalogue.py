@@ -10,9 +10,9 @@ the values in `PLACEHOLDERS` (`is/{is_stat}/{bucket}` covers `is/ratio_mean/lag_
 
 Lag is defined in `buffer.admission` (`trajectory_lag`, `token_lag`): the served version when a row
 is consumed minus the policy version that generated it (per trajectory: its oldest sampled token's
-version; per token: that token's). The loss uses the same rule against the learner's own version
-(`learner.step_inputs.token_lags`, in torch: the learner never imports the buffer). The keys below
-only report it.
+version; per token: that token's). The loss uses the same function against the learner's own
+version (`learner.step_inputs.token_lags` calls `token_lag` on torch tensors), and so does the
+offline report (`buffer.staleness`). The keys below only report it.
 """
 
 from __future__ import annotations
