@@ -29,87 +29,87 @@ from streamrl.learner.sharded import full_tensor
 from streamrl.rollout.atomic import atomic_dir
 
 if TYPE_CHECKING:
-    from streamrl.learner.engine import TrainingEngine
+    from streamrl.learner.types import TrainState
 
 logger = logging.getLogger(__name__)
 
 
-def _full_lm_state(engine: TrainingEngine) -> dict[str, torch.Tensor] | None:
+def _full_lm_state(ts: TrainState) -> dict[str, torch.Tensor] | None:
     """Unsharded LM state dict (rank 0 under FSDP, None on other ranks; None single-process: use the live model)."""
-    if not engine.is_distributed:
+    if not ts.is_distributed:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(engine.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k.removeprefix("lm."): v for k, v in sd.items() if k.startswith("lm.")} if engine.rank == 0 else None
+    sd = get_model_state_dict(ts.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k.removeprefix("lm."): v for k, v in sd.items() if k.startswith("lm.")} if ts.rank == 0 else None
 
 
-def _write_hf(engine: TrainingEngine, out: Path, state: dict[str, torch.Tensor] | None) -> None:
-    lm = engine.policy.lm
+def _write_hf(ts: TrainState, out: Path, state: dict[str, torch.Tensor] | None) -> None:
+    lm = ts.policy.lm
     if state is None:
         lm.save_pretrained(out, safe_serialization=True)
     else:
         lm.save_pretrained(out, state_dict=state, safe_serialization=True)
-    engine.tokenizer.save_pretrained(out)
+    ts.tokenizer.save_pretrained(out)
 
 
-def save_hf(engine: TrainingEngine, directory: Path) -> Path:
-    state = _full_lm_state(engine)
-    if engine.rank == 0:
-        atomic_dir(directory, lambda tmp: _write_hf(engine, tmp, state))
-    _barrier(engine)
+def save_hf(ts: TrainState, directory: Path) -> Path:
+    state = _full_lm_state(ts)
+    if ts.rank == 0:
+        atomic_dir(directory, lambda tmp: _write_hf(ts, tmp, state))
+    _barrier(ts)
     return directory
 
 
-def _optimizer_state(engine: TrainingEngine) -> dict:
-    if not engine.is_distributed:
-        return engine.optimizer.state_dict()
+def _optimizer_state(ts: TrainState) -> dict:
+    if not ts.is_distributed:
+        return ts.optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_optimizer_state_dict(engine.policy, engine.optimizer, options=opts)
+    return get_optimizer_state_dict(ts.policy, ts.optimizer, options=opts)
 
 
-def save_checkpoint(engine: TrainingEngine, directory: Path) -> Path:
-    lm_state = _full_lm_state(engine)
-    optim_state = _optimizer_state(engine)
-    head = engine.policy.value_head
+def save_checkpoint(ts: TrainState, directory: Path) -> Path:
+    lm_state = _full_lm_state(ts)
+    optim_state = _optimizer_state(ts)
+    head = ts.policy.value_head
     head_state = None
     if head is not None:
         head_state = {k: full_tensor(v).cpu() for k, v in head.state_dict().items()}
-    if engine.rank == 0:
+    if ts.rank == 0:
 
         def write(tmp: Path) -> None:
-            _write_hf(engine, tmp / "hf", lm_state)
+            _write_hf(ts, tmp / "hf", lm_state)
             if head_state is not None:
                 torch.save(head_state, tmp / "value_head.pt")
             torch.save(optim_state, tmp / "optimizer.pt")
-            torch.save(engine.scheduler.state_dict(), tmp / "scheduler.pt")
-            torch.save(_rng_state(engine), tmp / "rng.pt")
+            torch.save(ts.scheduler.state_dict(), tmp / "scheduler.pt")
+            torch.save(_rng_state(ts), tmp / "rng.pt")
             state = {
-                "policy_version": engine.policy_version,
-                "num_optimizer_steps": engine.num_optimizer_steps,
-                "config": engine.cfg.model_dump(mode="json"),
+                "policy_version": ts.policy_version,
+                "num_optimizer_steps": ts.num_optimizer_steps,
+                "config": ts.cfg.model_dump(mode="json"),
             }
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
 
         atomic_dir(directory, write)
-        logger.info("saved checkpoint policy_version=%d to %s", engine.policy_version, directory)
-    _barrier(engine)
+        logger.info("saved checkpoint policy_version=%d to %s", ts.policy_version, directory)
+    _barrier(ts)
     return directory
 
 
-def _rng_state(engine: TrainingEngine) -> dict:
+def _rng_state(ts: TrainState) -> dict:
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "python": random.getstate(),
         "numpy": np.random.get_state(),
-        "generator": engine.generator.get_state(),
+        "generator": ts.generator.get_state(),
     }
 
 
-def _load_lm_weights(engine: TrainingEngine, folder: Path) -> dict[str, torch.Tensor]:
+def _load_lm_weights(ts: TrainState, folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     files = sorted(folder.glob("*.safetensors"))
@@ -121,46 +121,45 @@ def _load_lm_weights(engine: TrainingEngine, folder: Path) -> dict[str, torch.Te
     return state
 
 
-def load_checkpoint(engine: TrainingEngine, directory: Path) -> None:
+def load_checkpoint(ts: TrainState, directory: Path) -> tuple[int, int]:
     directory = Path(directory)
     if not (directory / "state.json").exists():
         raise ValueError(f"{directory} is not a learner checkpoint (no state.json)")
     meta = json.loads((directory / "state.json").read_text())
-    lm_state = _load_lm_weights(engine, directory / "hf")
+    lm_state = _load_lm_weights(ts, directory / "hf")
     head_state = torch.load(directory / "value_head.pt") if (directory / "value_head.pt").exists() else None
-    if (head_state is None) != (engine.policy.value_head is None):
+    if (head_state is None) != (ts.policy.value_head is None):
         raise ValueError("checkpoint and config disagree on the value head (algo ppo vs grpo)")
     optim_state = torch.load(directory / "optimizer.pt", weights_only=False)
-    if engine.is_distributed:
+    if ts.is_distributed:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
         full = {f"lm.{k}": v for k, v in lm_state.items()}
         if head_state is not None:
             full.update({f"value_head.{k}": v for k, v in head_state.items()})
         opts = StateDictOptions(full_state_dict=True, strict=False)
-        set_model_state_dict(engine.policy, full, options=opts)
-        set_optimizer_state_dict(engine.policy, engine.optimizer, optim_state, options=opts)
+        set_model_state_dict(ts.policy, full, options=opts)
+        set_optimizer_state_dict(ts.policy, ts.optimizer, optim_state, options=opts)
     else:
-        missing, unexpected = engine.policy.lm.load_state_dict(lm_state, strict=False)
-        tied = {"lm_head.weight"} if getattr(engine.policy.lm.config, "tie_word_embeddings", False) else set()
+        missing, unexpected = ts.policy.lm.load_state_dict(lm_state, strict=False)
+        tied = {"lm_head.weight"} if getattr(ts.policy.lm.config, "tie_word_embeddings", False) else set()
         if unexpected or set(missing) - tied:
             raise ValueError(f"checkpoint weights do not match the model: missing={missing} unexpected={unexpected}")
         if head_state is not None:
-            engine.policy.value_head.load_state_dict(head_state)
-        engine.optimizer.load_state_dict(optim_state)
-    engine.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=False))
+            ts.policy.value_head.load_state_dict(head_state)
+        ts.optimizer.load_state_dict(optim_state)
+    ts.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=False))
     rng = torch.load(directory / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
-    engine.generator.set_state(rng["generator"])
-    engine.policy_version = int(meta["policy_version"])
-    engine.num_optimizer_steps = int(meta["num_optimizer_steps"])
-    logger.info("loaded checkpoint policy_version=%d from %s", engine.policy_version, directory)
+    ts.generator.set_state(rng["generator"])
+    logger.info("loaded checkpoint policy_version=%d from %s", int(meta["policy_version"]), directory)
+    return int(meta["policy_version"]), int(meta["num_optimizer_steps"])
 
 
-def _barrier(engine: TrainingEngine) -> None:
-    if engine.is_distributed:
+def _barrier(ts: TrainState) -> None:
+    if ts.is_distributed:
         torch.distributed.barrier()

@@ -41,7 +41,7 @@ from streamrl.learner.model import (
 )
 from streamrl.learner.sharded import clip_grad_norm, full_tensor
 from streamrl.learner.step_inputs import StepInputs, build_step_inputs
-from streamrl.learner.types import TrainBatch
+from streamrl.learner.types import TrainBatch, TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class TrainingEngine:
             self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
         )
 
-    def _all_reduce(self, value: float, op: str = "sum") -> float:
+    def all_reduce(self, value: float, op: str = "sum") -> float:
         if not self.is_distributed:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
@@ -126,14 +126,14 @@ class TrainingEngine:
         torch.distributed.all_reduce(t, op=reduce_op)
         return float(t.item())
 
-    def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+    def micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """Token-budget packing of `rows`, padded with empty entries to the group-wide count."""
         lens = batch.seq_lens[rows].tolist()
         groups = [rows[torch.tensor(g, dtype=torch.long)] for g in pack_by_tokens(lens, self.cfg.micro_batch_tokens)]
-        target = int(self._all_reduce(float(len(groups)), "max"))
+        target = int(self.all_reduce(float(len(groups)), "max"))
         return groups + [rows[:0]] * (target - len(groups))
 
-    def _forward(self, model: PolicyModel, mb: TrainBatch, *, with_entropy: bool = False) -> Any:
+    def forward(self, model: PolicyModel, mb: TrainBatch, *, with_entropy: bool = False) -> Any:
         with self._autocast():
             return model(
                 mb.input_ids,
@@ -143,10 +143,10 @@ class TrainingEngine:
                 entropy_requires_grad=self.cfg.entropy_coef > 0,
             )
 
-    def _dummy_pass(self, batch: TrainBatch, *, backward: bool) -> None:
+    def dummy_pass(self, batch: TrainBatch, *, backward: bool) -> None:
         """A zero-weight pass so this rank joins the collectives of a micro-batch it does not have."""
         mb = batch.select(torch.tensor([0]))
-        out = self._forward(self.policy, mb)
+        out = self.forward(self.policy, mb)
         if backward:
             zero = out.logp.sum() * 0.0 + (out.values.sum() * 0.0 if out.values is not None else 0.0)
             zero.backward()
@@ -160,12 +160,12 @@ class TrainingEngine:
         if model is None:
             raise ValueError("compute_logprobs(reference=True) needs use_reference = true")
         out = torch.zeros(tb.input_ids.shape, dtype=torch.float32)
-        for idx in self._micro_batches(tb, torch.arange(tb.batch_size)):
+        for idx in self.micro_batches(tb, torch.arange(tb.batch_size)):
             if idx.numel() == 0:
-                self._dummy_pass(tb, backward=False)
+                self.dummy_pass(tb, backward=False)
                 continue
             mb = tb.select(idx)
-            logp = self._forward(model, mb).logp.float() * mb.attention_mask
+            logp = self.forward(model, mb).logp.float() * mb.attention_mask
             out[idx, : mb.input_ids.shape[1]] = logp.cpu()
         return out
 
@@ -196,8 +196,8 @@ class TrainingEngine:
         self.policy_version += 1
         elapsed = time.perf_counter() - start
         metrics = {f"learner/{k}": v / num_updates for k, v in sums.items()}
-        num_tokens = self._all_reduce(float(tb.num_action_tokens))
-        total_tokens = self._all_reduce(float(tb.attention_mask.sum().item()))
+        num_tokens = self.all_reduce(float(tb.num_action_tokens))
+        total_tokens = self.all_reduce(float(tb.attention_mask.sum().item()))
         metrics.update(
             {
                 "learner/policy_version": float(self.policy_version),
@@ -228,20 +228,20 @@ class TrainingEngine:
         """Accumulate gradients over the micro-batches of `rows`, clip, step; returns loss parts."""
         cfg = self.cfg
         mode = cfg.effective_loss_agg_mode
-        num_tokens = self._all_reduce(float(tb.loss_mask[rows].sum().item()))
-        num_seqs = self._all_reduce(float(rows.numel()))
-        constant = cfg.loss_norm_constant or self._all_reduce(float(inputs.full_width), "max")
+        num_tokens = self.all_reduce(float(tb.loss_mask[rows].sum().item()))
+        num_seqs = self.all_reduce(float(rows.numel()))
+        constant = cfg.loss_norm_constant or self.all_reduce(float(inputs.full_width), "max")
         norms = dict(num_tokens=num_tokens, num_seqs=num_seqs, constant=constant)
         self.optimizer.zero_grad(set_to_none=True)
         parts: dict[str, float] = {}
-        for idx in self._micro_batches(tb, rows):
+        for idx in self.micro_batches(tb, rows):
             if idx.numel() == 0:
-                self._dummy_pass(tb, backward=True)
+                self.dummy_pass(tb, backward=True)
                 continue
             mb = tb.select(idx)
             width = mb.input_ids.shape[1]
             sl = lambda x: x[idx, :width]  # noqa: E731 — slice a [B, T] step tensor like `mb`
-            out = self._forward(self.policy, mb, with_entropy=True)
+            out = self.forward(self.policy, mb, with_entropy=True)
             mask = mb.loss_mask
             lag = sl(inputs.lag)
             if inputs.terms is not None:
@@ -292,7 +292,7 @@ class TrainingEngine:
                 )
             )
         if self.is_distributed:
-            parts = {k: self._all_reduce(v) for k, v in parts.items()}
+            parts = {k: self.all_reduce(v) for k, v in parts.items()}
         grad_norm = self._clip_and_step()
         parts["grad_norm"] = grad_norm
         return parts
@@ -319,16 +319,23 @@ class TrainingEngine:
         for name, param in self.policy.lm.named_parameters():
             yield name, full_tensor(param).detach()
 
+    def train_state(self) -> TrainState:
+        return TrainState(
+            cfg=self.cfg, policy=self.policy, optimizer=self.optimizer, scheduler=self.scheduler,
+            generator=self.generator, tokenizer=self.tokenizer, rank=self.rank, is_distributed=self.is_distributed,
+            policy_version=self.policy_version, num_optimizer_steps=self.num_optimizer_steps,
+        )
+
     def save_hf(self, directory: str | Path) -> Path:
         """HF `save_pretrained` folder (weights + config + tokenizer) that vLLM loads; atomic."""
-        return ckpt.save_hf(self, Path(directory))
+        return ckpt.save_hf(self.train_state(), Path(directory))
 
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Weights, optimiser, scheduler, RNG, step and policy_version; write-then-rename."""
-        return ckpt.save_checkpoint(self, Path(directory))
+        return ckpt.save_checkpoint(self.train_state(), Path(directory))
 
     def load_checkpoint(self, directory: str | Path) -> None:
-        ckpt.load_checkpoint(self, Path(directory))
+        self.policy_version, self.num_optimizer_steps = ckpt.load_checkpoint(self.train_state(), Path(directory))
 
 
 def _slice_terms(terms: CorrectionTerms, sl: Callable[[torch.Tensor], torch.Tensor]) -> CorrectionTerms:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -24,7 +24,29 @@ from streamrl.learner.correction import CorrectionTerms, staleness_correction
 from streamrl.learner.types import TrainBatch
 
 if TYPE_CHECKING:
-    from streamrl.learner.engine import TrainingEngine
+    from streamrl.learner.config import LearnerConfig
+    from streamrl.learner.model import PolicyModel
+
+
+class ForwardRunner(Protocol):
+    """What the start of a step needs from the learner (`TrainingEngine` is one): its models and
+    version, rank facts, and the micro-batch forward machinery the train step also uses. Typed as a
+    protocol so this module does not import the engine that imports it."""
+
+    cfg: LearnerConfig
+    device: torch.device
+    policy: PolicyModel
+    reference: PolicyModel | None
+    policy_version: int
+    rank: int
+    world_size: int
+
+    @property
+    def is_distributed(self) -> bool: ...
+    def micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]: ...
+    def dummy_pass(self, batch: TrainBatch, *, backward: bool) -> None: ...
+    def forward(self, model: PolicyModel, mb: TrainBatch) -> Any: ...
+    def all_reduce(self, value: float, op: str = "sum") -> float: ...
 
 
 @dataclass(kw_only=True, slots=True)
@@ -62,31 +84,31 @@ def sequence_returns(batch: TrainBatch, use_turn_scores: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _start_of_step_pass(engine: TrainingEngine, tb: TrainBatch, *, prox: bool, values: bool, ref: bool):
+def _start_of_step_pass(engine: ForwardRunner, tb: TrainBatch, *, prox: bool, values: bool, ref: bool):
     shape = tb.input_ids.shape
     prox_logp = torch.zeros(shape, device=engine.device) if prox else None
     old_values = torch.zeros(shape, device=engine.device) if values else None
     ref_logp = torch.zeros(shape, device=engine.device) if ref else None
     if not (prox or values or ref):
         return prox_logp, old_values, ref_logp
-    for idx in engine._micro_batches(tb, torch.arange(tb.batch_size)):
+    for idx in engine.micro_batches(tb, torch.arange(tb.batch_size)):
         if idx.numel() == 0:
-            engine._dummy_pass(tb, backward=False)
+            engine.dummy_pass(tb, backward=False)
             continue
         mb = tb.select(idx)
         width = mb.input_ids.shape[1]
         if prox or values:
-            out = engine._forward(engine.policy, mb)
+            out = engine.forward(engine.policy, mb)
             if prox_logp is not None:
                 prox_logp[idx, :width] = out.logp.float()
             if old_values is not None:
                 old_values[idx, :width] = out.values.float()
         if ref_logp is not None:
-            ref_logp[idx, :width] = engine._forward(engine.reference, mb).logp.float()
+            ref_logp[idx, :width] = engine.forward(engine.reference, mb).logp.float()
     return prox_logp, old_values, ref_logp
 
 
-def build_step_inputs(engine: TrainingEngine, full: TrainBatch) -> StepInputs:
+def build_step_inputs(engine: ForwardRunner, full: TrainBatch) -> StepInputs:
     cfg = engine.cfg
     full_lag = token_lags(full, engine.policy_version)
     seq_adv = None
@@ -111,7 +133,7 @@ def build_step_inputs(engine: TrainingEngine, full: TrainBatch) -> StepInputs:
         token_rewards = token_level_rewards(tb.loss_mask, tb.rewards, tb.turn_scores if cfg.use_turn_scores else None)
         advantages, returns = masked_gae(token_rewards, old_values, tb.loss_mask, gamma=cfg.gamma, lam=cfg.lam)
         if cfg.whiten_advantages:
-            advantages = masked_whiten(advantages, tb.loss_mask, all_reduce=engine._all_reduce)
+            advantages = masked_whiten(advantages, tb.loss_mask, all_reduce=engine.all_reduce)
     terms = None
     if recompute:
         terms = staleness_correction(prox_logp, tb.behavior_logprobs, lag, tb.loss_mask, cfg.correction)

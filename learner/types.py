@@ -21,6 +21,24 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TrainState:
+    """What a checkpoint saves and restores (`learner.checkpoint` takes this, not the engine): the
+    models, optimiser, schedule and shuffle generator, the counters it records, and the rank facts
+    that decide who writes. `load_checkpoint` returns the counters it read; the engine sets them."""
+
+    cfg: Any  # learner.config.LearnerConfig
+    policy: Any  # learner.model.PolicyModel (sharded under FSDP)
+    optimizer: Any
+    scheduler: Any
+    generator: Any  # torch.Generator
+    tokenizer: Any
+    rank: int
+    is_distributed: bool
+    policy_version: int
+    num_optimizer_steps: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StepResult:
     """A learner rank's train step, across the actor boundary: the version its weights now carry
     (control) and the step's metrics (observability only, never read for control)."""
