@@ -54,7 +54,7 @@ def run_mode(mode: str, root: Path, steps: int, latency: float) -> dict:
         "learner_idle_ratio": last.get("learner/idle_ratio"),
         "lag_mean": sum(lags) / len(lags) if lags else None,
         "lag_max": max((r.get("staleness/lag_max") or 0) for r in records),
-        "lag_hist": {k: v for k, v in last.items() if k.startswith("staleness/lag_hist/")},
+        "lag_hist": {k: v for k, v in last.items() if k.startswith("staleness/lag_frac/batch/")},
         "reward_mean_last": last.get("rollout/reward_mean"),
     }
 

@@ -47,10 +47,11 @@ def _owned(batch: pa.RecordBatch) -> pa.RecordBatch:
 
 
 class BufferActor:
-    def __init__(self, cfg: BufferConfig | dict[str, Any], resume_learner_step: int | None = None) -> None:
-        self.cfg = BufferConfig.model_validate(cfg)
+    def __init__(self, cfg: BufferConfig, resume_learner_step: int | None = None) -> None:
+        self.cfg = cfg
         self.buffer = ReplayBuffer(self.cfg, resume_learner_step=resume_learner_step)
         self._room = asyncio.Condition()
+        self._changed = asyncio.Condition()  # notified after every append and sample
         self._flusher: asyncio.Task | None = None
         self.num_backpressure_waits = 0
         self.num_backpressure_timeouts = 0
@@ -97,6 +98,7 @@ class BufferActor:
                     self.num_backpressure_timeouts += 1
                     return False
         self.buffer.append(batch, durable=durable)
+        await self._notify_changed()
         return True
 
     async def try_append(self, data: pa.RecordBatch | pa.Table | list[Trajectory]) -> bool:
@@ -105,6 +107,7 @@ class BufferActor:
         batch = self._as_batch(data)
         if self._all_partial(batch) or self.buffer.has_room(batch.num_rows):
             self.buffer.append(batch)
+            await self._notify_changed()
             return True
         self.num_backpressure_timeouts += 1
         return False
@@ -114,7 +117,12 @@ class BufferActor:
         out = self.buffer.sample(served_version=served_version, learner_step=learner_step)
         async with self._room:
             self._room.notify_all()
+        await self._notify_changed()
         return out
+
+    async def _notify_changed(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
 
     async def sample_counted(self, served_version: int, learner_step: int) -> tuple[int, SampledBatch | None]:
         """`sample`, and its number of trajectories (0: none ready) first: called with
@@ -138,7 +146,19 @@ class BufferActor:
 
     async def progress(self) -> BufferProgress:
         """Trajectories in flight and rows appended so far: cheap, for the driver's stall checks."""
-        return BufferProgress(in_flight=self.buffer.num_in_flight, rows_appended=self.buffer.num_rows_appended)
+        return BufferProgress(in_flight=self.buffer.num_in_flight, rows_appended=self.buffer.num_rows_appended,
+                              changes=self.buffer.num_changes)
+
+    async def wait_progress(self, after: int, timeout_s: float) -> BufferProgress:
+        """Long-poll: `progress()` as soon as the change counter passes `after` (a row arrived, a batch
+        was sampled, an over-age group retired), or after `timeout_s` if nothing changed. The driver
+        waits here instead of polling on a timer, so a ready batch or freed capacity is acted on at once."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.buffer.num_changes > after), timeout_s)
+            except TimeoutError:
+                pass
+        return await self.progress()
 
     async def max_policy_version(self) -> int:
         """Highest policy_version label in the buffer (recovered or appended); -1 if none."""
@@ -183,4 +203,4 @@ def create_buffer_actor(cfg: BufferConfig, *, resume_learner_step: int | None = 
 
     options.setdefault("num_cpus", 0)
     options.setdefault("max_concurrency", 64)
-    return ray.remote(BufferActor).options(**options).remote(cfg.model_dump(), resume_learner_step)
+    return ray.remote(BufferActor).options(**options).remote(cfg, resume_learner_step)

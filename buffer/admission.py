@@ -110,6 +110,15 @@ def lag_histogram(lags: np.ndarray, max_lag: int) -> np.ndarray:
     return np.bincount(np.minimum(lags, max_lag + 1), minlength=max_lag + 2)[: max_lag + 2]
 
 
+def lag_fractions(hist: np.ndarray, prefix: str) -> dict[str, float]:
+    """A `lag_histogram` as metrics, the one lag-histogram family every part logs:
+    `{prefix}<k>` for lags 0..max_lag and `{prefix}over` for the overflow bin; each the bin's share
+    of the total (all 0.0 while nothing was counted). E.g. `staleness/lag_frac/batch/1`."""
+    total = max(int(np.sum(hist)), 1)
+    last = len(hist) - 1
+    return {f"{prefix}{'over' if k == last else k}": int(n) / total for k, n in enumerate(np.asarray(hist).tolist())}
+
+
 def length_bucket(num_tokens: int) -> int:
     """Power-of-two length bucket: the smallest 2**k >= num_tokens (lengths are compared by bucket
     between what was generated, trained and dropped)."""

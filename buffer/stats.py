@@ -9,7 +9,8 @@ from collections import Counter
 import numpy as np
 import pyarrow as pa
 
-from streamrl.buffer.admission import lag_histogram, token_lag
+from streamrl.buffer.admission import lag_fractions, lag_histogram, token_lag
+from streamrl.observability.catalogue import LAG_FRAC
 
 
 class BufferStats:
@@ -53,14 +54,13 @@ class BufferStats:
             })
 
     def staleness(self) -> dict[str, float]:
-        """Lag shares (`..._frac_<k>`, `..._frac_over`) and means over everything trained so far."""
+        """Lag shares (`staleness/lag_frac/{tokens,trajectories}/<k>`, `.../over`) and means over
+        everything trained so far."""
         out: dict[str, float] = {}
-        for name, hist in (("token_lag", self.token_lag_hist), ("trajectory_lag", self.traj_lag_hist)):
-            total = max(int(hist.sum()), 1)
-            for lag, n in enumerate(hist.tolist()):
-                key = f"staleness/{name}_frac_{lag}" if lag <= self.max_staleness else f"staleness/{name}_frac_over"
-                out[key] = n / total
-            out[f"staleness/{name}_mean"] = float(np.dot(np.arange(len(hist)), hist) / total)
+        for name, scope, hist in (("token_lag", "tokens", self.token_lag_hist),
+                                  ("trajectory_lag", "trajectories", self.traj_lag_hist)):
+            out.update(lag_fractions(hist, f"{LAG_FRAC}{scope}/"))
+            out[f"staleness/{name}_mean"] = float(np.dot(np.arange(len(hist)), hist) / max(int(hist.sum()), 1))
         out.update(self.last_batch)
         return out
 

@@ -347,6 +347,12 @@ class ReplayBuffer:
     def num_rows_appended(self) -> int:
         return self._counts["rows_appended"]
 
+    @property
+    def num_changes(self) -> int:
+        """Grows with every append and every sampled batch: the events that can make a batch ready or
+        change admission capacity (what the driver's waits long-poll on, `BufferActor.wait_progress`)."""
+        return self._counts["rows_appended"] + self._counts["batches_sampled"] + self._counts["evicted_over_age"]
+
     def capacity(self, *, served_version: int, max_concurrent: int | None = None) -> int:
         """Admission: how many trajectories may start now (see `buffer.admission.rollout_capacity`).
 

@@ -66,11 +66,13 @@ class SampledBatch:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BufferProgress:
-    """What the driver's stall check reads: trajectories admitted and not yet accepted (every member
-    of an open group), and rows appended since the buffer started (grows while anything arrives)."""
+    """What the driver's waits read: trajectories admitted and not yet accepted (every member of an
+    open group), rows appended since the buffer started (grows while anything arrives; the stall
+    check) and the change counter the long-poll waits on."""
 
     in_flight: int
     rows_appended: int
+    changes: int = 0  # `ReplayBuffer.num_changes`: pass it back to `wait_progress` to wait for the next one
 
 
 @dataclass(kw_only=True, slots=True)

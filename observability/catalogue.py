@@ -54,8 +54,8 @@ MEMORY_PARTS = ("driver", "engine", "rollout_worker", "buffer", "learner")
 PLACEHOLDERS = {
     "is_stat": "|".join(IS_STATS),
     "bucket": r"lag_\d+(?:plus)?",  # learner.is_metrics.lag_bucket_names
-    "lag": r"\d+\+?",  # streaming.metrics.Histogram labels: "0", "1", ..., "3+"
-    "lag_k": r"\d+|over",  # buffer lag histograms: 0..max_staleness, then "over"
+    "lag_scope": "batch|tokens|trajectories",  # the trained batch's trajectories; run so far: tokens, trajectories
+    "lag_k": r"\d+|over",  # buffer.admission.lag_histogram bins: 0..max_staleness, then "over"
     "lag_stat": "mean|std|min|max|p50|p90|p99",  # streaming.metrics.summarize
     "phase": "|".join(GROUP_PHASES),
     "length_kind": "generated|trained|dropped_over_age",
@@ -126,7 +126,9 @@ METRICS: tuple[Metric, ...] = (
     M("rollout/reward_std", "reward", R.MEAN, "reward standard deviation of the trained batch"),
     M("rollout/response_len_mean", "tokens", R.MEAN, "mean response length of the trained batch"),
     M("staleness/lag_{lag_stat}", "steps", R.MEAN, "trajectory lag of the trained batch (see the module docstring)"),
-    M("staleness/lag_hist/{lag}", "fraction", R.FRACTION, "share of the trained batch's trajectories at this lag"),
+    M("staleness/lag_frac/{lag_scope}/{lag_k}", "fraction", R.FRACTION,
+      "share at this lag (buffer.admission.lag_fractions) of: the trained batch's trajectories (batch), "
+      "all tokens consumed so far (tokens), all trajectories consumed so far (trajectories)"),
     # ---- the learner (learner.engine.TrainingEngine.train_step, learner.is_metrics)
     M("learner/loss", "loss", R.MEAN, "total loss, mean over the step's minibatches"),
     M("learner/pg_loss", "loss", R.MEAN, "policy-gradient loss"),
@@ -186,9 +188,6 @@ METRICS: tuple[Metric, ...] = (
     M("staleness/batch_interrupts_mean", "count", R.MEAN, "weight-sync interruptions per trajectory of the last batch"),
     M("staleness/batch_in_flight_s_mean", "s", R.MEAN, "time from admission to the final row, last batch's trajectories"),
     M("staleness/batch_in_queue_s_mean", "s", R.MEAN, "time from the final row to being sampled, last batch's trajectories"),
-    M("staleness/token_lag_frac_{lag_k}", "fraction", R.FRACTION, "share of all consumed tokens at this lag, run so far"),
-    M("staleness/trajectory_lag_frac_{lag_k}", "fraction", R.FRACTION,
-      "share of all consumed trajectories at this lag, run so far"),
     M("staleness/token_lag_mean", "steps", R.MEAN, "mean token lag of everything consumed so far"),
     M("staleness/trajectory_lag_mean", "steps", R.MEAN, "mean trajectory lag of everything consumed so far"),
     M("staleness/length_bias", "ratio", R.MEAN, "trained / generated mean length bucket (1 = no length bias)",
@@ -227,6 +226,7 @@ del M, R
 # Keys readers name (the progress line, the report's summary table and figures).
 REWARD = "rollout/reward_mean"
 LAG = "staleness/lag_mean"
+LAG_FRAC = "staleness/lag_frac/"  # + "<scope>/<lag>": the one lag-histogram family (writers and the report)
 ENGINE_BUSY = "engine/busy_fraction"
 ROLLOUT_TOKENS_PER_S = "rollout/tokens_per_s"
 LEARNER_TOKENS_PER_S = "learner/tokens_per_s"

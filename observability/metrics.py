@@ -30,7 +30,6 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -145,47 +144,6 @@ def summarize(values: Iterable[float], *, prefix: str = "", quantiles: Iterable[
             raise ValueError(f"quantile {q} outside [0, 1]")
         out[f"{prefix}p{round(q * 100):d}"] = float(np.quantile(arr, q))
     return out
-
-
-@dataclass(kw_only=True, slots=True)
-class Histogram:
-    """Counts of non-negative integers (e.g. per-token lag at consume time).
-
-    Values >= `max_bucket` (when set) share an overflow bucket labelled `"<max_bucket>+"`.
-    """
-
-    max_bucket: int | None = None
-    counts: dict[int, int] = field(default_factory=dict)  # bucket -> count
-
-    def add(self, values: Iterable[int]) -> None:
-        arr = np.asarray(list(values))
-        if arr.size == 0:
-            return
-        if not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0:
-            raise ValueError(f"Histogram takes non-negative integers, got dtype {arr.dtype}, min {arr.min()}")
-        if self.max_bucket is not None:
-            arr = np.minimum(arr, self.max_bucket)
-        buckets, counts = np.unique(arr, return_counts=True)
-        for b, c in zip(buckets.tolist(), counts.tolist()):
-            self.counts[b] = self.counts.get(b, 0) + c
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def label(self, bucket: int) -> str:
-        return f"{bucket}+" if self.max_bucket is not None and bucket >= self.max_bucket else str(bucket)
-
-    def fractions(self) -> dict[str, float]:
-        total = self.total
-        return {self.label(b): c / total for b, c in sorted(self.counts.items())} if total else {}
-
-    def to_metrics(self, prefix: str) -> dict[str, float]:
-        """E.g. `to_metrics("staleness/lag_hist/")` -> {"staleness/lag_hist/0": 0.7, ...}."""
-        return {f"{prefix}{label}": frac for label, frac in self.fractions().items()}
-
-    def reset(self) -> None:
-        self.counts.clear()
 
 
 def _clean_value(key: str, value: Any) -> float | None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from streamrl.observability import catalogue
 from streamrl.observability.metrics import ENGINE_BUSY_KEY, REWARD_KEY, SpanKind
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ KIND_COLORS = {
     SpanKind.IDLE: "#d9d9d9",
 }
 LAG_KEY_RE = re.compile(r"^is/(?P<stat>[^/]+)/lag_(?P<lag>\d+)(?P<over>\+?)$")
-HIST_KEY_RE = re.compile(r"^staleness/lag_hist/(?P<lag>\d+)(?P<over>\+?)$")
+HIST_KEY_RE = re.compile(rf"^{re.escape(catalogue.LAG_FRAC)}batch/(?P<lag>\d+|over)$")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -162,8 +163,12 @@ def _panels(df: pd.DataFrame, panels: Sequence[tuple[str, Sequence[str], str]], 
     return fig
 
 
+def _lag_order(label: str) -> int:
+    return 1 << 30 if label == "over" else int(label)  # the overflow bin last
+
+
 def plot_staleness(df: pd.DataFrame) -> Figure | None:
-    hist_cols = sorted(((int(m["lag"]), c) for c in df.columns if (m := HIST_KEY_RE.match(c))))
+    hist_cols = sorted(((_lag_order(m["lag"]), c) for c in df.columns if (m := HIST_KEY_RE.match(c))))
     has_lag = any(k in df and df[k].notna().any() for k in ("staleness/lag_mean", "staleness/lag_max"))
     if not hist_cols and not has_lag:
         return None
@@ -263,7 +268,7 @@ def plot_is_by_lag(df: pd.DataFrame) -> Figure | None:
 
 def plot_remaining(df: pd.DataFrame, used: set[str], resumes: Sequence[float]) -> Figure | None:
     """Every numeric metric no other figure shows, one small panel each (per-lag/per-engine keys aside)."""
-    skip = re.compile(r"(/lag_\d+\+?$|^staleness/lag_hist/|^engine/busy_fraction/)")
+    skip = re.compile(rf"(/lag_\d+\+?$|^{re.escape(catalogue.LAG_FRAC)}|^engine/busy_fraction/)")
     rest = [c for c in df.columns if "/" in c and c not in used and not skip.search(c) and df[c].notna().any()]
     rest = sorted(rest)[:24]
     return _panels(df, [(c, [c], "learner_step") for c in rest], resumes)

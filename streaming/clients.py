@@ -80,6 +80,10 @@ class BufferClient(ActorClient):
     async def progress(self) -> BufferProgress:
         return await self._call("progress")
 
+    async def wait_progress(self, after: int, timeout_s: float) -> BufferProgress:
+        """`progress()` once the buffer's change counter passes `after`, or after `timeout_s`."""
+        return await self._call("wait_progress", after, timeout_s, timeout_s=timeout_s + self.timeout_s)
+
     async def resumable_ids(self) -> list[str]:
         return await self._call("resumable_ids")
 

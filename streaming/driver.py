@@ -20,7 +20,9 @@ from streamrl.streaming.system import System
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.1
+# The longest a loop waits for an event before it re-checks on its own (a safety net: loops wake on
+# the buffer's change counter and on publishes, `System.wait_for_change`, not on this timer).
+WAIT_S = 1.0
 
 
 async def admission_loop(system: System) -> None:
@@ -29,14 +31,17 @@ async def admission_loop(system: System) -> None:
     Consumes: prompts from the stream (cursor). Waits for: rollout capacity, which grows when the
     learner publishes a new policy version (learner_loop) and shrinks as groups are admitted.
     Every admitted group is first appended to the buffer as PENDING partial rows (durable), so a
-    crash never loses or duplicates a prompt.
+    crash never loses or duplicates a prompt. Between rounds it sleeps until the buffer changes (a
+    row arrived, a batch was sampled) or a publish changed the served version.
     """
+    changes = -1
     while not system.done:
+        version = system.state.policy_version  # read before capacity: a publish after it wakes the wait
         num_groups = await system.admission_capacity_groups()
         for _ in range(num_groups):
             if not await system.admit_next_group():
                 break
-        await asyncio.sleep(POLL_S)
+        changes = (await system.wait_for_change(changes, version, timeout_s=WAIT_S)).changes
 
 
 async def learner_loop(system: System) -> None:
@@ -72,10 +77,12 @@ async def wait_for_batch(system: System, *, check_workers: bool = False):
     """The next batch, or None when the prompts are used up and nothing is left in flight (the run
     ends cleanly with fewer steps). Raises `Stalled` when nothing arrives for `stall_timeout_s`."""
     stall_s = system.cfg.trainer.stall_timeout_s
-    last_rows, last_change = -1, time.monotonic()
+    last_rows, last_change, changes = -1, time.monotonic(), -1
     while (batch_ref := await system.sample_batch()) is None:
-        progress = await system.buffer.progress()
-        in_flight, rows = progress.in_flight, progress.rows_appended
+        # Sleeps until a row arrives after the last look (returns at once the first time, and when
+        # one arrived between that look and the sample above: no wake-up is lost).
+        progress = await system.buffer.wait_progress(changes, WAIT_S)
+        in_flight, rows, changes = progress.in_flight, progress.rows_appended, progress.changes
         if in_flight == 0 and system.prompts_exhausted:
             logger.warning("the prompt stream is exhausted (%d prompts admitted) and nothing is in flight: "
                            "ending the run at learner step %d of %d", system.state.cursor, system.state.learner_step,
@@ -92,7 +99,6 @@ async def wait_for_batch(system: System, *, check_workers: bool = False):
             )
         if check_workers:
             await system.check_workers()
-        await asyncio.sleep(POLL_S)
     return batch_ref
 
 

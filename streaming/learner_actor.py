@@ -15,13 +15,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
 
 from streamrl.rollout.types import Trajectory
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.weight_publisher import Published
+
+if TYPE_CHECKING:
+    from streamrl.buffer.types import SampledBatch
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +77,15 @@ class LearnerActor:
     def model_path(self) -> str:
         return self.learner.model_path
 
-    async def train_step(self, sampled: Any, num_samples: int = 2) -> Trained:
+    async def train_step(self, sampled: SampledBatch, num_samples: int = 2) -> Trained:
         """One optimizer step on a buffer batch; returns metrics (`learner/*`, `is/*`, `staleness/*` and
         the learner's `memory/learner_peak_gb` / `memory/learner_rss_gb`) and a few trajectories to log."""
         import numpy as np
 
+        from streamrl.buffer.admission import lag_fractions, lag_histogram
         from streamrl.buffer.schema import batch_to_trajectories
-        from streamrl.observability.metrics import Histogram, summarize
+        from streamrl.observability.catalogue import LAG_FRAC
+        from streamrl.observability.metrics import summarize
 
         t0 = time.monotonic()
         padded = sampled.to_padded()
@@ -95,9 +100,7 @@ class LearnerActor:
         metrics["rollout/response_len_mean"] = float(np.mean(np.asarray(padded.seq_lens) - np.asarray(padded.prompt_lens)))
         lags = np.asarray(sampled.lags)
         metrics.update(summarize(lags, prefix="staleness/lag_"))
-        hist = Histogram(max_bucket=max(self.cfg.buffer.max_staleness + 1, 2))
-        hist.add(lags)
-        metrics.update(hist.to_metrics("staleness/lag_hist/"))
+        metrics.update(lag_fractions(lag_histogram(lags, self.cfg.buffer.max_staleness), f"{LAG_FRAC}batch/"))
         table = sampled.table
         return Trained(metrics=metrics, samples=batch_to_trajectories(table.slice(0, min(num_samples, table.num_rows))))
 

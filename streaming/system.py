@@ -28,6 +28,7 @@ from streamrl.streaming.prompts import PromptStream, group_id_for, load_records,
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from streamrl.buffer.types import BufferProgress
     from streamrl.rollout.types import AgentData
     from streamrl.streaming.clients import BufferClient, EngineClient, LearnerClient, WorkerClient
     from streamrl.observability.metrics import MetricsLogger
@@ -113,6 +114,7 @@ class System:
     _next_worker: int = 0
     num_stranded_checks: int = 0  # consistency checks that found trajectories nobody runs
     dropped_engines: dict[str, str] = field(default_factory=dict)  # out of the weight-sync set (I6)
+    _published: asyncio.Condition = field(default_factory=asyncio.Condition)  # the served version changed
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -132,6 +134,25 @@ class System:
             max_concurrent=self.cfg.rollout.max_concurrent_per_worker * len(self.workers),
         )
         return cap // self.cfg.group_size
+
+    async def wait_for_change(self, changes: int, version: int, *, timeout_s: float) -> BufferProgress:
+        """Sleep until the buffer's change counter passes `changes` (rows arrived, a batch was sampled:
+        in-flight work and readiness moved) or the served version is no longer `version` (a publish
+        raised capacity), at most `timeout_s`. Returns the buffer's progress."""
+        poll = asyncio.ensure_future(self.buffer.wait_progress(changes, timeout_s))
+        published = asyncio.ensure_future(self._wait_published(version))
+        try:
+            await asyncio.wait({poll, published}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            published.cancel()
+        if poll.done():
+            return poll.result()
+        poll.cancel()  # the remote long-poll ends by itself within `timeout_s`
+        return await self.buffer.progress()
+
+    async def _wait_published(self, version: int) -> None:
+        async with self._published:
+            await self._published.wait_for(lambda: self.state.policy_version != version)
 
     @property
     def prompts_exhausted(self) -> bool:
@@ -193,11 +214,11 @@ class System:
 
     # ---- learning -----------------------------------------------------------------------------
 
-    async def sample_batch(self) -> Any | None:
+    async def sample_batch(self) -> ray.ObjectRef | None:
         """The next batch (a reference, opaque here: it goes from the buffer to the learner), or None."""
         return await self.buffer.sample(served_version=self.state.policy_version, learner_step=self.state.learner_step + 1)
 
-    async def train_step(self, batch_ref: Any) -> dict[str, float]:
+    async def train_step(self, batch_ref: ray.ObjectRef) -> dict[str, float]:
         t0 = time.monotonic()
         trained = await self.learner.train_step(batch_ref)
         self.state.learner_step += 1
@@ -215,6 +236,8 @@ class System:
         if self.state.policy_version > self.state.version_high_water:
             self.state.version_high_water = self.state.policy_version
             self.state.save(self.run_dir / "driver_state.json")
+        async with self._published:
+            self._published.notify_all()
         self.metrics.span("sync", "engines", t0 - self.started, time.monotonic() - self.started)
         return metrics
 

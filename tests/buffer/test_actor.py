@@ -58,3 +58,22 @@ def test_backpressure_waits_for_room(ray_cluster):
     stats = ray.get(actor.stats.remote(), timeout=RAY_TIMEOUT_S)
     assert stats["buffer/backpressure_waits"] == 2 and stats["buffer/backpressure_timeouts"] == 2
     ray.kill(actor)
+
+
+def test_wait_progress_is_a_long_poll_woken_by_appends_and_samples(ray_cluster):
+    """The driver's waits: parked until the change counter passes `after`, woken by an append (and by
+    a sample), and back with the same counter after `timeout_s` when nothing happened."""
+    ray = ray_cluster
+    actor = create_buffer_actor(BufferConfig(batch_size=2, group_size=2))
+    start = ray.get(actor.progress.remote(), timeout=RAY_TIMEOUT_S)
+    assert ray.get(actor.wait_progress.remote(start.changes, 0.2), timeout=RAY_TIMEOUT_S).changes == start.changes
+    waiting = actor.wait_progress.remote(start.changes, 60.0)
+    ready, _ = ray.wait([waiting], timeout=0.5)
+    assert not ready  # parked: nothing changed
+    assert ray.get(actor.append.remote(make_group("a", 2)), timeout=RAY_TIMEOUT_S)
+    woken = ray.get(waiting, timeout=RAY_TIMEOUT_S)  # well before its 60 s
+    assert woken.changes > start.changes and woken.rows_appended == 2
+    waiting = actor.wait_progress.remote(woken.changes, 60.0)
+    assert ray.get(actor.sample.remote(0, 1), timeout=RAY_TIMEOUT_S) is not None
+    assert ray.get(waiting, timeout=RAY_TIMEOUT_S).changes > woken.changes
+    ray.kill(actor)

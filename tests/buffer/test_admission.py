@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from streamrl.buffer.admission import lag_histogram, rollout_capacity, token_lag, trajectory_lag, within_staleness
+from streamrl.buffer.admission import lag_fractions, lag_histogram, rollout_capacity, token_lag, trajectory_lag, within_staleness
 
 
 def test_capacity_at_start_is_one_batch_per_allowed_version():
@@ -52,3 +52,12 @@ def test_multi_turn_trajectory_lag_uses_oldest_sampled_token():
 
 def test_lag_histogram_has_overflow_bin_and_ignores_observations():
     assert lag_histogram(np.array([0, 0, 1, 2, 3, 7, -1]), max_lag=2).tolist() == [2, 1, 1, 2]
+
+
+def test_lag_fractions_is_the_one_histogram_family():
+    hist = lag_histogram(np.array([0, 0, 1, 2, 3, 7, -1]), max_lag=2)
+    assert lag_fractions(hist, "staleness/lag_frac/batch/") == {
+        "staleness/lag_frac/batch/0": 2 / 6, "staleness/lag_frac/batch/1": 1 / 6,
+        "staleness/lag_frac/batch/2": 1 / 6, "staleness/lag_frac/batch/over": 2 / 6,
+    }
+    assert set(lag_fractions(lag_histogram(np.array([], dtype=np.int64), max_lag=1), "x/").values()) == {0.0}

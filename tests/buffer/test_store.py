@@ -144,7 +144,8 @@ def test_lag_histogram_at_consume_time():
     buf.append(make_group("a", 2, version=1))
     buf.sample(served_version=3, learner_step=1)
     stats = buf.stats()
-    assert stats["staleness/token_lag_frac_2"] == 1.0
+    assert stats["staleness/lag_frac/tokens/2"] == 1.0 and stats["staleness/lag_frac/trajectories/2"] == 1.0
+    assert stats["staleness/lag_frac/tokens/over"] == 0.0 and stats["staleness/lag_frac/tokens/0"] == 0.0
     assert stats["staleness/trajectory_lag_mean"] == 2.0
 
 

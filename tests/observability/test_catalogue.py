@@ -18,7 +18,7 @@ PACKAGES = ("streaming", "observability", "rollout", "buffer", "learner", "weigh
 NAMESPACES = "rollout|learner|buffer|staleness|engine|sync|memory|is|length|time|metrics|invariants"
 # A complete key in a plain string literal (f-strings and prefixes such as "memory/" are not keys).
 KEY_LITERAL = re.compile(rf'(?<![fFrRbB\w])"((?:{NAMESPACES})/[\w/.+-]*[a-zA-Z0-9+])"')
-SAMPLES = {"is_stat": "ratio_p90", "bucket": "lag_2plus", "lag": "3+", "lag_k": "over", "lag_stat": "p99",
+SAMPLES = {"is_stat": "ratio_p90", "bucket": "lag_2plus", "lag_scope": "tokens", "lag_k": "over", "lag_stat": "p99",
            "phase": "over_age", "length_kind": "dropped_over_age", "tokens": "512", "part": "rollout_worker",
            "engine": "engine-3"}
 
@@ -38,7 +38,7 @@ def test_every_declaration_matches_its_keys_and_no_other_declaration_does():
     assert catalogue.lookup("memory/learner_gpu_peak_gb").key == "memory/{part}_gpu_peak_gb"
     assert catalogue.lookup("memory/learner_peak_gb").key == "memory/{part}_peak_gb"
     assert catalogue.lookup("buffer/groups_over_token_budget").reduction is Reduction.TOTAL
-    for bad in ("rollout/nope", "is/ratio_mean/lag_x", "memory/gpu_peak_gb", "staleness/lag_hist/"):
+    for bad in ("rollout/nope", "is/ratio_mean/lag_x", "memory/gpu_peak_gb", "staleness/lag_frac/batch/", "staleness/lag_hist/0"):
         with pytest.raises(KeyError, match="not declared"):
             catalogue.lookup(bad)
         assert catalogue.reduction(bad) is None

@@ -13,7 +13,6 @@ from streamrl.rollout.types import FinishReason, Trajectory, TrajectoryStatus
 from streamrl.observability.logs import format_duration
 from streamrl.observability.metrics import (
     WANDB_ERRORS_KEY,
-    Histogram,
     MetricsLogger,
     RunInfo,
     SpanKind,
@@ -217,22 +216,3 @@ def test_summarize_matches_hand_values():
     assert summarize([]) == {}
     with pytest.raises(ValueError):
         summarize([1.0], quantiles=[1.5])
-
-
-def test_histogram_fractions_and_overflow():
-    h = Histogram(max_bucket=3)
-    h.add([0, 0, 1, 5, 3])
-    h.add([])
-    assert h.total == 5
-    assert h.to_metrics("staleness/lag_hist/") == {
-        "staleness/lag_hist/0": 0.4,
-        "staleness/lag_hist/1": 0.2,
-        "staleness/lag_hist/3+": 0.4,
-    }
-    with pytest.raises(ValueError):
-        h.add([-1])
-    with pytest.raises(ValueError):
-        h.add([0.5])
-    h.reset()
-    assert h.fractions() == {}
-    assert Histogram().to_metrics("x/") == {}

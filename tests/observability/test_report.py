@@ -7,11 +7,13 @@ import json
 import re
 import time
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from streamrl.rollout.types import Trajectory
-from streamrl.observability.metrics import Histogram, MetricsLogger, RunInfo, summarize
+from streamrl.buffer.admission import lag_fractions, lag_histogram
+from streamrl.observability.metrics import MetricsLogger, RunInfo, summarize
 from streamrl.observability.report import load_run, write_report
 from streamrl.observability.report_figures import busy_fractions, per_step, resume_points, union_length
 from streamrl.observability.report_viewer import FastTokenizerFile, decode_pieces, load_tokenizer, pick_samples
@@ -43,8 +45,7 @@ def _write_run(run_dir, tok, model_path, *, num_steps: int = 6) -> None:
     RunInfo(run_name="synthetic", model_path=str(model_path), mode="async", config={"lr": 1e-5}, started_at=START).save(run_dir)
     with MetricsLogger(run_dir, wandb_cfg=None, console=False, started_at=START) as ml:
         for step in range(1, num_steps + 1):
-            hist = Histogram(max_bucket=3)
-            hist.add([0] * step + [1] * 3 + [2] + [5])
+            hist = lag_histogram(np.array([0] * step + [1] * 3 + [2] + [5]), max_lag=2)
             ml.log({
                 "rollout/reward_mean": 0.1 * step, "rollout/tokens_per_s": 200.0, "rollout/num_finished": 8,
                 "rollout/num_partial": 2, "rollout/num_resumed": 1, "rollout/response_len_mean": 30 + step,
@@ -54,7 +55,7 @@ def _write_run(run_dir, tok, model_path, *, num_steps: int = 6) -> None:
                 "sync/pause_s": 0.1, "sync/transfer_s": 0.3, "sync/resume_s": 0.05, "sync/total_s": 0.45,
                 "custom/thing": step, "memory/learner_peak_gb": 2.0 + step / 10, "memory/learner_rss_gb": 1.5,
                 "memory/engine_peak_gb": 4.25, "memory/driver_peak_gb": 0.5,
-                **hist.to_metrics("staleness/lag_hist/"),
+                **lag_fractions(hist, "staleness/lag_frac/batch/"),
                 **summarize([0, 1, step], prefix="staleness/lag_"),
             }, learner_step=step, policy_version=step)
             ml.span("generate", "engine-0", step - 1.0, step - 0.1)

@@ -50,13 +50,17 @@ def _fake_system(*, in_flight: int, rows, exhausted: bool, stall_timeout_s: floa
     async def progress():
         return BufferProgress(in_flight=in_flight, rows_appended=next(rows))
 
+    async def wait_progress(after, timeout_s):
+        await asyncio.sleep(0.01)
+        return await progress()
+
     async def no_batch():
         return None
 
     sys = SimpleNamespace(
         cfg=SimpleNamespace(trainer=SimpleNamespace(stall_timeout_s=stall_timeout_s, total_steps=10)),
         state=SimpleNamespace(cursor=7, learner_step=3, policy_version=3),
-        buffer=SimpleNamespace(progress=progress),
+        buffer=SimpleNamespace(progress=progress, wait_progress=wait_progress),
         sample_batch=no_batch,
         prompts_exhausted=exhausted,
         exhausted=False,

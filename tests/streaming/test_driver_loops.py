@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +62,14 @@ class FakeBuffer:
         return batch
 
     async def progress(self) -> BufferProgress:
-        return BufferProgress(in_flight=self.rb.num_in_flight, rows_appended=self.rb.num_rows_appended)
+        return BufferProgress(in_flight=self.rb.num_in_flight, rows_appended=self.rb.num_rows_appended,
+                              changes=self.rb.num_changes)
+
+    async def wait_progress(self, after: int, timeout_s: float) -> BufferProgress:
+        deadline = time.monotonic() + timeout_s
+        while self.rb.num_changes <= after and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        return await self.progress()
 
     async def resumable_ids(self) -> list[str]:
         return self.rb.resumable_ids()
@@ -345,3 +353,28 @@ async def test_a_worker_dying_at_the_end_of_the_run_strands_nothing(tmp_path):
     assert victim.lost and victim.lost <= set().union(*(w.ever_held for w in survivors))
     for tid in victim.lost:  # finished by a survivor, or held there with its partial row
         assert any(tid in w.finished or (tid in w.tasks and tid in accounting["resumable"]) for w in survivors), tid
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("mode,max_staleness", [("async", 1), ("async", 0), ("sync", 1)])
+async def test_the_loops_wake_on_events_not_on_a_timer(tmp_path, monkeypatch, mode, max_staleness):
+    """With the loops' safety-net timeout at 30 s, a run of 8 steps still ends in seconds: admission
+    wakes when rows arrive or a publish raises capacity, the learner when a row arrives. One lost
+    wake-up would cost 30 s and fail the deadline. With max_staleness=0 nothing is in flight when a
+    step's weights are published, so only the publish can wake admission."""
+    from streamrl.streaming import driver
+
+    monkeypatch.setattr(driver, "WAIT_S", 30.0)
+    system, buffer, learner = _system(tmp_path, f"trainer.mode={mode}", f"buffer.max_staleness={max_staleness}")
+
+    async def slow_step() -> None:  # admission looks (and finds no room) between the sample and the publish
+        await asyncio.sleep(0.05)
+
+    learner.on_step = slow_step
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(run_async(system) if mode == "async" else run_sync(system), 20.0)
+    finally:
+        system.metrics.close()
+    assert system.state.learner_step == 8
+    assert time.monotonic() - t0 < 20.0
