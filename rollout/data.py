@@ -1,10 +1,15 @@
 """Prompt datasets: load prompt files into `PromptRecord`s, and generate the arithmetic task.
 
 `load_prompts` reads .parquet / .jsonl / .json in our flat layout (`messages`, `tools_kwargs`,
-`ground_truth`) or verl's (`prompt`, `extra_info.tools_kwargs`, `reward_model.ground_truth`). The
-group id is the row's `group_id` / `id` / `uid` column, else a stable hash of the messages (repeated
-prompts get `-dupN` suffixes so GRPO groups never mix). Bad rows raise a ValueError naming the file,
-the row and the field.
+`ground_truth`) or verl's, unchanged: `data_source`, `prompt` (the messages), `ability`,
+`reward_model` {`style`, `ground_truth`}, `agent_name`, and `extra_info` with `tools_kwargs`
+({tool: {"create_kwargs": {...}}}) and `interaction_kwargs`. verl's reward functions are called with
+`data_source` and the whole `extra_info`, so a `PromptRecord` keeps them next to the fields we use.
+Rows may come as parquet decodes them (struct columns unified across rows, absent keys null) or as
+pandas / HF datasets hand them over (numpy arrays for lists, numpy scalars, NaN for absent columns):
+both are normalised to plain Python first. The group id is the row's `group_id` / `id` / `uid`
+column, else a stable hash of the messages (repeated prompts get `-dupN` suffixes so GRPO groups never
+mix). Bad rows raise a ValueError naming the file, the row and the field.
 
 `make_arithmetic_dataset` generates word problems whose answers need multi-digit arithmetic (the
 calculator tool's task); `make_tool_sft_transcripts` turns those prompts into gold tool-using chats
@@ -18,6 +23,7 @@ import json
 import random
 import re
 import string
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +63,24 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}: a .json prompt file must hold a list of rows")
         return data
     raise ValueError(f"{path}: unsupported prompt file type {suffix!r} (use .parquet, .jsonl or .json)")
+
+
+def _to_python(value: Any) -> Any:
+    """numpy arrays -> lists and numpy scalars -> Python scalars, recursively (what pandas and HF
+    datasets hand over for parquet list columns), so the rest of the loader sees plain JSON types."""
+    if isinstance(value, dict):
+        return {k: _to_python(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_python(v) for v in value]
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return _to_python(value.tolist())  # an object array's tolist() still holds arrays
+    return value
+
+
+def _plain_row(row: dict[str, Any]) -> dict[str, Any]:
+    """The row in plain Python; a float NaN column (pandas' "absent" in a mixed frame) becomes None."""
+    row = _to_python(row)
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
 
 
 def _drop_none(value: Any) -> Any:
@@ -102,6 +126,38 @@ def _nested(row: dict[str, Any], where: str, outer: str, inner: str) -> Any:
     return container.get(inner) if isinstance(container, dict) else None
 
 
+def _object(value: Any, where: str, name: str) -> dict[str, Any]:
+    """An optional JSON-object field ({} when absent), struct nulls dropped."""
+    value = _drop_none(_maybe_json(value, where, name))
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: field {name!r} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _text(value: Any, where: str, name: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _metadata(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """The verl-layout metadata fields of a `PromptRecord`."""
+    extra_info = _object(row.get("extra_info"), where, "extra_info")
+    interaction = row.get("interaction_kwargs")
+    if interaction is None:
+        interaction = extra_info.get("interaction_kwargs")
+    reward_model = _object(row.get("reward_model"), where, "reward_model")
+    return {
+        "data_source": _text(row.get("data_source"), where, "data_source"),
+        "ability": _text(row.get("ability"), where, "ability"),
+        "reward_style": _text(reward_model.get("style"), where, "reward_model.style"),
+        "extra_info": extra_info,
+        "interaction_kwargs": _object(interaction, where, "interaction_kwargs"),
+    }
+
+
 def _ground_truth(value: Any) -> str | None:
     if value is None:
         return None
@@ -120,10 +176,12 @@ def _record(row: Any, index: int, source: str) -> tuple[PromptRecord, bool]:
     where = f"{source} row {index}"
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be an object, got {type(row).__name__}")
+    row = _plain_row(row)
     messages = _messages(row, where)
+    metadata = _metadata(row, where)
     tools_kwargs = row.get("tools_kwargs")
     if tools_kwargs is None:
-        tools_kwargs = _nested(row, where, "extra_info", "tools_kwargs")
+        tools_kwargs = metadata["extra_info"].get("tools_kwargs")
     tools_kwargs = _drop_none(_maybe_json(tools_kwargs, where, "tools_kwargs")) or {}
     if not isinstance(tools_kwargs, dict):
         raise ValueError(f"{where}: field 'tools_kwargs' must be an object, got {type(tools_kwargs).__name__}")
@@ -141,7 +199,9 @@ def _record(row: Any, index: int, source: str) -> tuple[PromptRecord, bool]:
         agent_name=agent_name,
         tools_kwargs=tools_kwargs,
         ground_truth=_ground_truth(truth),
+        raw_ground_truth=_drop_none(truth),
         data_index=index,
+        **metadata,
     )
     return record, id_value is not None
 
@@ -154,7 +214,8 @@ def load_prompts(path: str | Path) -> list[PromptRecord]:
 
 
 def records_from_rows(rows: Sequence[Any], source: str = "<rows>") -> list[PromptRecord]:
-    """Parse rows already in memory exactly as `load_prompts` parses a file's rows."""
+    """Parse rows already in memory exactly as `load_prompts` parses a file's rows (also rows of
+    `pandas.read_parquet(...).to_dict("records")` or an HF dataset, numpy values and all)."""
     records: list[PromptRecord] = []
     seen: dict[str, int] = {}
     for index, row in enumerate(rows):
@@ -201,15 +262,15 @@ class _Template:
     def regex(self) -> re.Pattern[str]:
         """Recovers the slot values from a rendered question (for SFT transcripts)."""
         parts, named = [], set()
-        for literal, field, _, _ in string.Formatter().parse(self.text):
+        for literal, slot, _, _ in string.Formatter().parse(self.text):
             parts.append(re.escape(literal))
-            if field is None:
+            if slot is None:
                 continue
-            if field in named:
-                parts.append(f"(?P={field})")
+            if slot in named:
+                parts.append(f"(?P={slot})")
             else:
-                named.add(field)
-                parts.append(r"(?P<name>[A-Z][a-z]+)" if field == "name" else rf"(?P<{field}>\d+)")
+                named.add(slot)
+                parts.append(r"(?P<name>[A-Z][a-z]+)" if slot == "name" else rf"(?P<{slot}>\d+)")
         return re.compile("".join(parts))
 
 

@@ -4,6 +4,16 @@ A reward function is any `Callable[[RewardInput], float]`. Configs name one by r
 (`math_answer`) or by import path (`package.module:function`); `get_reward_fn` resolves both. Reward
 functions are pure (no I/O), so they run inline in the agent loop at trajectory end.
 
+verl's reward functions plug in unchanged: a function with verl's signature
+`compute_score(data_source, solution_str, ground_truth, extra_info=None)` named by import path is
+detected by its parameter names (`solution_str` and `ground_truth`) and adapted by `verl_reward_fn`;
+the prefix `verl:` (`verl:my_pkg.mod:compute_score`) asks for the adapter explicitly and fails loudly
+if the signature does not fit. It is called with keywords, as verl calls it: `data_source` and
+`extra_info` of the dataset row, `ground_truth` as the row stored it, and as `solution_str` the
+assistant's text of the whole trajectory (verl decodes the response tokens, which in multi-turn
+rollouts also hold tool observations; grading only what the model wrote keeps an answer quoted from a
+tool result from counting as the model's). It may return a number or a dict with a "score" entry.
+
 Answer extraction is shared with the math-feedback interaction: the content of the last `\\boxed{}`
 (balanced braces), otherwise the last number in the text. Answers compare numerically (fractions,
 thousands separators, `\\frac{a}{b}`, trailing units/punctuation tolerated) with a small tolerance,
@@ -12,7 +22,9 @@ and as normalized strings when either side is not a number.
 
 from __future__ import annotations
 
+import inspect
 import math
+import numbers
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +43,10 @@ class RewardInput:
     num_tool_calls: int = 0
     num_tool_errors: int = 0
     messages: list[dict[str, Any]] = field(default_factory=list)  # [num_messages] OpenAI chat format
+    # Row metadata of verl's dataset layout (rollout.types.PromptRecord), read by verl's scorers:
+    data_source: str | None = None
+    raw_ground_truth: Any = None  # the ground truth as the row stored it; None: use `ground_truth`
+    extra_info: dict[str, Any] = field(default_factory=dict)
 
 
 RewardFn = Callable[[RewardInput], float]
@@ -42,15 +58,22 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     return REWARDS.register(name)
 
 
+VERL_PREFIX = "verl:"
+
+
 def get_reward_fn(spec: str) -> RewardFn:
-    """A registered name (see `registered_rewards()`) or `package.module:function`."""
+    """A registered name (see `registered_rewards()`), `package.module:function` taking a
+    `RewardInput`, or a verl `compute_score` (by signature, or forced with `verl:package.module:fn`)."""
     if (fn := REWARDS.find(spec)) is not None:
         return fn
-    if ":" not in spec and "." not in spec:
+    path = spec.removeprefix(VERL_PREFIX)
+    if ":" not in path and "." not in path:
         raise ValueError(f"unknown reward function {spec!r}; registered: {registered_rewards()} or 'pkg.mod:fn'")
-    fn = import_object(spec)
+    fn = import_object(path)
     if not callable(fn):
         raise ValueError(f"reward function {spec!r} is not callable")
+    if spec.startswith(VERL_PREFIX) or is_verl_compute_score(fn):
+        return verl_reward_fn(fn)
     return fn
 
 
@@ -186,3 +209,67 @@ def math_answer_length_penalty(inp: RewardInput) -> float:
 
 
 _MATH_LENGTH_PENALIZED = with_length_penalty(math_answer, max_chars=4000, coef=0.5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# verl's compute_score
+# ---------------------------------------------------------------------------------------------------
+
+_VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+
+@dataclass(kw_only=True, slots=True)
+class VerlScore:
+    """What a verl `compute_score` returned: the score, and the other numeric entries of a dict."""
+
+    score: float
+    extras: dict[str, float] = field(default_factory=dict)  # e.g. {"acc": 1.0}; verl logs these
+
+
+def verl_score(result: Any) -> VerlScore:
+    """Read a `compute_score` result: a number (bools and numpy scalars too), or a dict with "score"."""
+    extras: dict[str, float] = {}
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(f"compute_score returned a dict without a 'score' entry (keys: {sorted(map(str, result))})")
+        extras = {str(k): float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)}
+        result = result["score"]
+    if not isinstance(result, numbers.Real):
+        raise ValueError(f"compute_score returned {type(result).__name__} {result!r:.60}; expected a number or a dict with 'score'")
+    return VerlScore(score=float(result), extras=extras)
+
+
+def is_verl_compute_score(fn: Callable[..., Any]) -> bool:
+    """True when `fn` takes verl's keyword arguments (`solution_str` and `ground_truth` at least)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "solution_str" in params and "ground_truth" in params
+
+
+def verl_reward_fn(compute_score: Callable[..., Any]) -> RewardFn:
+    """Adapt a verl `compute_score(data_source, solution_str, ground_truth, extra_info)` to a `RewardFn`.
+
+    Only the arguments the function declares are passed (all four when it takes `**kwargs`). The
+    returned function gives the score; dict extras are dropped (a `RewardFn` returns one number)."""
+    name = getattr(compute_score, "__qualname__", type(compute_score).__name__)
+    if not is_verl_compute_score(compute_score):
+        raise ValueError(f"{name} does not take verl's compute_score arguments {_VERL_ARGUMENTS}")
+    if inspect.iscoroutinefunction(compute_score):
+        raise ValueError(f"{name} is async; reward functions run inline at trajectory end, so it must be sync")
+    params = inspect.signature(compute_score).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    passed = [a for a in _VERL_ARGUMENTS if a in params or takes_any]
+
+    def reward(inp: RewardInput) -> float:
+        values = {
+            "data_source": inp.data_source,
+            "solution_str": inp.response_text,
+            "ground_truth": inp.ground_truth if inp.raw_ground_truth is None else inp.raw_ground_truth,
+            "extra_info": dict(inp.extra_info),  # a copy: a scorer may write into it
+        }
+        return verl_score(compute_score(**{a: values[a] for a in passed})).score
+
+    reward.__name__ = f"verl_{getattr(compute_score, '__name__', 'compute_score')}"
+    return reward

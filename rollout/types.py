@@ -110,6 +110,10 @@ class AgentData(BaseModel):
     messages: list[dict[str, Any]] = Field(default_factory=list)  # OpenAI chat format
     tools_kwargs: dict[str, Any] = Field(default_factory=dict)
     ground_truth: str | None = None
+    # The dataset row's metadata for verl-style reward functions (see `PromptRecord`).
+    data_source: str | None = None
+    raw_ground_truth: Any = None
+    extra_info: dict[str, Any] = Field(default_factory=dict)
 
     prompt_ids: list[int] = Field(default_factory=list)  # [num_prompt_tokens]
     response_ids: list[int] = Field(default_factory=list)  # [num_response_tokens]
@@ -262,7 +266,12 @@ class PromptRecord:
 
     Accepts verl's parquet layout (`prompt` holding the messages, `extra_info.tools_kwargs`,
     `reward_model.ground_truth`) as well as the flat one (`messages`, `tools_kwargs`,
-    `ground_truth`)."""
+    `ground_truth`). The metadata of verl's layout is kept for verl-style reward functions
+    (`compute_score(data_source, solution_str, ground_truth, extra_info)`) and interactions; every
+    such field defaults to "absent". `ground_truth` is the text the built-in rewards compare,
+    `raw_ground_truth` the value as stored (a dict or list for some verl datasets), which is what
+    verl's scorers receive; `extra_info` is the row's whole `extra_info`; `interaction_kwargs` is
+    `extra_info.interaction_kwargs` (or a top-level column)."""
 
     group_id: str
     messages: list[dict[str, Any]]
@@ -270,3 +279,9 @@ class PromptRecord:
     tools_kwargs: dict[str, Any] = field(default_factory=dict)
     ground_truth: str | None = None
     data_index: int = 0  # position in the dataset: the data cursor of resumable runs
+    data_source: str | None = None  # e.g. "openai/gsm8k"; selects verl's scorer
+    ability: str | None = None  # e.g. "math"
+    reward_style: str | None = None  # verl's reward_model.style: "rule" or "model"
+    raw_ground_truth: Any = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    interaction_kwargs: dict[str, Any] = field(default_factory=dict)

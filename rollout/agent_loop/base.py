@@ -204,6 +204,9 @@ class AgentLoopBase(abc.ABC):
                         num_tool_calls=data.num_tool_calls,
                         num_tool_errors=data.num_tool_errors,
                         messages=data.messages,
+                        data_source=data.data_source,
+                        raw_ground_truth=data.raw_ground_truth,
+                        extra_info=data.extra_info,
                     )
                 )
             )

@@ -14,8 +14,21 @@ verl's names a class and carries the OpenAI schema (`type: native` is the only k
         config: {type: native}
         tool_schema: {type: function, function: {name: calculator, ...}}
 
-Both may be mixed in one file. An entry with both `name` and `class_name` renames the tool. Classes
-are imported as `package.module.Class` or `package.module:Class` and must subclass our `BaseTool`.
+A plain function with type hints and a docstring is a tool too (`tools/function.py` generates its
+schema); `config` then binds keyword arguments the model never sees, `idempotent` (default false) says
+an interrupted call may be re-run, and `instance_id_param` names a parameter that receives the
+trajectory id:
+
+    tools:
+      - function: streamrl.rollout.tools.examples:word_count
+        idempotent: true
+      - function: my_pkg.search:search
+        name: web_search
+        config: {max_results: 5}
+
+All may be mixed in one file. An entry with `name` and `class_name` / `function` renames the tool; an
+explicit `tool_schema` replaces the default (or generated) one. Classes and functions are imported as
+`package.module.attr` or `package.module:attr`; classes must subclass our `BaseTool`.
 """
 
 from __future__ import annotations
@@ -27,9 +40,9 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
 from streamrl.rollout.tools.base import BaseTool
 from streamrl.rollout.tools.executor import DEFAULT_MAX_RESULT_CHARS, ToolRegistry
+from streamrl.rollout.tools.function import FunctionTool
 
 BUILTIN_TOOLS: dict[str, str] = {
     "calculator": "streamrl.rollout.tools.calculator:CalculatorTool",
@@ -42,14 +55,21 @@ class ToolEntry(BaseModel):
 
     name: str | None = None
     class_name: str | None = None
+    function: str | None = None  # `package.module:function`, made a tool by FunctionTool
     config: dict[str, Any] = Field(default_factory=dict)
     tool_schema: dict[str, Any] | None = None
+    idempotent: bool | None = None  # function entries only; a class declares its own
+    instance_id_param: str | None = None  # function entries only
 
     @model_validator(mode="after")
-    def _name_or_class(self) -> ToolEntry:
-        if self.name is None and self.class_name is None:
-            raise ValueError("a tool entry needs `name` (a built-in tool) or `class_name`")
+    def _name_class_or_function(self) -> ToolEntry:
+        if self.name is None and self.class_name is None and self.function is None:
+            raise ValueError("a tool entry needs `name` (a built-in tool), `class_name` or `function`")
         return self
+
+    @property
+    def label(self) -> str:
+        return self.name or self.class_name or self.function or "?"
 
 
 class ToolConfigFile(BaseModel):
@@ -68,28 +88,58 @@ def import_object(path: str) -> Any:
         raise ValueError(f"{path!r} is not an import path like 'package.module.Class'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r} for {path!r}: {exc}") from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
+    except Exception as exc:  # ImportError, or whatever the module raised while importing
+        raise ValueError(f"cannot import module {module_name!r} for {path!r}: {type(exc).__name__}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):  # `module:Class.method`
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def _native_config(entry: ToolEntry) -> dict[str, Any]:
+    """The entry's config without verl's `type: native` marker (the only kind supported)."""
+    config = dict(entry.config)
+    kind = config.pop("type", "native")
+    if kind != "native":
+        raise ValueError(f"tool type {kind!r} is not supported (only 'native')")
+    return config
+
+
+def _build_function_tool(entry: ToolEntry) -> FunctionTool:
+    assert entry.function is not None
+    if entry.class_name is not None:
+        raise ValueError("give either `class_name` (a BaseTool subclass) or `function`, not both")
+    fn = import_object(entry.function)
+    if isinstance(fn, type) or not callable(fn):
+        kind = "a class" if isinstance(fn, type) else f"a {type(fn).__name__}"
+        raise ValueError(f"`function: {entry.function}` is {kind}, not a function (classes go under `class_name`)")
+    return FunctionTool(
+        fn,
+        name=entry.name,
+        tool_schema=entry.tool_schema,
+        idempotent=bool(entry.idempotent),
+        bound=_native_config(entry),
+        instance_id_param=entry.instance_id_param,
+    )
 
 
 def build_tool(entry: ToolEntry) -> BaseTool:
+    if entry.function is not None:
+        return _build_function_tool(entry)
+    if entry.idempotent is not None or entry.instance_id_param is not None:
+        raise ValueError("`idempotent` and `instance_id_param` apply to `function` entries (a tool class declares them)")
     if entry.class_name is not None:
         cls = import_object(entry.class_name)
     elif entry.name in BUILTIN_TOOLS:
         cls = import_object(BUILTIN_TOOLS[entry.name])
     else:
-        raise ValueError(f"unknown built-in tool {entry.name!r}; built-ins: {sorted(BUILTIN_TOOLS)}, or give `class_name`")
+        raise ValueError(f"unknown built-in tool {entry.name!r}; built-ins: {sorted(BUILTIN_TOOLS)}, or give `class_name` or `function`")
     if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
         raise ValueError(f"{entry.class_name} is not a subclass of rollout.tools.base.BaseTool")
-    config = dict(entry.config)
-    kind = config.pop("type", "native")
-    if kind != "native":
-        raise ValueError(f"tool type {kind!r} is not supported (only 'native')")
-    tool = cls(config=config, tool_schema=entry.tool_schema)
+    tool = cls(config=_native_config(entry), tool_schema=entry.tool_schema)
     if entry.name is not None and entry.name != tool.name:
         tool.schema = tool.schema.with_name(entry.name)
     return tool
@@ -105,8 +155,7 @@ def build_tool_registry(data: Mapping[str, Any], source: str = "<dict>") -> Tool
         try:
             tools.append(build_tool(entry))
         except ValueError as exc:  # includes pydantic errors of the tool's config / schema
-            label = entry.name or entry.class_name
-            raise ValueError(f"{source}: tool #{i} ({label}): {exc}") from exc
+            raise ValueError(f"{source}: tool #{i} ({entry.label}): {exc}") from exc
     return ToolRegistry(tools, max_result_chars=parsed.max_result_chars)
 
 

@@ -75,6 +75,7 @@ class ToolRegistry:
                 raise ValueError(f"two tools are named {tool.name!r}; tool names must be unique")
             self.tools[tool.name] = tool
         self.max_result_chars = max_result_chars
+        self._ignored_kwargs: set[str] = set()  # tools_kwargs names already warned about
         self._schemas = [tool.schema.to_openai() for tool in self.tools.values()]
         self.num_calls = 0
         self.num_errors = 0  # every error result, whatever the cause
@@ -111,10 +112,14 @@ class ToolRegistry:
 
     # -- instance life cycle -------------------------------------------------------------------------
     def _create_kwargs(self, tools_kwargs: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+        """Each registered tool's create kwargs from a row's `tools_kwargs`. As in verl, kwargs for a
+        tool this run does not configure are ignored (verl datasets carry them for tools such as
+        `calc_gsm8k_reward`); each such name is logged once, so a misspelt tool name is visible."""
         tools_kwargs = tools_kwargs or {}
-        unknown = sorted(set(tools_kwargs) - set(self.tools))
-        if unknown:
-            raise ValueError(f"tools_kwargs names unknown tool(s) {unknown}; registered: {self.names}")
+        for name in sorted(set(tools_kwargs) - set(self.tools) - self._ignored_kwargs):
+            self._ignored_kwargs.add(name)
+            logger.warning("tools_kwargs names tool %r, which is not configured (tools: %s): its kwargs are ignored",
+                           name, self.names)
         return {name: dict((tools_kwargs.get(name) or {}).get("create_kwargs") or {}) for name in self.tools}
 
     async def create_instances(self, tools_kwargs: Mapping[str, Any] | None = None) -> dict[str, str]:

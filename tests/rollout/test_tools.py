@@ -262,12 +262,14 @@ def test_check_calls_splits_runnable_calls_from_error_results(registry):
     assert lost.is_error and "interrupted" in lost.text and registry.metrics()["rollout/tools/num_interrupted"] == 1.0
 
 
-async def test_registry_rejects_bad_construction_and_kwargs():
+async def test_registry_rejects_bad_construction_and_kwargs(caplog):
     with pytest.raises(ValueError, match="unique"):
         ToolRegistry([CalculatorTool(), CalculatorTool()])
     registry = ToolRegistry([CalculatorTool()], max_result_chars=4)
-    with pytest.raises(ValueError, match="unknown tool"):
-        await registry.create_instances({"search": {"create_kwargs": {}}})
+    for _ in range(2):  # kwargs of a tool not configured are ignored (as in verl), with one warning
+        assert set(await registry.create_instances({"search": {"create_kwargs": {"k": 1}}})) == {"calculator"}
+    assert [r.getMessage() for r in caplog.records].count(
+        "tools_kwargs names tool 'search', which is not configured (tools: ['calculator']): its kwargs are ignored") == 1
     ids = await registry.create_instances({"calculator": {"create_kwargs": {"ground_truth": "7"}}})
     assert registry.get("calculator").instance_state(ids["calculator"]) == {"ground_truth": "7"}
     (long,) = await registry.execute_calls([_call(0, "calculator", expression="10**9")], ids, timeout_s=1, max_parallel=1)
