@@ -367,14 +367,19 @@ def expression_for(question: str) -> str:
     raise ValueError(f"not a question from make_arithmetic_dataset: {question[:80]!r}")
 
 
+CODE_INTERPRETER = "code_interpreter"  # rollout.tools.code_interpreter's default tool name
+
+
 def make_tool_sft_transcripts(
     records: Iterable[PromptRecord], *, tool_name: str = "calculator", explain: bool = True
 ) -> list[list[dict[str, Any]]]:
-    """Gold chats: prompt -> assistant calls the calculator -> tool result -> assistant `\\boxed{answer}`.
+    """Gold chats: prompt -> assistant calls the tool -> tool result -> assistant `\\boxed{answer}`.
 
-    Messages are in OpenAI chat format (assistant `tool_calls` with dict arguments, `tool` reply with
-    `tool_call_id`), ready for the chat template. The expression is recovered from the question and
-    its result checked against the ground truth, so a transcript is never wrong."""
+    The calculator gets `{"expression": ...}`; the code interpreter (`tool_name="code_interpreter"`)
+    gets `{"code": "print(...)"}` and answers with the printed line. Messages are in OpenAI chat format
+    (assistant `tool_calls` with dict arguments, `tool` reply with `tool_call_id`), ready for the chat
+    template. The expression is recovered from the question and its result checked against the ground
+    truth, so a transcript is never wrong."""
     transcripts = []
     for record in records:
         user = next((m for m in reversed(record.messages) if m.get("role") == "user"), None)
@@ -384,13 +389,18 @@ def make_tool_sft_transcripts(
         result = format_number(evaluate_expression(expression))
         if not answers_match(result, record.ground_truth):
             raise ValueError(f"record {record.group_id}: {expression} = {result}, but ground truth is {record.ground_truth}")
-        call = {"id": "call_0", "type": "function", "function": {"name": tool_name, "arguments": {"expression": expression}}}
-        preface = f"I will compute {expression} with the calculator." if explain else ""
+        if tool_name == CODE_INTERPRETER:
+            # what Python prints for it (`72.0` after a division), as the sandbox will answer
+            arguments, observation, how = {"code": f"print({expression})"}, f"{evaluate_expression(expression)}\n", "in Python"
+        else:
+            arguments, observation, how = {"expression": expression}, result, "with the calculator"
+        call = {"id": "call_0", "type": "function", "function": {"name": tool_name, "arguments": arguments}}
+        preface = f"I will compute {expression} {how}." if explain else ""
         transcripts.append(
             [
                 *[dict(m) for m in record.messages],
                 {"role": "assistant", "content": preface, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_0", "name": tool_name, "content": result},
+                {"role": "tool", "tool_call_id": "call_0", "name": tool_name, "content": observation},
                 {"role": "assistant", "content": f"The result is {result}, so the answer is \\boxed{{{result}}}."},
             ]
         )

@@ -63,7 +63,7 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from streamrl.rollout.data import make_arithmetic_dataset, make_tool_sft_transcripts
+    from streamrl.rollout.data import CODE_INTERPRETER, make_arithmetic_dataset, make_tool_sft_transcripts
     from streamrl.rollout.tools.config import load_tool_config
 
     torch.manual_seed(seed)
@@ -71,7 +71,10 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     tools = load_tool_config(cfg.rollout.agent.tool_config).schemas() if cfg.rollout.agent.tool_config else None
     records = make_arithmetic_dataset(cfg.sft.num_examples, seed + 7919, difficulty=cfg.sft.difficulty)
-    examples = [assistant_mask(tokenizer, conv, tools) for conv in make_tool_sft_transcripts(records)]
+    names = {t["function"]["name"] for t in tools or []}
+    tool_name = CODE_INTERPRETER if CODE_INTERPRETER in names else "calculator"  # what the transcripts call
+    transcripts = make_tool_sft_transcripts(records, tool_name=tool_name)
+    examples = [assistant_mask(tokenizer, conv, tools) for conv in transcripts]
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr)
     model.train()
     pad = tokenizer.pad_token_id or 0

@@ -197,3 +197,19 @@ def test_sft_transcripts_reject_foreign_or_wrong_records():
         make_tool_sft_transcripts([record])
     plain = make_tool_sft_transcripts(make_arithmetic_dataset(1, seed=0), explain=False)
     assert plain[0][2]["content"] == ""
+
+
+async def test_code_interpreter_transcripts_show_what_the_real_sandbox_prints():
+    """The warm-up teaches the model a cell and an observation; the observation is exactly what the
+    real code interpreter answers for that cell (so SFT does not teach a tool that does not exist)."""
+    from streamrl.rollout.tools.code_interpreter import CodeInterpreterTool
+
+    records = make_arithmetic_dataset(6, seed=11)
+    tool = CodeInterpreterTool()
+    for record, chat in zip(records, make_tool_sft_transcripts(records, tool_name="code_interpreter"), strict=True):
+        call = chat[2]["tool_calls"][0]["function"]
+        assert call["name"] == "code_interpreter" and call["arguments"]["code"].startswith("print(")
+        instance = await tool.create()
+        ran = await tool.execute(instance, call["arguments"])
+        await tool.release(instance)
+        assert ran.text == chat[3]["content"] and float(ran.text) == float(record.ground_truth)

@@ -1,0 +1,263 @@
+"""`CodeInterpreterTool`: a stateful Python interpreter for the model, run in a sandbox (as in ReTool).
+
+Each call runs in a fresh sandboxed process (`rollout/tools/sandbox.py`): isolation chosen by a
+start-up probe, failing closed, with resource limits, a wall-clock timeout, capped output and a
+cleared environment. The tool refuses to be built when no isolation works, unless the config says
+`isolation: none`.
+
+State without a state store: the instance keeps the cells of the trajectory that ran without error.
+A call replays them in the new process with their output discarded, then runs the new cell and
+shows what it printed, notebook-style (a trailing expression's repr is printed too). `restore`
+rebuilds that list from the trajectory's tool journal (its DONE entries whose result is not an
+error), so the interpreter survives pause/resume and a move to another process. Replays are
+deterministic as far as the sandbox can make them: a fresh workdir and /tmp every time,
+`random` seeded with 0, PYTHONHASHSEED=0 (time, os.urandom or numpy's global RNG are not).
+
+`idempotent = True`: a call has no effect outside its own throwaway process (no network, a private
+filesystem that is discarded) and its outcome is a function of the journaled cells, so running an
+interrupted call again has the effect of running it once.
+
+Errors the model can act on (exception, timeout, memory or CPU limit, a killed process) come back as
+observations starting with "Error:" plus `sandbox/*` metrics; nothing the model writes raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from streamrl.rollout.tools.base import BaseTool, ToolExecution
+from streamrl.rollout.tools.sandbox import (
+    Sandbox,
+    SandboxLimits,
+    SandboxResult,
+    SandboxSettings,
+)
+from streamrl.rollout.tools.schema import OpenAIFunctionToolSchema
+from streamrl.rollout.types import ToolCallStatus, ToolJournalEntry
+
+logger = logging.getLogger(__name__)
+
+# Runs inside the sandbox as `python -c RUNNER`, reading {"replay": [str], "cell": str, "cpu_s": int,
+# "wall_s": int} on stdin. Exit status: 0 the cell ran, 1 it raised. An earlier cell that raises when
+# replayed (it succeeded once, so something nondeterministic changed) is reported in a note, not fatal:
+# failing every later call of the trajectory would be worse.
+RUNNER = r'''
+import ast, json, os, random, resource, signal, sys, traceback
+
+def cell_traceback(exc):
+    tb = exc.__traceback__
+    while tb is not None and not tb.tb_frame.f_code.co_filename.startswith("<cell"):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+def run_cell(source, name, env):
+    tree = ast.parse(source, name)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    try:
+        exec(compile(tree, name, "exec"), env)
+        if last is not None:
+            value = eval(compile(ast.Expression(last.value), name, "eval"), env)
+            if value is not None:
+                print(repr(value))
+    except SystemExit as exc:  # exit() ends the cell, not the interpreter
+        if exc.code not in (None, 0):
+            raise
+
+def main():
+    job = json.loads(sys.stdin.read())
+    sys.stdin = open(os.devnull)
+    random.seed(0)
+    env = {"__name__": "__main__", "__builtins__": __builtins__}
+    saved = os.dup(1)
+    silent = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(silent, 1)
+    os.dup2(silent, 2)
+    notes = []
+    for i, cell in enumerate(job["replay"]):
+        try:
+            run_cell(cell, f"<cell {i + 1}>", env)
+        except Exception as exc:  # it succeeded once: nondeterminism; keep going with what it left
+            notes.append(f"Note: replaying cell {i + 1} raised {type(exc).__name__}: {exc}; some of its state may be missing")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(saved, 1)
+    os.dup2(saved, 2)  # the cell's stderr joins stdout, in order
+    sys.stderr = sys.stdout
+    sys.stdout.reconfigure(line_buffering=True)
+    for note in notes:
+        print(note)
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    limit = min(int(used.ru_utime + used.ru_stime) + 1 + job["cpu_s"], soft)  # the new cell's own budget
+    resource.setrlimit(resource.RLIMIT_CPU, (limit, min(limit + 1, hard)))
+    signal.alarm(job["wall_s"])  # the new cell's own wall clock; the parent's kill is the backstop
+    try:
+        run_cell(job["cell"], f"<cell {len(job['replay']) + 1}>", env)
+    except BaseException as exc:
+        print(cell_traceback(exc), end="")
+        sys.stdout.flush()
+        os._exit(1)
+
+main()
+'''
+
+
+class CodeInterpreterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    isolation: Literal["auto", "bwrap", "unshare", "none"] = "auto"  # "none" is an explicit opt-out
+    python: str | None = None  # interpreter of the cells (with its packages); None: the trainer's
+    bwrap_path: str = "bwrap"
+    unshare_path: str = "unshare"
+    ro_paths: list[str] = Field(default_factory=list)  # extra host paths the cells may read
+    sandbox_uid: int = Field(65534, gt=0)  # the cells' uid when the trainer runs as root
+    timeout_s: float = Field(10.0, gt=0)  # wall clock of the new cell
+    replay_timeout_s: float = Field(15.0, ge=0)  # extra wall clock for replaying the earlier cells
+    cpu_s: int = Field(10, gt=0)  # CPU seconds of the new cell (replay has replay_timeout_s more)
+    memory_mb: int = Field(1024, ge=64)
+    max_file_mb: int = Field(16, gt=0)
+    disk_mb: int = Field(64, gt=0)  # size of the private /workspace and /tmp
+    max_open_files: int = Field(64, ge=16)
+    max_processes: int = Field(32, ge=4)
+    max_output_bytes: int = Field(4096, ge=256)  # the middle of longer output is cut
+    max_cells: int = Field(64, gt=0)  # successful cells kept (and replayed) per trajectory
+    max_code_chars: int = Field(20_000, gt=0)
+
+    def sandbox_settings(self) -> SandboxSettings:
+        limits = SandboxLimits(
+            memory_mb=self.memory_mb, cpu_s=self.cpu_s + int(self.replay_timeout_s), file_mb=self.max_file_mb,
+            open_files=self.max_open_files, processes=self.max_processes, disk_mb=self.disk_mb,
+        )  # fmt: skip
+        return SandboxSettings(
+            isolation=self.isolation, python=self.python, bwrap_path=self.bwrap_path, unshare_path=self.unshare_path,
+            ro_paths=tuple(self.ro_paths), sandbox_uid=self.sandbox_uid, max_output_bytes=self.max_output_bytes,
+            limits=limits,
+        )  # fmt: skip
+
+
+def succeeded(text: str) -> bool:
+    """Whether a cell's observation means it ran; the same rule for live state and `restore`."""
+    return not text.startswith("Error:")
+
+
+class CodeInterpreterTool(BaseTool):
+    config_model = CodeInterpreterConfig
+    idempotent = True  # no effect outside a throwaway sandbox; re-derivable from the journal
+
+    def __init__(self, config: Any = None, tool_schema: Any = None) -> None:
+        super().__init__(config=config, tool_schema=tool_schema)
+        self.sandbox = Sandbox(self.config.sandbox_settings())  # probes; raises IsolationUnavailable
+        logger.info("code interpreter: isolation %s (probe: %s)", self.sandbox.layer, self.sandbox.report.tried)
+
+    @property
+    def layer(self) -> str:
+        return self.sandbox.layer
+
+    @classmethod
+    def default_schema(cls) -> OpenAIFunctionToolSchema:
+        return OpenAIFunctionToolSchema.model_validate(
+            {
+                "type": "function",
+                "function": {
+                    "name": "code_interpreter",
+                    "description": (
+                        "Run Python code in a stateful sandbox (variables persist between calls; no network). "
+                        "Printed output is returned, and the value of a final expression is shown."
+                    ),
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"code": {"type": "string", "description": "Python code to run"}},
+                        "required": ["code"],
+                    },
+                },
+            }
+        )
+
+    async def create(self, instance_id: str | None = None, **kwargs: Any) -> str:
+        return self._instances.start(instance_id, {"cells": []})
+
+    async def restore(self, instance_id: str, journal: list[ToolJournalEntry], **kwargs: Any) -> str:
+        """The cells are the journal's completed calls whose result was not an error (never re-run here:
+        the next call replays them). A journal holds at most `max_cells` of them unless the limit was
+        lowered since; then the latest are kept."""
+        cells = [
+            e.arguments["code"]
+            for e in journal
+            if e.status is ToolCallStatus.DONE and e.result is not None and succeeded(e.result.text)
+            and isinstance(e.arguments.get("code"), str)
+        ]  # fmt: skip
+        return self._instances.start(instance_id, {"cells": cells[-self.config.max_cells :]})
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any]) -> ToolExecution:
+        cells: list[str] = self.instance_state(instance_id)["cells"]
+        code = parameters.get("code")
+        if not isinstance(code, str) or not code.strip():
+            return ToolExecution(text="Error: `code` must be a non-empty string of Python code", metrics={"sandbox/error": 1.0})
+        if len(code) > self.config.max_code_chars:
+            return ToolExecution(text=f"Error: code is longer than {self.config.max_code_chars} characters", metrics={"sandbox/error": 1.0})
+        if len(cells) >= self.config.max_cells:
+            text = f"Error: this interpreter already ran {self.config.max_cells} cells (the limit); no more code can run"
+            return ToolExecution(text=text, metrics={"sandbox/error": 1.0})
+        wall_s = math.ceil(self.config.timeout_s)
+        job = json.dumps({"replay": cells, "cell": code, "cpu_s": self.config.cpu_s, "wall_s": wall_s}).encode()
+        # The runner's alarm stops the cell after wall_s; this outer limit also covers the replay and
+        # a cell that blocks SIGALRM.
+        timeout_s = self.config.timeout_s + 1.0 + (self.config.replay_timeout_s if cells else 0.0)
+        result = await self.sandbox.run(RUNNER, job, timeout_s=timeout_s)
+        execution = render(result, self.config)
+        if succeeded(execution.text):
+            cells.append(code)
+        return execution
+
+
+def render(result: SandboxResult, config: CodeInterpreterConfig) -> ToolExecution:
+    """The observation of one run and its `sandbox/*` metrics."""
+    output = result.stdout
+    metrics = {
+        "sandbox/wall_s": result.wall_s,
+        "sandbox/timeout": float(result.timed_out),
+        "sandbox/output_truncated": float(result.truncated_bytes > 0),
+        "sandbox/exit_code": float(result.exit_code if result.exit_code is not None else -1),
+        "sandbox/memory_error": float("MemoryError" in output),
+        "sandbox/signal": float(result.signal or 0),
+    }
+    error = _error_line(result, config)
+    metrics["sandbox/error"] = float(error is not None)
+    if result.setup_error is not None:
+        logger.warning("code interpreter sandbox failed: %s", result.setup_error)
+        metrics["sandbox/setup_error"] = 1.0
+    if error is None:
+        return ToolExecution(text=output if output.strip() else "(no output)", metrics=metrics)
+    if result.setup_error is None and result.stderr.strip():  # the interpreter's own failure (the cell's
+        output += result.stderr  # stderr is merged into stdout)
+    return ToolExecution(text=f"Error: {error}" + (f"\n{output}" if output.strip() else ""), metrics=metrics)
+
+
+def _error_line(result: SandboxResult, config: CodeInterpreterConfig) -> str | None:
+    if result.setup_error is not None:
+        return "the sandbox failed to start (not caused by your code); try again"
+    if result.timed_out or result.signal == signal.SIGALRM:
+        return f"the code ran longer than the {config.timeout_s:g} s time limit and was stopped"
+    if result.output_killed:
+        return "the code printed far too much output and was stopped (the start and end of it follow)"
+    if result.signal == signal.SIGXCPU:
+        return f"the code used more than {config.cpu_s} s of CPU time and was stopped"
+    if result.signal is not None:
+        return f"the process was killed by signal {result.signal} ({_signal_name(result.signal)})"
+    if result.exit_code == 0:
+        return None
+    if "MemoryError" in result.stdout:
+        return f"the code ran out of memory (limit {config.memory_mb} MB)"
+    return "the code raised an exception" if result.exit_code == 1 else f"the process exited with status {result.exit_code}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown"
