@@ -225,8 +225,9 @@ class ReplayBuffer:
     # ---------------------------------------------------------------- sampling
     def sample(self, *, served_version: int, learner_step: int) -> SampledBatch | None:
         """Whole READY groups within the staleness bound, or None if no complete batch is ready.
-        Their consumption at `learner_step` is recorded (durably with a root_dir) before returning."""
-        self.flush()  # rows are durable before their consumption is
+        Their consumption at `learner_step` is recorded (durably with a root_dir) before returning.
+        A call that finds no batch writes nothing (the driver asks after every append; flushing then
+        would cut the log into one frame per append)."""
         self._retire_over_age(served_version)
         # Oldest-started first (settle order among equals): the order admission's bound assumes.
         candidates = sorted(self._groups.ready.values(), key=_start_version)
@@ -255,6 +256,7 @@ class ReplayBuffer:
         members = [m for g in groups for m in g.finished]
         table = self._rows.take(np.array([m.row for m in members], dtype=np.int64))
         row_lags = trajectory_lag(served_version, table.column("min_policy_version").to_numpy())
+        self.flush()  # rows are durable before their consumption is
         self._record_consumption(table, row_lags, learner_step=learner_step, served_version=served_version)
         self._counts["over_age_trained"] += int(np.sum(np.asarray(row_lags) > self.cfg.max_staleness))
         dead: list[int] = []

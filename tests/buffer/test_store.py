@@ -194,3 +194,21 @@ def test_memory_is_released_and_compacted():
         buf.sample(served_version=0, learner_step=s)
     assert buf.memory_bytes() < full / 2
     assert [buf.sample(served_version=0, learner_step=100 + s).trajectory_ids[0] for s in range(10)] == [f"g{g}/0" for g in range(40, 50)]
+
+
+def test_a_sample_that_finds_no_batch_writes_nothing_and_one_that_does_flushes_first(tmp_path):
+    """The driver asks for a batch after every append: asking must not flush the log each time (one
+    frame per append), and a batch's rows are still in the log before its consumption record."""
+    buf = _buf(root_dir=str(tmp_path), flush_every_ms=3_600_000, flush_every_rows=1_000, coalesce_below_rows=8)
+    buf.append([make_traj("a", 0)])  # half a group: nothing to sample
+    flushes = buf.stats()["buffer/flushes"]
+    for _ in range(5):
+        assert buf.sample(served_version=0, learner_step=1) is None
+    assert buf.stats()["buffer/flushes"] == flushes
+    buf.append([make_traj("a", 1)])
+    assert buf.sample(served_version=0, learner_step=1) is not None
+    assert buf.stats()["buffer/flushes"] == flushes + 1
+    buf.close()
+    reopened = _buf(root_dir=str(tmp_path))
+    assert reopened.stats()["buffer/recovered_rows"] == 2 and reopened.stats()["buffer/trajectories_consumed"] == 2
+    reopened.close()
