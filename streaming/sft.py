@@ -119,7 +119,38 @@ def _prepare_in_process(cfg: Any) -> Path:
     from streamrl.rollout.models import resolve_model
 
     path = resolve_model(cfg.model)
-    return maybe_warm_up(cfg, str(path)) if cfg.sft.enabled else path
+    path = maybe_warm_up(cfg, str(path)) if cfg.sft.enabled else path
+    check_prompt_lengths(cfg, path)
+    return path
+
+
+def check_prompt_lengths(cfg: Any, model_path: str | Path, *, sample: int = 32) -> list[int]:
+    """Stop a run whose prompts cannot fit before any actor starts: render the first `sample` prompts
+    as the agent loop does (chat template + the tool schemas) and raise when every one is longer than
+    `rollout.agent.prompt_length` (every trajectory would fail, group after group, epoch after epoch);
+    warn when some are. Returns the lengths."""
+    from transformers import AutoTokenizer
+
+    from streamrl.rollout.agent_loop.observation import ObservationEncoder
+    from streamrl.rollout.tools.config import load_tool_config
+    from streamrl.streaming.prompts import load_records
+
+    agent = cfg.rollout.agent
+    tools = load_tool_config(agent.tool_config).schemas() if agent.tool_config else None
+    records = load_records(cfg.data.source, min(cfg.data.num_prompts, sample), cfg.data.seed, cfg.data.difficulty)[:sample]
+    encoder = ObservationEncoder(AutoTokenizer.from_pretrained(model_path))
+    lengths = [len(encoder.encode_prompt(r.messages, tools)) for r in records]
+    too_long = sum(n > agent.prompt_length for n in lengths)
+    if lengths and too_long == len(lengths):
+        raise ValueError(
+            f"every prompt checked ({len(lengths)}) is longer than rollout.agent.prompt_length={agent.prompt_length}: "
+            f"{min(lengths)}-{max(lengths)} tokens with the chat template and the tool schemas; raise "
+            "rollout.agent.prompt_length (and rollout.engine.max_model_len with it)"
+        )
+    if too_long:
+        logger.warning("%d of the first %d prompts are longer than rollout.agent.prompt_length=%d (up to %d tokens): "
+                       "their trajectories will fail", too_long, len(lengths), agent.prompt_length, max(lengths))
+    return lengths
 
 
 def _tail(path: Path, num_lines: int = 20) -> str:

@@ -211,3 +211,21 @@ def test_explain_failure_for_every_engine_gone(tmp_path):
     assert text == (f"the run stopped because no inference engine is left (no inference engine is alive: engine-0: "
                     f"ActorDiedError); see {run_dir}/logs, then continue the run with: streamrl train --resume {run_dir}")
     assert explain_failure(_wrapped(ValueError("something else")), run_dir) is None
+
+
+def test_prompts_that_cannot_fit_stop_the_run_before_it_starts(tiny_model_path, caplog):
+    """Found running the code-interpreter demo with the calculator's prompt_length: every trajectory
+    failed ("prompt of 620 tokens exceeds agent.prompt_length=512") and the run cycled through epoch
+    after epoch of failed groups. The prepare step now measures the prompts as the agent loop renders
+    them (chat template + tool schemas)."""
+    from streamrl.streaming.sft import check_prompt_lengths
+
+    base = ["rollout.agent.tool_config=configs/tools/code_interpreter.yaml", "data.difficulty=easy",
+            "rollout.engine.max_model_len=2048"]
+    lengths = check_prompt_lengths(_cfg("configs/tiny.toml", *base, "rollout.agent.prompt_length=896"), tiny_model_path)
+    assert len(lengths) == 32 and max(lengths) <= 896 and min(lengths) > 512
+    with pytest.raises(ValueError, match=r"every prompt checked \(32\) is longer than rollout.agent.prompt_length=512"):
+        check_prompt_lengths(_cfg("configs/tiny.toml", *base, "rollout.agent.prompt_length=512"), tiny_model_path)
+    between = sorted(lengths)[len(lengths) // 2]
+    check_prompt_lengths(_cfg("configs/tiny.toml", *base, f"rollout.agent.prompt_length={between}"), tiny_model_path)
+    assert "of the first 32 prompts are longer than" in caplog.text
