@@ -69,6 +69,7 @@ PPO = "algo = ppo (critic)"
 KL = "learner.kl_coef > 0 (reference model)"
 TOOLS = "a tool was called in the interval"
 TOOLSET = "rollout.agent.tool_config is set"
+MCP = "the tool config has an `mcp:` entry"
 METRICS: tuple[Metric, ...] = (
     # ---- the line itself (streaming.metrics.MetricsLogger)
     M("time", "unix s", R.LAST, "wall clock when the line was logged"),
@@ -111,6 +112,10 @@ METRICS: tuple[Metric, ...] = (
     M("rollout/tools/num_rejected", "calls", R.COUNT, "tool calls refused (beyond max_parallel)", when=TOOLSET),
     M("rollout/tools/num_interrupted", "calls", R.COUNT, "journaled calls in doubt after a crash, not re-run", when=TOOLSET),
     M("rollout/tools/latency_sum_s", "s", R.COUNT, "seconds spent running tools", when=TOOLSET),
+    M("rollout/tools/num_mcp_restarts", "connections", R.COUNT, "MCP connections remade after one was lost", when=MCP),
+    M("rollout/tools/num_mcp_connect_failures", "attempts", R.COUNT, "MCP connection attempts that failed", when=MCP),
+    M("rollout/tools/num_mcp_lost_calls", "calls", R.COUNT, "MCP calls in flight when the connection broke", when=MCP),
+    M("rollout/tools/num_mcp_timeouts", "calls", R.COUNT, "MCP calls past the toolset's timeout_s", when=MCP),
     M("rollout/tools/mean_latency_s", "s", R.MEAN, "seconds per tool call run in the interval",
       when="a tool ran in the interval"),
     M("rollout/tokens_per_s", "tokens/s", R.MEAN, "rollout/num_generated_tokens over the interval's seconds"),

@@ -155,3 +155,5 @@ class RolloutWorkerActor:
 
     async def shutdown(self) -> None:
         await self.worker.shutdown()
+        if self.worker.ctx.tools is not None:
+            self.worker.ctx.tools.close()  # MCP servers this worker started

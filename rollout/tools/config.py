@@ -26,9 +26,24 @@ trajectory id:
         name: web_search
         config: {max_results: 5}
 
+The tools of an MCP server (`tools/mcp_toolset.py`) are one entry that expands to one tool per MCP
+tool: the server is started (stdio: `command` + `args`, or `module` run by this interpreter) or
+connected to (`url`, streamable HTTP on 127.0.0.1 unless `allow_remote: true`) when the registry is
+built, and its `tools/list` gives the schemas. Everything about the server goes inside `mcp:`:
+
+    tools:
+      - mcp:
+          module: streamrl.rollout.tools.mcp_example_server
+          include: [add, echo]        # or exclude: [...]; default: every tool the server lists
+          prefix: "demo_"             # the model sees demo_add, demo_echo
+          idempotent: [add]           # or true for all; default false
+          timeout_s: 10
+
 All may be mixed in one file. An entry with `name` and `class_name` / `function` renames the tool; an
 explicit `tool_schema` replaces the default (or generated) one. Classes and functions are imported as
-`package.module.attr` or `package.module:attr`; classes must subclass our `BaseTool`.
+`package.module.attr` or `package.module:attr`; classes must subclass our `BaseTool`. Building a
+registry with MCP entries starts their servers in this process: build it where the tools run (the
+rollout worker), and close them with `mcp_toolset.close_toolsets(registry.tools.values())`.
 """
 
 from __future__ import annotations
@@ -43,6 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from streamrl.rollout.tools.base import BaseTool
 from streamrl.rollout.tools.executor import DEFAULT_MAX_RESULT_CHARS, ToolRegistry
 from streamrl.rollout.tools.function import FunctionTool
+from streamrl.rollout.tools.mcp_toolset import MCPServerConfig, MCPToolset, close_toolsets  # the SDK loads lazily
 
 BUILTIN_TOOLS: dict[str, str] = {
     "calculator": "streamrl.rollout.tools.calculator:CalculatorTool",
@@ -60,15 +76,27 @@ class ToolEntry(BaseModel):
     tool_schema: dict[str, Any] | None = None
     idempotent: bool | None = None  # function entries only; a class declares its own
     instance_id_param: str | None = None  # function entries only
+    mcp: dict[str, Any] | None = None  # an MCP server whose tools this entry expands to (MCPServerConfig)
 
     @model_validator(mode="after")
     def _name_class_or_function(self) -> ToolEntry:
+        if self.mcp is not None:
+            others = sorted(k for k in self.model_fields_set if k != "mcp")
+            if others:
+                raise ValueError(
+                    f"an `mcp` entry takes no {others}: put include / exclude / prefix / idempotent / timeout_s "
+                    "inside `mcp:` (the entry expands to the server's tools)"
+                )
+            return self
         if self.name is None and self.class_name is None and self.function is None:
-            raise ValueError("a tool entry needs `name` (a built-in tool), `class_name` or `function`")
+            raise ValueError("a tool entry needs `name` (a built-in tool), `class_name` or `function` (or `mcp`: a server's tools)")
         return self
 
     @property
     def label(self) -> str:
+        if self.mcp is not None:
+            server = self.mcp.get("url") or self.mcp.get("module") or self.mcp.get("command") or "?"
+            return f"mcp {server}"
         return self.name or self.class_name or self.function or "?"
 
 
@@ -145,18 +173,33 @@ def build_tool(entry: ToolEntry) -> BaseTool:
     return tool
 
 
+def build_mcp_tools(entry: ToolEntry) -> list[BaseTool]:
+    """The tools of the entry's MCP server: starts (or connects to) it and lists its tools."""
+    assert entry.mcp is not None
+    toolset = MCPToolset(MCPServerConfig.model_validate(entry.mcp))
+    try:
+        return list(toolset.tools())
+    except BaseException:
+        toolset.close()
+        raise
+
+
 def build_tool_registry(data: Mapping[str, Any], source: str = "<dict>") -> ToolRegistry:
     try:
         parsed = ToolConfigFile.model_validate(dict(data))
     except ValidationError as exc:
         raise ValueError(f"invalid tool config {source}: {exc}") from exc
-    tools = []
-    for i, entry in enumerate(parsed.tools):
-        try:
-            tools.append(build_tool(entry))
-        except ValueError as exc:  # includes pydantic errors of the tool's config / schema
-            raise ValueError(f"{source}: tool #{i} ({entry.label}): {exc}") from exc
-    return ToolRegistry(tools, max_result_chars=parsed.max_result_chars)
+    tools: list[BaseTool] = []
+    try:
+        for i, entry in enumerate(parsed.tools):
+            try:
+                tools.extend(build_mcp_tools(entry) if entry.mcp is not None else [build_tool(entry)])
+            except ValueError as exc:  # includes pydantic errors of the tool's config / schema
+                raise ValueError(f"{source}: tool #{i} ({entry.label}): {exc}") from exc
+        return ToolRegistry(tools, max_result_chars=parsed.max_result_chars)
+    except BaseException:
+        close_toolsets(tools)  # servers started for earlier entries must not outlive a failed build
+        raise
 
 
 def load_tool_config(source: str | Path | Mapping[str, Any]) -> ToolRegistry:

@@ -261,7 +261,28 @@ class ToolRegistry:
         )
 
     def metrics(self) -> dict[str, float]:
-        """Cumulative counters, namespaced for the run's metrics stream."""
+        """Cumulative counters, namespaced for the run's metrics stream (with an MCP toolset, its
+        connection counters too)."""
+        from streamrl.rollout.tools.mcp_toolset import mcp_counters, toolsets
+
+        out = self._call_counters()
+        if toolsets(self.tools.values()):
+            mcp = mcp_counters(self.tools.values())
+            out.update({
+                "rollout/tools/num_mcp_restarts": float(mcp.num_restarts),
+                "rollout/tools/num_mcp_connect_failures": float(mcp.num_connect_failures),
+                "rollout/tools/num_mcp_lost_calls": float(mcp.num_lost_calls),
+                "rollout/tools/num_mcp_timeouts": float(mcp.num_timeouts),
+            })
+        return out
+
+    def close(self) -> None:
+        """Stop what the tools started (MCP servers); the worker's shutdown calls it."""
+        from streamrl.rollout.tools.mcp_toolset import close_toolsets
+
+        close_toolsets(self.tools.values())
+
+    def _call_counters(self) -> dict[str, float]:
         return {
             "rollout/tools/num_calls": float(self.num_calls),
             "rollout/tools/num_errors": float(self.num_errors),
