@@ -39,6 +39,10 @@ def resolve_model(name_or_path: str) -> Path:
         from streamrl.rollout.models.tiny import build_tiny_model
 
         return _cached_build("tiny", build_tiny_model)
+    if name_or_path == "tiny-vlm":  # a random-weight Idefics3 (rollout/models/tiny_vlm.py, docs/multimodal.md)
+        from streamrl.rollout.models.tiny_vlm import resolve_tiny_vlm
+
+        return resolve_tiny_vlm()
     if name_or_path == "smollm2":
         from streamrl.rollout.models.smollm2 import convert_smollm2
 
@@ -46,6 +50,6 @@ def resolve_model(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").exists():
         raise ValueError(
-            f"model {name_or_path!r} is neither a built-in ('tiny', 'smollm2') nor a HF folder with config.json"
+            f"model {name_or_path!r} is neither a built-in ('tiny', 'tiny-vlm', 'smollm2') nor a HF folder with config.json"
         )
     return path
