@@ -81,6 +81,13 @@ class StreamRLConfig(BaseModel):
     def _propagate(self) -> StreamRLConfig:
         self.rollout.engine.model = self.model
         self.learner.model = self.model
+        lag = self.weight_sync.publish_lag
+        if lag and (self.trainer.mode != "sync" or self.trainer.sync_every != 1):
+            raise ValueError(
+                f"weight_sync.publish_lag={lag} (a fixed lag) needs trainer.mode = \"sync\" and trainer.sync_every = 1 "
+                f"(got mode {self.trainer.mode!r}, sync_every {self.trainer.sync_every}): in async mode the lag also "
+                "depends on scheduling"
+            )
         if self.rollout.engine.max_model_len < self.rollout.max_model_len:
             raise ValueError(
                 f"rollout.engine.max_model_len={self.rollout.engine.max_model_len} < prompt_length + "

@@ -14,6 +14,7 @@ with no engine left, `publish` raises `NoHealthyEngineError`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -67,6 +68,22 @@ class RemoteWorkers:
         await self._each("resume", epoch)
 
 
+class LaggedWeights:
+    """The last `lag + 1` published versions' tensors (CPU copies): `publish_lag` sends the one `lag`
+    versions behind the newest, so the engines always serve exactly that stale a policy."""
+
+    def __init__(self, lag: int) -> None:
+        self.lag = lag
+        self._kept: collections.deque[tuple[int, list[tuple[str, torch.Tensor]]]] = collections.deque(maxlen=lag + 1)
+
+    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, list] | None:
+        """Keep `version`; return (version, tensors) of `version - lag` if it is kept, else None (the
+        run is younger than the lag, or it resumed and the window is refilling)."""
+        self._kept.append((version, [(name, t.detach().to("cpu", copy=True)) for name, t in named_tensors]))
+        oldest_version, tensors = self._kept[0]
+        return (oldest_version, tensors) if oldest_version == version - self.lag else None
+
+
 class WeightPublisher:
     """Publishes named tensors as a policy_version to every engine; see the module docstring."""
 
@@ -87,6 +104,7 @@ class WeightPublisher:
             for i, h in enumerate(engines)
         ]
         self.coordinator = WeightSyncCoordinator(cfg, clients, workers=self.workers)
+        self.lagged = LaggedWeights(cfg.publish_lag) if cfg.publish_lag else None
 
     @property
     def served_version(self) -> int:
@@ -108,7 +126,14 @@ class WeightPublisher:
 
         Returns the policy_version served afterwards (`target`, or the old one if the sync failed)
         and `sync/*` metrics. A `target` not above the served version is a no-op. Raises
-        `NoHealthyEngineError` ("no healthy inference engine left: ...") when every engine is gone."""
+        `NoHealthyEngineError` ("no healthy inference engine left: ...") when every engine is gone.
+        With `publish_lag` k the weights of `target - k` are sent instead (labelled so), none before
+        the run has k older versions."""
+        if self.lagged is not None:
+            behind = self.lagged.push(target, named_tensors)
+            if behind is None:
+                return Published(policy_version=self.served_version, metrics={})
+            target, named_tensors = behind
         if target <= self.served_version:
             return Published(policy_version=self.served_version, metrics={})
         result = await self.coordinator.sync(named_tensors, target)

@@ -55,6 +55,10 @@ class WeightSyncConfig(BaseModel):
     pause_mode: PauseMode = PauseMode.ABORT
     fs_dir: str = "runs/weights"  # filesystem transport: one `v{policy_version}` folder per sync
     keep_last_n: int = Field(default=2, ge=1)  # filesystem transport: versions kept on disk
+    # Controlled staleness (the staleness lab): publish the weights of `publish_lag` versions ago, so
+    # with trainer.mode = "sync" every trained token is exactly this many versions old. 0 = the newest.
+    # Costs `publish_lag` CPU copies of the weights in the publishing process.
+    publish_lag: int = Field(default=0, ge=0)
 
     @property
     def group_timeout_s(self) -> float:
