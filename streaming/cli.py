@@ -7,6 +7,7 @@
     streamrl rollout --config configs/default.toml [--num-prompts N] [--out FILE]   (eval only)
     streamrl report RUN_DIR
     streamrl staleness RUN_DIR                   (lags, version spans, length bias, reward by lag)
+    streamrl staleness reweight RUN_DIR --checkpoint STEP [--correction SPEC ...] [--steps A:B] [--out DIR]
     streamrl buffer export DIR --parquet OUT
     streamrl buffer stats DIR
 """
@@ -50,6 +51,12 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _staleness(args: argparse.Namespace) -> int:
+    if args.run_dir == "reweight":  # `staleness reweight ...` (a run dir named so: write ./reweight)
+        from streamrl.streaming.reweight_cli import reweight_main
+
+        return reweight_main(args.reweight_args)
+    if args.reweight_args:
+        raise ValueError(f"staleness takes one RUN_DIR, got extra arguments {args.reweight_args}")
     from streamrl.buffer.staleness import summary, write_report
 
     json_path, html_path, result = write_report(args.run_dir)
@@ -92,8 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir")
     report.set_defaults(func=_report)
 
-    staleness = sub.add_parser("staleness", help="RUN_DIR/staleness.{json,html} from the run's durable buffer")
-    staleness.add_argument("run_dir")
+    staleness = sub.add_parser("staleness", help="RUN_DIR/staleness.{json,html} from the run's durable buffer; "
+                               "`staleness reweight -h`: each correction on the logged batches under a checkpoint")
+    staleness.add_argument("run_dir", help="a run directory, or `reweight` followed by its arguments")
+    staleness.add_argument("reweight_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     staleness.set_defaults(func=_staleness)
 
     from streamrl.buffer.cli import register
