@@ -273,6 +273,9 @@ def _bwrap_argv(bwrap: str, spec: dict, stage: list[str]) -> list[str]:
     else:
         argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     argv += ["--as-pid-1", "--die-with-parent", "--proc", "/proc", "--dev", "/dev"]  # init is pid 1
+    size = str(spec["limits"]["disk_mb"] << 20)
+    for path in ("/tmp", WORKSPACE):  # before the binds: an interpreter under /tmp stays visible
+        argv += ["--perms", "1777", "--size", size, "--tmpfs", path]
     parents = {os.path.dirname(m["path"]) for m in spec["mounts"]}
     for parent in sorted({a for p in parents for a in _ancestors(p)}):  # else bwrap copies e.g. /root's 0700
         argv += ["--perms", "0755", "--dir", parent]
@@ -281,9 +284,6 @@ def _bwrap_argv(bwrap: str, spec: dict, stage: list[str]) -> list[str]:
             argv += ["--symlink", mount["target"], mount["path"]]
         else:
             argv += ["--ro-bind", mount["path"], mount["path"]]
-    size = str(spec["limits"]["disk_mb"] << 20)
-    for path in ("/tmp", WORKSPACE):
-        argv += ["--perms", "1777", "--size", size, "--tmpfs", path]
     argv += ["--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv", "--setenv", "PATH", _SAFE_PATH]
     return [*argv, "--", *stage, "init", json.dumps(spec)]
 
@@ -523,6 +523,12 @@ def _build_root(spec: dict, libc: _Libc) -> None:
     root, limits = spec["root"], spec["limits"]
     libc.mount(None, "/", None, _MS_REC | _MS_PRIVATE)
     libc.mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=4m")
+    # The private tmpfs folders first, the read-only binds after: an interpreter that lives under
+    # /tmp (a venv in a checkout there) is then bound on top of the private /tmp, not hidden by it.
+    owner = f",uid={spec['uid']},gid={spec['uid']}" if spec["uid"] is not None else ""
+    for path, mode in (("/tmp", "1777"), (WORKSPACE, "0755"), ("/dev/shm", "1777")):
+        os.makedirs(root + path, exist_ok=True)
+        libc.mount("tmpfs", root + path, "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode={mode},size={limits['disk_mb']}m{owner}")
     for mount in spec["mounts"]:
         dst = root + mount["path"]
         os.makedirs(os.path.dirname(dst), exist_ok=True)
@@ -530,10 +536,6 @@ def _build_root(spec: dict, libc: _Libc) -> None:
             os.symlink(mount["target"], dst)
         else:
             _bind_readonly(libc, mount["path"], dst)
-    owner = f",uid={spec['uid']},gid={spec['uid']}" if spec["uid"] is not None else ""
-    for path, mode in (("/tmp", "1777"), (WORKSPACE, "0755"), ("/dev/shm", "1777")):
-        os.makedirs(root + path, exist_ok=True)
-        libc.mount("tmpfs", root + path, "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode={mode},size={limits['disk_mb']}m{owner}")
     for name in _DEVICES:
         open(f"{root}/dev/{name}", "w").close()
         libc.mount(f"/dev/{name}", f"{root}/dev/{name}", None, _MS_BIND)

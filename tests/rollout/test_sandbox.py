@@ -170,6 +170,28 @@ async def test_cells_keep_state_like_a_notebook(tool):
     assert out[7].startswith("Error:") and "SyntaxError" in out[7]
 
 
+async def test_an_interpreter_living_under_tmp_is_visible_in_the_sandbox():
+    """Found by the first clean-clone CI run: a checkout (and its .venv) under /tmp was hidden by the
+    sandbox's private /tmp, so the tool refused to start. The private folders are now mounted first and
+    the interpreter bound on top of them."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    home = tempfile.mkdtemp(prefix="streamrl-venv-", dir="/tmp")
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", f"{home}/venv"], check=True, timeout=60)
+        tool = CodeInterpreterTool({**FAST, "python": f"{home}/venv/bin/python"})
+        assert tool.layer != "none"
+        (out,) = await _run(tool, "import sys\nprint(sys.prefix)")
+        assert out == f"{home}/venv\n"
+        (listing,) = await _run(tool, "import os\nprint(sorted(os.listdir('/tmp')))")
+        assert listing == f"[{os.path.basename(home)!r}]\n"  # only the path to the interpreter, nothing else of host /tmp
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
 async def test_bad_arguments_and_cell_limit_are_error_observations():
     small = CodeInterpreterTool({**FAST, "max_cells": 2, "max_code_chars": 50})
     out = await _run(small, "a = 1", "", "b = 2", "print(a + b)", "x = '" + "y" * 60 + "'")
