@@ -19,6 +19,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -249,11 +250,106 @@ async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]
     return out
 
 
+async def bench_overlap(model_name: str, model_path: Path, repeats: int, num_requests: int = 4) -> dict[str, Any]:
+    """Stage while serving vs pause first, same engine, same weights, alternating runs (abort mode).
+
+    Each run: `num_requests` long greedy requests generate for 1 s, then one sync. The rollout side
+    is reduced to one `pause` that counts the tokens streamed since the sync started (generated
+    while the weights were transferred and verified) and aborts the requests (their tokens are kept:
+    0 discarded when every aborted output has a log-prob per token)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.rollout.engine.base import SamplingParams
+    from streamrl.rollout.engine.config import EngineConfig
+    from streamrl.rollout.engine.vllm_engine import VLLMEngine
+    from streamrl.weight_sync import WORKER_EXTENSION_CLS, WeightSyncConfig, WeightSyncCoordinator
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    weights = [(n, p.detach()) for n, p in hf.named_parameters()]
+    cfg = EngineConfig(model=str(model_path), device="cpu", max_model_len=1024, max_num_seqs=8,
+                       worker_extension_cls=WORKER_EXTENSION_CLS)
+    engine = VLLMEngine(cfg, "bench-overlap")
+    prompt = list(range(10, 42))
+    await engine.generate("warmup", prompt, SamplingParams(max_tokens=4, temperature=0.0))
+    config = WeightSyncConfig()  # one coordinator (one weight group per engine); `overlap` flips per run
+    coordinator = WeightSyncCoordinator(config, [engine])
+    runs: list[dict[str, Any]] = []
+    try:
+        for rep in range(repeats):
+            for overlap in (False, True) if rep % 2 == 0 else (True, False):
+                ids = [f"ov-{rep}-{overlap}-{i}" for i in range(num_requests)]
+                tasks = [asyncio.ensure_future(engine.generate(r, prompt, SamplingParams(max_tokens=960, temperature=0.0)))
+                         for r in ids]
+                streamed = lambda: sum(engine.num_streamed_tokens(r) for r in ids)  # noqa: E731
+                await asyncio.sleep(1.0)
+                before_tokens, before_t = streamed(), time.monotonic()
+                await asyncio.sleep(1.0)  # the generation rate without a sync
+                rate_before = (streamed() - before_tokens) / (time.monotonic() - before_t)
+                at: dict[str, Any] = {}
+
+                class Workers:
+                    async def pause(self, epoch: int | None = None) -> None:
+                        at["tokens"], at["t"] = streamed(), time.monotonic()
+                        for r in ids:
+                            await engine.abort(r)
+                        at["outputs"] = await asyncio.gather(*tasks)
+
+                    async def resume(self, epoch: int | None = None) -> None: ...
+
+                config.overlap = overlap
+                coordinator.workers = Workers()
+                start_tokens, start_t = streamed(), time.monotonic()
+                result = await coordinator.sync(weights)
+                assert result.ok, result.error
+                staging_s = at["t"] - start_t
+                outputs = at["outputs"]
+                runs.append({
+                    "overlap": overlap, "repeat": rep, **{k: v for k, v in result.metrics().items() if k.endswith("_s")},
+                    "paused_over_load": result.paused_s / result.load_s,
+                    "staging_s": staging_s,
+                    "tokens_generated_while_staging": at["tokens"] - start_tokens,
+                    "tokens_per_s_while_staging": (at["tokens"] - start_tokens) / staging_s if staging_s > 0 else 0.0,
+                    "tokens_per_s_before_sync": rate_before,
+                    "tokens_discarded": sum(0 if len(o.token_ids) == len(o.logprobs) else len(o.token_ids) for o in outputs),
+                    "requests_aborted": sum(o.finish_reason == "abort" for o in outputs),
+                })
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    finally:
+        await coordinator.close()
+        await engine.shutdown()
+
+    def summary(overlap: bool) -> dict[str, Any]:
+        rows = [r for r in runs if r["overlap"] is overlap]
+        keys = ("sync/paused_s", "sync/load_s", "sync/transfer_s", "paused_over_load", "tokens_generated_while_staging",
+                "tokens_per_s_while_staging", "tokens_per_s_before_sync", "tokens_discarded")
+        return {k: {"mean": statistics.fmean(r[k] for r in rows), "min": min(r[k] for r in rows),
+                    "max": max(r[k] for r in rows)} for k in keys}
+
+    return {"model": model_name, "num_requests": num_requests, "repeats": repeats, "runs": runs,
+            "overlap": summary(True), "paused_transfer": summary(False),
+            "target": "overlap: engine pause per sync <= 1.1 x commit (load) time, tokens generated while staging > 0, "
+                      "0 tokens discarded"}
+
+
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=RESULTS.parents[2], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except OSError:
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--synthetic-params", type=int, default=500_000_000)
     parser.add_argument("--repeats", type=int, default=5, help="syncs per SmolLM2 row (best one counts)")
     parser.add_argument("--synthetic-repeats", type=int, default=3, help="syncs per synthetic row")
+    parser.add_argument("--overlap-repeats", type=int, default=3, help="syncs per overlap mode")
+    parser.add_argument("--overlap-only", action="store_true",
+                        help="run only the overlap comparison and update its section of the results file")
     args = parser.parse_args()
     import torch
 
@@ -266,6 +362,15 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - fall back and say so in the results
         model_name, model_path = "tiny", resolve_model("tiny")
         notes.append(f"smollm2 unavailable ({exc!r}); used the tiny model")
+    command = " ".join([Path(sys.executable).name, "-m", "bench.weight_sync", *sys.argv[1:]])
+    overlap_row = asyncio.run(bench_overlap(model_name, model_path, args.overlap_repeats))
+    overlap_row |= {"command": command, "commit": _git_commit(), "runtime_s": time.monotonic() - started}
+    if args.overlap_only:
+        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        results["stage_while_serving"] = overlap_row
+        RESULTS.write_text(json.dumps(results, indent=2))
+        print(json.dumps(overlap_row, indent=2))
+        return
     from transformers import AutoModelForCausalLM
 
     hf_named = [(n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).named_parameters()]
@@ -278,12 +383,13 @@ def main() -> None:
     del synthetic
     engine_row = asyncio.run(bench_engine_sync(model_name, model_path))
     results = {
-        "command": " ".join([Path(sys.executable).name, "-m", "bench.weight_sync", *sys.argv[1:]]),
+        "command": command,
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
                     "device": "cpu", "backend": "gloo"},
         "checksum_throughput": checksum_row,
         "transport_vs_raw": transport_rows,
         "engine_sync": engine_row,
+        "stage_while_serving": overlap_row,
         "notes": notes,
         "runtime_s": time.monotonic() - started,
     }
@@ -294,3 +400,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

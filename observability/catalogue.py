@@ -210,6 +210,8 @@ METRICS: tuple[Metric, ...] = (
     M("sync/verify_s", "s", R.LAST, "last sync: checking the staged weights"),
     M("sync/load_s", "s", R.LAST, "last sync: committing the staged weights"),
     M("sync/resume_s", "s", R.LAST, "last sync: resuming generation"),
+    M("sync/paused_s", "s", R.LAST, "last sync: engines out of generation, pause to resumed (with "
+      "weight_sync.overlap only the commit; without, transfer and verify too)"),
     M("sync/total_s", "s", R.LAST, "last sync, end to end"),
     M("sync/gather_s", "s", R.LAST, "last sync: gathering sharded weights on rank 0", when="learner.num_workers > 1"),
     M("sync/bytes", "bytes", R.LAST, "bytes moved by the last sync"),

@@ -220,7 +220,7 @@ def plot_timeline(spans: pd.DataFrame) -> Figure | None:
 
 
 def plot_sync(df: pd.DataFrame, spans: pd.DataFrame) -> Figure | None:
-    parts = [k for k in ("sync/pause_s", "sync/transfer_s", "sync/resume_s") if k in df]
+    parts = [k for k in ("sync/transfer_s", "sync/pause_s", "sync/load_s", "sync/resume_s") if k in df]
     rows = df.dropna(subset=parts + (["sync/total_s"] if "sync/total_s" in df else []), how="all") if parts or "sync/total_s" in df else df.iloc[0:0]
     sync_spans = spans[(spans["kind"] == SpanKind.SYNC.value) & (spans["who"] == "learner")] if not spans.empty else spans
     if rows.empty and sync_spans.empty:

@@ -34,7 +34,7 @@ class SyncTimeouts(BaseModel):
     verify: float = Field(default=10.0, gt=0)
     load: float = Field(default=120.0, gt=0)  # commit of the staged weights inside every engine
     resume: float = Field(default=30.0, gt=0)
-    probe: float = Field(default=5.0, gt=0)  # ping of a dropped engine before a sync (does it rejoin?)
+    probe: float = Field(default=5.0, gt=0)  # ping: a dropped engine before a sync (rejoin?), all after a failed overlapped staging
 
 
 class WeightSyncConfig(BaseModel):
@@ -53,6 +53,10 @@ class WeightSyncConfig(BaseModel):
     timeouts: SyncTimeouts = Field(default_factory=SyncTimeouts)
     verify_checksum: bool = True
     pause_mode: PauseMode = PauseMode.ABORT
+    # Stage while serving: transfer and verify the new weights into each engine's staging copy while
+    # it generates, then pause only for the commit (the in-place load). False: pause -> transfer ->
+    # verify -> commit -> resume (no generation during the transfer; same staging memory either way).
+    overlap: bool = True
     fs_dir: str = "runs/weights"  # filesystem transport: one `v{policy_version}` folder per sync
     keep_last_n: int = Field(default=2, ge=1)  # filesystem transport: versions kept on disk
     # Controlled staleness (the staleness lab): publish the weights of `publish_lag` versions ago, so

@@ -1,7 +1,10 @@
 """`WeightSyncCoordinator`: publish learner weights as a new policy_version, transactionally.
 
-One sync = pause -> transfer (stage in every engine) -> verify checksums -> commit (every engine loads
-its staged copy and flips its version label in the same step) -> resume. Every phase runs under its own
+One sync = transfer (stage in every engine) -> verify checksums -> pause -> commit (every engine loads
+its staged copy and flips its version label in the same step) -> resume. With `overlap` (default) the
+engines keep generating while the weights are transferred and verified: they pause only for the
+commit, the in-place load. `overlap = false` pauses first (pause -> transfer -> verify -> commit ->
+resume), for engines that must not receive while they serve. Every phase runs under its own
 timeout and every engine call carries the sync's epoch, a fencing token: a call that timed out here
 still runs on its engine actor, and the engine's `SyncFence` makes such late calls harmless (a pause
 that lands after its resume is undone, a resume always wins over an older pause).
@@ -14,7 +17,8 @@ copy (kept until a load succeeds; a load still in flight is joined, not repeated
 resumes; an engine that still fails is dropped from the sync set, and it refuses to sample if its
 weights may be half loaded. The reported policy_version is the one every engine left in the set serves.
 
-Dead engines (I6): an engine that cannot be resumed (error or timeout) is dead or wedged and leaves
+Dead engines (I6): an engine that cannot be resumed (error or timeout), or, when an overlapped
+staging failed before anything was paused, does not answer a ping, is dead or wedged and leaves
 the sync set; a sync that dropped engines is retried at once on the survivors, so the run goes on
 without them. A dropped engine that answers a ping before a later sync rejoins it (that sync brings
 it to the current weights). With no engine left, `sync` raises `NoHealthyEngineError`. Dropping here
@@ -135,16 +139,14 @@ class WeightSyncCoordinator:
         result = SyncResult(ok=False, policy_version=self.policy_version, engine_ids=[e.engine_id for e in engines])
         drops: dict[str, str] = {}
         started = time.monotonic()
+        paused_at: float | None = None  # set once the pause was sent: from then on, resume in `finally`
         try:
+            if self.config.overlap:  # stage while serving: generation goes on until the commit
+                await self._stage(engines, tensors, target, result)
+            paused_at = time.monotonic()
             result.pause_s = await _timed(self._pause(engines, epoch), timeouts.pause, "pause")
-            t0 = time.monotonic()
-            outcome = await self.transport.send(engines, tensors, target)
-            result.transfer_s = time.monotonic() - t0
-            result.num_bytes = outcome.manifest.num_bytes
-            t0 = time.monotonic()
-            if self.config.verify_checksum:
-                _verify(outcome, [e.engine_id for e in engines])
-            result.verify_s = time.monotonic() - t0
+            if not self.config.overlap:
+                await self._stage(engines, tensors, target, result)
             t0 = time.monotonic()
             drops |= await self._commit(engines, target, epoch)
             result.load_s = time.monotonic() - t0
@@ -158,10 +160,14 @@ class WeightSyncCoordinator:
         finally:
             t0 = time.monotonic()
             try:
-                drops |= await self._resume_engines(engines, epoch)
-                await self._resume_workers(epoch)
+                if paused_at is not None:
+                    drops |= await self._resume_engines(engines, epoch)
+                    await self._resume_workers(epoch)
+                else:  # an overlapped staging failed, nothing was paused: is an engine dead?
+                    drops |= await self._probe(engines, f"after a failed {result.failed_phase}")
             finally:
                 result.resume_s = time.monotonic() - t0
+                result.paused_s = 0.0 if paused_at is None else time.monotonic() - paused_at
                 for engine_id, why in drops.items():
                     self._drop(engine_id, why)
                 result.dropped_engine_ids = sorted(drops)
@@ -170,10 +176,23 @@ class WeightSyncCoordinator:
                 result.total_s = time.monotonic() - started
         if result.ok:
             logger.info(
-                "synced policy_version %d: %d bytes, pause %.3fs transfer %.3fs load %.3fs resume %.3fs",
-                target, result.num_bytes, result.pause_s, result.transfer_s, result.load_s, result.resume_s,
+                "synced policy_version %d: %d bytes, transfer %.3fs load %.3fs, engines paused %.3fs (overlap %s)",
+                target, result.num_bytes, result.transfer_s, result.load_s, result.paused_s, self.config.overlap,
             )
         return result
+
+    async def _stage(
+        self, engines: Sequence[SyncEngine], tensors: list[tuple[str, torch.Tensor]], target: int, result: SyncResult
+    ) -> None:
+        """Transfer into every engine's staging copy, then check every checksum (raises WeightSyncError)."""
+        t0 = time.monotonic()
+        outcome = await self.transport.send(engines, tensors, target)
+        result.transfer_s = time.monotonic() - t0
+        result.num_bytes = outcome.manifest.num_bytes
+        t0 = time.monotonic()
+        if self.config.verify_checksum:
+            _verify(outcome, [e.engine_id for e in engines])
+        result.verify_s = time.monotonic() - t0
 
     async def _pause(self, engines: Sequence[SyncEngine], epoch: int) -> None:
         mode = self.config.pause_mode
@@ -236,6 +255,16 @@ class WeightSyncCoordinator:
             except Exception:
                 logger.exception("rollout workers did not resume")
                 raise
+
+    async def _probe(self, engines: Sequence[SyncEngine], when: str) -> dict[str, str]:
+        """One bounded ping per engine; returns {engine_id: why} of those that did not answer."""
+        timeout_s = self.config.timeouts.probe
+        outcomes = await asyncio.gather(*(asyncio.wait_for(e.ping(), timeout_s) for e in engines), return_exceptions=True)
+        return {
+            e.engine_id: f"no answer to a ping {when}: {_describe(o, timeout_s)}"
+            for e, o in zip(engines, outcomes, strict=True)
+            if isinstance(o, BaseException)
+        }
 
     def _drop(self, engine_id: str, why: str) -> None:
         self.dropped[engine_id] = why

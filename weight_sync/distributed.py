@@ -3,7 +3,9 @@
 The group (learner = rank 0, engine workers = ranks 1..N in engine order) is built lazily on the
 first send, reused while the engine set is unchanged, and torn down after any failure so the next
 sync rebuilds it from scratch (fresh store port and key prefix, so a half-dead old group can never
-be joined by mistake). The manifest goes first as the `receive_weights` RPC argument; then buckets are
+be joined by mistake). The manifest goes first as the `receive_weights` RPC argument (with
+`overlap`: `begin_receive_weights`, which receives in a background thread of the engine so it keeps
+generating, then `finish_receive_weights` once the learner's broadcast is done); then buckets are
 packed, checksummed and broadcast with at most two in flight (packing bucket i+1 overlaps sending
 bucket i, and learner memory stays bounded by two buckets). A bucket's checksum is computed while its
 own broadcast is in flight (both only read it); receivers sum bucket k while bucket k+1 arrives.
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING
 from streamrl.weight_sync.buckets import checksum, pack_bucket, plan_buckets
 from streamrl.weight_sync.config import WeightSyncConfig
 from streamrl.weight_sync.group import WeightGroup, backend_device, create_master_store, rendezvous_address, resolve_backend
-from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, rpc_all
+from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, finish_staging, rpc_all
 from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncError
 
 if TYPE_CHECKING:
@@ -60,18 +62,18 @@ class DistributedTransport(WeightTransport):
         group = await self._ensure_group(engines, backend)
         buckets = plan_buckets(tensors, self.config.bucket_bytes, self.config.zero_copy_bytes)
         manifest = SyncManifest(policy_version=policy_version, buckets=buckets)
+        started = time.monotonic()
+        args = [(manifest.to_json(), self.config.verify_checksum)] * len(engines)
+        # overlap: engines receive in a background thread (generation goes on) and `finish` joins it.
+        method = "begin_receive_weights" if self.config.overlap else "receive_weights"
         receive = asyncio.ensure_future(
-            rpc_all(
-                engines,
-                "receive_weights",
-                timeout_s=timeout_s,
-                phase="transfer",
-                args_per_engine=[(manifest.to_json(), self.config.verify_checksum)] * len(engines),
-            )
+            rpc_all(engines, method, timeout_s=timeout_s, phase="transfer", args_per_engine=args)
         )
         broadcast = asyncio.ensure_future(asyncio.to_thread(self._broadcast_buckets, group, manifest, dict(tensors)))
         try:
             _, raw_reports = await asyncio.wait_for(asyncio.gather(broadcast, receive), timeout=timeout_s)
+            if self.config.overlap:
+                raw_reports = await finish_staging(engines, timeout_s=max(1.0, timeout_s - (time.monotonic() - started)))
         except TimeoutError as exc:
             raise WeightSyncError("transfer", f"broadcast did not finish within {timeout_s:.1f}s") from exc
         except WeightSyncError:

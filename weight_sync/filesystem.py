@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from streamrl.rollout.atomic import atomic_dir
 from streamrl.weight_sync.buckets import checksum, pack_bucket, plan_buckets
-from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, rpc_all
+from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, finish_staging, rpc_all
 from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncError
 
 if TYPE_CHECKING:
@@ -49,10 +49,12 @@ class FilesystemTransport(WeightTransport):
             raise WeightSyncError("transfer", f"writing v{policy_version} took longer than {timeout_s:.1f}s") from exc
         except OSError as exc:
             raise WeightSyncError("transfer", f"writing v{policy_version} under {self.config.fs_dir} failed: {exc!r}") from exc
-        args = (str(folder.resolve()), manifest.to_json(), self.config.verify_checksum)
-        raw = await rpc_all(
-            engines, "stage_weights_from_path", timeout_s=timeout_s, phase="transfer", args_per_engine=[args] * len(engines)
-        )
+        args = [(str(folder.resolve()), manifest.to_json(), self.config.verify_checksum)] * len(engines)
+        if self.config.overlap:  # engines read in a background thread and keep generating meanwhile
+            await rpc_all(engines, "begin_stage_weights_from_path", timeout_s=timeout_s, phase="transfer", args_per_engine=args)
+            raw = await finish_staging(engines, timeout_s=timeout_s)
+        else:
+            raw = await rpc_all(engines, "stage_weights_from_path", timeout_s=timeout_s, phase="transfer", args_per_engine=args)
         self._prune(keep=policy_version)
         return TransferOutcome(manifest=manifest, reports=[[StageReport.from_dict(r) for r in e] for e in raw])
 

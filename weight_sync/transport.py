@@ -96,6 +96,24 @@ async def rpc_all(
             task.cancel()
 
 
+async def finish_staging(engines: Sequence[SyncEngine], *, timeout_s: float, poll_s: float = 0.02) -> list[list[Any]]:
+    """Overlapped staging: poll every engine until its background receive ended (each poll is one
+    cheap RPC, so the engines' loops keep generating), then collect the StageReports."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise WeightSyncError("transfer", f"engines did not finish staging within {timeout_s:.1f}s")
+        done = await rpc_all(engines, "receive_done", timeout_s=left, phase="transfer")
+        if all(all(per_worker) for per_worker in done):
+            break
+        await asyncio.sleep(poll_s)
+    return await rpc_all(
+        engines, "finish_receive_weights", timeout_s=max(left, 5.0), phase="transfer",
+        args_per_engine=[(max(left, 1.0),)] * len(engines),
+    )
+
+
 def make_transport(config: WeightSyncConfig) -> WeightTransport:
     if config.transport is TransportKind.DISTRIBUTED:
         from streamrl.weight_sync.distributed import DistributedTransport

@@ -97,6 +97,7 @@ class SyncResult:
     verify_s: float = 0.0
     load_s: float = 0.0
     resume_s: float = 0.0
+    paused_s: float = 0.0  # engines out of generation: from the pause call to the end of the resume
     total_s: float = 0.0
     num_bytes: int = 0
     error: str | None = None
@@ -111,6 +112,7 @@ class SyncResult:
             "sync/verify_s": self.verify_s,
             "sync/load_s": self.load_s,
             "sync/resume_s": self.resume_s,
+            "sync/paused_s": self.paused_s,
             "sync/total_s": self.total_s,
             "sync/bytes": float(self.num_bytes),
             "sync/failed": 0.0 if self.ok else 1.0,

@@ -6,6 +6,9 @@ weights in flat buffers and reports their checksums; the coordinator compares th
 learner's, then either `commit_weights` (load in place through vLLM's supported
 `reload_weights(weights_iterator=...)` path; the engine calls it and flips its version label in the
 same step) or `discard_weights` (old weights keep serving).
+With `weight_sync.overlap` the receive runs in a background thread of the engine process
+(`begin_receive_weights` returns at once, `finish_receive_weights` joins it), so the engine keeps
+generating while the weights arrive and are checksummed; only the commit needs the engine paused.
 Tensors never travel as RPC arguments (vLLM would turn them into lists); only the manifest does.
 
 Configure with `worker_extension_cls="streamrl.weight_sync.worker_extension.WeightSyncWorkerExtension"`.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +41,7 @@ class WeightSyncWorkerExtension:
 
     _ws_group: WeightGroup | None = None
     _ws_staged: tuple[SyncManifest, list[torch.Tensor]] | None = None
+    _ws_receiving: _BackgroundReceive | None = None
 
     def weight_sync_info(self) -> dict[str, Any]:
         return {"rank": int(getattr(self, "rank", 0)), "device": str(self._ws_model_device())}
@@ -78,12 +83,15 @@ class WeightSyncWorkerExtension:
 
     def receive_weights(self, manifest_json: str, verify: bool = True) -> dict[str, Any]:
         """Receive every bucket of the manifest from rank 0 into staging; returns a StageReport."""
+        self._ws_staged = None
+        return self._ws_stage(*self._ws_receive(manifest_json, verify))
+
+    def _ws_receive(self, manifest_json: str, verify: bool) -> tuple[SyncManifest, list, list[int | None], int]:
         from streamrl.weight_sync.group import backend_device
 
         if self._ws_group is None:
             raise RuntimeError("receive_weights called before init_weight_group")
         manifest = SyncManifest.from_json(manifest_json)
-        self._ws_staged = None
         group = self._ws_group
         device = backend_device(group.backend)
         buffers = [empty_bucket(b, device) for b in manifest.buckets]
@@ -95,14 +103,59 @@ class WeightSyncWorkerExtension:
             # Bucket k is summed (one thread, cache-warm) while the backend receives bucket k+1.
             checksums.append(checksum(buf) if verify else None)
         logger.info("received %d buckets (%d bytes) in %.3fs", len(buffers), manifest.num_bytes, time.monotonic() - started)
-        return self._ws_stage(manifest, buffers, checksums, group.rank)
+        return manifest, buffers, checksums, group.rank
+
+    def begin_receive_weights(self, manifest_json: str, verify: bool = True) -> int:
+        """Start `receive_weights` in a background thread and return at once (the engine goes on
+        generating: gloo/NCCL waits and the checksum release the GIL). Returns this worker's rank."""
+        return self._ws_begin(lambda: self._ws_receive(manifest_json, verify))
+
+    def _ws_begin(self, receive: Any) -> int:
+        previous = self._ws_receiving
+        if previous is not None and previous.thread.is_alive():
+            # A receive of an abandoned sync: its group was torn down, so it ends with an error soon.
+            previous.thread.join(5.0)
+            if previous.thread.is_alive():
+                raise RuntimeError("the previous weight receive is still running")
+        self._ws_staged = None
+        self._ws_receiving = _BackgroundReceive(receive)
+        self._ws_receiving.thread.start()
+        return int(getattr(self, "rank", 0))
+
+    def receive_done(self) -> bool:
+        """Whether the background receive ended (it may have failed): `finish_receive_weights` then
+        returns at once. Polled, so a waiting coordinator never blocks the engine's loop."""
+        receive = self._ws_receiving
+        return receive is None or not receive.thread.is_alive()
+
+    def finish_receive_weights(self, timeout_s: float) -> dict[str, Any]:
+        """Wait (at most `timeout_s`) for the receive a `begin_*` call started, then stage what
+        it received (here, on the RPC thread: a receive abandoned by `discard_weights` never stages);
+        returns the StageReport."""
+        receive = self._ws_receiving
+        if receive is None:
+            raise RuntimeError("finish_receive_weights called before begin_receive_weights")
+        receive.thread.join(timeout_s)
+        if receive.thread.is_alive():
+            raise TimeoutError(f"weights not received within {timeout_s:.1f}s")
+        self._ws_receiving = None
+        if receive.error is not None:
+            raise receive.error
+        return self._ws_stage(*receive.result)
 
     def stage_weights_from_path(self, path: str, manifest_json: str, verify: bool = True) -> dict[str, Any]:
         """Filesystem transport: read the safetensors folder into staging buckets; returns a StageReport."""
+        self._ws_staged = None
+        return self._ws_stage(*self._ws_read(path, manifest_json, verify))
+
+    def begin_stage_weights_from_path(self, path: str, manifest_json: str, verify: bool = True) -> int:
+        """`stage_weights_from_path` in a background thread (see `begin_receive_weights`)."""
+        return self._ws_begin(lambda: self._ws_read(path, manifest_json, verify))
+
+    def _ws_read(self, path: str, manifest_json: str, verify: bool) -> tuple[SyncManifest, list, list[int | None], int]:
         from safetensors.torch import load_file
 
         manifest = SyncManifest.from_json(manifest_json)
-        self._ws_staged = None
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -114,7 +167,7 @@ class WeightSyncWorkerExtension:
             raise ValueError(f"{path} lacks {len(missing)} tensors of the manifest, e.g. {missing[:3]}")
         buffers = [pack_bucket(b, tensors, "cpu") for b in manifest.buckets]
         checksums = [checksum(buf) if verify else None for buf in buffers]
-        return self._ws_stage(manifest, buffers, checksums, int(getattr(self, "rank", 0)))
+        return manifest, buffers, checksums, int(getattr(self, "rank", 0))
 
     def commit_weights(self, policy_version: int) -> dict[str, Any]:
         """Load the staged weights of `policy_version` in place. Staging is freed once the load
@@ -142,7 +195,9 @@ class WeightSyncWorkerExtension:
         return refresh_packed_embeddings(self.model_runner.model)  # type: ignore[attr-defined]
 
     def discard_weights(self) -> bool:
-        """Drop staged weights (failed verification elsewhere); returns whether anything was staged."""
+        """Drop staged weights (failed verification elsewhere); returns whether anything was staged.
+        A background receive still running is abandoned: what it receives is never staged."""
+        self._ws_receiving = None
         staged, self._ws_staged = self._ws_staged, None
         return staged is not None
 
@@ -176,3 +231,18 @@ class WeightSyncWorkerExtension:
 
     def _ws_model_device(self) -> torch.device:
         return next(self.model_runner.model.parameters()).device  # type: ignore[attr-defined]
+
+
+class _BackgroundReceive:
+    """One `_ws_receive` in a thread; its result or error, read once the thread ended."""
+
+    def __init__(self, receive: Any) -> None:
+        self.result: tuple = ()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(receive,), name="streamrl-weight-receive", daemon=True)
+
+    def _run(self, receive: Any) -> None:
+        try:
+            self.result = receive()
+        except BaseException as exc:  # re-raised by finish_receive_weights on the RPC thread
+            self.error = exc

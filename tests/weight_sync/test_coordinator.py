@@ -100,7 +100,7 @@ async def test_peer_that_never_joins_fails_within_the_timeout_then_retry_succeed
     assert "did not form" in result.error and "3 ranks" in result.error
     assert elapsed < config.timeouts.transfer + 3.0
     assert alive.policy_version == 0 and alive.worker.num_loads == 0
-    assert events[-1] == ("workers", "resume")  # resumed although the sync failed
+    assert events == []  # staging failed while the engines served: nothing was paused (overlap)
     survivor = WeightSyncCoordinator(config, [alive])
     assert (await survivor.sync(toy_weights(1))).ok  # the live engine is not wedged by the failure
     assert alive.policy_version == 1

@@ -156,11 +156,12 @@ async def test_commit_that_times_out_twice_loads_later_under_the_new_label():
 # ---- (5) dead engines leave the sync set; none left -> a clear error ------------------------------
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "paused_transfer"])
 @pytest.mark.parametrize("hang", [False, True], ids=["actor_died", "never_answers"])
-async def test_dead_engine_leaves_the_sync_set_and_the_run_goes_on(hang):
+async def test_dead_engine_leaves_the_sync_set_and_the_run_goes_on(hang, overlap):
     events: list[tuple[str, str]] = []
     alive, doomed = ThreadEngine("alive", events), DyingEngine("doomed", events, hang=hang)
-    config = _config()
+    config = _config(overlap=overlap)
     coordinator = WeightSyncCoordinator(config, [alive, doomed], workers=RecordingWorkers(events))
     assert (await coordinator.sync(toy_weights(1))).ok
     doomed.die()
@@ -171,7 +172,8 @@ async def test_dead_engine_leaves_the_sync_set_and_the_run_goes_on(hang):
     assert result.dropped_engine_ids == ["doomed"] and list(coordinator.dropped) == ["doomed"]
     assert alive.policy_version == 2 and _serves(alive, toy_weights(2))
     t = config.timeouts
-    assert elapsed < t.pause + t.resume + 3.0  # bounded by the phase timeouts, then one sync on the survivor
+    # bounded by the phase timeouts (overlap: the staging fails, then the probe), then one sync on the survivor
+    assert elapsed < (t.transfer + t.probe if overlap else t.pause + t.resume) + 3.0
     assert events[-1] == ("workers", "resume")
     assert coordinator.metrics()["sync/num_engines"] == 1.0
     # Later syncs only ping the dead engine (bounded) and go on without it.
@@ -180,13 +182,14 @@ async def test_dead_engine_leaves_the_sync_set_and_the_run_goes_on(hang):
     await coordinator.close()
 
 
-async def test_no_engine_left_raises_a_clear_error():
+@pytest.mark.parametrize(("overlap", "why"), [(True, "no answer to a ping after a failed transfer"), (False, "resume failed")])
+async def test_no_engine_left_raises_a_clear_error(overlap, why):
     engines = [DyingEngine("e0"), DyingEngine("e1", hang=True)]
-    coordinator = WeightSyncCoordinator(_config(), engines)
+    coordinator = WeightSyncCoordinator(_config(overlap=overlap), engines)
     assert (await coordinator.sync(toy_weights(1))).ok
     for engine in engines:
         engine.die()
-    with pytest.raises(NoHealthyEngineError, match="no healthy inference engine left: e0: resume failed"):
+    with pytest.raises(NoHealthyEngineError, match=f"no healthy inference engine left: e0: {why}"):
         await coordinator.sync(toy_weights(2))
     with pytest.raises(RuntimeError, match="no healthy inference engine left"):  # and on every later call
         await coordinator.sync(toy_weights(2))
