@@ -43,10 +43,14 @@ class CountingWorker:
 
 @ray.remote(num_cpus=0)
 class BrokenEngine:
-    """An engine actor that pauses and resumes but cannot take part in a weight transfer."""
+    """An engine actor that is alive (pauses, resumes, answers pings at its version) but cannot take
+    part in a weight transfer."""
 
     async def start(self) -> str:
         return "cpu"
+
+    async def ping(self) -> int:
+        return 2
 
     async def pause(self, mode: str, epoch: int | None = None) -> None:
         pass
@@ -182,7 +186,7 @@ async def test_single_and_two_rank_learners_publish_what_they_save(ray_cluster, 
         assert await _call(worker.log.remote()) == ["pause", "resume"] * 2  # once per publish
 
         # an engine that cannot receive: the sync fails in transfer, every rank still finished its
-        # gathers (no hang), and the live engine keeps serving v2 (paused and resumed, not updated)
+        # gathers (no hang), and the live engine keeps serving v2 (with overlap it was never paused)
         broken = BrokenEngine.remote()
         await _call(group.connect.remote([client.actor, broken], [worker], 2))
         await _call(group.train_step.remote(_sampled_batch(2)))
