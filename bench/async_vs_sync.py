@@ -2,7 +2,7 @@
 learner idle ratio, the lag distribution and generated-vs-trained lengths, over several seeds.
 Writes bench/results/async_vs_sync.json.
 
-    python -m bench.async_vs_sync [--steps N] [--seeds K] [--latency S] [--dist lognormal|uniform]
+    python -m bench.async_vs_sync [--steps N | --steps-async A --steps-sync S] [--seeds K] [--latency S] [--dist lognormal|uniform]
                                   [--p99-over-median R] [--min-turns A] [--max-turns B]
 
 Both modes use the same components (engine actor, rollout worker, buffer, learner, weight sync);
@@ -102,22 +102,27 @@ def summarize(runs: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=24, help="learner steps per run (both modes)")
+    parser.add_argument("--steps-async", type=int, default=None, help="learner steps of async runs (default --steps)")
+    parser.add_argument("--steps-sync", type=int, default=None, help="learner steps of sync runs (default --steps)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--latency", type=float, default=1.0, help="environment latency per turn: median (s)")
     parser.add_argument("--dist", choices=("lognormal", "uniform"), default="lognormal")
     parser.add_argument("--p99-over-median", type=float, default=10.0)
     parser.add_argument("--min-turns", type=int, default=1, help="fewest environment replies of a trajectory")
     parser.add_argument("--max-turns", type=int, default=4, help="most environment replies of a trajectory")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "async_vs_sync.json"))
     args = parser.parse_args(argv)
     env = {"latency_s": args.latency, "distribution": args.dist, "num_turns": args.max_turns,
            "min_turns": args.min_turns}
     env |= {"p99_over_median": args.p99_over_median} if args.dist == "lognormal" else {"jitter_s": args.latency / 10}
     runs: dict[str, list[dict]] = {"async": [], "sync": []}
+    # sync steps take far longer on this workload: fewer of them still give a >= 2 min steady state
+    steps = {"async": args.steps_async or args.steps, "sync": args.steps_sync or args.steps}
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
         for seed in range(args.seeds):
             for mode in ("async", "sync") if seed % 2 == 0 else ("sync", "async"):
-                runs[mode].append(run_mode(mode, Path(tmp), args.steps, env, seed))
+                runs[mode].append(run_mode(mode, Path(tmp), steps[mode], env, seed))
                 print(json.dumps(runs[mode][-1]), file=sys.stderr, flush=True)
     ratios = [a["trained_samples_per_hour"] / s["trained_samples_per_hour"]
               for a, s in zip(runs["async"], runs["sync"], strict=True)
@@ -126,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "-m", "bench.async_vs_sync", *(argv if argv is not None else sys.argv[1:])]),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
-        "workload": {"config": CONFIG, "environment": env, "steps": args.steps, "batch_size": BATCH_SIZE,
+        "workload": {"config": CONFIG, "environment": env, "steps": steps, "batch_size": BATCH_SIZE,
                      "seeds": args.seeds},
         "async": summarize(runs["async"]),
         "sync": summarize(runs["sync"]),
@@ -134,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "targets": {"throughput_ratio": ">= 3 (mean over >= 3 seeds)", "async_engine_busy_fraction": ">= 0.95"},
     }
-    path = REPO / "bench" / "results" / "async_vs_sync.json"
-    path.write_text(json.dumps(out, indent=2))
+    Path(args.out).write_text(json.dumps(out, indent=2))
     print(json.dumps({k: out[k] for k in ("async", "sync", "throughput_ratio_async_over_sync")}, indent=2))
     return 0
 
