@@ -1,6 +1,6 @@
 """Memory of the default run, part by part, and of the learner's logits path before/after chunking.
 
-    python -m bench.memory [--steps 6] [--out bench/results/memory.json]
+    python -m bench.memory [--steps 6] [--seeds 3] [--keep DIR] [--out bench/results/memory.json]
 
 1. Runs `streamrl train --config configs/default.toml trainer.total_steps=N` (this checkout, its
    cache) while sampling every process of the job (`bench/memsample.py`): peak RSS of the driver,
@@ -14,12 +14,14 @@ Targets (issue 9): node peak <= 12 GB; learner peak <= 1.5 x (params + grads + A
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -35,8 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=str(REPO / "bench/results/memory.json"))
     parser.add_argument("--skip-logits", action="store_true")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds of the logits-path comparison")
+    parser.add_argument("--keep", default=None, metavar="DIR",
+                        help="run the job under DIR and keep its run directory (DIR/memory), e.g. for `streamrl staleness`")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="streamrl-memory-") as tmp:
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="streamrl-memory-") if not args.keep else _kept(args.keep) as tmp:
         cmd = [sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", "configs/default.toml",
                f"trainer.total_steps={args.steps}", f"trainer.run_root={tmp}", "trainer.run_name=memory"]
         rc, wall, memory = sample_run(cmd, cwd=str(REPO), env=dict(os.environ), log_path=f"{tmp}/train.log",
@@ -50,18 +57,27 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "memory_gb": round(psutil.virtual_memory().total / 2**30, 1)},
         "run": {"exit_code": rc, "wall_s": round(wall, 1), "steps": len(metrics), **memory,
-                "learner_rss_per_step_gb": [round(m.get("memory/learner_rss_gb", 0.0), 3) for m in metrics]},
+                "learner_rss_per_step_gb": [round(m.get("memory/learner_rss_gb", 0.0), 3) for m in metrics],
+                "learner_peak_gb_reported": max((m.get("memory/learner_peak_gb", 0.0) for m in metrics), default=None),
+                "reward_per_step": [m.get("rollout/reward_mean") for m in metrics],
+                "sync_paused_s": [m.get("sync/paused_s") for m in metrics]},
         "learner_state_gb": round(state_gb, 3),
         "learner_peak_over_state": round(learner / state_gb, 2),
         "targets": {"node_peak_gb_max": 12, "learner_peak_over_state_max": 1.5},
     }
     if not args.skip_logits:
         out = Path(tempfile.mkdtemp()) / "logits.json"
-        subprocess.run([sys.executable, "-m", "bench.memory_learner", "--out", str(out)], cwd=REPO, check=False)
+        subprocess.run([sys.executable, "-m", "bench.memory_learner", "--seeds", str(args.seeds), "--out", str(out)],
+                       cwd=REPO, check=False)
         result["logits_path"] = json.loads(out.read_text()) if out.exists() else None
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0 if rc == 0 else 1
+
+
+@contextlib.contextmanager
+def _kept(path: str) -> Iterator[str]:
+    yield str(Path(path).resolve())
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ class WeightSyncCoordinator:
                     drops |= await self._resume_engines(engines, epoch)
                     await self._resume_workers(epoch)
                 else:  # an overlapped staging failed, nothing was paused: is an engine dead?
-                    drops |= await self._probe(engines, f"after a failed {result.failed_phase}")
+                    drops |= await self._probe(engines, f"after a failed {result.failed_phase or 'staging'}")
             finally:
                 result.resume_s = time.monotonic() - t0
                 result.paused_s = 0.0 if paused_at is None else time.monotonic() - paused_at
