@@ -1,8 +1,10 @@
 """Moving learner weights into running vLLM engines, transactionally (see DESIGN.md "Interrupt protocol").
 
-- `WeightSyncConfig` (config.py): transport, backend, bucket size, per-phase timeouts, pause mode.
-- `WeightSyncCoordinator` (coordinator.py): pause -> transfer -> verify -> commit (load + relabel,
-  repaired or dropped per engine) -> resume, every engine call fenced by the sync's epoch.
+- `WeightSyncConfig` (config.py): transport, backend, bucket size, per-phase timeouts, pause mode,
+  overlap (stage while serving).
+- `WeightSyncCoordinator` (coordinator.py): transfer -> verify while the engines serve -> pause ->
+  commit (load + relabel, repaired or dropped per engine) -> resume, every engine call fenced by the
+  sync's epoch (`overlap = false`: pause first).
 - `WeightTransport` (transport.py) with `DistributedTransport` (distributed.py, gloo/NCCL broadcast)
   and `FilesystemTransport` (filesystem.py, versioned safetensors folders).
 - `WeightSyncWorkerExtension` (worker_extension.py): the engine side, a vLLM `worker_extension_cls`.
