@@ -102,9 +102,9 @@ def summarize(runs: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=24, help="learner steps per run (both modes)")
-    parser.add_argument("--steps-async", type=int, default=None, help="learner steps of async runs (default --steps)")
-    parser.add_argument("--steps-sync", type=int, default=None, help="learner steps of sync runs (default --steps)")
+    parser.add_argument("--steps", type=int, default=None, help="learner steps per run, both modes")
+    parser.add_argument("--steps-async", type=int, default=36, help="learner steps of async runs (~2 min steady)")
+    parser.add_argument("--steps-sync", type=int, default=16, help="learner steps of sync runs (~2-5 min steady)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--latency", type=float, default=1.0, help="environment latency per turn: median (s)")
     parser.add_argument("--dist", choices=("lognormal", "uniform"), default="lognormal")
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     env |= {"p99_over_median": args.p99_over_median} if args.dist == "lognormal" else {"jitter_s": args.latency / 10}
     runs: dict[str, list[dict]] = {"async": [], "sync": []}
     # sync steps take far longer on this workload: fewer of them still give a >= 2 min steady state
-    steps = {"async": args.steps_async or args.steps, "sync": args.steps_sync or args.steps}
+    steps = {"async": args.steps or args.steps_async, "sync": args.steps or args.steps_sync}
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
         for seed in range(args.seeds):
             for mode in ("async", "sync") if seed % 2 == 0 else ("sync", "async"):
