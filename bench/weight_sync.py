@@ -250,6 +250,16 @@ async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]
     return out
 
 
+def _summarize_overlap(runs: list[dict[str, Any]], overlap: bool) -> dict[str, Any]:
+    """Mean, min and max per key over the runs of one mode."""
+    rows = [r for r in runs if r["overlap"] is overlap]
+    keys = ("sync/paused_s", "sync/load_s", "sync/transfer_s", "paused_over_load", "tokens_generated_while_staging",
+            "tokens_per_s_while_staging", "tokens_per_s_before_sync", "tokens_discarded", "commit_reload_s",
+            "commit_refresh_s", "commit_ns_per_byte")
+    return {k: {"mean": statistics.fmean(r[k] for r in rows), "min": min(r[k] for r in rows),
+                "max": max(r[k] for r in rows)} for k in keys}
+
+
 async def bench_overlap(model_name: str, model_path: Path, repeats: int, num_requests: int = 4) -> dict[str, Any]:
     """Stage while serving vs pause first, same engine, same weights, alternating runs (abort mode).
 
@@ -321,16 +331,8 @@ async def bench_overlap(model_name: str, model_path: Path, repeats: int, num_req
         await coordinator.close()
         await engine.shutdown()
 
-    def summary(overlap: bool) -> dict[str, Any]:
-        rows = [r for r in runs if r["overlap"] is overlap]
-        keys = ("sync/paused_s", "sync/load_s", "sync/transfer_s", "paused_over_load", "tokens_generated_while_staging",
-                "tokens_per_s_while_staging", "tokens_per_s_before_sync", "tokens_discarded", "commit_reload_s",
-                "commit_refresh_s", "commit_ns_per_byte")
-        return {k: {"mean": statistics.fmean(r[k] for r in rows), "min": min(r[k] for r in rows),
-                    "max": max(r[k] for r in rows)} for k in keys}
-
     return {"model": model_name, "num_requests": num_requests, "repeats": repeats, "runs": runs,
-            "overlap": summary(True), "paused_transfer": summary(False),
+            "overlap": _summarize_overlap(runs, True), "paused_transfer": _summarize_overlap(runs, False),
             "target": "overlap: engine pause per sync <= 1.1 x commit (load) time, tokens generated while staging > 0, "
                       "0 tokens discarded"}
 
