@@ -7,7 +7,8 @@ async invariants from the durable log and the run directory only (`streaming/inv
 A scenario is a list of segments; each segment is one `streamrl train` process (the first starts the
 run, the others `--resume` it) with its own armed faults. A segment killed by a `kill_job` fault, or
 stopped by a clear error (a dead engine), is followed by the next; after the faulted segments clean
-resumes run until the run completes. A segment that runs past its time limit is a hang. A segment
+resumes run until the run completes. Faulted segments left when the run has finished are not run
+(their faults could not land) and are reported as `skipped`. A segment that runs past its time limit is a hang. A segment
 entry `sigkill_after=S` is the runner's own fault: it SIGKILLs the whole job S seconds in, wherever
 the job is (start-up, a sync, a step, a checkpoint), the way a preempted node would.
 """
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,12 +51,13 @@ def scenarios(seed: int) -> dict[str, list[str]]:
         "admission": [f"admit.after_append=kill_job@{n(2, 6, 'a')}", f"admit.before_submit=kill_job@{n(1, 2, 'b')}"],
         # I4: kills between a learner step and its publish, and after a publish (before checkpoint).
         "versions": [f"learner.after_step=kill_job@{n(1, 2, 'c')}", f"publish.after=kill_job@{n(1, 2, 'd')}"],
-        # I2: a sink that raises every few rows (retried), every worker incarnation killed right
-        # after its k-th saved row (replaced, its trajectories resubmitted), then the whole job
-        # killed mid-admission.
+        # I2: the whole job killed mid-admission (sink errors armed), then in the resumed job a sink
+        # that raises every few rows (retried) and every worker incarnation killed right after its
+        # k-th saved row (replaced, its trajectories resubmitted). The job kill comes first: worker
+        # faults alone do not stop a run, and a segment after a finished run injects nothing.
         "workers": [
-            f"worker.sink=raise%{n(3, 6, 'e')},worker.after_sink=kill_self@{n(6, 12, 'f')}",
             f"worker.sink=raise%{n(2, 5, 'g')},admit.after_append=kill_job@{n(1, 2, 'h')}",
+            f"worker.sink=raise%{n(3, 6, 'e')},worker.after_sink=kill_self@{n(6, 12, 'f')}",
         ],
         # I6: the only engine dies: the run stops with a clear error (no hang); the resume continues.
         "engine": [f"engine.generate=kill_self@{n(5, 30, 'i')}"],
@@ -66,11 +69,11 @@ def scenarios(seed: int) -> dict[str, list[str]]:
         # (a tiny-model job is ~20 s of start-up, then admission, steps and checkpoints; a resume
         # is ~40 s of recovery first).
         "sigkill": [f"sigkill_after={n(25, 60, 'l')}", f"sigkill_after={n(35, 70, 'm')}"],
-        # I2/I6: a slow sink (every few appends wait seconds: rows land during pauses and syncs)
-        # that also raises now and then; then the job killed mid-admission.
+        # I2/I6: the job killed mid-admission while appends are slow, then a slow sink (every few
+        # appends wait seconds: rows land during pauses and syncs) that also raises now and then.
         "slow_sink": [
-            f"buffer.append=delay{n(2, 6, 'n')}%{n(2, 4, 'o')},worker.sink=raise%{n(4, 7, 'p')}",
             f"buffer.append=delay{n(2, 6, 'q')}%3,admit.after_append=kill_job@{n(2, 3, 'r')}",
+            f"buffer.append=delay{n(2, 6, 'n')}%{n(2, 4, 'o')},worker.sink=raise%{n(4, 7, 'p')}",
         ],
         # I5: a tool-calling model whose calculator writes an fsynced ledger line per execution:
         # the job killed with a tool intent durable but the tool not run, then killed right after a
@@ -118,6 +121,10 @@ class ScenarioResult:
     faults_injected: int = 0
     hangs: int = 0
     completed: bool = False
+    # "point action" -> how often it fired (from the fault ledger), and the faulted segments that
+    # never ran because the run had already finished (their faults could not land)
+    fault_counts: dict[str, int] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
     invariants: dict = field(default_factory=dict)
 
 
@@ -165,7 +172,10 @@ def run_scenario(name: str, seed: int, faulted: list[str], root: Path, *, config
     plan = [*faulted, *[""] * max_clean]
     runner_faults = 0
     for i, spec in enumerate(plan):
-        if i >= len(faulted) and result.completed:
+        if result.completed:
+            if i < len(faulted):
+                result.skipped.append(spec)
+                continue
             break
         items = [item for item in spec.split(",") if item]
         kill_after = [float(item.removeprefix(RUNNER_FAULT)) for item in items if item.startswith(RUNNER_FAULT)]
@@ -180,8 +190,9 @@ def run_scenario(name: str, seed: int, faulted: list[str], root: Path, *, config
         result.segments.append({"faults": spec, "rc": rc, "wall_s": round(wall, 1), "sigkilled_by_runner": killed})
         result.hangs += rc is None
         result.completed = rc == 0
-    ledger_faults = len(ledger.read_text().splitlines()) if ledger.exists() else 0
-    result.faults_injected = ledger_faults + runner_faults
+    fired = [" ".join(line.split()[:2]) for line in ledger.read_text().splitlines()] if ledger.exists() else []
+    result.fault_counts = dict(Counter(fired))
+    result.faults_injected = len(fired) + runner_faults
     if (run_dir / "driver_state.json").exists():
         result.invariants = asdict(check_run(run_dir))
     return result
@@ -203,6 +214,7 @@ def summarize(results: list[ScenarioResult]) -> dict:
         "tool_calls_executed": total("tool_calls_executed"),
         "tool_side_effects_repeated": total("tool_side_effects_repeated"),
         "hangs": sum(r.hangs for r in results),
+        "faulted_segments_skipped": sum(len(r.skipped) for r in results),
     }
 
 
@@ -258,7 +270,7 @@ def recheck(out_path: Path, runs: Path, argv: list[str]) -> int:
     for r in data["results"]:
         r.setdefault("invariants_at_run", r["invariants"])
         r["invariants"] = asdict(check_run(runs / f"{r['name']}-s{r['seed']}"))
-        results.append(ScenarioResult(**{k: r[k] for k in ScenarioResult.__dataclass_fields__}))
+        results.append(ScenarioResult(**{k: r[k] for k in ScenarioResult.__dataclass_fields__ if k in r}))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     data["summary"] = summarize(results)
     data["rechecked"] = {"command": "python -m bench.chaos " + " ".join(argv), "checker_commit": commit.strip()}

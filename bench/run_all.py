@@ -10,7 +10,8 @@ import subprocess
 import sys
 import time
 
-BENCHMARKS = ["bench.buffer", "bench.learner", "bench.weight_sync", "bench.async_vs_sync", "bench.memory"]
+BENCHMARKS = ["bench.buffer", "bench.learner", "bench.weight_sync", "bench.async_vs_sync", "bench.memory",
+              "bench.staleness_sweep"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ action tokens at each token lag (lag itself is reported by the buffer: observabi
     is/clip_frac     fraction of action tokens whose surrogate was clipped (incl. dual clip)
     is/mask_frac     fraction of action tokens dropped (masked / M2 / max_token_lag)
     is/mismatch_kl   k3 estimate of KL(π_behav ‖ π_prox) = E_behav[ρ − 1 − log ρ]
+    is/ess           effective sample size of the loss's token weights w·keep: (Σ)² / (n Σ²) ∈ [0, 1]
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ class TokenStats:
         )
 
 
+def effective_sample_size(weights: torch.Tensor) -> float:
+    """(Σw)² / (n Σw²) ∈ [0, 1]; 0 for no tokens or all-zero weights."""
+    w = weights.double()
+    sq = float((w**2).sum().item())
+    return float(w.sum().item()) ** 2 / (w.numel() * sq) if w.numel() and sq > 0 else 0.0
+
+
 def _stats(s: TokenStats, sel: torch.Tensor) -> dict[str, float]:
     rho = s.behav_ratio[sel].double()
     log_rho = torch.log(rho.clamp(min=1e-30))
@@ -52,6 +60,7 @@ def _stats(s: TokenStats, sel: torch.Tensor) -> dict[str, float]:
         "clip_frac": s.clipped[sel].double().mean().item(),
         "mask_frac": s.masked[sel].double().mean().item(),
         "mismatch_kl": (rho - 1.0 - log_rho).mean().item(),
+        "ess": effective_sample_size(s.is_weight[sel] * ~s.masked[sel]),
         "num_tokens": float(sel.sum().item()),
     }
 

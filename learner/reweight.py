@@ -44,6 +44,7 @@ import torch
 
 from streamrl.learner.config import CorrectionConfig, CorrectionMode, Weight
 from streamrl.learner.correction import policy_ratio, staleness_correction
+from streamrl.learner.is_metrics import effective_sample_size
 from streamrl.learner.is_metrics import lag_bucket_names
 from streamrl.learner.losses import ppo_policy_loss
 
@@ -138,13 +139,6 @@ def correction_effect(
         lag=lag[valid].to(torch.int64),
         seq=seq[valid],
     )
-
-
-def effective_sample_size(weights: torch.Tensor) -> float:
-    """(Σw)² / (n Σw²) ∈ [0, 1]; 0 for no tokens or all-zero weights."""
-    w = weights.double()
-    sq = float((w**2).sum().item())
-    return float(w.sum().item()) ** 2 / (w.numel() * sq) if w.numel() and sq > 0 else 0.0
 
 
 def lag_buckets(lag: torch.Tensor, num_buckets: int) -> torch.Tensor:

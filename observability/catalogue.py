@@ -48,7 +48,7 @@ class Metric:
 
 
 IS_STATS = ("ratio_mean", "ratio_max", "ratio_min", "ratio_p50", "ratio_p90", "ratio_p99", "policy_ratio_mean",
-            "weight_mean", "clip_frac", "mask_frac", "mismatch_kl", "num_tokens")
+            "weight_mean", "clip_frac", "mask_frac", "mismatch_kl", "ess", "num_tokens")
 GROUP_PHASES = ("open", "ready", "consumed", "filtered", "dropped", "evicted", "over_age")  # buffer.groups.GroupPhase
 MEMORY_PARTS = ("driver", "engine", "rollout_worker", "buffer", "learner")
 PLACEHOLDERS = {

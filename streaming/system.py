@@ -374,8 +374,8 @@ class System:
             if answered:
                 break
         resumable = set(await self.buffer.resumable_ids())
-        report = {"stranded": sorted(resumable - held), "untracked": sorted(held - resumable),
-                  "resumable": sorted(resumable)}
+        report = {"learner_step": self.state.learner_step, "stranded": sorted(resumable - held),
+                  "untracked": sorted(held - resumable), "resumable": sorted(resumable)}
         (self.run_dir / "accounting.json").write_text(json.dumps(report, indent=1))
         if report["stranded"] or report["untracked"]:
             logger.error("I2 violated at the end of the run: %d stranded, %d held without a partial row",

@@ -157,11 +157,30 @@ async def _train(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) 
     return system.state
 
 
+def finished_already(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> bool:
+    """A resumed run that has nothing left to do: every step trained and checkpointed, and the
+    end-of-run accounting written at that step (a job killed before it resumes as usual). Resuming
+    with a larger `trainer.total_steps` goes on training."""
+    if state is None or state.learner_step < cfg.trainer.total_steps or state.checkpoint_step < state.learner_step:
+        return False
+    accounting = run_dir / "accounting.json"
+    if not accounting.exists():
+        return False
+    try:
+        return json.loads(accounting.read_text()).get("learner_step") == state.learner_step
+    except ValueError:  # torn by a kill mid-write: redo the end of the run
+        return False
+
+
 def train_main(*, config: str | None, overrides: list[str], resume: str | None) -> int:
     from streamrl.streaming.errors import StreamRLError, explain_failure
     from streamrl.observability.logs import FILE_ONLY, attach_run_log, name_worker_logs, run_summary
 
     cfg, run_dir, state = open_run(config, overrides, resume)
+    if finished_already(cfg, run_dir, state):
+        print(f"{run_dir} already finished at learner step {state.learner_step}/{cfg.trainer.total_steps}; "
+              "nothing to resume (raise trainer.total_steps to train further)")
+        return 0
     attach_run_log(run_dir)
     _init_ray(cfg, run_dir)
     try:

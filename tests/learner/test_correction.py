@@ -169,3 +169,6 @@ def test_metrics_overall_and_by_lag_bucket():
     assert m["is/mismatch_kl/lag_0"] == pytest.approx((2.0 - 1.0 - LN2) / 2)
     assert m["is/token_frac/lag_0"] == 0.5 and "staleness/lag_max" not in m  # lag stats: the buffer's
     assert "is/ratio_p90" in m and "is/weight_mean/lag_0" in m
+    # ESS of the loss weights w·keep: (1 + 2 + 0 + 0)² / (4 · (1 + 4)) overall; lag 0 keeps 1 and 2
+    assert m["is/ess"] == pytest.approx(9 / 20)
+    assert m["is/ess/lag_0"] == pytest.approx(9 / 10) and m["is/ess/lag_1"] == 0.0

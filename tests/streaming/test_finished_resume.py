@@ -1,0 +1,41 @@
+"""`finished_already`: a resume with nothing left to do returns before any system starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from streamrl.streaming.config import StreamRLConfig
+from streamrl.streaming.system import DriverState
+from streamrl.streaming.train import finished_already
+
+
+def _cfg(total_steps: int) -> StreamRLConfig:
+    return StreamRLConfig.model_validate({"trainer": {"total_steps": total_steps}})
+
+
+@pytest.mark.parametrize(
+    ("learner_step", "checkpoint_step", "accounting", "total_steps", "finished"),
+    [
+        (3, 3, {"learner_step": 3}, 3, True),
+        (3, 3, {"learner_step": 3}, 5, False),  # total_steps raised on resume: train on
+        (2, 2, {"learner_step": 2}, 3, False),  # not there yet
+        (3, 2, {"learner_step": 3}, 3, False),  # the last step is not checkpointed: redo it
+        (3, 3, None, 3, False),  # killed before the end-of-run accounting
+        (3, 3, {"learner_step": 2}, 3, False),  # the accounting of an earlier end (a shorter total)
+        (3, 3, "torn{", 3, False),  # torn by a kill mid-write
+    ],
+)
+def test_finished_only_when_every_step_is_trained_checkpointed_and_accounted(
+    tmp_path, learner_step, checkpoint_step, accounting, total_steps, finished
+):
+    state = DriverState(learner_step=learner_step, checkpoint_step=checkpoint_step)
+    if accounting is not None:
+        text = accounting if isinstance(accounting, str) else json.dumps(accounting)
+        (tmp_path / "accounting.json").write_text(text)
+    assert finished_already(_cfg(total_steps), tmp_path, state) is finished
+
+
+def test_a_fresh_run_is_never_finished(tmp_path):
+    assert finished_already(_cfg(1), tmp_path, None) is False
