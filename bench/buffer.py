@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from bench.machine import machine
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.schema import RECORD_FIELDS, normalize_batch
 from streamrl.buffer.store import ReplayBuffer
@@ -165,15 +165,6 @@ def bench_memory(batches: list[pa.RecordBatch]) -> dict:
     }
 
 
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(), "python": platform.python_version(), "pyarrow": pa.__version__}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2048, help="rows appended (x1024 tokens each)")
@@ -194,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     memory = bench_memory(batches)
     result = {
         "command": " ".join(["python -m bench.buffer", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": machine(),
+        "machine": machine(pyarrow=pa.__version__),
         "rows": args.rows,
         "tokens": args.rows * (PROMPT + RESPONSE),
         "write": write,

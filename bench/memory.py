@@ -21,7 +21,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -43,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="streamrl-memory-") if not args.keep else _kept(args.keep) as tmp:
+    keep = contextlib.nullcontext(str(Path(args.keep).resolve())) if args.keep else None
+    with keep or tempfile.TemporaryDirectory(prefix="streamrl-memory-") as tmp:
         cmd = [sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", "configs/default.toml",
                f"trainer.total_steps={args.steps}", f"trainer.run_root={tmp}", "trainer.run_name=memory"]
         rc, wall, memory = sample_run(cmd, cwd=str(REPO), env=dict(os.environ), log_path=f"{tmp}/train.log",
@@ -73,11 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0 if rc == 0 else 1
-
-
-@contextlib.contextmanager
-def _kept(path: str) -> Iterator[str]:
-    yield str(Path(path).resolve())
 
 
 if __name__ == "__main__":

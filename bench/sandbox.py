@@ -19,7 +19,6 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.machine import machine
 from streamrl.rollout.tools.code_interpreter import CodeInterpreterTool
 from streamrl.rollout.tools.sandbox_escapes import (
     ATTEMPTS,
@@ -48,16 +48,6 @@ LAYERS = {
     "output cap": "head + tail kept, middle cut; a stream past 4 MiB kills the program",
     "cleared environment": "the program's environment is built from scratch (no API keys)",
 }
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "euid": os.geteuid()}  # fmt: skip
 
 
 async def overhead_ms(tool: CodeInterpreterTool, repeats: int = 10) -> dict[str, float]:
@@ -134,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": " ".join(["python -m bench.sandbox", *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine(euid=os.geteuid()),
         **asyncio.run(bench(args)),
     }
     result["wall_s"] = round(time.perf_counter() - t0, 1)

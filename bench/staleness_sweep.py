@@ -42,8 +42,6 @@ import argparse
 import copy
 import json
 import multiprocessing
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -58,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.machine import machine
 from streamrl.learner.config import CorrectionMode, LearnerConfig
 from streamrl.learner.engine import TrainingEngine
 
@@ -349,17 +348,6 @@ def plot(cells: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path)
     plt.close(fig)
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__}
-
-
 def write_json(result: dict[str, Any], path: Path) -> None:
     """Indented JSON, except one line per cell (its per-step columns would take a line per number)."""
     head = json.dumps({k: v for k, v in result.items() if k != "cells"}, indent=2)
@@ -393,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False)
     result = {
         "command": " ".join(["python -m bench.staleness_sweep", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": machine(), "commit": git.stdout.strip(),
+        "machine": machine(torch=torch.__version__), "commit": git.stdout.strip(),
         "settings": asdict(settings) | {
             "lags": args.lags, "corrections": args.corrections, "seeds": args.seeds, "workers": args.workers,
             "target_frac": TARGET_FRAC, "final_window": FINAL_WINDOW,

@@ -44,8 +44,7 @@ import torch
 
 from streamrl.learner.config import CorrectionConfig, CorrectionMode, Weight
 from streamrl.learner.correction import policy_ratio, staleness_correction
-from streamrl.learner.is_metrics import effective_sample_size
-from streamrl.learner.is_metrics import lag_bucket_names
+from streamrl.learner.is_metrics import effective_sample_size, lag_bucket_names
 from streamrl.learner.losses import ppo_policy_loss
 
 
