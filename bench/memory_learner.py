@@ -114,12 +114,14 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     return {"spec": spec, "after_init": after_init, "steps": steps, **_state_gb(engine)}
 
 
-def _spawn(spec: dict[str, Any], *, allocator_env: bool, timeout_s: float) -> dict[str, Any]:
+def _spawn(
+    spec: dict[str, Any], *, allocator_env: bool, timeout_s: float, env_overrides: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run `worker(spec)` in a fresh interpreter; glibc reads MALLOC_* only at process start."""
     from streamrl.observability.memory import learner_runtime_env
 
     env = {k: v for k, v in os.environ.items() if k not in _MALLOC_VARS}
-    runtime = learner_runtime_env()
+    runtime = learner_runtime_env() | (env_overrides or {})
     env.update(runtime if allocator_env else {"OMP_NUM_THREADS": runtime["OMP_NUM_THREADS"]})
     cmd = [sys.executable, "-m", "bench.memory_learner", "--worker", json.dumps(spec)]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout_s, check=True)
@@ -167,6 +169,46 @@ def _chunk_runs(base: dict[str, Any], default_chunk: int, seeds: int, steps: int
         peaks = [r["step_peak_rss_gb"] for r in rows if r["variant"] == name]
         out[name] = {"step_peak_rss_gb_mean": float(np.mean(peaks)), "step_peak_rss_gb_std": float(np.std(peaks))}
     out["peak_saved_by_chunking_gb"] = out["unchunked"]["step_peak_rss_gb_mean"] - out["chunked"]["step_peak_rss_gb_mean"]
+    return out
+
+
+# The learner before and after session 9's change, and the two steps between (see `_peak_variants`).
+PEAK_VARIANTS: dict[str, dict[str, Any]] = {
+    "before": {"what": "mmap threshold 4 MB, no activation checkpointing, logits chunk 512 (defaults until session 9)",
+               "mmap": 4 * 1024 * 1024, "gc": False, "chunk": 512},
+    "mmap128k": {"what": "mmap threshold 128 KB, no activation checkpointing, logits chunk 512",
+                 "mmap": 128 * 1024, "gc": False, "chunk": 512},
+    "mmap128k_gc": {"what": "mmap threshold 128 KB, activation checkpointing, logits chunk 512",
+                    "mmap": 128 * 1024, "gc": True, "chunk": 512},
+    "mmap128k_gc_chunk128": {"what": "mmap threshold 128 KB, activation checkpointing, logits chunk 128 (the default now)",
+                             "mmap": 128 * 1024, "gc": True, "chunk": 128},
+}
+
+
+def _peak_variants(base: dict[str, Any], seeds: int, steps: int, timeout_s: float) -> dict[str, Any]:
+    """Step peak and step time of `PEAK_VARIANTS` on the longest default-shaped batch, each in a fresh
+    process, interleaved seed by seed so a noisy machine slows every variant alike."""
+    rows = []
+    for seed in range(seeds):
+        for name, v in PEAK_VARIANTS.items():
+            gc = str(v["gc"]).lower()
+            spec = {**base, "overrides": [*base["overrides"], f"learner.gradient_checkpointing={gc}"],
+                    "name": f"{name}-seed{seed}", "chunk": v["chunk"], "seed": seed, "steps": steps, "longest": True,
+                    "trim": True}
+            r = _spawn(spec, allocator_env=True, timeout_s=timeout_s,
+                       env_overrides={"MALLOC_MMAP_THRESHOLD_": str(v["mmap"])})
+            peaks = [s["step_peak_rss_gb"] for s in r["steps"]]
+            rows.append({"variant": name, "seed": seed, "step_peak_rss_gb_per_step": peaks,
+                         "step_s": [s["step_s"] for s in r["steps"]], "rss_after_gb": r["steps"][-1]["rss_gb"],
+                         "tokens": r["steps"][0]["tokens"], "params_grads_adam_gb": r["params_grads_adam_gb"]})
+    out: dict[str, Any] = {"runs": rows}
+    state = rows[0]["params_grads_adam_gb"]
+    for name, v in PEAK_VARIANTS.items():
+        mine = [r for r in rows if r["variant"] == name]
+        peak = max(max(r["step_peak_rss_gb_per_step"]) for r in mine)
+        later = [t for r in mine for t in r["step_s"][1:]]  # step 1 also allocates AdamW's moments
+        out[name] = {"what": v["what"], "step_peak_rss_gb_max": peak, "peak_over_state": peak / state,
+                     "step_s_mean": float(np.mean(later)), "step_s_std": float(np.std(later))}
     return out
 
 
@@ -243,12 +285,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="which growth runs: before (the pre-issue-9 learner), after (as it runs now)")
     parser.add_argument("--override", action="append", default=[], help="a run-file override, key=value")
     parser.add_argument("--out", default="bench/results/memory_learner.json")
+    parser.add_argument("--peak-variants", action="store_true",
+                        help="only the allocator/checkpointing/chunk variants of the step peak (PEAK_VARIANTS)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("STREAMRL_CACHE", str(Path(".cache/streamrl").resolve()))
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
+        return 0
+    if args.peak_variants:
+        start = time.perf_counter()
+        base = {"config": args.config, "overrides": args.override, "seed": 0}
+        result = {"command": " ".join(["python -m bench.memory_learner", *(argv if argv is not None else sys.argv[1:])]),
+                  "machine": _machine(), **_peak_variants(base, args.seeds, args.chunk_steps, 6 * 3600)}
+        result["wall_s"] = time.perf_counter() - start
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "machine")}, indent=1))
         return 0
     start = time.perf_counter()
     result = {

@@ -13,6 +13,14 @@ sits at the top of a heap, so the resident set ratchets up with fragmentation. T
 halves: `learner_runtime_env()` caps the arenas and pins the mmap threshold for the learner
 process (environment variables glibc reads at start-up, hence a Ray `runtime_env`), and
 `trim_allocator()` (malloc_trim) hands free pages back after every step.
+
+The threshold is 128 KB, not the 4 MB it was until session 9: a one-sequence micro-batch's
+activation and gradient tensors of SmolLM2 are 0.4-3.5 MB, so under 4 MB they came from the heap,
+where the gradients allocated during backward pinned the freed activations below them and the
+resident set rose by ≈ 1.2 GiB within a step. Mmapped, each tensor goes back to the kernel when
+freed: the step peak of the default learner fell from 4.25 to 3.72 GiB without checkpointing and
+to 2.97 GiB (1.48 × params + grads + AdamW) with it, and steps were no slower
+(`python -m bench.memory_learner --peak-variants`, bench/results/learner_peak.json).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ _GB = 1024**3
 # glibc tunables for the learner process; see the module docstring and bench/memory_learner.py.
 MALLOC_ENV = {
     "MALLOC_ARENA_MAX": "2",  # one arena per core instead of up to 8 per core
-    "MALLOC_MMAP_THRESHOLD_": str(4 * 1024 * 1024),  # fixed: ≥ 4 MB blocks are mmapped, freed to the OS
+    "MALLOC_MMAP_THRESHOLD_": str(128 * 1024),  # fixed: ≥ 128 KB blocks (every activation) mmapped, freed to the OS
     "MALLOC_TRIM_THRESHOLD_": str(64 * 1024 * 1024),  # let brk'd heap shrink when 64 MB at its top are free
 }
 
