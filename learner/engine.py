@@ -12,6 +12,10 @@ k − (token policy_version).
 Under torch.distributed (the `LearnerGroup`, FSDP2) every rank receives the whole batch, computes
 the GRPO advantages on all of it, and trains on rows `rank::world_size`; normalisers are global and
 every rank runs the same number of micro-batch passes (collectives must match).
+
+A vision-language model (`learner.model.is_vision_model`) also loads its processor: batches with
+images get their pixels built from the image bytes (`TrainBatch.from_padded(..., processor=)`), and
+every forward — training pass, no-grad recompute, reference — receives each row's pixels.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from streamrl.learner.is_metrics import TokenStats, correction_metrics
 from streamrl.learner.losses import aggregate, kl_penalty, ppo_policy_loss, value_loss
 from streamrl.learner.model import (
     PolicyModel,
+    is_vision_model,
     load_lm,
     pack_by_tokens,
     resolve_autocast_dtype,
@@ -87,6 +92,11 @@ class TrainingEngine:
         torch.manual_seed(cfg.seed)
         self.model_path = resolve_model(cfg.model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.processor: Any = None  # image processor + tokenizer of a vision-language model
+        if is_vision_model(self.model_path):
+            from transformers import AutoProcessor
+
+            self.processor = AutoProcessor.from_pretrained(self.model_path)
         lm = load_lm(self.model_path, self.device, gradient_checkpointing=cfg.gradient_checkpointing)
         chunk = cfg.logits_chunk_tokens
         self.policy = PolicyModel(lm, with_value_head=cfg.algo == Algo.PPO, logits_chunk_tokens=chunk).to(self.device)
@@ -133,11 +143,18 @@ class TrainingEngine:
         target = int(self.all_reduce(float(len(groups)), "max"))
         return groups + [rows[:0]] * (target - len(groups))
 
+    def to_train_batch(self, batch: Any) -> TrainBatch:
+        """A buffer batch (or a `TrainBatch`, passed through) on this engine's device, with pixels."""
+        if isinstance(batch, TrainBatch):
+            return batch
+        return TrainBatch.from_padded(batch, self.device, processor=self.processor)
+
     def forward(self, model: PolicyModel, mb: TrainBatch, *, with_entropy: bool = False) -> Any:
         with self._autocast():
             return model(
                 mb.input_ids,
                 mb.attention_mask,
+                images=mb.images,
                 temperature=self.cfg.temperature,
                 with_entropy=with_entropy,
                 entropy_requires_grad=self.cfg.entropy_coef > 0,
@@ -155,7 +172,7 @@ class TrainingEngine:
     def compute_logprobs(self, batch: Any, *, reference: bool = False) -> torch.Tensor:
         """log π(token t) for every position of the batch under the current (or reference) weights,
         [B, T] float32 on CPU, 0 at t = 0 and on padding. Uses the training micro-batching."""
-        tb = batch if isinstance(batch, TrainBatch) else TrainBatch.from_padded(batch, self.device)
+        tb = self.to_train_batch(batch)
         model = self.reference if reference else self.policy
         if model is None:
             raise ValueError("compute_logprobs(reference=True) needs use_reference = true")
@@ -175,7 +192,7 @@ class TrainingEngine:
         """One PPO/GRPO step on a buffer batch; returns `learner/*` and `is/*` metrics (observability/catalogue.py)."""
         start = time.perf_counter()
         cfg = self.cfg
-        full = batch if isinstance(batch, TrainBatch) else TrainBatch.from_padded(batch, self.device)
+        full = self.to_train_batch(batch)
         if full.batch_size < self.world_size:
             raise ValueError(f"batch of {full.batch_size} sequences for {self.world_size} learner ranks")
         self.policy.eval()  # no dropout anywhere: the no-grad pass and the training pass see one policy
@@ -320,9 +337,11 @@ class TrainingEngine:
             yield name, full_tensor(param).detach()
 
     def train_state(self) -> TrainState:
+        # a VLM's processor saves its tokenizer *and* image processor: vLLM needs both to load the folder
+        tokenizer = self.processor if self.processor is not None else self.tokenizer
         return TrainState(
             cfg=self.cfg, policy=self.policy, optimizer=self.optimizer, scheduler=self.scheduler,
-            generator=self.generator, tokenizer=self.tokenizer, rank=self.rank, is_distributed=self.is_distributed,
+            generator=self.generator, tokenizer=tokenizer, rank=self.rank, is_distributed=self.is_distributed,
             policy_version=self.policy_version, num_optimizer_steps=self.num_optimizer_steps,
         )
 

@@ -5,6 +5,11 @@ and the micro-batch packing both the training pass and the log-prob recompute us
 token they score (position t is predicted from the hidden state at t − 1), so everything downstream
 works on [B, T] tensors aligned with `input_ids`.
 
+A vision-language model (an image-text-to-text HF model, e.g. Idefics3) runs its full multimodal
+base model — vision tower, connector, image features scattered into the placeholder positions, text
+decoder — on the rows' pixels (`learner.vision`), then the same LM head; a text-only LM runs its
+decoder alone. Either way the head sees [B, T, H] hidden states aligned with `input_ids`.
+
 Memory: full-vocabulary logits are the largest tensors of a step ([B, T, V] float32: 0.8 GB for
 4096 tokens of a 49k vocabulary, and autograd keeps several of them for backward). With
 `logits_chunk_tokens > 0` the LM head runs on chunks of that many token positions
@@ -15,14 +20,20 @@ backward hold one chunk's logits at a time and nothing vocabulary-sized survives
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from streamrl.learner.losses import token_logprobs_and_entropy
+from streamrl.learner.vision import collate_images, is_vision_config
+
+if TYPE_CHECKING:
+    from streamrl.learner.vision import RowImages
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +46,15 @@ class ForwardOut:
 
 
 class PolicyModel(nn.Module):
-    """HF causal LM `lm` + optional `value_head` (Linear(hidden, 1), zero-initialised)."""
+    """HF causal LM or image-text-to-text model `lm` + optional `value_head` (Linear(hidden, 1),
+    zero-initialised)."""
 
     def __init__(self, lm: nn.Module, *, with_value_head: bool, logits_chunk_tokens: int = 0) -> None:
         super().__init__()
         self.lm = lm
         self.logits_chunk_tokens = logits_chunk_tokens  # 0: one [B, T, V] logits tensor (no chunking)
-        hidden = lm.config.hidden_size
+        self.is_vision = is_vision_config(lm.config)
+        hidden = lm.config.get_text_config().hidden_size
         self.value_head = nn.Linear(hidden, 1) if with_value_head else None
         if self.value_head is not None:
             nn.init.zeros_(self.value_head.weight)
@@ -52,11 +65,12 @@ class PolicyModel(nn.Module):
         input_ids: torch.Tensor,  # [B, T]
         attention_mask: torch.Tensor,  # [B, T]
         *,
+        images: Sequence[RowImages | None] | None = None,  # [B] (learner.vision); None: text only
         temperature: float = 1.0,
         with_entropy: bool = False,
         entropy_requires_grad: bool = True,
     ) -> ForwardOut:
-        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = self.hidden_states(input_ids, attention_mask, images)
         # the head is called as a module (per chunk) so FSDP2 hooks see it and its weight is unsharded
         head = self.lm.get_output_embeddings()
         score = dict(temperature=temperature, with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad)
@@ -71,6 +85,18 @@ class PolicyModel(nn.Module):
             v = self.value_head(hidden[:, :-1]).squeeze(-1).float()
             values = nn.functional.pad(v, (1, 0))
         return ForwardOut(logp=logp, entropy=entropy, values=values)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: Sequence[RowImages | None] | None
+    ) -> torch.Tensor:  # [B, T, H] last hidden states
+        if not self.is_vision:
+            if images is not None and any(r is not None and r.num_images for r in images):
+                raise ValueError(f"batch has images but the model ({type(self.lm).__name__}) has no vision tower")
+            return self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        if images is not None and len(images) != input_ids.shape[0]:
+            raise ValueError(f"images for {len(images)} rows, input_ids has {input_ids.shape[0]}")
+        vision = collate_images(images or [], self.lm.config.model_type)
+        return self.lm.model(input_ids=input_ids, attention_mask=attention_mask, **vision).last_hidden_state
 
 
 def chunked_token_logprobs_and_entropy(
@@ -145,11 +171,20 @@ def resolve_autocast_dtype(name: str, device: torch.device) -> torch.dtype | Non
     return torch.bfloat16
 
 
-def load_lm(path: Path, device: torch.device, *, gradient_checkpointing: bool = False) -> nn.Module:
-    """Load a HF folder as a float32 causal LM (master weights stay fp32; autocast handles bf16)."""
-    from transformers import AutoModelForCausalLM
+def is_vision_model(path: Path) -> bool:
+    """Whether the HF folder holds an image-text-to-text model (its config has a vision tower)."""
+    from transformers import AutoConfig
 
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return is_vision_config(AutoConfig.from_pretrained(path))
+
+
+def load_lm(path: Path, device: torch.device, *, gradient_checkpointing: bool = False) -> nn.Module:
+    """Load a HF folder as a float32 causal LM, or image-text-to-text model when its config has a
+    vision tower (master weights stay fp32; autocast handles bf16)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
+    lm = auto.from_pretrained(path, dtype=torch.float32)
     lm.config.use_cache = False
     if gradient_checkpointing:  # non-reentrant: composes with FSDP2 and the chunked LM head
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 class ForwardRunner(Protocol):
     """What the start of a step needs from the learner (`TrainingEngine` is one): its models and
-    version, rank facts, and the micro-batch forward machinery the train step also uses. Typed as a
+    version, rank facts, and the micro-batch forward machinery the train step also uses (`forward`
+    runs a micro-batch's rows with their images, so every pass here sees the pixels). Typed as a
     protocol so this module does not import the engine that imports it."""
 
     cfg: LearnerConfig

@@ -8,7 +8,10 @@ Conventions (shared with the buffer):
 - `loss_mask[b, t] == 1` iff token t was sampled by the policy; `behavior_logprobs[b, t]` is the
   logprob of token t under the behavior policy and `policy_versions[b, t]` its weights' version
   (-1 where the mask is 0);
-- the logprob of token t comes from the logits at position t-1, so position 0 never carries loss.
+- the logprob of token t comes from the logits at position t-1, so position 0 never carries loss;
+- a VLM row's `input_ids` hold its image placeholders already expanded (what the model saw), and
+  `images[b]` holds that row's pixels in placeholder order (`learner.vision`); text-only batches have
+  `images is None`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+    from streamrl.learner.vision import RowImages
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +63,8 @@ class TrainBatch:
     rewards: torch.Tensor  # [B] float32 (final score)
     group_index: torch.Tensor  # [B] int64 (sequences of one GRPO group share it)
     turn_scores: list[list[float]] = field(default_factory=list)  # [B][num_scored_turns]
+    # [B]; row b's image inputs (None: no image in row b). None for a text-only batch.
+    images: list[RowImages | None] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -68,8 +75,11 @@ class TrainBatch:
         return int(self.loss_mask.sum().item())
 
     @classmethod
-    def from_padded(cls, padded: Any, device: str | torch.device = "cpu") -> TrainBatch:
-        """Convert a `PaddedBatch`-like object (numpy arrays) and validate the data contract."""
+    def from_padded(cls, padded: Any, device: str | torch.device = "cpu", *, processor: Any = None) -> TrainBatch:
+        """Convert a `PaddedBatch`-like object (numpy arrays) and validate the data contract.
+
+        When `padded.images` (`[B][num_images]`, encoded bytes or PIL images in placeholder order)
+        holds any image, the pixels are built here with `processor` (the learner model's)."""
         import numpy as np
         import torch
 
@@ -89,6 +99,16 @@ class TrainBatch:
             group_index=t("group_index", torch.int64),
             turn_scores=[list(map(float, s)) for s in getattr(padded, "turn_scores", None) or []],
         )
+        raw_images = getattr(padded, "images", None) or [[] for _ in range(batch.batch_size)]
+        has_images = any(len(row) for row in raw_images)
+        if has_images and processor is None:
+            raise ValueError("batch has images but the learner model has no image processor (not a VLM)")
+        # a VLM batch is checked even without images: placeholder tokens with no pixels are a data bug
+        if processor is not None and (has_images or bool((batch.input_ids == processor.image_token_id).any())):
+            from streamrl.learner.vision import batch_vision_inputs
+
+            rows = batch_vision_inputs(processor, raw_images, batch.input_ids.cpu())
+            batch.images = [None if r is None else r.to(device) for r in rows]
         batch.validate()
         return batch
 
@@ -107,6 +127,8 @@ class TrainBatch:
                 raise ValueError(f"{name} must be [B={shape[0]}], got {tuple(getattr(self, name).shape)}")
         if self.turn_scores and len(self.turn_scores) != shape[0]:
             raise ValueError(f"turn_scores has {len(self.turn_scores)} rows for batch size {shape[0]}")
+        if self.images is not None and len(self.images) != shape[0]:
+            raise ValueError(f"images has {len(self.images)} rows for batch size {shape[0]}")
         if bool((self.loss_mask[:, 0] != 0).any()):
             raise ValueError("loss_mask at position 0 must be 0 (no logits predict the first token)")
         if bool(((self.loss_mask != 0) & (self.attention_mask == 0)).any()):
@@ -118,7 +140,8 @@ class TrainBatch:
             raise ValueError("behavior_logprobs must be finite where loss_mask is 1")
 
     def select(self, index: torch.Tensor) -> TrainBatch:
-        """Rows `index` (a 1-D index tensor), trimmed to their longest sequence."""
+        """Rows `index` (a 1-D index tensor), trimmed to their longest sequence; each row keeps its
+        images (a row's placeholders never exceed its `seq_lens`, so trimming cuts no image)."""
         width = max(int(self.seq_lens[index].max().item()), 1) if index.numel() else 1
         rows = index.tolist()
         return TrainBatch(
@@ -131,4 +154,5 @@ class TrainBatch:
             rewards=self.rewards[index],
             group_index=self.group_index[index],
             turn_scores=[self.turn_scores[i] for i in rows] if self.turn_scores else [],
+            images=[self.images[i] for i in rows] if self.images is not None else None,
         )

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from streamrl.rollout.engine.base import (
     EngineStats,
     GenerationOutput,
+    ImageInput,
     InferenceEngine,
     NoHealthyEngineError,
     PauseMode,
@@ -137,9 +138,16 @@ class ServerManager:
     # -- requests ---------------------------------------------------------------------------------
 
     async def generate(
-        self, trajectory_key: str, request_id: str, prompt_ids: list[int], sampling: SamplingParams
+        self,
+        trajectory_key: str,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        images: list[ImageInput] | None = None,
     ) -> tuple[GenerationOutput, str]:
-        """Generate on the trajectory's engine; returns the output and the engine id that produced it."""
+        """Generate on the trajectory's engine; returns the output and the engine id that produced it.
+        `images` go with the ids unchanged (`InferenceEngine.generate`)."""
         if request_id in self._in_flight:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         attempt = 0
@@ -149,7 +157,7 @@ class ServerManager:
             self._num_routed[engine_id] += 1
             self._in_flight[request_id] = engine_id
             try:
-                output = await self._engines[engine_id].generate(request_id, prompt_ids, sampling)
+                output = await self._engines[engine_id].generate(request_id, prompt_ids, sampling, images=images)
             except ValueError:  # bad request: the caller's bug, the engine is fine
                 raise
             except Exception as exc:  # fault boundary: the engine, not the request, is broken

@@ -9,7 +9,11 @@ Invariants (stated once, checked by `Trajectory.validate()` and `AgentData.check
 - `response_ids`, `response_mask`, `behavior_logprobs` and `policy_versions` have equal length;
 - where `response_mask == 0` (tool / interaction / user tokens) the logprob is 0.0 and the
   policy_version is -1; where it is 1 the policy_version is >= 0;
-- `len(prompt_ids) + len(response_ids) <= max_model_len` of the run.
+- `len(prompt_ids) + len(response_ids) <= max_model_len` of the run;
+- images: `prompt_ids` / `response_ids` hold the *expanded* ids (each image is one run of the model's
+  image placeholder token, what the model saw), and the number of such runs in
+  `prompt_ids + response_ids` equals `len(AgentData.images)`, in the same order. Checked by
+  `check_aligned(image_token_id=...)` when a model with an image token is in play.
 """
 
 from __future__ import annotations
@@ -46,6 +50,23 @@ class FinishReason(StrEnum):
     INTERACTION_DONE = "interaction_done"  # the interaction terminated the episode
     ABORT = "abort"  # interrupted (partial rows only)
     ERROR = "error"  # failed trajectory
+
+
+class ImageRef(BaseModel):
+    """One image of a trajectory, by content. The encoded bytes live in a content-addressed store
+    (`rollout.images.ImageStore`, later the buffer's image log) under `sha256`; `AgentData` and the
+    messages only ever hold this reference, never pixels, so JSON round-trips stay lossless."""
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")  # hex digest of the encoded bytes
+    width: int = Field(gt=0)
+    height: int = Field(gt=0)
+    mime: str = "image/png"
+
+
+def count_image_runs(token_ids: list[int], image_token_id: int) -> int:
+    """Images in expanded ids: maximal runs of `image_token_id` (one per image for Idefics3 and
+    Qwen2-VL: adjacent images are separated by their wrapper tokens)."""
+    return sum(t == image_token_id and (i == 0 or token_ids[i - 1] != image_token_id) for i, t in enumerate(token_ids))
 
 
 class ToolCall(BaseModel):
@@ -99,6 +120,8 @@ class AgentData(BaseModel):
     Token arrays follow the module invariants. `turn_start` is the index in `response_ids` where
     the current assistant turn began: when a generation is interrupted the tokens already streamed
     are appended (mask 1, their versions) and the resumed generation continues the same turn.
+    `images` are the images of `prompt_ids + response_ids` in placeholder order (prompt images, then
+    those of tool / interaction responses as they arrive); a resume re-submits them with the ids.
     """
 
     trajectory_id: str
@@ -107,7 +130,7 @@ class AgentData(BaseModel):
     agent_name: str = "tool_agent"
     state: AgentState = AgentState.PENDING
 
-    messages: list[dict[str, Any]] = Field(default_factory=list)  # OpenAI chat format
+    messages: list[dict[str, Any]] = Field(default_factory=list)  # OpenAI chat format; image parts hold `image_ref`
     tools_kwargs: dict[str, Any] = Field(default_factory=dict)
     ground_truth: str | None = None
     # The dataset row's metadata for verl-style reward functions (see `PromptRecord`).
@@ -121,6 +144,7 @@ class AgentData(BaseModel):
     response_logprobs: list[float] = Field(default_factory=list)  # [num_response_tokens]
     policy_versions: list[int] = Field(default_factory=list)  # [num_response_tokens]
     turn_start: int = 0
+    images: list[ImageRef] = Field(default_factory=list)  # [num_images]; placeholder order
 
     num_assistant_turns: int = 0
     num_user_turns: int = 0
@@ -167,13 +191,22 @@ class AgentData(BaseModel):
         self.response_logprobs.extend([0.0] * n)
         self.policy_versions.extend([OBSERVATION_VERSION] * n)
 
-    def check_aligned(self) -> None:
+    def check_aligned(self, image_token_id: int | None = None) -> None:
+        """Raise AssertionError if the per-token arrays are misaligned, or, given the model's image
+        placeholder token (None for a text-only model), if the placeholder runs and `images` disagree."""
         n = len(self.response_ids)
         if not (n == len(self.response_mask) == len(self.response_logprobs) == len(self.policy_versions)):
             raise AssertionError(
                 f"per-token arrays misaligned: ids={n} mask={len(self.response_mask)} "
                 f"logprobs={len(self.response_logprobs)} versions={len(self.policy_versions)}"
             )
+        if image_token_id is not None:
+            num_runs = count_image_runs(self.prompt_ids + self.response_ids, image_token_id)
+            if num_runs != len(self.images):
+                raise AssertionError(
+                    f"trajectory {self.trajectory_id}: {num_runs} image placeholder runs in prompt + response "
+                    f"but {len(self.images)} images"
+                )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -13,8 +13,10 @@ from streamrl.rollout.engine.base import (
     BusyClock,
     EngineStats,
     GenerationOutput,
+    ImageInput,
     InferenceEngine,
     PauseMode,
+    PromptMismatchError,
     SamplingParams,
 )
 from streamrl.rollout.engine.config import EngineConfig
@@ -31,8 +33,10 @@ __all__ = [
     "EngineStats",
     "FakeEngine",
     "GenerationOutput",
+    "ImageInput",
     "InferenceEngine",
     "PauseMode",
+    "PromptMismatchError",
     "RayEngineClient",
     "SamplingParams",
     "VLLMEngine",

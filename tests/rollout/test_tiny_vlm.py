@@ -1,7 +1,7 @@
 """The tiny VLM: offline build, chat -> ids + images, and the real vLLM engine against transformers.
 
-vLLM here is a plain in-process `vllm.LLM` on the tiny VLM (the `VLLMEngine` seam has no
-`multi_modal_data` yet, see docs/multimodal.md); it costs ~16 s to start and ~1.8 GiB RSS.
+vLLM here is a plain in-process `vllm.LLM` on the tiny VLM (the project's `VLLMEngine` with images is
+tests/rollout/test_multimodal_engine.py); it costs ~16 s to start and ~1.8 GiB RSS.
 """
 
 from __future__ import annotations

@@ -1,0 +1,115 @@
+"""Content-addressed image bytes: where a rollout worker finds an image by its `ImageRef.sha256`.
+
+Trajectories never hold pixels: `AgentData.images` and the messages carry `ImageRef`s, and the
+encoded bytes (PNG unless a source gave another format) live here, keyed by the sha256 of the bytes.
+A resumed trajectory looks its images up by hash and re-submits them with its ids
+(`inputs(refs)` -> the engine's `ImageInput`s). `put` is idempotent: the 8 samples of one image prompt
+store the bytes once.
+
+`ImageStore` keeps the bytes in memory and, given a directory, also writes each image once as
+`<dir>/<sha256[:2]>/<sha256>` (write-then-rename, so a crash never leaves a partial file); a store
+opened on the same directory in another process finds them there. It is the worker's small local
+store; the buffer's durable image log (docs/multimodal.md, step 3) replaces the directory later.
+PIL is imported only when an image is encoded or inspected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from streamrl.rollout.atomic import atomic_write
+from streamrl.rollout.engine.base import ImageInput
+from streamrl.rollout.types import ImageRef
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+
+def image_sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def encode_png(image: Image) -> bytes:
+    """Lossless, deterministic bytes for a PIL image (same pixels and mode -> same bytes and hash)."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def decode_image(data: bytes) -> Image:
+    """Encoded bytes -> a loaded RGB PIL image (what the engine's and the learner's processors take)."""
+    from PIL import Image as PILImage
+
+    image = PILImage.open(io.BytesIO(data))
+    image.load()
+    return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def describe_image(data: bytes) -> ImageRef:
+    """The `ImageRef` of encoded bytes (reads the header for size and format; raises ValueError if the
+    bytes are not an image PIL can read)."""
+    from PIL import Image as PILImage
+    from PIL import UnidentifiedImageError
+
+    try:
+        with PILImage.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            mime = PILImage.MIME.get(image.format or "", "application/octet-stream")
+    except UnidentifiedImageError as exc:
+        raise ValueError(f"not an image ({len(data)} bytes): {exc}") from exc
+    return ImageRef(sha256=image_sha256(data), width=width, height=height, mime=mime)
+
+
+class ImageStore:
+    """Encoded image bytes by sha256, in memory and optionally in `directory` (see module doc)."""
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        self.directory = None if directory is None else Path(directory)
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        self._bytes: dict[str, bytes] = {}
+
+    def _path(self, sha256: str) -> Path:
+        assert self.directory is not None
+        return self.directory / sha256[:2] / sha256
+
+    def put(self, data: bytes) -> ImageRef:
+        """Store encoded bytes (idempotent) and return their reference."""
+        ref = describe_image(data)
+        self._bytes.setdefault(ref.sha256, data)
+        if self.directory is not None and not self._path(ref.sha256).exists():
+            self._path(ref.sha256).parent.mkdir(exist_ok=True)
+            atomic_write(self._path(ref.sha256), data)
+        return ref
+
+    def put_image(self, image: Image) -> ImageRef:
+        """Store a PIL image as PNG."""
+        return self.put(encode_png(image))
+
+    def get(self, sha256: str) -> bytes:
+        """The bytes of `sha256`; KeyError if neither memory nor the directory has them."""
+        data = self._bytes.get(sha256)
+        if data is None and self.directory is not None and self._path(sha256).exists():
+            data = self._path(sha256).read_bytes()
+            if image_sha256(data) != sha256:
+                raise ValueError(f"image file {self._path(sha256)} does not hash to its name")
+            self._bytes[sha256] = data
+        if data is None:
+            raise KeyError(f"image {sha256} is not in the store" + (f" ({self.directory})" if self.directory else ""))
+        return data
+
+    def __contains__(self, sha256: object) -> bool:
+        if not isinstance(sha256, str):
+            return False
+        return sha256 in self._bytes or (self.directory is not None and self._path(sha256).exists())
+
+    def __len__(self) -> int:
+        """Images held in memory (those only on disk are loaded on first `get`)."""
+        return len(self._bytes)
+
+    def inputs(self, refs: list[ImageRef]) -> list[ImageInput]:
+        """The engine's image inputs for a trajectory's `images`, in the same order."""
+        return [ImageInput(sha256=ref.sha256, data=self.get(ref.sha256)) for ref in refs]
