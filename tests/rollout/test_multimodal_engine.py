@@ -39,27 +39,6 @@ def _png(img) -> bytes:
     return encode_png(img)
 
 
-@pytest.fixture(scope="module")
-def vlm_path():
-    from streamrl.rollout.models import resolve_model
-
-    return resolve_model("tiny-vlm")
-
-
-@pytest.fixture(scope="module")
-def processor(vlm_path):
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(vlm_path)
-
-
-@pytest.fixture(scope="module")
-def hf_vlm(vlm_path):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(vlm_path, dtype="float32").eval()
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def vlm_engine(vlm_path):
     from tests.fixtures.vllm import _vllm_import_error
