@@ -18,9 +18,9 @@ The threshold is 128 KB, not the 4 MB it was until session 9: a one-sequence mic
 activation and gradient tensors of SmolLM2 are 0.4-3.5 MB, so under 4 MB they came from the heap,
 where the gradients allocated during backward pinned the freed activations below them and the
 resident set rose by ≈ 1.2 GiB within a step. Mmapped, each tensor goes back to the kernel when
-freed: the step peak of the default learner fell from 4.25 to 3.72 GiB without checkpointing and
-to 2.97 GiB (1.48 × params + grads + AdamW) with it, and steps were no slower
-(`python -m bench.memory_learner --peak-variants`, bench/results/learner_peak.json).
+freed: on the longest default batch the step peak fell from 4.12 to 3.61 GiB, and to 2.86 GiB
+(1.43 × params + grads + AdamW) with activation checkpointing and a 128-token LM-head chunk, the
+default now (`python -m bench.memory_learner --peak-variants`, bench/results/learner_peak.json).
 """
 
 from __future__ import annotations
