@@ -15,6 +15,9 @@ evictions make room, up to `timeout_s`, and returns False if the rows were not a
 once: they are parked in-flight work that admission already counted, and blocking them would stall
 the weight-sync interrupt behind the learner.
 
+Images travel in the same call as the rows that reference them (`images=`, a list of `ImageBlob`:
+hash, mime, size, encoded bytes; tens of KB each), so the bytes are durable before the rows.
+
 Calls run one at a time on the actor's event loop, so the `ReplayBuffer` needs no lock. A background
 task flushes on the `flush_every_ms` timer; if it ever fails, the next call raises its error.
 """
@@ -32,7 +35,7 @@ import pyarrow.compute as pc
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.schema import normalize_batch, trajectories_to_batch
 from streamrl.buffer.store import ReplayBuffer
-from streamrl.buffer.types import BufferProgress, PaddedBatch, SampledBatch
+from streamrl.buffer.types import BufferProgress, ImageBlob, PaddedBatch, SampledBatch
 from streamrl.rollout.types import Trajectory, TrajectoryStatus
 
 if TYPE_CHECKING:
@@ -80,10 +83,15 @@ class BufferActor:
         return bool(pc.all(pc.equal(batch.column("status"), TrajectoryStatus.PARTIAL.value)).as_py())
 
     async def append(
-        self, data: pa.RecordBatch | pa.Table | list[Trajectory], timeout_s: float | None = 30.0, durable: bool = False
+        self,
+        data: pa.RecordBatch | pa.Table | list[Trajectory],
+        timeout_s: float | None = 30.0,
+        durable: bool = False,
+        images: list[ImageBlob] | None = None,
     ) -> bool:
         """Append rows, awaiting room under backpressure (None = wait as long as it takes); False if
-        they were not accepted within `timeout_s`. `durable=True`: True only once they are in the log."""
+        they were not accepted within `timeout_s`. `durable=True`: True only once they are in the log.
+        `images`: bytes of the images the rows reference (see `ReplayBuffer.append`)."""
         from streamrl.streaming.faults import ahit
 
         await ahit("buffer.append")
@@ -97,20 +105,24 @@ class BufferActor:
                 except TimeoutError:
                     self.num_backpressure_timeouts += 1
                     return False
-        self.buffer.append(batch, durable=durable)
+        self.buffer.append(batch, images=images, durable=durable)
         await self._notify_changed()
         return True
 
-    async def try_append(self, data: pa.RecordBatch | pa.Table | list[Trajectory]) -> bool:
+    async def try_append(self, data: pa.RecordBatch | pa.Table | list[Trajectory], images: list[ImageBlob] | None = None) -> bool:
         """Append only if there is room now (partial rows always); never waits."""
         self._check_flusher()
         batch = self._as_batch(data)
         if self._all_partial(batch) or self.buffer.has_room(batch.num_rows):
-            self.buffer.append(batch)
+            self.buffer.append(batch, images=images)
             await self._notify_changed()
             return True
         self.num_backpressure_timeouts += 1
         return False
+
+    async def get_images(self, sha256s: list[str]) -> list[bytes]:
+        """Encoded bytes of stored images, in the order asked (resume of a parked image trajectory)."""
+        return [self.buffer.get_image(sha) for sha in sha256s]
 
     async def sample(self, served_version: int, learner_step: int) -> SampledBatch | None:
         self._check_flusher()

@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from streamrl.buffer.admission import lag_histogram
 from streamrl.buffer.log import read_segments
 from streamrl.buffer.manifest import CONSUMED_PREFIX, CONSUMPTION_SCHEMA, TRAJ_PREFIX, consumption_history
-from streamrl.buffer.schema import TRAJECTORY_SCHEMA
+from streamrl.buffer.schema import LEGACY_SCHEMAS, TRAJECTORY_SCHEMA, normalize_batch
 from streamrl.buffer.types import RecoveryReport
 
 if TYPE_CHECKING:
@@ -39,7 +39,9 @@ def read_dir(buffer_dir: str | Path) -> tuple[pa.Table, dict[str, list[tuple[int
         raise ValueError(f"{root} is not a buffer directory")
     report = RecoveryReport()
     names, batches = [], []
-    for name, batch in read_segments(root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, report=report):
+    for name, batch in read_segments(root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, report=report, legacy_schemas=LEGACY_SCHEMAS):
+        if not batch.schema.equals(TRAJECTORY_SCHEMA):
+            batch = normalize_batch(batch)  # schema "1": empty image columns
         names.extend([name] * batch.num_rows)
         batches.append(batch)
         report.num_rows += batch.num_rows

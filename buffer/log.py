@@ -1,6 +1,6 @@
 """Append-only, checksummed log of Arrow record batches in IPC segment files.
 
-Layout of one log (`<prefix>` is `traj` or `consumed`) inside a buffer directory:
+Layout of one log (`<prefix>` is `traj`, `consumed` or `images`) inside a buffer directory:
 
     <prefix>-000001.arrow   Arrow IPC *stream*: schema message, record batch messages ("frames"),
                             an end-of-stream marker once sealed. Readable by any Arrow reader.
@@ -17,7 +17,9 @@ stays where it is and is reported on every read.
 
 Reading verifies every frame: bytes past the last complete index entry are a torn tail (reported,
 ignored); a frame whose crc32 does not match, or that does not parse, is corrupt (reported, skipped)
-and the other frames and segments are still returned.
+and the other frames and segments are still returned. A segment written under an older schema
+that the caller still reads (`legacy_schemas`) yields its frames in that schema; upgrading them is
+the caller's job.
 """
 
 from __future__ import annotations
@@ -151,7 +153,13 @@ class SegmentWriter:
 
 
 def read_segments(
-    directory: Path, *, prefix: str, schema: pa.Schema, report: RecoveryReport, expected: dict[str, int] | None = None
+    directory: Path,
+    *,
+    prefix: str,
+    schema: pa.Schema,
+    report: RecoveryReport,
+    expected: dict[str, int] | None = None,
+    legacy_schemas: tuple[pa.Schema, ...] = (),
 ) -> Iterator[tuple[str, pa.RecordBatch]]:
     """Yield (segment name, batch) for every verified frame of every segment, in write order.
 
@@ -164,7 +172,7 @@ def read_segments(
     for _, path in paths:
         report.num_segments += 1
         num_frames = 0
-        for batch in _read_segment(path, schema, report):
+        for batch in _read_segment(path, schema, report, legacy_schemas):
             num_frames += 1
             yield path.stem, batch
         want = (expected or {}).get(path.stem)
@@ -172,7 +180,9 @@ def read_segments(
             _problem(report.missing, f"segment {path.name}: manifest lists {want} frames, {num_frames} recovered")
 
 
-def _read_segment(path: Path, schema: pa.Schema, report: RecoveryReport) -> Iterator[pa.RecordBatch]:
+def _read_segment(
+    path: Path, schema: pa.Schema, report: RecoveryReport, legacy_schemas: tuple[pa.Schema, ...] = ()
+) -> Iterator[pa.RecordBatch]:
     idx_path = path.with_suffix(".idx")
     entries = idx_path.read_bytes() if idx_path.exists() else b""
     size = path.stat().st_size
@@ -182,9 +192,11 @@ def _read_segment(path: Path, schema: pa.Schema, report: RecoveryReport) -> Iter
         except (pa.ArrowInvalid, OSError) as e:
             _problem(report.torn_tails, f"segment {path.name}: unreadable schema header ({e}); segment skipped")
             return
-        if not file_schema.equals(schema):
+        known = [s for s in (schema, *legacy_schemas) if file_schema.equals(s)]
+        if not known:
             _problem(report.corrupt, f"segment {path.name}: schema differs from this build's; segment skipped")
             return
+        schema = known[0]
         end = 0
         for i in range(len(entries) // _ENTRY_SIZE):
             raw = entries[i * _ENTRY_SIZE : (i + 1) * _ENTRY_SIZE]

@@ -23,8 +23,11 @@ def _positions(starts: np.ndarray, lengths: np.ndarray, shift: np.ndarray) -> tu
     return rows, cols
 
 
-def pad_table(table: pa.Table | pa.RecordBatch) -> PaddedBatch:
-    """Right-pad prompt + response of every row into [B, T] arrays (T = longest sequence)."""
+def pad_table(table: pa.Table | pa.RecordBatch, *, images: list[list[bytes]] | None = None) -> PaddedBatch:
+    """Right-pad prompt + response of every row into [B, T] arrays (T = longest sequence).
+
+    `images` (`[B][num_images]` encoded bytes, from the buffer's image log) become `PaddedBatch.images`
+    after a check that each row has one per `image_refs` entry; rows with images and no bytes raise."""
     if isinstance(table, pa.RecordBatch):
         table = pa.Table.from_batches([table])
     table = table.combine_chunks()
@@ -49,6 +52,12 @@ def pad_table(table: pa.Table | pa.RecordBatch) -> PaddedBatch:
     versions[rows, cols] = col("policy_versions").flatten().to_numpy(zero_copy_only=False)
     attention_mask = (np.arange(width)[None, :] < seq_lens[:, None]).astype(np.int8)
 
+    refs = table.column("image_refs").to_pylist() if "image_refs" in table.schema.names else [[] for _ in range(batch_size)]
+    if images is None and any(refs):
+        raise ValueError("rows reference images but no image bytes were given (sample through the buffer)")
+    if images is not None and (len(images) != batch_size or [len(r) for r in images] != [len(r) for r in refs]):
+        raise ValueError("images do not match the rows' image_refs ([B][num_images])")
+
     group_col = table.column("group_id")
     group_index = pc.dictionary_encode(group_col).combine_chunks().indices if batch_size else pa.array([], pa.int32())
     return PaddedBatch(
@@ -64,4 +73,5 @@ def pad_table(table: pa.Table | pa.RecordBatch) -> PaddedBatch:
         trajectory_ids=table.column("trajectory_id").to_pylist(),
         group_ids=group_col.to_pylist(),
         turn_scores=table.column("turn_scores").to_pylist(),
+        images=images if any(refs) else None,
     )

@@ -6,6 +6,14 @@ Arrow IPC, export writes them as Parquet. Per-token arrays are list columns (tok
 int8, behavior logprobs float32, per-token policy_version int32); the AgentData snapshot of partial
 rows is a JSON string column.
 
+Two image columns follow the record's fields (`IMAGE_FIELDS`): `image_refs` (sha256 hex of each
+image, placeholder order) and `num_image_tokens` (placeholder tokens of each image), both
+`[num_images]` and empty for text-only rows. The encoded bytes are not in the row: they live in the
+buffer's image log (`buffer/images.py`). They are the last two fields of `rollout.types.Trajectory`.
+
+Schema versions: "1" had no image columns. A segment written under "1" is read with
+`TRAJECTORY_SCHEMA_V1` (`LEGACY_SCHEMAS`) and `normalize_batch` adds empty image columns.
+
 Four derived columns follow the record's fields (`DERIVED_FIELDS`): prompt/response token counts and
 the min/max policy_version of the row. They are always recomputed here from the list columns
 (`normalize_batch`), never trusted from the caller.
@@ -37,7 +45,7 @@ import pyarrow.compute as pc
 
 from streamrl.rollout.types import OBSERVATION_VERSION, FinishReason, Trajectory, TrajectoryStatus
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
 
 # name -> (arrow type, numpy dtype of the list values) for the per-token and per-turn list columns.
 _LIST_COLUMNS: dict[str, tuple[pa.DataType, type]] = {
@@ -48,6 +56,7 @@ _LIST_COLUMNS: dict[str, tuple[pa.DataType, type]] = {
     "policy_versions": (pa.int32(), np.int32),
     "turn_scores": (pa.float64(), np.float64),
     "tool_rewards": (pa.float64(), np.float64),
+    "num_image_tokens": (pa.int32(), np.int32),
 }
 TOKEN_LIST_COLUMNS = ("response_ids", "response_mask", "behavior_logprobs", "policy_versions")
 
@@ -78,8 +87,16 @@ DERIVED_FIELDS: list[pa.Field] = [
     pa.field("min_policy_version", pa.int32(), nullable=False),  # -1 if no sampled token
     pa.field("max_policy_version", pa.int32(), nullable=False),  # -1 if no response token
 ]
-TRAJECTORY_SCHEMA = pa.schema(RECORD_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": SCHEMA_VERSION})
-RECORD_FIELD_NAMES = tuple(f.name for f in RECORD_FIELDS)
+IMAGE_FIELDS: list[pa.Field] = [
+    pa.field("image_refs", pa.list_(pa.string()), nullable=False),  # [num_images] sha256 hex
+    pa.field("num_image_tokens", pa.list_(pa.int32()), nullable=False),  # [num_images]
+]
+IMAGE_FIELD_NAMES = tuple(f.name for f in IMAGE_FIELDS)
+TRAJECTORY_SCHEMA = pa.schema(RECORD_FIELDS + IMAGE_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": SCHEMA_VERSION})
+TRAJECTORY_SCHEMA_V1 = pa.schema(RECORD_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": "1"})
+LEGACY_SCHEMAS = (TRAJECTORY_SCHEMA_V1,)  # older on-disk schemas recovery still reads
+_BASE_FIELD_NAMES = tuple(f.name for f in RECORD_FIELDS)
+RECORD_FIELD_NAMES = _BASE_FIELD_NAMES + IMAGE_FIELD_NAMES
 VALIDATED_KEY = b"streamrl.validated"  # schema metadata: crc32 (hex) of the stamped bytes
 # column -> which of its `Array.buffers()` the stamp covers (validity bitmaps are covered by the
 # null counts, which are checked on every call; token ids only matter through their offsets).
@@ -91,6 +108,8 @@ _STAMPED_BUFFERS: dict[str, tuple[int, ...]] = {
     "policy_versions": (1, 3),
     "status": (1, 2),
     "finish_reason": (1, 2),
+    "image_refs": (1,),
+    "num_image_tokens": (1, 3),
     **{f.name: (1,) for f in DERIVED_FIELDS},
 }
 _STAMPED_INDICES = [(TRAJECTORY_SCHEMA.get_field_index(name), which) for name, which in _STAMPED_BUFFERS.items()]
@@ -109,10 +128,12 @@ def _list_array(rows: list[list], value_type: pa.DataType, dtype: type) -> pa.Li
 def trajectories_to_batch(trajectories: list[Trajectory]) -> pa.RecordBatch:
     """Records -> one RecordBatch of `TRAJECTORY_SCHEMA` (column-wise, one pass per column)."""
     columns: dict[str, pa.Array] = {}
-    for f in RECORD_FIELDS:
+    for f in RECORD_FIELDS + IMAGE_FIELDS:
         values = [getattr(t, f.name) for t in trajectories]
         if f.name in _LIST_COLUMNS:
             columns[f.name] = _list_array(values, *_LIST_COLUMNS[f.name])
+        elif f.name == "image_refs":
+            columns[f.name] = pa.array([list(v) for v in values], type=f.type)
         elif f.name in _ENUMS:
             columns[f.name] = pa.array([_ENUMS[f.name](v).value for v in values], type=pa.string())
         else:
@@ -191,11 +212,12 @@ def normalize_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
         data = data.combine_chunks().to_batches()[0] if data.num_rows else _empty_batch()
     if is_validated(data):
         return data
+    data = _with_image_columns(data)
     missing = [n for n in RECORD_FIELD_NAMES if n not in data.schema.names]
     if missing:
         raise ValueError(f"batch is missing trajectory columns {missing}; build it with trajectories_to_batch")
     arrays: list[pa.Array] = []
-    for f in RECORD_FIELDS:
+    for f in RECORD_FIELDS + IMAGE_FIELDS:
         col = data.column(f.name)
         if not col.type.equals(f.type):
             try:
@@ -207,6 +229,7 @@ def normalize_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
         arrays.append(col)
     cols = dict(zip(RECORD_FIELD_NAMES, arrays))
     _check_enums(cols)
+    _check_images(cols)
     ids = cols["trajectory_id"]
     lengths = [list_lengths(cols[n]) for n in TOKEN_LIST_COLUMNS]
     bad = np.flatnonzero(np.any(np.stack(lengths) != lengths[0], axis=0)) if len(ids) else []
@@ -246,6 +269,29 @@ def normalize_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
     return batch.replace_schema_metadata({**TRAJECTORY_SCHEMA.metadata, VALIDATED_KEY: stamp})
 
 
+def _with_image_columns(data: pa.RecordBatch) -> pa.RecordBatch:
+    """A batch without image columns (schema "1" on disk, a producer predating images) gets empty ones."""
+    for f in IMAGE_FIELDS:
+        if f.name not in data.schema.names:
+            empty = pa.ListArray.from_arrays(pa.array(np.zeros(data.num_rows + 1, dtype=np.int32)), pa.array([], f.type.value_type))
+            data = data.append_column(f, empty)
+    return data
+
+
+def _check_images(cols: dict[str, pa.Array]) -> None:
+    refs, counts = cols["image_refs"], cols["num_image_tokens"]
+    bad = np.flatnonzero(list_lengths(refs) != list_lengths(counts))
+    if len(bad):
+        tid = cols["trajectory_id"][int(bad[0])].as_py()
+        raise ValueError(f"trajectory {tid!r}: image_refs and num_image_tokens differ in length")
+    flat = refs.flatten()
+    if len(flat) and (flat.null_count or not pc.all(pc.match_substring_regex(flat, r"^[0-9a-f]{64}$")).as_py()):
+        raise ValueError("image_refs must be sha256 hex digests (64 lowercase hex characters)")
+    tokens = counts.flatten().to_numpy(zero_copy_only=False)
+    if len(tokens) and int(tokens.min()) <= 0:
+        raise ValueError("num_image_tokens must be > 0 for every image")
+
+
 def _check_enums(cols: dict[str, pa.Array]) -> None:
     for name, enum in _ENUMS.items():
         allowed = {e.value for e in enum}
@@ -261,3 +307,8 @@ def _empty_batch() -> pa.RecordBatch:
 def record_field_names() -> tuple[str, ...]:
     """The Trajectory dataclass fields, for the schema-mirror test."""
     return tuple(f.name for f in dataclasses.fields(Trajectory))
+
+
+def image_refs_of(data: pa.RecordBatch | pa.Table) -> list[list[str]]:
+    """`image_refs` of every row (`[B][num_images]`)."""
+    return data.column("image_refs").to_pylist()

@@ -15,6 +15,14 @@ every verified trajectory frame, so nothing consumed is handed out again and not
 skipped. If the learner restarts from an older checkpoint, pass
 `resume_learner_step` and consumption recorded after that step is rolled back (durably).
 
+Images: rows reference images by sha256 (`image_refs`); the encoded bytes arrive in the same
+`append` call as `ImageBlob`s (`images=`, bytes of images the buffer already holds may be left out)
+and go to the write-once image log (`buffer/images.py`) *before* the rows are ingested or handed to
+the trajectory log. A call whose rows reference an image that is neither stored nor supplied is
+refused (ValueError) before anything is written or counted. `sample` attaches each row's image bytes
+(`SampledBatch.images`, `[B][num_images]`, None for a text-only batch). Recovery reads the image log
+first; a segment of trajectory schema "1" (no image columns) is read and given empty ones.
+
 Not thread-safe: one caller at a time (the Ray actor serializes calls).
 """
 
@@ -23,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -33,6 +42,7 @@ import pyarrow.compute as pc
 from streamrl.buffer.admission import length_bucket, rollout_capacity, trajectory_lag
 from streamrl.buffer.config import BufferConfig, OverAgePolicy
 from streamrl.buffer.groups import GroupPhase, GroupState, GroupTable, RowColumns
+from streamrl.buffer.images import IMAGES_PREFIX, ImageLog
 from streamrl.buffer.log import SegmentWriter, read_segments
 from streamrl.buffer.manifest import (
     CONSUMED_PREFIX,
@@ -45,9 +55,16 @@ from streamrl.buffer.manifest import (
 )
 from streamrl.buffer.rows import RowStore
 from streamrl.buffer.sampling import group_order, select_prefix
-from streamrl.buffer.schema import TRAJECTORY_SCHEMA, batch_to_trajectories, normalize_batch, trajectories_to_batch
+from streamrl.buffer.schema import (
+    LEGACY_SCHEMAS,
+    TRAJECTORY_SCHEMA,
+    batch_to_trajectories,
+    image_refs_of,
+    normalize_batch,
+    trajectories_to_batch,
+)
 from streamrl.buffer.stats import BufferStats
-from streamrl.buffer.types import RecoveryReport, SampledBatch
+from streamrl.buffer.types import ImageBlob, RecoveryReport, SampledBatch
 from streamrl.rollout.types import Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
@@ -85,19 +102,35 @@ class ReplayBuffer:
         self._traj_log: SegmentWriter | None = None
         self._cons_log: SegmentWriter | None = None
         self._old_segments: dict[str, list[dict]] = {TRAJ_PREFIX: [], CONSUMED_PREFIX: []}
+        self._images = ImageLog(self._root, segment_max_bytes=cfg.segment_max_bytes)
+        self._manifest_image_segments = 0
         if self._root is not None:
             self._open_dir(resume_learner_step)
         elif resume_learner_step is not None:
             raise ValueError("resume_learner_step needs a root_dir: a memory-only buffer has no history")
 
     # ---------------------------------------------------------------- appending
-    def append(self, data: list[Trajectory] | pa.RecordBatch | pa.Table, *, durable: bool = False) -> None:
+    def append(
+        self,
+        data: list[Trajectory] | pa.RecordBatch | pa.Table,
+        *,
+        images: Iterable[ImageBlob] | None = None,
+        durable: bool = False,
+    ) -> None:
         """Add finished, partial or failed rows. Never drops data; see `has_room` for backpressure.
+
+        `images`: the encoded bytes of the images the rows reference (`image_refs`); ones the buffer
+        already holds may be omitted, extra ones are stored too. They are written to the image log
+        (flushed to the OS) before the rows go anywhere. Raises ValueError, changing nothing, if a
+        referenced image is neither stored nor supplied or a blob's bytes do not match its hash.
 
         `durable=True` returns only once the rows are in the log (they survive a process kill): use it
         when the caller acknowledges something on the strength of these rows (admission saves its
         prompt cursor; a tool journal entry lets a side effect run)."""
         batch = trajectories_to_batch(data) if isinstance(data, list) else normalize_batch(data)
+        blobs = list(images or ())
+        self._check_image_refs(batch, blobs)
+        self._images.put(blobs)
         if batch.num_rows == 0:
             return
         cid = self._ingest(batch)
@@ -115,6 +148,29 @@ class ReplayBuffer:
             self.flush()
         else:
             self.poll()
+
+    def _check_image_refs(self, batch: pa.RecordBatch, blobs: list[ImageBlob]) -> None:
+        refs = [r for row in image_refs_of(batch) for r in row]
+        if not refs:
+            return
+        supplied = {b.sha256 for b in blobs}
+        missing = [r for r in self._images.missing(refs) if r not in supplied]
+        if missing:
+            tids = batch.column("trajectory_id").to_pylist()
+            rows = [tid for tid, row in zip(tids, image_refs_of(batch)) if set(row) & set(missing)]
+            raise ValueError(
+                f"append refused: {len(missing)} image(s) referenced but neither in the buffer nor supplied "
+                f"(first {missing[0]}, trajectories {rows[:3]}); pass their bytes in `images=`"
+            )
+
+    def put_images(self, images: Iterable[ImageBlob]) -> int:
+        """Store images ahead of the rows that will reference them (write-once; flushed to the OS
+        on return). Returns how many were new."""
+        return self._images.put(images)
+
+    def get_image(self, sha256: str) -> bytes:
+        """Encoded bytes of a stored image (resume of a parked trajectory, the viewer). KeyError if absent."""
+        return self._images.get(sha256)
 
     def _ingest(self, batch: pa.RecordBatch) -> int:
         """Row store + group bookkeeping for one batch; returns its chunk id. Raises ValueError
@@ -177,7 +233,10 @@ class ReplayBuffer:
         errors = [e for e in (f.exception() for f in inflight) if e is not None]
         if errors:
             raise errors[0]
-        if self._traj_log is not None and len(self._traj_log.segments) != self._manifest_segments:
+        if self._traj_log is not None and (
+            len(self._traj_log.segments) != self._manifest_segments
+            or self._images.num_segments_written != self._manifest_image_segments
+        ):
             self._write_manifest(sync=False)
         self._counts["flushes"] += 1
         self._pending_rows = 0
@@ -207,6 +266,7 @@ class ReplayBuffer:
         if self._root is None:
             return
         if self.cfg.fsync_on_checkpoint:
+            self._images.sync()  # before the rows that reference them
             self._traj_log.sync()
             self._cons_log.sync()
         self._write_manifest(sync=self.cfg.fsync_on_checkpoint)
@@ -216,6 +276,7 @@ class ReplayBuffer:
             self.flush()
             return
         self.flush()
+        self._images.close()
         self._traj_log.close()
         self._cons_log.close()
         self._write_manifest(sync=self.cfg.fsync_on_checkpoint)
@@ -272,6 +333,7 @@ class ReplayBuffer:
             learner_step=learner_step,
             served_version=served_version,
             lags=np.asarray(row_lags, dtype=np.int64),
+            images=self._images.rows(image_refs_of(table)),
         )
 
     def _retire_over_age(self, served_version: int) -> None:
@@ -375,7 +437,7 @@ class ReplayBuffer:
         return cap
 
     def memory_bytes(self) -> int:
-        return self._rows.nbytes
+        return self._rows.nbytes + self._images.nbytes
 
     def stats(self) -> dict[str, float]:
         c, g = self._counts, self._groups
@@ -418,10 +480,17 @@ class ReplayBuffer:
         listed = (manifest or {}).get("segments", {})
         steps = self._replay_consumption(listed.get(CONSUMED_PREFIX, []), resume_learner_step)
         self._groups.preloaded_steps = steps
+        self._images.recover(report, {s["name"]: s["num_frames"] for s in listed.get(IMAGES_PREFIX, [])})
         seen: Counter[str] = Counter()
         expected = {s["name"]: s["num_frames"] for s in listed.get(TRAJ_PREFIX, [])}
-        for name, batch in read_segments(root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, report=report, expected=expected):
+        unresolved: set[str] = set()
+        for name, batch in read_segments(
+            root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, report=report, expected=expected, legacy_schemas=LEGACY_SCHEMAS
+        ):
             seen[name] += 1
+            if not batch.schema.equals(TRAJECTORY_SCHEMA):
+                batch = normalize_batch(batch)  # an older schema version: adds the empty image columns
+            unresolved.update(self._images.missing(r for row in image_refs_of(batch) for r in row))
             self._ingest(batch)
             report.num_rows += batch.num_rows
         self._old_segments[TRAJ_PREFIX] = [{"name": n, "num_frames": k} for n, k in seen.items()]
@@ -431,6 +500,10 @@ class ReplayBuffer:
             report.missing.append(msg)
             logger.warning("buffer recovery: %s", msg)
         self._groups.preloaded_steps = {}
+        if unresolved:
+            msg = f"{len(unresolved)} images referenced by recovered rows are not in the image log; sampling them fails"
+            report.missing.append(msg)
+            logger.warning("buffer recovery: %s", msg)
         self._traj_log = SegmentWriter(root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, segment_max_bytes=self.cfg.segment_max_bytes)
         self._traj_log.open()  # its directory fsync happens here, not in the first append
         self._cons_log = SegmentWriter(root, prefix=CONSUMED_PREFIX, schema=CONSUMPTION_SCHEMA, segment_max_bytes=self.cfg.segment_max_bytes)
@@ -473,6 +546,9 @@ class ReplayBuffer:
         for prefix, writer in ((TRAJ_PREFIX, self._traj_log), (CONSUMED_PREFIX, self._cons_log)):
             current = [{"name": s.name, "num_frames": s.num_frames} for s in writer.segments] if writer else []
             segments[prefix] = self._old_segments[prefix] + current
+        self._manifest_image_segments = self._images.num_segments_written
+        if self._images.segments:  # a text-only run's manifest is unchanged
+            segments[IMAGES_PREFIX] = self._images.segments
         write_manifest(self._root, segments, sync=sync)
 
 

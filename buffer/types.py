@@ -32,6 +32,7 @@ class PaddedBatch:
     trajectory_ids: list[str]  # [B]
     group_ids: list[str]  # [B]
     turn_scores: list[list[float]]  # [B][num_scored_turns]
+    images: list[list[bytes]] | None = None  # [B][num_images] encoded bytes, placeholder order; None: no row has images
 
     @property
     def batch_size(self) -> int:
@@ -53,6 +54,7 @@ class SampledBatch:
     learner_step: int
     served_version: int
     lags: np.ndarray  # int64 [B]: served_version - min_policy_version of each row
+    images: list[list[bytes]] | None = None  # [B][num_images], from the image log; None: no row has images
 
     @property
     def num_trajectories(self) -> int:
@@ -61,7 +63,23 @@ class SampledBatch:
     def to_padded(self) -> PaddedBatch:
         from streamrl.buffer.padding import pad_table
 
-        return pad_table(self.table)
+        return pad_table(self.table, images=self.images)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ImageBlob:
+    """One image's encoded bytes handed to `ReplayBuffer.append(..., images=)`: the fields of
+    `rollout.types.ImageRef` plus the bytes. `data` must hash to `sha256` (checked on write)."""
+
+    sha256: str
+    mime: str
+    width: int
+    height: int
+    data: bytes  # encoded (PNG) bytes
+
+    @classmethod
+    def from_ref(cls, ref, data: bytes) -> ImageBlob:  # ref: rollout.types.ImageRef
+        return cls(sha256=ref.sha256, mime=ref.mime, width=ref.width, height=ref.height, data=data)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,6 +101,7 @@ class RecoveryReport:
     num_frames: int = 0
     num_rows: int = 0
     num_consumption_records: int = 0
+    num_images: int = 0
     torn_tails: list[str] = field(default_factory=list)  # incomplete writes at a segment's end
     corrupt: list[str] = field(default_factory=list)  # checksum mismatches / unreadable frames
     missing: list[str] = field(default_factory=list)  # segments listed in the manifest but absent
@@ -95,5 +114,5 @@ class RecoveryReport:
         head = (
             f"recovered {self.num_rows} rows from {self.num_frames} frames in {self.num_segments} segments, "
             f"{self.num_consumption_records} consumption records"
-        )
+        ) + (f", {self.num_images} images" if self.num_images else "")
         return [head, *self.torn_tails, *self.corrupt, *self.missing]

@@ -240,6 +240,8 @@ class Trajectory:
     created_at: float = 0.0
     finished_at: float = 0.0
     agent_data_json: str | None = None  # resumable AgentData (partial rows)
+    image_refs: list[str] = field(default_factory=list)  # [num_images] sha256 hex, placeholder order
+    num_image_tokens: list[int] = field(default_factory=list)  # [num_images] placeholder tokens of each
 
     @property
     def num_response_tokens(self) -> int:

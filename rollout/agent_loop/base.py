@@ -214,6 +214,11 @@ class AgentLoopBase(abc.ABC):
 
     @staticmethod
     def to_trajectory(data: AgentData, status: TrajectoryStatus) -> Trajectory:
+        if data.images:  # the buffer needs each image's placeholder count and bytes (docs/multimodal.md)
+            raise NotImplementedError(
+                f"trajectory {data.trajectory_id} carries {len(data.images)} images; the agent loop does not "
+                "hand images to the buffer yet (docs/multimodal.md, step 1 open items)"
+            )
         partial = status is TrajectoryStatus.PARTIAL
         return Trajectory(
             trajectory_id=data.trajectory_id,

@@ -11,6 +11,7 @@ import pytest
 
 from streamrl.buffer.schema import (
     DERIVED_FIELDS,
+    IMAGE_FIELD_NAMES,
     RECORD_FIELD_NAMES,
     TRAJECTORY_SCHEMA,
     batch_to_trajectories,
@@ -65,7 +66,10 @@ def _rich_trajectory() -> Trajectory:
 
 def test_schema_mirrors_record_field_for_field():
     assert RECORD_FIELD_NAMES == record_field_names()
+    assert RECORD_FIELD_NAMES[-len(IMAGE_FIELD_NAMES):] == IMAGE_FIELD_NAMES  # the image columns come last
     assert TRAJECTORY_SCHEMA.names == [*record_field_names(), *(f.name for f in DERIVED_FIELDS)]
+    assert TRAJECTORY_SCHEMA.field("image_refs").type == pa.list_(pa.string())
+    assert TRAJECTORY_SCHEMA.field("num_image_tokens").type == pa.list_(pa.int32())
     assert TRAJECTORY_SCHEMA.field("response_ids").type == pa.list_(pa.int32())
     assert TRAJECTORY_SCHEMA.field("response_mask").type == pa.list_(pa.int8())
     assert TRAJECTORY_SCHEMA.field("behavior_logprobs").type == pa.list_(pa.float32())

@@ -58,6 +58,21 @@ def test_agent_data_with_images_round_trips_json():
     assert AgentData.from_json(json.dumps(old)).images == []
 
 
+def test_a_trajectory_with_images_is_refused_until_the_loop_hands_them_to_the_buffer():
+    """Until the loop passes placeholder counts and bytes on, an image trajectory must not reach the
+    buffer as a text row (its images silently dropped); a text trajectory converts as before."""
+    from streamrl.rollout.agent_loop.base import AgentLoopBase
+    from streamrl.rollout.types import TrajectoryStatus
+
+    data = AgentData(trajectory_id="t", group_id="g", prompt_ids=[1, WRAP, IMG, IMG, WRAP, 2],
+                     images=[ImageStore().put(png((255, 0, 0)))])
+    with pytest.raises(NotImplementedError, match="1 images"):
+        AgentLoopBase.to_trajectory(data, TrajectoryStatus.FINISHED)
+    text = AgentData(trajectory_id="t", group_id="g", prompt_ids=[1, 2])
+    row = AgentLoopBase.to_trajectory(text, TrajectoryStatus.FINISHED)
+    assert (row.image_refs, row.num_image_tokens) == ([], [])
+
+
 def test_check_aligned_counts_placeholder_runs():
     ids = [1, WRAP, IMG, IMG, WRAP, WRAP, IMG, IMG, WRAP, 2]  # two adjacent images: two runs
     assert count_image_runs(ids, IMG) == 2
