@@ -106,6 +106,7 @@ class TrainingEngine:
             self.reference = PolicyModel(ref_lm, with_value_head=False, logits_chunk_tokens=chunk)
             self.reference.requires_grad_(False).eval()
         if shard is not None:
+            self.policy.fused_head = False  # FSDP hooks the head module's calls (learner.lm_head)
             shard(self.policy)
             if self.reference is not None:
                 shard(self.reference)

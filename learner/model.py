@@ -15,6 +15,8 @@ Memory: full-vocabulary logits are the largest tensors of a step ([B, T, V] floa
 `logits_chunk_tokens > 0` the LM head runs on chunks of that many token positions
 (`chunked_token_logprobs_and_entropy`), each under activation checkpointing, so forward and
 backward hold one chunk's logits at a time and nothing vocabulary-sized survives to backward.
+Where the head is a plain bias-free Linear outside autocast (CPU fp32, one process) the chunks run
+as one autograd function (`learner.lm_head`) that also keeps a single weight gradient.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from streamrl.learner.lm_head import chunked_head_logprobs, fused_head_applies
 from streamrl.learner.losses import token_logprobs_and_entropy
 from streamrl.learner.vision import collate_images, is_vision_config
 
@@ -53,6 +56,9 @@ class PolicyModel(nn.Module):
         super().__init__()
         self.lm = lm
         self.logits_chunk_tokens = logits_chunk_tokens  # 0: one [B, T, V] logits tensor (no chunking)
+        # chunks as one function with one weight gradient (learner.lm_head); off once FSDP manages the
+        # head's weight: its gather and gradient reduction hook the head module's own calls
+        self.fused_head = True
         self.is_vision = is_vision_config(lm.config)
         hidden = lm.config.get_text_config().hidden_size
         self.value_head = nn.Linear(hidden, 1) if with_value_head else None
@@ -76,7 +82,7 @@ class PolicyModel(nn.Module):
         score = dict(temperature=temperature, with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad)
         if self.logits_chunk_tokens > 0:
             logp, entropy = chunked_token_logprobs_and_entropy(
-                hidden, head, input_ids, chunk_tokens=self.logits_chunk_tokens, **score
+                hidden, head, input_ids, chunk_tokens=self.logits_chunk_tokens, fused=self.fused_head, **score
             )
         else:
             logp, entropy = token_logprobs_and_entropy(head(hidden), input_ids, **score)
@@ -108,6 +114,7 @@ def chunked_token_logprobs_and_entropy(
     temperature: float = 1.0,
     with_entropy: bool = True,
     entropy_requires_grad: bool = True,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B, T] each
     """`token_logprobs_and_entropy(head(hidden), input_ids, ...)` without the [B, T, V] logits.
 
@@ -122,6 +129,17 @@ def chunked_token_logprobs_and_entropy(
     targets = input_ids[:, 1:].reshape(-1)  # [N]
     grad = torch.is_grad_enabled()
     entropy_grad = grad and entropy_requires_grad
+
+    def assemble(parts: list[torch.Tensor]) -> torch.Tensor:
+        flat = torch.cat(parts) if parts else src.new_zeros(0, dtype=torch.float32)
+        return nn.functional.pad(flat.view(batch, width - 1), (1, 0))
+
+    if grad and fused and fused_head_applies(head, src):  # one weight gradient instead of one per chunk (learner.lm_head)
+        logp, entropy = chunked_head_logprobs(
+            src, head.weight, targets, chunk_tokens=chunk_tokens, temperature=temperature,
+            with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad,
+        )
+        return assemble([logp]), assemble([entropy]) if entropy is not None else None
 
     def score(h: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = head(h).float()  # [n, V]
@@ -148,11 +166,6 @@ def chunked_token_logprobs_and_entropy(
         logps.append(logp)
         if entropy is not None:
             entropies.append(entropy)
-
-    def assemble(parts: list[torch.Tensor]) -> torch.Tensor:
-        flat = torch.cat(parts) if parts else src.new_zeros(0, dtype=torch.float32)
-        return nn.functional.pad(flat.view(batch, width - 1), (1, 0))
-
     return assemble(logps), assemble(entropies) if with_entropy else None
 
 

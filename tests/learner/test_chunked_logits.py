@@ -125,3 +125,40 @@ def test_train_step_same_with_chunks_and_activation_checkpointing():
         assert all(torch.allclose(ga[k], gb[k], rtol=1e-4, atol=1e-7) for k in ga)
     second = engines[2].train_step(_batch(versions=(1, 1, 0, 1), seed=1))  # and keeps training
     assert second["learner/policy_version"] == 2.0 and second["learner/loss"] == second["learner/loss"]
+
+
+@pytest.mark.parametrize("with_entropy,entropy_grad", [(True, True), (True, False), (False, False)])
+def test_fused_head_gradients_are_exact(with_entropy, entropy_grad):
+    """`learner.lm_head`'s hand-written backward against finite differences (float64)."""
+    from streamrl.learner.lm_head import chunked_head_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(7, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(11, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 11, (7,), generator=g)
+
+    def fn(s, w):
+        logp, entropy = chunked_head_logprobs(s, w, targets, chunk_tokens=3, temperature=0.7,
+                                              with_entropy=with_entropy, entropy_requires_grad=entropy_grad)
+        return (logp, entropy) if entropy_grad else logp
+
+    assert torch.autograd.gradcheck(fn, (src, weight), eps=1e-6, atol=1e-6)
+
+
+def test_default_head_takes_the_fused_path(tiny_model_path):
+    """The tiny (and SmolLM2) head is a bias-free Linear: under grad, outside autocast, the chunks run
+    as one function; under bf16 autocast (test above) they stay checkpointed."""
+    from streamrl.learner.lm_head import fused_head_applies
+
+    model = PolicyModel(load_lm(tiny_model_path, torch.device("cpu")), with_value_head=False, logits_chunk_tokens=4)
+    ids, mask = _inputs(model.lm.config.vocab_size)
+    out = model(ids, mask, with_entropy=True)
+    names, stack = set(), [out.logp.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is not None and type(fn).__name__ not in names:
+            names.add(type(fn).__name__)
+            stack.extend(f for f, _ in fn.next_functions)
+    assert any("ChunkedHead" in n for n in names), names
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fused_head_applies(model.lm.get_output_embeddings(), ids)
