@@ -5,7 +5,8 @@ run_info.json from the driver, and renders one self-contained page (inline CSS, 
 inline SVG, no scripts, no CDN): a summary table, plots of reward, staleness, utilization timeline,
 sync timings, IS ratios by lag, throughput and learner stats, every other logged metric, and a
 trajectory viewer that decodes each sampled token with the run's tokenizer and colours it by
-response mask and policy_version.
+response mask and policy_version; for a VLM run each image is a chip with a thumbnail read from the
+run's buffer image log (`RUN_DIR/buffer` unless the config names another `buffer.root_dir`).
 
 A run killed mid-way is normal input: missing files, torn last lines and absent metrics are listed
 as problems at the top of the page and every section shows what it can.
@@ -24,7 +25,14 @@ import numpy as np
 
 from streamrl.observability.metrics import ENGINE_BUSY_KEY, METRICS_FILE, REWARD_KEY, RUN_INFO_FILE, SAMPLES_FILE, TIMELINE_FILE
 from streamrl.observability.report_figures import build_figures, busy_fractions, per_step, resume_points
-from streamrl.observability.report_viewer import VERSION_COLORS, fmt_number, load_tokenizer, pick_samples, render_trajectory
+from streamrl.observability.report_viewer import (
+    VERSION_COLORS,
+    fmt_number,
+    load_tokenizer,
+    load_viewer_images,
+    pick_samples,
+    render_trajectory,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -162,11 +170,20 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
 # -- page ------------------------------------------------------------------------------------------
 
 
-def write_report(run_dir: str | Path, *, max_trajectories: int = 24, max_tokens: int = 2048) -> Path:
+def buffer_dir(data: RunData) -> Path:
+    """Where the run's buffer (and its image log) lives: the config's `buffer.root_dir`, else RUN_DIR/buffer."""
+    buffer_cfg = (data.info.get("config") or {}).get("buffer") if isinstance(data.info.get("config"), dict) else None
+    root = buffer_cfg.get("root_dir") if isinstance(buffer_cfg, dict) else None
+    return Path(root) if isinstance(root, str) and root else data.run_dir / "buffer"
+
+
+def write_report(run_dir: str | Path, *, max_trajectories: int = 24, max_tokens: int = 2048,
+                 max_image_px: int = 128, max_image_bytes: int = 2 * 1024 * 1024) -> Path:
     """Render `run_dir/report.html` from whatever the run wrote; returns its path.
 
     Raises ValueError only if `run_dir` is not a directory; anything missing inside it is listed
-    at the top of the page.
+    at the top of the page. Image thumbnails have their longest side capped at `max_image_px` and
+    take at most `max_image_bytes` (base64) of the page; the rest are chips without a thumbnail.
     """
     import jinja2
 
@@ -175,7 +192,12 @@ def write_report(run_dir: str | Path, *, max_trajectories: int = 24, max_tokens:
     picked = pick_samples(data.samples, max_trajectories)
     tokenizer = load_tokenizer(data.info.get("model_path"), data.problems) if picked else None
     special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-    trajectories = [render_trajectory(row, tokenizer, special_ids=special_ids, max_tokens=max_tokens) for row in picked]
+    images = (load_viewer_images(data.info.get("model_path"), tokenizer, buffer_dir(data), picked, data.problems,
+                                 max_px=max_image_px, budget_bytes=max_image_bytes) if picked else None)
+    trajectories = [render_trajectory(row, tokenizer, special_ids=special_ids, max_tokens=max_tokens, images=images)
+                    for row in picked]
+    if images is not None:
+        data.problems.extend(images.problems)
     versions = sorted({v for t in trajectories for v in t["versions"]})
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     html = env.from_string(TEMPLATE_FILE.read_text()).render(
@@ -188,6 +210,8 @@ def write_report(run_dir: str | Path, *, max_trajectories: int = 24, max_tokens:
         version_legend=[(v, f"v{v % len(VERSION_COLORS)}") for v in versions],
         trajectories=trajectories,
         trajectories_empty="no sampled trajectories (samples.jsonl)" if not data.samples else "",
+        has_images=images is not None and images.num_chips > 0,  # else the page is exactly a text run's
+        images_note=images.note if images is not None else "",
     )
     out = data.run_dir / REPORT_FILE
     tmp = out.with_suffix(".html.tmp")

@@ -71,6 +71,7 @@ class ImageStore:
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
         self._bytes: dict[str, bytes] = {}
+        self._refs: dict[str, ImageRef] = {}
 
     def _path(self, sha256: str) -> Path:
         assert self.directory is not None
@@ -80,6 +81,7 @@ class ImageStore:
         """Store encoded bytes (idempotent) and return their reference."""
         ref = describe_image(data)
         self._bytes.setdefault(ref.sha256, data)
+        self._refs.setdefault(ref.sha256, ref)
         if self.directory is not None and not self._path(ref.sha256).exists():
             self._path(ref.sha256).parent.mkdir(exist_ok=True)
             atomic_write(self._path(ref.sha256), data)
@@ -100,6 +102,13 @@ class ImageStore:
         if data is None:
             raise KeyError(f"image {sha256} is not in the store" + (f" ({self.directory})" if self.directory else ""))
         return data
+
+    def ref(self, sha256: str) -> ImageRef:
+        """The `ImageRef` (size, mime) of a stored image; KeyError if absent."""
+        ref = self._refs.get(sha256)
+        if ref is None:
+            ref = self._refs[sha256] = describe_image(self.get(sha256))
+        return ref
 
     def __contains__(self, sha256: object) -> bool:
         if not isinstance(sha256, str):

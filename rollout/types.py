@@ -69,6 +69,20 @@ def count_image_runs(token_ids: list[int], image_token_id: int) -> int:
     return sum(t == image_token_id and (i == 0 or token_ids[i - 1] != image_token_id) for i, t in enumerate(token_ids))
 
 
+def image_run_lengths(token_ids: list[int], image_token_id: int) -> list[int]:
+    """Length of each maximal run of `image_token_id` in expanded ids, in order: one entry per image
+    (`Trajectory.num_image_tokens`). `len(image_run_lengths(...)) == count_image_runs(...)`."""
+    runs: list[int] = []
+    for i, t in enumerate(token_ids):
+        if t != image_token_id:
+            continue
+        if i > 0 and token_ids[i - 1] == image_token_id:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs
+
+
 class ToolCall(BaseModel):
     """One parsed tool call of an assistant turn (hermes / harmony alike)."""
 

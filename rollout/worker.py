@@ -108,7 +108,7 @@ class RolloutWorker:
                     logger.warning("trajectory %s failed: %s", tid, exc)
                     self.errors.append(f"{tid}: {exc!r}\n{traceback.format_exc(limit=3)}")
                     data.finish_reason = FinishReason.ERROR
-                    traj = loop.to_trajectory(data, TrajectoryStatus.FAILED)
+                    traj = loop.to_trajectory(data, TrajectoryStatus.FAILED, image_token_id=self.ctx.image_token_id)
                 finally:
                     self._active.discard(tid)
                 self._num_sinking += 1

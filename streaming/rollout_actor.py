@@ -3,6 +3,12 @@
 Built from the resolved config (JSON) so it can start on any node. Its engines are `EngineActor`s
 reached through `RayEngineClient`; its sink appends each trajectory to the `BufferActor` as an Arrow
 RecordBatch passed by object ref. The learner's weight-sync coordinator pauses and resumes it.
+
+Images (a VLM policy, `rollout.engine.max_images_per_prompt > 0`): the worker loads the processor and
+keeps an in-memory `ImageStore`; every row it appends carries its images' bytes (`ImageBlob`s, the
+buffer keeps one copy per hash, so re-sending is cheap and never depends on what the buffer still
+has after a restart), and a parked trajectory resumed here whose images it never saw gets them from
+the buffer's image log (`BufferActor.get_images`) before its first generate.
 """
 
 from __future__ import annotations
@@ -33,6 +39,13 @@ def build_agent_context(cfg: Any, model_path: str, server: Any) -> Any:
 
     agent = cfg.rollout.agent
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    processor = images = None
+    if cfg.rollout.engine.max_images_per_prompt > 0:  # a VLM policy: image prompts are rendered here
+        from transformers import AutoProcessor
+
+        from streamrl.rollout.images import ImageStore
+
+        processor, images = AutoProcessor.from_pretrained(model_path), ImageStore()
     tools = load_tool_config(agent.tool_config) if agent.tool_config else None
     interactions = load_interaction_config(agent.interaction_config) if agent.interaction_config else {}
     return AgentContext(
@@ -44,7 +57,18 @@ def build_agent_context(cfg: Any, model_path: str, server: Any) -> Any:
         parser=get_parser(agent.tool_parser),
         interactions=interactions,
         reward_fn=get_reward_fn(agent.reward_fn),
+        processor=processor,
+        images=images,
     )
+
+
+def image_blobs(store: Any, traj: Any) -> list | None:
+    """The `ImageBlob`s of a row's `image_refs` (None for a text row: the append call is unchanged)."""
+    if not traj.image_refs:
+        return None
+    from streamrl.buffer.types import ImageBlob
+
+    return [ImageBlob.from_ref(store.ref(sha), store.get(sha)) for sha in dict.fromkeys(traj.image_refs)]
 
 
 @ray.remote
@@ -61,6 +85,7 @@ class RolloutWorkerActor:
         server = ServerManager(clients, max_sticky_keys=cfg.rollout.sticky_lru_size)
         ctx = build_agent_context(cfg, model_path, server)
         ctx.snapshot = self._snapshot  # I5: tool intents are durable before the tools run
+        ctx.fetch_images = self._fetch_images
         if ctx.tools is not None:
             from streamrl.streaming.faults import hit
 
@@ -83,7 +108,9 @@ class RolloutWorkerActor:
 
         hit("worker.sink")
         ref = ray.put(trajectories_to_batch([traj]))
-        accepted = await self.buffer.append.remote(ref, timeout_s=self.append_timeout_s)
+        images = image_blobs(self.worker.ctx.images, traj)
+        kw = {} if images is None else {"images": images}
+        accepted = await self.buffer.append.remote(ref, timeout_s=self.append_timeout_s, **kw)
         hit("worker.after_sink")
         return accepted
 
@@ -94,10 +121,13 @@ class RolloutWorkerActor:
         from streamrl.rollout.agent_loop.base import AgentLoopBase
         from streamrl.rollout.types import TrajectoryStatus
 
-        row = AgentLoopBase.to_trajectory(data, TrajectoryStatus.PARTIAL)
+        ctx = self.worker.ctx
+        row = AgentLoopBase.to_trajectory(data, TrajectoryStatus.PARTIAL, image_token_id=ctx.image_token_id)
         ref = ray.put(trajectories_to_batch([row]))
+        images = image_blobs(ctx.images, row)
+        kw = {} if images is None else {"images": images}
         ok = await asyncio.wait_for(
-            self.buffer.append.remote(ref, timeout_s=self.append_timeout_s, durable=True),
+            self.buffer.append.remote(ref, timeout_s=self.append_timeout_s, durable=True, **kw),
             self.append_timeout_s + 10.0,
         )
         if not ok:
@@ -105,6 +135,10 @@ class RolloutWorkerActor:
         from streamrl.streaming.faults import hit
 
         hit("tool.before_run")
+
+    async def _fetch_images(self, sha256s: list[str]) -> list[bytes]:
+        """Bytes of images this worker lacks (a parked trajectory resumed here), from the buffer."""
+        return await asyncio.wait_for(self.buffer.get_images.remote(sha256s), self.append_timeout_s)
 
     async def submit(self, items: list[AgentData]) -> int:
         """Start (or resume) these trajectories; returns how many this worker runs now."""

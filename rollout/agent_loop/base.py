@@ -6,6 +6,11 @@ the engine request is aborted, every token already streamed is kept in `AgentDat
 trajectory carrying the JSON snapshot is returned. Resuming is simply `run(AgentData)` again, in this
 process or another one: a loop in GENERATING re-prefills prompt + response so far and continues the
 same assistant turn with the remaining budget; new tokens carry the engine's new policy_version.
+
+Images (docs/multimodal.md): with a VLM policy (`AgentContext.processor` set) a prompt's image parts
+are admitted into the worker's `ImageStore` and rendered to expanded ids (`image_prompt.py`); every
+generate, a resumed one included, sends the trajectory's images with its ids. Bytes a resuming
+worker does not hold are fetched by hash (`AgentContext.fetch_images`, the buffer's image log).
 """
 
 from __future__ import annotations
@@ -17,13 +22,25 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from streamrl.rollout.agent_loop.image_prompt import admit_images, encode_image_prompt, has_image_parts, image_part_refs
 from streamrl.rollout.agent_loop.observation import ObservationEncoder
 from streamrl.rollout.config import AgentConfig
 from streamrl.rollout.engine.base import SamplingParams
 from streamrl.rollout.registry import Registry
-from streamrl.rollout.types import AgentData, AgentState, FinishReason, Trajectory, TrajectoryStatus
+from streamrl.rollout.types import (
+    AgentData,
+    AgentState,
+    FinishReason,
+    Trajectory,
+    TrajectoryStatus,
+    image_run_lengths,
+)
+
+if TYPE_CHECKING:
+    from streamrl.rollout.engine.base import ImageInput
+    from streamrl.rollout.images import ImageStore
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +82,12 @@ class AgentContext:
     to a non-idempotent tool runs, and it must return only once that state is durable (a partial row
     flushed to the buffer's log); raising fails the trajectory before the tool runs. It is what makes
     "a tool's side effect happens at most once" hold across worker death and job restart; without
-    it, that holds within one process only."""
+    it, that holds within one process only.
+
+    `processor` (the policy's `AutoProcessor`) is set for a VLM policy only; image prompts need it and
+    `images`, the worker's store of image bytes by hash. `fetch_images(sha256s) -> [bytes]` (same
+    order) fills the store with images it lacks, e.g. when a parked trajectory resumes in a worker
+    that never saw them (the buffer's `get_images`); None = a missing image is an error."""
 
     cfg: AgentConfig
     server: Any  # rollout.server_manager.ServerManager
@@ -79,6 +101,14 @@ class AgentContext:
     cancel: asyncio.Event = field(default_factory=asyncio.Event)
     counters: LoopCounters = field(default_factory=LoopCounters)
     num_in_engine: int = 0  # loops with an engine request in flight (pause waits for 0)
+    processor: Any = None  # transformers AutoProcessor of a VLM policy; None = text-only model
+    images: ImageStore | None = None
+    fetch_images: Callable[[list[str]], Awaitable[list[bytes]]] | None = None
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The model's image placeholder token (None for a text-only model)."""
+        return None if self.processor is None else self.processor.image_token_id
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -104,15 +134,54 @@ class AgentLoopBase(abc.ABC):
         except Parked:
             data.num_interrupts += 1
             self.ctx.counters.num_interrupts += 1
-            return self.to_trajectory(data, TrajectoryStatus.PARTIAL)
-        data.check_aligned()
-        return self.to_trajectory(data, TrajectoryStatus.FINISHED)
+            return self.to_trajectory(data, TrajectoryStatus.PARTIAL, image_token_id=self.ctx.image_token_id)
+        data.check_aligned(image_token_id=self.ctx.image_token_id)
+        return self.to_trajectory(data, TrajectoryStatus.FINISHED, image_token_id=self.ctx.image_token_id)
 
     @abc.abstractmethod
     async def _run(self, data: AgentData) -> None:
         """Advance the state machine until TERMINATED (raise Parked to park)."""
 
     # ---- shared steps -------------------------------------------------------------------------
+
+    async def encode_prompt(self, data: AgentData, tools: list[dict] | None) -> list[int]:
+        """Prompt ids of `data.messages`; an image chat is admitted first (see `image_prompt.py`):
+        its messages then hold `image_ref` parts and `data.images` its refs in placeholder order."""
+        if not has_image_parts(data.messages):
+            return self.ctx.encoder.encode_prompt(data.messages, tools)
+        if self.ctx.processor is None or self.ctx.images is None:
+            raise ValueError(
+                f"trajectory {data.trajectory_id} has an image prompt but the policy is not a VLM "
+                "(no processor / image store: set rollout.engine.max_images_per_prompt > 0)"
+            )
+        await self._ensure_images(image_part_refs(data.messages))
+        messages, refs = admit_images(data.messages, self.ctx.images)
+        ids = encode_image_prompt(
+            self.ctx.encoder, self.ctx.processor, messages, [self.ctx.images.get(r.sha256) for r in refs], tools
+        )
+        data.messages, data.images = messages, refs
+        return ids
+
+    async def _ensure_images(self, sha256s: list[str]) -> None:
+        """Fetch the images the worker's store lacks (a resume in another worker) by hash."""
+        store = self.ctx.images
+        if store is None:
+            raise ValueError(f"{len(sha256s)} images to send but the worker has no image store")
+        missing = list(dict.fromkeys(sha for sha in sha256s if sha not in store))
+        if not missing:
+            return
+        if self.ctx.fetch_images is None:
+            raise KeyError(f"images {missing} are not in the worker's store and it has no image source")
+        blobs = await self.ctx.fetch_images(missing)
+        for sha, blob in zip(missing, blobs, strict=True):
+            if store.put(blob).sha256 != sha:
+                raise ValueError(f"image fetched for {sha} has another hash")
+
+    async def image_inputs(self, data: AgentData) -> list[ImageInput]:
+        """The engine's image inputs of `data` (its images in placeholder order), bytes by hash."""
+        await self._ensure_images([r.sha256 for r in data.images])
+        assert self.ctx.images is not None
+        return self.ctx.images.inputs(data.images)
 
     def remaining_budget(self, data: AgentData) -> int:
         """Tokens this turn may still sample: min(per-turn budget left, response budget left)."""
@@ -127,6 +196,10 @@ class AgentLoopBase(abc.ABC):
         Parks before sending if a pause is pending, and mid-generation if one arrives: the engine
         request is aborted and the streamed tokens are appended before parking.
         """
+        image_kw: dict[str, Any] = {}
+        if data.images:  # text-only trajectories call the engine exactly as before
+            data.check_aligned(image_token_id=self.ctx.image_token_id)
+            image_kw["images"] = await self.image_inputs(data)
         if self.ctx.cancel.is_set():
             raise Parked()
         max_tokens = self.remaining_budget(data)
@@ -147,7 +220,7 @@ class AgentLoopBase(abc.ABC):
             self.ctx.counters.num_reprefill_tokens += len(prompt)
         t0 = time.monotonic()
         self.ctx.num_in_engine += 1
-        gen = asyncio.ensure_future(self.ctx.server.generate(data.trajectory_id, data.request_id, prompt, sampling))
+        gen = asyncio.ensure_future(self.ctx.server.generate(data.trajectory_id, data.request_id, prompt, sampling, **image_kw))
         cancel = asyncio.ensure_future(self.ctx.cancel.wait())
         try:
             done, _ = await asyncio.wait({gen, cancel}, return_when=asyncio.FIRST_COMPLETED)
@@ -213,12 +286,24 @@ class AgentLoopBase(abc.ABC):
         return reward + sum(data.tool_rewards)
 
     @staticmethod
-    def to_trajectory(data: AgentData, status: TrajectoryStatus) -> Trajectory:
-        if data.images:  # the buffer needs each image's placeholder count and bytes (docs/multimodal.md)
-            raise NotImplementedError(
-                f"trajectory {data.trajectory_id} carries {len(data.images)} images; the agent loop does not "
-                "hand images to the buffer yet (docs/multimodal.md, step 1 open items)"
-            )
+    def to_trajectory(data: AgentData, status: TrajectoryStatus, *, image_token_id: int | None = None) -> Trajectory:
+        """The buffer row of `data`. An image trajectory needs the model's `image_token_id` to
+        measure each image's placeholder run (`num_image_tokens`); the caller hands the bytes of
+        `image_refs` to the buffer with the row. A FAILED row whose runs do not match its images
+        (the failure may be just that) is written without image columns."""
+        image_refs: list[str] = []
+        num_image_tokens: list[int] = []
+        if data.images:
+            if image_token_id is None:
+                raise ValueError(
+                    f"trajectory {data.trajectory_id} carries {len(data.images)} images; its row needs the "
+                    "model's image_token_id to count each image's placeholder tokens"
+                )
+            runs = image_run_lengths(data.prompt_ids + data.response_ids, image_token_id)
+            if len(runs) == len(data.images):
+                image_refs, num_image_tokens = [r.sha256 for r in data.images], runs
+            elif status is not TrajectoryStatus.FAILED:
+                data.check_aligned(image_token_id=image_token_id)  # raises: a bug, never a silent text row
         partial = status is TrajectoryStatus.PARTIAL
         return Trajectory(
             trajectory_id=data.trajectory_id,
@@ -244,6 +329,8 @@ class AgentLoopBase(abc.ABC):
             created_at=data.created_at,
             finished_at=time.time(),
             agent_data_json=data.to_json() if partial else None,
+            image_refs=image_refs,
+            num_image_tokens=num_image_tokens,
         )
 
     def terminate(self, data: AgentData, reason: FinishReason) -> None:

@@ -10,7 +10,7 @@ from streamrl.rollout.types import AgentData, AgentState, FinishReason
 class SingleTurnAgentLoop(AgentLoopBase):
     async def _run(self, data: AgentData) -> None:
         if data.state is AgentState.PENDING:
-            data.prompt_ids = self.ctx.encoder.encode_prompt(data.messages, None)
+            data.prompt_ids = await self.encode_prompt(data, None)
             if len(data.prompt_ids) > self.ctx.cfg.prompt_length:
                 raise ValueError(
                     f"prompt of {len(data.prompt_ids)} tokens exceeds agent.prompt_length={self.ctx.cfg.prompt_length}"

@@ -81,7 +81,7 @@ class ToolAgentLoop(AgentLoopBase):
 
     async def handle_pending(self, data: AgentData) -> None:
         tools = self.ctx.tools.schemas() if self.ctx.tools is not None else None
-        data.prompt_ids = self.ctx.encoder.encode_prompt(data.messages, tools)
+        data.prompt_ids = await self.encode_prompt(data, tools)
         if len(data.prompt_ids) > self.ctx.cfg.prompt_length:
             raise ValueError(
                 f"prompt of {len(data.prompt_ids)} tokens exceeds agent.prompt_length={self.ctx.cfg.prompt_length}"

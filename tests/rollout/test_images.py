@@ -58,18 +58,31 @@ def test_agent_data_with_images_round_trips_json():
     assert AgentData.from_json(json.dumps(old)).images == []
 
 
-def test_a_trajectory_with_images_is_refused_until_the_loop_hands_them_to_the_buffer():
-    """Until the loop passes placeholder counts and bytes on, an image trajectory must not reach the
-    buffer as a text row (its images silently dropped); a text trajectory converts as before."""
+def test_trajectory_row_carries_image_refs_and_placeholder_counts():
+    """An image trajectory's row names its images (placeholder order) and each run's length; without
+    the model's image token it is refused (never a silent text row); a misaligned finished or partial
+    row raises; a failed one is written without image columns; a text trajectory converts as before."""
     from streamrl.rollout.agent_loop.base import AgentLoopBase
-    from streamrl.rollout.types import TrajectoryStatus
+    from streamrl.rollout.types import TrajectoryStatus, image_run_lengths
 
+    store = ImageStore()
+    red, green = store.put(png((255, 0, 0))), store.put(png((0, 255, 0)))
     data = AgentData(trajectory_id="t", group_id="g", prompt_ids=[1, WRAP, IMG, IMG, WRAP, 2],
-                     images=[ImageStore().put(png((255, 0, 0)))])
-    with pytest.raises(NotImplementedError, match="1 images"):
+                     response_ids=[3, WRAP, IMG, IMG, IMG, WRAP], response_mask=[1, 0, 0, 0, 0, 0],
+                     response_logprobs=[-0.5, 0, 0, 0, 0, 0], policy_versions=[0, -1, -1, -1, -1, -1],
+                     images=[red, green])
+    row = AgentLoopBase.to_trajectory(data, TrajectoryStatus.FINISHED, image_token_id=IMG)
+    assert (row.image_refs, row.num_image_tokens) == ([red.sha256, green.sha256], [2, 3])
+    assert image_run_lengths([IMG, 1, IMG, IMG, IMG], IMG) == [1, 3] and image_run_lengths([1, 2], IMG) == []
+    with pytest.raises(ValueError, match="carries 2 images"):
         AgentLoopBase.to_trajectory(data, TrajectoryStatus.FINISHED)
+    data.images = [red]
+    with pytest.raises(AssertionError, match="2 image placeholder runs"):
+        AgentLoopBase.to_trajectory(data, TrajectoryStatus.PARTIAL, image_token_id=IMG)
+    failed = AgentLoopBase.to_trajectory(data, TrajectoryStatus.FAILED, image_token_id=IMG)
+    assert (failed.image_refs, failed.num_image_tokens) == ([], [])
     text = AgentData(trajectory_id="t", group_id="g", prompt_ids=[1, 2])
-    row = AgentLoopBase.to_trajectory(text, TrajectoryStatus.FINISHED)
+    row = AgentLoopBase.to_trajectory(text, TrajectoryStatus.FINISHED, image_token_id=IMG)
     assert (row.image_refs, row.num_image_tokens) == ([], [])
 
 
