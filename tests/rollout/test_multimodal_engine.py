@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import pytest_asyncio
 
 from streamrl.rollout.engine.base import ImageInput, PauseMode, PromptMismatchError, SamplingParams
 from streamrl.rollout.images import ImageStore
@@ -37,25 +36,6 @@ def _png(img) -> bytes:
     from streamrl.rollout.images import encode_png
 
     return encode_png(img)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def vlm_engine(vlm_path):
-    from tests.fixtures.vllm import _vllm_import_error
-
-    reason = _vllm_import_error()
-    if reason is not None:
-        pytest.skip(reason)
-    from streamrl.rollout.engine.config import EngineConfig
-    from streamrl.rollout.engine.vllm_engine import VLLMEngine
-
-    cfg = EngineConfig(
-        model="tiny-vlm", device="cpu", max_model_len=512, max_num_seqs=4, kv_cache_space_gb=1,
-        max_images_per_prompt=2, in_process=True,
-    )
-    engine = VLLMEngine(cfg, "vlm-test-0")
-    yield engine
-    await engine.shutdown()
 
 
 def hf_logprobs(model, input_ids: list[int], vision_inputs, response_ids: list[int]) -> list[float]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import pytest_asyncio
 
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.store import ReplayBuffer
@@ -30,25 +29,6 @@ from tests.rollout.test_multimodal_engine import _image, hf_logprobs, max_diff
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 LOGPROB_ATOL = 1e-4  # as tests/rollout/test_tiny_vlm.py (observed ~5e-7 fp32)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def vlm_engine(vlm_path):
-    from tests.fixtures.vllm import _vllm_import_error
-
-    reason = _vllm_import_error()
-    if reason is not None:
-        pytest.skip(reason)
-    from streamrl.rollout.engine.config import EngineConfig
-    from streamrl.rollout.engine.vllm_engine import VLLMEngine
-
-    cfg = EngineConfig(
-        model="tiny-vlm", device="cpu", max_model_len=512, max_num_seqs=4, kv_cache_space_gb=1,
-        max_images_per_prompt=2, in_process=True,
-    )
-    engine = VLLMEngine(cfg, "vlm-loop-0")
-    yield engine
-    await engine.shutdown()
 
 
 def _ctx(processor, engine, store: ImageStore, fetch=None) -> AgentContext:
