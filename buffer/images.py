@@ -50,6 +50,7 @@ class ImageLog:
         self._writer: SegmentWriter | None = None
         self._segment_max_bytes = segment_max_bytes
         self.recovered_segments: list[dict] = []  # manifest entries of segments written before this open
+        self._unresolved: set[str] = set()  # refs of recovered rows whose bytes were not recovered
 
     def __contains__(self, sha256: str) -> bool:
         return sha256 in self._data
@@ -79,9 +80,31 @@ class ImageLog:
         report.num_images = len(self._data)
         self.recovered_segments = [{"name": n, "num_frames": k} for n, k in seen.items()]
 
+    def note_refs(self, refs: list[list[str]]) -> None:
+        """Recovery: remember the refs of recovered rows that the image log does not hold."""
+        self._unresolved.update(self.missing(r for row in refs for r in row))
+
+    def report_unresolved(self, report: RecoveryReport) -> None:
+        if self._unresolved:
+            msg = f"{len(self._unresolved)} images referenced by recovered rows are not in the image log; sampling them fails"
+            report.missing.append(msg)
+            logger.warning("buffer recovery: %s", msg)
+
     def missing(self, refs: Iterable[str]) -> list[str]:
         """The refs (deduplicated, in order) that are not stored."""
         return [r for r in dict.fromkeys(refs) if r not in self._data]
+
+    def check_refs(self, refs: list[list[str]], trajectory_ids: list[str], blobs: list[ImageBlob]) -> None:
+        """ValueError if a row's ref (`refs[i]` of trajectory `trajectory_ids[i]`) is neither stored
+        nor among `blobs`: the append that brought them is refused before anything is written."""
+        supplied = {b.sha256 for b in blobs}
+        missing = [r for r in self.missing(r for row in refs for r in row) if r not in supplied]
+        if missing:
+            rows = [tid for tid, row in zip(trajectory_ids, refs) if set(row) & set(missing)]
+            raise ValueError(
+                f"append refused: {len(missing)} image(s) referenced but neither in the buffer nor supplied "
+                f"(first {missing[0]}, trajectories {rows[:3]}); pass their bytes in `images=`"
+            )
 
     def put(self, images: Iterable[ImageBlob]) -> int:
         """Store the images not stored yet, as one frame flushed to the OS before returning (write-once

@@ -91,6 +91,15 @@ class DirLock:
             self._file.close()
 
 
+def rollback_record(learner_step: int) -> pa.RecordBatch:
+    """The consumption-log record that rolls back consumption recorded after `learner_step`."""
+    return pa.RecordBatch.from_pylist(
+        [{"op": "rollback", "trajectory_id": None, "group_id": None, "learner_step": learner_step,
+          "learner_version": -1, "lag": 0, "consumed_at": time.time()}],
+        schema=CONSUMPTION_SCHEMA,
+    )
+
+
 def consumption_history(batches: Iterable[pa.RecordBatch], resume_learner_step: int | None = None) -> dict[str, list[tuple[int, int]]]:
     """Replay consumption records: trajectory_id -> [(learner_step, lag)] of its surviving uses.
     A rollback marker (and `resume_learner_step`) drops uses at later learner steps."""

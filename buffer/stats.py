@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -52,6 +53,36 @@ class BufferStats:
                 "staleness/batch_in_flight_s_mean": float(np.mean(finished - created)),
                 "staleness/batch_in_queue_s_mean": float(np.mean(now - finished)),
             })
+
+    def snapshot(self, groups: Any, *, live_rows: int, memory_bytes: int, chunks: int, recovery: Any) -> dict[str, float]:
+        """`ReplayBuffer.stats`: these counters and histograms with the group table's (`groups`) and the
+        row store's gauges and the recovery report's totals."""
+        c, g = self.counts, groups
+        out = {
+            "buffer/rows_appended": c["rows_appended"],
+            "buffer/live_rows": live_rows,
+            "buffer/ready_trajectories": g.num_ready_trajectories,
+            "buffer/ready_groups": len(g.ready),
+            "buffer/partial_trajectories": g.num_partial,
+            "buffer/in_flight_trajectories": g.num_in_flight,
+            "buffer/accepted_trajectories": g.num_accepted,
+            "buffer/trajectories_consumed": c["trajectories_consumed"],
+            "buffer/batches_sampled": c["batches_sampled"],
+            "buffer/evicted_over_age": c["evicted_over_age"],
+            "buffer/over_age_kept": c["over_age_kept"],
+            "buffer/over_age_trained": c["over_age_trained"],
+            "buffer/groups_over_token_budget": c["groups_over_token_budget"],
+            "buffer/late_rows_ignored": g.num_late_rows,
+            "buffer/flushes": c["flushes"],
+            "buffer/memory_bytes": memory_bytes,
+            "buffer/chunks": chunks,
+            "buffer/recovered_rows": recovery.num_rows,
+            "buffer/recovery_problems": len(recovery.lines()) - 1,
+        }
+        out.update({f"buffer/groups_{phase.value}": n for phase, n in g.counts.items()})
+        out.update(self.staleness())
+        out.update(self.lengths(g.generated_lengths))
+        return {k: float(v) for k, v in out.items()}
 
     def staleness(self) -> dict[str, float]:
         """Lag shares (`staleness/lag_frac/{tokens,trajectories}/<k>`, `.../over`) and means over

@@ -15,13 +15,9 @@ every verified trajectory frame, so nothing consumed is handed out again and not
 skipped. If the learner restarts from an older checkpoint, pass
 `resume_learner_step` and consumption recorded after that step is rolled back (durably).
 
-Images: rows reference images by sha256 (`image_refs`); the encoded bytes arrive in the same
-`append` call as `ImageBlob`s (`images=`, bytes of images the buffer already holds may be left out)
-and go to the write-once image log (`buffer/images.py`) *before* the rows are ingested or handed to
-the trajectory log. A call whose rows reference an image that is neither stored nor supplied is
-refused (ValueError) before anything is written or counted. `sample` attaches each row's image bytes
-(`SampledBatch.images`, `[B][num_images]`, None for a text-only batch). Recovery reads the image log
-first; a segment of trajectory schema "1" (no image columns) is read and given empty ones.
+Images: rows reference images by sha256 (`image_refs`); their bytes come with the `append` call and
+go to the write-once image log (`buffer/images.py`) before the rows go anywhere; `sample` attaches
+them (`SampledBatch.images`). Trajectory segments of schema "1" recover with empty image columns.
 
 Not thread-safe: one caller at a time (the Ray actor serializes calls).
 """
@@ -51,6 +47,7 @@ from streamrl.buffer.manifest import (
     DirLock,
     consumption_history,
     read_manifest,
+    rollback_record,
     write_manifest,
 )
 from streamrl.buffer.rows import RowStore
@@ -129,7 +126,7 @@ class ReplayBuffer:
         prompt cursor; a tool journal entry lets a side effect run)."""
         batch = trajectories_to_batch(data) if isinstance(data, list) else normalize_batch(data)
         blobs = list(images or ())
-        self._check_image_refs(batch, blobs)
+        self._images.check_refs(image_refs_of(batch), batch.column("trajectory_id").to_pylist(), blobs)
         self._images.put(blobs)
         if batch.num_rows == 0:
             return
@@ -148,25 +145,6 @@ class ReplayBuffer:
             self.flush()
         else:
             self.poll()
-
-    def _check_image_refs(self, batch: pa.RecordBatch, blobs: list[ImageBlob]) -> None:
-        refs = [r for row in image_refs_of(batch) for r in row]
-        if not refs:
-            return
-        supplied = {b.sha256 for b in blobs}
-        missing = [r for r in self._images.missing(refs) if r not in supplied]
-        if missing:
-            tids = batch.column("trajectory_id").to_pylist()
-            rows = [tid for tid, row in zip(tids, image_refs_of(batch)) if set(row) & set(missing)]
-            raise ValueError(
-                f"append refused: {len(missing)} image(s) referenced but neither in the buffer nor supplied "
-                f"(first {missing[0]}, trajectories {rows[:3]}); pass their bytes in `images=`"
-            )
-
-    def put_images(self, images: Iterable[ImageBlob]) -> int:
-        """Store images ahead of the rows that will reference them (write-once; flushed to the OS
-        on return). Returns how many were new."""
-        return self._images.put(images)
 
     def get_image(self, sha256: str) -> bytes:
         """Encoded bytes of a stored image (resume of a parked trajectory, the viewer). KeyError if absent."""
@@ -440,32 +418,8 @@ class ReplayBuffer:
         return self._rows.nbytes + self._images.nbytes
 
     def stats(self) -> dict[str, float]:
-        c, g = self._counts, self._groups
-        out = {
-            "buffer/rows_appended": c["rows_appended"],
-            "buffer/live_rows": self._rows.num_live,
-            "buffer/ready_trajectories": g.num_ready_trajectories,
-            "buffer/ready_groups": len(g.ready),
-            "buffer/partial_trajectories": g.num_partial,
-            "buffer/in_flight_trajectories": g.num_in_flight,
-            "buffer/accepted_trajectories": g.num_accepted,
-            "buffer/trajectories_consumed": c["trajectories_consumed"],
-            "buffer/batches_sampled": c["batches_sampled"],
-            "buffer/evicted_over_age": c["evicted_over_age"],
-            "buffer/over_age_kept": c["over_age_kept"],
-            "buffer/over_age_trained": c["over_age_trained"],
-            "buffer/groups_over_token_budget": c["groups_over_token_budget"],
-            "buffer/late_rows_ignored": g.num_late_rows,
-            "buffer/flushes": c["flushes"],
-            "buffer/memory_bytes": self.memory_bytes(),
-            "buffer/chunks": len(self._rows.chunks),
-            "buffer/recovered_rows": self.recovery_report.num_rows,
-            "buffer/recovery_problems": len(self.recovery_report.lines()) - 1,
-        }
-        out.update({f"buffer/groups_{phase.value}": n for phase, n in g.counts.items()})
-        out.update(self._stats.staleness())
-        out.update(self._stats.lengths(g.generated_lengths))
-        return {k: float(v) for k, v in out.items()}
+        return self._stats.snapshot(self._groups, live_rows=self._rows.num_live, memory_bytes=self.memory_bytes(),
+                                    chunks=len(self._rows.chunks), recovery=self.recovery_report)
 
     # ---------------------------------------------------------------- recovery
     def _open_dir(self, resume_learner_step: int | None) -> None:
@@ -483,14 +437,13 @@ class ReplayBuffer:
         self._images.recover(report, {s["name"]: s["num_frames"] for s in listed.get(IMAGES_PREFIX, [])})
         seen: Counter[str] = Counter()
         expected = {s["name"]: s["num_frames"] for s in listed.get(TRAJ_PREFIX, [])}
-        unresolved: set[str] = set()
         for name, batch in read_segments(
             root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, report=report, expected=expected, legacy_schemas=LEGACY_SCHEMAS
         ):
             seen[name] += 1
             if not batch.schema.equals(TRAJECTORY_SCHEMA):
                 batch = normalize_batch(batch)  # an older schema version: adds the empty image columns
-            unresolved.update(self._images.missing(r for row in image_refs_of(batch) for r in row))
+            self._images.note_refs(image_refs_of(batch))
             self._ingest(batch)
             report.num_rows += batch.num_rows
         self._old_segments[TRAJ_PREFIX] = [{"name": n, "num_frames": k} for n, k in seen.items()]
@@ -500,15 +453,13 @@ class ReplayBuffer:
             report.missing.append(msg)
             logger.warning("buffer recovery: %s", msg)
         self._groups.preloaded_steps = {}
-        if unresolved:
-            msg = f"{len(unresolved)} images referenced by recovered rows are not in the image log; sampling them fails"
-            report.missing.append(msg)
-            logger.warning("buffer recovery: %s", msg)
+        self._images.report_unresolved(report)
         self._traj_log = SegmentWriter(root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, segment_max_bytes=self.cfg.segment_max_bytes)
         self._traj_log.open()  # its directory fsync happens here, not in the first append
         self._cons_log = SegmentWriter(root, prefix=CONSUMED_PREFIX, schema=CONSUMPTION_SCHEMA, segment_max_bytes=self.cfg.segment_max_bytes)
         if resume_learner_step is not None:
-            self._cons_log.write(self._rollback_record(resume_learner_step))
+            logger.info("rolling back consumption recorded after learner step %d", resume_learner_step)
+            self._cons_log.write(rollback_record(resume_learner_step))
         self._write_manifest(sync=True)
         if report.num_segments:
             for line in report.lines():
@@ -531,14 +482,6 @@ class ReplayBuffer:
         self._old_segments[CONSUMED_PREFIX] = [{"name": n, "num_frames": k} for n, k in seen.items()]
         self._counts["trajectories_consumed"] = sum(len(uses) for uses in history.values())
         return {tid: [step for step, _ in uses] for tid, uses in history.items()}
-
-    def _rollback_record(self, learner_step: int) -> pa.RecordBatch:
-        logger.info("rolling back consumption recorded after learner step %d", learner_step)
-        return pa.RecordBatch.from_pylist(
-            [{"op": "rollback", "trajectory_id": None, "group_id": None, "learner_step": learner_step,
-              "learner_version": -1, "lag": 0, "consumed_at": time.time()}],
-            schema=CONSUMPTION_SCHEMA,
-        )
 
     def _write_manifest(self, *, sync: bool) -> None:
         segments = {}

@@ -310,6 +310,25 @@ def _pretty(text: str) -> str:
         return text.strip()
 
 
+def _headline_and_facts(row: dict[str, Any], sampled_versions: list[int], *, aligned: bool) -> tuple[str, list]:
+    """The trajectory's one-line headline and its (name, value) facts table."""
+    ids, mask = row.get("response_ids", []), row.get("response_mask", [1] * len(row.get("response_ids", [])))
+    headline = (f"{row.get('trajectory_id', '?')} · step {row.get('learner_step')} · reward {fmt_number(row.get('reward'))} · "
+                f"{row.get('status', '?')}/{row.get('finish_reason', '?')} · {row.get('num_turns', 0)} turns · "
+                f"{row.get('num_tool_calls', 0)} tool calls · versions {sampled_versions} · "
+                f"{row.get('num_interrupts', 0)} interrupts")
+    facts = [
+        ("group / sample", f"{row.get('group_id', '?')} / {row.get('sample_index', '?')}"),
+        ("agent", str(row.get("agent_name", "?"))),
+        ("tokens (prompt / response / sampled)", f"{len(row.get('prompt_ids', []))} / {len(ids)} / {sum(1 for m in mask if m)}"),
+        ("generate s / tool s", f"{fmt_number(row.get('generate_s'), '.2f')} / {fmt_number(row.get('tool_s'), '.2f')}"),
+        ("turn scores / tool rewards", f"{row.get('turn_scores', [])} / {row.get('tool_rewards', [])}"),
+    ]
+    if not aligned:
+        facts.append(("warning", "per-token arrays have different lengths; showing the common prefix"))
+    return headline, facts
+
+
 def render_trajectory(row: dict[str, Any], tokenizer: Any, *, special_ids: set[int], max_tokens: int,
                       images: ViewerImages | None = None) -> dict[str, Any]:
     """The template's view of one sampled trajectory: per-token text, classes, hover titles; with
@@ -376,19 +395,7 @@ def render_trajectory(row: dict[str, Any], tokenizer: Any, *, special_ids: set[i
     pairs = [(calls[j] if j < len(calls) else "", responses[j] if j < len(responses) else "")
              for j in range(max(len(calls), len(responses)))]
     sampled_versions = sorted({int(v) for m, v in zip(mask[:n], versions[:n]) if m})
-    headline = (f"{row.get('trajectory_id', '?')} · step {step} · reward {fmt_number(row.get('reward'))} · "
-                f"{row.get('status', '?')}/{row.get('finish_reason', '?')} · {row.get('num_turns', 0)} turns · "
-                f"{row.get('num_tool_calls', 0)} tool calls · versions {sampled_versions} · "
-                f"{row.get('num_interrupts', 0)} interrupts")
-    facts = [
-        ("group / sample", f"{row.get('group_id', '?')} / {row.get('sample_index', '?')}"),
-        ("agent", str(row.get("agent_name", "?"))),
-        ("tokens (prompt / response / sampled)", f"{len(row.get('prompt_ids', []))} / {len(ids)} / {sum(1 for m in mask if m)}"),
-        ("generate s / tool s", f"{fmt_number(row.get('generate_s'), '.2f')} / {fmt_number(row.get('tool_s'), '.2f')}"),
-        ("turn scores / tool rewards", f"{row.get('turn_scores', [])} / {row.get('tool_rewards', [])}"),
-    ]
-    if not (len(ids) == len(mask) == len(versions) == len(logprobs)):
-        facts.append(("warning", "per-token arrays have different lengths; showing the common prefix"))
+    headline, facts = _headline_and_facts(row, sampled_versions, aligned=len(ids) == len(mask) == len(versions) == len(logprobs))
     return {"headline": headline, "facts": facts, "calls": pairs, "prompt": prompt, "prompt_parts": prompt_parts,
             "num_prompt_tokens": len(row.get("prompt_ids", [])), "tokens": tokens, "num_hidden": n - shown,
             "versions": sampled_versions}

@@ -115,7 +115,7 @@ def test_reopen_after_crash_finds_images(tmp_path):
 def test_torn_last_image_segment_recovers_like_other_logs(tmp_path):
     buf = ReplayBuffer(_cfg(tmp_path))
     buf.append(_image_group("g", [[RED]] * 4), images=[RED])
-    buf.put_images([GREEN])  # a second frame, referenced by nothing yet
+    buf.append([], images=[GREEN])  # a second frame, referenced by nothing yet
     _crash(buf)
     (_, path), = segment_paths(tmp_path, IMAGES_PREFIX)
     path.write_bytes(path.read_bytes()[:-40])  # the process died while writing GREEN's frame
