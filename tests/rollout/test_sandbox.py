@@ -8,6 +8,7 @@ unprivileged user namespaces work. A bwrap binary outside PATH can be tested wit
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import shutil
@@ -47,33 +48,56 @@ PROBE = probe(SandboxSettings())
 NAMESPACED = PROBE.layer in ("bwrap", "unshare")
 needs_namespaces = pytest.mark.skipif(not NAMESPACED, reason=f"no sandbox isolation on this machine: {PROBE.tried}")
 BWRAP = os.environ.get("STREAMRL_TEST_BWRAP") or shutil.which("bwrap")
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 FAST = {"timeout_s": 3.0, "replay_timeout_s": 3.0, "cpu_s": 2, "memory_mb": 512, "max_output_bytes": 1024}
 
 
-def _runner_pids() -> list[int]:
-    """Host pids of sandboxed programs still alive (their command line is the runner)."""
-    marker = RUNNER.strip().splitlines()[0].encode()
-    pids = []
+def _our_processes() -> dict[int, bytes]:
+    """Live (not zombie) descendants of this test process, with their command lines.
+
+    Scoped to this process's tree so that sandboxes of other programs on the machine (a chaos run, a
+    second test session) can't make an assertion fail; `_adopt_orphans` keeps an escaped orphan in it.
+    """
+    children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if marker in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    pids.append(int(entry))
+                stat = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-    return pids
+            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+            if state != "Z":
+                children.setdefault(int(ppid), []).append(int(entry))
+    found, todo = {}, list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        try:
+            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _runner_pids() -> list[int]:
+    """Our sandboxed programs still alive (their command line is the runner)."""
+    marker = RUNNER.strip().splitlines()[0].encode()
+    return sorted(pid for pid, cmdline in _our_processes().items() if marker in cmdline)
 
 
 def _pids_with(tag: str) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if tag.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    out.append(int(entry))
-            except OSError:
-                continue
-    return out
+    return sorted(pid for pid, cmdline in _our_processes().items() if tag.encode() in cmdline)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _adopt_orphans():
+    """Make this process the child subreaper while these tests run: a sandboxed program that outlives
+    its sandbox is re-parented here, not to init, so the scoped pid checks above still see it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        pytest.fail(f"prctl(PR_SET_CHILD_SUBREAPER) failed: errno {ctypes.get_errno()}")
+    yield
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 @pytest.fixture(scope="module")
@@ -335,8 +359,14 @@ async def test_wall_timeout_kills_the_whole_sandbox():
 @needs_namespaces
 async def test_a_cancelled_call_kills_its_sandbox(tool):
     instance = await tool.create()
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(tool.execute(instance, {"code": "import time\ntime.sleep(60)"}), 0.5)
+    call = asyncio.create_task(tool.execute(instance, {"code": "import time\ntime.sleep(60)"}))
+    deadline = time.monotonic() + 30
+    while not (running := _runner_pids()) and time.monotonic() < deadline and not call.done():
+        await asyncio.sleep(0.05)
+    assert running and not call.done()  # the program is running when the call is cancelled
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
     await tool.release(instance)
     assert _runner_pids() == []
 

@@ -3,7 +3,8 @@ gloo weight sync, durable buffer), SIGKILLed mid-run and resumed with `--resume`
 
 Checks exact prompt accounting across the kill: every admitted prompt appears as exactly one GRPO
 group, in stream order, none skipped or duplicated; no trajectory is trained on twice; every learner
-step consumed one full batch; at least one trajectory was interrupted by a weight sync and resumed.
+step consumed one full batch; policy versions within a trajectory only move forward, and only at a
+recorded interrupt.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def _train(args: list[str], log: Path) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group: SIGKILL takes the driver and its Ray node
     )
+
+
+def _changes_within_turns(versions, mask) -> int:
+    """Policy-version changes between adjacent sampled tokens of the same assistant turn."""
+    return sum(1 for i in range(1, len(mask)) if mask[i] and mask[i - 1] and versions[i] != versions[i - 1])
 
 
 @pytest.mark.timeout(1200)
@@ -111,11 +117,16 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
     assert sorted(per_step.index) == list(range(1, total_steps + 1))
     assert (per_step == cfg.buffer.batch_size).all()
 
-    # Interrupts: some trajectory was parked by a weight sync and finished after resuming.
-    assert (latest["num_interrupts"] > 0).any(), "no interrupt-and-resume happened"
-    for _, row in latest.iterrows():  # I4: versions only move forward within a trajectory
+    # Interrupts. Whether a sync finds a generation in flight depends on scheduling, so this run asserts
+    # what holds either way (the interrupt itself is forced and checked on the real engine and sync in
+    # tests/weight_sync/test_interrupt_resume.py): I4, versions only move forward within a trajectory;
+    # inside one assistant turn (a run of sampled tokens) the weights change only at a recorded interrupt
+    # (between turns a sync may land while a tool runs); every consumed row is finished.
+    for _, row in latest.iterrows():
         versions = [v for v, m in zip(row["policy_versions"], row["response_mask"]) if m]
         assert versions == sorted(versions), row["trajectory_id"]
+        assert _changes_within_turns(row["policy_versions"], row["response_mask"]) <= row["num_interrupts"], row
+    assert (consumed["status"] == "finished").all()
     # I4 across the restart: the resumed run labels its weights above every version used before.
     assert state["policy_version"] - state["version_offset"] == total_steps
     assert state["version_high_water"] >= state["policy_version"]
