@@ -10,15 +10,20 @@ store the bytes once.
 `<dir>/<sha256[:2]>/<sha256>` (write-then-rename, so a crash never leaves a partial file); a store
 opened on the same directory in another process finds them there. It is the worker's small local
 store; the buffer's durable image log (docs/multimodal.md, step 3) replaces the directory later.
+`load_image_source` reads the JSON-safe sources that prompt rows and tool / interaction responses
+use (path, data URL, base64); `read_response_image` also takes bytes / PIL and decodes fully, so a
+corrupt image from a tool is refused before it reaches a trajectory.
 PIL is imported only when an image is encoded or inspected.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import io
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from streamrl.rollout.atomic import atomic_write
 from streamrl.rollout.engine.base import ImageInput
@@ -61,6 +66,42 @@ def describe_image(data: bytes) -> ImageRef:
     except UnidentifiedImageError as exc:
         raise ValueError(f"not an image ({len(data)} bytes): {exc}") from exc
     return ImageRef(sha256=image_sha256(data), width=width, height=height, mime=mime)
+
+
+def load_image_source(source: Any) -> bytes:
+    """Encoded bytes of a JSON-safe image source: a local path, a base64 data URL or plain base64
+    (how prompt rows and tool / interaction responses name an image)."""
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"image part needs 'image' as a path or base64 string, got {type(source).__name__}")
+    if source.startswith("data:"):
+        header, _, payload = source.partition(",")
+        if not header.endswith(";base64") or not payload:
+            raise ValueError(f"image data URL must be base64 ('data:image/png;base64,...'), got {header!r}")
+        return base64.b64decode(payload, validate=True)
+    if len(source) < 4096 and Path(source).is_file():
+        return Path(source).read_bytes()
+    try:
+        return base64.b64decode(source, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"image {source[:80]!r} is neither an existing file nor base64 bytes") from None
+
+
+def read_response_image(source: Any) -> bytes:
+    """Encoded bytes of an image a tool or interaction returned, fully decoded once so a corrupt or
+    truncated file is refused here (ValueError) and never reaches the engine. Besides the JSON-safe
+    sources of `load_image_source`, in-process code may hand encoded `bytes` or a PIL image (stored
+    as PNG)."""
+    from PIL import Image as PILImage
+
+    if isinstance(source, PILImage.Image):
+        return encode_png(source)
+    data = bytes(source) if isinstance(source, (bytes, bytearray)) else load_image_source(source)
+    try:
+        describe_image(data)
+        decode_image(data)
+    except (OSError, SyntaxError, PILImage.DecompressionBombError) as exc:  # how PIL reports broken data
+        raise ValueError(f"image of {len(data)} bytes cannot be decoded: {exc}") from exc
+    return data
 
 
 class ImageStore:

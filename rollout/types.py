@@ -95,7 +95,12 @@ class ToolCall(BaseModel):
 
 class ToolResult(BaseModel):
     """The recorded outcome of a tool call; recorded before the observation is appended so a resume
-    never executes the same call twice."""
+    never executes the same call twice.
+
+    `images` are the images the tool returned, admitted into the worker's `ImageStore` (bytes by
+    hash, never in this record); the observation shows them before `text`, and they join
+    `AgentData.images` in that order when the observation is appended. Empty for a text-only policy:
+    there an image-returning call is an error result instead."""
 
     call_id: str
     name: str
@@ -103,6 +108,7 @@ class ToolResult(BaseModel):
     reward: float = 0.0
     is_error: bool = False
     latency_s: float = 0.0
+    images: list[ImageRef] = Field(default_factory=list)  # [num_images]; observation order
 
 
 class ToolCallStatus(StrEnum):

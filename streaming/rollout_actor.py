@@ -59,6 +59,7 @@ def build_agent_context(cfg: Any, model_path: str, server: Any) -> Any:
         reward_fn=get_reward_fn(agent.reward_fn),
         processor=processor,
         images=images,
+        max_images=cfg.rollout.engine.max_images_per_prompt if processor is not None else None,
     )
 
 

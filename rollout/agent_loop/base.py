@@ -8,9 +8,11 @@ process or another one: a loop in GENERATING re-prefills prompt + response so fa
 same assistant turn with the remaining budget; new tokens carry the engine's new policy_version.
 
 Images (docs/multimodal.md): with a VLM policy (`AgentContext.processor` set) a prompt's image parts
-are admitted into the worker's `ImageStore` and rendered to expanded ids (`image_prompt.py`); every
-generate, a resumed one included, sends the trajectory's images with its ids. Bytes a resuming
-worker does not hold are fetched by hash (`AgentContext.fetch_images`, the buffer's image log).
+are admitted into the worker's `ImageStore` and rendered to expanded ids (`image_prompt.py`); images
+in tool / interaction responses are admitted as they arrive (`image_observation.py`) and appended to
+`AgentData.images` with their observation's ids (`append_observation`). Every generate, a resumed one
+included, sends all the trajectory's images with its ids. Bytes a resuming worker does not hold are
+fetched by hash (`AgentContext.fetch_images`, the buffer's image log).
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from streamrl.rollout.agent_loop.image_prompt import admit_images, encode_image_prompt, has_image_parts, image_part_refs
+from streamrl.rollout.agent_loop.image_prompt import (
+    admit_images,
+    encode_image_prompt,
+    expand_images,
+    has_image_parts,
+    image_part_refs,
+    template_messages,
+)
 from streamrl.rollout.agent_loop.observation import ObservationEncoder
 from streamrl.rollout.config import AgentConfig
 from streamrl.rollout.engine.base import SamplingParams
@@ -87,7 +96,10 @@ class AgentContext:
     `processor` (the policy's `AutoProcessor`) is set for a VLM policy only; image prompts need it and
     `images`, the worker's store of image bytes by hash. `fetch_images(sha256s) -> [bytes]` (same
     order) fills the store with images it lacks, e.g. when a parked trajectory resumes in a worker
-    that never saw them (the buffer's `get_images`); None = a missing image is an error."""
+    that never saw them (the buffer's `get_images`); None = a missing image is an error.
+    `max_images` is the most images one trajectory may hold (the engines' `max_images_per_prompt`:
+    every generate sends them all); a tool / interaction response past it becomes an error
+    observation. None = not known here: the engine then refuses the over-full request (failed row)."""
 
     cfg: AgentConfig
     server: Any  # rollout.server_manager.ServerManager
@@ -104,11 +116,17 @@ class AgentContext:
     processor: Any = None  # transformers AutoProcessor of a VLM policy; None = text-only model
     images: ImageStore | None = None
     fetch_images: Callable[[list[str]], Awaitable[list[bytes]]] | None = None
+    max_images: int | None = None
 
     @property
     def image_token_id(self) -> int | None:
         """The model's image placeholder token (None for a text-only model)."""
         return None if self.processor is None else self.processor.image_token_id
+
+    @property
+    def response_images(self) -> ImageStore | None:
+        """Where tool / interaction images go: the store for a VLM policy, None for a text one."""
+        return None if self.processor is None else self.images
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -156,6 +174,8 @@ class AgentLoopBase(abc.ABC):
             )
         await self._ensure_images(image_part_refs(data.messages))
         messages, refs = admit_images(data.messages, self.ctx.images)
+        if self.ctx.max_images is not None and len(refs) > self.ctx.max_images:
+            raise ValueError(f"prompt of {data.trajectory_id} has {len(refs)} images; max_images={self.ctx.max_images}")
         ids = encode_image_prompt(
             self.ctx.encoder, self.ctx.processor, messages, [self.ctx.images.get(r.sha256) for r in refs], tools
         )
@@ -246,15 +266,32 @@ class AgentLoopBase(abc.ABC):
     def append_observation(self, data: AgentData, messages: list[dict[str, Any]]) -> bool:
         """Template `messages` after the last assistant turn and append them (mask 0).
 
-        Returns False (and appends nothing) when the observation does not fit the response budget:
-        the trajectory then terminates with LENGTH, never a truncated half-template.
+        Image parts (`image_ref`, admitted into the worker's store) render one image token each, which
+        is expanded by the processor rule; their refs join `data.images` with the ids, in order. On a
+        VLM the image tokens must match the image parts exactly (a tool text holding the literal image
+        token is a ValueError, never a misaligned row). Returns False (and appends nothing) when the
+        observation does not fit the response budget: the trajectory then terminates with LENGTH,
+        never a truncated half-template.
         """
         last = data.response_ids[-1] if data.response_ids else None
-        ids = self.ctx.encoder.encode_new_messages(messages, after_eos=last == self.ctx.tokenizer.eos_token_id)
+        after_eos = last == self.ctx.tokenizer.eos_token_id
+        store = self.ctx.response_images
+        if not has_image_parts(messages):
+            refs, blobs = [], []
+            ids = self.ctx.encoder.encode_new_messages(messages, after_eos=after_eos)
+        elif store is None:
+            raise ValueError(f"trajectory {data.trajectory_id}: an observation with images on a text-only policy")
+        else:
+            refs = [store.ref(sha) for sha in image_part_refs(messages)]
+            blobs = [store.get(r.sha256) for r in refs]
+            ids = self.ctx.encoder.encode_new_messages(template_messages(messages), after_eos=after_eos)
+        if self.ctx.processor is not None:
+            ids = expand_images(self.ctx.processor, ids, blobs)
         if len(data.response_ids) + len(ids) >= self.ctx.cfg.response_length:
             return False
         data.append_observation(ids)
         data.messages.extend(messages)
+        data.images.extend(refs)
         return True
 
     def decode(self, token_ids: list[int]) -> str:

@@ -13,15 +13,15 @@ exactly as for text, so tools and the generation prompt behave the same), which 
 token per image part; each is then expanded to the model's placeholder run by the processor's rule
 (`rollout.models.multimodal.expand_image_tokens`): the ids the model sees, which vLLM reports back
 and the learner uses. A chat without image parts never comes here (text prompts are unchanged).
+`template_messages` and `expand_images` are shared with observations that carry images (tool and
+interaction responses, `image_observation.py` and `AgentLoopBase.append_observation`).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from streamrl.rollout.images import load_image_source
 from streamrl.rollout.types import ImageRef
 
 if TYPE_CHECKING:
@@ -44,23 +44,6 @@ def image_part_refs(messages: list[dict[str, Any]]) -> list[str]:
         for p in m["content"]
         if p.get("type") == "image" and "image_ref" in p
     ]
-
-
-def load_image_source(source: Any) -> bytes:
-    """Encoded bytes of a prompt row's image: a local path, a base64 data URL or plain base64."""
-    if not isinstance(source, str) or not source:
-        raise ValueError(f"image part needs 'image' as a path or base64 string, got {type(source).__name__}")
-    if source.startswith("data:"):
-        header, _, payload = source.partition(",")
-        if not header.endswith(";base64") or not payload:
-            raise ValueError(f"image data URL must be base64 ('data:image/png;base64,...'), got {header!r}")
-        return base64.b64decode(payload, validate=True)
-    if len(source) < 4096 and Path(source).is_file():
-        return Path(source).read_bytes()
-    try:
-        return base64.b64decode(source, validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError(f"image {source[:80]!r} is neither an existing file nor base64 bytes") from None
 
 
 def admit_images(messages: list[dict[str, Any]], store: ImageStore) -> tuple[list[dict[str, Any]], list[ImageRef]]:
@@ -89,19 +72,31 @@ def encode_image_prompt(
     encoder: ObservationEncoder, processor: Any, messages: list[dict[str, Any]], images: list[bytes], tools: list[dict] | None
 ) -> list[int]:
     """Expanded prompt ids of an admitted chat (`image_ref` parts) whose image bytes are `images`."""
-    from streamrl.rollout.images import decode_image
-    from streamrl.rollout.models.multimodal import expand_image_tokens, image_vision_inputs
+    return expand_images(processor, encoder.encode_prompt(template_messages(messages), tools), images)
 
-    template = [
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat as the template sees it: each image part a bare `{"type": "image"}` (one image token)."""
+    return [
         {**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]}
         if isinstance(m.get("content"), list)
         else m
         for m in messages
     ]
-    ids = encoder.encode_prompt(template, tools)
+
+
+def expand_images(processor: Any, ids: list[int], images: list[bytes]) -> list[int]:
+    """Replace the one image token per image that the template rendered in `ids` by each image's
+    placeholder run (the processor's rule). The count must match: text that itself renders the image
+    token (a literal "<image>" in a message) would otherwise shift every later image."""
+    from streamrl.rollout.images import decode_image
+    from streamrl.rollout.models.multimodal import expand_image_tokens, image_vision_inputs
+
     found = sum(t == processor.image_token_id for t in ids)
     if found != len(images):
         raise ValueError(f"chat template rendered {found} image tokens for {len(images)} images")
+    if not images:
+        return list(ids)
     vision_inputs = image_vision_inputs(processor, [decode_image(b) for b in images])
     expanded, _ = expand_image_tokens(processor, ids, vision_inputs)
     return expanded

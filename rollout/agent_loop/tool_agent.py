@@ -17,6 +17,11 @@ that died mid-call (a park never happens in this state): calls with a result are
 calls still in INTENT are re-run when their tool is idempotent and otherwise answered with an
 "interrupted" error observation.
 
+Tools and interactions may answer with images (`image_observation.py`): a VLM policy sees them in the
+observation and `AgentData.images` grows with it; a response whose images cannot be shown becomes an
+error observation. A re-run or replayed call never adds an image twice: images enter `AgentData.images`
+only with the observation that shows them, in the synchronous step above.
+
 Tool instances and the interaction instance live for the whole trajectory: a park keeps them in this
 process, a resume in another process rebuilds them (`BaseTool.restore` from the journal,
 `BaseInteraction.restore` from the messages), and they are released when the trajectory ends,
@@ -29,7 +34,7 @@ import logging
 import time
 
 from streamrl.rollout.agent_loop.base import AgentLoopBase, Parked, register
-from streamrl.rollout.agent_loop.observation import truncate_text
+from streamrl.rollout.agent_loop.image_observation import cap_tool_images, reply_content, tool_message
 from streamrl.rollout.types import AgentData, AgentState, FinishReason, ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
 
 logger = logging.getLogger(__name__)
@@ -162,11 +167,12 @@ class ToolAgentLoop(AgentLoopBase):
                 (to_run if entry.call_id in fresh or tools.is_idempotent(entry.name) else lost).append(entry)
         t0 = time.monotonic()
         results = await tools.run_calls(
-            [e.call() for e in to_run], self.instance_ids, timeout_s=cfg.tool_timeout_s
+            [e.call() for e in to_run], self.instance_ids, timeout_s=cfg.tool_timeout_s, images=self.ctx.response_images
         )
         data.tool_s += time.monotonic() - t0
-        # From here to the state change there is no await: results, journal and observation land
-        # together.
+        # From here to the state change there is no await: results, journal, observation and its
+        # images land together (only `to_run` results carry images, in call order).
+        results = cap_tool_images(results, len(data.images), self.ctx.max_images)
         for entry, result in zip(to_run, results):
             entry.status, entry.result = ToolCallStatus.DONE, result
         for entry in lost:
@@ -182,15 +188,7 @@ class ToolAgentLoop(AgentLoopBase):
         self.ctx.counters.num_tool_calls += len(ordered)
         self.ctx.counters.num_tool_errors += errors
         data.tool_rewards.extend(r.reward for r in ordered if r.reward)
-        messages = [
-            {
-                "role": "tool",
-                "tool_call_id": r.call_id,
-                "name": r.name,
-                "content": truncate_text(r.text, cfg.max_tool_response_chars, cfg.tool_response_truncate),
-            }
-            for r in ordered
-        ]
+        messages = [tool_message(r, cfg) for r in ordered]
         data.pending_tool_calls = []
         data.num_user_turns += 1
         if not self.append_observation(data, messages):
@@ -225,7 +223,8 @@ class ToolAgentLoop(AgentLoopBase):
         if should_stop:
             data.interaction_done = True
             return self.terminate(data, FinishReason.INTERACTION_DONE)
-        if not self.append_observation(data, [{"role": "user", "content": reply}]):
+        content = await reply_content(reply, self.ctx.response_images, len(data.images), self.ctx.max_images)
+        if not self.append_observation(data, [{"role": "user", "content": content}]):
             return self.terminate(data, FinishReason.LENGTH)
         data.turn_start = len(data.response_ids)
         data.state = AgentState.GENERATING

@@ -2,8 +2,14 @@
 
 When the assistant ends a turn without tool calls and the trajectory has an interaction, the agent
 loop (state INTERACTING) calls `generate_response` with the chat so far; the interaction returns
-`(should_terminate, response_text, turn_score, extra)`. A non-terminating response is appended as
-a user message (mask 0 tokens) and generation continues. The life cycle mirrors tools and verl's
+`(should_terminate, response, turn_score, extra)`. A non-terminating response is appended as a user
+message (mask 0 tokens) and generation continues. The response is a string, or, to show the model
+images, a list of content parts `[{"type": "text", "text": ...}, {"type": "image", "image": SOURCE}]`
+(SOURCE: a local path, a `data:image/...;base64,` URL, plain base64, encoded bytes or a PIL image),
+kept in that order; the loop admits the images into the worker's image store and the message keeps
+`{"type": "image", "image_ref": sha256}` parts (`rollout/agent_loop/image_observation.py`: images a
+text-only policy, the decoder or the image limit refuses make it an "Error: ..." text instead). The
+`messages` an interaction receives may therefore hold such parts. The life cycle mirrors tools and verl's
 interactions: `start_interaction` once per trajectory (with the row's interaction kwargs, e.g.
 `ground_truth`), `calculate_score` at the end, `finalize_interaction` when the trajectory ends
 (finished or failed; a weight-sync park keeps the instance). Instance state is in-process: a
@@ -56,7 +62,8 @@ class BaseInteraction(abc.ABC):
     async def generate_response(
         self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any
     ) -> tuple[bool, str, float, dict[str, Any]]:
-        """(should_terminate, response text, turn score, extra) for the chat so far."""
+        """(should_terminate, response, turn score, extra) for the chat so far; the response is a
+        string or a list of text / image content parts (module doc)."""
 
     async def calculate_score(self, instance_id: str) -> float:
         return 0.0

@@ -33,11 +33,19 @@ from streamrl.rollout.types import ToolJournalEntry
 
 @dataclass(kw_only=True, slots=True)
 class ToolExecution:
-    """The outcome of one `execute`: the observation text, a per-call reward and numeric metrics."""
+    """The outcome of one `execute`: the observation text, a per-call reward, numeric metrics and
+    images to show the model.
+
+    Each image is a local path, a `data:image/...;base64,` URL or plain base64 string, encoded bytes
+    (PNG, JPEG: anything PIL reads) or a PIL image. The observation shows the images first, then the
+    text (verl's layout for multi-modal tool responses). For a VLM policy the executor admits them
+    into the worker's image store; an image that cannot be read, or any image for a text-only policy,
+    turns the result into an error observation (see `ToolRegistry.run_calls`)."""
 
     text: str
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    images: list[Any] = field(default_factory=list)  # [num_images]; sources, shown before the text
 
 
 class EmptyToolConfig(BaseModel):

@@ -10,6 +10,10 @@ tells the model what went wrong; each is counted in the registry's metrics. A to
 starting with "Error:" (the convention of our tools) is also flagged `is_error`. Only
 `asyncio.CancelledError` propagates, so a cancelled trajectory cancels its tool calls.
 
+Images a tool returns (`ToolExecution.images`) are admitted here, at the same boundary: with the
+worker's image store (a VLM policy) they are decoded once and stored, and the result lists their refs;
+a text-only policy or an unreadable image makes the result an error result instead (`run_calls`).
+
 Instances: one per (trajectory, tool), for the whole trajectory. `open_session` returns the live
 instances of a trajectory that parked in this process, and otherwise creates them from verl-style
 `tools_kwargs` (`{tool_name: {"create_kwargs": {...}}}`), restoring tools that have completed calls
@@ -31,11 +35,14 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamrl.rollout.parsers.base import validate_call
 from streamrl.rollout.tools.base import BaseTool, ToolExecution
-from streamrl.rollout.types import ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
+from streamrl.rollout.types import ImageRef, ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
+
+if TYPE_CHECKING:
+    from streamrl.rollout.images import ImageStore
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +57,8 @@ def current_call() -> ToolCall | None:
 
 def coerce_execution(result: Any) -> ToolExecution:
     """Accept our `ToolExecution`, a bare string, or verl's `(response, reward, metrics)` tuple where
-    the response is a string or an object with a `.text` attribute."""
+    the response is a string or an object with a `.text` attribute (and optionally verl's
+    `ToolResponse.image` list, taken as the result's images)."""
     if isinstance(result, ToolExecution):
         return result
     if isinstance(result, str):
@@ -61,7 +69,8 @@ def coerce_execution(result: Any) -> ToolExecution:
         if text is None:
             raise TypeError(f"tool response {type(response).__name__} has no text")
         numeric = {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))}
-        return ToolExecution(text=text, reward=float(reward or 0.0), metrics=numeric)
+        images = [] if isinstance(response, str) else list(getattr(response, "image", None) or [])
+        return ToolExecution(text=text, reward=float(reward or 0.0), metrics=numeric, images=images)
     raise TypeError(f"tool returned {type(result).__name__}; expected ToolExecution, str or (text, reward, metrics)")
 
 
@@ -196,22 +205,34 @@ class ToolRegistry:
         return out
 
     async def run_calls(
-        self, calls: list[ToolCall], instance_ids: dict[str, str], *, timeout_s: float
+        self, calls: list[ToolCall], instance_ids: dict[str, str], *, timeout_s: float, images: ImageStore | None = None
     ) -> list[ToolResult]:
-        """Run calls that passed `check_calls` concurrently; one ToolResult per call, in order."""
+        """Run calls that passed `check_calls` concurrently; one ToolResult per call, in order.
+
+        `images` is the worker's image store for a VLM policy (None: the policy reads text only). The
+        images a tool returns are read and fully decoded (off the event loop), then all put into the
+        store and listed in `ToolResult.images`; an unreadable image, or any image without a store,
+        makes the whole result an error result whose text says why, followed by the tool's text
+        (no image of that call is shown: all or nothing keeps the placeholder order simple)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        return list(await asyncio.gather(*(self._run_one(c, instance_ids, timeout_s) for c in calls)))
+        return list(await asyncio.gather(*(self._run_one(c, instance_ids, timeout_s, images) for c in calls)))
 
     async def execute_calls(
-        self, calls: list[ToolCall], instance_ids: dict[str, str], *, timeout_s: float, max_parallel: int
+        self,
+        calls: list[ToolCall],
+        instance_ids: dict[str, str],
+        *,
+        timeout_s: float,
+        max_parallel: int,
+        images: ImageStore | None = None,
     ) -> list[ToolResult]:
         """`check_calls` then `run_calls`: one ToolResult per call, in order."""
         if timeout_s <= 0 or max_parallel <= 0:
             raise ValueError(f"timeout_s and max_parallel must be positive, got {timeout_s}, {max_parallel}")
         plan = self.check_calls(calls, max_parallel=max_parallel)
         runnable = [c for c in plan if isinstance(c, ToolCall)]
-        ran = iter(await self.run_calls(runnable, instance_ids, timeout_s=timeout_s))
+        ran = iter(await self.run_calls(runnable, instance_ids, timeout_s=timeout_s, images=images))
         return [next(ran) if isinstance(c, ToolCall) else c for c in plan]
 
     def interrupted(self, call: ToolCall) -> ToolResult:
@@ -227,7 +248,9 @@ class ToolRegistry:
         self.num_errors += 1
         return ToolResult(call_id=call.call_id, name=call.name, text=f"Error: {message}", is_error=True, latency_s=latency_s)
 
-    async def _run_one(self, call: ToolCall, instance_ids: dict[str, str], timeout_s: float) -> ToolResult:
+    async def _run_one(
+        self, call: ToolCall, instance_ids: dict[str, str], timeout_s: float, images: ImageStore | None
+    ) -> ToolResult:
         tool = self.tools[call.name]
         start = time.perf_counter()
         token = _CURRENT_CALL.set(call)  # this task's own context (gather runs each call in a task)
@@ -247,18 +270,40 @@ class ToolRegistry:
             return self._error(call, f"tool '{call.name}' failed: {type(exc).__name__}: {exc}", time.perf_counter() - start)
         finally:
             _CURRENT_CALL.reset(token)
+        admitted = await self._admit_images(call, execution, images)
         latency_s = time.perf_counter() - start
         self.num_executed += 1
         self.total_latency_s += latency_s
         text = execution.text
         if len(text) > self.max_result_chars:
             text = text[: self.max_result_chars] + f"\n[truncated: {len(execution.text)} characters]"
+        if isinstance(admitted, str):
+            return self._error(call, admitted + (f"\n{text}" if text else ""), latency_s)
         is_error = text.startswith("Error:")
         if is_error:
             self.num_errors += 1
         return ToolResult(
-            call_id=call.call_id, name=call.name, text=text, reward=execution.reward, is_error=is_error, latency_s=latency_s
+            call_id=call.call_id, name=call.name, text=text, reward=execution.reward, is_error=is_error,
+            latency_s=latency_s, images=admitted,
         )
+
+    @staticmethod
+    async def _admit_images(call: ToolCall, execution: ToolExecution, store: ImageStore | None) -> list[ImageRef] | str:
+        """The refs of a result's images, all put into `store`, or why none of them can be shown."""
+        if not execution.images:
+            return []
+        n = len(execution.images)
+        if store is None:
+            return f"tool '{call.name}' returned {n} image(s) but the policy reads text only; they were not shown"
+        from streamrl.rollout.images import read_response_image
+
+        blobs: list[bytes] = []
+        for i, source in enumerate(execution.images):
+            try:
+                blobs.append(await asyncio.to_thread(read_response_image, source))
+            except (ValueError, TypeError) as exc:
+                return f"tool '{call.name}' returned an unreadable image (#{i + 1} of {n}): {exc}; no image was shown"
+        return [store.put(blob) for blob in blobs]
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters, namespaced for the run's metrics stream (with an MCP toolset, its

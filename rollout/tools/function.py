@@ -21,9 +21,12 @@ Calls: the executor has validated the arguments against the schema. A sync funct
 thread (`asyncio.to_thread`) so a slow one never blocks the event loop that generates for every other
 trajectory; it must therefore be thread-safe, and one that outlives the executor's timeout keeps its
 thread until it returns (threads cannot be cancelled). An async function is awaited on the loop. The
-result becomes the observation: a `ToolExecution` passes through, a `str` is the text, anything else
-is JSON (`str()` when not JSON-serialisable). An exception raised by the function is a problem the
-model can fix (it chose the input), so it comes back as the observation `Error: ValueError: ...`.
+result becomes the observation: a `ToolExecution` passes through (its `images` included), a `str` is
+the text, a list of content parts with at least one image (`[{"type": "text", "text": ...}, {"type":
+"image", "image": SOURCE}]`, SOURCE as in `ToolExecution.images`) is the joined text plus those
+images, anything else is JSON (`str()` when not JSON-serialisable). An exception raised by the
+function is a problem the model can fix (it chose the input), so it comes back as the observation
+`Error: ValueError: ...`.
 
 Per tool, `bound` (the YAML entry's `config`) fixes keyword arguments the model never sees (a limit,
 an endpoint), and `instance_id_param` names a parameter that receives the instance id, which is the
@@ -278,10 +281,24 @@ def to_execution(result: Any) -> ToolExecution:
         return result
     if isinstance(result, str):
         return ToolExecution(text=result)
+    if is_image_parts(result):
+        texts = [p.get("text", "") for p in result if p["type"] == "text"]
+        return ToolExecution(text="\n".join(texts), images=[p.get("image") for p in result if p["type"] == "image"])
     try:
         return ToolExecution(text=json.dumps(result, ensure_ascii=False))
     except (TypeError, ValueError):
         return ToolExecution(text=str(result))
+
+
+def is_image_parts(result: Any) -> bool:
+    """True for a list of content parts (`{"type": "text", "text": ...}` / `{"type": "image", "image":
+    SOURCE}`) holding at least one image: a function's way of returning images. Any other list stays
+    JSON text, as before."""
+    return (
+        isinstance(result, list)
+        and all(isinstance(p, dict) and p.get("type") in ("text", "image") for p in result)
+        and any(p["type"] == "image" for p in result)
+    )
 
 
 class FunctionTool(BaseTool):

@@ -28,9 +28,10 @@ def test_vlm_config_gives_the_loops_a_processor_and_an_image_store():
     path = str(resolve_model("tiny-vlm"))
     vlm = build_agent_context(load_config(None, ["rollout.engine.max_images_per_prompt=2"]), path, server=None)
     assert vlm.images is not None and len(vlm.images) == 0
+    assert vlm.max_images == 2  # a response image past the engine's limit is an error observation
     assert vlm.image_token_id == vlm.processor.image_token_id == vlm.tokenizer.convert_tokens_to_ids("<image>")
     text = build_agent_context(load_config(None, []), path, server=None)
-    assert text.processor is None and text.images is None and text.image_token_id is None
+    assert text.processor is None and text.images is None and text.image_token_id is None and text.max_images is None
 
 
 def test_image_blobs_carry_each_referenced_image_once():
