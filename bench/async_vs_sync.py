@@ -8,7 +8,10 @@ Writes bench/results/async_vs_sync.json.
 Both modes use the same components (engine actor, rollout worker, buffer, learner, weight sync);
 only `trainer.mode` differs. The default workload is tool-heavy and long-tailed: every assistant
 turn waits for an environment whose latency is lognormal (median `--latency`, p99 = 10x median)
-and trajectories take 1 to 4 environment replies, so lengths differ a lot. Runs alternate
+and trajectories take 1 to 4 environment replies, so lengths differ a lot. `--latency auto` (the
+default) sets the median to the generation time of one assistant turn on this machine, measured
+first in a short async calibration run (median over its finished trajectories of generate_s per
+assistant turn): the environment is as slow as the model, whatever the machine's speed. Runs alternate
 async/sync per seed. Throughput counts the steady state: from the first learner step to the last,
 so engine start-up (identical in both) is excluded. The length histograms compare what was
 generated with what was trained (the long tail must be trained, not dropped).
@@ -31,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/bench_async_vs_sync.toml"
 
 
-def run_mode(mode: str, root: Path, steps: int, env: dict, seed: int) -> dict:
-    name = f"{mode}-seed{seed}"
+def run_mode(mode: str, root: Path, steps: int, env: dict, seed: int, name: str | None = None) -> dict:
+    name = name or f"{mode}-seed{seed}"
     overrides = [
         f"trainer.mode={mode}",
         f"trainer.total_steps={steps}",
@@ -91,6 +94,26 @@ def write_env_config(root: Path, env: dict, seed: int) -> Path:
     return path
 
 
+def turn_generate_s(run_dir: Path) -> list[float]:
+    """Generation seconds per assistant turn of each finished trajectory of a run (the environment
+    replies after each assistant turn but the last, so a trajectory of n turns had ceil(n/2))."""
+    from streamrl.buffer.cli import load_frame
+
+    frame = load_frame(run_dir / "buffer")
+    done = frame[frame["is_latest"] & (frame["status"] == "finished")]
+    return [g / ((n + 1) // 2) for g, n in zip(done["generate_s"], done["num_turns"]) if n > 0]
+
+
+def calibrate(root: Path, env: dict, steps: int) -> dict:
+    """One short async run at 1 s median latency: the median generation time of one assistant turn."""
+    run_mode("async", root, steps, {**env, "latency_s": 1.0}, seed=1000, name="calibration")
+    per_turn = sorted(turn_generate_s(root / "calibration"))
+    q = statistics.quantiles(per_turn, n=10)
+    return {"latency_s": round(statistics.median(per_turn), 3), "steps": steps, "trajectories": len(per_turn),
+            "turn_generate_s": {"p10": q[0], "p50": statistics.median(per_turn), "p90": q[-1]},
+            "how": "median generate_s per assistant turn of the finished trajectories of an async run at 1 s latency"}
+
+
 def summarize(runs: list[dict]) -> dict:
     out = {}
     for key in ("trained_samples_per_hour", "engine_busy_fraction", "learner_idle_ratio", "lag_mean", "steady_span_s"):
@@ -106,20 +129,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps-async", type=int, default=36, help="learner steps of async runs (~2 min steady)")
     parser.add_argument("--steps-sync", type=int, default=16, help="learner steps of sync runs (~2-5 min steady)")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--latency", type=float, default=1.0, help="environment latency per turn: median (s)")
+    parser.add_argument("--latency", default="auto",
+                        help="environment latency per turn: median in s, or 'auto' = one turn's generation time")
+    parser.add_argument("--calibration-steps", type=int, default=8, help="learner steps of the calibration run")
     parser.add_argument("--dist", choices=("lognormal", "uniform"), default="lognormal")
     parser.add_argument("--p99-over-median", type=float, default=10.0)
     parser.add_argument("--min-turns", type=int, default=1, help="fewest environment replies of a trajectory")
     parser.add_argument("--max-turns", type=int, default=4, help="most environment replies of a trajectory")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "async_vs_sync.json"))
     args = parser.parse_args(argv)
-    env = {"latency_s": args.latency, "distribution": args.dist, "num_turns": args.max_turns,
-           "min_turns": args.min_turns}
-    env |= {"p99_over_median": args.p99_over_median} if args.dist == "lognormal" else {"jitter_s": args.latency / 10}
+    env: dict = {"distribution": args.dist, "num_turns": args.max_turns, "min_turns": args.min_turns}
+    env |= {"p99_over_median": args.p99_over_median} if args.dist == "lognormal" else {}
     runs: dict[str, list[dict]] = {"async": [], "sync": []}
     # sync steps take far longer on this workload: fewer of them still give a >= 2 min steady state
     steps = {"async": args.steps or args.steps_async, "sync": args.steps or args.steps_sync}
+    calibration = None
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
+        if args.latency == "auto":
+            calibration = calibrate(Path(tmp), env, args.calibration_steps)
+            print(json.dumps({"calibration": calibration}), file=sys.stderr, flush=True)
+        env["latency_s"] = calibration["latency_s"] if calibration else float(args.latency)
+        if args.dist != "lognormal":
+            env["jitter_s"] = env["latency_s"] / 10
         for seed in range(args.seeds):
             for mode in ("async", "sync") if seed % 2 == 0 else ("sync", "async"):
                 runs[mode].append(run_mode(mode, Path(tmp), steps[mode], env, seed))
@@ -131,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "-m", "bench.async_vs_sync", *(argv if argv is not None else sys.argv[1:])]),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
-        "workload": {"config": CONFIG, "environment": env, "steps": steps, "batch_size": BATCH_SIZE,
-                     "seeds": args.seeds},
+        "workload": {"config": CONFIG, "environment": env, "latency_calibration": calibration, "steps": steps,
+                     "batch_size": BATCH_SIZE, "seeds": args.seeds},
         "async": summarize(runs["async"]),
         "sync": summarize(runs["sync"]),
         "throughput_ratio_async_over_sync": _mean_sd(ratios) if ratios else None,

@@ -296,7 +296,13 @@ class VLLMEngine(InferenceEngine):
             if mode is PauseMode.ABORT:
                 for state in self._requests.values():
                     state.abort_requested = True
-            await self._llm.pause_generation(mode=str(mode), clear_cache=False)
+            if mode is PauseMode.ABORT and not self._requests:
+                # The rollout workers parked every loop first: no output is left to process, so the
+                # scheduler pause alone (AsyncLLM.pause_generation adds a fixed 20 ms sleep for
+                # in-flight outputs, idle engine time at every sync).
+                await self._llm.engine_core.pause_scheduler_async(mode=str(mode), clear_cache=False)
+            else:
+                await self._llm.pause_generation(mode=str(mode), clear_cache=False)
             self._paused = True
 
         await self._fence.pause(epoch, pause_now, self._resume_now)

@@ -183,3 +183,34 @@ def toy_weights(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
         ("norm.weight", torch.randn(3, generator=g)),
         ("count", torch.arange(5, dtype=torch.int64)),
     ]
+
+
+class PauseWhen:
+    """A rollout worker as the coordinator sees it, whose pause waits until `ready()` holds.
+
+    A real-engine test that needs a sync to land in a given state (a loop mid-generation, a cell
+    running) cannot get it by polling before `coordinator.sync`: the weights are staged first while
+    generation goes on, and by the pause the state may be gone. Here the check and the worker's
+    cancel happen in one step of the event loop (`RolloutWorker.pause` sets its Event before its first
+    await), so the pause lands in the state `ready` saw; `at_pause()` runs at that moment too. Only the
+    first pause waits; later ones (the sync restoring the weights) go straight through."""
+
+    def __init__(self, worker: Any, ready: Any, at_pause: Any = None, timeout_s: float = 20.0) -> None:
+        self.worker, self.ready, self.at_pause, self.timeout_s = worker, ready, at_pause, timeout_s
+        self.fired = False
+
+    async def pause(self, epoch: int | None = None) -> None:
+        if self.fired:
+            return await self.worker.pause(epoch=epoch)
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        while not self.ready():
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"the state the test syncs in did not come within {self.timeout_s}s")
+            await asyncio.sleep(0.002)
+        self.fired = True
+        if self.at_pause is not None:
+            self.at_pause()
+        await self.worker.pause(epoch=epoch)
+
+    async def resume(self, epoch: int | None = None) -> None:
+        await self.worker.resume(epoch=epoch)

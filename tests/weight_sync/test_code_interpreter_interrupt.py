@@ -16,6 +16,8 @@ from collections import Counter
 import pytest
 import torch
 
+from tests.weight_sync.fakes import PauseWhen
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 SFT = ["sft.enabled=true", "sft.num_steps=120", "sft.lr=5e-3", "sft.batch_size=8", "sft.num_examples=128",
@@ -80,15 +82,13 @@ async def test_sync_mid_cell_runs_every_cell_once_and_resumes(vllm_engine, tiny_
         rows.append(traj)
 
     worker = RolloutWorker(ctx, sink, max_concurrent=16)
-    coordinator = WeightSyncCoordinator(WeightSyncConfig(), [vllm_engine], workers=worker)
+    in_tool = lambda: {tid for tid, d in worker._states.items() if d.state is AgentState.PROCESSING_TOOLS}  # noqa: E731
+    in_tool_at_sync: set[str] = set()  # the pause lands while a cell runs (the model called the interpreter)
+    gate = PauseWhen(worker, ready=lambda: bool(in_tool()), at_pause=lambda: in_tool_at_sync.update(in_tool()), timeout_s=25.0)
+    coordinator = WeightSyncCoordinator(WeightSyncConfig(), [vllm_engine], workers=gate)
     for record in make_arithmetic_dataset(8, seed=3, difficulty="easy"):
         for data in make_group(record, 0, 1, None):
             worker.submit(data)
-    for _ in range(3000):  # until a cell runs (the model called the interpreter)
-        if any(d.state is AgentState.PROCESSING_TOOLS for d in worker._states.values()):
-            break
-        await asyncio.sleep(0.02)
-    in_tool_at_sync = {tid for tid, d in worker._states.items() if d.state is AgentState.PROCESSING_TOOLS}
     result = await coordinator.sync(_weights(warmed), v0 + 2)
     assert result.ok, result.error
     await worker.wait_idle(300)

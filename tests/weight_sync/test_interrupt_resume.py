@@ -6,11 +6,12 @@ twice."""
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 
 import pytest
 import torch
+
+from tests.weight_sync.fakes import PauseWhen
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -39,7 +40,7 @@ async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engi
     from streamrl.rollout.config import AgentConfig, SamplingConfig
     from streamrl.rollout.interactions import load_interaction_config
     from streamrl.rollout.server_manager import ServerManager
-    from streamrl.rollout.types import AgentData, FinishReason, TrajectoryStatus
+    from streamrl.rollout.types import AgentData, AgentState, FinishReason, TrajectoryStatus
     from streamrl.rollout.worker import RolloutWorker
     from streamrl.weight_sync.config import WeightSyncConfig
     from streamrl.weight_sync.coordinator import WeightSyncCoordinator
@@ -76,7 +77,21 @@ async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engi
         rows.append(traj)
 
     worker = RolloutWorker(ctx, sink, max_concurrent=16)
-    coordinator = WeightSyncCoordinator(WeightSyncConfig(), [vllm_engine], workers=worker)
+
+    def mid_turn() -> list[str]:
+        """Loops whose engine request is running with at most half of its 150-token turn sampled."""
+        states = [d for d in worker._states.values() if d.state is AgentState.GENERATING and d.request_id]
+        return [d.trajectory_id for d in states
+                if 1 <= vllm_engine.num_streamed_tokens(d.request_id) <= 75]  # fmt: skip
+
+    # The pause lands when two loops are mid-generation and one waits on the environment.
+    in_env_at_sync: set[str] = set()
+    gate = PauseWhen(
+        worker,
+        ready=lambda: len(mid_turn()) >= 2 and any(d.state is AgentState.INTERACTING for d in worker._states.values()),
+        at_pause=lambda: in_env_at_sync.update(t for t, d in worker._states.items() if d.state is AgentState.INTERACTING),
+    )
+    coordinator = WeightSyncCoordinator(WeightSyncConfig(), [vllm_engine], workers=gate)
     v0 = vllm_engine.policy_version
     for i in range(8):
         worker.submit(
@@ -88,15 +103,6 @@ async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engi
                 interaction_name="latency_env",
             )
         )
-    # Sync while some loops wait on the environment and others are generating.
-    from streamrl.rollout.types import AgentState
-
-    for _ in range(1000):
-        states = [d.state for d in worker._states.values()]
-        if AgentState.INTERACTING in states and ctx.num_in_engine > 0:
-            break
-        await asyncio.sleep(0.02)
-    in_env_at_sync = {tid for tid, d in worker._states.items() if d.state is AgentState.INTERACTING}
     result = await coordinator.sync(_perturbed(tiny_model_path, seed=3), v0 + 1)
     assert result.ok, result.error
     assert vllm_engine.policy_version == v0 + 1
