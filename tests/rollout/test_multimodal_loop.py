@@ -62,6 +62,20 @@ def _buffer(tmp_path) -> ReplayBuffer:
     return ReplayBuffer(BufferConfig(root_dir=str(tmp_path / "buffer"), batch_size=1, group_size=1))
 
 
+
+async def park_then_sync(ctx, task: asyncio.Task, engine, version: int):
+    """What a weight sync does to a loop mid-generation: the worker's pause (the loop aborts its
+    request and parks; its partial row is returned), then the engine serves `version`."""
+    ctx.cancel.set()
+    parked = await asyncio.wait_for(task, 60)
+    await engine.pause(PauseMode.ABORT)
+    try:
+        await engine.set_policy_version(version)
+    finally:
+        await engine.resume()
+    return parked
+
+
 async def test_image_prompt_runs_to_a_buffer_row_and_a_padded_batch(vlm_engine, processor, hf_vlm, tmp_path):
     png = encode_png(_image((220, 40, 40)))
     (tmp_path / "img.png").write_bytes(png)
@@ -99,13 +113,7 @@ async def test_parked_image_trajectory_resumes_from_the_buffer_with_every_token(
             await asyncio.sleep(0.005)
 
     await asyncio.wait_for(streamed(3), 120)
-    ctx.cancel.set()  # the worker's pause: the loop aborts its request and parks
-    parked = await asyncio.wait_for(task, 60)
-    await vlm_engine.pause(PauseMode.ABORT)  # the weight sync that follows: next policy_version
-    try:
-        await vlm_engine.set_policy_version(version0 + 1)
-    finally:
-        await vlm_engine.resume()
+    parked = await park_then_sync(ctx, task, vlm_engine, version0 + 1)
     assert parked.status is TrajectoryStatus.PARTIAL and 3 <= len(parked.response_ids) < 300
     assert parked.image_refs == [data.images[0].sha256] and parked.num_image_tokens == [4]
 

@@ -327,7 +327,7 @@ class FirstTurnCalls:
 async def test_real_engine_tool_image_parked_and_resumed_from_the_buffer(vlm_engine, processor, hf_vlm, tmp_path):
     from streamrl.buffer.config import BufferConfig
     from streamrl.buffer.store import ReplayBuffer
-    from streamrl.rollout.engine.base import PauseMode
+    from tests.rollout.test_multimodal_loop import park_then_sync
     from streamrl.rollout.models.multimodal import image_vision_inputs
     from streamrl.streaming.rollout_actor import image_blobs
     from tests.rollout.test_multimodal_engine import hf_logprobs, max_diff
@@ -357,13 +357,7 @@ async def test_real_engine_tool_image_parked_and_resumed_from_the_buffer(vlm_eng
         await asyncio.sleep(0.001)
 
     await asyncio.wait_for(second_turn_streamed(3), 180)
-    ctx.cancel.set()  # the worker's pause: the loop aborts the request and parks
-    parked = await asyncio.wait_for(task, 60)
-    await vlm_engine.pause(PauseMode.ABORT)  # the weight sync that follows: next policy_version
-    try:
-        await vlm_engine.set_policy_version(version0 + 1)
-    finally:
-        await vlm_engine.resume()
+    parked = await park_then_sync(ctx, task, vlm_engine, version0 + 1)
     shas = [store.put(P).sha256, store.put(T).sha256]
     assert parked.status is TrajectoryStatus.PARTIAL and parked.image_refs == shas and parked.num_image_tokens == [4, 4]
     turn2 = AgentData.from_json(parked.agent_data_json).turn_start  # where the turn after the tool image began
