@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=None, help="learner steps per run, both modes")
     parser.add_argument("--steps-async", type=int, default=110, help="learner steps of async runs (>= 2 min steady)")
-    parser.add_argument("--steps-sync", type=int, default=28, help="learner steps of sync runs (>= 2 min steady)")
+    parser.add_argument("--steps-sync", type=int, default=32, help="learner steps of sync runs (>= 2 min steady)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--latency", default="auto",
                         help="environment latency per turn: median in s, or 'auto' = one turn's generation time")

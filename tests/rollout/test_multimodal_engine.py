@@ -207,3 +207,45 @@ async def test_weight_change_drops_cached_vision_embeddings(vlm_engine, processo
     diff = max_diff(after.logprobs, hf_new)
     assert diff < LOGPROB_ATOL, (after.logprobs, hf_new)
     assert max_diff(hf_old, hf_new) > 10 * max(diff, 1e-6)  # stale embeddings would have matched hf_old
+
+
+async def test_weight_sync_by_learner_names_serves_the_new_vlm(vlm_engine, processor, hf_vlm, vlm_path):
+    """The learner's weight sync into a VLM engine: every parameter (vision tower, connector, text
+    model, head) sent under the name the learner's HF model has (`named_parameters_for_sync`) over the
+    real gloo transport, staged, checksummed and committed through vLLM's Idefics3 loader. The engine
+    then serves the new weights: its log-probs on an image prompt equal HF's with the same weights.
+    Changes the module engine's weights; restores them at the end (a second sync)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.weight_sync import WeightSyncConfig, WeightSyncCoordinator
+
+    new = AutoModelForImageTextToText.from_pretrained(vlm_path, dtype="float32").eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.3 * (p.std() if p.numel() > 1 else 1.0) * torch.randn(p.shape, generator=gen))
+    assert any("vision" in n for n, _ in new.named_parameters())  # the vision tower is synced too
+    img = _image((30, 200, 90))
+    chat = render_image_chat(processor, _chat(img, "describe it"))
+    image = ImageInput.from_bytes(_png(img))
+    sampling = SamplingParams(max_tokens=6, temperature=1.0, seed=5)
+    coordinator = WeightSyncCoordinator(WeightSyncConfig(), [vlm_engine])
+    version = vlm_engine.policy_version
+    try:
+        result = await coordinator.sync([(n, p.detach()) for n, p in new.named_parameters()], version + 1)
+        assert result.ok, result.error
+        out = await vlm_engine.generate("sync-vlm", chat.input_ids, sampling, images=[image])
+    finally:
+        restore = await coordinator.sync([(n, p.detach()) for n, p in hf_vlm.named_parameters()], version + 2)
+        await coordinator.close()
+    assert restore.ok, restore.error
+    assert out.policy_versions == [version + 1] * len(out.token_ids)
+    hf_new = hf_logprobs(new, chat.input_ids, chat.vision_inputs, out.token_ids)
+    hf_old = hf_logprobs(hf_vlm, chat.input_ids, chat.vision_inputs, out.token_ids)
+    diff = max_diff(out.logprobs, hf_new)
+    assert diff < LOGPROB_ATOL, (out.logprobs, hf_new)
+    assert max_diff(hf_old, hf_new) > 10 * max(diff, 1e-6)  # the old weights would not match
+    back = await vlm_engine.generate("sync-vlm-back", chat.input_ids, sampling, images=[image])
+    assert max_diff(back.logprobs, hf_logprobs(hf_vlm, chat.input_ids, chat.vision_inputs, back.token_ids)) < LOGPROB_ATOL
