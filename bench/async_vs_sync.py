@@ -34,7 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/bench_async_vs_sync.toml"
 
 
-def run_mode(mode: str, root: Path, steps: int, env: dict, seed: int, name: str | None = None) -> dict:
+def run_mode(mode: str, root: Path, steps: int, env: dict | None, seed: int, name: str | None = None,
+             config: str = CONFIG) -> dict:
+    """One `streamrl train` of `config` in `mode`; `env` = the latency environment's settings (None: the
+    config's own tools, e.g. the code interpreter)."""
     name = name or f"{mode}-seed{seed}"
     overrides = [
         f"trainer.mode={mode}",
@@ -45,17 +48,16 @@ def run_mode(mode: str, root: Path, steps: int, env: dict, seed: int, name: str 
         f"data.seed={seed}",
         f"learner.seed={seed}",
     ]
+    if env is not None:
+        overrides.append(f"rollout.agent.interaction_config={write_env_config(root, env, seed)}")
     t0 = time.time()
-    subprocess.run(
-        [sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", CONFIG, *overrides,
-         f"rollout.agent.interaction_config={write_env_config(root, env, seed)}"],
-        cwd=REPO, check=True,
-    )
+    subprocess.run([sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", config, *overrides],
+                   cwd=REPO, check=True)
     wall = time.time() - t0
     records = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
     first, last = records[0], records[-1]
     span_s = last["time/elapsed_s"] - first["time/elapsed_s"]
-    trained = (last["learner_step"] - first["learner_step"]) * BATCH_SIZE
+    trained = (last["learner_step"] - first["learner_step"]) * batch_size(config)
     busy = (last["engine/busy_s"] - first["engine/busy_s"]) / max(last["engine/uptime_s"] - first["engine/uptime_s"], 1e-9)
     lags = [r.get("staleness/lag_mean") for r in records if r.get("staleness/lag_mean") is not None]
     return {
@@ -84,7 +86,13 @@ def _mean_sd(xs: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(xs), "sd": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
 
 
-BATCH_SIZE = 16  # buffer.batch_size of the config
+CODE_CONFIG = "configs/code_interpreter.toml"  # the second workload: SmolLM2 writing Python for the sandbox
+
+
+def batch_size(config: str) -> int:
+    from streamrl.streaming.config import load_config
+
+    return load_config(REPO / config, []).buffer.batch_size
 
 
 def write_env_config(root: Path, env: dict, seed: int) -> Path:
@@ -136,8 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--p99-over-median", type=float, default=10.0)
     parser.add_argument("--min-turns", type=int, default=1, help="fewest environment replies of a trajectory")
     parser.add_argument("--max-turns", type=int, default=4, help="most environment replies of a trajectory")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "async_vs_sync.json"))
+    parser.add_argument("--workload", choices=("env", "code"), default="env",
+                        help="env: the long-tailed latency environment (tiny model); code: configs/code_interpreter.toml "
+                             "(SmolLM2, SFT-warmed, real sandboxed cells)")
+    parser.add_argument("--out", default=None, help="default bench/results/async_vs_sync[_code].json")
     args = parser.parse_args(argv)
+    code = args.workload == "code"
+    config = CODE_CONFIG if code else CONFIG
+    out_path = Path(args.out or REPO / "bench" / "results" / f"async_vs_sync{'_code' if code else ''}.json")
     env: dict = {"distribution": args.dist, "num_turns": args.max_turns, "min_turns": args.min_turns}
     env |= {"p99_over_median": args.p99_over_median} if args.dist == "lognormal" else {}
     runs: dict[str, list[dict]] = {"async": [], "sync": []}
@@ -145,15 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     steps = {"async": args.steps or args.steps_async, "sync": args.steps or args.steps_sync}
     calibration = None
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp:
-        if args.latency == "auto":
+        if code:
+            env = None
+        elif args.latency == "auto":
             calibration = calibrate(Path(tmp), env, args.calibration_steps)
             print(json.dumps({"calibration": calibration}), file=sys.stderr, flush=True)
-        env["latency_s"] = calibration["latency_s"] if calibration else float(args.latency)
-        if args.dist != "lognormal":
-            env["jitter_s"] = env["latency_s"] / 10
+        if env is not None:
+            env["latency_s"] = calibration["latency_s"] if calibration else float(args.latency)
+            if args.dist != "lognormal":
+                env["jitter_s"] = env["latency_s"] / 10
         for seed in range(args.seeds):
             for mode in ("async", "sync") if seed % 2 == 0 else ("sync", "async"):
-                runs[mode].append(run_mode(mode, Path(tmp), steps[mode], env, seed))
+                runs[mode].append(run_mode(mode, Path(tmp), steps[mode], env, seed, config=config))
                 print(json.dumps(runs[mode][-1]), file=sys.stderr, flush=True)
     ratios = [a["trained_samples_per_hour"] / s["trained_samples_per_hour"]
               for a, s in zip(runs["async"], runs["sync"], strict=True)
@@ -162,15 +179,15 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "-m", "bench.async_vs_sync", *(argv if argv is not None else sys.argv[1:])]),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
-        "workload": {"config": CONFIG, "environment": env, "latency_calibration": calibration, "steps": steps,
-                     "batch_size": BATCH_SIZE, "seeds": args.seeds},
+        "workload": {"config": config, "environment": env, "latency_calibration": calibration, "steps": steps,
+                     "batch_size": batch_size(config), "seeds": args.seeds},
         "async": summarize(runs["async"]),
         "sync": summarize(runs["sync"]),
         "throughput_ratio_async_over_sync": _mean_sd(ratios) if ratios else None,
         "runs": runs,
         "targets": {"throughput_ratio": ">= 3 (mean over >= 3 seeds)", "async_engine_busy_fraction": ">= 0.95"},
     }
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    out_path.write_text(json.dumps(out, indent=2))
     print(json.dumps({k: out[k] for k in ("async", "sync", "throughput_ratio_async_over_sync")}, indent=2))
     return 0
 

@@ -73,9 +73,13 @@ class Stalled(RuntimeError):
     """The learner waited `trainer.stall_timeout_s` for a batch while no trajectory row arrived."""
 
 
-async def wait_for_batch(system: System, *, check_workers: bool = False):
+async def wait_for_batch(system: System, *, check_workers: bool = False, refill: bool = False):
     """The next batch, or None when the prompts are used up and nothing is left in flight (the run
-    ends cleanly with fewer steps). Raises `Stalled` when nothing arrives for `stall_timeout_s`."""
+    ends cleanly with fewer steps). Raises `Stalled` when nothing arrives for `stall_timeout_s`.
+
+    `refill` (the sync loop, which admits only what one batch needs): when nothing is in flight and
+    the buffer still holds no batch, a group was dropped by the DAPO filter (all rewards equal), so
+    one more group is admitted, as often as needed."""
     stall_s = system.cfg.trainer.stall_timeout_s
     last_rows, last_change, changes = -1, time.monotonic(), -1
     while (batch_ref := await system.sample_batch()) is None:
@@ -83,12 +87,19 @@ async def wait_for_batch(system: System, *, check_workers: bool = False):
         # one arrived between that look and the sample above: no wake-up is lost).
         progress = await system.buffer.wait_progress(changes, WAIT_S)
         in_flight, rows, changes = progress.in_flight, progress.rows_appended, progress.changes
-        if in_flight == 0 and system.prompts_exhausted:
-            logger.warning("the prompt stream is exhausted (%d prompts admitted) and nothing is in flight: "
-                           "ending the run at learner step %d of %d", system.state.cursor, system.state.learner_step,
-                           system.cfg.trainer.total_steps)
-            system.exhausted = True
-            return None
+        if in_flight == 0:  # nothing more can arrive: what the buffer holds now decides
+            if (batch_ref := await system.sample_batch()) is not None:
+                return batch_ref
+            if system.prompts_exhausted:
+                logger.warning("the prompt stream is exhausted (%d prompts admitted) and nothing is in flight: "
+                               "ending the run at learner step %d of %d", system.state.cursor,
+                               system.state.learner_step, system.cfg.trainer.total_steps)
+                system.exhausted = True
+                return None
+            if refill:
+                logger.info("no batch and nothing in flight (a group was filtered): admitting one more group")
+                await system.admit_next_group()
+                continue
         if rows != last_rows:
             last_rows, last_change = rows, time.monotonic()
         elif time.monotonic() - last_change > stall_s:
@@ -139,7 +150,7 @@ async def run_sync(system: System) -> None:
         for _ in range(system.groups_per_step):
             await system.admit_next_group()
         t_wait = time.monotonic()
-        batch_ref = await wait_for_batch(system, check_workers=True)
+        batch_ref = await wait_for_batch(system, check_workers=True, refill=True)
         system.learner_idle_s += time.monotonic() - t_wait
         if batch_ref is None:
             break

@@ -139,6 +139,7 @@ class FakeWorker:
         self.num_finished = 0
         self.ever_held: set[str] = set()
         self.finished: set[str] = set()
+        self.uniform: set[str] = set()  # groups whose samples all get reward 0 (the DAPO filter drops them)
 
     def _alive(self) -> None:
         if self.dead:
@@ -161,7 +162,8 @@ class FakeWorker:
         row = Trajectory(
             trajectory_id=data.trajectory_id, group_id=data.group_id, sample_index=data.sample_index,
             agent_name=data.agent_name, prompt_ids=[1, 2, 3], response_ids=[5, 6, 7], response_mask=[1, 1, 1],
-            behavior_logprobs=[-0.5] * 3, policy_versions=[version] * 3, reward=float(data.sample_index % 2),
+            behavior_logprobs=[-0.5] * 3, policy_versions=[version] * 3,
+            reward=0.0 if data.group_id in self.uniform else float(data.sample_index % 2),
             status=TrajectoryStatus.FINISHED, finish_reason=FinishReason.STOP,
         )
         await self.buffer.append([row])
@@ -378,3 +380,27 @@ async def test_the_loops_wake_on_events_not_on_a_timer(tmp_path, monkeypatch, mo
         system.metrics.close()
     assert system.state.learner_step == 8
     assert time.monotonic() - t0 < 20.0
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+async def test_sync_loop_replaces_groups_the_filter_drops(tmp_path):
+    """On-policy with DAPO filtering: the sync loop admits only one batch's groups; when some come back
+    with all-equal rewards (dropped) it admits more until a batch is ready, instead of waiting for the
+    stall timeout. Every batch is still on-policy and no dropped group is trained."""
+    system, buffer, learner = _system(tmp_path, "trainer.mode=sync", "trainer.total_steps=4",
+                                      "buffer.filter_uniform_reward_groups=true")
+    uniform = {f"{r.group_id}@e0" for r in system.stream.records[0:12:3]}  # prompts 0, 3, 6, 9
+    for worker in system.workers:
+        worker.uniform = uniform
+    try:
+        await asyncio.wait_for(run_sync(system), TIMEOUT_S)
+    finally:
+        system.metrics.close()
+    assert system.state.learner_step == 4
+    assert all(max(b.lags) == 0 for b in buffer.sampled)
+    trained_groups = {g for b in buffer.sampled for g in b.table.column("group_id").to_pylist()}
+    admitted = [f"{r.group_id}@e0" for r in system.stream.records[: system.state.cursor]]
+    assert trained_groups == set(admitted) - uniform and uniform <= set(admitted)
+    _check_batches(system, buffer)
+    _check_admission(system, buffer)
+    assert system.state.cursor == 4 * system.cfg.buffer.groups_per_batch + len(uniform)  # one more per dropped group
