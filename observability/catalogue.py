@@ -221,6 +221,8 @@ METRICS: tuple[Metric, ...] = (
     M("sync/num_engines_excluded", "engines", R.LAST, "engines out of the sync set so far, kept out of routing"),
     M("sync/num_syncs", "syncs", R.TOTAL, "syncs attempted"),
     M("sync/num_failed", "syncs", R.TOTAL, "syncs that failed"),
+    M("sync/num_versions_skipped", "versions", R.TOTAL,
+      "learner versions the engines never served (coalesced: the newest weights go, never a queue)"),
     M("sync/num_engines", "engines", R.LAST, "engines in the sync set"),
     # ---- memory and health
     M("memory/{part}_peak_gb", "GB", R.MAX, "peak RSS of the part's process (and its children) so far"),

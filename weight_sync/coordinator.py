@@ -87,6 +87,7 @@ class WeightSyncCoordinator:
         self.policy_version = max(e.policy_version for e in engines)
         self.num_syncs = 0
         self.num_failed = 0
+        self.num_versions_skipped = 0  # versions the engines never served: they went straight to a newer one
         self.last_result: SyncResult | None = None
         self._epoch = 0
         self._lock = asyncio.Lock()
@@ -111,20 +112,26 @@ class WeightSyncCoordinator:
         async with self._lock:
             await self._readmit()
             self._check_engines_left()
+            served_before = self.policy_version
             result = await self._sync(tensors, target)
-            self._count(result)
+            self._count(result, served_before)
             if not result.ok and result.dropped_engine_ids and self.engines:
                 logger.warning("retrying policy_version %d on the %d engines left", target, len(self.engines))
                 dropped = result.dropped_engine_ids
                 result = await self._sync(tensors, target)
                 result.dropped_engine_ids = dropped + result.dropped_engine_ids
-                self._count(result)
+                self._count(result, served_before)
             self._check_engines_left()
         return result
 
-    def _count(self, result: SyncResult) -> None:
+    def _count(self, result: SyncResult, served_before: int) -> None:
+        """Coalescing is counted here: a sync always carries the newest weights it is given, so the
+        versions between the one served before and a committed target (`sync_every` > 1, a failed
+        sync retried with newer weights, publish lag) are skipped, never queued."""
         self.num_syncs += 1
         self.num_failed += 0 if result.ok else 1
+        if result.ok:
+            self.num_versions_skipped += max(result.policy_version - served_before - 1, 0)
         self.last_result = result
 
     def _check_engines_left(self) -> None:
@@ -293,6 +300,7 @@ class WeightSyncCoordinator:
         out = self.last_result.metrics() if self.last_result is not None else {}
         out["sync/num_syncs"] = float(self.num_syncs)
         out["sync/num_failed"] = float(self.num_failed)
+        out["sync/num_versions_skipped"] = float(self.num_versions_skipped)
         out["sync/num_engines"] = float(len(self.engines))
         return out
 

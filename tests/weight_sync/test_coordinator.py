@@ -57,6 +57,7 @@ async def test_one_broadcast_updates_two_engines_in_protocol_order():
     assert (await coordinator.sync(weights2)).ok
     _assert_loaded(engines[1], weights2)
     assert engines[1].policy_version == 2
+    assert coordinator.metrics()["sync/num_versions_skipped"] == 0.0
     # the workers' pause and resume carry their sync's fencing epoch, increasing from sync to sync
     (p1, e1), (r1, f1), (p2, e2), (r2, f2) = workers.epochs
     assert (p1, r1, p2, r2) == ("pause", "resume", "pause", "resume")
@@ -85,6 +86,13 @@ async def test_corruption_in_flight_is_detected_and_nothing_is_loaded(bucket, by
     result = await coordinator.sync(toy_weights(1), policy_version=1)
     assert result.ok, result.error
     _assert_loaded(engines[0], toy_weights(1))
+    assert coordinator.metrics()["sync/num_versions_skipped"] == 0.0
+    # Coalescing: the learner is at version 4 by the next sync (sync_every 3, or failed syncs): the
+    # engines go from 1 straight to 4, and 2 and 3 are counted as skipped, never sent.
+    result = await coordinator.sync(toy_weights(4), policy_version=4)
+    assert result.ok and all(e.policy_version == 4 for e in engines)
+    _assert_loaded(engines[1], toy_weights(4))
+    assert coordinator.metrics()["sync/num_versions_skipped"] == 2.0
     await coordinator.close()
 
 
