@@ -261,6 +261,33 @@ def _summarize_overlap(runs: list[dict[str, Any]], overlap: bool) -> dict[str, A
                 "max": max(r[k] for r in rows)} for k in keys}
 
 
+def _overlap_row(result, at: dict[str, Any], start_tokens: int, start_t: float, rate_before: float,
+                 last_commit: dict[str, float]) -> dict[str, Any]:
+    """One sync of `bench_overlap`: its `*_s` metrics and what the engine did during it. `at` holds
+    what the workers' pause and resume saw (tokens and time at the pause, the aborted outputs, when
+    the engine's last step ended, when it resumed)."""
+    staging_s = at["t"] - start_t
+    outputs = at["outputs"]
+    return {
+        **{k: v for k, v in result.metrics().items() if k.endswith("_s")},
+        "paused_over_load": result.paused_s / result.load_s,
+        # the pause's first part is the engine finishing the step it is in (its tokens are kept);
+        # the engine generates nothing from then until the resume:
+        "abort_wait_s": at["stopped"] - at["t"],
+        "tokens_generated_while_aborting": sum(len(o.token_ids) for o in outputs) - at["tokens"],
+        "engine_idle_s": at["resumed"] - at["stopped"],
+        "idle_over_load": (at["resumed"] - at["stopped"]) / result.load_s,
+        "staging_s": staging_s,
+        "tokens_generated_while_staging": at["tokens"] - start_tokens,
+        "tokens_per_s_while_staging": (at["tokens"] - start_tokens) / staging_s if staging_s > 0 else 0.0,
+        "tokens_per_s_before_sync": rate_before,
+        "tokens_discarded": sum(0 if len(o.token_ids) == len(o.logprobs) else len(o.token_ids) for o in outputs),
+        "requests_aborted": sum(o.finish_reason == "abort" for o in outputs),
+        **{f"commit_{k}": last_commit[k] for k in ("reload_s", "refresh_s")},
+        "commit_ns_per_byte": last_commit["load_s"] / last_commit["num_bytes"] * 1e9,
+    }
+
+
 async def bench_overlap(model_name: str, model_path: Path, repeats: int, num_requests: int = 4) -> dict[str, Any]:
     """Stage while serving vs pause first, same engine, same weights, alternating runs (abort mode).
 
@@ -314,26 +341,8 @@ async def bench_overlap(model_name: str, model_path: Path, repeats: int, num_req
                 start_tokens, start_t = streamed(), time.monotonic()
                 result = await coordinator.sync(weights)
                 assert result.ok, result.error
-                staging_s = at["t"] - start_t
-                outputs = at["outputs"]
-                runs.append({
-                    "overlap": overlap, "repeat": rep, **{k: v for k, v in result.metrics().items() if k.endswith("_s")},
-                    "paused_over_load": result.paused_s / result.load_s,
-                    # the pause's first part is the engine finishing the step it is in (its tokens are
-                    # kept); the engine generates nothing from then until the resume:
-                    "abort_wait_s": at["stopped"] - at["t"],
-                    "tokens_generated_while_aborting": sum(len(o.token_ids) for o in outputs) - at["tokens"],
-                    "engine_idle_s": at["resumed"] - at["stopped"],
-                    "idle_over_load": (at["resumed"] - at["stopped"]) / result.load_s,
-                    "staging_s": staging_s,
-                    "tokens_generated_while_staging": at["tokens"] - start_tokens,
-                    "tokens_per_s_while_staging": (at["tokens"] - start_tokens) / staging_s if staging_s > 0 else 0.0,
-                    "tokens_per_s_before_sync": rate_before,
-                    "tokens_discarded": sum(0 if len(o.token_ids) == len(o.logprobs) else len(o.token_ids) for o in outputs),
-                    "requests_aborted": sum(o.finish_reason == "abort" for o in outputs),
-                    **{f"commit_{k}": engine.last_commit[k] for k in ("reload_s", "refresh_s")},
-                    "commit_ns_per_byte": engine.last_commit["load_s"] / engine.last_commit["num_bytes"] * 1e9,
-                })
+                runs.append({"overlap": overlap, "repeat": rep,
+                             **_overlap_row(result, at, start_tokens, start_t, rate_before, engine.last_commit)})
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     finally:
         await coordinator.close()
