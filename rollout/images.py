@@ -68,6 +68,12 @@ def describe_image(data: bytes) -> ImageRef:
     return ImageRef(sha256=image_sha256(data), width=width, height=height, mime=mime)
 
 
+def is_content_parts(value: Any) -> bool:
+    """True for a list of chat content parts, each `{"type": "text", ...}` or `{"type": "image", ...}`:
+    how tools and interactions return text with images."""
+    return isinstance(value, list) and all(isinstance(p, dict) and p.get("type") in ("text", "image") for p in value)
+
+
 def load_image_source(source: Any) -> bytes:
     """Encoded bytes of a JSON-safe image source: a local path, a base64 data URL or plain base64
     (how prompt rows and tool / interaction responses name an image)."""

@@ -72,7 +72,9 @@ async def reply_content(
     parts with admitted `image_ref`s, or an error text when its images cannot all be shown."""
     if isinstance(reply, str):
         return reply
-    if not (isinstance(reply, list) and all(isinstance(p, dict) and p.get("type") in ("text", "image") for p in reply)):
+    from streamrl.rollout.images import is_content_parts
+
+    if not is_content_parts(reply):
         raise TypeError(f"interaction response must be a string or a list of text / image parts, got {reply!r:.200}")
     sources = [p.get("image") for p in reply if p["type"] == "image"]
     if not sources:

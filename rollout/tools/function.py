@@ -294,11 +294,9 @@ def is_image_parts(result: Any) -> bool:
     """True for a list of content parts (`{"type": "text", "text": ...}` / `{"type": "image", "image":
     SOURCE}`) holding at least one image: a function's way of returning images. Any other list stays
     JSON text, as before."""
-    return (
-        isinstance(result, list)
-        and all(isinstance(p, dict) and p.get("type") in ("text", "image") for p in result)
-        and any(p["type"] == "image" for p in result)
-    )
+    from streamrl.rollout.images import is_content_parts
+
+    return is_content_parts(result) and any(p["type"] == "image" for p in result)
 
 
 class FunctionTool(BaseTool):
