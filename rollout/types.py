@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field
 
 OBSERVATION_VERSION = -1  # policy_version of tokens not sampled by the policy (mask 0)
 
@@ -161,7 +161,10 @@ class AgentData(BaseModel):
     prompt_ids: list[int] = Field(default_factory=list)  # [num_prompt_tokens]
     response_ids: list[int] = Field(default_factory=list)  # [num_response_tokens]
     response_mask: list[int] = Field(default_factory=list)  # [num_response_tokens]
-    response_logprobs: list[float] = Field(default_factory=list)  # [num_response_tokens]
+    # The sampling policy's log-probs (`Trajectory.behavior_logprobs`); snapshots written before the
+    # rename say `response_logprobs` and still load.
+    behavior_logprobs: list[float] = Field(
+        default_factory=list, validation_alias=AliasChoices("behavior_logprobs", "response_logprobs"))  # [num_response_tokens]
     policy_versions: list[int] = Field(default_factory=list)  # [num_response_tokens]
     turn_start: int = 0
     images: list[ImageRef] = Field(default_factory=list)  # [num_images]; placeholder order
@@ -201,24 +204,24 @@ class AgentData(BaseModel):
         assert len(token_ids) == len(logprobs) == len(versions), "engine arrays misaligned"
         self.response_ids.extend(token_ids)
         self.response_mask.extend([1] * len(token_ids))
-        self.response_logprobs.extend(logprobs)
+        self.behavior_logprobs.extend(logprobs)
         self.policy_versions.extend(versions)
 
     def append_observation(self, token_ids: list[int]) -> None:
         n = len(token_ids)
         self.response_ids.extend(token_ids)
         self.response_mask.extend([0] * n)
-        self.response_logprobs.extend([0.0] * n)
+        self.behavior_logprobs.extend([0.0] * n)
         self.policy_versions.extend([OBSERVATION_VERSION] * n)
 
     def check_aligned(self, image_token_id: int | None = None) -> None:
         """Raise AssertionError if the per-token arrays are misaligned, or, given the model's image
         placeholder token (None for a text-only model), if the placeholder runs and `images` disagree."""
         n = len(self.response_ids)
-        if not (n == len(self.response_mask) == len(self.response_logprobs) == len(self.policy_versions)):
+        if not (n == len(self.response_mask) == len(self.behavior_logprobs) == len(self.policy_versions)):
             raise AssertionError(
                 f"per-token arrays misaligned: ids={n} mask={len(self.response_mask)} "
-                f"logprobs={len(self.response_logprobs)} versions={len(self.policy_versions)}"
+                f"logprobs={len(self.behavior_logprobs)} versions={len(self.policy_versions)}"
             )
         if image_token_id is not None:
             num_runs = count_image_runs(self.prompt_ids + self.response_ids, image_token_id)

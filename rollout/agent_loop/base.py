@@ -350,7 +350,7 @@ class AgentLoopBase(abc.ABC):
             prompt_ids=list(data.prompt_ids),
             response_ids=list(data.response_ids),
             response_mask=list(data.response_mask),
-            behavior_logprobs=list(data.response_logprobs),
+            behavior_logprobs=list(data.behavior_logprobs),
             policy_versions=list(data.policy_versions),
             reward=0.0 if partial else data.reward,
             turn_scores=list(data.turn_scores),

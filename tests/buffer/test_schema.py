@@ -33,7 +33,7 @@ def _rich_trajectory() -> Trajectory:
         prompt_ids=[1, 2],
         response_ids=[5, 6, 7],
         response_mask=[1, 1, 0],
-        response_logprobs=[-0.1, -0.2, 0.0],
+        behavior_logprobs=[-0.1, -0.2, 0.0],
         policy_versions=[3, 4, -1],
         tool_results=[ToolResult(call_id="c", name="calc", text="42")],
     )

@@ -57,6 +57,9 @@ def test_agent_data_with_images_round_trips_json():
     del old["images"]  # a snapshot written before images existed
     assert AgentData.from_json(json.dumps(old)).images == []
 
+    old["response_logprobs"] = old.pop("behavior_logprobs")  # a snapshot written before the rename
+    assert AgentData.from_json(json.dumps(old)).behavior_logprobs == [0.0] * 4 + [-0.5, -0.25]
+
 
 def test_trajectory_row_carries_image_refs_and_placeholder_counts():
     """An image trajectory's row names its images (placeholder order) and each run's length; without
@@ -69,7 +72,7 @@ def test_trajectory_row_carries_image_refs_and_placeholder_counts():
     red, green = store.put(png((255, 0, 0))), store.put(png((0, 255, 0)))
     data = AgentData(trajectory_id="t", group_id="g", prompt_ids=[1, WRAP, IMG, IMG, WRAP, 2],
                      response_ids=[3, WRAP, IMG, IMG, IMG, WRAP], response_mask=[1, 0, 0, 0, 0, 0],
-                     response_logprobs=[-0.5, 0, 0, 0, 0, 0], policy_versions=[0, -1, -1, -1, -1, -1],
+                     behavior_logprobs=[-0.5, 0, 0, 0, 0, 0], policy_versions=[0, -1, -1, -1, -1, -1],
                      images=[red, green])
     row = AgentLoopBase.to_trajectory(data, TrajectoryStatus.FINISHED, image_token_id=IMG)
     assert (row.image_refs, row.num_image_tokens) == ([red.sha256, green.sha256], [2, 3])

@@ -153,7 +153,7 @@ async def test_interrupt_and_resume_with_image_keeps_every_token(vlm_engine, pro
     # Every token of the trajectory, both sides of the interruption, has the logprob the model gives
     # it with this image in front of it: the resumed request saw the same image at the same positions.
     hf = hf_logprobs(hf_vlm, chat.input_ids, chat.vision_inputs, resumed.response_ids)
-    assert max_diff(resumed.response_logprobs, hf) < LOGPROB_ATOL
+    assert max_diff(resumed.behavior_logprobs, hf) < LOGPROB_ATOL
 
 
 async def test_prefix_cache_keys_include_the_image(vlm_engine, processor):
