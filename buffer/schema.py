@@ -169,7 +169,7 @@ def list_lengths(arr: pa.ListArray) -> np.ndarray:
     return np.diff(arr.offsets.to_numpy()).astype(np.int64)
 
 
-def _segment_reduce(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, ufunc: np.ufunc) -> np.ndarray:
+def _per_row_reduce(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, ufunc: np.ufunc) -> np.ndarray:
     """Per-row ufunc reduction over list rows; empty rows give -1."""
     out = np.full(len(lengths), OBSERVATION_VERSION, dtype=np.int64)
     nonempty = lengths > 0
@@ -253,9 +253,9 @@ def normalize_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
             f"trajectory {ids[row].as_py()!r}: response_mask must be 0/1, sampled tokens need a "
             "policy_version >= 0, observation tokens need policy_version -1 and logprob 0"
         )
-    min_v = _segment_reduce(np.where(sampled, versions, np.iinfo(np.int32).max), starts, lens, np.minimum)
+    min_v = _per_row_reduce(np.where(sampled, versions, np.iinfo(np.int32).max), starts, lens, np.minimum)
     min_v[min_v == np.iinfo(np.int32).max] = OBSERVATION_VERSION
-    max_v = _segment_reduce(versions, starts, lens, np.maximum)
+    max_v = _per_row_reduce(versions, starts, lens, np.maximum)
     derived = [
         pa.array(list_lengths(cols["prompt_ids"]).astype(np.int32)),
         pa.array(lens.astype(np.int32)),

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-def action_segments(mask_row: torch.Tensor) -> list[tuple[int, int]]:
+def assistant_turn_spans(mask_row: torch.Tensor) -> list[tuple[int, int]]:
     """Contiguous runs of mask-1 positions in one row as half-open (start, end) pairs."""
     m = (mask_row != 0).to(torch.int8)
     padded = torch.cat([m.new_zeros(1), m, m.new_zeros(1)])
@@ -31,21 +31,21 @@ def token_level_rewards(
     """Scatter scalar rewards onto action tokens.
 
         r[b, last_action(b)] += rewards[b]
-        r[b, end(segment_k(b)) - 1] += turn_scores[b][k]      for k < len(turn_scores[b])
+        r[b, end(turn_k(b)) - 1] += turn_scores[b][k]      for k < len(turn_scores[b])
 
-    A row with no action token gets no reward (nothing to credit). More turn scores than action
-    segments is a data bug and raises ValueError.
+    A row with no action token gets no reward (nothing to credit). More turn scores than assistant
+    turns is a data bug and raises ValueError.
     """
     out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     for b in range(mask.shape[0]):
-        segments = action_segments(mask[b])
-        if not segments:
+        turns = assistant_turn_spans(mask[b])
+        if not turns:
             continue
-        out[b, segments[-1][1] - 1] += rewards[b].to(torch.float32)
+        out[b, turns[-1][1] - 1] += rewards[b].to(torch.float32)
         scores = list(turn_scores[b]) if turn_scores else []
-        if len(scores) > len(segments):
-            raise ValueError(f"row {b}: {len(scores)} turn scores but only {len(segments)} assistant turns")
-        for (_, end), score in zip(segments, scores):
+        if len(scores) > len(turns):
+            raise ValueError(f"row {b}: {len(scores)} turn scores but only {len(turns)} assistant turns")
+        for (_, end), score in zip(turns, scores):
             out[b, end - 1] += float(score)
     return out
 

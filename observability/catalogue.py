@@ -76,7 +76,7 @@ METRICS: tuple[Metric, ...] = (
     M("elapsed_s", "s", R.LAST, "seconds since this process started the run (the timeline's x axis)"),
     M("learner_step", "steps", R.LAST, "learner steps done"),
     M("policy_version", "version", R.LAST, "label of the weights the engines serve"),
-    M("time/elapsed_s", "s", R.TOTAL, "seconds of training over every resumed segment of the run"),
+    M("time/elapsed_s", "s", R.TOTAL, "seconds of training over every process of the run (each resume starts one)"),
     M("metrics/num_wandb_errors", "errors", R.TOTAL, "wandb calls that failed (the local log kept the line)",
       when="wandb raised"),
     # ---- rollout workers (rollout.worker.RolloutWorker.metrics, summed over workers by the driver)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from streamrl.learner.advantages import (
-    action_segments,
+    assistant_turn_spans,
     grpo_advantages,
     masked_gae,
     masked_whiten,
@@ -29,9 +29,9 @@ def test_grpo_mean_centering_only_and_singleton_group():
     assert torch.equal(adv_std, torch.zeros(3))  # singleton and constant groups carry no signal
 
 
-def test_action_segments_and_token_rewards_at_turn_ends():
+def test_assistant_turn_spans_and_token_rewards_at_turn_ends():
     mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0]])
-    assert action_segments(mask[0]) == [(1, 3), (5, 7)]
+    assert assistant_turn_spans(mask[0]) == [(1, 3), (5, 7)]
     r = token_level_rewards(mask, torch.tensor([1.0]), [[0.5, 0.25]])
     assert torch.allclose(r, torch.tensor([[0, 0, 0.5, 0, 0, 0, 1.25, 0]]))
     # no scores: only the final reward on the last action token; a row without actions gets nothing
