@@ -11,6 +11,14 @@ both are normalised to plain Python first. The group id is the row's `group_id` 
 column, else a stable hash of the messages (repeated prompts get `-dupN` suffixes so GRPO groups never
 mix). Bad rows raise a ValueError naming the file, the row and the field.
 
+A message's content is a string or a list of content parts (`{"type": "text", "text": ...}`,
+`{"type": "image", "image": SOURCE}`, the form `agent_loop/image_prompt.py` admits). verl's multimodal
+rows (`RLHFDataset`, e.g. geo3k) add an `images` column and mark each image's place in the string
+contents with `<image>`, one per image in order; such a message becomes parts as verl's
+`_build_messages` makes them (empty text segments dropped), each image part carrying its entry of
+`images` as a source the loop reads (`data_images.py`). Messages without a placeholder keep their
+string content (a string and one text part render the same). The `videos` column is refused.
+
 `make_arithmetic_dataset` generates word problems whose answers need multi-digit arithmetic (the
 calculator tool's task); `make_tool_sft_transcripts` turns those prompts into gold tool-using chats
 for a short SFT warm-up of a model that has never seen our tool format.
@@ -29,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from streamrl.rollout.data_images import with_images
 from streamrl.rollout.rewards import answers_match
 from streamrl.rollout.tools.calculator import evaluate_expression, format_number
 from streamrl.rollout.types import PromptRecord
@@ -115,10 +124,19 @@ def _messages(row: dict[str, Any], where: str) -> list[dict[str, Any]]:
         if not isinstance(message, dict) or message.get("role") not in _ROLES:
             raise ValueError(f"{where}: {field}[{j}] needs a 'role' in {sorted(_ROLES)}, got {message!r:.80}")
         content = message.get("content")
-        if not isinstance(content, str) and not (message["role"] == "assistant" and message.get("tool_calls")):
-            raise ValueError(f"{where}: {field}[{j}] has no string 'content'")
+        if not _is_content(content) and not (message["role"] == "assistant" and message.get("tool_calls")):
+            raise ValueError(f"{where}: {field}[{j}] has no string 'content' (nor a list of text / image parts)")
         messages.append(message)
     return messages
+
+
+def _is_content(content: Any) -> bool:
+    """A string, or content parts (imported only then: the image module pulls in the engine types)."""
+    if isinstance(content, str):
+        return True
+    from streamrl.rollout.images import is_content_parts
+
+    return bool(content) and is_content_parts(content)
 
 
 def _nested(row: dict[str, Any], where: str, outer: str, inner: str) -> Any:
@@ -177,7 +195,7 @@ def _record(row: Any, index: int, source: str) -> tuple[PromptRecord, bool]:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be an object, got {type(row).__name__}")
     row = _plain_row(row)
-    messages = _messages(row, where)
+    messages = with_images(_messages(row, where), row, where)
     metadata = _metadata(row, where)
     tools_kwargs = row.get("tools_kwargs")
     if tools_kwargs is None:

@@ -1,5 +1,15 @@
 """MCP <-> OpenAI conversions for `mcp_toolset.py` (pure functions): an MCP tool's `inputSchema` as
-OpenAI function parameters, and a `CallToolResult` as one observation text."""
+OpenAI function parameters, and a `CallToolResult` as one observation: its text, and the images it
+carries for a VLM policy (`result_execution`).
+
+Images: each `ImageContent` part of a successful result becomes one image of the `ToolExecution`, in
+part order, as a `data:<mime>;base64,<data>` URL (a source the executor reads; it decodes, stores or
+refuses them, all or none, like any tool's images). The text is the other parts, described as in
+`result_text`. A result the server flagged `isError` shows no image: its observation is the error text
+alone (images described in one line each), since an error is what the model must read, and an image
+it cannot act on would only cost placeholder tokens. Audio and binary resources stay one-line
+descriptions (the policy has no ears). A result without images is exactly `result_text`.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +19,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from streamrl.rollout.tools.base import ToolExecution
 from streamrl.rollout.tools.schema import OpenAIFunctionToolSchema
 
 if TYPE_CHECKING:
@@ -107,6 +118,20 @@ def result_text(result: mcp_types.CallToolResult) -> str:
     if result.is_error:
         return f"Error: {text}" if text else "Error: the tool reported an error without a message"
     return text
+
+
+def result_execution(result: mcp_types.CallToolResult) -> ToolExecution:
+    """A `CallToolResult` as the tool's execution: image parts as images, the rest as text (see the
+    module docstring); an error result, or one without images, is `result_text` alone."""
+    images = [part for part in result.content if _is_image(part)]
+    if result.is_error or not images:
+        return ToolExecution(text=result_text(result))
+    text = "\n".join(_describe_part(part) for part in result.content if not _is_image(part))
+    return ToolExecution(text=text, images=[f"data:{part.mime_type};base64,{part.data}" for part in images])
+
+
+def _is_image(part: Any) -> bool:
+    return getattr(part, "type", None) == "image"
 
 
 def _describe_part(part: Any) -> str:

@@ -1,10 +1,11 @@
 """A small MCP server for tests and as an example of what `mcp:` tool entries connect to.
 
 Built with the official SDK's `MCPServer` (FastMCP's name since mcp 2): each decorated function is one
-tool, its type hints become the tool's `inputSchema`. Besides two useful tools (`add`, `echo`) it has
-the failure modes a client must survive: `fail` raises (the server answers `isError`), `crash` kills
-the server process mid-call (the client must report that call and reconnect for the next one), and
-`slow` sleeps (timeouts). `pid` tells a test which process served it.
+tool, its type hints become the tool's `inputSchema`. Besides two useful tools (`add`, `echo`) and one
+that returns an image with a line of text (`solid_color`, a PNG drawn with PIL: what image results
+look like to the client) it has the failure modes a client must survive: `fail` raises (the server
+answers `isError`), `crash` kills the server process mid-call (the client must report that call and
+reconnect for the next one), and `slow` sleeps (timeouts). `pid` tells a test which process served it.
 
     python -m streamrl.rollout.tools.mcp_example_server              # stdio (what `command:` runs)
     python -m streamrl.rollout.tools.mcp_example_server --http 8765  # streamable HTTP on 127.0.0.1
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import os
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Image, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
 server = MCPServer(
-    "streamrl-example", instructions="Arithmetic, echo and failure-injection tools for tests.", log_level="WARNING"
+    "streamrl-example", instructions="Arithmetic, echo, image and failure-injection tools for tests.", log_level="WARNING"
 )
 
 
@@ -36,6 +38,23 @@ def add(a: int, b: int) -> int:
 def echo(text: str) -> str:
     """Return `text` unchanged."""
     return text
+
+
+@server.tool()
+def solid_color(width: int, height: int, color: str) -> list[str | Image]:
+    """Draw a `width` x `height` PNG filled with `color` (a name such as "red" or "#rrggbb")."""
+    from PIL import Image as PILImage
+    from PIL import ImageColor
+
+    if not (1 <= width <= 1024 and 1 <= height <= 1024):
+        raise ToolError(f"width and height must be 1..1024 pixels, got {width} x {height}")
+    try:
+        rgb = ImageColor.getrgb(color)
+    except ValueError:
+        raise ToolError(f"unknown color {color!r}") from None
+    buf = io.BytesIO()
+    PILImage.new("RGB", (width, height), rgb[:3]).save(buf, format="PNG")
+    return [f"a {width}x{height} PNG filled with {color}", Image(data=buf.getvalue(), format="png")]
 
 
 @server.tool()

@@ -14,9 +14,12 @@ and calls are submitted to that loop from any thread or event loop (`run_corouti
 cancelling the caller cancels the call there). This also lets the registry list tools synchronously
 while the worker's own loop runs, and keeps the SDK's cancel scopes away from the agent loop.
 
+A result's image parts reach the model as images of the `ToolExecution` (`result_execution`; the
+executor admits them for a VLM policy and turns them into an error observation for a text-only one).
+
 Failures are observations, never exceptions into the agent loop: an `isError` result comes back as
-"Error: <text>", a timeout, an unreachable server or a connection lost mid-call as an "Error: ..."
-text saying what happened. When the server process dies or the connection breaks, the next call
+"Error: <text>" (without its images), a timeout, an unreachable server or a connection lost mid-call
+as an "Error: ..." text saying what happened. When the server process dies or the connection breaks, the next call
 reconnects (restarts a stdio server) with bounded attempts and exponential backoff, counted in the
 toolset's `MCPCounters` (`mcp_counters` sums them over a registry's toolsets). A call that was in flight when the connection broke is not re-sent: it may have had its
 effect. Tools are not idempotent unless the entry says so (`idempotent: true`, or a list of names).
@@ -43,7 +46,12 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from streamrl.rollout.tools.base import BaseTool, ToolExecution
-from streamrl.rollout.tools.mcp_convert import openai_parameters, result_text, tool_schema  # noqa: F401 (re-exported)
+from streamrl.rollout.tools.mcp_convert import (  # noqa: F401 (re-exported)
+    openai_parameters,
+    result_execution,
+    result_text,
+    tool_schema,
+)
 from streamrl.rollout.tools.schema import OpenAIFunctionToolSchema
 
 if TYPE_CHECKING:  # importing the SDK takes ~1 s; it is imported when a toolset first connects
@@ -314,7 +322,7 @@ class _Link:
             return await self._lost(name, generation, exc)
         except Exception as exc:  # world: transport failures (HTTP errors, broken pipes)
             return await self._lost(name, generation, exc)
-        return ToolExecution(text=result_text(result))
+        return result_execution(result)
 
     async def _lost(self, name: str, generation: int, exc: BaseException) -> ToolExecution:
         if self.closing:

@@ -1,11 +1,15 @@
 """MCP toolsets against the real SDK and the example server (rollout/tools/mcp_example_server.py):
 listing and exact schemas, calls through the registry's fault boundary, error results, timeouts,
-restart after a crash, streamable HTTP, config errors, and that no server process outlives close."""
+restart after a crash, streamable HTTP, config errors, that no server process outlives close, and
+image results: the server's PNG bytes reach the `ToolExecution`, the worker's image store and, through
+`ToolAgentLoop` with the tiny VLM's processor (FakeEngine), the observation and `AgentData.images`."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import gc
+import io
 import os
 import signal
 import socket
@@ -27,9 +31,11 @@ from streamrl.rollout.tools.mcp_toolset import (
     close_toolsets,
     mcp_counters,
     openai_parameters,
+    result_execution,
     result_text,
     toolsets,
 )
+from streamrl.rollout.tools.base import ToolExecution
 from streamrl.rollout.types import ToolCall
 
 SERVER = "streamrl.rollout.tools.mcp_example_server"
@@ -87,7 +93,7 @@ def registry():
 
 
 def test_stdio_listing_gives_the_servers_tools_with_exact_schemas(registry):
-    assert registry.names == ["add", "echo", "fail", "crash", "slow", "pid"]
+    assert registry.names == ["add", "echo", "solid_color", "fail", "crash", "slow", "pid"]
     schemas = {s["function"]["name"]: s for s in registry.schemas()}
     assert schemas["add"] == {
         "type": "function",
@@ -322,6 +328,116 @@ def test_results_become_one_observation():
     assert result_text(mcp_types.CallToolResult(content=[], is_error=True)).startswith("Error: the tool reported an error")
 
 
+def test_image_parts_become_images_of_the_execution_and_errors_keep_only_text():
+    text = mcp_types.TextContent(type="text", text="line one")
+    red = mcp_types.ImageContent(type="image", data=base64.b64encode(_solid_png(2, 2, "red")).decode(), mime_type="image/png")
+    blue = mcp_types.ImageContent(type="image", data=base64.b64encode(_solid_png(1, 3, "blue")).decode(), mime_type="image/png")
+    audio = mcp_types.AudioContent(type="audio", data="aGVsbG8=", mime_type="audio/wav")
+    after = mcp_types.TextContent(type="text", text="line two")
+    execution = result_execution(mcp_types.CallToolResult(content=[text, red, audio, after, blue]))
+    assert execution.text == "line one\n[audio audio/wav, 5 bytes]\nline two"  # audio keeps its description
+    assert execution.images == [f"data:image/png;base64,{red.data}", f"data:image/png;base64,{blue.data}"]  # part order
+    only = result_execution(mcp_types.CallToolResult(content=[red], structured_content={"n": 1}))
+    assert (only.text, len(only.images)) == ("", 1)
+    failed = mcp_types.CallToolResult(content=[text, red], is_error=True)
+    assert result_execution(failed) == ToolExecution(text=f"Error: line one\n[image image/png, {len(_solid_png(2, 2, 'red'))} bytes]")
+    # Without an image part: exactly the text observation of before, nothing else.
+    for result in (
+        mcp_types.CallToolResult(content=[text, audio, after]),
+        mcp_types.CallToolResult(content=[], structured_content={"n": 1}),
+        mcp_types.CallToolResult(content=[text], is_error=True),
+    ):
+        assert result_execution(result) == ToolExecution(text=result_text(result))
+
+
+# -- image results from the real server -------------------------------------------------------------
+
+
+def _solid_png(width: int, height: int, color: str) -> bytes:
+    """What the example server's `solid_color` draws (same PIL, same deterministic PNG encoder)."""
+    from PIL import Image, ImageColor
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), ImageColor.getrgb(color)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+async def test_a_server_image_reaches_the_execution_and_the_image_store(registry):
+    from streamrl.rollout.images import ImageStore, decode_image, image_sha256, load_image_source
+
+    expected = _solid_png(5, 3, "#10a0f0")
+    execution = await registry.tools["solid_color"].execute("t", {"width": 5, "height": 3, "color": "#10a0f0"})
+    assert execution.text == "a 5x3 PNG filled with #10a0f0" and len(execution.images) == 1
+    assert load_image_source(execution.images[0]) == expected  # the server's bytes, unchanged
+    assert decode_image(expected).getpixel((4, 2)) == (0x10, 0xA0, 0xF0)
+
+    store = ImageStore()
+    shown, refused, bad = await registry.execute_calls(
+        [_call(0, "solid_color", width=5, height=3, color="#10a0f0"), _call(1, "solid_color", width=5, height=3, color="red"),
+         _call(2, "solid_color", width=0, height=3, color="red")],
+        {}, timeout_s=10, max_parallel=8, images=store,
+    )
+    assert not shown.is_error and [r.sha256 for r in shown.images] == [image_sha256(expected)]
+    assert store.get(shown.images[0].sha256) == expected and (shown.images[0].width, shown.images[0].height) == (5, 3)
+    assert refused.images[0].sha256 == image_sha256(_solid_png(5, 3, "red"))
+    assert bad.is_error and bad.images == [] and bad.text.endswith("width and height must be 1..1024 pixels, got 0 x 3")
+    # A text-only policy (no store): the executor's refusal, the server's text kept after it.
+    (text_only,) = await _run(registry, _call(3, "solid_color", width=2, height=2, color="red"))
+    assert text_only.is_error and text_only.images == []
+    assert text_only.text == (
+        "Error: tool 'solid_color' returned 1 image(s) but the policy reads text only; they were not shown\n"
+        "a 2x2 PNG filled with red"
+    )
+
+
+@pytest.mark.parametrize("policy", ["vlm", "text_only"])
+async def test_an_mcp_image_joins_the_trajectory_through_the_agent_loop(registry, processor, policy):
+    """`ToolAgentLoop` with the tiny VLM's processor on FakeEngine: the model calls `solid_color`, the
+    tool message shows the image as an `image_ref` part before the text, `AgentData.images` grows by
+    one and the next generate sends the server's bytes. A text-only policy gets the error observation."""
+    from streamrl.rollout.agent_loop import AgentContext, ToolAgentLoop
+    from streamrl.rollout.agent_loop.observation import ObservationEncoder
+    from streamrl.rollout.config import AgentConfig
+    from streamrl.rollout.engine.fake import FakeEngine
+    from streamrl.rollout.images import ImageStore, image_sha256
+    from streamrl.rollout.parsers import get_parser
+    from streamrl.rollout.server_manager import ServerManager
+    from streamrl.rollout.types import AgentData, TrajectoryStatus
+    from tests.rollout.test_agent_loop import turn_script
+
+    call = '<tool_call>\n{"name": "solid_color", "arguments": {"width": 56, "height": 56, "color": "red"}}\n</tool_call>'
+    script, _ = turn_script(processor.tokenizer, [call, "It is red."])
+    engine = FakeEngine(script=script, image_token_id=processor.image_token_id)
+    vlm = policy == "vlm"
+    ctx = AgentContext(
+        cfg=AgentConfig(prompt_length=4096, response_length=600, max_tokens_per_turn=120),
+        server=ServerManager([engine]),
+        tokenizer=processor.tokenizer,
+        encoder=ObservationEncoder(processor.tokenizer),
+        tools=registry,
+        parser=get_parser("hermes"),
+        processor=processor if vlm else None,
+        images=ImageStore() if vlm else None,
+    )
+    data = AgentData(trajectory_id=f"m/{policy}", group_id="m", messages=[{"role": "user", "content": "Draw red."}])
+    assert data.images == []
+    traj = await ToolAgentLoop(ctx).run(data)
+
+    traj.validate()
+    assert traj.status is TrajectoryStatus.FINISHED
+    tool_msg = next(m for m in data.messages if m["role"] == "tool")
+    png = _solid_png(56, 56, "red")
+    if vlm:
+        assert [r.sha256 for r in data.images] == traj.image_refs == [image_sha256(png)]
+        assert tool_msg["content"] == [{"type": "image", "image_ref": image_sha256(png)},
+                                       {"type": "text", "text": "a 56x56 PNG filled with red"}]
+        assert traj.num_image_tokens == [processor.image_seq_len] and traj.num_tool_errors == 0
+        assert [[i.data for i in images] for _, images in engine.images_seen] == [[], [png]]
+    else:
+        assert data.images == [] and traj.image_refs == [] and traj.num_tool_errors == 1
+        assert tool_msg["content"].startswith("Error: tool 'solid_color' returned 1 image(s) but the policy reads text only")
+
+
 # -- streamable HTTP ---------------------------------------------------------------------------------
 
 
@@ -352,7 +468,7 @@ async def test_streamable_http_server_is_listed_and_called():
             {"tools": [{"mcp": {"url": f"http://localhost:{port}/mcp", "exclude": ["crash"], "prefix": "h_"}}]}
         )
         try:
-            assert registry.names == ["h_add", "h_echo", "h_fail", "h_slow", "h_pid"]
+            assert registry.names == ["h_add", "h_echo", "h_solid_color", "h_fail", "h_slow", "h_pid"]
             add, fail = await _run(registry, _call(0, "h_add", a=5, b=6), _call(1, "h_fail", message="nope"))
             assert (add.text, add.is_error) == ("11", False)
             assert fail.is_error and fail.text.endswith("nope")

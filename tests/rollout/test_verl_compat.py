@@ -156,6 +156,193 @@ def test_bad_verl_metadata_raises_value_errors_naming_row_and_field(change, need
     assert needle in str(info.value) and "bad.parquet" in str(info.value), str(info.value)
 
 
+# -- multimodal datasets (verl RLHFDataset's `images` column, e.g. geo3k) -----------------------------
+
+
+def _png(rgb: tuple[int, int, int], size: tuple[int, int] = (56, 56), fmt: str = "PNG") -> bytes:
+    """Encoded bytes of a two-colour picture (not flat, so a swapped image would show)."""
+    import io
+
+    from PIL import Image
+
+    img = Image.new("RGB", size, rgb)
+    img.paste((255 - rgb[0], 255 - rgb[1], 255 - rgb[2]), (0, 0, size[0] // 2, size[1] // 2))
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+RED, GREEN = _png((220, 40, 40)), _png((40, 200, 60), (40, 30), "JPEG")
+GEO3K_INSTRUCTION = "You FIRST think about the reasoning process as an internal monologue and then provide the answer."
+
+
+def geo3k_row(index: int, content: str, images: list | None, answer: str = "3") -> dict:
+    """One row as verl's examples/data_preprocess/geo3k.py writes it (images: HF's Image feature,
+    `{"bytes", "path"}` each)."""
+    return {
+        "data_source": "hiyouga/geometry3k",
+        "prompt": [{"role": "user", "content": content}],
+        "images": images,
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": "train", "index": index, "answer": answer, "question": content},
+    }
+
+
+def _decoded(url: str) -> bytes:
+    import base64
+
+    header, _, payload = url.partition(",")
+    assert header.startswith("data:image/") and header.endswith(";base64")
+    return base64.b64decode(payload)
+
+
+def geo3k_rows(picture) -> list[dict]:
+    return [
+        geo3k_row(0, f"<image>Find x. {GEO3K_INSTRUCTION}", [{"bytes": RED, "path": None}]),
+        geo3k_row(1, "Compare <image> and <image>.", [{"bytes": GREEN, "path": "green.jpg"}, {"bytes": None, "path": picture}]),
+        geo3k_row(2, "No picture here.", []),  # a text row in an image dataset: unchanged
+    ]
+
+
+def test_verl_multimodal_parquet_loads_images_as_content_parts(tmp_path):
+    picture = tmp_path / "blue.png"
+    picture.write_bytes(_png((30, 60, 230)))
+    rows = geo3k_rows(str(picture))
+    rows[1]["prompt"].insert(0, {"role": "system", "content": "Answer briefly."})
+    path = tmp_path / "geo3k.parquet"
+    table = verl_table(rows)
+    assert table.schema.field("images").type == pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    pq.write_table(table, path)
+    first, second, third = load_prompts(path)
+
+    (image, text) = first.messages[0]["content"]
+    assert text == {"type": "text", "text": f"Find x. {GEO3K_INSTRUCTION}"} and image["type"] == "image"
+    assert image["image"].startswith("data:image/png;base64,") and _decoded(image["image"]) == RED  # bytes kept
+    assert first.ground_truth == "3" and first.data_source == "hiyouga/geometry3k" and "images" not in first.extra_info
+    system, user = second.messages
+    assert system == {"role": "system", "content": "Answer briefly."}  # no placeholder: a string still
+    assert [p["type"] for p in user["content"]] == ["text", "image", "text", "image", "text"]
+    assert [p["text"] for p in user["content"] if p["type"] == "text"] == ["Compare ", " and ", "."]
+    jpeg, blue = (p["image"] for p in user["content"] if p["type"] == "image")
+    assert jpeg.startswith("data:image/jpeg;base64,") and _decoded(jpeg) == GREEN  # bytes win over the path
+    assert blue == str(picture)  # a path stays a path
+    assert third.messages == [{"role": "user", "content": "No picture here."}]
+    # pandas hands the same rows over as numpy arrays of dicts: the same records.
+    assert records_from_rows(pd.read_parquet(path).to_dict("records"), str(path)) == [first, second, third]
+
+
+def test_image_paths_data_urls_and_pil_images_as_entries(tmp_path, monkeypatch):
+    """verl also takes a plain path per image; relative paths are made absolute at load (a worker may
+    run elsewhere); an HF dataset's decoded rows hand over PIL images."""
+    import base64
+    import io
+    import json
+
+    from PIL import Image
+
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "a.png").write_bytes(RED)
+    monkeypatch.chdir(tmp_path)
+    url = "data:image/jpeg;base64," + base64.b64encode(GREEN).decode()
+    row = geo3k_row(0, "<image><image><image>", ["pics/a.png", f"file://{tmp_path}/pics/a.png", url])
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    (record,) = load_prompts(path)
+    assert [p["image"] for p in record.messages[0]["content"]] == [str(tmp_path / "pics" / "a.png")] * 2 + [url]
+
+    pil = Image.open(tmp_path / "pics" / "a.png")
+    (decoded,) = records_from_rows([geo3k_row(0, "<image>what is it?", [pil])])
+    png = _decoded(decoded.messages[0]["content"][0]["image"])
+    assert Image.open(io.BytesIO(png)).tobytes() == pil.tobytes()  # stored as PNG: the same pixels
+
+
+def test_flat_rows_may_carry_content_parts():
+    parts = [{"type": "image", "image": "data:image/png;base64,AAAA"}, {"type": "text", "text": "what?"}]
+    (record,) = records_from_rows([{"messages": [{"role": "user", "content": parts}]}])
+    assert record.messages[0]["content"] == parts  # the loop reads the source at admission
+
+
+async def test_a_verl_image_row_is_admitted_by_the_agent_loop(processor, tmp_path):
+    """The loaded record through the real prompt admission (PENDING) of the agent loop with the tiny
+    VLM's processor: ids equal the processor's rendering of the same chat, both images sent in order."""
+    from dataclasses import replace
+
+    from PIL import Image
+
+    from streamrl.rollout.agent_loop import AgentContext, SingleTurnAgentLoop
+    from streamrl.rollout.agent_loop.observation import ObservationEncoder
+    from streamrl.rollout.config import AgentConfig
+    from streamrl.rollout.engine.fake import FakeEngine
+    from streamrl.rollout.images import ImageStore, decode_image, image_sha256
+    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.rollout.server_manager import ServerManager
+    from streamrl.rollout.types import TrajectoryStatus
+    from streamrl.streaming.prompts import make_group
+
+    blue = _png((30, 60, 230))
+    (tmp_path / "blue.png").write_bytes(blue)
+    pq.write_table(verl_table(geo3k_rows(str(tmp_path / "blue.png"))), tmp_path / "geo3k.parquet")
+    record = replace(load_prompts(tmp_path / "geo3k.parquet")[1], agent_name="single_turn_agent")
+    chat = [{"role": "user", "content": [
+        {"type": "text", "text": "Compare "}, {"type": "image", "image": decode_image(GREEN)},
+        {"type": "text", "text": " and "}, {"type": "image", "image": Image.open(tmp_path / "blue.png")},
+        {"type": "text", "text": "."}]}]
+    expected = render_image_chat(processor, chat)
+    target = processor.tokenizer.encode(" two squares", add_special_tokens=False)
+    engine = FakeEngine(script=lambda prompt_ids: target, image_token_id=processor.image_token_id)
+    ctx = AgentContext(
+        cfg=AgentConfig(prompt_length=256, response_length=64, max_tokens_per_turn=64),
+        server=ServerManager([engine]),
+        tokenizer=processor.tokenizer,
+        encoder=ObservationEncoder(processor.tokenizer),
+        processor=processor,
+        images=ImageStore(),
+    )
+    data = make_group(record, 0, 1, None)[0]
+    traj = await SingleTurnAgentLoop(ctx).run(data)
+
+    assert traj.status is TrajectoryStatus.FINISHED and traj.response_ids == target
+    assert traj.prompt_ids == expected.input_ids
+    assert traj.image_refs == [image_sha256(GREEN), image_sha256(blue)]
+    assert traj.num_image_tokens == [processor.image_seq_len] * 2
+    [(_, sent)] = engine.images_seen
+    assert [i.data for i in sent] == [GREEN, blue]  # the dataset's own bytes, in placeholder order
+    assert all("image" not in p for p in data.messages[0]["content"] if p["type"] == "image")  # refs only
+
+
+@pytest.mark.parametrize(
+    ("content", "images", "needle"),
+    [
+        ("<image><image>Find x.", [{"bytes": RED, "path": None}],
+         "row 0: the string contents of 'prompt' have 2 '<image>' placeholder(s) but field 'images' holds 1 image(s)"),
+        ("Find x.", [{"bytes": RED, "path": None}], "have 0 '<image>' placeholder(s) but field 'images' holds 1"),
+        ([{"type": "text", "text": "Find x."}], [{"bytes": RED, "path": None}], "have 0 '<image>' placeholder(s)"),
+        (None, [{"bytes": RED, "path": None}], "row 0: prompt[0] has no string 'content' (nor a list of text / image parts)"),
+        ({"text": "<image>"}, [{"bytes": RED, "path": None}], "row 0: prompt[0] has no string 'content'"),
+        ("<image>", [{"bytes": b"GIF89a broken", "path": None}], "row 0: images[0]: not an image (13 bytes)"),
+        ("<image>", [{"bytes": None, "path": "/no/such/picture.png"}], "row 0: images[0]: image file '/no/such/picture.png' does not exist"),
+        ("<image>", [{"bytes": None, "path": None}], "row 0: images[0]: an image entry needs 'bytes' or a 'path'"),
+        ("<image>", ["https://example.com/a.png"], "row 0: images[0]: image 'https://example.com/a.png' is a URL"),
+        ("<image>", ["data:image/png,raw"], "row 0: images[0]: image data URL must be base64"),
+        ("<image>", [7], "row 0: images[0]: unsupported image entry int"),
+        ("<image>", {"bytes": RED}, "row 0: field 'images' must be a list of images, got dict"),
+        ("<image><video>", [{"bytes": RED, "path": None}], "row 0: a message has a '<video>' placeholder; video is not supported"),
+    ],
+)
+def test_bad_verl_image_rows_raise_value_errors_naming_the_row(content, images, needle):
+    with pytest.raises(ValueError) as info:
+        records_from_rows([geo3k_row(0, content, images)], "bad.parquet")
+    assert needle in str(info.value) and "bad.parquet row 0" in str(info.value), str(info.value)
+
+
+def test_video_rows_are_refused_not_dropped():
+    row = {**geo3k_row(0, "<video>What happens?", None), "videos": [{"video": "clip.mp4"}]}
+    with pytest.raises(ValueError, match=r"bad.parquet row 0: field 'videos' holds 1 video\(s\); video is not supported"):
+        records_from_rows([row], "bad.parquet")
+    assert records_from_rows([{**geo3k_row(0, "text", None), "videos": []}])[0].messages[0]["content"] == "text"
+
+
 # -- rewards ------------------------------------------------------------------------------------------
 
 SEEN: list[dict] = []
