@@ -24,9 +24,11 @@ from streamrl.weight_sync.config import WeightSyncConfig
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    # "arithmetic" = generated arithmetic word problems (the embedded default); else a parquet/jsonl path.
+    # "arithmetic" = generated arithmetic word problems (the embedded default); "dots" = generated
+    # count-the-dots image prompts for a VLM (rollout/image_tasks.py; needs
+    # rollout.engine.max_images_per_prompt >= 1); else a parquet/jsonl path.
     source: str = "arithmetic"
-    num_prompts: int = Field(256, gt=0)  # for generated sources
+    num_prompts: int = Field(256, gt=0)  # for generated sources (arithmetic, dots)
     difficulty: Literal["easy", "medium", "hard"] = "medium"  # generated arithmetic only
     seed: int = 0
     shuffle: bool = True
@@ -88,12 +90,30 @@ class StreamRLConfig(BaseModel):
                 f"(got mode {self.trainer.mode!r}, sync_every {self.trainer.sync_every}): in async mode the lag also "
                 "depends on scheduling"
             )
+        self._check_images()
         if self.rollout.engine.max_model_len < self.rollout.max_model_len:
             raise ValueError(
                 f"rollout.engine.max_model_len={self.rollout.engine.max_model_len} < prompt_length + "
                 f"response_length = {self.rollout.max_model_len}"
             )
         return self
+
+    def _check_images(self) -> None:
+        """A VLM run is one with `rollout.engine.max_images_per_prompt > 0` (the built-in 'tiny-vlm'
+        is a VLM whatever it says): refuse, before anything starts, what would otherwise fail deep in
+        the run — the SFT warm-up (text-only tool transcripts on a causal LM: no VLM loads there) and
+        image prompts sent to engines and workers that serve text only (every trajectory would fail)."""
+        images = self.rollout.engine.max_images_per_prompt
+        if self.sft.enabled and (images > 0 or self.model == "tiny-vlm"):
+            raise ValueError(
+                f"sft.enabled = true with a VLM (model {self.model!r}, rollout.engine.max_images_per_prompt={images}): "
+                "the SFT warm-up trains text-only tool transcripts on a causal LM; set sft.enabled = false"
+            )
+        if self.data.source == "dots" and images == 0:
+            raise ValueError(
+                'data.source = "dots" (image prompts) needs a VLM served with images: set '
+                "rollout.engine.max_images_per_prompt >= 1 (and model = \"tiny-vlm\" or a VLM folder)"
+            )
 
     @property
     def group_size(self) -> int:

@@ -1,7 +1,7 @@
 """Preflight: will this run fit in memory? An estimate from the config alone, before anything starts.
 
 `streamrl train` estimates every part's memory from the resolved config and the model's dimensions
-(its HF `config.json`, or the built-in `tiny`/`smollm2` dims; weights are never loaded) and refuses,
+(its HF `config.json`, or the built-in `tiny`/`tiny-vlm`/`smollm2` dims; weights are never loaded) and refuses,
 in one sentence naming the knobs, a run that cannot fit: more than the Ray cluster's `memory`
 resource when `RAY_ADDRESS` names a cluster, else more than this machine's RAM up to the fraction at
 which Ray's memory monitor kills parts. It warns when other processes leave less than that free now.
@@ -14,6 +14,7 @@ The per-process constants below were measured on the 2-core CPU machine this pro
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -61,9 +62,23 @@ SMOLLM2_CONFIG = dict(model_type="llama", vocab_size=49152, hidden_size=576, int
                       tie_word_embeddings=True)
 
 
+def vision_params(vision: dict[str, Any], text_hidden: int, scale_factor: int) -> int:
+    """Parameters of a SigLIP-style vision tower plus Idefics3's pixel-shuffle connector (one linear
+    layer, vision hidden × scale_factor² → text hidden). They count for weights, gradients and AdamW
+    like the text model's; the tower's activations (a few hundred patches per image) are left out."""
+    h, inner = int(vision["hidden_size"]), int(vision["intermediate_size"])
+    patch, size = int(vision["patch_size"]), int(vision["image_size"])
+    channels = int(vision.get("num_channels", 3))
+    layer = 4 * (h * h + h) + 2 * h * inner + h + inner + 4 * h  # q/k/v/o, MLP, two LayerNorms
+    embeddings = channels * patch * patch * h + h + (size // patch) ** 2 * h
+    connector = h * scale_factor**2 * text_hidden
+    return embeddings + int(vision["num_hidden_layers"]) * layer + 2 * h + connector
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ModelDims:
-    """What memory depends on, from a decoder-only HF config (Llama/Qwen2/Mistral layout)."""
+    """What memory depends on, from a decoder-only HF config (Llama/Qwen2/Mistral layout), or a VLM
+    config whose `text_config` has that layout (its vision tower counted in `vision_params`)."""
 
     vocab_size: int
     hidden_size: int
@@ -74,9 +89,15 @@ class ModelDims:
     head_dim: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    vision_params: int = 0  # vision tower + connector of a VLM; 0 for a text model
 
     @classmethod
     def from_hf_config(cls, c: dict[str, Any]) -> ModelDims:
+        if "text_config" in c and "vision_config" in c:  # a VLM (Idefics3): text dims + the vision tower
+            text = {"tie_word_embeddings": c.get("tie_word_embeddings", False), **c["text_config"]}
+            dims = cls.from_hf_config(text)
+            extra = vision_params(c["vision_config"], dims.hidden_size, int(c.get("scale_factor", 1)))
+            return dataclasses.replace(dims, vision_params=extra)
         heads = int(c["num_attention_heads"])
         return cls(
             vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
@@ -94,20 +115,29 @@ class ModelDims:
         attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
         layer = attention + 3 * h * self.intermediate_size + 2 * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * layer + h + head
+        return self.vocab_size * h + self.num_layers * layer + h + head + self.vision_params
 
 
 def model_dims(model: str) -> ModelDims:
     """Dims of a built-in model name or a HF folder, without loading (or building) weights."""
-    if model == "tiny":
-        from streamrl.rollout.models.tiny import TINY_CONFIG, TINY_VOCAB
+    from streamrl.rollout.models.tiny import TINY_CONFIG, TINY_VOCAB
 
+    if model == "tiny":
         return ModelDims.from_hf_config({"model_type": "qwen2", "vocab_size": TINY_VOCAB, **TINY_CONFIG})
+    if model == "tiny-vlm":
+        from streamrl.rollout.models import tiny_vlm
+        from streamrl.rollout.models.template import TOOL_TAG_TOKENS
+
+        # the tiny tokenizer (its BPE vocabulary + the tool tags) + Idefics3's image tokens
+        vocab = TINY_VOCAB + len(TOOL_TAG_TOKENS) + len(tiny_vlm.VISION_TOKENS)
+        text = {**tiny_vlm.TEXT_CONFIG, "vocab_size": vocab}
+        return ModelDims.from_hf_config({"text_config": text, "vision_config": tiny_vlm.VISION_CONFIG,
+                                         "scale_factor": tiny_vlm.SCALE_FACTOR, "tie_word_embeddings": True})
     if model == "smollm2":
         return ModelDims.from_hf_config(SMOLLM2_CONFIG)
     path = Path(model).expanduser() / "config.json"
     if not path.exists():
-        raise ValueError(f"model {model!r} is neither a built-in ('tiny', 'smollm2') nor a HF folder with config.json")
+        raise ValueError(f"model {model!r} is neither a built-in ('tiny', 'tiny-vlm', 'smollm2') nor a HF folder with config.json")
     try:
         return ModelDims.from_hf_config(json.loads(path.read_text()))
     except KeyError as exc:

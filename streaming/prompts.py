@@ -19,6 +19,10 @@ def load_records(source: str, num_prompts: int, seed: int, difficulty: str = "me
 
     if source == "arithmetic":
         return make_arithmetic_dataset(num_prompts, seed, difficulty=difficulty)
+    if source == "dots":  # image prompts for a VLM policy (rollout/image_tasks.py)
+        from streamrl.rollout.image_tasks import make_dots_dataset
+
+        return make_dots_dataset(num_prompts, seed)
     return load_prompts(source)
 
 

@@ -139,7 +139,12 @@ def check_prompt_lengths(cfg: Any, model_path: str | Path, *, sample: int = 32) 
     tools = load_tool_config(agent.tool_config).schemas() if agent.tool_config else None
     records = load_records(cfg.data.source, min(cfg.data.num_prompts, sample), cfg.data.seed, cfg.data.difficulty)[:sample]
     encoder = ObservationEncoder(AutoTokenizer.from_pretrained(model_path))
-    lengths = [len(encoder.encode_prompt(r.messages, tools)) for r in records]
+    processor = None
+    if cfg.rollout.engine.max_images_per_prompt > 0:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(model_path)
+    lengths = [_prompt_length(encoder, processor, r.messages, tools) for r in records]
     too_long = sum(n > agent.prompt_length for n in lengths)
     if lengths and too_long == len(lengths):
         raise ValueError(
@@ -151,6 +156,20 @@ def check_prompt_lengths(cfg: Any, model_path: str | Path, *, sample: int = 32) 
         logger.warning("%d of the first %d prompts are longer than rollout.agent.prompt_length=%d (up to %d tokens): "
                        "their trajectories will fail", too_long, len(lengths), agent.prompt_length, max(lengths))
     return lengths
+
+
+def _prompt_length(encoder: Any, processor: Any, messages: list[dict], tools: list[dict] | None) -> int:
+    """Prompt tokens as the agent loop counts them: an image prompt on a VLM through the loop's own
+    admission and expansion (each image is its whole placeholder run, not the template's one token)."""
+    from streamrl.rollout.agent_loop.image_prompt import admit_images, encode_image_prompt, has_image_parts
+
+    if processor is None or not has_image_parts(messages):
+        return len(encoder.encode_prompt(messages, tools))
+    from streamrl.rollout.images import ImageStore
+
+    store = ImageStore()
+    admitted, refs = admit_images(messages, store)
+    return len(encode_image_prompt(encoder, processor, admitted, [store.get(r.sha256) for r in refs], tools))
 
 
 def _tail(path: Path, num_lines: int = 20) -> str:

@@ -77,3 +77,21 @@ def test_learner_actor_options_follow_num_workers():
     assert learner_actor_options(single) == {"num_cpus": 2.0, "num_gpus": 0.0}
     group = load_config(None, ["learner.device=cuda", "learner.num_workers=4"])
     assert learner_actor_options(group) == {"num_cpus": 0, "num_gpus": 0}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["sft.enabled=true"], "sft.enabled = true with a VLM"),
+        (["sft.enabled=true", "model=tiny", "data.source=arithmetic", "rollout.engine.max_images_per_prompt=0"], None),
+        (["rollout.engine.max_images_per_prompt=0"], 'data.source = "dots" \\(image prompts\\) needs'),
+    ],
+)
+def test_vlm_run_file_refuses_what_would_fail_deep_in_the_run(overrides, message):
+    """The SFT warm-up loads a causal LM (an Idefics3 folder crashed its child process with a
+    transformers traceback), and image prompts on text-only engines fail every trajectory."""
+    if message is None:
+        assert load_config(REPO / "configs/vlm_tiny.toml", overrides).sft.enabled
+        return
+    with pytest.raises(ValueError, match=message):
+        load_config(REPO / "configs/vlm_tiny.toml", overrides)

@@ -234,3 +234,47 @@ def test_prompts_that_cannot_fit_stop_the_run_before_it_starts(tiny_model_path, 
     between = sorted(lengths)[len(lengths) // 2]
     check_prompt_lengths(_cfg("configs/tiny.toml", *base, f"rollout.agent.prompt_length={between}"), tiny_model_path)
     assert "of the first 32 prompts are longer than" in caplog.text
+
+
+def test_vlm_param_count_covers_the_vision_tower():
+    """Found running configs/vlm_tiny.toml: preflight refused "tiny-vlm" (not a built-in there) and an
+    Idefics3 folder has its text dims under `text_config`. The estimate counts the text model plus the
+    vision tower and connector, equal to the stored weights for the built-in name and for the folder."""
+    import safetensors
+
+    from streamrl.rollout.models import resolve_model
+
+    folder = resolve_model("tiny-vlm")
+    with safetensors.safe_open(str(folder / "model.safetensors"), "np") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    stored = sum(math.prod(s) for s in shapes.values())
+    vision = sum(math.prod(s) for k, s in shapes.items() if "vision" in k or "connector" in k)
+    dims = model_dims(str(folder))
+    assert (dims.num_params, dims.vision_params) == (stored, vision)
+    assert model_dims("tiny-vlm").num_params == stored
+    parts = {p.name: p.bytes for p in estimate_parts(_cfg("configs/vlm_tiny.toml"), model_dims("tiny-vlm"))}
+    assert parts["learner weights+grads+AdamW"] == 16 * stored
+
+
+def test_image_prompts_are_measured_with_their_placeholder_runs():
+    """Each image is its whole placeholder run in the prompt the engine and the learner see (the HF
+    processor's expansion), not the one `<image>` token the chat template renders."""
+    from transformers import AutoProcessor
+
+    from streamrl.rollout.images import decode_image, load_image_source
+    from streamrl.rollout.models import resolve_model
+    from streamrl.streaming.prompts import load_records
+    from streamrl.streaming.sft import check_prompt_lengths
+
+    folder = resolve_model("tiny-vlm")
+    processor = AutoProcessor.from_pretrained(folder)
+    record = load_records("dots", 1, 0)[0]
+    parts = [{"type": "image"} if p["type"] == "image" else p for p in record.messages[0]["content"]]
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                                   add_generation_prompt=True)
+    image = decode_image(load_image_source(record.messages[0]["content"][0]["image"]))
+    expected = len(processor(text=[text], images=[[image]], add_special_tokens=False)["input_ids"][0])
+    lengths = check_prompt_lengths(_cfg("configs/vlm_tiny.toml", f"rollout.agent.prompt_length={expected}"), folder, sample=4)
+    assert lengths == [expected] * 4
+    with pytest.raises(ValueError, match=r"every prompt checked \(4\) is longer"):
+        check_prompt_lengths(_cfg("configs/vlm_tiny.toml", f"rollout.agent.prompt_length={expected - 1}"), folder, sample=4)
