@@ -11,12 +11,10 @@ import pytest
 
 from streamrl.rollout.agent_loop import AgentContext, SingleTurnAgentLoop
 from streamrl.rollout.agent_loop.image_prompt import load_image_source
-from streamrl.rollout.agent_loop.observation import ObservationEncoder
-from streamrl.rollout.config import AgentConfig
 from streamrl.rollout.engine.fake import FakeEngine
 from streamrl.rollout.images import ImageStore, encode_png
-from streamrl.rollout.server_manager import ServerManager
 from streamrl.rollout.types import AgentData, AgentState, TrajectoryStatus
+from tests.rollout.vlm_context import vlm_context
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,15 +38,8 @@ def _script(processor, prompt_len: list[int]):
 
 
 def _ctx(processor, engine, store: ImageStore | None, fetch=None) -> AgentContext:
-    return AgentContext(
-        cfg=AgentConfig(prompt_length=256, response_length=200, max_tokens_per_turn=200),
-        server=ServerManager([engine]),
-        tokenizer=processor.tokenizer,
-        encoder=ObservationEncoder(processor.tokenizer),
-        processor=processor,
-        images=store,
-        fetch_images=fetch,
-    )
+    return vlm_context(processor, engine, store, fetch_images=fetch, prompt_length=256, response_length=200,
+                       max_tokens_per_turn=200)
 
 
 def _data(source, tid: str = "g/0") -> AgentData:

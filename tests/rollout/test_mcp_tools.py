@@ -395,30 +395,18 @@ async def test_an_mcp_image_joins_the_trajectory_through_the_agent_loop(registry
     """`ToolAgentLoop` with the tiny VLM's processor on FakeEngine: the model calls `solid_color`, the
     tool message shows the image as an `image_ref` part before the text, `AgentData.images` grows by
     one and the next generate sends the server's bytes. A text-only policy gets the error observation."""
-    from streamrl.rollout.agent_loop import AgentContext, ToolAgentLoop
-    from streamrl.rollout.agent_loop.observation import ObservationEncoder
-    from streamrl.rollout.config import AgentConfig
+    from streamrl.rollout.agent_loop import ToolAgentLoop
     from streamrl.rollout.engine.fake import FakeEngine
     from streamrl.rollout.images import ImageStore, image_sha256
-    from streamrl.rollout.parsers import get_parser
-    from streamrl.rollout.server_manager import ServerManager
     from streamrl.rollout.types import AgentData, TrajectoryStatus
     from tests.rollout.test_agent_loop import turn_script
+    from tests.rollout.vlm_context import vlm_context
 
     call = '<tool_call>\n{"name": "solid_color", "arguments": {"width": 56, "height": 56, "color": "red"}}\n</tool_call>'
     script, _ = turn_script(processor.tokenizer, [call, "It is red."])
     engine = FakeEngine(script=script, image_token_id=processor.image_token_id)
     vlm = policy == "vlm"
-    ctx = AgentContext(
-        cfg=AgentConfig(prompt_length=4096, response_length=600, max_tokens_per_turn=120),
-        server=ServerManager([engine]),
-        tokenizer=processor.tokenizer,
-        encoder=ObservationEncoder(processor.tokenizer),
-        tools=registry,
-        parser=get_parser("hermes"),
-        processor=processor if vlm else None,
-        images=ImageStore() if vlm else None,
-    )
+    ctx = vlm_context(processor, engine, ImageStore(), text_only=not vlm, tools=registry, prompt_length=4096)
     data = AgentData(trajectory_id=f"m/{policy}", group_id="m", messages=[{"role": "user", "content": "Draw red."}])
     assert data.images == []
     traj = await ToolAgentLoop(ctx).run(data)

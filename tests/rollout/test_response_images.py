@@ -21,17 +21,14 @@ import base64
 import pytest
 
 from streamrl.rollout.agent_loop import AgentContext, ToolAgentLoop
-from streamrl.rollout.agent_loop.observation import ObservationEncoder
-from streamrl.rollout.config import AgentConfig
 from streamrl.rollout.engine.fake import FakeEngine
 from streamrl.rollout.images import ImageStore, decode_image, encode_png
 from streamrl.rollout.interactions.base import BaseInteraction, num_replies
-from streamrl.rollout.parsers import get_parser
-from streamrl.rollout.server_manager import ServerManager
 from streamrl.rollout.tools import ToolRegistry
 from streamrl.rollout.tools.base import BaseTool, ToolExecution
 from streamrl.rollout.types import AgentData, AgentState, FinishReason, ToolCallStatus, TrajectoryStatus, image_run_lengths
 from tests.rollout.test_agent_loop import turn_script
+from tests.rollout.vlm_context import vlm_context
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -84,19 +81,9 @@ class PictureInteraction(BaseInteraction):
 
 
 def _ctx(processor, engine, store, tools=(), *, fetch=None, max_images=None, image=None, **cfg) -> AgentContext:
-    return AgentContext(
-        cfg=AgentConfig(**{"prompt_length": 512, "response_length": 600, "max_tokens_per_turn": 120, **cfg}),
-        server=ServerManager([engine]),
-        tokenizer=processor.tokenizer,
-        encoder=ObservationEncoder(processor.tokenizer),
-        tools=ToolRegistry(tools) if tools else None,
-        parser=get_parser("hermes"),
-        interactions={"picture": PictureInteraction({"name": "picture", "image": image})} if image is not None else {},
-        processor=processor,
-        images=store,
-        fetch_images=fetch,
-        max_images=max_images,
-    )
+    interactions = {"picture": PictureInteraction({"name": "picture", "image": image})} if image is not None else {}
+    return vlm_context(processor, engine, store, tools=ToolRegistry(tools) if tools else None, fetch_images=fetch,
+                       max_images=max_images, interactions=interactions, **cfg)
 
 
 def _data(prompt_png: bytes | None, tid: str = "r/0", interaction: bool = False) -> AgentData:

@@ -270,15 +270,13 @@ async def test_a_verl_image_row_is_admitted_by_the_agent_loop(processor, tmp_pat
 
     from PIL import Image
 
-    from streamrl.rollout.agent_loop import AgentContext, SingleTurnAgentLoop
-    from streamrl.rollout.agent_loop.observation import ObservationEncoder
-    from streamrl.rollout.config import AgentConfig
+    from streamrl.rollout.agent_loop import SingleTurnAgentLoop
     from streamrl.rollout.engine.fake import FakeEngine
     from streamrl.rollout.images import ImageStore, decode_image, image_sha256
     from streamrl.rollout.models.multimodal import render_image_chat
-    from streamrl.rollout.server_manager import ServerManager
     from streamrl.rollout.types import TrajectoryStatus
     from streamrl.streaming.prompts import make_group
+    from tests.rollout.vlm_context import vlm_context
 
     blue = _png((30, 60, 230))
     (tmp_path / "blue.png").write_bytes(blue)
@@ -291,14 +289,7 @@ async def test_a_verl_image_row_is_admitted_by_the_agent_loop(processor, tmp_pat
     expected = render_image_chat(processor, chat)
     target = processor.tokenizer.encode(" two squares", add_special_tokens=False)
     engine = FakeEngine(script=lambda prompt_ids: target, image_token_id=processor.image_token_id)
-    ctx = AgentContext(
-        cfg=AgentConfig(prompt_length=256, response_length=64, max_tokens_per_turn=64),
-        server=ServerManager([engine]),
-        tokenizer=processor.tokenizer,
-        encoder=ObservationEncoder(processor.tokenizer),
-        processor=processor,
-        images=ImageStore(),
-    )
+    ctx = vlm_context(processor, engine, ImageStore(), prompt_length=256, response_length=64, max_tokens_per_turn=64)
     data = make_group(record, 0, 1, None)[0]
     traj = await SingleTurnAgentLoop(ctx).run(data)
 
