@@ -55,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     rc, run_s, memory = sample_run(["make", "run"], cwd=str(clone), env=env, log_path=str(log), timeout_s=args.timeout_s)
     runs = sorted((clone / "runs").glob("*")) if (clone / "runs").exists() else []
     run_dir = runs[-1] if runs else None
-    steps = _metrics(run_dir) if run_dir else []
+    lines = _metrics(run_dir) if run_dir else []
+    steps = [m for m in lines if "learner/loss" in m]  # one per learner step (held-out evaluations apart)
+    heldout = [{"learner_step": m["learner_step"], "reward": round(m["eval/reward_mean"], 3),
+                "num_prompts": m["eval/num_prompts"], "seconds": round(m["eval/seconds"], 1)}
+               for m in lines if "eval/reward_mean" in m]
     rewards = [round(m.get("rollout/finished_reward_mean", float("nan")), 3) for m in steps]
     half = len(rewards) // 2
     result = {
@@ -71,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         "reward_per_step": rewards,
         "reward_first_half_mean": round(sum(rewards[:half]) / max(half, 1), 3) if half else None,
         "reward_second_half_mean": round(sum(rewards[half:]) / max(len(rewards) - half, 1), 3) if half else None,
+        "heldout_reward": heldout,
         "memory": memory,
         "learner_peak_gb_reported": max((m.get("memory/learner_peak_gb", 0.0) for m in steps), default=None),
         "report_html": bool(run_dir and (run_dir / "report.html").exists()),

@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                f"trainer.total_steps={args.steps}", f"trainer.run_root={tmp}", "trainer.run_name=memory"]
         rc, wall, memory = sample_run(cmd, cwd=str(REPO), env=dict(os.environ), log_path=f"{tmp}/train.log",
                                       timeout_s=3600)
-        metrics = [json.loads(x) for x in (Path(tmp) / "memory/metrics.jsonl").read_text().splitlines() if x.strip()] \
+        lines = [json.loads(x) for x in (Path(tmp) / "memory/metrics.jsonl").read_text().splitlines() if x.strip()] \
             if (Path(tmp) / "memory/metrics.jsonl").exists() else []
+        metrics = [m for m in lines if "learner/loss" in m]  # the learner steps (not held-out evaluations)
     state_gb = 16 * SMOLLM2_PARAMS / 2**30  # fp32 params + grads + AdamW m and v
     learner = memory["part_peak_gb"].get("learner", 0.0)
     result = {

@@ -70,6 +70,7 @@ KL = "learner.kl_coef > 0 (reference model)"
 TOOLS = "a tool was called in the interval"
 TOOLSET = "rollout.agent.tool_config is set"
 MCP = "the tool config has an `mcp:` entry"
+EVAL = "data.eval_num_prompts > 0, on the evaluation lines only"
 METRICS: tuple[Metric, ...] = (
     # ---- the line itself (streaming.metrics.MetricsLogger)
     M("time", "unix s", R.LAST, "wall clock when the line was logged"),
@@ -128,6 +129,14 @@ METRICS: tuple[Metric, ...] = (
     M("rollout/tool_error_rate", "fraction", R.MEAN, "rollout/num_tool_errors / rollout/num_tool_calls", when=TOOLS),
     # ---- the trained batch (streaming.learner_actor.LearnerActor.train_step)
     M("rollout/reward_mean", "reward", R.MEAN, "mean reward of the trained batch"),
+    # ---- held-out evaluation (streaming.heldout): its own lines, before the first and after the last step
+    M("eval/reward_mean", "reward", R.LAST, "mean reward on the held-out prompts (a failed trajectory scores 0)",
+      when=EVAL),
+    M("eval/num_prompts", "prompts", R.LAST, "held-out prompts evaluated, one trajectory each", when=EVAL),
+    M("eval/num_failed", "prompts", R.LAST, "held-out trajectories that failed", when=EVAL),
+    M("eval/response_length_mean", "tokens", R.LAST, "mean response length of the finished held-out trajectories",
+      when=EVAL),
+    M("eval/seconds", "s", R.LAST, "wall time of the evaluation", when=EVAL),
     M("rollout/reward_std", "reward", R.MEAN, "reward standard deviation of the trained batch"),
     M("rollout/response_len_mean", "tokens", R.MEAN, "mean response length of the trained batch"),
     M("staleness/lag_{lag_stat}", "steps", R.MEAN, "trajectory lag of the trained batch (see the module docstring)"),
@@ -234,6 +243,7 @@ del M, R
 
 # Keys readers name (the progress line, the report's summary table and figures).
 REWARD = "rollout/reward_mean"
+EVAL_REWARD = "eval/reward_mean"
 LAG = "staleness/lag_mean"
 LAG_FRAC = "staleness/lag_frac/"  # + "<scope>/<lag>": the one lag-histogram family (writers and the report)
 ENGINE_BUSY = "engine/busy_fraction"

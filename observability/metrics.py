@@ -331,8 +331,9 @@ class MetricsLogger:
 
     # -- records -------------------------------------------------------------------------------
 
-    def log(self, metrics: Mapping[str, Any], *, learner_step: int, policy_version: int) -> None:
-        """Append one record; raises ValueError for un-namespaced keys or non-numeric values."""
+    def log(self, metrics: Mapping[str, Any], *, learner_step: int, policy_version: int, progress: bool = True) -> None:
+        """Append one record; raises ValueError for un-namespaced keys or non-numeric values. A record
+        that is not a step's (`progress=False`, e.g. a held-out evaluation) leaves the progress line alone."""
         if learner_step < 0 or policy_version < 0:
             raise ValueError(f"learner_step ({learner_step}) and policy_version ({policy_version}) must be >= 0")
         now = time.time()
@@ -348,7 +349,7 @@ class MetricsLogger:
         self._metrics.write(record)
         if self._wandb_run is not None:
             self._wandb_call("log", lambda: self._wandb_run.log({k: v for k, v in record.items() if v is not None}))
-        if self._progress is not None:
+        if progress and self._progress is not None:
             self._progress.update(record)
 
     def span(self, kind: SpanKind | str, who: str, start: float, end: float) -> None:

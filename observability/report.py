@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from streamrl.observability import catalogue
 from streamrl.observability.metrics import ENGINE_BUSY_KEY, METRICS_FILE, REWARD_KEY, RUN_INFO_FILE, SAMPLES_FILE, TIMELINE_FILE
 from streamrl.observability.report_figures import build_figures, busy_fractions, per_step, resume_points
 from streamrl.observability.report_viewer import (
@@ -124,6 +125,12 @@ def _col_sum(df: pd.DataFrame, key: str) -> float | None:
     return float(df[key].sum()) if key in df and df[key].notna().any() else None
 
 
+def _first_last(series: pd.Series) -> str:
+    """`0.539 at step 0 → 0.562 at step 6` (one value when the run evaluated once)."""
+    ends = [(series.index[0], series.iloc[0])] + ([(series.index[-1], series.iloc[-1])] if len(series) > 1 else [])
+    return " → ".join(f"{fmt_number(float(v))} at step {int(step)}" for step, v in ends)
+
+
 def summary_rows(data: RunData) -> list[tuple[str, str]]:
     df, info = data.metrics, data.info
     rewards = per_step(df, REWARD_KEY)
@@ -147,6 +154,9 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
         (f"initial reward (mean of first {k} steps)", fmt_number(float(rewards.iloc[:k].mean()) if k else None)),
         (f"final reward (mean of last {k} steps)", fmt_number(float(rewards.iloc[-k:].mean()) if k else None)),
     ]
+    heldout = per_step(df, catalogue.EVAL_REWARD)
+    if not heldout.empty:  # data.eval_num_prompts > 0
+        rows.append(("held-out reward (first → last evaluation)", _first_last(heldout)))
     for name in ("finished", "partial", "resumed", "failed"):
         rows.append((f"trajectories {name}", fmt_number(_col_sum(df, f"rollout/num_{name}"), ".0f")))
     rows += [

@@ -281,7 +281,7 @@ def build_figures(df: pd.DataFrame, spans: pd.DataFrame, problems: list[str]) ->
     engine_cols = sorted(c for c in df.columns if c.startswith(ENGINE_BUSY_KEY + "/"))
     groups: list[tuple[str, str, list[tuple[str, Sequence[str], str]], str]] = [
         ("rollout", "Reward and rollouts", [
-            ("reward by learner step", [REWARD_KEY], "learner_step"),
+            ("reward by learner step", [REWARD_KEY, catalogue.EVAL_REWARD], "learner_step"),
             ("reward over time", [REWARD_KEY], "elapsed_s"),
             ("response length", ["rollout/response_len_mean"], "learner_step"),
             ("turns and tool calls", ["rollout/num_turns_mean", "rollout/tool_calls_mean"], "learner_step"),

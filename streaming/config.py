@@ -21,6 +21,9 @@ from streamrl.observability.metrics import WandbConfig
 from streamrl.weight_sync.config import WeightSyncConfig
 
 
+GENERATED_SOURCES = ("arithmetic", "dots")  # data.source values drawn by a generator, not read from a file
+
+
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -33,6 +36,21 @@ class DataConfig(BaseModel):
     seed: int = 0
     shuffle: bool = True
     num_epochs: int = Field(100, gt=0)  # the data iterator cycles; total_steps ends the run
+    # Held-out evaluation before the first and after the last learner step (streaming/heldout.py):
+    # this many prompts, one trajectory each at eval_temperature (0 = greedy); 0 = off. From
+    # eval_source (a parquet/jsonl path), else, for a generated source, a draw with another seed.
+    eval_num_prompts: int = Field(0, ge=0)
+    eval_source: str | None = None
+    eval_temperature: float = Field(0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _check_eval(self) -> DataConfig:
+        if self.eval_num_prompts and self.eval_source is None and self.source not in GENERATED_SOURCES:
+            raise ValueError(
+                f"data.eval_num_prompts={self.eval_num_prompts} with data.source a dataset ({self.source!r}): "
+                "set data.eval_source to a held-out parquet/jsonl file (only generated sources draw their own)"
+            )
+        return self
 
 
 class SFTConfig(BaseModel):

@@ -146,11 +146,17 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
 
 async def _train(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> DriverState:
     from streamrl.streaming.driver import run_async, run_sync
+    from streamrl.streaming.heldout import evaluate, heldout_records
 
     system = await build_system(cfg, run_dir, state)
+    heldout = heldout_records(system.cfg, system.stream.records) if cfg.data.eval_num_prompts else []
     try:
+        if heldout and system.state.learner_step == 0:  # the starting policy (a resume keeps its first)
+            await evaluate(system, heldout)
         await (run_async(system) if cfg.trainer.mode == "async" else run_sync(system))
-        await system.write_accounting()
+        await system.write_accounting()  # parks the workers: the engines are idle for the last evaluation
+        if heldout and system.state.learner_step >= cfg.trainer.total_steps:
+            await evaluate(system, heldout)
     finally:
         system.metrics.close()
         await system.shutdown()

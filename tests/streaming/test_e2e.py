@@ -68,6 +68,7 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
         "trainer.run_name=e2e",
         f"trainer.total_steps={total_steps}",
         "trainer.checkpoint_every=2",
+        "data.eval_num_prompts=4",
     ]
     run_dir = tmp_path / "e2e"
     log = tmp_path / "train.log"
@@ -133,6 +134,12 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
 
     assert (run_dir / "report.html").exists()
     assert "resumed run at learner step" in log.read_text()
+    # Held-out evaluation: the starting policy in the first process, the final one after the resume.
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [m for m in lines if "eval/reward_mean" in m]
+    assert [(m["learner_step"], m["eval/num_prompts"], m["eval/num_failed"]) for m in evals] == [(0, 4, 0), (6, 4, 0)]
+    assert evals[1]["policy_version"] == state["policy_version"] and all(0 <= m["eval/reward_mean"] <= 1 for m in evals)
+    assert "held-out reward (first → last evaluation)" in (run_dir / "report.html").read_text()
     # Every part reports its peak memory on every logged step (issue 9).
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     logged = [m for m in logged if "learner/loss" in m]
