@@ -56,11 +56,46 @@ def _changes_within_turns(versions, mask) -> int:
     return sum(1 for i in range(1, len(mask)) if mask[i] and mask[i - 1] and versions[i] != versions[i - 1])
 
 
+def _first_groups(cfg, cursor: int) -> list[str]:
+    """The group ids of the first `cursor` prompts of the run's stream."""
+    from streamrl.streaming.prompts import PromptStream, group_id_for, load_records
+
+    records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
+    stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs)
+    groups = []
+    for _ in range(cursor):
+        record, epoch = stream.peek()
+        groups.append(group_id_for(record, epoch))
+        stream.advance()
+    return groups
+
+
+def _check_metric_lines(run_dir: Path, state: dict) -> None:
+    """metrics.jsonl of the killed-and-resumed run: the held-out evaluations, each part's peak memory on
+    every step, and the catalogue (every key declared; every always-logged key logged)."""
+    # Held-out evaluation: the starting policy in the first process, the final one after the resume.
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [m for m in lines if "eval/reward_mean" in m]
+    assert [(m["learner_step"], m["eval/num_prompts"], m["eval/num_failed"]) for m in evals] == [(0, 4, 0), (6, 4, 0)]
+    assert evals[1]["policy_version"] == state["policy_version"] and all(0 <= m["eval/reward_mean"] <= 1 for m in evals)
+    assert "held-out reward (first → last evaluation)" in (run_dir / "report.html").read_text()
+    # Every part reports its peak memory on every logged step (issue 9).
+    logged = [m for m in lines if "learner/loss" in m]
+    assert len(logged) >= 6
+    for part in ("learner", "engine", "rollout_worker", "buffer", "driver"):
+        peaks = [m.get(f"memory/{part}_peak_gb") for m in logged]
+        assert all(p is not None and 0.05 < p < 20 for p in peaks), (part, peaks)
+    # The metrics catalogue (issue 11): every key the run logged is declared, and every key declared
+    # as logged on every step was logged (a reader of it never shows an empty panel).
+    assert catalogue.undeclared({k for line in lines for k in line}) == []
+    keys = {k for line in logged for k in line}
+    assert [m.key for m in catalogue.METRICS if m.always and not any(catalogue.matches(k) == [m] for k in keys)] == []
+
+
 @pytest.mark.timeout(1200)
 def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_path):
     from streamrl.buffer.cli import load_frame
     from streamrl.streaming.config import load_config
-    from streamrl.streaming.prompts import PromptStream, group_id_for, load_records
 
     total_steps = 6
     overrides = [
@@ -99,14 +134,7 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
     frame = load_frame(run_dir / "buffer")
     latest = frame[frame["is_latest"]]
     # Prompts: the admitted groups are exactly the first `cursor` prompts of the stream, once each.
-    records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
-    stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs)
-    expected = []
-    for _ in range(state["cursor"]):
-        record, epoch = stream.peek()
-        expected.append(group_id_for(record, epoch))
-        stream.advance()
-    assert sorted(set(latest["group_id"])) == sorted(expected)
+    assert sorted(set(latest["group_id"])) == sorted(_first_groups(cfg, state["cursor"]))
     sizes = latest.groupby("group_id")["trajectory_id"].nunique()
     assert (sizes == cfg.buffer.group_size).all()
     assert latest["trajectory_id"].is_unique
@@ -134,24 +162,7 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
 
     assert (run_dir / "report.html").exists()
     assert "resumed run at learner step" in log.read_text()
-    # Held-out evaluation: the starting policy in the first process, the final one after the resume.
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    evals = [m for m in lines if "eval/reward_mean" in m]
-    assert [(m["learner_step"], m["eval/num_prompts"], m["eval/num_failed"]) for m in evals] == [(0, 4, 0), (6, 4, 0)]
-    assert evals[1]["policy_version"] == state["policy_version"] and all(0 <= m["eval/reward_mean"] <= 1 for m in evals)
-    assert "held-out reward (first → last evaluation)" in (run_dir / "report.html").read_text()
-    # Every part reports its peak memory on every logged step (issue 9).
-    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    logged = [m for m in logged if "learner/loss" in m]
-    assert logged
-    for part in ("learner", "engine", "rollout_worker", "buffer", "driver"):
-        peaks = [m.get(f"memory/{part}_peak_gb") for m in logged]
-        assert all(p is not None and 0.05 < p < 20 for p in peaks), (part, peaks)
-    # The metrics catalogue (issue 11): every key the run logged is declared, and every key declared
-    # as logged on every step was logged (a reader of it never shows an empty panel).
-    keys = {k for line in logged for k in line}
-    assert catalogue.undeclared(keys) == []
-    assert [m.key for m in catalogue.METRICS if m.always and not any(catalogue.matches(k) == [m] for k in keys)] == []
+    _check_metric_lines(run_dir, state)
 
     # Resuming the finished run does nothing: no system starts, nothing in the run changes. (wandb's
     # offline service outlives the run and may still flush its own files: they are not the run's.)
