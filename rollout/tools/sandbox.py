@@ -372,11 +372,11 @@ async def _execute(argv: list[str], stdin: bytes, timeout_s: float, settings: Sa
     timed_out = False
     try:
         done, _ = await asyncio.wait({work}, timeout=timeout_s)
-        if not done:
-            timed_out = True
-            kill()
-            await asyncio.wait({work}, timeout=_GRACE_S)
+        timed_out = not done
     finally:
+        if not work.done():  # timed out, or cancelled (the caller's own timeout): kill the whole sandbox and
+            kill()  # wait until its pipes close, i.e. its last process is gone, so no call outlives its sandbox
+            await asyncio.wait({work}, timeout=_GRACE_S)
         if not work.done():  # pipes still open after the kill: held by a process that left the group
             work.cancel()  # (only possible without a pid namespace)
             work.add_done_callback(lambda f: f.cancelled() or f.exception())
