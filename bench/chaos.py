@@ -92,9 +92,9 @@ def scenarios(seed: int) -> dict[str, list[str]]:
 # Config overrides a scenario adds to OVERRIDES.
 SCENARIO_OVERRIDES = {
     "exhausted": ["data.num_prompts=5", "data.num_epochs=1", "data.shuffle=false"],
-    # long enough that the kills (25-70 s in) land mid-run on a fast machine too: with 8 steps a
-    # 2-core AMD EPYC finished before the first kill (0 faults injected)
-    "sigkill": ["trainer.total_steps=30"],
+    # long enough that both kills (25-70 s into a segment) land mid-run on a fast machine too: on a
+    # 2-core AMD EPYC 8 steps, and later 30 (53 s), finished before the first kill (0 faults injected)
+    "sigkill": ["trainer.total_steps=120"],
     # The tiny model warmed up on calculator transcripts (cached once per STREAMRL_CACHE; under a
     # minute) calls the calculator in most trajectories; easy problems keep it on the format.
     "tools": ["sft.enabled=true", "sft.num_steps=120", "sft.lr=5e-3", "sft.batch_size=8", "sft.num_examples=128",
