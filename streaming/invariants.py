@@ -46,7 +46,7 @@ class InvariantReport:
 def check_run(run_dir: str | Path) -> InvariantReport:
     from streamrl.buffer.cli import load_frame
     from streamrl.streaming.config import StreamRLConfig
-    from streamrl.streaming.prompts import PromptStream, group_id_for, load_records
+    from streamrl.streaming.prompts import first_group_ids
 
     run_dir = Path(run_dir)
     cfg = StreamRLConfig.model_validate(json.loads((run_dir / "run_info.json").read_text())["config"])
@@ -56,13 +56,7 @@ def check_run(run_dir: str | Path) -> InvariantReport:
     latest = frame[frame["is_latest"]]
 
     # I1: the groups are exactly the first `cursor` prompts, each with group_size trajectories.
-    records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
-    stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs)
-    expected = set()
-    for _ in range(state["cursor"]):
-        record, epoch = stream.peek()
-        expected.add(group_id_for(record, epoch))
-        stream.advance()
+    expected = set(first_group_ids(cfg.data, state["cursor"]))
     present = set(latest["group_id"])
     lost, extra = sorted(expected - present), sorted(present - expected)
     sizes = latest.groupby("group_id")["trajectory_id"].nunique()

@@ -10,8 +10,12 @@ from __future__ import annotations
 import random
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from streamrl.rollout.types import AgentData, PromptRecord
+
+if TYPE_CHECKING:
+    from streamrl.streaming.config import DataConfig
 
 
 def load_records(source: str, num_prompts: int, seed: int, difficulty: str = "medium") -> list[PromptRecord]:
@@ -50,6 +54,19 @@ class PromptStream:
 
     def advance(self) -> None:
         self.cursor += 1
+
+
+def first_group_ids(data: DataConfig, cursor: int) -> list[str]:
+    """The group ids of a run's first `cursor` prompts, in stream order (what admission handed out
+    before its cursor reached `cursor`): the invariant checker's and the tests' expectation."""
+    records = load_records(data.source, data.num_prompts, data.seed, data.difficulty)
+    stream = PromptStream(records, seed=data.seed, shuffle=data.shuffle, num_epochs=data.num_epochs)
+    groups = []
+    for _ in range(cursor):
+        record, epoch = stream.peek()
+        groups.append(group_id_for(record, epoch))
+        stream.advance()
+    return groups
 
 
 def group_id_for(record: PromptRecord, epoch: int) -> str:

@@ -56,20 +56,6 @@ def _changes_within_turns(versions, mask) -> int:
     return sum(1 for i in range(1, len(mask)) if mask[i] and mask[i - 1] and versions[i] != versions[i - 1])
 
 
-def _first_groups(cfg, cursor: int) -> list[str]:
-    """The group ids of the first `cursor` prompts of the run's stream."""
-    from streamrl.streaming.prompts import PromptStream, group_id_for, load_records
-
-    records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
-    stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs)
-    groups = []
-    for _ in range(cursor):
-        record, epoch = stream.peek()
-        groups.append(group_id_for(record, epoch))
-        stream.advance()
-    return groups
-
-
 def _check_metric_lines(run_dir: Path, state: dict) -> None:
     """metrics.jsonl of the killed-and-resumed run: the held-out evaluations, each part's peak memory on
     every step, and the catalogue (every key declared; every always-logged key logged)."""
@@ -96,6 +82,7 @@ def _check_metric_lines(run_dir: Path, state: dict) -> None:
 def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_path):
     from streamrl.buffer.cli import load_frame
     from streamrl.streaming.config import load_config
+    from streamrl.streaming.prompts import first_group_ids
 
     total_steps = 6
     overrides = [
@@ -134,7 +121,7 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
     frame = load_frame(run_dir / "buffer")
     latest = frame[frame["is_latest"]]
     # Prompts: the admitted groups are exactly the first `cursor` prompts of the stream, once each.
-    assert sorted(set(latest["group_id"])) == sorted(_first_groups(cfg, state["cursor"]))
+    assert sorted(set(latest["group_id"])) == sorted(first_group_ids(cfg.data, state["cursor"]))
     sizes = latest.groupby("group_id")["trajectory_id"].nunique()
     assert (sizes == cfg.buffer.group_size).all()
     assert latest["trajectory_id"].is_unique

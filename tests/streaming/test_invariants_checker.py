@@ -10,21 +10,10 @@ from streamrl.buffer.store import ReplayBuffer
 from streamrl.rollout.types import TrajectoryStatus
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.invariants import check_run
-from streamrl.streaming.prompts import PromptStream, group_id_for, load_records
+from streamrl.streaming.prompts import first_group_ids
 from tests.buffer.helpers import make_traj
 
 F = TrajectoryStatus.FAILED
-
-
-def _group_ids(cfg: StreamRLConfig, n: int) -> list[str]:
-    records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
-    stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs)
-    out = []
-    for _ in range(n):
-        record, epoch = stream.peek()
-        out.append(group_id_for(record, epoch))
-        stream.advance()
-    return out
 
 
 def _cfg() -> StreamRLConfig:
@@ -41,7 +30,7 @@ def _run(tmp_path, *, failed: tuple[str, int] | None = None, sample_batch: int =
     run_dir = tmp_path / "run"
     buf_cfg = cfg.buffer.model_copy(update={"root_dir": str(run_dir / "buffer"), "batch_size": sample_batch})
     buf = ReplayBuffer(buf_cfg)
-    gids = _group_ids(cfg, admitted)
+    gids = first_group_ids(cfg.data, admitted)
     for gid in gids:
         rows = [make_traj(gid, i, reward=float(i), status=F if (gid, i) == failed else TrajectoryStatus.FINISHED)
                 for i in range(4)]
@@ -66,7 +55,7 @@ def test_a_correct_run_passes(tmp_path):
 
 
 def test_a_group_that_lost_a_member_to_a_failure_still_makes_a_full_batch(tmp_path):
-    gid = _group_ids(StreamRLConfig.model_validate({"model": "tiny", "data": {"num_prompts": 8}}), 1)[0]
+    gid = first_group_ids(StreamRLConfig.model_validate({"model": "tiny", "data": {"num_prompts": 8}}).data, 1)[0]
     report = _run(tmp_path, failed=(gid, 2))  # 7 trajectories in 2 whole groups
     assert report.problems == [] and report.bad_batches == 0
 
@@ -92,7 +81,7 @@ def test_a_tool_call_run_twice_is_flagged(tmp_path):
     twice = [(0, 0, "t1_call_0"), (0, 1, "t1_call_0"), (0, 0, "t1_call_0")]
     report = _run(tmp_path, tool_calls=1, ledger=twice)
     assert report.tool_side_effects_repeated == 1 and not report.ok
-    assert report.problems == [f"tool call ran 2 times: {_group_ids(_cfg(), 1)[0]}/0 t1_call_0"]
+    assert report.problems == [f"tool call ran 2 times: {first_group_ids(_cfg().data, 1)[0]}/0 t1_call_0"]
 
 
 def test_more_side_effects_than_tool_calls_is_flagged(tmp_path):
