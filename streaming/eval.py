@@ -51,36 +51,46 @@ def console_text(traj: Trajectory, tokenizer: Any) -> Any:
     return text
 
 
-async def run_rollouts(cfg: Any, records: list, *, group_size: int) -> list[Trajectory]:
-    """Run `group_size` trajectories per record on one local engine; returns finished trajectories."""
-    from streamrl.rollout.engine import make_engine
-    from streamrl.rollout.models import resolve_model
+async def rollouts_on(engines: list[Any], cfg: Any, model_path: str, records: list, *, group_size: int,
+                      timeout_s: float = 3600.0) -> list[Trajectory]:
+    """`group_size` trajectories per record through the run's agent loop on `engines`
+    (`InferenceEngine`s), in this process; the finished and failed trajectories, in no particular order."""
     from streamrl.rollout.server_manager import ServerManager
     from streamrl.rollout.worker import RolloutWorker
     from streamrl.streaming.prompts import make_group
     from streamrl.streaming.rollout_actor import build_agent_context
 
-    engine_cfg = cfg.rollout.engine.model_copy(update={"placement": "local"})
-    engine = make_engine(engine_cfg, "engine-0")
     results: list[Trajectory] = []
 
     async def sink(traj: Trajectory) -> None:
         results.append(traj)
 
+    server = ServerManager(engines, max_sticky_keys=cfg.rollout.sticky_lru_size)
+    worker = RolloutWorker(build_agent_context(cfg, model_path, server), sink,
+                           max_concurrent=cfg.rollout.max_concurrent_per_worker)
     try:
-        server = ServerManager([engine], max_sticky_keys=cfg.rollout.sticky_lru_size)
-        ctx = build_agent_context(cfg, str(resolve_model(cfg.model)), server)
-        worker = RolloutWorker(ctx, sink, max_concurrent=cfg.rollout.max_concurrent_per_worker)
         for record in records:
             for data in make_group(record, 0, group_size, cfg.rollout.agent.default_interaction):
                 worker.submit(data)
-        await worker.wait_idle(timeout_s=3600)
+        await worker.wait_idle(timeout_s=timeout_s)
         worker.check()
         for err in worker.errors:
             logger.error("failed trajectory: %s", err)
     finally:
-        await engine.shutdown()
+        await worker.shutdown()
     return results
+
+
+async def run_rollouts(cfg: Any, records: list, *, group_size: int) -> list[Trajectory]:
+    """Run `group_size` trajectories per record on one local engine; returns finished trajectories."""
+    from streamrl.rollout.engine import make_engine
+    from streamrl.rollout.models import resolve_model
+
+    engine = make_engine(cfg.rollout.engine.model_copy(update={"placement": "local"}), "engine-0")
+    try:
+        return await rollouts_on([engine], cfg, str(resolve_model(cfg.model)), records, group_size=group_size)
+    finally:
+        await engine.shutdown()
 
 
 def rollout_main(

@@ -62,30 +62,11 @@ def eval_config(cfg: StreamRLConfig) -> StreamRLConfig:
 
 async def run_heldout(cfg: StreamRLConfig, model_path: str, engines: list[Any], records: list[PromptRecord],
                       *, timeout_s: float) -> list[Trajectory]:
-    """One trajectory per record on `engines` (`InferenceEngine`s), in this process; the finished and
-    failed trajectories, in no particular order."""
-    from streamrl.rollout.server_manager import ServerManager
-    from streamrl.rollout.worker import RolloutWorker
-    from streamrl.streaming.prompts import make_group
-    from streamrl.streaming.rollout_actor import build_agent_context
+    """One trajectory per record at the eval temperature on `engines` (`InferenceEngine`s), in this
+    process; the finished and failed trajectories, in no particular order."""
+    from streamrl.streaming.eval import rollouts_on
 
-    results: list[Trajectory] = []
-
-    async def sink(traj: Trajectory) -> None:
-        results.append(traj)
-
-    server = ServerManager(engines, max_sticky_keys=cfg.rollout.sticky_lru_size)
-    ctx = build_agent_context(eval_config(cfg), model_path, server)
-    worker = RolloutWorker(ctx, sink, max_concurrent=cfg.rollout.max_concurrent_per_worker, worker_id="eval")
-    try:
-        for record in records:
-            for data in make_group(record, 0, 1, cfg.rollout.agent.default_interaction):
-                worker.submit(data)
-        await worker.wait_idle(timeout_s=timeout_s)
-        worker.check()
-    finally:
-        await worker.shutdown()
-    return results
+    return await rollouts_on(engines, eval_config(cfg), model_path, records, group_size=1, timeout_s=timeout_s)
 
 
 def heldout_metrics(trajectories: list[Trajectory], *, num_prompts: int, seconds: float) -> dict[str, float]:
