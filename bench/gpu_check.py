@@ -1,8 +1,10 @@
 """`make gpu-check`: the GPU paths, exercised for real on a machine with CUDA.
 
 One short async `streamrl train` (tiny model) with every part on CUDA: the vLLM CUDA engine
-(token-in/token-out, aborted and resumed by each weight sync in abort mode), NCCL weight sync with
-checksums into it, and an FSDP2 learner group of one rank per GPU left after the engine. Checked
+(token-in/token-out, bf16, aborted and resumed by each weight sync in abort mode), the weight sync
+with checksums into it (NCCL with 2+ GPUs; gloo when the engine and the learner share the only GPU,
+since NCCL refuses two processes on one GPU), and an FSDP2 learner group of one rank per GPU left
+after the engine. Checked
 from the run directory: every step ran, every sync succeeded, the engines serve the learner's last
 version, the learner group has the ranks asked for and reports CUDA memory. Writes
 `bench/results/gpu.json` (versions, timings, pass/fail per check).
@@ -47,15 +49,20 @@ def environment() -> dict[str, Any]:
 
 
 def gpu_overrides(work: Path, *, steps: int, num_gpus: int) -> list[str]:
-    """Engine on GPU 0, learner ranks on the rest (one rank when there is a single GPU: it shares)."""
+    """Engine on GPU 0, learner ranks on the rest. With a single GPU the engine and the one learner
+    rank share it, and the weight sync goes over gloo: NCCL refuses two processes on one GPU
+    ("Duplicate GPU detected", seen on an H100), and the config refuses that combination."""
     ranks = max(num_gpus - 1, 1)
+    shared = num_gpus == 1
     return [
         f"trainer.run_root={work}", "trainer.run_name=gpu-check", f"trainer.total_steps={steps}",
         f"trainer.checkpoint_every={steps}", "wandb.enabled=false",
-        "rollout.engine.device=cuda", "rollout.engine.num_gpus=1" if num_gpus > 1 else "rollout.engine.num_gpus=0.5",
+        "rollout.engine.device=cuda", "rollout.engine.dtype=bfloat16",
+        "rollout.engine.num_gpus=0.5" if shared else "rollout.engine.num_gpus=1",
+        f"rollout.engine.gpu_memory_utilization={0.3 if shared else 0.85}",
         "learner.device=cuda", f"learner.num_workers={ranks}",
-        *([] if num_gpus > 1 else ["learner.num_gpus_per_worker=0.5"]),
-        "weight_sync.backend=nccl", "weight_sync.pause_mode=abort",
+        *(["learner.num_gpus_per_worker=0.5"] if shared else []),
+        f"weight_sync.backend={'gloo' if shared else 'nccl'}", "weight_sync.pause_mode=abort",
     ]
 
 
@@ -85,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                            "environment": env}
     with tempfile.TemporaryDirectory(prefix="streamrl-gpu-check-") as tmp:
         overrides = gpu_overrides(Path(tmp), steps=args.steps, num_gpus=max(num_gpus, 1))
+        out["overrides"] = overrides
         base = [sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", "configs/tiny.toml"]
         if args.dry_run:
             proc = subprocess.run([*base, "--dry-run", *overrides], cwd=REPO, capture_output=True, text=True)

@@ -18,7 +18,7 @@ from streamrl.buffer.config import BufferConfig
 from streamrl.learner.config import LearnerConfig
 from streamrl.rollout.config import RolloutConfig
 from streamrl.observability.metrics import WandbConfig
-from streamrl.weight_sync.config import WeightSyncConfig
+from streamrl.weight_sync.config import BackendKind, WeightSyncConfig
 
 
 GENERATED_SOURCES = ("arithmetic", "dots")  # data.source values drawn by a generator, not read from a file
@@ -109,6 +109,7 @@ class StreamRLConfig(BaseModel):
                 "depends on scheduling"
             )
         self._check_images()
+        self._check_nccl_gpus()
         if self.rollout.engine.max_model_len < self.rollout.max_model_len:
             raise ValueError(
                 f"rollout.engine.max_model_len={self.rollout.engine.max_model_len} < prompt_length + "
@@ -132,6 +133,29 @@ class StreamRLConfig(BaseModel):
                 'data.source = "dots" (image prompts) needs a VLM served with images: set '
                 "rollout.engine.max_images_per_prompt >= 1 (and model = \"tiny-vlm\" or a VLM folder)"
             )
+
+    def _check_nccl_gpus(self) -> None:
+        """NCCL refuses two ranks of one group on one GPU ("Duplicate GPU detected", seen on an H100).
+        A fractional GPU for the engine or a learner rank shares a GPU, so `auto` becomes gloo there
+        (it would otherwise pick NCCL for CUDA tensors at the first sync) and an explicit nccl is refused."""
+        if self.weight_sync.backend == "gloo" or self.weight_sync.transport != "distributed":
+            return
+        engine, learner = self.rollout.engine, self.learner
+        shared = []
+        if engine.device != "cpu" and 0 < engine.num_gpus < 1:
+            shared.append(f"rollout.engine.num_gpus={engine.num_gpus}")
+        if learner.device != "cpu" and learner.num_gpus_per_worker is not None and 0 < learner.num_gpus_per_worker < 1:
+            shared.append(f"learner.num_gpus_per_worker={learner.num_gpus_per_worker}")
+        if not shared:
+            return
+        if self.weight_sync.backend == "auto":
+            self.weight_sync.backend = BackendKind.GLOO
+            return
+        raise ValueError(
+            f"weight_sync.backend = \"nccl\" with {' and '.join(shared)}: a fractional GPU shares one GPU with another "
+            'process, and NCCL refuses two processes of its group on one GPU ("Duplicate GPU detected"); set '
+            'weight_sync.backend = "gloo" (or "auto") or give each process a whole GPU'
+        )
 
     @property
     def group_size(self) -> int:
