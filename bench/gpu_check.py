@@ -66,9 +66,14 @@ def gpu_overrides(work: Path, *, steps: int, num_gpus: int) -> list[str]:
     ]
 
 
+def load_logged(run_dir: Path) -> list[dict[str, Any]]:
+    """The per-step learner rows of the run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [m for m in rows if "learner/loss" in m]
+
+
 def check_run(run_dir: Path, *, steps: int, ranks: int) -> dict[str, bool]:
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    logged = [m for m in metrics if "learner/loss" in m]
+    logged = load_logged(run_dir)
     state = json.loads((run_dir / "driver_state.json").read_text())
     return {
         "every step ran": state["learner_step"] == steps and len(logged) == steps,
@@ -76,8 +81,17 @@ def check_run(run_dir: Path, *, steps: int, ranks: int) -> dict[str, bool]:
         "engines serve the last version": state["policy_version"] == steps,
         "learner group has every rank": all(m.get("learner/num_workers") == float(ranks) for m in logged),
         "learner reports CUDA memory": all(m.get("memory/learner_peak_gb", 0.0) > 0.0 for m in logged),
+        # the bf16 CUDA engine's sampled log-probs against the learner's recomputation (staleness included)
+        "behaviour log-probs agree with the learner's": all(m.get("is/mismatch_kl", 1.0) < 1e-2 for m in logged),
         "report written": (run_dir / "report.html").exists(),
     }
+
+
+def observed(run_dir: Path) -> dict[str, Any]:
+    """What the run measured, per step: weight-sync bytes and pause, IS-ratio range, GPU memory."""
+    keys = ["sync/bytes", "sync/paused_s", "is/ratio_min", "is/ratio_max", "is/mismatch_kl", "learner/step_s",
+            "memory/learner_peak_gb", "memory/engine_peak_gb"]
+    return {key: [m.get(key) for m in load_logged(run_dir)] for key in keys}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         checks = {"CUDA available": True, "train exited 0": proc.returncode == 0}
         if proc.returncode == 0:
             checks.update(check_run(Path(tmp) / "gpu-check", steps=args.steps, ranks=max(num_gpus - 1, 1)))
+            out["observed"] = observed(Path(tmp) / "gpu-check")
         else:
             out["log_tail"] = log.read_text()[-4000:]
         out["checks"] = checks

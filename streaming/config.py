@@ -101,6 +101,8 @@ class StreamRLConfig(BaseModel):
     def _propagate(self) -> StreamRLConfig:
         self.rollout.engine.model = self.model
         self.learner.model = self.model
+        if self.weight_sync.wire_dtype == "auto" and self.rollout.engine.dtype != "auto":
+            self.weight_sync.wire_dtype = self.rollout.engine.dtype  # what the engines cast to on load
         lag = self.weight_sync.publish_lag
         if lag and (self.trainer.mode != "sync" or self.trainer.sync_every != 1):
             raise ValueError(

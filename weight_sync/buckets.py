@@ -40,10 +40,20 @@ def _aligned(nbytes: int) -> int:
     return (nbytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
 
 
+def wire_dtype_of(tensor: torch.Tensor, wire_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype `tensor` travels in: a floating tensor in `wire_dtype` when one is given (the engines'
+    dtype: bf16 engines get half the bytes of the learner's fp32 master weights, cast exactly as the
+    engine's own load would cast them), everything else as it is."""
+    return wire_dtype if wire_dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
 def plan_buckets(
-    named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, alone_bytes: int | None = None
+    named_tensors: Sequence[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    alone_bytes: int | None = None,
+    wire_dtype: torch.dtype | None = None,
 ) -> list[BucketMeta]:
-    """Group tensors by dtype (first-seen order) into buckets of at most `bucket_bytes` each.
+    """Group tensors by (wire) dtype, first-seen order, into buckets of at most `bucket_bytes` each.
 
     A tensor of at least `alone_bytes` (default `bucket_bytes / 4`) gets a bucket of its own: such a
     bucket is the tensor's own memory (`pack_bucket` does not copy it), so big matrices travel
@@ -58,13 +68,14 @@ def plan_buckets(
         if name in seen:
             raise ValueError(f"duplicate tensor name {name!r} in weights to sync")
         seen.add(name)
-        by_dtype.setdefault(dtype_name(tensor.dtype), []).append((name, tensor))
+        by_dtype.setdefault(dtype_name(wire_dtype_of(tensor, wire_dtype)), []).append((name, tensor))
     buckets: list[BucketMeta] = []
     for dtype, items in by_dtype.items():
         current: list[TensorMeta] = []
         offset = 0
+        itemsize = to_dtype(dtype).itemsize
         for name, tensor in items:
-            nbytes = tensor.numel() * tensor.element_size()
+            nbytes = tensor.numel() * itemsize
             slot = _aligned(nbytes)
             if slot >= alone_bytes:
                 meta = TensorMeta(name=name, shape=list(tensor.shape), dtype=dtype, offset=0, nbytes=nbytes)
@@ -96,19 +107,22 @@ def slot_view(flat: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
 def pack_bucket(bucket: BucketMeta, tensors: dict[str, torch.Tensor], device: torch.device | str) -> torch.Tensor:
     """The bucket as one flat uint8 buffer on `device`, padding zeroed.
 
-    A bucket of one contiguous tensor with no padding, already on `device`, is returned as a view of
-    that tensor (zero-copy): callers must not write into the result.
+    A bucket of one contiguous tensor with no padding, already on `device` in its wire dtype, is
+    returned as a view of that tensor (zero-copy): callers must not write into the result. A floating
+    tensor planned in another floating dtype is cast while it is copied in.
     """
     import torch
 
     for meta in bucket.tensors:
         src = tensors[meta.name]
-        if list(src.shape) != meta.shape or dtype_name(src.dtype) != meta.dtype:
+        same = dtype_name(src.dtype) == meta.dtype
+        if list(src.shape) != meta.shape or not (same or (src.is_floating_point() and to_dtype(meta.dtype).is_floating_point)):
             raise ValueError(f"tensor {meta.name!r} changed shape/dtype between planning and packing")
     if len(bucket.tensors) == 1:
         src = tensors[bucket.tensors[0].name].detach()
         aligned = src.data_ptr() % SLOT_ALIGN == 0
-        if aligned and src.is_contiguous() and src.device == torch.device(device) and src.nbytes == bucket.nbytes:
+        same = dtype_name(src.dtype) == bucket.dtype
+        if same and aligned and src.is_contiguous() and src.device == torch.device(device) and src.nbytes == bucket.nbytes:
             return src.reshape(-1).view(torch.uint8)
     flat = empty_bucket(bucket, device)
     with torch.no_grad():

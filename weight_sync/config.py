@@ -7,10 +7,14 @@ has its own timeout so a dead peer turns into a failed sync with a clear error, 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from streamrl.rollout.engine.base import PauseMode
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TransportKind(StrEnum):
@@ -51,6 +55,11 @@ class WeightSyncConfig(BaseModel):
     # flat per-dtype buckets (packing amortizes per-collective latency; copying big tensors only costs).
     zero_copy_bytes: int = Field(default=1024 * 1024, ge=8)
     timeouts: SyncTimeouts = Field(default_factory=SyncTimeouts)
+    # The dtype floating tensors travel (and are staged) in. "auto": the engines' dtype when
+    # rollout.engine.dtype names one (set by the run config), else as the learner holds them. A bf16
+    # engine fed fp32 master weights would cast them at load anyway: casting before the transfer
+    # gives the same weights for half the bytes and half the staging memory.
+    wire_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     verify_checksum: bool = True
     pause_mode: PauseMode = PauseMode.ABORT
     # Stage while serving: transfer and verify the new weights into each engine's staging copy while
@@ -63,6 +72,13 @@ class WeightSyncConfig(BaseModel):
     # with trainer.mode = "sync" every trained token is exactly this many versions old. 0 = the newest.
     # Costs `publish_lag` CPU copies of the weights in the publishing process.
     publish_lag: int = Field(default=0, ge=0)
+
+    @property
+    def wire_torch_dtype(self) -> torch.dtype | None:
+        """`wire_dtype` as a torch dtype; None for "auto" (tensors travel as they are)."""
+        import torch
+
+        return None if self.wire_dtype == "auto" else getattr(torch, self.wire_dtype)
 
     @property
     def group_timeout_s(self) -> float:

@@ -60,7 +60,7 @@ class DistributedTransport(WeightTransport):
         timeout_s = self.config.timeouts.transfer
         backend = resolve_backend(self.config.backend, tensors[0][1].device)
         group = await self._ensure_group(engines, backend)
-        buckets = plan_buckets(tensors, self.config.bucket_bytes, self.config.zero_copy_bytes)
+        buckets = plan_buckets(tensors, self.config.bucket_bytes, self.config.zero_copy_bytes, self.config.wire_torch_dtype)
         manifest = SyncManifest(policy_version=policy_version, buckets=buckets)
         started = time.monotonic()
         args = [(manifest.to_json(), self.config.verify_checksum)] * len(engines)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamrl.rollout.atomic import atomic_dir
-from streamrl.weight_sync.buckets import checksum, pack_bucket, plan_buckets
+from streamrl.weight_sync.buckets import checksum, pack_bucket, plan_buckets, wire_dtype_of
 from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, finish_staging, rpc_all
 from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncError
 
@@ -61,7 +61,7 @@ class FilesystemTransport(WeightTransport):
     def _write_version(self, tensors: list[tuple[str, torch.Tensor]], policy_version: int) -> tuple[SyncManifest, Path]:
         from safetensors.torch import save_file
 
-        buckets = plan_buckets(tensors, self.config.bucket_bytes, self.config.zero_copy_bytes)
+        buckets = plan_buckets(tensors, self.config.bucket_bytes, self.config.zero_copy_bytes, self.config.wire_torch_dtype)
         manifest = SyncManifest(policy_version=policy_version, buckets=buckets)
         by_name = dict(tensors)
         if self.config.verify_checksum:
@@ -69,7 +69,8 @@ class FilesystemTransport(WeightTransport):
                 bucket.checksum = checksum(pack_bucket(bucket, by_name, "cpu"))
 
         def write(tmp: Path) -> None:
-            save_file(_host_copies(tensors), str(tmp / "model.safetensors"), metadata={"policy_version": str(policy_version)})
+            host = _host_copies(tensors, self.config.wire_torch_dtype)
+            save_file(host, str(tmp / "model.safetensors"), metadata={"policy_version": str(policy_version)})
             (tmp / "manifest.json").write_text(manifest.to_json())
 
         final = atomic_dir(self.version_dir(policy_version), write)  # a retried sync replaces the old attempt
@@ -87,12 +88,13 @@ class FilesystemTransport(WeightTransport):
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def _host_copies(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Contiguous CPU tensors for safetensors; tensors sharing storage (tied weights) are cloned."""
+def _host_copies(tensors: list[tuple[str, torch.Tensor]], wire_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors in their wire dtype for safetensors; tensors sharing storage (tied
+    weights) are cloned."""
     seen: set[int] = set()
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
-        host = tensor.detach().to("cpu").contiguous()
+        host = tensor.detach().to("cpu", wire_dtype_of(tensor, wire_dtype)).contiguous()
         key = host.untyped_storage().data_ptr()
         out[name] = host.clone() if key in seen or host.untyped_storage().nbytes() != host.nbytes else host
         seen.add(key)

@@ -17,7 +17,14 @@ def test_gpu_check_settings_resolve(tmp_path, num_gpus, ranks, engine_gpus):
     assert cfg.learner.device == "cuda" and cfg.learner.num_workers == ranks
     # One GPU: the engine and the learner share it, and NCCL refuses two processes on one GPU.
     assert cfg.weight_sync.backend == ("gloo" if num_gpus == 1 else "nccl") and cfg.trainer.total_steps == 3
-    assert cfg.rollout.engine.dtype == "bfloat16"
+    assert cfg.rollout.engine.dtype == "bfloat16" and cfg.weight_sync.wire_dtype == "bfloat16"
+
+
+def test_wire_dtype_follows_the_engine_unless_set():
+    tiny = REPO / "configs/tiny.toml"
+    assert load_config(tiny).weight_sync.wire_dtype == "float32"  # the engine's default dtype
+    assert load_config(tiny, ["rollout.engine.dtype=auto"]).weight_sync.wire_dtype == "auto"
+    assert load_config(tiny, ["rollout.engine.dtype=bfloat16", "weight_sync.wire_dtype=float32"]).weight_sync.wire_dtype == "float32"
 
 
 SHARED = ["rollout.engine.device=cuda", "rollout.engine.num_gpus=0.5", "learner.device=cuda", "learner.num_gpus_per_worker=0.5"]

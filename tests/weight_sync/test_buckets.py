@@ -38,6 +38,22 @@ def test_pack_unpack_round_trip_is_exact(bucket_bytes):
             assert torch.equal(view, by_name[name])
 
 
+@pytest.mark.parametrize("bucket_bytes", [64, 1 << 20])
+def test_a_wire_dtype_casts_floating_tensors_only_and_never_aliases_the_learner(bucket_bytes):
+    weights = toy_weights()
+    by_name = dict(weights)
+    buckets = plan_buckets(weights, bucket_bytes=bucket_bytes, wire_dtype=torch.bfloat16)
+    planned = {t.name: t for b in buckets for t in b.tensors}
+    assert {n: m.dtype for n, m in planned.items()} == {n: "int64" if n == "count" else "bfloat16" for n in by_name}
+    for bucket in buckets:
+        flat = pack_bucket(bucket, by_name, "cpu")
+        for name, view in unpack_bucket(bucket, flat.clone()):
+            assert torch.equal(view, by_name[name].to(view.dtype))  # copy_'s cast = the engine's load cast
+            assert planned[name].nbytes == by_name[name].numel() * view.element_size()
+        if bucket.dtype != "int64":  # a cast bucket is a fresh buffer, never a view of a learner tensor
+            assert all(flat.data_ptr() != by_name[t.name].data_ptr() for t in bucket.tensors)
+
+
 def test_checksum_is_additive_over_slots_and_detects_a_flipped_value():
     weights = [(n, t) for n, t in toy_weights() if t.dtype == torch.float32]
     by_name = dict(weights)

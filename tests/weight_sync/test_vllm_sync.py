@@ -157,6 +157,28 @@ async def test_filesystem_transport_updates_both_engines(engines, hf_model, tmp_
         assert await served_greedy(engine, "fs") == expected
 
 
+@pytest.mark.parametrize("transport", [TransportKind.DISTRIBUTED, TransportKind.FILESYSTEM])
+async def test_bf16_wire_gives_the_engine_exactly_the_bf16_rounded_weights(engines, hf_model, tmp_path, transport):
+    """`wire_dtype = "bfloat16"` (a bf16 engine's run) sends half the bytes, and what lands is what the
+    engine's own load would have made of the fp32 weights: bit-equal to sending them pre-rounded."""
+    weights = perturbed(hf_model, seed=8)
+    rounded = [(n, t.to(torch.bfloat16).to(torch.float32)) for n, t in weights]
+
+    async def served_checksums(wire_dtype: str, sent) -> tuple[list[int], int]:
+        coordinator = WeightSyncCoordinator(config(transport=transport, fs_dir=str(tmp_path), wire_dtype=wire_dtype), engines)
+        result = await coordinator.sync(sent)
+        assert result.ok, result.error
+        await coordinator.close()
+        return [c for e in engines for c in await e.collective_rpc("weights_checksum")], result.num_bytes
+
+    full, full_bytes = await served_checksums("float32", weights)
+    pre_rounded, _ = await served_checksums("float32", rounded)
+    on_the_wire, wire_bytes = await served_checksums("bfloat16", weights)
+    assert full != pre_rounded  # the rounding is visible in the served weights
+    assert on_the_wire == pre_rounded
+    assert wire_bytes <= full_bytes // 2 + 64 * len(weights)  # each slot pads to 64 bytes at most
+
+
 class AbortingWorkers:
     """What a rollout worker does on pause in abort mode: abort its request and park with the tokens."""
 
