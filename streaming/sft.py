@@ -185,9 +185,11 @@ def prepare_model(cfg: Any, *, log_file: str | Path | None = None) -> str:
     `log_file` (else this process's console); raises StreamRLError if it fails."""
     from streamrl.observability.logs import is_verbose
 
-    folder = Path(cfg.model).expanduser()
-    if not cfg.sft.enabled and (folder / "config.json").exists():
-        return str(folder)  # nothing to build: no child needed
+    from streamrl.rollout.models import ready_model
+
+    folder = ready_model(cfg.model)
+    if not cfg.sft.enabled and folder is not None:
+        return str(folder)  # a folder, or a built-in already in the cache: nothing to build, no child
     work = Path(tempfile.mkdtemp(prefix="streamrl-prepare-"))
     cfg_path, out_path = work / "config.json", work / "model_path"
     cfg_path.write_text(cfg.model_dump_json())

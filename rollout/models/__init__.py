@@ -20,10 +20,24 @@ def cache_root() -> Path:
     return Path(os.environ.get("STREAMRL_CACHE", Path.home() / ".cache" / "streamrl"))
 
 
+BUILT_IN = {"tiny": "tiny", "tiny-vlm": "tiny-vlm", "smollm2": "smollm2-135m-instruct"}  # name -> cache folder stem
+
+
+def _cache_folder(stem: str) -> Path:
+    return cache_root() / "models" / f"{stem}-v{BUILDER_VERSION}"
+
+
+def ready_model(name_or_path: str) -> Path | None:
+    """The folder `resolve_model` returns when it needs no build (a HF folder, or a built-in already in
+    the cache), found without importing a builder; None when something must be built first."""
+    folder = _cache_folder(BUILT_IN[name_or_path]) if name_or_path in BUILT_IN else Path(name_or_path).expanduser()
+    return folder if (folder / "config.json").exists() else None
+
+
 def _cached_build(name: str, build: Callable[[Path], object]) -> Path:
-    root = cache_root() / "models"
+    final = _cache_folder(name)
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{name}-v{BUILDER_VERSION}"
     if (final / "config.json").exists():
         return final
     with open(root / f".{name}.lock", "w") as lock:
@@ -46,7 +60,7 @@ def resolve_model(name_or_path: str) -> Path:
     if name_or_path == "smollm2":
         from streamrl.rollout.models.smollm2 import convert_smollm2
 
-        return _cached_build("smollm2-135m-instruct", convert_smollm2)
+        return _cached_build(BUILT_IN["smollm2"], convert_smollm2)
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").exists():
         raise ValueError(

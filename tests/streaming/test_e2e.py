@@ -51,6 +51,29 @@ def _train(args: list[str], log: Path) -> subprocess.Popen:
     )
 
 
+def _live_members(pgid: int) -> list[int]:
+    """Processes of process group `pgid` that have not exited yet (zombies excluded: they hold nothing)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue  # exited while listed
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _wait_group_gone(pgid: int, timeout_s: float = 60.0) -> None:
+    """Wait until the SIGKILLed job (the driver and its Ray node, one process group) has fully exited,
+    so the resume never races the dying node for its ports and files. SIGKILL lands asynchronously: a
+    fixed sleep is either time wasted or too short on a loaded machine; this waits for the event."""
+    deadline = time.monotonic() + timeout_s
+    while members := _live_members(pgid):
+        assert time.monotonic() < deadline, f"processes of the killed job still alive: {members}"
+        time.sleep(0.05)
+
+
 def _changes_within_turns(versions, mask) -> int:
     """Policy-version changes between adjacent sampled tokens of the same assistant turn."""
     return sum(1 for i in range(1, len(mask)) if mask[i] and mask[i - 1] and versions[i] != versions[i - 1])
@@ -104,7 +127,7 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
-    time.sleep(2)
+    _wait_group_gone(proc.pid)
 
     resumed = _train(["--resume", str(run_dir)], log)
     try:

@@ -191,14 +191,18 @@ def test_prepare_model_returns_a_ready_folder_without_a_child(tiny_model_path, m
 
     cfg = _cfg("configs/tiny.toml", f"model={tiny_model_path}")
     assert prepare_model(cfg) == str(tiny_model_path)
+    # a built-in already in the cache is a ready folder too (the child costs 3-5 s of imports)
+    assert prepare_model(_cfg("configs/tiny.toml")) == str(tiny_model_path)
 
 
 @pytest.mark.timeout(120)
-def test_prepare_model_builds_in_a_child_and_reports_its_failure(tmp_path, tiny_model_path, monkeypatch):
+def test_prepare_model_builds_in_a_child_and_reports_its_failure(tmp_path, monkeypatch):
     from streamrl.streaming.sft import prepare_model
 
     monkeypatch.chdir(REPO)
-    assert prepare_model(_cfg("configs/tiny.toml"), log_file=tmp_path / "ok.log") == str(tiny_model_path)
+    monkeypatch.setenv("STREAMRL_CACHE", str(tmp_path / "cache"))  # an empty cache: "tiny" must be built
+    built = prepare_model(_cfg("configs/tiny.toml"), log_file=tmp_path / "ok.log")
+    assert built == str(tmp_path / "cache/models/tiny-v1") and (Path(built) / "model.safetensors").exists()
     assert "model ready" in (tmp_path / "ok.log").read_text()  # resolved in the child
     cfg = _cfg("configs/tiny.toml", "sft.enabled=true", f"model={tmp_path / 'missing'}")
     log = tmp_path / "logs" / "prepare_model.log"
