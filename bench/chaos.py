@@ -166,6 +166,8 @@ def run_scenario(name: str, seed: int, faulted: list[str], root: Path, *, config
 
     run_name = f"{name}-s{seed}"
     run_dir = root / run_name
+    if run_dir.exists():  # its resumes would continue that old run, not this scenario's
+        raise ValueError(f"{run_dir} exists (an earlier --keep?): chaos scenarios need a folder without them")
     ledger = root / f"{run_name}.faults"
     log = root / f"{run_name}.log"
     result = ScenarioResult(name=name, seed=seed)

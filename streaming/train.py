@@ -48,6 +48,9 @@ def _init_ray(cfg: StreamRLConfig, run_dir: Path) -> None:
     link_ray_logs(run_dir)
 
 
+RUN_FILES = ("run_info.json", "driver_state.json", "buffer")  # what a started run leaves in its directory
+
+
 def open_run(config: str | None, overrides: list[str], resume: str | None) -> tuple[StreamRLConfig, Path, DriverState | None]:
     if resume:
         run_dir = Path(resume)
@@ -62,6 +65,12 @@ def open_run(config: str | None, overrides: list[str], resume: str | None) -> tu
     cfg = load_config(config, overrides)
     name = cfg.trainer.run_name or f"{Path(config).stem if config else 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.trainer.run_root) / name
+    held = [part for part in RUN_FILES if (run_dir / part).exists()]
+    if held:  # a fresh learner on an old buffer log would mix two runs' trajectories and versions
+        raise ValueError(
+            f"{run_dir} already holds a run ({', '.join(held)}): continue it with `streamrl train --resume {run_dir}`, "
+            "or choose another trainer.run_name"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     return cfg, run_dir, None
 

@@ -39,3 +39,25 @@ def test_finished_only_when_every_step_is_trained_checkpointed_and_accounted(
 
 def test_a_fresh_run_is_never_finished(tmp_path):
     assert finished_already(_cfg(1), tmp_path, None) is False
+
+
+@pytest.mark.parametrize("left", ["run_info.json", "driver_state.json", "buffer"])
+def test_a_new_run_never_opens_a_directory_that_holds_a_run(tmp_path, left, capsys):
+    """Found by the chaos bench reusing a kept folder: `streamrl train ... trainer.run_name=X` over an
+    old run X started a fresh learner (version 0) on X's buffer log, and failed on "batch has tokens of
+    policy_version 28 > learner policy_version 0" (or, with compatible versions, would have trained on
+    both runs' trajectories). It is now one clear error, and nothing of the old run is touched."""
+    from streamrl.streaming.cli import main
+    from streamrl.streaming.train import open_run
+
+    overrides = [f"trainer.run_root={tmp_path}", "trainer.run_name=r"]
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    assert open_run("configs/tiny.toml", overrides, None)[1] == run_dir  # an empty folder is fine
+    (run_dir / "logs").mkdir()  # so is one where a start failed before the run existed
+    assert open_run("configs/tiny.toml", overrides, None)[1] == run_dir
+    (run_dir / left).mkdir() if left == "buffer" else (run_dir / left).write_text("{}")
+    before = sorted(p.name for p in run_dir.iterdir())
+    assert main(["train", "--config", "configs/tiny.toml", *overrides]) == 2
+    assert f"{run_dir} already holds a run ({left}): continue it with `streamrl train --resume {run_dir}`" in capsys.readouterr().err
+    assert sorted(p.name for p in run_dir.iterdir()) == before
