@@ -48,11 +48,14 @@ def _cached_build(name: str, build: Callable[[Path], object]) -> Path:
 
 
 def resolve_model(name_or_path: str) -> Path:
-    """Return a HF model folder for a built-in name or an existing path."""
+    """Return a HF model folder for a built-in name or an existing path (a built-in is built once)."""
+    ready = ready_model(name_or_path)
+    if ready is not None:
+        return ready
     if name_or_path == "tiny":
         from streamrl.rollout.models.tiny import build_tiny_model
 
-        return _cached_build("tiny", build_tiny_model)
+        return _cached_build(BUILT_IN["tiny"], build_tiny_model)
     if name_or_path == "tiny-vlm":  # a random-weight Idefics3 (rollout/models/tiny_vlm.py, docs/multimodal.md)
         from streamrl.rollout.models.tiny_vlm import resolve_tiny_vlm
 
@@ -61,9 +64,6 @@ def resolve_model(name_or_path: str) -> Path:
         from streamrl.rollout.models.smollm2 import convert_smollm2
 
         return _cached_build(BUILT_IN["smollm2"], convert_smollm2)
-    path = Path(name_or_path).expanduser()
-    if not (path / "config.json").exists():
-        raise ValueError(
-            f"model {name_or_path!r} is neither a built-in ('tiny', 'tiny-vlm', 'smollm2') nor a HF folder with config.json"
-        )
-    return path
+    raise ValueError(
+        f"model {name_or_path!r} is neither a built-in ('tiny', 'tiny-vlm', 'smollm2') nor a HF folder with config.json"
+    )
