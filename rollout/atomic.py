@@ -4,10 +4,12 @@ versions): readers see the old content or the new, never a mix.
 
 Renames survive a killed process as they are; `sync=True` also fsyncs the data and the parent folder,
 for content that must survive a lost machine (the buffer's manifest on a durable flush).
+`build_once` is the cached-folder variant (model and SFT caches): built once under a file lock.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -52,6 +54,23 @@ def atomic_dir(final: str | Path, write: Callable[[Path], object]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def build_once(final: str | Path, build: Callable[[Path], object], *, rebuild: bool = False,
+               marker: str = "config.json") -> Path:
+    """The cached folder `final`, built by `build(tmp)` (`atomic_dir`) when it lacks `marker` (or
+    always, with `rebuild`). Builders of one folder take turns on a file lock beside it, and a waiter
+    finding it built when its turn comes uses it: concurrent runs sharing a cache build it once, and
+    none swaps a folder away under another that is already reading it."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if not rebuild and (final / marker).exists():
+        return final
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not rebuild and (final / marker).exists():
+            return final
+        return atomic_dir(final, build)
 
 
 def fsync_dir(path: Path) -> None:

@@ -26,7 +26,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from streamrl.rollout.atomic import atomic_dir
+from streamrl.rollout.atomic import build_once
 from streamrl.streaming.errors import StreamRLError
 
 logger = logging.getLogger(__name__)
@@ -108,11 +108,13 @@ def maybe_warm_up(cfg: Any, model_path: str) -> Path:
         json.dumps([str(model_path), cfg.sft.model_dump(mode="json"), tools, cfg.data.seed], sort_keys=True).encode()
     ).hexdigest()[:12]
     final = cache_root() / "sft" / f"{Path(model_path).name}-{key}"
-    if cfg.sft.skip_if_cached and (final / "config.json").exists():
-        logger.info("using cached SFT warm-up %s", final)
-        return final
-    logger.info("SFT warm-up of %s (%d steps)", model_path, cfg.sft.num_steps)
-    return atomic_dir(final, lambda tmp: _train(model_path, tmp, cfg, cfg.data.seed))
+    def train(tmp: Path) -> None:
+        logger.info("SFT warm-up of %s (%d steps)", model_path, cfg.sft.num_steps)
+        _train(model_path, tmp, cfg, cfg.data.seed)
+
+    warmed = build_once(final, train, rebuild=not cfg.sft.skip_if_cached)
+    logger.info("SFT warm-up %s", warmed)
+    return warmed
 
 
 def _prepare_in_process(cfg: Any) -> Path:

@@ -6,12 +6,11 @@ version, and built with a file lock + atomic rename so concurrent processes neve
 
 from __future__ import annotations
 
-import fcntl
 import os
 from collections.abc import Callable
 from pathlib import Path
 
-from streamrl.rollout.atomic import atomic_dir
+from streamrl.rollout.atomic import build_once
 
 BUILDER_VERSION = "1"
 
@@ -35,16 +34,7 @@ def ready_model(name_or_path: str) -> Path | None:
 
 
 def _cached_build(name: str, build: Callable[[Path], object]) -> Path:
-    final = _cache_folder(name)
-    root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
-    if (final / "config.json").exists():
-        return final
-    with open(root / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (final / "config.json").exists():
-            return final
-        return atomic_dir(final, build)
+    return build_once(_cache_folder(name), build)
 
 
 def resolve_model(name_or_path: str) -> Path:
