@@ -10,6 +10,8 @@ export GLOO_SOCKET_IFNAME ?= lo
 export RAY_DEDUP_LOGS ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 PYTEST_ARGS ?=
+# make test: two pytest-xdist workers, whole modules each (module-scoped engines start once); TEST_WORKERS=0 runs serially
+TEST_WORKERS ?= 2
 
 .PHONY: install run test test-fast bench chaos fresh-run gpu-check lint clean
 
@@ -30,7 +32,7 @@ run: install
 	$(VENV)/bin/streamrl train --config configs/default.toml
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not vllm and not ray and not slow" $(PYTEST_ARGS)

@@ -35,3 +35,19 @@ def tiny_tokenizer(tiny_model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def _cost(item: pytest.Item) -> int:
+    """2: an end-to-end run (`slow`); 1: a real engine or Ray cluster; 0: in-process logic."""
+    return 2 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("vllm") or item.get_closest_marker("ray") else 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules in order of cost, the heaviest first, each kept whole (stable sort). `make test` runs
+    two xdist workers handing out whole modules in this order (`--dist loadscope
+    --no-loadscope-reorder`): the long end-to-end runs start at once, and the light modules fill the
+    gaps they leave, instead of one long run starting last on a worker while the other idles."""
+    module_cost: dict[str, int] = {}
+    for item in items:
+        module_cost[item.nodeid.split("::")[0]] = max(module_cost.get(item.nodeid.split("::")[0], 0), _cost(item))
+    items.sort(key=lambda item: -module_cost[item.nodeid.split("::")[0]])

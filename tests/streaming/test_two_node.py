@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
+
 
 @pytest.mark.timeout(900)
 def test_engine_and_learner_on_two_nodes_train_and_sync(tmp_path):
