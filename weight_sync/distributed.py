@@ -51,13 +51,9 @@ class DistributedTransport(WeightTransport):
     def connected(self) -> bool:
         return self._group is not None
 
-    async def send(
-        self, engines: Sequence[SyncEngine], named_tensors: Sequence[tuple[str, torch.Tensor]], policy_version: int
+    async def _send(
+        self, engines: Sequence[SyncEngine], tensors: list[tuple[str, torch.Tensor]], policy_version: int, *, timeout_s: float
     ) -> TransferOutcome:
-        tensors = list(named_tensors)
-        if not tensors:
-            raise ValueError("no tensors to sync")
-        timeout_s = self.config.timeouts.transfer
         backend = resolve_backend(self.config.backend, tensors[0][1].device)
         group = await self._ensure_group(engines, backend)
         buckets = plan_buckets(tensors, self.config.bucket_bytes, self.config.zero_copy_bytes, self.config.wire_torch_dtype)

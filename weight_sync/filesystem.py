@@ -34,13 +34,9 @@ class FilesystemTransport(WeightTransport):
     def version_dir(self, policy_version: int) -> Path:
         return Path(self.config.fs_dir) / f"v{policy_version}"
 
-    async def send(
-        self, engines: Sequence[SyncEngine], named_tensors: Sequence[tuple[str, torch.Tensor]], policy_version: int
+    async def _send(
+        self, engines: Sequence[SyncEngine], tensors: list[tuple[str, torch.Tensor]], policy_version: int, *, timeout_s: float
     ) -> TransferOutcome:
-        tensors = list(named_tensors)
-        if not tensors:
-            raise ValueError("no tensors to sync")
-        timeout_s = self.config.timeouts.transfer
         try:
             manifest, folder = await asyncio.wait_for(
                 asyncio.to_thread(self._write_version, tensors, policy_version), timeout=timeout_s

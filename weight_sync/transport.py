@@ -55,11 +55,21 @@ class WeightTransport(abc.ABC):
     def __init__(self, config: WeightSyncConfig) -> None:
         self.config = config
 
-    @abc.abstractmethod
     async def send(
         self, engines: Sequence[SyncEngine], named_tensors: Sequence[tuple[str, torch.Tensor]], policy_version: int
     ) -> TransferOutcome:
-        """Stage `named_tensors` as `policy_version` in every engine worker; raises WeightSyncError."""
+        """Stage `named_tensors` as `policy_version` in every engine worker, within the transfer timeout;
+        raises WeightSyncError (ValueError for no tensors)."""
+        tensors = list(named_tensors)
+        if not tensors:
+            raise ValueError("no tensors to sync")
+        return await self._send(engines, tensors, policy_version, timeout_s=self.config.timeouts.transfer)
+
+    @abc.abstractmethod
+    async def _send(
+        self, engines: Sequence[SyncEngine], tensors: list[tuple[str, torch.Tensor]], policy_version: int, *, timeout_s: float
+    ) -> TransferOutcome:
+        """The transport's own `send`: `tensors` is not empty and the whole transfer has `timeout_s`."""
 
     async def reset(self, engines: Sequence[SyncEngine]) -> None:  # noqa: B027 - stateless transports
         """Forget connection state after a failure so the next `send` rebuilds it."""

@@ -12,6 +12,7 @@ import json
 import logging
 import random
 from pathlib import Path
+from typing import Any
 
 from streamrl.rollout.models.template import CHAT_TEMPLATE, SPECIAL_TOKENS, TOOL_TAG_TOKENS
 
@@ -88,8 +89,15 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
         torch_dtype="float32",
         **TINY_CONFIG,
     )
-    model = Qwen2ForCausalLM(config).to(torch.float32)
-    model.generation_config.eos_token_id = hf_tok.eos_token_id
+    return save_built(Qwen2ForCausalLM(config), out, hf_tok.eos_token_id, "tiny model")
+
+
+def save_built(model: Any, out: Path, eos_token_id: int, label: str) -> Path:
+    """Save a freshly built (random-weight) model in float32 into `out`, generation ending at its eos."""
+    import torch
+
+    model = model.to(torch.float32)
+    model.generation_config.eos_token_id = eos_token_id
     model.save_pretrained(out, safe_serialization=True)
-    logger.info("built tiny model (%d params) at %s", sum(p.numel() for p in model.parameters()), out)
+    logger.info("built %s (%d params) at %s", label, sum(p.numel() for p in model.parameters()), out)
     return out

@@ -101,6 +101,7 @@ def build_tiny_vlm(out_dir: str | Path, seed: int = 0) -> Path:
     )
 
     from streamrl.rollout.models import resolve_model
+    from streamrl.rollout.models.tiny import save_built
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -133,11 +134,7 @@ def build_tiny_vlm(out_dir: str | Path, seed: int = 0) -> Path:
         tie_word_embeddings=True,
         dtype="float32",
     )
-    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(out, safe_serialization=True)
-    logger.info("built tiny VLM (%d params) at %s", sum(p.numel() for p in model.parameters()), out)
-    return out
+    return save_built(Idefics3ForConditionalGeneration(config), out, tok.eos_token_id, "tiny VLM")
 
 
 def resolve_tiny_vlm() -> Path:

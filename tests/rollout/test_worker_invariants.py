@@ -24,20 +24,28 @@ async def _until(cond, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.005)
 
 
-async def test_resume_while_a_parked_row_is_being_saved_keeps_the_trajectory(tiny_tokenizer):
-    script, _ = turn_script(tiny_tokenizer, [CALL, ANSWER])
-    ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script, token_delay_s=0.01))
+async def _parking_worker(tokenizer) -> tuple[RolloutWorker, asyncio.Event, list]:
+    """A worker generating a tool-call turn (the trajectory is in the engine when this returns) whose
+    sink holds every partial (parked) row until the event is set: the buffer append of a parked row
+    takes a while. Returns (worker, that event, the rows saved so far)."""
+    script, _ = turn_script(tokenizer, [CALL, ANSWER])
+    ctx = make_ctx(tokenizer, FakeEngine(script=script, token_delay_s=0.01))
     release = asyncio.Event()
     rows = []
 
     async def slow_sink(traj):
         if traj.status is TrajectoryStatus.PARTIAL:
-            await release.wait()  # the buffer append of the parked row takes a while
+            await release.wait()
         rows.append(traj)
 
     worker = RolloutWorker(ctx, slow_sink)
     worker.submit(new_data())
     await _until(lambda: ctx.num_in_engine > 0)
+    return worker, release, rows
+
+
+async def test_resume_while_a_parked_row_is_being_saved_keeps_the_trajectory(tiny_tokenizer):
+    worker, release, rows = await _parking_worker(tiny_tokenizer)
     with pytest.raises(TimeoutError):
         await worker.pause(timeout_s=0.2)  # the sync fails fast: the parked row is still being saved
     await worker.resume()  # ... and generation resumes before the row is saved
@@ -110,19 +118,7 @@ async def test_a_pause_landing_after_its_resume_is_ignored(tiny_tokenizer):
 async def test_a_pause_overtaken_by_its_resume_while_parking_returns(tiny_tokenizer):
     """The resume of the same sync arrives while the pause still waits for a row to be saved: the
     pause stops waiting (no timeout) and the worker serves."""
-    script, _ = turn_script(tiny_tokenizer, [CALL, ANSWER])
-    ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script, token_delay_s=0.01))
-    release = asyncio.Event()
-    rows = []
-
-    async def slow_sink(traj):
-        if traj.status is TrajectoryStatus.PARTIAL:
-            await release.wait()
-        rows.append(traj)
-
-    worker = RolloutWorker(ctx, slow_sink)
-    worker.submit(new_data())
-    await _until(lambda: ctx.num_in_engine > 0)
+    worker, release, rows = await _parking_worker(tiny_tokenizer)
     pausing = asyncio.create_task(worker.pause(timeout_s=30.0, epoch=3))
     await _until(lambda: worker._num_sinking > 0)  # parking: the partial row is being saved
     await worker.resume(epoch=3)
