@@ -1,7 +1,8 @@
 """Session-wide fixtures: tiny model folder, one local Ray cluster, one vLLM engine (fixtures/).
 
-Environment is set before anything heavy imports: wandb offline, gloo on loopback, vLLM in-process
-(uni executor, no engine-core subprocess) with a small CPU KV cache.
+Environment is set before anything heavy imports: wandb offline, gloo on loopback, vLLM's uni executor
+(the model runs in the engine-core process, no extra worker processes) with a small CPU KV cache.
+Under `make test` each xdist worker is its own session: its own Ray cluster and engines.
 """
 
 from __future__ import annotations
