@@ -369,6 +369,9 @@ async def _execute(argv: list[str], stdin: bytes, timeout_s: float, settings: Sa
     out = _CappedStream(settings.max_output_bytes, settings.kill_output_bytes, kill)
     err = _CappedStream(settings.max_output_bytes, settings.kill_output_bytes, kill)
     work = asyncio.ensure_future(asyncio.gather(_feed(proc.stdin, stdin), out.drain(proc.stdout), err.drain(proc.stderr), proc.wait()))
+    # The outcome is read from the streams and the exit code, never from `work`: mark its exception as
+    # seen, or a call cut off by its event loop closing logs "exception was never retrieved".
+    work.add_done_callback(lambda f: f.cancelled() or f.exception())
     timed_out = False
     try:
         done, _ = await asyncio.wait({work}, timeout=timeout_s)
@@ -379,7 +382,6 @@ async def _execute(argv: list[str], stdin: bytes, timeout_s: float, settings: Sa
             await asyncio.wait({work}, timeout=_GRACE_S)
         if not work.done():  # pipes still open after the kill: held by a process that left the group
             work.cancel()  # (only possible without a pid namespace)
-            work.add_done_callback(lambda f: f.cancelled() or f.exception())
             transport = getattr(proc, "_transport", None)
             if transport is not None:
                 transport.close()

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import json
+import logging
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,7 @@ from streamrl.rollout.tools.sandbox import (
     SandboxLimits,
     SandboxSettings,
     _CappedStream,
+    _execute,
     probe,
 )
 from streamrl.rollout.tools.sandbox_escapes import (
@@ -369,6 +373,27 @@ async def test_a_cancelled_call_kills_its_sandbox(tool):
         await call
     await tool.release(instance)
     assert _runner_pids() == []
+
+
+def test_a_call_cut_off_by_its_event_loop_closing_is_killed_and_logs_nothing(caplog):
+    """A sandboxed program still running when its event loop shuts down (the loop cancels every task)
+    is killed, and the cut-off leaves no "exception was never retrieved" error in the log."""
+    tag = f"{time.time_ns() % 10**6}.{os.getpid()}"
+
+    async def main():
+        asyncio.ensure_future(_execute(["sleep", tag], b"", 30.0, SandboxSettings(), "none"))
+        deadline = time.monotonic() + 10
+        while not _pids_with(tag):
+            assert time.monotonic() < deadline, "the program never started"
+            await asyncio.sleep(0.02)
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        # a loop of its own, in a thread: this one's loop (pytest-asyncio's) is left as it is
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(asyncio.run, main()).result(60)  # main returns with the call running: it is cancelled
+        gc.collect()
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    assert _pids_with(tag) == []
 
 
 @pytest.mark.skipif(BWRAP is None, reason="no bwrap binary (set STREAMRL_TEST_BWRAP to test one outside PATH)")
