@@ -108,12 +108,13 @@ def maybe_warm_up(cfg: Any, model_path: str) -> Path:
         json.dumps([str(model_path), cfg.sft.model_dump(mode="json"), tools, cfg.data.seed], sort_keys=True).encode()
     ).hexdigest()[:12]
     final = cache_root() / "sft" / f"{Path(model_path).name}-{key}"
+
     def train(tmp: Path) -> None:
         logger.info("SFT warm-up of %s (%d steps)", model_path, cfg.sft.num_steps)
         _train(model_path, tmp, cfg, cfg.data.seed)
 
     warmed = build_once(final, train, rebuild=not cfg.sft.skip_if_cached)
-    logger.info("SFT warm-up %s", warmed)
+    logger.info("SFT warm-up ready: %s", warmed)
     return warmed
 
 

@@ -48,7 +48,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     two xdist workers handing out whole modules in this order (`--dist loadscope
     --no-loadscope-reorder`): the long end-to-end runs start at once, and the light modules fill the
     gaps they leave, instead of one long run starting last on a worker while the other idles."""
+    module = lambda item: item.nodeid.split("::")[0]  # noqa: E731
     module_cost: dict[str, int] = {}
     for item in items:
-        module_cost[item.nodeid.split("::")[0]] = max(module_cost.get(item.nodeid.split("::")[0], 0), _cost(item))
-    items.sort(key=lambda item: -module_cost[item.nodeid.split("::")[0]])
+        module_cost[module(item)] = max(module_cost.get(module(item), 0), _cost(item))
+    items.sort(key=lambda item: -module_cost[module(item)])
