@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 
 from streamrl.rollout.agent_loop import AgentContext, get_agent_loop_cls
+from streamrl.rollout.aio import gather_within
 from streamrl.rollout.engine.base import PauseMode
 from streamrl.rollout.types import AgentData, AgentState, FinishReason, Trajectory, TrajectoryStatus
 
@@ -247,7 +248,7 @@ class RolloutWorker:
         """Wait until no trajectory is running (held ones excluded)."""
         tasks = list(self._tasks.values())
         if tasks:
-            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout_s)
+            await gather_within(tasks, timeout_s, return_exceptions=True)
 
     async def shutdown(self) -> None:
         for task in self._tasks.values():

@@ -27,14 +27,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamrl.learner.group import LearnerWorker
+from streamrl.rollout.aio import gather_within
 from streamrl.streaming.weight_publisher import Published
 
 if TYPE_CHECKING:
     from streamrl.learner.config import LearnerConfig
     from streamrl.rollout.engine.config import EngineConfig
     from streamrl.streaming.config import StreamRLConfig
-    from streamrl.weight_sync.config import WeightSyncConfig
     from streamrl.streaming.weight_publisher import WeightPublisher
+    from streamrl.weight_sync.config import WeightSyncConfig
 
 logger = logging.getLogger(__name__)
 
@@ -205,11 +206,10 @@ class GroupLearner:
         return str(self.group.model_path)
 
     async def _wait(self, refs: list[Any]) -> list[Any]:
-        return await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
+        return await gather_within(refs, self.timeout_s)
 
     async def train_step(self, padded: Any) -> dict[str, float]:
         import ray
-
         from streamrl.observability.memory import rank_end_of_step
 
         result = (await self._wait(self.group.submit("train_step", ray.put(padded))))[0]

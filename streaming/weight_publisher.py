@@ -13,16 +13,16 @@ with no engine left, `publish` raises `NoHealthyEngineError`.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from streamrl.rollout.aio import gather_within
+
 if TYPE_CHECKING:
     import torch
-
     from streamrl.rollout.engine.config import EngineConfig
     from streamrl.weight_sync.config import WeightSyncConfig
 
@@ -54,7 +54,7 @@ class RemoteWorkers:
         import ray
 
         refs = [getattr(h, method).remote(epoch=epoch) for h in self.handles]
-        outcomes = await asyncio.wait_for(asyncio.gather(*refs, return_exceptions=True), self.timeout_s)
+        outcomes = await gather_within(refs, self.timeout_s, return_exceptions=True)
         for outcome in outcomes:
             if isinstance(outcome, ray.exceptions.RayActorError):
                 logger.warning("rollout worker died before %s; the driver replaces it", method)

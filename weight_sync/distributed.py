@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from streamrl.rollout.aio import gather_within
 from streamrl.weight_sync.buckets import checksum, pack_bucket, plan_buckets
 from streamrl.weight_sync.config import WeightSyncConfig
 from streamrl.weight_sync.group import WeightGroup, backend_device, create_master_store, rendezvous_address, resolve_backend
@@ -67,7 +68,7 @@ class DistributedTransport(WeightTransport):
         )
         broadcast = asyncio.ensure_future(asyncio.to_thread(self._broadcast_buckets, group, manifest, dict(tensors)))
         try:
-            _, raw_reports = await asyncio.wait_for(asyncio.gather(broadcast, receive), timeout=timeout_s)
+            _, raw_reports = await gather_within([broadcast, receive], timeout_s)
             if self.config.overlap:
                 raw_reports = await finish_staging(engines, timeout_s=max(1.0, timeout_s - (time.monotonic() - started)))
         except TimeoutError as exc:
@@ -154,7 +155,7 @@ class DistributedTransport(WeightTransport):
 
     async def _form(self, learner, joins, world_size: int, timeout_s: float) -> WeightGroup:
         try:
-            group, _ = await asyncio.wait_for(asyncio.gather(learner, joins), timeout=timeout_s)
+            group, _ = await gather_within([learner, joins], timeout_s)
             return group
         except WeightSyncError as exc:
             raise WeightSyncError("transfer", f"weight group of {world_size} ranks did not form: {exc}") from exc

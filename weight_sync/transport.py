@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from streamrl.rollout.aio import gather_within
 from streamrl.weight_sync.config import TransportKind, WeightSyncConfig
 from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncError
 
@@ -98,7 +99,7 @@ async def rpc_all(
 
     tasks = [asyncio.ensure_future(one(i, e)) for i, e in enumerate(engines)]
     try:
-        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout_s)
+        return await gather_within(tasks, timeout_s)
     except TimeoutError as exc:
         raise WeightSyncError(phase, f"{method} did not finish on all engines within {timeout_s:.1f}s") from exc
     finally:

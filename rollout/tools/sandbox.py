@@ -49,6 +49,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
+from streamrl.rollout.aio import observe_outcome
 from streamrl.rollout.tools import sandbox_stages
 from streamrl.rollout.tools.sandbox_stages import _MARKER, SETUP_FAILED, SIGNAL_BASE, WORKSPACE
 
@@ -371,7 +372,7 @@ async def _execute(argv: list[str], stdin: bytes, timeout_s: float, settings: Sa
     work = asyncio.ensure_future(asyncio.gather(_feed(proc.stdin, stdin), out.drain(proc.stdout), err.drain(proc.stderr), proc.wait()))
     # The outcome is read from the streams and the exit code, never from `work`: mark its exception as
     # seen, or a call cut off by its event loop closing logs "exception was never retrieved".
-    work.add_done_callback(lambda f: f.cancelled() or f.exception())
+    observe_outcome(work)
     timed_out = False
     try:
         done, _ = await asyncio.wait({work}, timeout=timeout_s)
