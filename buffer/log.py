@@ -7,9 +7,11 @@ Layout of one log (`<prefix>` is `traj`, `consumed` or `images`) inside a buffer
     <prefix>-000001.idx     one fixed-size 32-byte entry per frame: offset, length, crc32 of the
                             frame bytes, row count, crc32 of the entry itself.
 
-Write order per frame: frame bytes -> flush -> index entry -> flush. A frame counts as written
-("flushed": it survives a kill -9 of the process) once its index entry is complete; `sync()` fsyncs
-both files (survives a machine crash). `submit` hands a frame to the writer's one background thread
+Write order per frame: frame bytes, then index entry, each with `os.write` (looping over short
+writes; unbuffered, so written means handed to the OS). A frame counts as written ("flushed": it
+survives a kill -9 of the process) once its index entry is complete; `sync()` fsyncs both files
+(survives a machine crash). Writes and fsyncs go through `buffer.iofaults` (plain `os` calls unless a
+fault plan is armed). `submit` hands a frame to the writer's one background thread
 (serializing, checksumming and writing release the GIL, so they overlap the caller's bookkeeping);
 frames are written in submit order and a frame is written only once its future is done. A writer
 never reopens an old segment: each process appends to a fresh one, so a torn tail left by a crash
@@ -36,6 +38,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from streamrl.buffer import iofaults
 from streamrl.buffer.types import RecoveryReport
 from streamrl.rollout.atomic import fsync_dir
 
@@ -68,27 +71,30 @@ class SegmentWriter:
     Use either `write` (in the caller's thread) or `submit` (background thread) at a time; read
     `segments` and call `sync` / `close` only once every submitted future is done."""
 
-    def __init__(self, directory: Path, *, prefix: str, schema: pa.Schema, segment_max_bytes: int) -> None:
+    def __init__(
+        self, directory: Path, *, prefix: str, schema: pa.Schema, segment_max_bytes: int, io: iofaults.PlainIO | None = None
+    ) -> None:
         self.directory = directory
+        self._io = io or iofaults.active()
         self.prefix = prefix
         self.schema = schema
         self.segment_max_bytes = segment_max_bytes
         existing = segment_paths(directory, prefix)
         self._next_index = (existing[-1][0] + 1) if existing else 1
         self.segments: list[SegmentInfo] = []
-        self._data = None
-        self._idx = None
+        self._data: int | None = None  # file descriptors of the open segment's .arrow and .idx
+        self._idx: int | None = None
         self._offset = 0
         self._thread: ThreadPoolExecutor | None = None
 
     def _open_segment(self) -> None:
         name = f"{self.prefix}-{self._next_index:06d}"
         self._next_index += 1
-        self._data = open(self.directory / f"{name}.arrow", "xb")  # noqa: SIM115 (closed in _seal)
-        self._idx = open(self.directory / f"{name}.idx", "xb")  # noqa: SIM115
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        self._data = os.open(self.directory / f"{name}.arrow", flags, 0o666)  # closed in _seal
+        self._idx = os.open(self.directory / f"{name}.idx", flags, 0o666)
         header = self.schema.serialize()
-        self._data.write(header)
-        self._data.flush()
+        self._write_all(self._data, header)
         self._offset = header.size
         self.segments.append(SegmentInfo(name=name, num_bytes=self._offset))
         fsync_dir(self.directory)
@@ -106,11 +112,9 @@ class SegmentWriter:
             self._open_segment()
         frame = batch.serialize()
         crc = zlib.crc32(frame)
-        self._data.write(frame)
-        self._data.flush()
+        self._write_all(self._data, frame)
         entry = _ENTRY.pack(_MAGIC, self._offset, frame.size, crc, batch.num_rows)
-        self._idx.write(entry + struct.pack("<I", zlib.crc32(entry)))
-        self._idx.flush()
+        self._write_all(self._idx, entry + struct.pack("<I", zlib.crc32(entry)))
         self._offset += frame.size
         info = self.segments[-1]
         info.num_frames += 1
@@ -118,6 +122,11 @@ class SegmentWriter:
         info.num_bytes = self._offset
         if self._offset >= self.segment_max_bytes:
             self._seal()
+
+    def _write_all(self, fd: int, data: bytes | pa.Buffer) -> None:
+        view = memoryview(data)
+        while len(view):
+            view = view[self._io.write(fd, view, log=self.prefix) :]
 
     def submit(self, batch: pa.RecordBatch) -> Future[None]:
         """Queue one frame for the background writer thread; its future is done once `write` is."""
@@ -129,16 +138,15 @@ class SegmentWriter:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"streamrl-log-{self.prefix}")
 
     def sync(self) -> None:
-        for f in (self._data, self._idx):
-            if f is not None:
-                os.fsync(f.fileno())
+        for fd in (self._data, self._idx):
+            if fd is not None:
+                self._io.fsync(fd, log=self.prefix)
 
     def _seal(self) -> None:
-        self._data.write(_EOS)
-        self._data.flush()
+        self._write_all(self._data, _EOS)
         self.sync()
-        self._data.close()
-        self._idx.close()
+        os.close(self._data)
+        os.close(self._idx)
         self._data = self._idx = None
         self.segments[-1].sealed = True
         self.segments[-1].num_bytes += len(_EOS)

@@ -8,10 +8,16 @@ Checkpoint layout (`save_checkpoint(dir)`):
     dir/scheduler.pt         LambdaLR state
     dir/rng.pt               torch CPU/CUDA, python, numpy and the engine's shuffle generator
     dir/state.json           policy_version, num_optimizer_steps, the learner config
+    dir/SEALED.json          written last: every other file and its size (`rollout.atomic.seal_dir`)
 
 Weights are fp32 safetensors and the optimiser state is saved as is, so on CPU a resumed engine
 takes bit-identical steps. Under FSDP rank 0 gathers full state dicts and writes; loading
-broadcasts from rank 0.
+broadcasts from rank 0. A checkpoint is sealed (fsynced, then its manifest) before it is renamed
+into place: it survives a lost machine whole, or is recognisably torn.
+
+Every `.pt` file holds tensors and plain Python values only (the RNG states are converted to them)
+and is read with `torch.load(weights_only=True)`: loading a tampered checkpoint fails instead of
+running the code a pickle can carry.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import json
 import logging
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -93,20 +99,44 @@ def save_checkpoint(ts: TrainState, directory: Path) -> Path:
             }
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
 
-        atomic_dir(directory, write)
+        atomic_dir(directory, write, sync=True)
         logger.info("saved checkpoint policy_version=%d to %s", ts.policy_version, directory)
     _barrier(ts)
     return directory
 
 
 def _rng_state(ts: TrainState) -> dict:
+    """Every RNG's state as tensors and plain values (what `weights_only=True` loads)."""
+    numpy_state = np.random.get_state(legacy=False)  # {bit_generator, state: {key: uint32[624], pos}, ...}
+    numpy_state["state"]["key"] = torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": random.getstate(),  # (version, tuple of ints, gauss): plain values
+        "numpy": numpy_state,
         "generator": ts.generator.get_state(),
     }
+
+
+def _set_rng_state(ts: TrainState, rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    random.setstate(rng["python"])
+    numpy_state = rng["numpy"]
+    numpy_state["state"]["key"] = numpy_state["state"]["key"].numpy().astype(np.uint32)
+    np.random.set_state(numpy_state)
+    ts.generator.set_state(rng["generator"])
+
+
+def _load(path: Path) -> Any:
+    """A checkpoint's `.pt` file: tensors and plain values only; anything else is refused."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"{path} holds more than tensors and plain values; refused to load it: {exc}") from exc
 
 
 def _load_lm_weights(ts: TrainState, folder: Path) -> dict[str, torch.Tensor]:
@@ -127,10 +157,10 @@ def load_checkpoint(ts: TrainState, directory: Path) -> tuple[int, int]:
         raise ValueError(f"{directory} is not a learner checkpoint (no state.json)")
     meta = json.loads((directory / "state.json").read_text())
     lm_state = _load_lm_weights(ts, directory / "hf")
-    head_state = torch.load(directory / "value_head.pt") if (directory / "value_head.pt").exists() else None
+    head_state = _load(directory / "value_head.pt") if (directory / "value_head.pt").exists() else None
     if (head_state is None) != (ts.policy.value_head is None):
         raise ValueError("checkpoint and config disagree on the value head (algo ppo vs grpo)")
-    optim_state = torch.load(directory / "optimizer.pt", weights_only=False)
+    optim_state = _load(directory / "optimizer.pt")
     if ts.is_distributed:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
@@ -148,14 +178,8 @@ def load_checkpoint(ts: TrainState, directory: Path) -> tuple[int, int]:
         if head_state is not None:
             ts.policy.value_head.load_state_dict(head_state)
         ts.optimizer.load_state_dict(optim_state)
-    ts.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=False))
-    rng = torch.load(directory / "rng.pt", weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    ts.generator.set_state(rng["generator"])
+    ts.scheduler.load_state_dict(_load(directory / "scheduler.pt"))
+    _set_rng_state(ts, _load(directory / "rng.pt"))
     logger.info("loaded checkpoint policy_version=%d from %s", int(meta["policy_version"]), directory)
     return int(meta["policy_version"]), int(meta["num_optimizer_steps"])
 

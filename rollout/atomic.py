@@ -3,13 +3,18 @@ half-written (driver state, run info, buffer manifest, checkpoints, SFT and mode
 versions): readers see the old content or the new, never a mix.
 
 Renames survive a killed process as they are; `sync=True` also fsyncs the data and the parent folder,
-for content that must survive a lost machine (the buffer's manifest on a durable flush).
+for content that must survive a lost machine (driver state, run files, checkpoints, the buffer's
+manifest on a durable flush): without it a lost machine may keep the rename but not the bytes.
+A folder written with `atomic_dir(..., sync=True)` is *sealed*: every file is fsynced, then a
+manifest of its files and sizes (`SEAL`) is written last and fsynced, then the folders. A sealed
+folder is complete iff `unsealed_reason` finds the manifest and every file it lists at its size.
 `build_once` is the cached-folder variant (model and SFT caches): built once under a file lock.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import tempfile
@@ -36,14 +41,17 @@ def atomic_write(path: str | Path, data: str | bytes, *, sync: bool = False) -> 
     return path
 
 
-def atomic_dir(final: str | Path, write: Callable[[Path], object]) -> Path:
+def atomic_dir(final: str | Path, write: Callable[[Path], object], *, sync: bool = False) -> Path:
     """Run `write(tmp)` into a fresh sibling folder, then swap it into `final` (an existing `final`
-    is replaced whole: it is moved aside, the new one renamed in, the old one deleted)."""
+    is replaced whole: it is moved aside, the new one renamed in, the old one deleted). `sync=True`
+    seals the folder (module doc) before the rename and fsyncs the parent after it."""
     final = Path(final).resolve()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         write(tmp)
+        if sync:
+            seal_dir(tmp)
         if final.exists():
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
             os.replace(final, old)
@@ -53,6 +61,8 @@ def atomic_dir(final: str | Path, write: Callable[[Path], object]) -> Path:
             os.replace(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if sync:
+        fsync_dir(final.parent)
     return final
 
 
@@ -75,6 +85,52 @@ def build_once(final: str | Path, build: Callable[[Path], object], *, rebuild: b
 
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new file in `path` survive a lost machine."""
+    _fsync(path)
+
+
+SEAL = "SEALED.json"  # {relative path: size in bytes} of every other file of a sealed folder
+
+
+def seal_dir(folder: Path) -> None:
+    """fsync every file under `folder`, write the `SEAL` manifest last (fsynced), then fsync every
+    folder bottom-up: once this returns, a lost machine keeps all of it or the seal is missing."""
+    folder = Path(folder)
+    sizes: dict[str, int] = {}
+    folders = [folder]
+    for path in sorted(folder.rglob("*")):
+        if path.is_dir():
+            folders.append(path)
+        elif path.name != SEAL:
+            _fsync(path)
+            sizes[str(path.relative_to(folder))] = path.stat().st_size
+    with open(folder / SEAL, "w") as f:
+        json.dump(sizes, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    for path in reversed(folders):  # children before parents
+        fsync_dir(path)
+
+
+def unsealed_reason(folder: Path) -> str | None:
+    """None when `folder` is sealed and whole; else why not (no seal, a file missing or truncated)."""
+    folder = Path(folder)
+    try:
+        sizes = json.loads((folder / SEAL).read_text())
+    except FileNotFoundError:
+        return f"{folder} has no {SEAL} (never sealed, or torn)"
+    except ValueError:
+        return f"{folder}/{SEAL} is not valid JSON (torn)"
+    for name, size in sizes.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, the seal says {size}"
+    return None
+
+
+def _fsync(path: Path) -> None:
+    """fsync a file's data, or a folder's entries (both opened read-only)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

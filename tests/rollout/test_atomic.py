@@ -62,3 +62,40 @@ def test_build_once_builds_a_shared_cache_folder_once_while_another_waits(tmp_pa
     assert build_once(final, build) == final and len(builds) == 1  # built: no lock wait, no build
     build_once(final, build, rebuild=True)  # a forced rebuild replaces it whole
     assert len(builds) == 2 and (final / "config.json").read_text() == "2"
+
+
+def test_atomic_dir_sync_seals_the_folder_and_fsyncs_files_then_seal_then_folders(tmp_path, monkeypatch):
+    """What survives a lost machine: every file's bytes, then the seal (written last), then the
+    folders' entries, then the rename in the parent. A folder with a file gone or cut is not sealed."""
+    import os
+
+    from streamrl.rollout.atomic import SEAL, unsealed_reason
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+
+    def write(d):
+        (d / "hf").mkdir()
+        (d / "hf" / "model.safetensors").write_bytes(b"w" * 100)
+        (d / "optimizer.pt").write_bytes(b"o" * 10)
+
+    final = atomic_dir(tmp_path / "ckpt", write, sync=True)
+    names = [os.path.relpath(p, tmp_path) for p in synced]
+    tmp_name = names[0].split("/")[0]  # the temporary sibling the files were written into
+    assert names == [f"{tmp_name}/hf/model.safetensors", f"{tmp_name}/optimizer.pt", f"{tmp_name}/{SEAL}",
+                     f"{tmp_name}/hf", tmp_name, "."]
+    assert unsealed_reason(final) is None
+    (final / "hf" / "model.safetensors").write_bytes(b"w" * 99)
+    assert "99 bytes" in unsealed_reason(final)
+    assert atomic_dir(tmp_path / "plain", write) and unsealed_reason(tmp_path / "plain") is not None  # no sync: no seal
+
+
+def test_atomic_write_sync_fsyncs_the_file_and_its_folder(tmp_path, monkeypatch):
+    import os
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    atomic_write(tmp_path / "driver_state.json", "{}", sync=True)
+    assert len(synced) == 2 and synced[0].startswith(str(tmp_path / ".driver_state.json.")) and synced[1] == str(tmp_path)
