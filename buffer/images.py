@@ -65,6 +65,11 @@ class ImageLog:
         return self.recovered_segments + current
 
     @property
+    def error(self) -> OSError | None:
+        """The I/O error that failed the image log's writer, if any (`buffer.log.LogFailedError`)."""
+        return self._writer.error if self._writer else None
+
+    @property
     def num_segments_written(self) -> int:
         return len(self._writer.segments) if self._writer else 0
 

@@ -82,14 +82,14 @@ class FaultPlan(PlainIO):
         self.faults = {(f.log, f.kind.op, f.at): f for f in faults}
         self.rate, self.kinds, self.logs, self.max_faults = rate, kinds, logs, max_faults
         self._rng = np.random.default_rng(seed)
-        self._calls: Counter[tuple[str, str]] = Counter()
+        self.calls: Counter[tuple[str, str]] = Counter()  # (log, op) -> calls so far
         self._lock = threading.Lock()
         self.injected: list[str] = []  # "<log> <op> #<call> <kind>" of every fault injected
 
     def _draw(self, log: str, op: str) -> Fault | None:
         with self._lock:
-            n = self._calls[log, op]
-            self._calls[log, op] += 1
+            n = self.calls[log, op]
+            self.calls[log, op] += 1
             fault = self.faults.get((log, op, n))
             if fault is None and self.rate and len(self.injected) < self.max_faults and (self.logs is None or log in self.logs):
                 kinds = [k for k in self.kinds if k.op == op]

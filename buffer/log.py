@@ -11,11 +11,19 @@ Write order per frame: frame bytes, then index entry, each with `os.write` (loop
 writes; unbuffered, so written means handed to the OS). A frame counts as written ("flushed": it
 survives a kill -9 of the process) once its index entry is complete; `sync()` fsyncs both files
 (survives a machine crash). Writes and fsyncs go through `buffer.iofaults` (plain `os` calls unless a
-fault plan is armed). `submit` hands a frame to the writer's one background thread
-(serializing, checksumming and writing release the GIL, so they overlap the caller's bookkeeping);
-frames are written in submit order and a frame is written only once its future is done. A writer
-never reopens an old segment: each process appends to a fresh one, so a torn tail left by a crash
-stays where it is and is reported on every read.
+fault plan is armed). `submit` hands a frame to the writer's one background thread (serializing,
+checksumming and writing release the GIL, so they overlap the caller's bookkeeping); frames are
+written in submit order and a frame is written only once its future is done. A writer never reopens
+an old segment: each process appends to a fresh one, so a torn tail left by a crash stays where it is
+and is reported on every read.
+
+A failed write or fsync fails the writer for good (`LogFailedError`, naming the I/O error): that
+frame and every later one raise, nothing more is written, `close` seals nothing. A torn frame is
+therefore always the last bytes of its segment, which recovery reads as a torn tail, so every frame
+acknowledged before the failure comes back. Retrying is not safe: after a partial write the file
+position is past bytes no index entry describes, and after a failed fsync the kernel may have dropped
+the dirty pages, so a second fsync of the same file would succeed without them (fsyncgate). The run
+stops; `--resume` appends to a fresh segment.
 
 Reading verifies every frame: bytes past the last complete index entry are a torn tail (reported,
 ignored); a frame whose crc32 does not match, or that does not parse, is corrupt (reported, skipped)
@@ -48,6 +56,10 @@ _MAGIC = 0x53524C31  # "SRL1"
 _ENTRY = struct.Struct("<IQQII")  # magic, offset, length, crc32(frame), num_rows
 _ENTRY_SIZE = _ENTRY.size + 4  # + crc32(entry)
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+class LogFailedError(OSError):
+    """A write or fsync of a buffer log failed; the writer accepts no more writes (see the module docstring)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,6 +98,7 @@ class SegmentWriter:
         self._idx: int | None = None
         self._offset = 0
         self._thread: ThreadPoolExecutor | None = None
+        self.error: OSError | None = None  # the I/O error that failed this writer (then it writes nothing more)
 
     def _open_segment(self) -> None:
         name = f"{self.prefix}-{self._next_index:06d}"
@@ -104,10 +117,31 @@ class SegmentWriter:
         the first write."""
         self._ensure_thread()
         if self._data is None:
-            self._thread.submit(self._open_segment).result()
+            self._thread.submit(self._guarded, "opening a segment", self._open_segment).result()
 
     def write(self, batch: pa.RecordBatch) -> None:
-        """Write one frame and flush it to the OS."""
+        """Write one frame and flush it to the OS; LogFailedError if this or an earlier write failed."""
+        self._guarded(f"writing a frame of {batch.num_rows} rows", self._write_frame, batch)
+
+    def _guarded(self, what: str, fn, *args) -> None:
+        """Run `fn(*args)` unless the writer failed before; an OSError fails it for good."""
+        if self.error is not None:
+            raise LogFailedError(self._failure_message("is failed")) from self.error
+        try:
+            fn(*args)
+        except OSError as e:
+            self.error = e
+            raise LogFailedError(self._failure_message(f"failed {what}")) from e
+
+    def _failure_message(self, how: str) -> str:
+        where = self.segments[-1].name if self.segments else self.prefix
+        return (
+            f"buffer log {where} {how}: {self.error}. The log accepts no more writes: rows not flushed "
+            "before this error are not acknowledged. Free the disk and restart the run with --resume "
+            "(every acknowledged row is recovered)"
+        )
+
+    def _write_frame(self, batch: pa.RecordBatch) -> None:
         if self._data is None:
             self._open_segment()
         frame = batch.serialize()
@@ -138,13 +172,17 @@ class SegmentWriter:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"streamrl-log-{self.prefix}")
 
     def sync(self) -> None:
+        """fsync both files of the open segment; a failure fails the writer (never retried)."""
+        self._guarded("to fsync", self._sync)
+
+    def _sync(self) -> None:
         for fd in (self._data, self._idx):
             if fd is not None:
                 self._io.fsync(fd, log=self.prefix)
 
     def _seal(self) -> None:
         self._write_all(self._data, _EOS)
-        self.sync()
+        self._sync()
         os.close(self._data)
         os.close(self._idx)
         self._data = self._idx = None
@@ -152,12 +190,19 @@ class SegmentWriter:
         self.segments[-1].num_bytes += len(_EOS)
 
     def close(self) -> None:
-        """Wait for submitted frames, stop the writer thread, seal the open segment."""
+        """Wait for submitted frames, stop the writer thread, seal the open segment (a failed writer
+        only closes its files: a seal would write after the torn bytes)."""
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
-        if self._data is not None:
-            self._seal()
+        if self._data is None:
+            return
+        if self.error is None:
+            self._guarded("sealing a segment", self._seal)
+            return
+        for fd in (self._data, self._idx):
+            os.close(fd)
+        self._data = self._idx = None
 
 
 def read_segments(

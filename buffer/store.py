@@ -39,7 +39,7 @@ from streamrl.buffer.admission import length_bucket, rollout_capacity, trajector
 from streamrl.buffer.config import BufferConfig, OverAgePolicy
 from streamrl.buffer.groups import GroupPhase, GroupState, GroupTable, RowColumns
 from streamrl.buffer.images import IMAGES_PREFIX, ImageLog
-from streamrl.buffer.log import SegmentWriter, read_segments
+from streamrl.buffer.log import LogFailedError, SegmentWriter, read_segments
 from streamrl.buffer.manifest import (
     CONSUMED_PREFIX,
     CONSUMPTION_SCHEMA,
@@ -87,6 +87,7 @@ class ReplayBuffer:
         self._held_batches: list[pa.RecordBatch] = []  # small batches waiting to be coalesced
         self._held_chunks: list[int] = []  # their row-store chunk ids
         self._inflight: list[Future[None]] = []  # frames handed to the log writer thread
+        self._log_error: BaseException | None = None  # the failure of a log write: every later call raises
         self._pending_rows = 0  # rows appended since the last flush (not yet acknowledged)
         self._pending_since = 0.0
         self._manifest_segments = 0  # trajectory segments listed by the last manifest write
@@ -102,7 +103,12 @@ class ReplayBuffer:
         self._images = ImageLog(self._root, segment_max_bytes=cfg.segment_max_bytes)
         self._manifest_image_segments = 0
         if self._root is not None:
-            self._open_dir(resume_learner_step)
+            try:
+                self._open_dir(resume_learner_step)
+            except BaseException:  # e.g. a failed log write: release the directory for the next try
+                if self._lock is not None:
+                    self._lock.release()
+                raise
         elif resume_learner_step is not None:
             raise ValueError("resume_learner_step needs a root_dir: a memory-only buffer has no history")
 
@@ -124,6 +130,7 @@ class ReplayBuffer:
         `durable=True` returns only once the rows are in the log (they survive a process kill): use it
         when the caller acknowledges something on the strength of these rows (admission saves its
         prompt cursor; a tool journal entry lets a side effect run)."""
+        self._raise_if_failed()
         batch = trajectories_to_batch(data) if isinstance(data, list) else normalize_batch(data)
         blobs = list(images or ())
         self._images.check_refs(image_refs_of(batch), batch.column("trajectory_id").to_pylist(), blobs)
@@ -203,14 +210,17 @@ class ReplayBuffer:
 
     def flush(self) -> None:
         """Write every appended row to the log and wait for it (to the OS: the rows survive a process
-        kill from when this returns). Re-raises a failure of the writer thread."""
+        kill from when this returns). Once a log write failed, this and every later call raises
+        `LogFailedError` (the rows written since the last flush are never acknowledged)."""
+        self._raise_if_failed()
         if not self._pending_rows and not self._inflight:
             return
         self._submit_held()
         inflight, self._inflight = self._inflight, []
         errors = [e for e in (f.exception() for f in inflight) if e is not None]
         if errors:
-            raise errors[0]
+            self._log_error = errors[0]
+            self._raise_if_failed()
         if self._traj_log is not None and (
             len(self._traj_log.segments) != self._manifest_segments
             or self._images.num_segments_written != self._manifest_image_segments
@@ -218,6 +228,17 @@ class ReplayBuffer:
             self._write_manifest(sync=False)
         self._counts["flushes"] += 1
         self._pending_rows = 0
+
+    def _raise_if_failed(self) -> None:
+        """LogFailedError if any log of this buffer failed (sticky: the buffer is done; see `buffer.log`)."""
+        if self._log_error is None:
+            failed = [w.error for w in (self._traj_log, self._cons_log, self._images) if w is not None and w.error]
+            self._log_error = failed[0] if failed else None
+        if self._log_error is None:
+            return
+        if isinstance(self._log_error, LogFailedError):
+            raise self._log_error
+        raise LogFailedError(f"buffer log failed: {self._log_error}; the buffer accepts no more writes") from self._log_error
 
     def _submit_held(self) -> None:
         """Hand the held small batches to the log as one frame (and one row-store chunk)."""
@@ -250,16 +271,23 @@ class ReplayBuffer:
         self._write_manifest(sync=self.cfg.fsync_on_checkpoint)
 
     def close(self) -> None:
-        if self._root is None or self._lock is None:
+        """Flush, seal the logs, write the manifest, release the directory. A failed buffer raises
+        its LogFailedError after closing its files and releasing the directory (nothing is sealed)."""
+        try:
             self.flush()
-            return
-        self.flush()
-        self._images.close()
-        self._traj_log.close()
-        self._cons_log.close()
-        self._write_manifest(sync=self.cfg.fsync_on_checkpoint)
-        self._lock.release()
-        self._lock = None
+        finally:
+            if self._root is not None and self._lock is not None:
+                self._close_dir()
+
+    def _close_dir(self) -> None:
+        try:
+            for log in (self._images, self._traj_log, self._cons_log):
+                log.close()
+            if self._log_error is None:
+                self._write_manifest(sync=self.cfg.fsync_on_checkpoint)
+        finally:
+            self._lock.release()
+            self._lock = None
 
     # ---------------------------------------------------------------- sampling
     def sample(self, *, served_version: int, learner_step: int) -> SampledBatch | None:
