@@ -5,7 +5,8 @@
 
 `load_table` / `load_dataset` / `load_frame` give the same rows to notebooks. Beside the
 `TRAJECTORY_SCHEMA` columns each row has `segment`, `log_index` (write order), `is_latest` (the row
-that superseded all earlier rows of its trajectory) and `num_consumed` / `last_consume_step`
+the buffer kept of its trajectory: its first finished or failed row, else its last partial row;
+`buffer.groups.kept_rows`) and `num_consumed` / `last_consume_step`
 (consumption that survived rollbacks). Reading never modifies the directory; problems found in it
 (torn tails, checksum failures) are listed by `stats`.
 """
@@ -21,8 +22,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from streamrl.buffer.admission import lag_histogram
+from streamrl.buffer.groups import kept_rows
 from streamrl.buffer.log import read_segments
-from streamrl.buffer.manifest import CONSUMED_PREFIX, CONSUMPTION_SCHEMA, TRAJ_PREFIX, consumption_history
+from streamrl.buffer.manifest import (
+    CONSUMED_PREFIX,
+    CONSUMPTION_SCHEMA,
+    TRAJ_PREFIX,
+    consumption_by_step,
+    consumption_history,
+)
 from streamrl.buffer.schema import LEGACY_SCHEMAS, TRAJECTORY_SCHEMA, normalize_batch
 from streamrl.buffer.types import RecoveryReport
 
@@ -34,6 +42,21 @@ if TYPE_CHECKING:
 def read_dir(buffer_dir: str | Path) -> tuple[pa.Table, dict[str, list[tuple[int, int]]], RecoveryReport]:
     """Every logged row (with its segment name), the surviving consumption history
     (trajectory_id -> [(learner_step, lag)]) and what reading found wrong in the log."""
+    table, cons, report = _read_logs(buffer_dir)
+    return table, consumption_history(cons), report
+
+
+def logged_steps(buffer_dir: str | Path) -> tuple[pa.Table, dict[int, list[tuple[int, int]]]]:
+    """Every logged row (as `read_dir`) and, for every learner step that trained, its batch as
+    [(row index in that table, lag)] in the order the batch had: the row of each trajectory that the
+    buffer kept (a late duplicate it ignored is never the one trained), rollbacks applied."""
+    table, cons, _ = _read_logs(buffer_dir)
+    tids = table.column("trajectory_id").to_pylist()
+    kept = {tids[i]: i for i in kept_rows(tids, table.column("status").to_pylist())}
+    return table, {step: [(kept[tid], lag) for tid, lag in uses] for step, uses in consumption_by_step(cons).items()}
+
+
+def _read_logs(buffer_dir: str | Path) -> tuple[pa.Table, list[pa.RecordBatch], RecoveryReport]:
     root = Path(buffer_dir)
     if not root.is_dir():
         raise ValueError(f"{root} is not a buffer directory")
@@ -48,23 +71,23 @@ def read_dir(buffer_dir: str | Path) -> tuple[pa.Table, dict[str, list[tuple[int
     cons = [b for _, b in read_segments(root, prefix=CONSUMED_PREFIX, schema=CONSUMPTION_SCHEMA, report=report)]
     report.num_consumption_records = sum(b.num_rows for b in cons)
     table = pa.Table.from_batches(batches, schema=TRAJECTORY_SCHEMA)
-    return table.append_column("segment", pa.array(names, pa.string())), consumption_history(cons), report
+    return table.append_column("segment", pa.array(names, pa.string())), cons, report
+
+
+def _kept(table: pa.Table) -> np.ndarray:
+    return np.array(kept_rows(table.column("trajectory_id").to_pylist(), table.column("status").to_pylist()), dtype=np.int64)
 
 
 def latest_rows(table: pa.Table) -> pa.Table:
-    """Each trajectory's last logged row (the one that superseded the others)."""
-    if not table.num_rows:
-        return table
-    idx = pa.table({"t": table.column("trajectory_id"), "i": np.arange(table.num_rows)}).group_by("t").aggregate([("i", "max")])
-    return table.take(idx.column("i_max"))
+    """The row the buffer kept of each trajectory (`buffer.groups.kept_rows`), in log order."""
+    return table.take(_kept(table)) if table.num_rows else table
 
 
 def load_table(buffer_dir: str | Path) -> pa.Table:
     table, history, _ = read_dir(buffer_dir)
     n = table.num_rows
     table = table.append_column("log_index", pa.array(np.arange(n, dtype=np.int64)))
-    latest = table.group_by("trajectory_id").aggregate([("log_index", "max")]).column("log_index_max")
-    table = table.append_column("is_latest", pc.is_in(table.column("log_index"), value_set=latest))
+    table = table.append_column("is_latest", pc.is_in(table.column("log_index"), value_set=pa.array(_kept(table))))
     tids = table.column("trajectory_id").to_pylist()
     uses = [history.get(t, []) for t in tids]
     table = table.append_column("num_consumed", pa.array([len(u) for u in uses], pa.int32()))

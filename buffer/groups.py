@@ -8,9 +8,13 @@ A group (the `group_size` samples of one `group_id`) moves through phases:
       +--fewer than min_finished_per_group finished--> DROPPED
       +--all finished rewards equal and DAPO filter on--> FILTERED
 
-While OPEN, a later row of a trajectory supersedes the earlier one (partial -> partial -> finished).
-Once a group has left OPEN, further rows for it are late duplicates and are ignored (counted), which
-is what makes consumption exactly-once. This module holds no Arrow data: it tells the caller which
+While OPEN, a later row of a trajectory supersedes an earlier *partial* row (partial -> partial ->
+finished). A trajectory's first terminal row (finished or failed) is final: a later row for it is
+refused and counted as late, whether a duplicate finish or a stale partial row of a worker the driver
+already gave up on, whose late append would otherwise turn a finished trajectory back into a resumable
+one (partial rows of two attempts are not ordered: that needs an attempt number in the row). Once a
+group has left OPEN, further rows for it are late duplicates and are ignored (counted), which is what
+makes consumption exactly-once. `kept_rows` applies the same rule to a log read back. This module holds no Arrow data: it tells the caller which
 row ids died so the row store can free them.
 """
 
@@ -80,6 +84,20 @@ class RowColumns:
     min_policy_versions: list[int]  # [num_rows]
 
 
+def kept_rows(trajectory_ids: list[str], statuses: list[str]) -> list[int]:
+    """Indices (ascending) of the row the buffer keeps of each trajectory in a log's rows, given in
+    log order: its first finished or failed row, else its last (partial) row."""
+    kept: dict[str, int] = {}
+    final: set[str] = set()
+    partial = TrajectoryStatus.PARTIAL.value
+    for i, (tid, status) in enumerate(zip(trajectory_ids, statuses)):
+        if tid not in final:
+            kept[tid] = i
+            if status != partial:
+                final.add(tid)
+    return sorted(kept.values())
+
+
 class GroupTable:
     """All groups by id; `ready` keeps READY groups in FIFO (settle) order."""
 
@@ -142,6 +160,11 @@ class GroupTable:
                 dead.append(row)
                 continue
             old = group.members.get(tid)
+            if old is not None and old.status is not partial:
+                self.num_late_rows += 1
+                logger.warning("ignoring %s row of trajectory %s: its %s row is final", status, tid, old.status)
+                dead.append(row)
+                continue
             steps: list[int] = []
             if old is not None:
                 dead.append(old.row)

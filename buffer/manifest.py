@@ -116,5 +116,20 @@ def consumption_history(batches: Iterable[pa.RecordBatch], resume_learner_step: 
     return {tid: uses for tid, uses in history.items() if uses}
 
 
+def consumption_by_step(batches: Iterable[pa.RecordBatch]) -> dict[int, list[tuple[str, int]]]:
+    """Replay consumption records: learner_step -> [(trajectory_id, lag)] of its surviving uses, in
+    the order they were recorded (the sampled batch's row order). A rollback marker drops the steps
+    after its learner_step, so a step trained again after a resume lists the batch it got then."""
+    steps: dict[int, list[tuple[str, int]]] = {}
+    for batch in batches:
+        cols = batch.to_pydict()
+        for op, tid, step, lag in zip(cols["op"], cols["trajectory_id"], cols["learner_step"], cols["lag"]):
+            if op == "consume":
+                steps.setdefault(step, []).append((tid, lag))
+            else:
+                steps = {s: uses for s, uses in steps.items() if s <= step}
+    return steps
+
+
 def _rollback(history: dict[str, list[tuple[int, int]]], learner_step: int) -> dict[str, list[tuple[int, int]]]:
     return {tid: [u for u in uses if u[0] <= learner_step] for tid, uses in history.items()}

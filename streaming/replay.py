@@ -33,20 +33,11 @@ COMPARED = ("learner/loss", "learner/pg_loss", "learner/entropy", "learner/grad_
 
 
 def logged_batches(buffer_dir: Path) -> list[tuple[int, pa.Table, np.ndarray]]:
-    """(learner_step, rows in consumption order, trajectory lags) of every step the run trained."""
-    from streamrl.buffer.cli import read_dir
+    """(learner_step, rows in the order the batch had, trajectory lags) of every step the run trained:
+    the rows the buffer kept (`buffer.cli.logged_steps`)."""
+    from streamrl.buffer.cli import logged_steps
 
-    table, history, _ = read_dir(buffer_dir)
-    latest: dict[str, int] = {}
-    tids = table.column("trajectory_id").to_pylist()
-    statuses = table.column("status").to_pylist()
-    for i, (tid, status) in enumerate(zip(tids, statuses)):
-        if status == "finished":
-            latest[tid] = i  # the finished row is the one a batch takes (rows are never finished twice)
-    steps: dict[int, list[tuple[int, int]]] = {}
-    for tid, uses in history.items():  # insertion order = the order the uses were logged
-        for step, lag in uses:
-            steps.setdefault(step, []).append((latest[tid], lag))
+    table, steps = logged_steps(buffer_dir)
     return [(step, table.take(np.array([r for r, _ in rows])), np.array([lag for _, lag in rows]))
             for step, rows in sorted(steps.items())]
 
