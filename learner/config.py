@@ -218,6 +218,9 @@ class LearnerConfig(BaseModel):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(default=1e-8, gt=0)
     grad_clip: float | None = Field(default=1.0, gt=0)
+    # An optimiser step whose loss or gradient norm is NaN/inf is skipped (no weight change); this
+    # many learner steps in a row with nothing but skipped updates stop the run.
+    max_nonfinite_steps: int = Field(default=3, ge=1)
     warmup_steps: int = Field(default=0, ge=0)
     lr_schedule: LRSchedule = LRSchedule.CONSTANT
     # optimiser steps the schedule spans; needed by linear/cosine ("total_steps", its earlier name, is read too)

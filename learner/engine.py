@@ -5,6 +5,12 @@ A step: (1) a no-grad pass over the batch for whatever the loss needs from the s
 (GRPO group-normalised or masked GAE); (3) `ppo_epochs × num_minibatches` optimiser steps, each
 accumulating gradients over micro-batches packed by token budget; (4) `policy_version += 1`.
 
+An optimiser step whose loss or gradient norm is NaN/inf (a NaN reward that slipped through, an
+overflow) is skipped: its gradients are dropped and the weights, optimiser state and LR schedule stay
+as they were. `learner/num_nonfinite_steps` counts them; a learner step all of whose optimiser steps
+were skipped returns `StepResult.skipped_nonfinite` (its policy_version still advances, labelling the
+unchanged weights, so versions keep counting learner steps) and the driver publishes nothing new.
+
 policy_version convention: the engine starts at 0 (the initial weights); after `train_step` number k
 it holds policy_version k, which is the version weight_sync publishes. Token lag inside step k + 1 is
 k − (token policy_version).
@@ -21,6 +27,7 @@ every forward — training pass, no-grad recompute, reference — receives each 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +53,7 @@ from streamrl.learner.model import (
 )
 from streamrl.learner.sharded import clip_grad_norm, full_tensor
 from streamrl.learner.step_inputs import StepInputs, build_step_inputs
-from streamrl.learner.types import TrainBatch, TrainState
+from streamrl.learner.types import StepResult, TrainBatch, TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +197,12 @@ class TrainingEngine:
     # ---- the step ----------------------------------------------------------------------------------
 
     def train_step(self, batch: Any) -> dict[str, float]:
-        """One PPO/GRPO step on a buffer batch; returns `learner/*` and `is/*` metrics (observability/catalogue.py)."""
+        """`step`'s metrics only (benches and tests that read nothing else)."""
+        return self.step(batch).metrics
+
+    def step(self, batch: Any) -> StepResult:
+        """One PPO/GRPO step on a buffer batch: the new policy_version, `learner/*` and `is/*` metrics
+        (observability/catalogue.py) and whether every optimiser step was skipped as non-finite."""
         start = time.perf_counter()
         cfg = self.cfg
         full = self.to_train_batch(batch)
@@ -203,14 +215,15 @@ class TrainingEngine:
         stats: list[TokenStats] = []
         sums: dict[str, float] = {}
         self.policy.train()
-        num_updates = 0
+        num_updates = num_skipped = 0
         for _ in range(cfg.ppo_epochs):
             gen = self.generator if cfg.shuffle_minibatches else None
             for rows in split_minibatches(tb.batch_size, cfg.num_minibatches, gen):
-                parts = self._minibatch_update(tb, inputs, rows, stats)
+                parts, stepped = self._minibatch_update(tb, inputs, rows, stats)
                 for key, value in parts.items():
                     sums[key] = sums.get(key, 0.0) + value
                 num_updates += 1
+                num_skipped += not stepped
         self.policy_version += 1
         elapsed = time.perf_counter() - start
         metrics = {f"learner/{k}": v / num_updates for k, v in sums.items()}
@@ -220,6 +233,7 @@ class TrainingEngine:
             {
                 "learner/policy_version": float(self.policy_version),
                 "learner/num_optimizer_steps": float(self.num_optimizer_steps),
+                "learner/num_nonfinite_steps": float(num_skipped),
                 "learner/lr": float(self.scheduler.get_last_lr()[0]),
                 "learner/num_seqs": float(full.batch_size),
                 "learner/num_action_tokens": num_tokens,
@@ -238,12 +252,13 @@ class TrainingEngine:
                 torch.distributed.all_gather_object(gathered, local)
                 local = TokenStats.concat(gathered)
             metrics.update(correction_metrics(local, cfg.correction.num_lag_buckets))
-        return metrics
+        return StepResult(policy_version=self.policy_version, metrics=metrics, skipped_nonfinite=num_skipped == num_updates)
 
     def _minibatch_update(
         self, tb: TrainBatch, inputs: StepInputs, rows: torch.Tensor, stats: list[TokenStats]
-    ) -> dict[str, float]:
-        """Accumulate gradients over the micro-batches of `rows`, clip, step; returns loss parts."""
+    ) -> tuple[dict[str, float], bool]:
+        """Accumulate gradients over the micro-batches of `rows`, clip, step; returns the loss parts
+        and whether the optimiser stepped (False: skipped as non-finite, see `_clip_and_step`)."""
         cfg = self.cfg
         mode = cfg.effective_loss_agg_mode
         num_tokens = self.all_reduce(float(tb.loss_mask[rows].sum().item()))
@@ -311,18 +326,26 @@ class TrainingEngine:
             )
         if self.is_distributed:
             parts = {k: self.all_reduce(v) for k, v in parts.items()}
-        grad_norm = self._clip_and_step()
-        parts["grad_norm"] = grad_norm
-        return parts
+        parts["grad_norm"], stepped = self._clip_and_step(parts.get("loss", 0.0))
+        return parts, stepped
 
-    def _clip_and_step(self) -> float:
+    def _clip_and_step(self, loss: float) -> tuple[float, bool]:
+        """Clip and take one optimiser and schedule step; returns (grad norm, stepped).
+
+        A non-finite `loss` or grad norm skips the step: the gradients are dropped and the weights,
+        the optimiser state and the schedule stay as they were. Every rank decides alike: `loss` is
+        summed over ranks and the norm is global."""
         params = [p for p in self.policy.parameters() if p.grad is not None]
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
         norm = clip_grad_norm(params, max_norm)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            logger.warning("optimizer step skipped: loss %s, grad norm %s (policy_version %d)", loss, norm, self.policy_version)
+            return norm, False
         self.optimizer.step()
         self.scheduler.step()
         self.num_optimizer_steps += 1
-        return norm
+        return norm, True
 
     # ---- weights out -------------------------------------------------------------------------------
 

@@ -129,8 +129,7 @@ class LearnerWorker:
         return self.engine.policy_version
 
     def train_step(self, batch: Any) -> StepResult:
-        metrics = self.engine.train_step(batch)
-        return StepResult(policy_version=self.engine.policy_version, metrics=metrics)
+        return self.engine.step(batch)
 
     def compute_logprobs(self, batch: Any) -> Any:
         return self.engine.compute_logprobs(batch)

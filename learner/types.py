@@ -46,10 +46,12 @@ class TrainState:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepResult:
     """A learner rank's train step, across the actor boundary: the version its weights now carry
-    (control) and the step's metrics (observability only, never read for control)."""
+    (control), the step's metrics (observability only, never read for control), and whether every
+    optimiser step of it was skipped for a non-finite loss or gradient norm (weights unchanged)."""
 
     policy_version: int
     metrics: dict[str, float]
+    skipped_nonfinite: bool = False
 
 
 @dataclass(kw_only=True, slots=True)

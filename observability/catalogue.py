@@ -153,6 +153,8 @@ METRICS: tuple[Metric, ...] = (
     M("learner/value_clip_frac", "fraction", R.MEAN, "tokens whose value update was clipped", when=PPO),
     M("learner/policy_version", "version", R.LAST, "the learner's weights version after the step"),
     M("learner/num_optimizer_steps", "steps", R.TOTAL, "optimizer steps taken"),
+    M("learner/num_nonfinite_steps", "steps", R.COUNT,
+      "optimizer steps of this learner step skipped for a NaN/inf loss or gradient norm (weights unchanged)"),
     M("learner/lr", "lr", R.LAST, "learning rate after the step"),
     M("learner/num_seqs", "sequences", R.LAST, "sequences in the trained batch"),
     M("learner/num_action_tokens", "tokens", R.LAST, "policy-sampled tokens in the trained batch"),

@@ -104,7 +104,7 @@ class RunInfo(BaseModel):
     started_at: float = Field(default_factory=time.time)  # unix seconds; the timeline's zero
 
     def save(self, run_dir: str | Path) -> Path:
-        return atomic_write(Path(run_dir) / RUN_INFO_FILE, self.model_dump_json(indent=2))
+        return atomic_write(Path(run_dir) / RUN_INFO_FILE, self.model_dump_json(indent=2), sync=True)
 
     @classmethod
     def load(cls, run_dir: str | Path) -> RunInfo:

@@ -74,6 +74,9 @@ class TrainerConfig(BaseModel):
     total_steps: int = Field(20, gt=0)  # learner steps: one buffer batch each (num_minibatches x ppo_epochs optimiser steps)
     sync_every: int = Field(1, gt=0)  # publish weights every K learner steps
     checkpoint_every: int = Field(5, gt=0)
+    # Complete checkpoints kept in RUN_DIR/checkpoints (the oldest go once a new one is complete); 0 = all.
+    # Two leave a resume an older one to fall back to when the newest is torn (streaming/checkpoints.py).
+    keep_checkpoints: int = Field(2, ge=0)
     run_root: str = "runs"
     run_name: str | None = None  # default: <config stem>-<timestamp>
     step_timeout_s: float = Field(1800.0, gt=0)  # a learner step or a sync longer than this fails the run

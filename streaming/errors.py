@@ -1,7 +1,8 @@
 """Failures a person can act on: one sentence instead of a Ray traceback.
 
 `StreamRLError` carries a complete message (the CLI prints it without a traceback). `explain_failure`
-turns a part killed for memory — Ray's memory monitor (`ray.exceptions.OutOfMemoryError`, or an actor
+turns a run stopped by non-finite learner steps (`NonFiniteTrainingError`) into its own message, and a
+part killed for memory — Ray's memory monitor (`ray.exceptions.OutOfMemoryError`, or an actor
 error whose message says the node ran low on memory), wrapped however deep by the driver's
 `RuntimeError("learner loop failed") from ...` — into the sentence `streamrl train` ends with: which
 part, its peak when Ray reported it, the knobs that shrink it and the exact resume command.
@@ -9,14 +10,36 @@ part, its peak when Ray reported it, the knobs that shrink it and the exact resu
 
 from __future__ import annotations
 
+import logging
 import re
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
+
 
 class StreamRLError(RuntimeError):
     """A failure whose message is complete and user-facing (no traceback needed)."""
+
+
+class NonFiniteTrainingError(StreamRLError):
+    """`learner.max_nonfinite_steps` learner steps in a row were skipped for a non-finite loss or
+    gradient norm (their weights never changed, so nothing non-finite was published or saved)."""
+
+
+def check_nonfinite_steps(num_in_row: int, max_in_row: int, learner_step: int) -> None:
+    """Raise `NonFiniteTrainingError` once `num_in_row` skipped steps reach `max_in_row`."""
+    if num_in_row == 0:
+        return
+    logger.warning("learner step %d was skipped: non-finite loss or gradient norm (%d in a row)", learner_step, num_in_row)
+    if num_in_row >= max_in_row:
+        raise NonFiniteTrainingError(
+            f"the run stopped at learner step {learner_step}: {num_in_row} learner steps in a row had a non-finite "
+            "loss or gradient norm (their updates were skipped; the weights and checkpoints are finite). Look for "
+            "NaN/inf rewards (failed trajectories say so in RUN_DIR/logs) or lower learner.lr; "
+            "learner.max_nonfinite_steps sets this limit"
+        )
 
 
 # Ray actor class -> (what a person calls it, the knobs that shrink it).
@@ -73,11 +96,13 @@ def _victims(text: str) -> list[tuple[str | None, str | None, str | None]]:
 
 
 def explain_failure(exc: BaseException, run_dir: str | Path) -> str | None:
-    """One sentence for a part killed for memory, or for every engine gone, anywhere in `exc`'s
-    chain; None for anything else."""
+    """One sentence for a part killed for memory, for every engine gone, or for too many non-finite
+    learner steps, anywhere in `exc`'s chain; None for anything else."""
     from streamrl.rollout.engine.base import NoHealthyEngineError
 
     resume = f"continue the run with: streamrl train --resume {shlex.quote(str(run_dir))}"
+    if nonfinite := next((e for e in exception_chain(exc) if isinstance(e, NonFiniteTrainingError)), None):
+        return str(nonfinite)
     if gone := next((e for e in exception_chain(exc) if isinstance(e, NoHealthyEngineError)), None):
         reason = str(gone).strip().splitlines()[-1]
         return f"the run stopped because no inference engine is left ({reason}); see {run_dir}/logs, then {resume}"

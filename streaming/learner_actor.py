@@ -31,11 +31,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Trained:
-    """One learner step, across the actor boundary: its metrics (observability only) and a few of
-    the batch's trajectories for the report."""
+    """One learner step, across the actor boundary: its metrics (observability only), a few of the
+    batch's trajectories for the report, and whether the step was skipped for a non-finite loss or
+    gradient norm (its weights are unchanged; the driver counts these)."""
 
     metrics: dict[str, float]
     samples: list[Trajectory]
+    skipped_nonfinite: bool = False
 
 
 def learner_actor_options(cfg: StreamRLConfig) -> dict[str, float]:
@@ -61,6 +63,8 @@ class LearnerActor:
         self.learner = backend(self.cfg, init_checkpoint)
         self.busy_s = 0.0
         self.started = time.monotonic()
+        self.served_version: int | None = None  # what the engines serve (set by connect)
+        self.weights_changed = False  # a step changed the weights since the engines got them
 
     def policy_version(self) -> int:
         return self.learner.policy_version
@@ -89,7 +93,9 @@ class LearnerActor:
 
         t0 = time.monotonic()
         padded = sampled.to_padded()
-        metrics = await self.learner.train_step(padded)
+        result = await self.learner.train_step(padded)
+        self.weights_changed |= not result.skipped_nonfinite
+        metrics = dict(result.metrics)
         self.busy_s += time.monotonic() - t0
         metrics["learner/step_s"] = time.monotonic() - t0
         metrics["learner/busy_fraction"] = self.busy_s / max(time.monotonic() - self.started, 1e-9)
@@ -102,11 +108,13 @@ class LearnerActor:
         metrics.update(summarize(lags, prefix="staleness/lag_"))
         metrics.update(lag_fractions(lag_histogram(lags, self.cfg.buffer.max_staleness), f"{LAG_FRAC}batch/"))
         table = sampled.table
-        return Trained(metrics=metrics, samples=batch_to_trajectories(table.slice(0, min(num_samples, table.num_rows))))
+        samples = batch_to_trajectories(table.slice(0, min(num_samples, table.num_rows)))
+        return Trained(metrics=metrics, samples=samples, skipped_nonfinite=result.skipped_nonfinite)
 
     async def connect(self, engines: list, workers: list, policy_version: int) -> None:
         """Set up weight sync over the engine actors and rollout worker actors (engines serve `policy_version`)."""
         await self.learner.connect(engines, workers, policy_version)
+        self.served_version, self.weights_changed = policy_version, False
 
     async def set_workers(self, workers: list) -> None:
         """Replace the pausable set after a preempted worker was replaced."""
@@ -116,8 +124,17 @@ class LearnerActor:
         """Move the current weights into every engine (transactional).
 
         Returns the policy_version the engines serve afterwards (the new one, or the old one if the
-        sync failed: it is retried at the next publish) and `sync/*` metrics."""
-        return await self.learner.publish()
+        sync failed: it is retried at the next publish) and `sync/*` metrics. When every step since
+        the engines got their weights was skipped as non-finite, the weights are unchanged and
+        nothing is sent."""
+        assert self.served_version is not None, "connect() first"
+        if not self.weights_changed:
+            return Published(policy_version=self.served_version, metrics={})
+        published = await self.learner.publish()
+        self.served_version = published.policy_version
+        # a failed sync, or one that sent older weights (weight_sync.publish_lag), leaves newer ones to send
+        self.weights_changed = published.policy_version < self.learner.policy_version
+        return published
 
     async def dropped_engines(self) -> dict[str, str]:
         """engine_id -> why weight sync dropped it from the sync set (it may rejoin at a later sync)."""

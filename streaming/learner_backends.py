@@ -23,10 +23,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamrl.learner.group import LearnerWorker
+from streamrl.learner.types import StepResult
 from streamrl.rollout.aio import gather_within
 from streamrl.streaming.weight_publisher import Published
 
@@ -70,11 +72,11 @@ class LocalLearner:
     def model_path(self) -> str:
         return str(self.engine.model_path)
 
-    async def train_step(self, padded: Any) -> dict[str, float]:
+    async def train_step(self, padded: Any) -> StepResult:
         from streamrl.observability.memory import end_of_step
 
-        metrics = self.engine.train_step(padded)
-        return metrics | end_of_step(str(self.engine.device))
+        result = self.engine.step(padded)
+        return replace(result, metrics=result.metrics | end_of_step(str(self.engine.device)))
 
     async def connect(self, engines: list[Any], workers: list[Any], policy_version: int) -> None:
         from streamrl.streaming.weight_publisher import WeightPublisher
@@ -208,14 +210,15 @@ class GroupLearner:
     async def _wait(self, refs: list[Any]) -> list[Any]:
         return await gather_within(refs, self.timeout_s)
 
-    async def train_step(self, padded: Any) -> dict[str, float]:
+    async def train_step(self, padded: Any) -> StepResult:
         import ray
         from streamrl.observability.memory import rank_end_of_step
 
         result = (await self._wait(self.group.submit("train_step", ray.put(padded))))[0]
         self.group.policy_version = result.policy_version
         ranks = await self._wait([w.run.remote(rank_end_of_step) for w in self.group.workers])
-        return result.metrics | {key: max(r[key] for r in ranks) for key in ranks[0]}  # the fullest rank
+        memory = {key: max(r[key] for r in ranks) for key in ranks[0]}  # the fullest rank
+        return replace(result, metrics=result.metrics | memory)
 
     async def connect(self, engines: list[Any], workers: list[Any], policy_version: int) -> None:
         ref = self.group.rank0.connect.remote(

@@ -22,7 +22,9 @@ from streamrl.rollout.atomic import atomic_write
 from streamrl.observability import catalogue
 from streamrl.streaming import faults
 from streamrl.observability.catalogue import Reduction
+from streamrl.streaming.checkpoints import CheckpointRecord, delete_checkpoints, drop_old_checkpoints, record_checkpoint
 from streamrl.streaming.config import StreamRLConfig
+from streamrl.streaming.errors import check_nonfinite_steps
 from streamrl.streaming.prompts import PromptStream, group_id_for, load_records, make_group
 
 if TYPE_CHECKING:
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class DriverState:
-    """The driver's part of a whole-system checkpoint (JSON, written atomically)."""
+    """The driver's part of a whole-system checkpoint (JSON, written atomically and fsynced)."""
 
     learner_step: int = 0
     policy_version: int = 0  # version label of the weights the engines serve
@@ -53,6 +55,7 @@ class DriverState:
     checkpoint_step: int = 0  # learner_step / policy_version of that checkpoint: a resume restarts there
     checkpoint_policy_version: int = 0
     checkpoint_version_offset: int = 0  # version_offset when it was taken: its weights' label - step
+    checkpoints: list[CheckpointRecord] = field(default_factory=list)  # kept ones, oldest first (streaming.checkpoints)
     elapsed_s: float = 0.0  # wall time of earlier segments of this run
 
     def rewind_to_checkpoint(self, max_version_seen: int = 0) -> None:
@@ -78,11 +81,12 @@ class DriverState:
         return self.policy_version - self.version_offset
 
     def save(self, path: Path) -> None:
-        atomic_write(path, json.dumps(asdict(self)))
+        atomic_write(path, json.dumps(asdict(self)), sync=True)
 
     @classmethod
     def load(cls, path: Path) -> DriverState:
-        return cls(**json.loads(path.read_text()))
+        data = json.loads(path.read_text())
+        return cls(**data | {"checkpoints": [CheckpointRecord(**r) for r in data.get("checkpoints", [])]})
 
 
 @dataclass(kw_only=True)
@@ -115,6 +119,7 @@ class System:
     num_stranded_checks: int = 0  # consistency checks that found trajectories nobody runs
     dropped_engines: dict[str, str] = field(default_factory=dict)  # out of the weight-sync set (I6)
     _published: asyncio.Condition = field(default_factory=asyncio.Condition)  # the served version changed
+    num_nonfinite_in_row: int = 0  # learner steps skipped for a non-finite loss / gradient, in a row
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -222,6 +227,8 @@ class System:
         t0 = time.monotonic()
         trained = await self.learner.train_step(batch_ref)
         self.state.learner_step += 1
+        self.num_nonfinite_in_row = self.num_nonfinite_in_row + 1 if trained.skipped_nonfinite else 0
+        check_nonfinite_steps(self.num_nonfinite_in_row, self.cfg.learner.max_nonfinite_steps, self.state.learner_step)
         for trajectory in trained.samples:
             self.metrics.sample(trajectory, self.state.learner_step)
         self.metrics.span("train", "learner", t0 - self.started, time.monotonic() - self.started)
@@ -249,12 +256,11 @@ class System:
         step_dir.parent.mkdir(parents=True, exist_ok=True)
         await self.learner.save_checkpoint(str(step_dir))
         await self.buffer.checkpoint()
-        self.state.checkpoint = str(step_dir)
-        self.state.checkpoint_step = self.state.learner_step
-        self.state.checkpoint_policy_version = self.state.policy_version
-        self.state.checkpoint_version_offset = self.state.version_offset
+        record_checkpoint(self.state, step_dir)
+        dropped = drop_old_checkpoints(self.state, self.cfg.trainer.keep_checkpoints)
         self.state.elapsed_s = self.total_elapsed_s
         self.state.save(self.run_dir / "driver_state.json")
+        delete_checkpoints(dropped)  # only once the saved state no longer names them
         return step_dir
 
     @property
@@ -376,7 +382,7 @@ class System:
         resumable = set(await self.buffer.resumable_ids())
         report = {"learner_step": self.state.learner_step, "stranded": sorted(resumable - held),
                   "untracked": sorted(held - resumable), "resumable": sorted(resumable)}
-        (self.run_dir / "accounting.json").write_text(json.dumps(report, indent=1))
+        atomic_write(self.run_dir / "accounting.json", json.dumps(report, indent=1), sync=True)
         if report["stranded"] or report["untracked"]:
             logger.error("I2 violated at the end of the run: %d stranded, %d held without a partial row",
                          len(report["stranded"]), len(report["untracked"]))
@@ -393,7 +399,7 @@ class System:
             "nodes": {n["NodeID"]: {"address": n["NodeManagerAddress"], "resources": n["Resources"]}
                       for n in ray.nodes() if n["Alive"]},
         }
-        atomic_write(self.run_dir / "placement.json", json.dumps(placement, indent=1))
+        atomic_write(self.run_dir / "placement.json", json.dumps(placement, indent=1), sync=True)
         if len(placement["nodes"]) > 1:
             logger.info("placement over %d nodes: %s", len(placement["nodes"]),
                         {k: v for k, v in placement.items() if k != "nodes"})

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import ray
 
+from streamrl.rollout.atomic import atomic_write
+from streamrl.streaming.checkpoints import use_newest_complete
 from streamrl.streaming.config import StreamRLConfig, apply_overrides, load_config
 from streamrl.streaming.system import DriverState, System, make_worker
 
@@ -61,6 +63,7 @@ def open_run(config: str | None, overrides: list[str], resume: str | None) -> tu
         cfg = StreamRLConfig.model_validate(apply_overrides(data, overrides))
         state_path = run_dir / "driver_state.json"
         state = DriverState.load(state_path) if state_path.exists() else DriverState()
+        use_newest_complete(state)  # a torn newest checkpoint: resume from the one before
         return cfg, run_dir, state
     cfg = load_config(config, overrides)
     name = cfg.trainer.run_name or f"{Path(config).stem if config else 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -103,7 +106,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     if not resuming:
         info = {"run_name": run_dir.name, "model_path": model_path, "mode": cfg.trainer.mode,
                 "config": cfg.model_dump(mode="json"), "started_at": time.time()}
-        (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
+        atomic_write(run_dir / "run_info.json", json.dumps(info, indent=2), sync=True)
 
     timeout_s = cfg.trainer.step_timeout_s
     # the buffer's log lives in RUN_DIR: on the driver's node (or a shared filesystem in a cluster)

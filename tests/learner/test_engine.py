@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -145,3 +146,45 @@ def test_kl_to_reference_and_config_checks():
     m1 = engine.train_step(_batch())
     m2 = engine.train_step(_batch(versions=(1, 1, 1, 1), seed=1))
     assert m1["learner/kl"] == pytest.approx(0.0, abs=1e-7) and m2["learner/kl"] > 0
+
+
+def _finite_and_equal(before: dict[str, torch.Tensor], engine: TrainingEngine) -> bool:
+    after = _params(engine)
+    return all(torch.isfinite(after[k]).all() and torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_nan_rewards_skip_the_update_and_leave_the_weights_finite(algo):
+    engine = TrainingEngine(_cfg(algo=algo, num_minibatches=2))
+    before, optimizer_state = _params(engine), engine.optimizer.state_dict()
+    batch = _batch()
+    batch.rewards[:] = np.nan  # one NaN poisons every advantage of its group; here all of them
+    result = engine.step(batch)
+    assert result.skipped_nonfinite and result.metrics["learner/num_nonfinite_steps"] == 2.0
+    assert _finite_and_equal(before, engine)
+    assert engine.num_optimizer_steps == 0 and engine.scheduler.last_epoch == 0
+    assert engine.optimizer.state_dict()["state"] == optimizer_state["state"] == {}  # AdamW moments untouched
+    assert all(p.grad is None for p in engine.policy.parameters())
+    assert result.policy_version == engine.policy_version == 1  # the label still counts learner steps
+    following = engine.step(_batch(versions=(1, 1, 1, 1)))  # a finite batch trains again
+    assert not following.skipped_nonfinite and following.metrics["learner/num_nonfinite_steps"] == 0.0
+    assert not _finite_and_equal(before, engine) and engine.num_optimizer_steps == 2
+
+
+def test_a_loss_that_turns_nonfinite_in_one_minibatch_skips_only_that_update(monkeypatch):
+    from streamrl.learner import engine as engine_module
+
+    engine = TrainingEngine(_cfg(num_minibatches=2, shuffle_minibatches=False))
+    real = engine_module.ppo_policy_loss
+    calls = []
+
+    def overflowing(*args, **kwargs):  # the second minibatch's loss overflows to inf
+        calls.append(1)
+        pg, clipped, dual = real(*args, **kwargs)
+        return (pg * float("inf") if len(calls) == 2 else pg), clipped, dual
+
+    monkeypatch.setattr(engine_module, "ppo_policy_loss", overflowing)
+    result = engine.step(_batch())
+    assert result.metrics["learner/num_nonfinite_steps"] == 1.0 and not result.skipped_nonfinite
+    assert engine.num_optimizer_steps == 1 and engine.scheduler.last_epoch == 1
+    assert all(torch.isfinite(p).all() for p in engine.policy.parameters())

@@ -40,7 +40,7 @@ def test_local_learner_reports_memory_per_step():
 
     cfg = StreamRLConfig(model="tiny", learner={"device": "cpu", "micro_batch_tokens": 64, "logits_chunk_tokens": 16})
     learner = LocalLearner(cfg, None)
-    metrics = asyncio.run(learner.train_step(_batch()))
+    metrics = asyncio.run(learner.train_step(_batch())).metrics
     assert metrics["learner/policy_version"] == 1.0
     assert 0 < metrics["memory/learner_rss_gb"] <= metrics["memory/learner_peak_gb"] + 0.05
 
@@ -57,7 +57,7 @@ def test_group_learner_reports_its_fullest_rank(ray_cluster):
     try:
         env = learner.group.run_on_all(lambda engine: __import__("os").environ.get("MALLOC_ARENA_MAX"))
         assert env == [memory.MALLOC_ENV["MALLOC_ARENA_MAX"]] * 2  # every rank runs with the allocator settings
-        metrics = asyncio.run(learner.train_step(_batch()))
+        metrics = asyncio.run(learner.train_step(_batch())).metrics
         assert learner.policy_version == 1
         assert 0 < metrics["memory/learner_rss_gb"] <= metrics["memory/learner_peak_gb"] + 0.05
     finally:

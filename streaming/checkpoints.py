@@ -1,0 +1,100 @@
+"""The run's learner checkpoints: which ones it keeps, and which one a resume starts from.
+
+`System.checkpoint` writes `RUN_DIR/checkpoints/step_NNNNNN` (the learner seals it: `learner.checkpoint`),
+makes the buffer durable, then records the checkpoint in `DriverState.checkpoints` (oldest first) and
+points the state's `checkpoint*` fields at it. The state is saved before anything is deleted: the
+oldest records past `trainer.keep_checkpoints` leave the state first, their folders after, so a crash
+in between leaves at worst a folder nobody references, never a reference to a deleted folder.
+
+A resume starts from the newest recorded checkpoint that is complete (`rollout.atomic.unsealed_reason`
+finds its seal and every file at its size). A torn newer one (a lost machine, a damaged disk) is
+skipped: the state then points at the older checkpoint's step and version offset, and since the
+buffer rolls its consumption back to the state's `checkpoint_step`, the learner's weights, the
+labels and the buffer stay consistent. With no complete checkpoint the run restarts from the
+initial model (step 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from streamrl.rollout.atomic import unsealed_reason
+
+if TYPE_CHECKING:
+    from streamrl.streaming.system import DriverState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointRecord:
+    """One complete checkpoint of the run, and the driver facts a resume from it needs."""
+
+    path: str
+    step: int  # learner_step of its weights
+    policy_version: int  # the version label the engines served when it was taken
+    version_offset: int  # its weights' label - step
+
+
+def record_checkpoint(state: DriverState, path: Path) -> None:
+    """The checkpoint at `path` (written and sealed) of the state's current step is the newest one."""
+    record = CheckpointRecord(path=str(path), step=state.learner_step, policy_version=state.policy_version,
+                              version_offset=state.version_offset)
+    state.checkpoints = [r for r in state.checkpoints if r.path != record.path] + [record]
+    _point_at(state, record)
+
+
+def drop_old_checkpoints(state: DriverState, keep: int) -> list[Path]:
+    """Forget all but the newest `keep` checkpoints (0: keep all); returns the folders to delete once
+    the state is saved (`delete_checkpoints`)."""
+    if keep == 0 or len(state.checkpoints) <= keep:
+        return []
+    dropped, state.checkpoints = state.checkpoints[:-keep], state.checkpoints[-keep:]
+    return [Path(r.path) for r in dropped]
+
+
+def delete_checkpoints(folders: list[Path]) -> None:
+    """Delete checkpoint folders: renamed aside first, so a crash mid-delete leaves no half folder
+    under a checkpoint's name."""
+    for folder in folders:
+        if not folder.exists():
+            continue
+        doomed = folder.with_name(f".{folder.name}.deleting-{os.getpid()}")
+        os.replace(folder, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        logger.info("deleted old checkpoint %s", folder)
+
+
+def use_newest_complete(state: DriverState) -> None:
+    """Point the state at the newest complete recorded checkpoint (module doc); a state written
+    before checkpoints were recorded has its one checkpoint pointer as the only record."""
+    records = state.checkpoints
+    if not records and state.checkpoint is not None:
+        records = [CheckpointRecord(path=state.checkpoint, step=state.checkpoint_step,
+                                    policy_version=state.checkpoint_policy_version,
+                                    version_offset=state.checkpoint_version_offset)]
+    while records:
+        why = unsealed_reason(Path(records[-1].path))
+        if why is None:
+            break
+        logger.error("checkpoint %s is not complete (%s): falling back to an older one", records[-1].path, why)
+        records = records[:-1]
+    state.checkpoints = records
+    if records:
+        _point_at(state, records[-1])
+        return
+    if state.checkpoint is not None:
+        logger.error("no complete checkpoint is left: the run restarts from the initial model (learner step 0)")
+    state.checkpoint, state.checkpoint_step, state.checkpoint_policy_version, state.checkpoint_version_offset = None, 0, 0, 0
+
+
+def _point_at(state: DriverState, record: CheckpointRecord) -> None:
+    state.checkpoint = record.path
+    state.checkpoint_step = record.step
+    state.checkpoint_policy_version = record.policy_version
+    state.checkpoint_version_offset = record.version_offset

@@ -1,0 +1,104 @@
+"""Non-finite learner steps on the driver side: a skipped step publishes nothing, and
+`learner.max_nonfinite_steps` skipped steps in a row stop the run with an error that says why."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from streamrl.buffer.config import BufferConfig
+from streamrl.buffer.store import ReplayBuffer
+from streamrl.learner.types import StepResult
+from streamrl.streaming.config import StreamRLConfig
+from streamrl.streaming.driver import run_async
+from streamrl.streaming.errors import NonFiniteTrainingError, explain_failure
+from streamrl.streaming.learner_actor import LearnerActor, Trained
+from streamrl.streaming.weight_publisher import Published
+from tests.buffer.helpers import make_group
+from tests.streaming.test_driver_loops import TIMEOUT_S, _system
+
+
+class SkippingBackend:
+    """`LocalLearner`'s methods; `skips[k]` says whether step k + 1 is skipped as non-finite."""
+
+    def __init__(self, cfg: StreamRLConfig, init_checkpoint: str | None) -> None:
+        self.policy_version = 0
+        self.skips: list[bool] = []
+        self.num_publishes = 0
+
+    async def train_step(self, padded) -> StepResult:
+        self.policy_version += 1
+        return StepResult(policy_version=self.policy_version, metrics={}, skipped_nonfinite=self.skips.pop(0))
+
+    async def connect(self, engines, workers, policy_version: int) -> None:
+        pass
+
+    async def publish(self) -> Published:
+        self.num_publishes += 1
+        return Published(policy_version=self.policy_version, metrics={"sync/total_s": 0.1})
+
+
+def _sampled_batch():
+    buffer = ReplayBuffer(BufferConfig(group_size=2, batch_size=2))
+    buffer.append(make_group("g", 2))
+    return buffer.sample(served_version=0, learner_step=1)
+
+
+async def test_the_learner_actor_publishes_nothing_after_skipped_steps(monkeypatch):
+    from streamrl.streaming import learner_backends
+
+    monkeypatch.setattr(learner_backends, "LocalLearner", SkippingBackend)
+    actor = LearnerActor.__ray_actor_class__(StreamRLConfig())  # the actor's class, in this process
+    backend = actor.learner
+    await actor.connect([], [], 0)
+    backend.skips = [True, False, True, True]
+    trained = await actor.train_step(_sampled_batch())
+    assert trained.skipped_nonfinite
+    assert await actor.publish() == Published(policy_version=0, metrics={}) and backend.num_publishes == 0
+    assert not (await actor.train_step(_sampled_batch())).skipped_nonfinite
+    assert (await actor.publish()).policy_version == 2 and backend.num_publishes == 1
+    await actor.train_step(_sampled_batch())
+    await actor.train_step(_sampled_batch())
+    assert (await actor.publish()).policy_version == 2 and backend.num_publishes == 1  # nothing new since
+
+
+class SkippingLearner:
+    """Wraps test_driver_loops' FakeLearner: steps listed in `skipped` come back skipped."""
+
+    def __init__(self, inner, skipped: set[int]) -> None:
+        self.inner, self.skipped = inner, skipped
+
+    async def train_step(self, batch) -> Trained:
+        trained = await self.inner.train_step(batch)
+        return dataclasses.replace(trained, skipped_nonfinite=self.inner.version in self.skipped)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+async def test_max_nonfinite_steps_in_a_row_stop_the_run_with_a_clear_error(tmp_path):
+    system, _, learner = _system(tmp_path, "learner.max_nonfinite_steps=3")
+    system.learner = SkippingLearner(learner, skipped={2, 3, 4, 5})
+    try:
+        with pytest.raises(RuntimeError, match="learner loop failed") as failed:
+            await asyncio.wait_for(run_async(system), TIMEOUT_S)
+    finally:
+        system.metrics.close()
+    assert isinstance(failed.value.__cause__, NonFiniteTrainingError)
+    assert system.state.learner_step == 4  # steps 2, 3 and 4 were skipped in a row
+    why = explain_failure(failed.value, tmp_path)
+    assert "3 learner steps in a row" in why and "learner.max_nonfinite_steps" in why
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+async def test_skipped_steps_that_are_not_in_a_row_let_the_run_finish(tmp_path):
+    system, _, learner = _system(tmp_path, "learner.max_nonfinite_steps=2")
+    system.learner = SkippingLearner(learner, skipped={1, 3, 5, 7})
+    try:
+        await asyncio.wait_for(run_async(system), TIMEOUT_S)
+    finally:
+        system.metrics.close()
+    assert system.state.learner_step == 8 and system.num_nonfinite_in_row == 0
