@@ -5,6 +5,7 @@ A group (the `group_size` samples of one `group_id`) moves through phases:
     OPEN --all members terminal--> READY --consumed `reuse` times--> CONSUMED
       |                              |
       |                              +--lag > max_staleness--> EVICTED / OVER_AGE (kept, never sampled)
+      |                              +--images lost before a restart--> DROPPED
       +--fewer than min_finished_per_group finished--> DROPPED
       +--all finished rewards equal and DAPO filter on--> FILTERED
 
@@ -236,8 +237,9 @@ class GroupTable:
         return []
 
     def retire(self, group: GroupState, phase: GroupPhase) -> list[int]:
-        """Take a READY group out of sampling (over-age): EVICTED frees its rows, OVER_AGE keeps them."""
-        assert phase in (GroupPhase.EVICTED, GroupPhase.OVER_AGE)
+        """Take a READY group out of sampling: EVICTED (over-age) and DROPPED (unusable rows) free its
+        rows, OVER_AGE keeps them."""
+        assert phase in (GroupPhase.EVICTED, GroupPhase.OVER_AGE, GroupPhase.DROPPED)
         self.num_accepted -= len(group.finished)  # never consumed: frees admission capacity
         if phase is GroupPhase.OVER_AGE:
             self.ready.pop(group.group_id, None)

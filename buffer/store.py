@@ -296,6 +296,37 @@ class ReplayBuffer:
         A call that finds no batch writes nothing (the driver asks after every append; flushing then
         would cut the log into one frame per append)."""
         self._retire_over_age(served_version)
+        while True:
+            groups = self._choose(served_version)
+            if groups is None:
+                return None
+            members = [m for g in groups for m in g.finished]
+            table = self._rows.take(np.array([m.row for m in members], dtype=np.int64))
+            refs = image_refs_of(table)
+            if not self._drop_missing_images(groups, refs):  # checked before anything is recorded
+                break
+        row_lags = trajectory_lag(served_version, table.column("min_policy_version").to_numpy())
+        self.flush()  # rows are durable before their consumption is
+        self._record_consumption(table, row_lags, learner_step=learner_step, served_version=served_version)
+        self._counts["over_age_trained"] += int(np.sum(np.asarray(row_lags) > self.cfg.max_staleness))
+        dead: list[int] = []
+        for g in groups:
+            if g.num_uses == 0:
+                self._stats.trained_lengths.update(length_bucket(m.num_tokens) for m in g.finished)
+            dead.extend(self._groups.consume(g, learner_step))
+        self._rows.kill(dead)
+        self._stats.account_batch(table, row_lags, served_version)
+        return SampledBatch(
+            table=table,
+            trajectory_ids=[m.trajectory_id for m in members],
+            learner_step=learner_step,
+            served_version=served_version,
+            lags=np.asarray(row_lags, dtype=np.int64),
+            images=self._images.rows(refs),
+        )
+
+    def _choose(self, served_version: int) -> list[GroupState] | None:
+        """The groups of the next batch (`buffer.sampling`), or None if no complete batch is ready."""
         # Oldest-started first (settle order among equals): the order admission's bound assumes.
         candidates = sorted(self._groups.ready.values(), key=_start_version)
         if not candidates:
@@ -317,30 +348,32 @@ class ReplayBuffer:
             max_trajectories=self.cfg.batch_size,
             token_budget=self.cfg.max_batch_tokens,
         )
-        if chosen is None:
-            return None
-        groups = [candidates[i] for i in chosen]
-        members = [m for g in groups for m in g.finished]
-        table = self._rows.take(np.array([m.row for m in members], dtype=np.int64))
-        row_lags = trajectory_lag(served_version, table.column("min_policy_version").to_numpy())
-        self.flush()  # rows are durable before their consumption is
-        self._record_consumption(table, row_lags, learner_step=learner_step, served_version=served_version)
-        self._counts["over_age_trained"] += int(np.sum(np.asarray(row_lags) > self.cfg.max_staleness))
-        dead: list[int] = []
+        return None if chosen is None else [candidates[i] for i in chosen]
+
+    def _drop_missing_images(self, groups: list[GroupState], refs: list[list[str]]) -> bool:
+        """Drop the groups whose rows reference images the image log does not hold (their bytes were
+        lost before a restart: a torn or missing image segment); True if any was. Without this the
+        batch would fail after its consumption was recorded, on every resume. Each drop is logged as an
+        error and counted (`buffer/groups_dropped`, and a line of the recovery report)."""
+        missing = set(self._images.missing(r for row in refs for r in row))
+        if not missing:
+            return False
+        bad: list[GroupState] = []
+        start = 0
         for g in groups:
-            if g.num_uses == 0:
-                self._stats.trained_lengths.update(length_bucket(m.num_tokens) for m in g.finished)
-            dead.extend(self._groups.consume(g, learner_step))
-        self._rows.kill(dead)
-        self._stats.account_batch(table, row_lags, served_version)
-        return SampledBatch(
-            table=table,
-            trajectory_ids=[m.trajectory_id for m in members],
-            learner_step=learner_step,
-            served_version=served_version,
-            lags=np.asarray(row_lags, dtype=np.int64),
-            images=self._images.rows(image_refs_of(table)),
+            if any(missing.intersection(row) for row in refs[start : start + len(g.finished)]):
+                bad.append(g)
+            start += len(g.finished)
+        for g in bad:
+            self._rows.kill(self._groups.retire(g, GroupPhase.DROPPED))
+        msg = (
+            f"dropped {len(bad)} ready groups ({sum(len(g.finished) for g in bad)} trajectories, first "
+            f"{bad[0].group_id}): their rows reference {len(missing)} images missing from the image log "
+            f"(first {min(missing)}); they are never sampled"
         )
+        logger.error("buffer: %s", msg)
+        self.recovery_report.missing.append(msg)
+        return True
 
     def _retire_over_age(self, served_version: int) -> None:
         ready = list(self._groups.ready.values())
