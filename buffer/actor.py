@@ -11,9 +11,11 @@ before keeping it (a long-lived reference would pin object-store memory). The le
 
 Backpressure (when `capacity_rows` live rows are held): `append` *awaits* until samples or
 evictions make room, up to `timeout_s`, and returns False if the rows were not accepted in time
-(the caller keeps them and retries); `try_append` never waits. Partial rows are always accepted at
-once: they are parked in-flight work that admission already counted, and blocking them would stall
-the weight-sync interrupt behind the learner.
+(the caller keeps them and retries); `try_append` never waits. Only rows that add live rows wait: a
+finished row replacing its trajectory's partial row needs no room (refusing it would deadlock a full
+buffer whose rows are all in-flight work). Partial rows are always accepted at once: they are parked
+in-flight work that admission already counted (`capacity` keeps admission within `capacity_rows`),
+and blocking them would stall the weight-sync interrupt behind the learner.
 
 Images travel in the same call as the rows that reference them (`images=`, a list of `ImageBlob`:
 hash, mime, size, encoded bytes; tens of KB each), so the bytes are durable before the rows.
@@ -97,11 +99,11 @@ class BufferActor:
         await ahit("buffer.append")
         self._check_flusher()
         batch = self._as_batch(data)
-        if not self._all_partial(batch) and not self.buffer.has_room(batch.num_rows):
+        if not self._all_partial(batch) and not self._fits(batch):
             self.num_backpressure_waits += 1
             async with self._room:
                 try:
-                    await asyncio.wait_for(self._room.wait_for(lambda: self.buffer.has_room(batch.num_rows)), timeout_s)
+                    await asyncio.wait_for(self._room.wait_for(lambda: self._fits(batch)), timeout_s)
                 except TimeoutError:
                     self.num_backpressure_timeouts += 1
                     return False
@@ -113,12 +115,15 @@ class BufferActor:
         """Append only if there is room now (partial rows always); never waits."""
         self._check_flusher()
         batch = self._as_batch(data)
-        if self._all_partial(batch) or self.buffer.has_room(batch.num_rows):
+        if self._all_partial(batch) or self._fits(batch):
             self.buffer.append(batch, images=images)
             await self._notify_changed()
             return True
         self.num_backpressure_timeouts += 1
         return False
+
+    def _fits(self, batch: pa.RecordBatch) -> bool:
+        return self.buffer.has_room(self.buffer.num_new_rows(batch))
 
     async def get_images(self, sha256s: list[str]) -> list[bytes]:
         """Encoded bytes of stored images, in the order asked (resume of a parked image trajectory)."""

@@ -8,6 +8,10 @@ Durability: rows are flushed to the log (written to the OS, survive a process ki
 `flush_every_rows` rows or `flush_every_ms` milliseconds, whichever comes first; `checkpoint()` also
 fsyncs (survives a machine crash) when `fsync_on_checkpoint`. `root_dir = None` keeps everything in
 memory only.
+
+Capacity: `capacity_rows` bounds the live rows. Appends that add rows wait for room (replacing a
+partial row never does), and admission (`ReplayBuffer.capacity`) starts no group that does not fit,
+so it must hold one batch waiting to be sampled plus one group in flight.
 """
 
 from __future__ import annotations
@@ -66,7 +70,24 @@ class BufferConfig(BaseModel):
             )
         if self.min_finished_per_group > self.group_size:
             raise ValueError("min_finished_per_group cannot exceed group_size")
+        if self.capacity_rows is not None:
+            self._check_capacity()
         return self
+
+    def _check_capacity(self) -> None:
+        need = self.batch_size + self.group_size
+        if self.capacity_rows < need:
+            raise ValueError(
+                f"buffer.capacity_rows ({self.capacity_rows}) must be at least buffer.batch_size + "
+                f"buffer.group_size ({self.batch_size} + {self.group_size} = {need}): one batch waiting to be "
+                "sampled plus one group in flight; below that the buffer fills with rows that never make a "
+                "batch and admission stops for good"
+            )
+        if self.over_age is OverAgePolicy.KEEP:
+            raise ValueError(
+                'buffer.capacity_rows cannot be combined with buffer.over_age = "keep": kept over-age rows '
+                "never leave, so the buffer fills and admission stops; unset one of them"
+            )
 
     @property
     def groups_per_batch(self) -> int:

@@ -140,6 +140,17 @@ class GroupTable:
                     f"{self.group_size}; group_id must identify one GRPO group of n samples"
                 )
 
+    def num_new_trajectories(self, trajectory_ids: list[str], group_ids: list[str]) -> int:
+        """The live rows that applying these rows adds: one per trajectory not held yet whose group is
+        new or open. A row that replaces a partial row, a refused row and a late row add none."""
+        new: set[str] = set()
+        for tid, gid in zip(trajectory_ids, group_ids):
+            if tid not in self.trajectories and tid not in new:
+                group = self.groups.get(gid)
+                if group is None or group.phase is GroupPhase.OPEN:
+                    new.add(tid)
+        return len(new)
+
     def apply(self, rows: RowColumns) -> list[int]:
         """Apply rows in order; returns ids of rows that died (superseded, late, or of a closed
         group). One tight loop per batch: this runs for every appended row."""

@@ -195,9 +195,15 @@ class ReplayBuffer:
             self._rows.kill(self._groups.retire(group, GroupPhase.EVICTED))
 
     def has_room(self, num_rows: int = 1) -> bool:
-        """False when `capacity_rows` live rows are held (callers backpressure, see BufferActor)."""
+        """Whether `num_rows` more live rows fit under `capacity_rows` (callers backpressure, see
+        BufferActor). Ask with `num_new_rows(batch)`: rows that replace rows need no room, so a
+        finished row replacing its partial row is never refused, however full the buffer is."""
         cap = self.cfg.capacity_rows
-        return cap is None or self._rows.num_live + num_rows <= cap or self._rows.num_live == 0
+        return cap is None or num_rows <= 0 or self._rows.num_live + num_rows <= cap or self._rows.num_live == 0
+
+    def num_new_rows(self, batch: pa.RecordBatch) -> int:
+        """The live rows appending `batch` would add (`GroupTable.num_new_trajectories`)."""
+        return self._groups.num_new_trajectories(batch.column("trajectory_id").to_pylist(), batch.column("group_id").to_pylist())
 
     # ---------------------------------------------------------------- durability
     def poll(self) -> None:
@@ -460,7 +466,8 @@ class ReplayBuffer:
         """Admission: how many trajectories may start now (see `buffer.admission.rollout_capacity`).
 
         Counts come from the buffer itself (every admitted group has rows here from admission on), so
-        they survive restarts; `max_concurrent` bounds the trajectories still running (partial rows)."""
+        they survive restarts; `max_concurrent` bounds the trajectories still running (partial rows)
+        and `capacity_rows` the live rows (an admitted group's rows are accepted without waiting)."""
         cap = rollout_capacity(
             served_version=served_version,
             max_staleness=self.cfg.max_staleness,
@@ -472,6 +479,9 @@ class ReplayBuffer:
         )
         if max_concurrent is not None:
             room = max(max_concurrent - self._groups.num_partial, 0)
+            cap = min(cap, room // self.cfg.group_size * self.cfg.group_size)
+        if self.cfg.capacity_rows is not None:
+            room = max(self.cfg.capacity_rows - self._rows.num_live, 0)
             cap = min(cap, room // self.cfg.group_size * self.cfg.group_size)
         return cap
 

@@ -43,8 +43,8 @@ def test_append_by_ref_sample_and_recover(ray_cluster, tmp_path):
 
 def test_backpressure_waits_for_room(ray_cluster):
     ray = ray_cluster
-    actor = create_buffer_actor(BufferConfig(batch_size=2, group_size=2, capacity_rows=3))
-    assert ray.get(actor.append.remote(ray.put(trajectories_to_batch(make_group("a", 2)))), timeout=RAY_TIMEOUT_S)
+    actor = create_buffer_actor(BufferConfig(batch_size=2, group_size=2, capacity_rows=4))
+    assert ray.get(actor.append.remote(ray.put(trajectories_to_batch(make_group("a", 2) + [make_traj("z", 0)]))), timeout=RAY_TIMEOUT_S)
     second = ray.put(trajectories_to_batch(make_group("b", 2)))
     assert ray.get(actor.try_append.remote(second), timeout=RAY_TIMEOUT_S) is False
     assert ray.get(actor.append.remote(second, 0.2), timeout=RAY_TIMEOUT_S) is False  # timed out
@@ -54,7 +54,7 @@ def test_backpressure_waits_for_room(ray_cluster):
     ready, _ = ray.wait([waiting], timeout=0.5)
     assert not ready  # blocked on capacity
     assert ray.get(actor.sample.remote(0, 1), timeout=RAY_TIMEOUT_S).trajectory_ids == ["a/0", "a/1"]
-    assert ray.get(waiting, timeout=RAY_TIMEOUT_S) is True  # unblocked by the sample
+    assert ray.get(waiting, timeout=RAY_TIMEOUT_S) is True  # unblocked by the sample (2 live rows left)
     stats = ray.get(actor.stats.remote(), timeout=RAY_TIMEOUT_S)
     assert stats["buffer/backpressure_waits"] == 2 and stats["buffer/backpressure_timeouts"] == 2
     ray.kill(actor)

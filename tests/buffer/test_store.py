@@ -150,9 +150,9 @@ def test_lag_histogram_at_consume_time():
 
 
 def test_backpressure_room():
-    buf = _buf(capacity_rows=3)
+    buf = _buf(capacity_rows=4)
     assert buf.has_room(2)
-    buf.append(make_group("a", 2))
+    buf.append(make_group("a", 2) + [make_traj("c", 0)])
     assert not buf.has_room(2) and buf.has_room(1)
     buf.sample(served_version=0, learner_step=1)
     assert buf.has_room(3)
