@@ -38,6 +38,9 @@ class AgentConfig(BaseModel):
     interaction_config: str | None = None  # YAML (verl's format accepted)
     default_interaction: str | None = None  # interaction name for prompts that do not name one
     reward_fn: str = "math_answer"  # registered name or "package.module:function"
+    # A reward fn runs in a few threads off the worker's event loop; one that takes longer than this
+    # fails its trajectory (rollout/agent_loop/scoring.py).
+    reward_timeout_s: float = Field(30.0, gt=0)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
 
 

@@ -2,7 +2,9 @@
 
 A reward function is any `Callable[[RewardInput], float]`. Configs name one by registry name
 (`math_answer`) or by import path (`package.module:function`); `get_reward_fn` resolves both. Reward
-functions are pure (no I/O), so they run inline in the agent loop at trajectory end.
+functions are sync and should be pure (no I/O); the agent loop calls them at trajectory end in a few
+threads off its event loop, under `rollout.agent.reward_timeout_s`, and fails a trajectory whose
+reward is not a finite number (`rollout/agent_loop/scoring.py`).
 
 verl's reward functions plug in unchanged: a function with verl's signature
 `compute_score(data_source, solution_str, ground_truth, extra_info=None)` named by import path is
@@ -86,25 +88,32 @@ def registered_rewards() -> list[str]:
 # ---------------------------------------------------------------------------------------------------
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE = re.compile(r"[{}]")
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
 _FRAC = re.compile(r"^\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$")
 _TEXT_WRAPPER = re.compile(r"\\(?:text|mathrm|textbf|mathbf)\{([^{}]*)\}")
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` with balanced braces, or None."""
-    result = None
-    for match in _BOXED.finditer(text):
-        depth, start = 1, match.end()
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    result = text[start:i]
-                    break
-    return result
+    """Content of the last `\\boxed{...}` that closes (balanced braces), or None.
+
+    One pass pairs every brace on a stack (an opening brace's partner is the first closing one that
+    brings its depth back to zero), so the cost is linear in the text: many unclosed `\\boxed{` do
+    not make it quadratic, as scanning ahead from each of them would."""
+    boxed_opens = {match.end() - 1 for match in _BOXED.finditer(text)}
+    if not boxed_opens:
+        return None
+    stack: list[int] = []
+    last: tuple[int, int] | None = None  # (opening, closing) index of the last boxed that closes
+    for brace in _BRACE.finditer(text):
+        i = brace.start()
+        if text[i] == "{":
+            stack.append(i)
+        elif stack:
+            opening = stack.pop()
+            if opening in boxed_opens and (last is None or opening > last[0]):
+                last = (opening, i)
+    return None if last is None else text[last[0] + 1 : last[1]]
 
 
 def extract_answer(text: str) -> str | None:
@@ -236,6 +245,8 @@ def verl_score(result: Any) -> VerlScore:
         result = result["score"]
     if not isinstance(result, numbers.Real):
         raise ValueError(f"compute_score returned {type(result).__name__} {result!r:.60}; expected a number or a dict with 'score'")
+    if not math.isfinite(result):
+        raise ValueError(f"compute_score returned {float(result)}; a reward must be a finite number")
     return VerlScore(score=float(result), extras=extras)
 
 
@@ -257,7 +268,7 @@ def verl_reward_fn(compute_score: Callable[..., Any]) -> RewardFn:
     if not is_verl_compute_score(compute_score):
         raise ValueError(f"{name} does not take verl's compute_score arguments {_VERL_ARGUMENTS}")
     if inspect.iscoroutinefunction(compute_score):
-        raise ValueError(f"{name} is async; reward functions run inline at trajectory end, so it must be sync")
+        raise ValueError(f"{name} is async; reward functions are called in a thread at trajectory end, so it must be sync")
     params = inspect.signature(compute_score).parameters
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     passed = [a for a in _VERL_ARGUMENTS if a in params or takes_any]

@@ -35,6 +35,7 @@ from streamrl.rollout.agent_loop.image_prompt import (
     template_messages,
 )
 from streamrl.rollout.agent_loop.observation import ObservationEncoder
+from streamrl.rollout.agent_loop.scoring import call_reward_fn, finite, reward_input
 from streamrl.rollout.config import AgentConfig
 from streamrl.rollout.engine.base import SamplingParams
 from streamrl.rollout.registry import Registry
@@ -298,29 +299,13 @@ class AgentLoopBase(abc.ABC):
         return self.ctx.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     async def finalize(self, data: AgentData) -> float:
-        """Score the finished trajectory (reward fn + tool rewards + interaction score)."""
-        from streamrl.rollout.rewards import RewardInput
-
+        """Score the finished trajectory: the reward fn (off the event loop, within
+        `reward_timeout_s`) plus the tool rewards. A non-finite part or a reward fn that does not
+        return in time raises `RewardError`: the trajectory fails (`scoring.py`)."""
         reward = 0.0
         if self.ctx.reward_fn is not None:
-            assistant = [m.get("content") or "" for m in data.messages if m.get("role") == "assistant"]
-            reward = float(
-                self.ctx.reward_fn(
-                    RewardInput(
-                        response_text="\n".join(assistant),
-                        final_answer_text=assistant[-1] if assistant else "",
-                        ground_truth=data.ground_truth,
-                        num_turns=data.num_assistant_turns + data.num_user_turns,
-                        num_tool_calls=data.num_tool_calls,
-                        num_tool_errors=data.num_tool_errors,
-                        messages=data.messages,
-                        data_source=data.data_source,
-                        raw_ground_truth=data.raw_ground_truth,
-                        extra_info=data.extra_info,
-                    )
-                )
-            )
-        return reward + sum(data.tool_rewards)
+            reward = await call_reward_fn(self.ctx.reward_fn, reward_input(data), self.ctx.cfg.reward_timeout_s)
+        return reward + sum(finite("a tool reward", r) for r in data.tool_rewards)
 
     @staticmethod
     def to_trajectory(data: AgentData, status: TrajectoryStatus, *, image_token_id: int | None = None) -> Trajectory:

@@ -35,6 +35,7 @@ import time
 
 from streamrl.rollout.agent_loop.base import AgentLoopBase, Parked, register
 from streamrl.rollout.agent_loop.image_observation import cap_tool_images, reply_content, tool_message
+from streamrl.rollout.agent_loop.scoring import finite
 from streamrl.rollout.types import AgentData, AgentState, FinishReason, ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
 
 logger = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ class ToolAgentLoop(AgentLoopBase):
         should_stop, reply, score, _ = await interaction.generate_response(
             data.interaction_instance_id, data.messages, ground_truth=data.ground_truth
         )
-        data.turn_scores.append(float(score))
+        data.turn_scores.append(finite(f"the turn score of interaction {data.interaction_name}", score))
         data.num_user_turns += 1
         if should_stop:
             data.interaction_done = True
@@ -251,5 +252,6 @@ class ToolAgentLoop(AgentLoopBase):
             data.tool_rewards.extend((await self.ctx.tools.tool_rewards(self.instance_ids)).values())
         reward = await super().finalize(data)
         if data.interaction_name is not None and data.interaction_instance_id is not None:
-            reward = max(reward, float(await self._interaction(data).calculate_score(data.interaction_instance_id)))
+            score = await self._interaction(data).calculate_score(data.interaction_instance_id)
+            reward = max(reward, finite(f"the score of interaction {data.interaction_name}", score))
         return reward

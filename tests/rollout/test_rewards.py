@@ -122,3 +122,57 @@ def test_register_reward_rejects_name_clash():
     assert get_reward_fn("test_constant_one") is custom_reward
     with pytest.raises(ValueError, match="already registered"):
         register_reward("test_constant_one")(math_answer)
+
+
+def _last_boxed_by_scanning(text: str) -> str | None:
+    """The quadratic definition `last_boxed` must agree with: scan ahead from every `\\boxed{`."""
+    import re
+
+    result = None
+    for match in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
+        depth, start = 1, match.end()
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                result = text[start:i]
+                break
+    return result
+
+
+def test_last_boxed_agrees_with_scanning_ahead_from_every_boxed():
+    import random
+
+    from streamrl.rollout.rewards import last_boxed
+
+    rng = random.Random(0)
+    pieces = ["\\boxed{", "\\fbox {", "{", "}", "}", "7", "x", " ", "\\boxed"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
+        assert last_boxed(text) == _last_boxed_by_scanning(text), text
+
+
+@pytest.mark.timeout(60)
+def test_last_boxed_is_linear_in_unclosed_boxes():
+    """28k characters of unclosed `\\boxed{` took 6-9 s (quadratic); 4x as many must take well under
+    a second. The bound is generous: the quadratic version needs ~100 s for this input."""
+    import time
+
+    from streamrl.rollout.rewards import extract_answer, last_boxed
+
+    text = "\\boxed{" * 16_000  # 112k characters, no box closes
+    t0 = time.perf_counter()
+    assert last_boxed(text) is None and extract_answer(text + " 42") == "42"
+    assert last_boxed(text + "7" + "}" * 16_000) == "7"  # all close: the last one is the innermost
+    assert time.perf_counter() - t0 < 5.0
+
+
+@pytest.mark.parametrize("score", [float("nan"), float("inf"), -float("inf")])
+def test_verl_score_refuses_a_non_finite_score(score):
+    import numpy as np
+
+    from streamrl.rollout.rewards import verl_score
+
+    with pytest.raises(ValueError, match="finite"):
+        verl_score(np.float64(score))
+    with pytest.raises(ValueError, match="finite"):
+        verl_score({"score": score, "acc": 1.0})
