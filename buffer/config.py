@@ -2,7 +2,8 @@
 
 Batch shape: `batch_size` trajectories per learner step, made of whole GRPO groups of `group_size`
 samples (so `batch_size % group_size == 0`); with `max_batch_tokens` set, batches are cut by a token
-budget instead (prompt + response tokens), still of whole groups, at most `batch_size` trajectories.
+budget instead (prompt + response tokens), still of whole groups, at most `batch_size` trajectories;
+a group larger than the budget is trained in a batch of its own (counted, `buffer.sampling`).
 
 Durability: rows are flushed to the log (written to the OS, survive a process kill) every
 `flush_every_rows` rows or `flush_every_ms` milliseconds, whichever comes first; `checkpoint()` also

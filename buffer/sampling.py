@@ -5,7 +5,10 @@ prioritized: a permutation drawn without replacement with weight `(reward_std + 
 so informative, fresh groups go first). The batch is then the longest prefix of that order that fits:
 exactly `max_groups` groups when batching by count, or as many groups as fit in `token_budget`
 (and `max_trajectories`) when batching by tokens. A batch is returned only when it is complete:
-enough groups, or the next group in order would overflow the budget.
+enough groups, or the next group in order would overflow the budget. A group larger than the whole
+budget is a batch of its own: groups are never split (GRPO advantages are per group) nor dropped
+(dropping them would bias training towards short trajectories); the budget shapes batches, while the
+learner's memory is bounded by its micro-batches (`learner.micro_batch_tokens`), which split it.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def select_prefix(
         int(np.searchsorted(cum_tokens, token_budget, side="right")),
         int(np.searchsorted(cum_trajs, max_trajectories, side="right")),
     )
-    if k == 0:
-        return None
+    if k == 0:  # the first group alone is over the budget: it goes alone
+        return order[:1] if len(order) else None
     full = k < len(order) or cum_trajs[k - 1] == max_trajectories or cum_tokens[k - 1] == token_budget
     return order[:k] if full else None

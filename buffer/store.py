@@ -183,16 +183,18 @@ class ReplayBuffer:
         if dead:
             self._rows.kill(dead)
         if self.cfg.max_batch_tokens is not None:
-            self._drop_oversized(set(gids))
+            self._count_oversized(set(gids))
         return cid
 
-    def _drop_oversized(self, group_ids: set[str]) -> None:
+    def _count_oversized(self, group_ids: set[str]) -> None:
+        """Groups that became ready larger than the token budget: counted and trained alone, never
+        dropped (`buffer.sampling`)."""
         budget = self.cfg.max_batch_tokens
         ready = self._groups.ready
         for group in [ready[gid] for gid in group_ids if gid in ready and ready[gid].num_tokens > budget]:
-            logger.warning("dropping group %s: %d tokens exceed max_batch_tokens %d", group.group_id, group.num_tokens, budget)
+            logger.warning("group %s has %d tokens, over max_batch_tokens %d: it is trained in a batch of its own",
+                           group.group_id, group.num_tokens, budget)
             self._counts["groups_over_token_budget"] += 1
-            self._rows.kill(self._groups.retire(group, GroupPhase.EVICTED))
 
     def has_room(self, num_rows: int = 1) -> bool:
         """Whether `num_rows` more live rows fit under `capacity_rows` (callers backpressure, see
