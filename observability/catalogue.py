@@ -70,7 +70,7 @@ KL = "learner.kl_coef > 0 (reference model)"
 TOOLS = "a tool was called in the interval"
 TOOLSET = "rollout.agent.tool_config is set"
 MCP = "the tool config has an `mcp:` entry"
-EVAL = "data.eval_num_prompts > 0, on the evaluation lines only"
+EVAL = "eval.num_prompts > 0, on the evaluation lines only"
 METRICS: tuple[Metric, ...] = (
     # ---- the line itself (streaming.metrics.MetricsLogger)
     M("time", "unix s", R.LAST, "wall clock when the line was logged"),
@@ -129,13 +129,26 @@ METRICS: tuple[Metric, ...] = (
     M("rollout/tool_error_rate", "fraction", R.MEAN, "rollout/num_tool_errors / rollout/num_tool_calls", when=TOOLS),
     # ---- the trained batch (streaming.learner_actor.LearnerActor.train_step)
     M("rollout/reward_mean", "reward", R.MEAN, "mean reward of the trained batch"),
-    # ---- held-out evaluation (streaming.heldout): its own lines, before the first and after the last step
-    M("eval/reward_mean", "reward", R.LAST, "mean reward on the held-out prompts (a failed trajectory scores 0)",
+    # ---- held-out evaluation (streaming.heldout): its own lines, at step 0, every eval.every_steps and the last
+    M("eval/reward_mean", "reward", R.LAST, "avg@k: mean reward over every held-out sample (a failed one scores 0)",
       when=EVAL),
-    M("eval/num_prompts", "prompts", R.LAST, "held-out prompts evaluated, one trajectory each", when=EVAL),
-    M("eval/num_failed", "prompts", R.LAST, "held-out trajectories that failed", when=EVAL),
+    M("eval/pass_at_1", "fraction", R.LAST, "mean share of a prompt's samples with reward >= eval.pass_threshold",
+      when=EVAL),
+    M("eval/pass_at_k", "fraction", R.LAST, "unbiased pass@k (Chen et al. 2021) over the held-out prompts", when=EVAL),
+    M("eval/pass_hat_k", "fraction", R.LAST, "pass^k: chance that all k samples of a prompt pass", when=EVAL),
+    M("eval/k", "samples", R.LAST, "samples per held-out prompt (eval.k)", when=EVAL),
+    M("eval/num_prompts", "prompts", R.LAST, "held-out prompts evaluated, eval.k samples each", when=EVAL),
+    M("eval/num_failed", "trajectories", R.LAST, "held-out trajectories that failed or never came back", when=EVAL),
     M("eval/response_length_mean", "tokens", R.LAST, "mean response length of the finished held-out trajectories",
       when=EVAL),
+    M("eval/served_step", "steps", R.LAST, "learner step of the evaluated weights (all of one policy_version)",
+      when=EVAL),
+    M("eval/elapsed_s", "s", R.LAST, "training wall time over every segment of the run when the evaluation began",
+      when=EVAL),
+    M("eval/num_abandoned", "evaluations", R.LAST, "evaluations cancelled at eval.max_hold_s so a sync could go on",
+      when=EVAL),
+    M("eval/sync_held_s", "s", R.LAST, "how long this step's weight sync waited for a running evaluation",
+      when="eval.num_prompts > 0, on steps that published"),
     M("eval/seconds", "s", R.LAST, "wall time of the evaluation", when=EVAL),
     M("rollout/reward_std", "reward", R.MEAN, "reward standard deviation of the trained batch"),
     M("rollout/response_len_mean", "tokens", R.MEAN, "mean response length of the trained batch"),

@@ -389,7 +389,8 @@ CODE_INTERPRETER = "code_interpreter"  # rollout.tools.code_interpreter's defaul
 
 
 def make_tool_sft_transcripts(
-    records: Iterable[PromptRecord], *, tool_name: str = "calculator", explain: bool = True
+    records: Iterable[PromptRecord], *, tool_name: str = "calculator", explain: bool = True,
+    tool_fraction: float = 1.0, seed: int = 0,
 ) -> list[list[dict[str, Any]]]:
     """Gold chats: prompt -> assistant calls the tool -> tool result -> assistant `\\boxed{answer}`.
 
@@ -397,7 +398,12 @@ def make_tool_sft_transcripts(
     gets `{"code": "print(...)"}` and answers with the printed line. Messages are in OpenAI chat format
     (assistant `tool_calls` with dict arguments, `tool` reply with `tool_call_id`), ready for the chat
     template. The expression is recovered from the question and its result checked against the ground
-    truth, so a transcript is never wrong."""
+    truth, so a transcript is never wrong.
+
+    `tool_fraction` < 1 leaves the decision to call the tool to RL: that share of the chats (drawn with
+    `seed`) calls the tool, the others answer at once with the same gold `\\boxed{answer}`. The model
+    learns both formats, and on problems it cannot compute in its head only the tool pays."""
+    rng = random.Random(seed)
     transcripts = []
     for record in records:
         user = next((m for m in reversed(record.messages) if m.get("role") == "user"), None)
@@ -412,6 +418,10 @@ def make_tool_sft_transcripts(
             arguments, observation, how = {"code": f"print({expression})"}, f"{evaluate_expression(expression)}\n", "in Python"
         else:
             arguments, observation, how = {"expression": expression}, result, "with the calculator"
+        if rng.random() >= tool_fraction:
+            transcripts.append([*[dict(m) for m in record.messages],
+                                {"role": "assistant", "content": f"The answer is \\boxed{{{result}}}."}])
+            continue
         call = {"id": "call_0", "type": "function", "function": {"name": tool_name, "arguments": arguments}}
         preface = f"I will compute {expression} {how}." if explain else ""
         transcripts.append(

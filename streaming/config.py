@@ -36,21 +36,42 @@ class DataConfig(BaseModel):
     seed: int = 0
     shuffle: bool = True
     num_epochs: int = Field(100, gt=0)  # the data iterator cycles; total_steps ends the run
-    # Held-out evaluation before the first and after the last learner step (streaming/heldout.py):
-    # this many prompts, one trajectory each at eval_temperature (0 = greedy); 0 = off. From
-    # eval_source (a parquet/jsonl path), else, for a generated source, a draw with another seed.
-    eval_num_prompts: int = Field(0, ge=0)
-    eval_source: str | None = None
-    eval_temperature: float = Field(0.0, ge=0.0)
 
-    @model_validator(mode="after")
-    def _check_eval(self) -> DataConfig:
-        if self.eval_num_prompts and self.eval_source is None and self.source not in GENERATED_SOURCES:
-            raise ValueError(
-                f"data.eval_num_prompts={self.eval_num_prompts} with data.source a dataset ({self.source!r}): "
-                "set data.eval_source to a held-out parquet/jsonl file (only generated sources draw their own)"
-            )
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_eval_keys(cls, data: Any) -> Any:
+        moved = sorted(k for k in data if k in MOVED_EVAL_KEYS) if isinstance(data, dict) else []
+        if moved:
+            raise ValueError("the held-out evaluation keys moved to the [eval] section: "
+                             + ", ".join(f"data.{k} -> eval.{MOVED_EVAL_KEYS[k]}" for k in moved))
+        return data
+
+
+MOVED_EVAL_KEYS = {"eval_num_prompts": "num_prompts", "eval_source": "source", "eval_temperature": "temperature"}
+
+
+class EvalConfig(BaseModel):
+    """Held-out evaluation during training (streaming/heldout.py): prompts the run never trains on,
+    each sampled `k` times by one pinned policy version, before the first step, every `every_steps`
+    learner steps and after the last. Its rows go to RUN_DIR/eval/, never to the training buffer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_prompts: int = Field(0, ge=0)  # 0 = no evaluation
+    # A parquet/jsonl path; None: for a generated data.source, a draw with another seed, minus any
+    # prompt the training stream also holds.
+    source: str | None = None
+    k: int = Field(1, gt=0)  # samples per prompt: avg@k, pass@k, pass^k
+    temperature: float = Field(0.0, ge=0.0)  # 0 = greedy (then k > 1 repeats one answer)
+    every_steps: int = Field(0, ge=0)  # 0 = before the first and after the last step only
+    pass_threshold: float = 1.0  # a sample "passes" (pass@k) when its reward >= this
+    # A weight sync waits for a running evaluation (its trajectories keep one policy version) at most
+    # this long; past it the evaluation is abandoned (counted, nothing written) and the sync goes on.
+    max_hold_s: float = Field(600.0, gt=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_prompts > 0
 
 
 class SFTConfig(BaseModel):
@@ -64,6 +85,9 @@ class SFTConfig(BaseModel):
     num_steps: int = Field(60, ge=0)
     batch_size: int = Field(8, gt=0)
     lr: float = Field(5e-5, gt=0)
+    # Share of the transcripts that call the tool; the others answer at once (the same gold answer).
+    # Below 1 the model learns both formats and RL learns when the tool pays (rollout.data).
+    tool_fraction: float = Field(1.0, ge=0.0, le=1.0)
     skip_if_cached: bool = True  # reuse the warmed-up folder cached under $STREAMRL_CACHE
 
 
@@ -94,6 +118,7 @@ class StreamRLConfig(BaseModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
@@ -115,6 +140,11 @@ class StreamRLConfig(BaseModel):
             )
         self._check_images()
         self._check_nccl_gpus()
+        if self.eval.enabled and self.eval.source is None and self.data.source not in GENERATED_SOURCES:
+            raise ValueError(
+                f"eval.num_prompts={self.eval.num_prompts} with data.source a dataset ({self.data.source!r}): "
+                "set eval.source to a held-out parquet/jsonl file (only generated sources draw their own)"
+            )
         if self.rollout.engine.max_model_len < self.rollout.max_model_len:
             raise ValueError(
                 f"rollout.engine.max_model_len={self.rollout.engine.max_model_len} < prompt_length + "

@@ -61,12 +61,23 @@ async def learner_loop(system: System) -> None:
         metrics = await system.train_step(batch_ref)
         faults.hit("learner.after_step")
         if system.state.learner_step % cfg.sync_every == 0 or system.state.learner_step == cfg.total_steps:
-            metrics.update(await system.publish_weights())
+            metrics.update(await publish(system))
             faults.hit("publish.after")
         if system.state.learner_step % cfg.checkpoint_every == 0 or system.state.learner_step == cfg.total_steps:
             await system.checkpoint()
         await system.log_step(metrics)
     system.done = True
+
+
+async def publish(system: System) -> dict[str, float]:
+    """Publish the learner's weights. A running held-out evaluation pins the served version, so the
+    sync first waits for it (bounded); the new weights are then evaluated if they are due."""
+    if system.evaluator is None:
+        return await system.publish_weights()
+    held_s = await system.evaluator.hold()
+    metrics = await system.publish_weights()
+    system.evaluator.maybe_start(system)
+    return metrics | {"eval/sync_held_s": held_s}
 
 
 class Stalled(RuntimeError):
@@ -155,7 +166,7 @@ async def run_sync(system: System) -> None:
         if batch_ref is None:
             break
         metrics = await system.train_step(batch_ref)
-        metrics.update(await system.publish_weights())
+        metrics.update(await publish(system))
         if system.state.learner_step % cfg.checkpoint_every == 0 or system.state.learner_step == cfg.total_steps:
             await system.checkpoint()
         await system.log_step(metrics)

@@ -73,7 +73,7 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
     records = make_arithmetic_dataset(cfg.sft.num_examples, seed + 7919, difficulty=cfg.sft.difficulty)
     names = {t["function"]["name"] for t in tools or []}
     tool_name = CODE_INTERPRETER if CODE_INTERPRETER in names else "calculator"  # what the transcripts call
-    transcripts = make_tool_sft_transcripts(records, tool_name=tool_name)
+    transcripts = make_tool_sft_transcripts(records, tool_name=tool_name, tool_fraction=cfg.sft.tool_fraction, seed=seed)
     examples = [assistant_mask(tokenizer, conv, tools) for conv in transcripts]
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr)
     model.train()

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from streamrl.buffer.types import BufferProgress
+    from streamrl.streaming.heldout import Evaluator
     from streamrl.rollout.types import AgentData
     from streamrl.streaming.clients import BufferClient, EngineClient, LearnerClient, WorkerClient
     from streamrl.observability.metrics import MetricsLogger
@@ -118,6 +119,7 @@ class System:
     _next_worker: int = 0
     num_stranded_checks: int = 0  # consistency checks that found trajectories nobody runs
     dropped_engines: dict[str, str] = field(default_factory=dict)  # out of the weight-sync set (I6)
+    evaluator: Evaluator | None = None  # held-out evaluation (streaming.heldout); None = none
     _published: asyncio.Condition = field(default_factory=asyncio.Condition)  # the served version changed
     num_nonfinite_in_row: int = 0  # learner steps skipped for a non-finite loss / gradient, in a row
 

@@ -158,18 +158,19 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
 
 async def _train(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> DriverState:
     from streamrl.streaming.driver import run_async, run_sync
-    from streamrl.streaming.heldout import evaluate, heldout_records
+    from streamrl.streaming.heldout import Evaluator
 
     system = await build_system(cfg, run_dir, state)
-    heldout = heldout_records(system.cfg, system.stream.records) if cfg.data.eval_num_prompts else []
+    system.evaluator = Evaluator.open(system.cfg, run_dir, system.stream.records)
     try:
-        if heldout and system.state.learner_step == 0:  # the starting policy (a resume keeps its first)
-            await evaluate(system, heldout)
+        system.evaluator.maybe_start(system)  # the starting policy (a resume goes on with the schedule)
         await (run_async(system) if cfg.trainer.mode == "async" else run_sync(system))
-        await system.write_accounting()  # parks the workers: the engines are idle for the last evaluation
-        if heldout and system.state.learner_step >= cfg.trainer.total_steps:
-            await evaluate(system, heldout)
+        await system.write_accounting()  # parks the workers: the engines are left to the last evaluation
+        await system.evaluator.drain()
+        system.evaluator.maybe_start(system, final=True)  # the last weights, also when the prompts ran out early
+        await system.evaluator.drain()
     finally:
+        await system.evaluator.close()  # a failed run does not wait for its evaluation
         system.metrics.close()
         await system.shutdown()
     return system.state
@@ -216,6 +217,10 @@ def train_main(*, config: str | None, overrides: list[str], resume: str | None) 
     from streamrl.observability.report import write_report
 
     path = write_report(run_dir)
+    from streamrl.streaming.heldout import summary_line
+
     print(run_summary(run_dir, learner_step=final.learner_step, total_steps=cfg.trainer.total_steps,
                       elapsed_s=final.elapsed_s, report=path))
+    if (heldout := summary_line(run_dir)) is not None:
+        print(heldout)
     return 0

@@ -82,11 +82,15 @@ def _changes_within_turns(versions, mask) -> int:
 def _check_metric_lines(run_dir: Path, state: dict) -> None:
     """metrics.jsonl of the killed-and-resumed run: the held-out evaluations, each part's peak memory on
     every step, and the catalogue (every key declared; every always-logged key logged)."""
-    # Held-out evaluation: the starting policy in the first process, the final one after the resume.
+    # Held-out evaluation every 2 steps, across the kill: each served step once, none repeated or skipped
+    # (a step evaluated before the kill is not evaluated again; one cut off by the kill is, on new weights).
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [m for m in lines if "eval/reward_mean" in m]
-    assert [(m["learner_step"], m["eval/num_prompts"], m["eval/num_failed"]) for m in evals] == [(0, 4, 0), (6, 4, 0)]
-    assert evals[1]["policy_version"] == state["policy_version"] and all(0 <= m["eval/reward_mean"] <= 1 for m in evals)
+    assert [(m["learner_step"], m["eval/num_prompts"], m["eval/num_failed"]) for m in evals] == [
+        (0, 4, 0), (2, 4, 0), (4, 4, 0), (6, 4, 0)]
+    assert evals[-1]["policy_version"] == state["policy_version"] and all(0 <= m["eval/reward_mean"] <= 1 for m in evals)
+    files = sorted((run_dir / "eval").glob("step_*.parquet"))
+    assert [f.name.split("-")[0] for f in files] == ["step_000000", "step_000002", "step_000004", "step_000006"]
     assert "held-out reward (first → last evaluation)" in (run_dir / "report.html").read_text()
     # Every part reports its peak memory on every logged step (issue 9).
     logged = [m for m in lines if "learner/loss" in m]
@@ -113,7 +117,8 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
         "trainer.run_name=e2e",
         f"trainer.total_steps={total_steps}",
         "trainer.checkpoint_every=2",
-        "data.eval_num_prompts=4",
+        "eval.num_prompts=4",
+        "eval.every_steps=2",
     ]
     run_dir = tmp_path / "e2e"
     log = tmp_path / "train.log"
