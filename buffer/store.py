@@ -13,7 +13,8 @@ returning them, and frees their rows once used `reuse` times. Constructing a buf
 `root_dir` recovers it (and starts a fresh log segment): the consumption log is replayed first, then
 every verified trajectory frame, so nothing consumed is handed out again and nothing unconsumed is
 skipped. If the learner restarts from an older checkpoint, pass
-`resume_learner_step` and consumption recorded after that step is rolled back (durably).
+`resume_learner_step` and consumption recorded after that step is rolled back (durably). The
+directory itself (lock, logs, manifest, a failed write's sticky error) is `buffer.durable.BufferDir`.
 
 Images: rows reference images by sha256 (`image_refs`); their bytes come with the `append` call and
 go to the write-once image log (`buffer/images.py`) before the rows go anywhere; `sample` attaches
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
@@ -37,23 +37,13 @@ import pyarrow.compute as pc
 
 from streamrl.buffer.admission import length_bucket, rollout_capacity, trajectory_lag
 from streamrl.buffer.config import BufferConfig, OverAgePolicy
+from streamrl.buffer.durable import BufferDir
 from streamrl.buffer.groups import GroupPhase, GroupState, GroupTable, RowColumns
-from streamrl.buffer.images import IMAGES_PREFIX, ImageLog
-from streamrl.buffer.log import LogFailedError, SegmentWriter, read_segments
-from streamrl.buffer.manifest import (
-    CONSUMED_PREFIX,
-    CONSUMPTION_SCHEMA,
-    TRAJ_PREFIX,
-    DirLock,
-    consumption_history,
-    read_manifest,
-    rollback_record,
-    write_manifest,
-)
+from streamrl.buffer.images import ImageLog
+from streamrl.buffer.manifest import CONSUMPTION_SCHEMA
 from streamrl.buffer.rows import RowStore
 from streamrl.buffer.sampling import group_order, select_prefix
 from streamrl.buffer.schema import (
-    LEGACY_SCHEMAS,
     TRAJECTORY_SCHEMA,
     batch_to_trajectories,
     image_refs_of,
@@ -87,27 +77,22 @@ class ReplayBuffer:
         self._held_batches: list[pa.RecordBatch] = []  # small batches waiting to be coalesced
         self._held_chunks: list[int] = []  # their row-store chunk ids
         self._inflight: list[Future[None]] = []  # frames handed to the log writer thread
-        self._log_error: BaseException | None = None  # the failure of a log write: every later call raises
         self._pending_rows = 0  # rows appended since the last flush (not yet acknowledged)
         self._pending_since = 0.0
-        self._manifest_segments = 0  # trajectory segments listed by the last manifest write
         self._stats = BufferStats(cfg.max_staleness)
         self._counts = self._stats.counts
         self.max_policy_version = -1  # highest version label of any row ever appended or recovered
         self.recovery_report = RecoveryReport()
-        self._root = Path(cfg.root_dir) if cfg.root_dir is not None else None
-        self._lock: DirLock | None = None
-        self._traj_log: SegmentWriter | None = None
-        self._cons_log: SegmentWriter | None = None
-        self._old_segments: dict[str, list[dict]] = {TRAJ_PREFIX: [], CONSUMED_PREFIX: []}
-        self._images = ImageLog(self._root, segment_max_bytes=cfg.segment_max_bytes)
-        self._manifest_image_segments = 0
-        if self._root is not None:
+        root = Path(cfg.root_dir) if cfg.root_dir is not None else None
+        self._images = ImageLog(root, segment_max_bytes=cfg.segment_max_bytes)
+        self._dir: BufferDir | None = None
+        if root is not None:
+            self._dir = BufferDir(root, images=self._images, segment_max_bytes=cfg.segment_max_bytes)
+            self.recovery_report = self._dir.report
             try:
-                self._open_dir(resume_learner_step)
+                self._recover(resume_learner_step)
             except BaseException:  # e.g. a failed log write: release the directory for the next try
-                if self._lock is not None:
-                    self._lock.release()
+                self._dir.release()
                 raise
         elif resume_learner_step is not None:
             raise ValueError("resume_learner_step needs a root_dir: a memory-only buffer has no history")
@@ -227,26 +212,16 @@ class ReplayBuffer:
         inflight, self._inflight = self._inflight, []
         errors = [e for e in (f.exception() for f in inflight) if e is not None]
         if errors:
-            self._log_error = errors[0]
-            self._raise_if_failed()
-        if self._traj_log is not None and (
-            len(self._traj_log.segments) != self._manifest_segments
-            or self._images.num_segments_written != self._manifest_image_segments
-        ):
-            self._write_manifest(sync=False)
+            self._dir.fail(errors[0])
+            self._dir.raise_if_failed()
+        if self._dir is not None:
+            self._dir.flushed()
         self._counts["flushes"] += 1
         self._pending_rows = 0
 
     def _raise_if_failed(self) -> None:
-        """LogFailedError if any log of this buffer failed (sticky: the buffer is done; see `buffer.log`)."""
-        if self._log_error is None:
-            failed = [w.error for w in (self._traj_log, self._cons_log, self._images) if w is not None and w.error]
-            self._log_error = failed[0] if failed else None
-        if self._log_error is None:
-            return
-        if isinstance(self._log_error, LogFailedError):
-            raise self._log_error
-        raise LogFailedError(f"buffer log failed: {self._log_error}; the buffer accepts no more writes") from self._log_error
+        if self._dir is not None:
+            self._dir.raise_if_failed()
 
     def _submit_held(self) -> None:
         """Hand the held small batches to the log as one frame (and one row-store chunk)."""
@@ -264,19 +239,14 @@ class ReplayBuffer:
             self._submit(frame)
 
     def _submit(self, frame: pa.RecordBatch) -> None:
-        if self._traj_log is not None:
-            self._inflight.append(self._traj_log.submit(frame))
+        if self._dir is not None:
+            self._inflight.append(self._dir.submit(frame))
 
     def checkpoint(self) -> None:
-        """Flush, then fsync both logs and the manifest (when `fsync_on_checkpoint`)."""
+        """Flush, then fsync all logs and the manifest (when `fsync_on_checkpoint`)."""
         self.flush()
-        if self._root is None:
-            return
-        if self.cfg.fsync_on_checkpoint:
-            self._images.sync()  # before the rows that reference them
-            self._traj_log.sync()
-            self._cons_log.sync()
-        self._write_manifest(sync=self.cfg.fsync_on_checkpoint)
+        if self._dir is not None:
+            self._dir.sync(fsync=self.cfg.fsync_on_checkpoint)
 
     def close(self) -> None:
         """Flush, seal the logs, write the manifest, release the directory. A failed buffer raises
@@ -284,18 +254,8 @@ class ReplayBuffer:
         try:
             self.flush()
         finally:
-            if self._root is not None and self._lock is not None:
-                self._close_dir()
-
-    def _close_dir(self) -> None:
-        try:
-            for log in (self._images, self._traj_log, self._cons_log):
-                log.close()
-            if self._log_error is None:
-                self._write_manifest(sync=self.cfg.fsync_on_checkpoint)
-        finally:
-            self._lock.release()
-            self._lock = None
+            if self._dir is not None:
+                self._dir.close(fsync=self.cfg.fsync_on_checkpoint)
 
     # ---------------------------------------------------------------- sampling
     def sample(self, *, served_version: int, learner_step: int) -> SampledBatch | None:
@@ -411,7 +371,7 @@ class ReplayBuffer:
         n = table.num_rows
         self._counts["trajectories_consumed"] += n
         self._counts["batches_sampled"] += 1
-        if self._cons_log is None:
+        if self._dir is None:
             return
         records = pa.RecordBatch.from_arrays(
             [
@@ -425,7 +385,7 @@ class ReplayBuffer:
             ],
             schema=CONSUMPTION_SCHEMA,
         )
-        self._cons_log.write(records)
+        self._dir.write_consumption(records)
 
     # ---------------------------------------------------------------- queries
     def resumable(self, trajectory_ids: list[str] | None = None) -> list[Trajectory]:
@@ -495,31 +455,17 @@ class ReplayBuffer:
                                     chunks=len(self._rows.chunks), recovery=self.recovery_report)
 
     # ---------------------------------------------------------------- recovery
-    def _open_dir(self, resume_learner_step: int | None) -> None:
-        root = self._root
-        root.mkdir(parents=True, exist_ok=True)
-        self._lock = DirLock(root)
+    def _recover(self, resume_learner_step: int | None) -> None:
+        """Replay the directory: consumption first (so nothing consumed is handed out again), then
+        every verified trajectory frame; then start this process's segments."""
         report = self.recovery_report
-        manifest, problem = read_manifest(root)
-        if problem:
-            report.corrupt.append(problem)
-            logger.warning("buffer recovery: %s", problem)
-        listed = (manifest or {}).get("segments", {})
-        steps = self._replay_consumption(listed.get(CONSUMED_PREFIX, []), resume_learner_step)
-        self._groups.preloaded_steps = steps
-        self._images.recover(report, {s["name"]: s["num_frames"] for s in listed.get(IMAGES_PREFIX, [])})
-        seen: Counter[str] = Counter()
-        expected = {s["name"]: s["num_frames"] for s in listed.get(TRAJ_PREFIX, [])}
-        for name, batch in read_segments(
-            root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, report=report, expected=expected, legacy_schemas=LEGACY_SCHEMAS
-        ):
-            seen[name] += 1
-            if not batch.schema.equals(TRAJECTORY_SCHEMA):
-                batch = normalize_batch(batch)  # an older schema version: adds the empty image columns
+        history = self._dir.consumption(resume_learner_step)
+        self._counts["trajectories_consumed"] = sum(len(uses) for uses in history.values())
+        self._groups.preloaded_steps = {tid: [step for step, _ in uses] for tid, uses in history.items()}
+        self._dir.recover_images()
+        for batch in self._dir.trajectories():
             self._images.note_refs(image_refs_of(batch))
             self._ingest(batch)
-            report.num_rows += batch.num_rows
-        self._old_segments[TRAJ_PREFIX] = [{"name": n, "num_frames": k} for n, k in seen.items()]
         orphans = len(self._groups.preloaded_steps)
         if orphans:
             msg = f"{orphans} consumption records refer to trajectories whose rows were not recovered"
@@ -527,45 +473,7 @@ class ReplayBuffer:
             logger.warning("buffer recovery: %s", msg)
         self._groups.preloaded_steps = {}
         self._images.report_unresolved(report)
-        self._traj_log = SegmentWriter(root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, segment_max_bytes=self.cfg.segment_max_bytes)
-        self._traj_log.open()  # its directory fsync happens here, not in the first append
-        self._cons_log = SegmentWriter(root, prefix=CONSUMED_PREFIX, schema=CONSUMPTION_SCHEMA, segment_max_bytes=self.cfg.segment_max_bytes)
-        if resume_learner_step is not None:
-            logger.info("rolling back consumption recorded after learner step %d", resume_learner_step)
-            self._cons_log.write(rollback_record(resume_learner_step))
-        self._write_manifest(sync=True)
-        if report.num_segments:
-            for line in report.lines():
-                (logger.info if report.clean else logger.warning)("buffer recovery: %s", line)
-
-    def _replay_consumption(self, listed: list[dict], resume_learner_step: int | None) -> dict[str, list[int]]:
-        report = self.recovery_report
-        seen: Counter[str] = Counter()
-        expected = {s["name"]: s["num_frames"] for s in listed}
-
-        def batches():
-            for name, batch in read_segments(
-                self._root, prefix=CONSUMED_PREFIX, schema=CONSUMPTION_SCHEMA, report=report, expected=expected
-            ):
-                seen[name] += 1
-                report.num_consumption_records += batch.num_rows
-                yield batch
-
-        history = consumption_history(batches(), resume_learner_step)
-        self._old_segments[CONSUMED_PREFIX] = [{"name": n, "num_frames": k} for n, k in seen.items()]
-        self._counts["trajectories_consumed"] = sum(len(uses) for uses in history.values())
-        return {tid: [step for step, _ in uses] for tid, uses in history.items()}
-
-    def _write_manifest(self, *, sync: bool) -> None:
-        segments = {}
-        self._manifest_segments = len(self._traj_log.segments) if self._traj_log else 0
-        for prefix, writer in ((TRAJ_PREFIX, self._traj_log), (CONSUMED_PREFIX, self._cons_log)):
-            current = [{"name": s.name, "num_frames": s.num_frames} for s in writer.segments] if writer else []
-            segments[prefix] = self._old_segments[prefix] + current
-        self._manifest_image_segments = self._images.num_segments_written
-        if self._images.segments:  # a text-only run's manifest is unchanged
-            segments[IMAGES_PREFIX] = self._images.segments
-        write_manifest(self._root, segments, sync=sync)
+        self._dir.start(resume_learner_step)
 
 
 __all__ = ["ReplayBuffer", "SampledBatch", "GroupState"]

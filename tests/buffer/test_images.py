@@ -63,7 +63,7 @@ def _stored_hashes(root: Path) -> list[str]:
 def _crash(buf: ReplayBuffer) -> None:
     """What a kill -9 leaves: flushed frames, no sealed segments, no final manifest; lock gone."""
     buf.flush()
-    buf._lock.release()
+    buf._dir.release()
 
 
 def test_images_round_trip_append_sample_padded_one_copy_per_hash(tmp_path):

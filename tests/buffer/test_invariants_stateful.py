@@ -36,9 +36,9 @@ def _gid(i: int) -> str:
 def _kill(buf: ReplayBuffer) -> None:
     """What a SIGKILL leaves: frames already handed to the writer thread reach the OS, rows still
     held for coalescing do not; the directory lock dies with the process."""
-    if buf._traj_log is not None and buf._traj_log._thread is not None:
-        buf._traj_log._thread.shutdown(wait=True)
-    buf._lock.release()
+    if buf._dir.traj is not None and buf._dir.traj._thread is not None:
+        buf._dir.traj._thread.shutdown(wait=True)
+    buf._dir.release()
 
 
 class BufferMachine(RuleBasedStateMachine):
