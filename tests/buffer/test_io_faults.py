@@ -129,3 +129,34 @@ def test_parse_the_environment_spec():
     assert plan.faults[("consumed", "write", 3)].kind is FaultKind.EIO and plan.max_faults == 2
     with pytest.raises(ValueError, match="STREAMRL_IO_FAULTS"):
         iofaults.parse("at=traj:fsync:1:torn")
+
+
+@pytest.mark.parametrize("at", [0, 1, 2, 3])
+def test_write_fault_on_the_image_log_stops_the_rows_that_reference_it(tmp_path, at):
+    from tests.buffer.test_images import BLUE, GREEN, RED, _image_group
+
+    plan = FaultPlan((Fault(kind=FaultKind.TORN, at=at, log="images"),))
+    acked = []
+    with iofaults.install(plan):
+        buf = ReplayBuffer(_cfg(tmp_path))
+        try:
+            for gid, blob in (("r", RED), ("g", GREEN), ("b", BLUE)):
+                buf.append(_image_group(gid, [[blob]] * 2), images=[blob], durable=True)
+                acked.append(gid)
+        except LogFailedError:
+            assert buf.num_rows_appended == 2 * len(acked)  # the refused rows never entered the buffer
+            with pytest.raises(LogFailedError):
+                buf.append(make_group("text", 2), durable=True)
+        with pytest.raises(LogFailedError):
+            buf.close()
+    assert plan.injected and len(acked) < 3
+    del buf
+    gc.collect()
+    again = ReplayBuffer(_cfg(tmp_path))
+    assert not again.recovery_report.corrupt
+    got = []
+    while (batch := again.sample(served_version=0, learner_step=len(got) + 1)) is not None:
+        assert batch.images is not None and all(batch.images)
+        got.append(batch.table.column("group_id")[0].as_py())
+    assert got == acked
+    again.close()
