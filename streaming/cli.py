@@ -4,7 +4,9 @@
     streamrl train --resume RUN_DIR [key=value ...]
     streamrl train --dry-run --config configs/default.toml [key=value ...]   (config + memory estimate)
     streamrl train --replay RUN_DIR [key=value ...]   (re-train on the run's logged batches)
-    streamrl rollout --config configs/default.toml [--num-prompts N] [--out FILE]   (eval only)
+    streamrl rollout --config configs/default.toml [--num-prompts N] [--out FILE]   (print trajectories)
+    streamrl eval RUN_DIR [--checkpoint base|latest|all|STEP ...] [eval.k=4 ...]   (held-out, offline)
+    streamrl eval --config configs/default.toml [key=value ...]                   (the starting model)
     streamrl report RUN_DIR
     streamrl staleness RUN_DIR                   (lags, version spans, length bias, reward by lag)
     streamrl staleness reweight RUN_DIR --checkpoint STEP [--correction SPEC ...] [--steps A:B] [--out DIR]
@@ -40,6 +42,16 @@ def _rollout(args: argparse.Namespace) -> int:
     return rollout_main(
         config=args.config, overrides=args.overrides, num_prompts=args.num_prompts, out=args.out, show=args.show
     )
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from streamrl.streaming.eval_cli import eval_main
+
+    dirs = [a for a in args.args if "=" not in a]  # RUN_DIR and key=value overrides, in any order
+    if len(dirs) > 1:
+        raise ValueError(f"streamrl eval takes one RUN_DIR, got {dirs}")
+    return eval_main(run_dir=dirs[0] if dirs else None, config=args.config,
+                     overrides=[a for a in args.args if "=" in a], checkpoints=args.checkpoint, out=args.out)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -95,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("overrides", nargs="*", help="config overrides")
     rollout.set_defaults(func=_rollout)
 
+    evaluate = sub.add_parser("eval", help="held-out evaluation of a run's base model or checkpoints (avg@k, pass@k, "
+                              "pass^k, paired comparison)")
+    evaluate.add_argument("--config", help="evaluate this config's starting model instead of a run's")
+    evaluate.add_argument("--checkpoint", action="append", default=[],
+                          help="base, latest, all or a learner step; repeatable (default: base and latest)")
+    evaluate.add_argument("--out", help="folder for the rows (default: RUN_DIR/eval_offline)")
+    evaluate.add_argument("args", nargs="*", metavar="RUN_DIR|key=value",
+                          help="a run directory, and config overrides, e.g. eval.num_prompts=128 eval.k=4")
+    evaluate.set_defaults(func=_eval)
+
     report = sub.add_parser("report", help="write RUN_DIR/report.html (plots + trajectory viewer)")
     report.add_argument("run_dir")
     report.set_defaults(func=_report)
@@ -113,7 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "eval":  # overrides after the options
+        args.args += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from streamrl.streaming.errors import StreamRLError
     from streamrl.observability.logs import setup_console
 

@@ -12,12 +12,14 @@ operators, because models write them. Errors are returned as text the model can 
 from __future__ import annotations
 
 import ast
+import asyncio
 import math
 import operator
+import random
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from streamrl.rollout.tools.base import BaseTool, ToolExecution
 from streamrl.rollout.tools.schema import OpenAIFunctionToolSchema
@@ -48,6 +50,23 @@ class CalculatorConfig(BaseModel):
     max_expression_chars: int = Field(200, gt=0, le=10_000)
     max_result_digits: int = Field(100, gt=0, le=4000)  # below Python's int->str limit (4300)
     max_exponent: int = Field(10_000, gt=0)
+    # A simulated service latency per call, for benchmarks (0 = answer at once): log-normal with this
+    # median and, when set, this 99th percentile (a long tail, as remote tools have).
+    latency_s: float = Field(0.0, ge=0.0, le=600.0)
+    latency_p99_s: float | None = Field(None, gt=0.0, le=3600.0)
+    seed: int | None = None
+
+    @model_validator(mode="after")
+    def _check_tail(self) -> CalculatorConfig:
+        if self.latency_p99_s is not None and self.latency_p99_s < self.latency_s:
+            raise ValueError(f"latency_p99_s={self.latency_p99_s} is below the median latency_s={self.latency_s}")
+        return self
+
+    def latency_sigma(self) -> float:
+        """The log-normal's sigma: p99 = median * exp(2.326 sigma)."""
+        if self.latency_p99_s is None or self.latency_s == 0:
+            return 0.0
+        return math.log(self.latency_p99_s / self.latency_s) / 2.326
 
 
 def _check_size(value: Number, max_digits: int) -> Number:
@@ -164,7 +183,19 @@ class CalculatorTool(BaseTool):
             }
         )
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rng = random.Random(self.config.seed)
+
+    def next_latency_s(self) -> float:
+        cfg = self.config
+        if cfg.latency_s == 0:
+            return 0.0
+        return cfg.latency_s * math.exp(cfg.latency_sigma() * self._rng.gauss(0.0, 1.0))
+
     async def execute(self, instance_id: str, parameters: dict[str, Any]) -> ToolExecution:
+        if (latency_s := self.next_latency_s()) > 0:
+            await asyncio.sleep(latency_s)
         expression = parameters.get("expression")
         if isinstance(expression, (int, float)) and not isinstance(expression, bool):
             expression = str(expression)

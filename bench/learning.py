@@ -1,0 +1,204 @@
+"""`make learn-bench`: does streamrl train a real model, and how much sooner does async get there?
+
+SmolLM2-135M on the calculator task (`configs/learning_smollm2.toml`: the warm-up teaches both ways to
+answer, the tool or at once, and RL learns that on 4-digit problems only the tool pays; every tool
+call has a log-normal latency with a long tail) is trained by `streamrl train` in async and in sync
+mode, for several seeds. Every run evaluates the same held-out prompts (pinned: one policy version per
+evaluation, `RUN_DIR/eval/`) at served step 0, every `--eval-every` steps and at the end.
+
+Reported (bench/results/learning.json, learning.png):
+- per mode: the held-out reward before training and at the end, pooled over seeds as (seed, prompt)
+  pairs, with the paired test (exact McNemar on 0/1 rewards, else a sign-flip permutation test) and a
+  bootstrap interval. Target: a rise of >= 0.10, significant at 95 %.
+- time to sync's final reward: the wall time at which async's seed-mean curve first reaches the
+  seed-mean final held-out reward of sync, against sync's whole wall time. Target: <= 1/2.
+- the curves: held-out reward against wall-clock and against learner step, mean and range over seeds.
+
+    python -m bench.learning [--seeds 0 1 2] [--modes async sync] [--steps 16] [--eval-every 4]
+                             [--config configs/learning_smollm2.toml] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = "configs/learning_smollm2.toml"
+
+
+def train(config: str, mode: str, seed: int, root: Path, steps: int, eval_every: int, overrides: list[str],
+          log: Path) -> tuple[Path, float, int]:
+    """One `streamrl train`; (run dir, wall seconds, exit code)."""
+    name = f"{mode}-s{seed}"
+    args = [f"trainer.mode={mode}", f"trainer.seed={seed}", f"trainer.total_steps={steps}",
+            f"eval.every_steps={eval_every}", f"trainer.run_root={root}", f"trainer.run_name={name}",
+            f"trainer.checkpoint_every={steps}", "wandb.enabled=false", *overrides]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    t0 = time.monotonic()
+    with open(log, "ab") as out:
+        rc = subprocess.run([sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", config, *args],
+                            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    return root / name, time.monotonic() - t0, rc
+
+
+def curve(run_dir: Path) -> list[dict[str, Any]]:
+    """Every evaluation of a run: served step, version, training wall time, avg reward, per-prompt scores."""
+    import pyarrow.parquet as pq
+
+    from streamrl.streaming.heldout import evaluated_steps, read_evaluation
+
+    points = []
+    for step, path in sorted(evaluated_steps(run_dir).items()):
+        meta = pq.read_table(path, columns=["policy_version", "run_elapsed_s", "eval_seconds"]).to_pylist()[0]
+        scores = read_evaluation(path)
+        points.append({"served_step": step, "policy_version": meta["policy_version"],
+                       "elapsed_s": meta["run_elapsed_s"], "eval_seconds": meta["eval_seconds"],
+                       "reward": statistics.fmean(scores.values()), "scores": scores})
+    return points
+
+
+def pooled(runs: list[dict[str, Any]], which: int) -> dict[str, float]:
+    """(seed, prompt) -> score of evaluation `which` (0 = first, -1 = last) of every run."""
+    return {f"{r['seed']}/{p}": s for r in runs for p, s in r["curve"][which]["scores"].items()}
+
+
+def mean_curve(runs: list[dict[str, Any]], x: str) -> list[tuple[float, float, float, float]]:
+    """(mean x, mean reward, min reward, max reward) per evaluation index over the seeds."""
+    n = min(len(r["curve"]) for r in runs)
+    out = []
+    for i in range(n):
+        pts = [r["curve"][i] for r in runs]
+        rewards = [p["reward"] for p in pts]
+        out.append((statistics.fmean(p[x] for p in pts), statistics.fmean(rewards), min(rewards), max(rewards)))
+    return out
+
+
+def time_to_reach(points: list[tuple[float, float, float, float]], target: float) -> float | None:
+    """First wall time at which the mean curve reaches `target` (linear between evaluations)."""
+    for (t0, r0, *_), (t1, r1, *_) in zip(points, points[1:]):
+        if r1 >= target:
+            return t0 if r0 >= target else t0 + (t1 - t0) * (target - r0) / (r1 - r0)
+    return points[0][0] if points and points[0][1] >= target else None
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    from streamrl.streaming.eval_stats import compare
+
+    out: dict[str, Any] = {}
+    for mode in sorted({r["mode"] for r in runs}):
+        done = [r for r in runs if r["mode"] == mode and r["exit_code"] == 0 and len(r["curve"]) >= 2]
+        if not done:
+            continue
+        result = compare(pooled(done, 0), pooled(done, -1))
+        out[mode] = {"num_seeds": len(done), "before": result.before, "after": result.after, "rise": result.diff,
+                     "ci95": [result.ci_low, result.ci_high], "p_value": result.p_value, "test": result.test,
+                     "num_pairs": result.num_pairs, "num_up": result.num_up, "num_down": result.num_down,
+                     "wall_s_mean": statistics.fmean(r["wall_s"] for r in done),
+                     "train_s_mean": statistics.fmean(r["curve"][-1]["elapsed_s"] for r in done),
+                     "curve_wall": mean_curve(done, "elapsed_s"), "curve_step": mean_curve(done, "served_step"),
+                     "rise_target_met": result.diff >= 0.10 and result.p_value < 0.05}
+    if "async" in out and "sync" in out:
+        target = out["sync"]["after"]
+        reach = time_to_reach(out["async"]["curve_wall"], target)
+        sync_s = out["sync"]["train_s_mean"]
+        out["async_vs_sync"] = {"sync_final_reward": target, "async_time_to_it_s": reach, "sync_time_s": sync_s,
+                                "ratio": reach / sync_s if reach is not None else None,
+                                "target_met": reach is not None and reach <= 0.5 * sync_s}
+    return out
+
+
+def plot(summary: dict[str, Any], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
+    for mode, color in (("async", "tab:blue"), ("sync", "tab:orange")):
+        if mode not in summary:
+            continue
+        for ax, key, xlabel in ((axes[0], "curve_wall", "training wall time (s)"),
+                                (axes[1], "curve_step", "learner step of the evaluated weights")):
+            xs, mean, low, high = zip(*summary[mode][key])
+            ax.plot(xs, mean, marker="o", color=color, label=f"{mode} (mean of {summary[mode]['num_seeds']} seeds)")
+            ax.fill_between(xs, low, high, color=color, alpha=0.2)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("held-out reward (version-pinned)")
+            ax.legend()
+    if "async_vs_sync" in summary and summary["async_vs_sync"]["async_time_to_it_s"] is not None:
+        axes[0].axhline(summary["async_vs_sync"]["sync_final_reward"], color="gray", linestyle=":", linewidth=1)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=CONFIG)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--out", default=str(REPO / "bench/results/learning.json"))
+    parser.add_argument("--plot", default=None, help="default: the --out path with .png")
+    parser.add_argument("--keep", default=None, help="keep the run directories in this folder")
+    parser.add_argument("overrides", nargs="*", help="config overrides for every run")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.machine import machine
+
+    args = parse_args(argv)
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="streamrl-learning-"))
+    root.mkdir(parents=True, exist_ok=True)
+    runs = []
+    t_start = time.monotonic()
+    for seed in args.seeds:
+        for mode in args.modes:  # interleaved, so a slow spell of the machine touches both modes alike
+            run_dir, wall, rc = train(args.config, mode, seed, root, args.steps, args.eval_every, args.overrides,
+                                      root / "train.log")
+            points = curve(run_dir) if run_dir.exists() else []
+            runs.append({"mode": mode, "seed": seed, "exit_code": rc, "wall_s": wall, "curve": points})
+            line = " ".join(f"{p['served_step']}:{p['reward']:.3f}" for p in points)
+            print(f"{mode} seed {seed}: rc={rc} {wall:.0f}s held-out by step {line}", flush=True)
+    summary = summarize(runs)
+    result = {
+        "command": "python -m bench.learning " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "config": args.config, "overrides": args.overrides, "steps": args.steps, "eval_every": args.eval_every,
+        "seeds": args.seeds, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
+        "total_wall_s": time.monotonic() - t_start,
+        "summary": summary,
+        "runs": [{k: v for k, v in r.items() if k != "curve"}
+                 | {"curve": [{k: v for k, v in p.items() if k != "scores"} for p in r["curve"]]} for r in runs],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(summary, Path(args.plot or out.with_suffix(".png")),
+         f"{Path(args.config).stem}: held-out reward, {len(args.seeds)} seeds ({machine()['cpu']}, "
+         f"{machine()['cpu_count']} cores)")
+    for mode in ("async", "sync"):
+        if mode in summary:
+            s = summary[mode]
+            print(f"{mode}: {s['before']:.3f} -> {s['after']:.3f} (rise {s['rise']:+.3f}, 95% CI "
+                  f"[{s['ci95'][0]:+.3f}, {s['ci95'][1]:+.3f}], {s['test']} p={s['p_value']:.2g}) "
+                  f"in {s['train_s_mean']:.0f} s of training")
+    if "async_vs_sync" in summary:
+        print("async reaches sync's final held-out reward after:", summary["async_vs_sync"])
+    print(f"wrote {out}")
+    return 0 if all(r["exit_code"] == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

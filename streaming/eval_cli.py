@@ -1,0 +1,117 @@
+"""`streamrl eval`: the held-out evaluation of a run's base model or any of its checkpoints, offline.
+
+    streamrl eval RUN_DIR [--checkpoint base|latest|all|STEP ...] [--out DIR] [key=value ...]
+    streamrl eval --config CONFIG [key=value ...]        (the config's starting model)
+
+The same prompts, agent loop, reward and metrics (avg@k, pass@k, pass^k) as the evaluation during
+training (streaming/heldout.py), on one local engine per evaluated model. `eval.*` overrides set the
+prompts and sampling (`eval.num_prompts=128 eval.k=4 eval.temperature=1.0`). Each evaluation is written
+as `OUT/<label>.parquet` with the rows of the training-time files (`policy_version` is -1: the weights
+are named by their learner step), and with two or more models the first and the last are compared
+prompt by prompt (eval_stats.compare).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamrl.streaming.eval_stats import EvalSummary, compare
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NUM_PROMPTS = 64  # when the run evaluated nothing during training
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Target:
+    label: str  # "base" or "step_000012"
+    model_path: str
+    served_step: int
+
+
+def run_targets(run_dir: Path, which: list[str]) -> list[Target]:
+    """The models to evaluate: `base` (the run's starting model), `latest`, `all` or step numbers."""
+    info = json.loads((run_dir / "run_info.json").read_text())
+    checkpoints = {int(p.name.split("_")[1]): p / "hf" for p in sorted((run_dir / "checkpoints").glob("step_*"))
+                   if (p / "hf").is_dir()}
+    out: list[Target] = []
+    for item in which or ["base", "latest"]:
+        if item == "base":
+            out.append(Target(label="base", model_path=info["model_path"], served_step=0))
+        elif item in ("latest", "all"):
+            if not checkpoints:
+                raise ValueError(f"{run_dir} has no checkpoint to evaluate (checkpoints/step_*/hf)")
+            steps = sorted(checkpoints) if item == "all" else [max(checkpoints)]
+            out += [Target(label=f"step_{s:06d}", model_path=str(checkpoints[s]), served_step=s) for s in steps]
+        elif item.isdigit() and int(item) in checkpoints:
+            out.append(Target(label=f"step_{int(item):06d}", model_path=str(checkpoints[int(item)]),
+                              served_step=int(item)))
+        else:
+            raise ValueError(f"--checkpoint {item!r}: use base, latest, all or one of the steps {sorted(checkpoints)}")
+    return list({t.label: t for t in out}.values())  # each once, in the order asked
+
+
+async def evaluate_model(cfg, target: Target, records) -> tuple[EvalSummary, Path | None, list]:
+    from streamrl.rollout.engine import make_engine
+    from streamrl.streaming.heldout import heldout_metrics, run_heldout
+
+    engine = make_engine(cfg.rollout.engine.model_copy(update={"placement": "local", "model": target.model_path}),
+                         "engine-0")
+    try:
+        t0 = time.monotonic()
+        trajectories = await run_heldout(cfg, target.model_path, [engine], records, timeout_s=cfg.trainer.step_timeout_s)
+        summary, _ = heldout_metrics(trajectories, records, k=cfg.eval.k, threshold=cfg.eval.pass_threshold,
+                                     seconds=time.monotonic() - t0)
+        return summary, None, trajectories
+    finally:
+        await engine.shutdown()
+
+
+def eval_main(*, run_dir: str | None, config: str | None, overrides: list[str], checkpoints: list[str],
+              out: str | None) -> int:
+    from streamrl.streaming.config import StreamRLConfig, apply_overrides, load_config
+    from streamrl.streaming.heldout import heldout_records, per_prompt_rewards, write_rows
+    from streamrl.streaming.prompts import load_records
+
+    if (run_dir is None) == (config is None):
+        raise ValueError("streamrl eval takes a RUN_DIR or --config, not both")
+    if run_dir is not None:
+        root = Path(run_dir)
+        if not (root / "run_info.json").exists():
+            raise ValueError(f"{root} is not a streamrl run directory (no run_info.json)")
+        cfg = StreamRLConfig.model_validate(apply_overrides(json.loads((root / "run_info.json").read_text())["config"],
+                                                            overrides))
+        targets = run_targets(root, checkpoints)
+        out_dir = Path(out) if out else root / "eval_offline"
+    else:
+        from streamrl.streaming.sft import prepare_model
+
+        cfg = load_config(config, overrides)
+        targets = [Target(label="base", model_path=prepare_model(cfg), served_step=0)]
+        out_dir = Path(out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    if not cfg.eval.enabled:
+        cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"num_prompts": DEFAULT_NUM_PROMPTS})})
+    training = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
+    records = heldout_records(cfg, training)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scores: list[dict[str, float]] = []
+    print(f"{'model':<14} {'step':>5} {'avg@k':>7} {'pass@1':>7} {f'pass@{cfg.eval.k}':>7} {f'pass^{cfg.eval.k}':>7}"
+          f"  ({len(records)} prompts x {cfg.eval.k} samples, temperature {cfg.eval.temperature})")
+    for target in targets:
+        t0 = time.monotonic()
+        summary, _, trajectories = asyncio.run(evaluate_model(cfg, target, records))
+        write_rows(out_dir / f"{target.label}.parquet", trajectories, served_step=target.served_step, policy_version=-1,
+                   started_elapsed_s=0.0, seconds=time.monotonic() - t0)
+        rewards = per_prompt_rewards(trajectories, records, cfg.eval.k)
+        scores.append({p: sum(r) / len(r) for p, r in rewards.items()})
+        print(f"{target.label:<14} {target.served_step:>5} {summary.avg_reward:>7.3f} {summary.pass_at_1:>7.3f} "
+              f"{summary.pass_at_k:>7.3f} {summary.pass_hat_k:>7.3f}")
+    if len(scores) >= 2:
+        print(f"{targets[0].label} -> {targets[-1].label}: {compare(scores[0], scores[-1]).line()}")
+    print(f"rows written to {out_dir}")
+    return 0

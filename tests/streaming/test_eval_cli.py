@@ -1,0 +1,42 @@
+"""`streamrl eval` (streaming/eval_cli.py): which models it evaluates and how it refuses bad input. The
+real evaluation of a trained run is in test_learning.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from streamrl.streaming.cli import main
+from streamrl.streaming.eval_cli import run_targets
+
+
+def _run(tmp_path, steps: list[int]):
+    (tmp_path / "run_info.json").write_text(json.dumps({"model_path": "/models/base", "config": {}}))
+    for step in steps:
+        (tmp_path / "checkpoints" / f"step_{step:06d}" / "hf").mkdir(parents=True)
+    return tmp_path
+
+
+def test_targets_are_the_base_latest_all_or_named_steps_each_once(tmp_path):
+    run = _run(tmp_path, [2, 4, 6])
+    assert [t.label for t in run_targets(run, [])] == ["base", "step_000006"]
+    assert [t.label for t in run_targets(run, ["all", "4", "base"])] == ["step_000002", "step_000004", "step_000006",
+                                                                         "base"]
+    assert run_targets(run, ["base"])[0].model_path == "/models/base"
+    assert run_targets(run, ["2"])[0].model_path == str(run / "checkpoints/step_000002/hf")
+    with pytest.raises(ValueError, match="one of the steps \\[2, 4, 6\\]"):
+        run_targets(run, ["3"])
+
+
+def test_a_run_without_checkpoints_can_only_evaluate_its_base(tmp_path):
+    run = _run(tmp_path, [])
+    with pytest.raises(ValueError, match="no checkpoint"):
+        run_targets(run, ["latest"])
+
+
+def test_bad_invocations_are_one_clear_error(tmp_path, capsys):
+    assert main(["eval", str(tmp_path)]) == 2
+    assert "not a streamrl run directory" in capsys.readouterr().err
+    assert main(["eval"]) == 2
+    assert "a RUN_DIR or --config" in capsys.readouterr().err
