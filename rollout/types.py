@@ -343,3 +343,16 @@ class PromptRecord:
     raw_ground_truth: Any = None
     extra_info: dict[str, Any] = field(default_factory=dict)
     interaction_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutOutcomes:
+    """One rollout worker's terminal trajectories since it started (counters only grow): what the
+    driver's failed-trajectory check reads (`streaming.failures`). `failure_reasons` counts failures
+    by reason (the exception's type and first line, digits as N; at most `rollout.worker.MAX_REASONS`
+    kinds, the rest under "other"), counted when a trajectory fails (`num_failed` once its row is saved)."""
+
+    worker_id: str
+    num_finished: int
+    num_failed: int
+    failure_reasons: dict[str, int] = field(default_factory=dict)

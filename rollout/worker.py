@@ -23,19 +23,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import traceback
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 
 from streamrl.rollout.agent_loop import AgentContext, get_agent_loop_cls
 from streamrl.rollout.aio import gather_within
 from streamrl.rollout.engine.base import PauseMode
-from streamrl.rollout.types import AgentData, AgentState, FinishReason, Trajectory, TrajectoryStatus
+from streamrl.rollout.types import AgentData, AgentState, FinishReason, RolloutOutcomes, Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
 
 # Returns False when the row was not accepted (yet): the worker retries. None/True = accepted.
 Sink = Callable[[Trajectory], Awaitable[bool | None]]
+
+# A worker lives as long as the run: it keeps the newest failure texts (with tracebacks) and counts
+# failures by reason, both bounded, instead of every error string it ever saw.
+MAX_KEPT_ERRORS = 64
+MAX_REASONS = 32  # distinct failure reasons counted; later new ones are counted under "other"
+_DIGITS = re.compile(r"\d+")
+
+
+def failure_reason(exc: BaseException) -> str:
+    """What a failure counts under: the exception's type and the first line of its message, numbers
+    as N (so "prompt of 612 tokens" and "prompt of 700 tokens" are one reason), at most 200 chars."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return _DIGITS.sub("N", f"{type(exc).__name__}: {first}" if first else type(exc).__name__)[:200]
 
 
 class RolloutWorker:
@@ -72,7 +87,9 @@ class RolloutWorker:
         self.reward_sum = 0.0  # over finished trajectories
         self.turns_sum = 0  # over finished trajectories
         self.tool_calls_sum = 0  # over finished trajectories
-        self.errors: list[str] = []
+        self.errors: deque[str] = deque(maxlen=MAX_KEPT_ERRORS)  # newest failures, with tracebacks
+        self.num_errors = 0  # every failure, also those no longer in `errors`
+        self.failure_reasons: Counter[str] = Counter()  # failure_reason -> count (MAX_REASONS kinds)
 
     # ---- submission ---------------------------------------------------------------------------
 
@@ -107,7 +124,7 @@ class RolloutWorker:
                     raise
                 except Exception as exc:  # fault boundary: one bad trajectory must not stop the worker
                     logger.warning("trajectory %s failed: %s", tid, exc)
-                    self.errors.append(f"{tid}: {exc!r}\n{traceback.format_exc(limit=3)}")
+                    self._record_error(tid, exc)
                     data.finish_reason = FinishReason.ERROR
                     traj = loop.to_trajectory(data, TrajectoryStatus.FAILED, image_token_id=self.ctx.image_token_id)
                 finally:
@@ -147,6 +164,14 @@ class RolloutWorker:
                     raise
             self.num_sink_retries += 1
             await asyncio.sleep(self.sink_retry_s * (2 ** errors))
+
+    def _record_error(self, tid: str, exc: BaseException) -> None:
+        self.errors.append(f"{tid}: {exc!r}\n{traceback.format_exc(limit=3)}")
+        self.num_errors += 1
+        reason = failure_reason(exc)
+        if reason not in self.failure_reasons and len(self.failure_reasons) >= MAX_REASONS:
+            reason = "other"
+        self.failure_reasons[reason] += 1
 
     def _count(self, traj: Trajectory) -> None:
         if traj.status is TrajectoryStatus.PARTIAL:
@@ -235,6 +260,11 @@ class RolloutWorker:
     def running_ids(self) -> list[str]:
         """Every trajectory this worker owns: running (incl. saving its row) or held."""
         return list(self._tasks) + [d.trajectory_id for d in self._held]
+
+    def outcomes(self) -> RolloutOutcomes:
+        """Finished and failed trajectories so far, failures by reason (the driver's failure check)."""
+        return RolloutOutcomes(worker_id=self.worker_id, num_finished=self.num_finished, num_failed=self.num_failed,
+                               failure_reasons=dict(self.failure_reasons))
 
     def check(self) -> None:
         """Surface a crashed background task or a failed sink (a fault, not a failed trajectory)."""

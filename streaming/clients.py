@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from streamrl.buffer.types import BufferProgress
     from streamrl.rollout.engine.base import EngineStats
-    from streamrl.rollout.types import AgentData, Trajectory
+    from streamrl.rollout.types import AgentData, RolloutOutcomes, Trajectory
     from streamrl.streaming.learner_actor import Trained
     from streamrl.streaming.weight_publisher import Published
 
@@ -159,6 +159,10 @@ class WorkerClient(ActorClient):
 
     async def metrics(self) -> dict[str, float]:
         return await self._call("metrics", timeout_s=60.0)
+
+    async def outcomes(self) -> RolloutOutcomes:
+        """Finished and failed trajectories so far, failures by reason (the failed-trajectory check)."""
+        return await self._call("outcomes", timeout_s=30.0)
 
     async def shutdown(self) -> None:
         await self._call("shutdown", timeout_s=120.0)

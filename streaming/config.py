@@ -107,6 +107,10 @@ class TrainerConfig(BaseModel):
     # The learner waiting this long for a batch while no trajectory row arrives fails the run with
     # an error naming the counts (no silent hang on dead engines or stuck workers).
     stall_timeout_s: float = Field(900.0, gt=0)
+    # More than this share of failed trajectories among the newest `failed_window` finished or failed
+    # ones stops the run with the most common failure reason (streaming/failures.py); 1 = never.
+    max_failed_fraction: float = Field(0.9, gt=0, le=1)
+    failed_window: int = Field(64, gt=0)
     log_samples_every: int = Field(1, gt=0)
     seed: int = 0
 

@@ -16,6 +16,7 @@ import logging
 import time
 
 from streamrl.streaming import faults
+from streamrl.streaming.failures import check_failures
 from streamrl.streaming.system import System
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ async def wait_for_batch(system: System, *, check_workers: bool = False, refill:
             if (batch_ref := await system.sample_batch()) is not None:
                 return batch_ref
             if system.prompts_exhausted:
+                await check_failures(system, final=True)  # ran out because (nearly) everything failed?
                 logger.warning("the prompt stream is exhausted (%d prompts admitted) and nothing is in flight: "
                                "ending the run at learner step %d of %d", system.state.cursor,
                                system.state.learner_step, system.cfg.trainer.total_steps)

@@ -1,9 +1,9 @@
 """Failures a person can act on: one sentence instead of a Ray traceback.
 
 `StreamRLError` carries a complete message (the CLI prints it without a traceback). `explain_failure`
-turns a run stopped by non-finite learner steps (`NonFiniteTrainingError`) into its own message, and a
-part killed for memory — Ray's memory monitor (`ray.exceptions.OutOfMemoryError`, or an actor
-error whose message says the node ran low on memory), wrapped however deep by the driver's
+turns a run stopped by a `StreamRLError` (non-finite learner steps, too many failed trajectories) into
+its own message, and a part killed for memory — Ray's memory monitor (`ray.exceptions.OutOfMemoryError`,
+or an actor error whose message says the node ran low on memory), wrapped however deep by the driver's
 `RuntimeError("learner loop failed") from ...` — into the sentence `streamrl train` ends with: which
 part, its peak when Ray reported it, the knobs that shrink it and the exact resume command.
 """
@@ -96,13 +96,14 @@ def _victims(text: str) -> list[tuple[str | None, str | None, str | None]]:
 
 
 def explain_failure(exc: BaseException, run_dir: str | Path) -> str | None:
-    """One sentence for a part killed for memory, for every engine gone, or for too many non-finite
-    learner steps, anywhere in `exc`'s chain; None for anything else."""
+    """One sentence for a part killed for memory, for every engine gone, or for a `StreamRLError` (too
+    many non-finite learner steps or failed trajectories), anywhere in `exc`'s chain; None for
+    anything else."""
     from streamrl.rollout.engine.base import NoHealthyEngineError
 
     resume = f"continue the run with: streamrl train --resume {shlex.quote(str(run_dir))}"
-    if nonfinite := next((e for e in exception_chain(exc) if isinstance(e, NonFiniteTrainingError)), None):
-        return str(nonfinite)
+    if complete := next((e for e in exception_chain(exc) if isinstance(e, StreamRLError)), None):
+        return str(complete)  # its message says it all (non-finite steps, failed trajectories, ...)
     if gone := next((e for e in exception_chain(exc) if isinstance(e, NoHealthyEngineError)), None):
         reason = str(gone).strip().splitlines()[-1]
         return f"the run stopped because no inference engine is left ({reason}); see {run_dir}/logs, then {resume}"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 if TYPE_CHECKING:
-    from streamrl.rollout.types import AgentData
+    from streamrl.rollout.types import AgentData, RolloutOutcomes
     from streamrl.streaming.config import StreamRLConfig
 
 logger = logging.getLogger(__name__)
@@ -187,6 +187,9 @@ class RolloutWorkerActor:
 
     async def errors(self) -> list[str]:
         return list(self.worker.errors)
+
+    async def outcomes(self) -> RolloutOutcomes:
+        return self.worker.outcomes()
 
     async def shutdown(self) -> None:
         await self.worker.shutdown()

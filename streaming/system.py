@@ -25,12 +25,14 @@ from streamrl.observability.catalogue import Reduction
 from streamrl.streaming.checkpoints import CheckpointRecord, delete_checkpoints, drop_old_checkpoints, record_checkpoint
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.errors import check_nonfinite_steps
+from streamrl.streaming.failures import check_failures
 from streamrl.streaming.prompts import PromptStream, group_id_for, load_records, make_group
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from streamrl.buffer.types import BufferProgress
+    from streamrl.streaming.failures import FailureWindow
     from streamrl.streaming.heldout import Evaluator
     from streamrl.rollout.types import AgentData
     from streamrl.streaming.clients import BufferClient, EngineClient, LearnerClient, WorkerClient
@@ -122,6 +124,7 @@ class System:
     evaluator: Evaluator | None = None  # held-out evaluation (streaming.heldout); None = none
     _published: asyncio.Condition = field(default_factory=asyncio.Condition)  # the served version changed
     num_nonfinite_in_row: int = 0  # learner steps skipped for a non-finite loss / gradient, in a row
+    failures: FailureWindow | None = None  # failed share of the newest trajectories (streaming.failures)
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -284,6 +287,7 @@ class System:
         async with self._health_lock:
             await self.check_engines()
             await self._replace_dead_workers()
+            await check_failures(self)
 
     async def check_engines(self) -> None:
         """I6: raise `NoHealthyEngineError` when no engine actor is alive any more. Without this,

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -223,4 +224,11 @@ def train_main(*, config: str | None, overrides: list[str], resume: str | None) 
                       elapsed_s=final.elapsed_s, report=path))
     if (heldout := summary_line(run_dir)) is not None:
         print(heldout)
+    if final.learner_step == 0:  # nothing trained is a failure, not a clean end
+        from streamrl.streaming.failures import no_steps_message
+
+        message = no_steps_message(cfg.trainer.total_steps)
+        logger.error("%s", message, extra=FILE_ONLY)
+        print(f"streamrl: error: {message}", file=sys.stderr)
+        return 1
     return 0

@@ -17,7 +17,7 @@ import ray
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.buffer.types import BufferProgress
 from streamrl.rollout.engine.base import EngineStats
-from streamrl.rollout.types import AgentData, FinishReason, Trajectory, TrajectoryStatus
+from streamrl.rollout.types import AgentData, FinishReason, RolloutOutcomes, Trajectory, TrajectoryStatus
 from streamrl.streaming.config import load_config
 from streamrl.streaming.driver import run_async, run_sync
 from streamrl.streaming.learner_actor import Trained
@@ -140,6 +140,8 @@ class FakeWorker:
         self.ever_held: set[str] = set()
         self.finished: set[str] = set()
         self.uniform: set[str] = set()  # groups whose samples all get reward 0 (the DAPO filter drops them)
+        self.fail_with: str | None = None  # every trajectory fails with this error (a FAILED row)
+        self.num_failed = 0
 
     def _alive(self) -> None:
         if self.dead:
@@ -164,10 +166,14 @@ class FakeWorker:
             agent_name=data.agent_name, prompt_ids=[1, 2, 3], response_ids=[5, 6, 7], response_mask=[1, 1, 1],
             behavior_logprobs=[-0.5] * 3, policy_versions=[version] * 3,
             reward=0.0 if data.group_id in self.uniform else float(data.sample_index % 2),
-            status=TrajectoryStatus.FINISHED, finish_reason=FinishReason.STOP,
+            status=TrajectoryStatus.FAILED if self.fail_with else TrajectoryStatus.FINISHED,
+            finish_reason=FinishReason.ERROR if self.fail_with else FinishReason.STOP,
         )
         await self.buffer.append([row])
-        self.num_finished += 1
+        if self.fail_with:
+            self.num_failed += 1
+        else:
+            self.num_finished += 1
         self.finished.add(data.trajectory_id)
         del self.tasks[data.trajectory_id]
 
@@ -194,6 +200,12 @@ class FakeWorker:
     async def memory(self) -> dict[str, float]:
         self._alive()
         return {"memory/rollout_worker_peak_gb": 0.0}
+
+    async def outcomes(self) -> RolloutOutcomes:
+        self._alive()
+        reasons = {self.fail_with: self.num_failed} if self.num_failed else {}
+        return RolloutOutcomes(worker_id=self.worker_id, num_finished=self.num_finished,
+                               num_failed=self.num_failed, failure_reasons=reasons)
 
     async def shutdown(self) -> None:
         for task in self.tasks.values():
