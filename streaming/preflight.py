@@ -317,14 +317,12 @@ def check(cfg: StreamRLConfig) -> Estimate:
 
 def resolve_config(config: str | None, overrides: list[str], resume: str | None) -> StreamRLConfig:
     """The config `streamrl train` would run with (for `--resume`, the run's saved one), creating nothing."""
-    from streamrl.streaming.config import StreamRLConfig, apply_overrides, load_config
+    from streamrl.streaming.config import load_config
+    from streamrl.streaming.resume import resume_config
 
     if not resume:
         return load_config(config, overrides)
-    info = Path(resume) / "run_info.json"
-    if not info.exists():
-        raise ValueError(f"{resume} is not a streamrl run directory (no run_info.json)")
-    return StreamRLConfig.model_validate(apply_overrides(json.loads(info.read_text())["config"], overrides))
+    return resume_config(resume, overrides)[0]  # refuses overrides that change what the run trains on
 
 
 def dry_run(config: str | None, overrides: list[str], resume: str | None) -> str:

@@ -21,7 +21,7 @@ import ray
 
 from streamrl.rollout.atomic import atomic_write
 from streamrl.streaming.checkpoints import use_newest_complete
-from streamrl.streaming.config import StreamRLConfig, apply_overrides, load_config
+from streamrl.streaming.config import StreamRLConfig, load_config
 from streamrl.streaming.system import DriverState, System, make_worker
 
 logger = logging.getLogger(__name__)
@@ -56,12 +56,12 @@ RUN_FILES = ("run_info.json", "driver_state.json", "buffer")  # what a started r
 
 def open_run(config: str | None, overrides: list[str], resume: str | None) -> tuple[StreamRLConfig, Path, DriverState | None]:
     if resume:
+        from streamrl.streaming.prompts import load_records
+        from streamrl.streaming.resume import check_prompts, resume_config
+
         run_dir = Path(resume)
-        info_path = run_dir / "run_info.json"
-        if not info_path.exists():
-            raise ValueError(f"{run_dir} is not a streamrl run directory (no run_info.json)")
-        data = json.loads(info_path.read_text())["config"]
-        cfg = StreamRLConfig.model_validate(apply_overrides(data, overrides))
+        cfg, info = resume_config(run_dir, overrides)  # refuses overrides that change what is trained on
+        check_prompts(run_dir, info, load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty))
         state_path = run_dir / "driver_state.json"
         state = DriverState.load(state_path) if state_path.exists() else DriverState()
         use_newest_complete(state)  # a torn newest checkpoint: resume from the one before
@@ -90,6 +90,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     from streamrl.observability.memory import learner_runtime_env
     from streamrl.observability.metrics import MetricsLogger
     from streamrl.streaming.prompts import PromptStream, load_records
+    from streamrl.streaming.resume import prompts_sha256
     from streamrl.streaming.sft import prepare_model
 
     resuming = state is not None
@@ -104,9 +105,11 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     cfg.rollout.engine.model = model_path
     cfg.buffer.root_dir = str(run_dir / "buffer")
     state = state or DriverState()
-    if not resuming:
+    records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
+    if not resuming:  # the prompts' fingerprint: a resume refuses a dataset changed under the run
         info = {"run_name": run_dir.name, "model_path": model_path, "mode": cfg.trainer.mode,
-                "config": cfg.model_dump(mode="json"), "started_at": time.time()}
+                "config": cfg.model_dump(mode="json"), "started_at": time.time(),
+                "prompts_sha256": prompts_sha256(records), "num_prompts": len(records)}
         atomic_write(run_dir / "run_info.json", json.dumps(info, indent=2), sync=True)
 
     timeout_s = cfg.trainer.step_timeout_s
@@ -134,7 +137,6 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
         ),
         timeout_s=timeout_s,
     )
-    records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
     stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs,
                           cursor=state.cursor)
     metrics = MetricsLogger(run_dir, wandb_cfg=cfg.wandb, console=True, total_steps=cfg.trainer.total_steps)
