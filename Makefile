@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # make test: two pytest-xdist workers, whole modules each (module-scoped engines start once); TEST_WORKERS=0 runs serially
 TEST_WORKERS ?= 2
 
-.PHONY: install run test test-fast bench chaos fresh-run gpu-check lint clean
+.PHONY: install run test test-fast bench learn-bench chaos fresh-run gpu-check clean
 
 install: $(STAMP)
 
@@ -39,6 +39,11 @@ test-fast: install
 
 bench: install
 	$(PY) -m bench.run_all
+
+# SmolLM2 learns in async and in sync mode, 3 seeds each, pinned held-out evaluation:
+# bench/results/learning.json + learning.png (about 90 min on 2 cores)
+learn-bench: install
+	$(PY) -m bench.learning
 
 # >= 50 seeded faults on the real system, checked against the invariants: bench/results/chaos.json
 chaos: install

@@ -14,7 +14,7 @@ Reported (bench/results/learning.json, learning.png):
   seed-mean final held-out reward of sync, against sync's whole wall time. Target: <= 1/2.
 - the curves: held-out reward against wall-clock and against learner step, mean and range over seeds.
 
-    python -m bench.learning [--seeds 0 1 2] [--modes async sync] [--steps 16] [--eval-every 4]
+    python -m bench.learning [--seeds 0 1 2] [--modes async sync] [--steps 10] [--eval-every 5]
                              [--config configs/learning_smollm2.toml] [key=value ...]
 """
 
@@ -146,8 +146,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", default=CONFIG)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--out", default=str(REPO / "bench/results/learning.json"))
     parser.add_argument("--plot", default=None, help="default: the --out path with .png")
     parser.add_argument("--keep", default=None, help="keep the run directories in this folder")

@@ -11,7 +11,7 @@ import sys
 import time
 
 BENCHMARKS = ["bench.buffer", "bench.learner", "bench.weight_sync", "bench.async_vs_sync", "bench.memory",
-              "bench.staleness_sweep"]
+              "bench.staleness_sweep", "bench.learning"]
 
 
 def main(argv: list[str] | None = None) -> int:
