@@ -10,6 +10,11 @@ store the bytes once.
 `<dir>/<sha256[:2]>/<sha256>` (write-then-rename, so a crash never leaves a partial file); a store
 opened on the same directory in another process finds them there. It is the worker's small local
 store; the buffer's durable image log (docs/multimodal.md, step 3) replaces the directory later.
+Given `max_bytes` the memory part is an LRU cache: past the bound the least recently used images go,
+except those `pinned()` names (a rollout worker pins the images of every trajectory it holds: their
+rows still carry the bytes to the buffer) and the `KEEP_NEWEST` newest (a prompt's images between
+being put and being referenced). An evicted image is read back from the directory, or fetched from
+the buffer's image log by hash when a trajectory needs it again (`AgentLoopBase._ensure_images`).
 `load_image_source` reads the JSON-safe sources that prompt rows and tool / interaction responses
 use (path, data URL, base64); `read_response_image` also takes bytes / PIL and decodes fully, so a
 corrupt image from a tool is refused before it reaches a trajectory.
@@ -22,6 +27,8 @@ import base64
 import binascii
 import hashlib
 import io
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,15 +117,24 @@ def read_response_image(source: Any) -> bytes:
     return data
 
 
-class ImageStore:
-    """Encoded image bytes by sha256, in memory and optionally in `directory` (see module doc)."""
+KEEP_NEWEST = 64  # images an LRU-bounded store never evicts, newest first
 
-    def __init__(self, directory: str | Path | None = None) -> None:
+
+class ImageStore:
+    """Encoded image bytes by sha256, in memory (LRU-bounded by `max_bytes` if given) and optionally
+    in `directory` (see module doc)."""
+
+    def __init__(self, directory: str | Path | None = None, *, max_bytes: int | None = None,
+                 pinned: Callable[[], set[str]] | None = None) -> None:
         self.directory = None if directory is None else Path(directory)
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
-        self._bytes: dict[str, bytes] = {}
+        self.max_bytes = max_bytes
+        self.pinned = pinned  # hashes that must stay in memory (None: none)
+        self._bytes: OrderedDict[str, bytes] = OrderedDict()  # least recently used first
         self._refs: dict[str, ImageRef] = {}
+        self.num_bytes = 0  # held in memory
+        self.num_evicted = 0
 
     def _path(self, sha256: str) -> Path:
         assert self.directory is not None
@@ -127,7 +143,7 @@ class ImageStore:
     def put(self, data: bytes) -> ImageRef:
         """Store encoded bytes (idempotent) and return their reference."""
         ref = describe_image(data)
-        self._bytes.setdefault(ref.sha256, data)
+        self._remember(ref.sha256, data)
         self._refs.setdefault(ref.sha256, ref)
         if self.directory is not None and not self._path(ref.sha256).exists():
             self._path(ref.sha256).parent.mkdir(exist_ok=True)
@@ -145,10 +161,34 @@ class ImageStore:
             data = self._path(sha256).read_bytes()
             if image_sha256(data) != sha256:
                 raise ValueError(f"image file {self._path(sha256)} does not hash to its name")
-            self._bytes[sha256] = data
+            self._remember(sha256, data)
         if data is None:
             raise KeyError(f"image {sha256} is not in the store" + (f" ({self.directory})" if self.directory else ""))
+        self._bytes.move_to_end(sha256)
         return data
+
+    def _remember(self, sha256: str, data: bytes) -> None:
+        if sha256 in self._bytes:
+            self._bytes.move_to_end(sha256)
+            return
+        self._bytes[sha256] = data
+        self.num_bytes += len(data)
+        if self.max_bytes is not None and self.num_bytes > self.max_bytes:
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop least recently used images until within `max_bytes`, sparing pinned and the newest."""
+        assert self.max_bytes is not None
+        pinned = self.pinned() if self.pinned is not None else set()
+        candidates = list(self._bytes)[: max(len(self._bytes) - KEEP_NEWEST, 0)]
+        for sha in candidates:
+            if self.num_bytes <= self.max_bytes:
+                return
+            if sha in pinned:
+                continue
+            self.num_bytes -= len(self._bytes.pop(sha))
+            self._refs.pop(sha, None)
+            self.num_evicted += 1
 
     def ref(self, sha256: str) -> ImageRef:
         """The `ImageRef` (size, mime) of a stored image; KeyError if absent."""

@@ -261,6 +261,17 @@ class RolloutWorker:
         """Every trajectory this worker owns: running (incl. saving its row) or held."""
         return list(self._tasks) + [d.trajectory_id for d in self._held]
 
+    def image_shas(self) -> set[str]:
+        """Images of every trajectory this worker holds (running, saving its row, or held): an
+        LRU-bounded image store keeps them (`ImageStore.pinned`), their rows still carry the bytes."""
+        from streamrl.rollout.agent_loop.image_prompt import image_part_refs
+
+        shas: set[str] = set()
+        for data in [*self._states.values(), *self._held]:
+            shas.update(ref.sha256 for ref in data.images)
+            shas.update(image_part_refs(data.messages))
+        return shas
+
     def outcomes(self) -> RolloutOutcomes:
         """Finished and failed trajectories so far, failures by reason (the driver's failure check)."""
         return RolloutOutcomes(worker_id=self.worker_id, num_finished=self.num_finished, num_failed=self.num_failed,

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The worker's in-memory images beyond those its trajectories hold (an LRU cache: rollout/images.py).
+IMAGE_STORE_MAX_BYTES = 256 * 1024 * 1024
+
 
 def build_agent_context(cfg: Any, model_path: str, server: Any) -> Any:
     """Tokenizer, observation encoder, tools, parser, interactions and reward for one worker."""
@@ -100,6 +103,8 @@ class RolloutWorkerActor:
             worker_id=worker_id,
         )
         self.append_timeout_s = 120.0
+        if ctx.images is not None:  # a cache from here on: what it evicts comes back from the buffer's image log
+            ctx.images.max_bytes, ctx.images.pinned = IMAGE_STORE_MAX_BYTES, self.worker.image_shas
 
     async def _sink(self, traj: Any) -> bool:
         """Append one row; False when the buffer stayed full for `append_timeout_s` (the worker
