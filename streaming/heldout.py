@@ -248,9 +248,9 @@ class Evaluator:
         write_rows(eval_file(self.run_dir, served_step, policy_version), trajectories, served_step=served_step,
                    policy_version=policy_version, started_elapsed_s=started, seconds=seconds)
         system.metrics.log(metrics, learner_step=served_step, policy_version=policy_version, progress=False)
-        logger.info("held-out avg@%d %.3f, pass@1 %.3f, pass@%d %.3f on %d prompts: weights of step %d (v%d), %.0f s",
-                    summary.k, summary.avg_reward, summary.pass_at_1, summary.k, summary.pass_at_k,
-                    summary.num_prompts, served_step, policy_version, seconds)
+        passes = f"pass@1 {summary.pass_at_1:.3f}" + (f", pass@{summary.k} {summary.pass_at_k:.3f}" if summary.k > 1 else "")
+        logger.info("held-out reward %.3f (avg@%d; %s) on %d prompts: weights of step %d (v%d), %.0f s",
+                    summary.avg_reward, summary.k, passes, summary.num_prompts, served_step, policy_version, seconds)
         return metrics
 
 
