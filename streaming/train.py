@@ -204,6 +204,9 @@ def train_main(*, config: str | None, overrides: list[str], resume: str | None) 
               "nothing to resume (raise trainer.total_steps to train further)")
         return 0
     attach_run_log(run_dir)
+    from streamrl.streaming.trust import warn_untrusted_code
+
+    warn_untrusted_code(cfg)  # configs are trusted input; code from outside the project is named
     _init_ray(cfg, run_dir)
     try:
         final = asyncio.run(_train(cfg, run_dir, state))
