@@ -46,6 +46,10 @@ class ToolExecution:
     reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     images: list[Any] = field(default_factory=list)  # [num_images]; sources, shown before the text
+    # Whether the call failed; None: the convention of our tools, text starting with "Error:". A tool
+    # whose successful output may start with that (the code interpreter prints what a cell printed)
+    # says so explicitly.
+    is_error: bool | None = None
 
 
 class EmptyToolConfig(BaseModel):
@@ -111,3 +115,6 @@ class BaseTool(abc.ABC):
 
     async def release(self, instance_id: str) -> None:
         self._instances.drop(instance_id)
+
+    def close(self) -> None:
+        """Stop what the tool runs in the background (the worker's shutdown); blocking, idempotent."""

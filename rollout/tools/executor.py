@@ -7,7 +7,8 @@ parallel limit) with error results and returns the others validated; `run_calls`
 concurrently. `execute_calls` is both in one. This is a deliberate catch-all boundary ("survive where
 it is the world"): timeouts and exceptions raised by a tool also become error results whose text
 tells the model what went wrong; each is counted in the registry's metrics. A tool's own result text
-starting with "Error:" (the convention of our tools) is also flagged `is_error`. Only
+starting with "Error:" (the convention of our tools) is also flagged `is_error`, unless the tool says
+otherwise (`ToolExecution.is_error`). Only
 `asyncio.CancelledError` propagates, so a cancelled trajectory cancels its tool calls.
 
 Images a tool returns (`ToolExecution.images`) are admitted here, at the same boundary: with the
@@ -279,7 +280,7 @@ class ToolRegistry:
             text = text[: self.max_result_chars] + f"\n[truncated: {len(execution.text)} characters]"
         if isinstance(admitted, str):
             return self._error(call, admitted + (f"\n{text}" if text else ""), latency_s)
-        is_error = text.startswith("Error:")
+        is_error = execution.is_error if execution.is_error is not None else text.startswith("Error:")
         if is_error:
             self.num_errors += 1
         return ToolResult(
@@ -322,9 +323,11 @@ class ToolRegistry:
         return out
 
     def close(self) -> None:
-        """Stop what the tools started (MCP servers); the worker's shutdown calls it."""
+        """Stop what the tools started (MCP servers, running sandboxes); the worker's shutdown calls it."""
         from streamrl.rollout.tools.mcp_toolset import close_toolsets
 
+        for tool in self.tools.values():
+            tool.close()
         close_toolsets(self.tools.values())
 
     def _call_counters(self) -> dict[str, float]:

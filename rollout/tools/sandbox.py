@@ -20,13 +20,21 @@ What each layer adds (see `bench/sandbox.py` for the escape attempts each one st
 - always, whatever the layer: a cleared environment (no API keys), a fresh working directory, a
   wall-clock timeout that SIGKILLs the whole process group, stdout/stderr capped in bytes (the middle
   is cut) and a kill when a program writes far more than the cap.
+- lifetime and budget, whatever the layer: every stage of the chain dies with its parent
+  (`PR_SET_PDEATHSIG`), so a worker killed outright takes its sandboxes along, and a record of each
+  running sandbox lets the next worker sweep what a dead one left (`sandbox_reaper.py`); one memory and
+  pids budget per sandbox in a cgroup v2 where one is writable (`sandbox_cgroup.py`; elsewhere the
+  per-process limits above are the documented fallback); at most `max_concurrent` sandboxes of this
+  process run at once (`SLOTS`), the others wait;
+- what the program sees of itself: /proc is mounted with hidepid, so init (non-dumpable) and its
+  command line are hidden; a virtual environment appears at `VENV_MOUNT`, not at its host path.
 
 The chain of processes (every stage is this file, run as `python -I -S -c <source> <stage> <spec>`,
 which is why it imports only the standard library at module level):
 
     parent ──► launch ──► unshare ──► setup: pid 1 (mounts, pivot_root) = init ──fork──► trampoline ──execve──► program
-    parent ──► bwrap ──► init ──fork──► trampoline ──execve──► program
-    parent ──► trampoline ──execve──► program                                  (isolation = "none")
+    parent ──► launch ──execve──► bwrap ──► init ──fork──► trampoline ──execve──► program
+    parent ──► launch = trampoline ──execve──► program                         (isolation = "none")
 
 Init (pid 1 of the sandbox) drops privileges, forks the program and exits with its status, or
 128 + the signal that killed it. When the trainer runs as root, `launch` first enters a user
@@ -36,26 +44,39 @@ uid, so the setup can still read a root-only interpreter path while the program 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import dataclasses
 import json
+import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
-from streamrl.rollout.aio import observe_outcome
-from streamrl.rollout.tools import sandbox_stages
-from streamrl.rollout.tools.sandbox_stages import _MARKER, SETUP_FAILED, SIGNAL_BASE, WORKSPACE
+from streamrl.rollout.tools import sandbox_cgroup, sandbox_reaper, sandbox_stages
+from streamrl.rollout.tools.sandbox_exec import (  # noqa: F401 (re-exported)
+    SAFE_PATH,
+    SandboxResult,
+    _CappedStream,
+    _execute,
+    _killpg,
+)
+from streamrl.rollout.tools.sandbox_stages import WORKSPACE
+from streamrl.rollout.tools.slots import Slots
+
+logger = logging.getLogger(__name__)
 
 ISOLATION_CHOICES = ("auto", "bwrap", "unshare", "none")
-_SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
-_GRACE_S = 2.0  # after a kill, how long the pipes may take to close
+_SAFE_PATH = SAFE_PATH
+VENV_MOUNT = "/opt/venv"  # where the program's virtual environment appears (its host path stays hidden)
+DEFAULT_MAX_CONCURRENT = 16
+# Sandboxes running at once in this process, whatever Sandbox started them (one worker builds one
+# code interpreter; the last one built sets the limit).
+SLOTS = Slots(DEFAULT_MAX_CONCURRENT)
 # System paths made visible read-only (those that exist; symlinks such as /bin -> usr/bin are copied).
 _SYSTEM_PATHS = (
     "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
@@ -69,11 +90,11 @@ class IsolationUnavailable(ValueError):
 
 @dataclass(kw_only=True, slots=True)
 class SandboxLimits:
-    memory_mb: int = 1024  # RLIMIT_AS of the program
+    memory_mb: int = 1024  # the whole sandbox's memory with a cgroup budget; always RLIMIT_AS of each process
     cpu_s: int = 10  # RLIMIT_CPU: SIGXCPU at cpu_s, SIGKILL one second later
     file_mb: int = 16  # RLIMIT_FSIZE: larger writes fail with EFBIG
     open_files: int = 64  # RLIMIT_NOFILE
-    processes: int = 32  # RLIMIT_NPROC; namespaced layers only (counted per user namespace)
+    processes: int = 32  # pids.max of the cgroup; RLIMIT_NPROC in namespaced layers (per user namespace)
     disk_mb: int = 64  # size of each private tmpfs (/workspace, /tmp); namespaced layers only
 
 
@@ -88,23 +109,9 @@ class SandboxSettings:
     max_output_bytes: int = 8192  # per stream; the middle of longer output is cut
     kill_output_bytes: int = 4 << 20  # a stream longer than this kills the program
     limits: SandboxLimits = field(default_factory=SandboxLimits)
-
-
-@dataclass(kw_only=True, slots=True)
-class SandboxResult:
-    """One run. `exit_code` is None when a signal (`signal`) or the sandbox (`timed_out`,
-    `output_killed`) ended the program; `setup_error` is set when the sandbox itself failed."""
-
-    stdout: str
-    stderr: str
-    exit_code: int | None
-    signal: int | None
-    timed_out: bool
-    output_killed: bool
-    truncated_bytes: int  # bytes cut from the middle of stdout + stderr
-    wall_s: float
-    layer: str
-    setup_error: str | None = None
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT  # sandboxes running at once in this process
+    cgroup: bool = True  # one memory and pids budget per sandbox where a cgroup v2 is writable
+    registry_dir: str | None = None  # records of running sandboxes (sandbox_reaper); None: the default
 
 
 @dataclass(kw_only=True, slots=True)
@@ -162,12 +169,23 @@ def _try_layer(layer: str, settings: SandboxSettings) -> str | None:
 
 
 class Sandbox:
-    """A probed isolation layer and the settings to run programs with; `run` is safe to call concurrently."""
+    """A probed isolation layer, its settings and each run's budget. `run` is safe to call
+    concurrently; at most `settings.max_concurrent` runs of this process go at once (`SLOTS`), the
+    others wait. Building one also kills what workers that died left running (`sandbox_reaper.sweep`);
+    `close` kills this process's running sandboxes (the worker's shutdown)."""
 
     def __init__(self, settings: SandboxSettings) -> None:
         if settings.sandbox_uid <= 0:
             raise ValueError(f"sandbox_uid must be a positive uid, got {settings.sandbox_uid}")
+        if settings.max_concurrent <= 0:
+            raise ValueError(f"max_concurrent must be positive, got {settings.max_concurrent}")
         self.settings = settings
+        self.cgroups, self.budget_reason = (
+            sandbox_cgroup.CgroupBudget.open() if settings.cgroup else (None, "cgroup budgets are turned off")
+        )
+        registry_dir = Path(settings.registry_dir) if settings.registry_dir else sandbox_reaper.DEFAULT_REGISTRY
+        self.registry = sandbox_reaper.SandboxRegistry(registry_dir)
+        sandbox_reaper.sweep(registry_dir, self.cgroups)
         self.report = probe(settings)
         if self.report.layer is None:
             reasons = "; ".join(f"{k}: {v}" for k, v in self.report.tried.items())
@@ -176,47 +194,92 @@ class Sandbox:
                 'namespaces, or set isolation = "none" to run model code without isolation (not recommended).'
             )
         self.layer: str = self.report.layer
+        SLOTS.resize(settings.max_concurrent)
+
+    @property
+    def budget(self) -> str:
+        """"cgroup": memory and processes bounded per sandbox; "rlimit": per process (the fallback)."""
+        return "cgroup" if self.cgroups is not None else "rlimit"
 
     async def run(self, program: str, stdin: bytes = b"", *, timeout_s: float) -> SandboxResult:
         """Run `program` (Python source) with `stdin`; never raises for what the program does."""
-        with tempfile.TemporaryDirectory(prefix="streamrl-sandbox-", ignore_cleanup_errors=True) as tmp:
-            argv = _argv_for(self.layer, self.settings, program, tmp)
-            return await _execute(argv, stdin, timeout_s, self.settings, self.layer)
+        queued = time.perf_counter()
+        await SLOTS.acquire()
+        try:
+            queued_s = time.perf_counter() - queued
+            with tempfile.TemporaryDirectory(prefix="streamrl-sandbox-", ignore_cleanup_errors=True) as tmp:
+                cgroup = self._new_cgroup()
+                try:
+                    argv = _argv_for(self.layer, self.settings, program, tmp, cgroup)
+                    result = await _execute(argv, stdin, timeout_s, self.settings, self.layer, self.registry)
+                finally:
+                    exceeded = cgroup is not None and sandbox_cgroup.oom_killed(cgroup)
+                    if cgroup is not None:
+                        sandbox_cgroup.remove(cgroup, wait_s=0.5)  # the run's processes are gone already
+            return dataclasses.replace(result, memory_exceeded=exceeded, queued_s=queued_s)
+        finally:
+            SLOTS.release()
+
+    def _new_cgroup(self) -> Path | None:
+        if self.cgroups is None:
+            return None
+        limits = self.settings.limits
+        try:
+            return self.cgroups.create(self.registry.owner, memory_mb=limits.memory_mb, processes=limits.processes)
+        except OSError as exc:  # the kernel refused this once: the per-process limits still hold
+            logger.warning("sandbox cgroup not created (%s); this run has per-process limits only", exc)
+            return None
+
+    def close(self) -> None:
+        """Kill this process's running sandboxes (each call that ran one then returns its result)."""
+        self.registry.kill_owned()
 
 
 # -- the parent side: commands ----------------------------------------------------------------------
 
 
-def _argv_for(layer: str, settings: SandboxSettings, program: str, tmp: str) -> list[str]:
-    """The command line of one run; `tmp` is an empty host directory it may use (the mount point of
-    the new root, or the workdir when isolation is "none")."""
+def _argv_for(layer: str, settings: SandboxSettings, program: str, tmp: str, cgroup: Path | None = None) -> list[str]:
+    """The command line of one run: the first stage (`launch`), whatever the layer. `tmp` is an empty
+    host directory it may use (the mount point of the new root, or the workdir when isolation is
+    "none"); `cgroup` the run's budget, which the first stage joins."""
     stage = [os.path.realpath(sys.executable), "-I", "-S", "-c", _child_source()]
     spec = _spec(layer, settings, program, tmp)
-    if layer == "none":
-        return [*stage, "trampoline", json.dumps(spec)]
+    spec["cgroup"] = None if cgroup is None else str(cgroup)
     if layer == "unshare":
         spec["unshare"] = _which(settings.unshare_path)
-        return [*stage, "launch", json.dumps(spec)]
-    if layer == "bwrap":
-        return _bwrap_argv(_which(settings.bwrap_path), spec, stage)
-    raise ValueError(f"unknown isolation layer {layer!r}")
+    elif layer == "bwrap":
+        spec["bwrap"] = _bwrap_argv(_which(settings.bwrap_path), spec, stage)
+    elif layer != "none":
+        raise ValueError(f"unknown isolation layer {layer!r}")
+    return [*stage, "launch", json.dumps(spec)]
 
 
 def _spec(layer: str, settings: SandboxSettings, program: str, tmp: str) -> dict:
     python = _exec_path(settings.python or sys.executable)
+    venv = _venv_of(python) if layer != "none" else None
     workdir = tmp if layer == "none" else WORKSPACE
     root = os.geteuid() == 0
     return {
         "layer": layer,
-        "python": python,
+        "parent": os.getpid(),  # the first stage checks it is still its parent once it will die with it
+        "python": python if venv is None else VENV_MOUNT + python[len(venv) :],
         "program": program,
         "root": tmp,  # unshare: mount point of the new root
         "workdir": workdir,
         "uid": settings.sandbox_uid if root and layer != "none" else None,
         "limits": asdict(settings.limits),
-        "mounts": _mounts(python, settings.ro_paths) if layer != "none" else [],
+        "mounts": _mounts(python, settings.ro_paths, venv) if layer != "none" else [],
         "env": _program_env(workdir, "/tmp" if layer != "none" else tmp),
     }
+
+
+def _venv_of(python: str) -> str | None:
+    """The virtual environment `python` (an `_exec_path`) belongs to, if any: the sandbox shows it at
+    `VENV_MOUNT`, so neither the program's argv nor its `sys.prefix` names the host's path."""
+    prefix, base = _python_prefix_pair(python)
+    if prefix == base or not python.startswith(prefix.rstrip("/") + "/"):
+        return None
+    return prefix
 
 
 def _program_env(home: str, tmpdir: str) -> dict[str, str]:
@@ -245,14 +308,24 @@ def _which(binary: str) -> str:
 
 
 @lru_cache(maxsize=16)
+def _python_prefix_pair(python: str) -> tuple[str, str]:
+    """`sys.prefix` and `sys.base_prefix` of `python`, resolved."""
+    code = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix]))"
+    out = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, timeout=30, check=True)
+    prefix, base = json.loads(out.stdout)
+    return os.path.realpath(prefix), os.path.realpath(base)
+
+
+@lru_cache(maxsize=16)
 def _python_prefixes(python: str) -> tuple[str, ...]:
     code = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]))"
     out = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, timeout=30, check=True)
     return tuple(sorted({os.path.realpath(p) for p in json.loads(out.stdout)}))
 
 
-def _mounts(python: str, extra: tuple[str, ...]) -> list[dict[str, str]]:
-    """What the new root shows: system paths, both interpreters' prefixes, `extra`; all read-only."""
+def _mounts(python: str, extra: tuple[str, ...], venv: str | None = None) -> list[dict[str, str]]:
+    """What the new root shows: system paths, both interpreters' prefixes, `extra`; all read-only.
+    The program's `venv` is shown at `VENV_MOUNT` only."""
     stage_python = os.path.realpath(sys.executable)
     mounts, paths = [], set()
     for path in _SYSTEM_PATHS:
@@ -260,11 +333,13 @@ def _mounts(python: str, extra: tuple[str, ...]) -> list[dict[str, str]]:
             mounts.append({"kind": "symlink", "path": path, "target": os.readlink(path)})
         elif os.path.exists(path):
             paths.add(path)
-    paths.update(_python_prefixes(python) + _python_prefixes(stage_python))
+    paths.update(p for p in _python_prefixes(python) + _python_prefixes(stage_python) if p != venv)
     paths.update(p for p in map(os.path.realpath, extra) if os.path.exists(p))
     for path in sorted(paths):  # a path under another one is already visible through it
         if not any(path.startswith(other.rstrip("/") + "/") for other in paths):
             mounts.append({"kind": "bind", "path": path})
+    if venv is not None:
+        mounts.append({"kind": "bind", "path": venv, "at": VENV_MOUNT})
     return mounts
 
 
@@ -279,14 +354,14 @@ def _bwrap_argv(bwrap: str, spec: dict, stage: list[str]) -> list[str]:
     size = str(spec["limits"]["disk_mb"] << 20)
     for path in ("/tmp", WORKSPACE):  # before the binds: an interpreter under /tmp stays visible
         argv += ["--perms", "1777", "--size", size, "--tmpfs", path]
-    parents = {os.path.dirname(m["path"]) for m in spec["mounts"]}
+    parents = {os.path.dirname(m.get("at", m["path"])) for m in spec["mounts"]}
     for parent in sorted({a for p in parents for a in _ancestors(p)}):  # else bwrap copies e.g. /root's 0700
         argv += ["--perms", "0755", "--dir", parent]
     for mount in spec["mounts"]:
         if mount["kind"] == "symlink":
             argv += ["--symlink", mount["target"], mount["path"]]
         else:
-            argv += ["--ro-bind", mount["path"], mount["path"]]
+            argv += ["--ro-bind", mount["path"], mount.get("at", mount["path"])]
     argv += ["--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv", "--setenv", "PATH", _SAFE_PATH]
     return [*argv, "--", *stage, "init", json.dumps(spec)]
 
@@ -306,107 +381,3 @@ def _child_source() -> str:
         return f.read()
 
 
-# -- the parent side: one run -----------------------------------------------------------------------
-
-
-class _CappedStream:
-    """Keeps the first and last `cap / 2` bytes of a stream, counts the rest, and calls `on_flood` once
-    the stream passes `kill_bytes` (it keeps draining, so the writer never blocks on a full pipe)."""
-
-    def __init__(self, cap: int, kill_bytes: int, on_flood) -> None:
-        self.head_cap, self.tail_cap = cap - cap // 2, cap // 2
-        self.head, self.tail = bytearray(), bytearray()
-        self.total, self.kill_bytes, self.on_flood, self.flooded = 0, kill_bytes, on_flood, False
-
-    async def drain(self, stream: asyncio.StreamReader) -> None:
-        while chunk := await stream.read(1 << 16):
-            self.total += len(chunk)
-            take = max(0, self.head_cap - len(self.head))
-            self.head += chunk[:take]
-            self.tail += chunk[take:]
-            if len(self.tail) > self.tail_cap:
-                del self.tail[: len(self.tail) - self.tail_cap]
-            if self.total > self.kill_bytes and not self.flooded:
-                self.flooded = True
-                self.on_flood()
-
-    @property
-    def cut(self) -> int:
-        return self.total - len(self.head) - len(self.tail)
-
-    def text(self) -> str:
-        if self.cut == 0:
-            return (self.head + self.tail).decode(errors="replace")
-        marker = f"\n...[truncated {self.cut} bytes]...\n"
-        return self.head.decode(errors="replace") + marker + self.tail.decode(errors="replace")
-
-
-def _killpg(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
-    try:
-        writer.write(data)
-        await writer.drain()
-        writer.close()
-    except (BrokenPipeError, ConnectionResetError):  # the program exited without reading its input
-        pass
-
-
-async def _execute(argv: list[str], stdin: bytes, timeout_s: float, settings: SandboxSettings, layer: str) -> SandboxResult:
-    start = time.perf_counter()
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={"PATH": _SAFE_PATH}, start_new_session=True,
-    )  # fmt: skip
-
-    def kill() -> None:  # the process group is the whole sandbox (start_new_session)
-        _killpg(proc.pid)
-
-    out = _CappedStream(settings.max_output_bytes, settings.kill_output_bytes, kill)
-    err = _CappedStream(settings.max_output_bytes, settings.kill_output_bytes, kill)
-    work = asyncio.ensure_future(asyncio.gather(_feed(proc.stdin, stdin), out.drain(proc.stdout), err.drain(proc.stderr), proc.wait()))
-    # The outcome is read from the streams and the exit code, never from `work`: mark its exception as
-    # seen, or a call cut off by its event loop closing logs "exception was never retrieved".
-    observe_outcome(work)
-    timed_out = False
-    try:
-        done, _ = await asyncio.wait({work}, timeout=timeout_s)
-        timed_out = not done
-    finally:
-        if not work.done():  # timed out, or cancelled (the caller's own timeout): kill the whole sandbox and
-            kill()  # wait until its pipes close, i.e. its last process is gone, so no call outlives its sandbox
-            await asyncio.wait({work}, timeout=_GRACE_S)
-        if not work.done():  # pipes still open after the kill: held by a process that left the group
-            work.cancel()  # (only possible without a pid namespace)
-            transport = getattr(proc, "_transport", None)
-            if transport is not None:
-                transport.close()
-        if proc.returncode is None:  # cancelled (the caller's own timeout) or the pipes never closed
-            kill()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(proc.wait()), _GRACE_S)
-    return _result(proc.returncode, out, err, timed_out, layer, time.perf_counter() - start)
-
-
-def _result(rc: int | None, out: _CappedStream, err: _CappedStream, timed_out: bool, layer: str, wall_s: float) -> SandboxResult:
-    stderr = err.text()
-    flooded = out.flooded or err.flooded
-    setup_error = None
-    if rc == SETUP_FAILED and _MARKER in stderr:
-        setup_error = stderr[stderr.index(_MARKER) :].strip()[:2000]
-    sig = None
-    if rc is not None and rc < 0:
-        sig = -rc
-    elif rc is not None and layer != "none" and SIGNAL_BASE < rc < SIGNAL_BASE + 65:
-        sig = rc - SIGNAL_BASE
-    ended_by_sandbox = timed_out or flooded or sig is not None or setup_error is not None
-    return SandboxResult(
-        stdout=out.text(), stderr=stderr, exit_code=None if ended_by_sandbox else rc, signal=sig,
-        timed_out=timed_out, output_killed=flooded and not timed_out, truncated_bytes=out.cut + err.cut,
-        wall_s=wall_s, layer=layer, setup_error=setup_error,
-    )  # fmt: skip

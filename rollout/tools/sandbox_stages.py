@@ -29,6 +29,7 @@ _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
 _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE, _MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
 _MNT_DETACH = 2
 _PIVOT_ROOT_NR = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+_PR_SET_DUMPABLE = 4
 _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 1, 24, 28, 38, 47, 4
 # NOROOT(+LOCKED): uid 0 gets no capabilities from execve; KEEP_CAPS_LOCKED, NO_SETUID_FIXUP_LOCKED:
 # a uid change keeps clearing them; NO_CAP_AMBIENT_RAISE(+LOCKED): no ambient capabilities.
@@ -66,11 +67,26 @@ def _exit_like(status: int) -> None:
 
 
 def _stage_launch(spec: dict) -> None:
-    """Host side of the unshare layer: exec `unshare` into the namespaces, running `setup` inside."""
+    """The first stage, the worker's child: die with the worker, join the sandbox's cgroup (its
+    memory and pids budget), then build the layer: exec `unshare` into the namespaces (running
+    `setup` inside), exec bwrap, or (isolation "none") become the trampoline."""
+    try:
+        _die_with_parent()
+        if os.getppid() != spec["parent"]:  # the worker died before the death signal was armed
+            raise OSError("the worker that started this sandbox is gone")
+        if spec.get("cgroup"):
+            with open(os.path.join(spec["cgroup"], "cgroup.procs"), "w") as f:
+                f.write("0")  # this process; everything it starts stays in the cgroup
+    except OSError as exc:
+        _fail("launch", exc)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if spec["layer"] == "none":
+        _stage_trampoline(spec)
     flags = ["--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
     tail = ["--", os.path.realpath(sys.executable), "-I", "-S", "-c", _stage_source(), "setup", json.dumps(spec)]
     try:
+        if spec["layer"] == "bwrap":
+            os.execv(spec["bwrap"][0], spec["bwrap"])
         if spec["uid"] is not None:  # root: a user namespace mapping root and the sandbox uid
             _enter_user_namespace(spec["uid"])
             os.execv(spec["unshare"], [spec["unshare"], *flags, *tail])
@@ -135,7 +151,7 @@ def _build_root(spec: dict, libc: _Libc) -> None:
         os.makedirs(root + path, exist_ok=True)
         libc.mount("tmpfs", root + path, "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode={mode},size={limits['disk_mb']}m{owner}")
     for mount in spec["mounts"]:
-        dst = root + mount["path"]
+        dst = root + mount.get("at", mount["path"])
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         if mount["kind"] == "symlink":
             os.symlink(mount["target"], dst)
@@ -149,8 +165,9 @@ def _build_root(spec: dict, libc: _Libc) -> None:
     _write_passwd(root, spec["uid"] or 0)
     with open("/proc/sys/user/max_user_namespaces", "w") as f:  # this namespace's own limit: the
         f.write("0")  # program cannot nest a user namespace (kernel attack surface) to regain capabilities
-    os.makedirs(root + "/proc", exist_ok=True)
-    libc.mount("proc", root + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY)
+    os.makedirs(root + "/proc", exist_ok=True)  # hidepid: the program sees only its own processes, not
+    # init (non-dumpable, see `_stage_init`), whose command line holds the spec with the host's paths
+    libc.mount("proc", root + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY, "hidepid=2")
     _pivot_root(libc, root)
     libc.mount(None, "/", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
 
@@ -213,6 +230,8 @@ def _stage_init(spec: dict) -> None:
     try:
         _drop_privileges(spec["uid"])
         _die_with_parent()  # a uid change cleared the death signal unshare/bwrap had set
+        libc = _Libc()  # not dumpable: hidden from the program by /proc's hidepid
+        libc.call("prctl(PR_SET_DUMPABLE)", libc.lib.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0))
     except OSError as exc:
         _fail("init", exc)
     pid = os.fork()
@@ -273,6 +292,7 @@ def _stage_trampoline(spec: dict) -> None:
     """Set the resource limits, enter the workdir, close inherited fds and exec the program with its
     own environment. Runs in the child, after fork, so nothing here touches the trainer."""
     try:
+        _die_with_parent()  # cleared by fork; kept by the execve below
         _set_limits(spec["limits"], nproc=spec["layer"] != "none")
         os.chdir(spec["workdir"])
         os.closerange(3, 1 << 16)
