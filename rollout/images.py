@@ -19,6 +19,13 @@ the buffer's image log by hash when a trajectory needs it again (`AgentLoopBase.
 use (path, data URL, base64); `read_response_image` also takes bytes / PIL and decodes fully, so a
 corrupt image from a tool is refused before it reaches a trajectory.
 PIL is imported only when an image is encoded or inspected.
+
+Decompression bombs: a few KB of PNG can declare 10000 x 10000 pixels (400 MB decoded, on every
+generate, in the learner and in the report). Every image is measured from its header before it is
+decoded, and one of more than `max_pixels` (`DEFAULT_MAX_IMAGE_PIXELS` unless the store or the caller
+says otherwise) is refused with `ImageTooLarge` (a ValueError: a tool returning one gets an error
+observation, a dataset row holding one fails at load). PIL's own `DecompressionBombWarning` is an
+error in this process too (the filter below), so a decode site that forgets the cap still refuses.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import base64
 import binascii
 import hashlib
 import io
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +46,24 @@ from streamrl.rollout.types import ImageRef
 
 if TYPE_CHECKING:
     from PIL.Image import Image
+
+# 4096 x 4096: far above what a VLM's processor keeps (it resizes to a few hundred pixels a side) and
+# below PIL's own warning threshold (~89 megapixels), so the explicit cap is always the first to act.
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
+# PIL's DecompressionBombWarning (its message; matching it needs no PIL import) as an error.
+warnings.filterwarnings("error", message=r"Image size \(\d+ pixels\) exceeds limit")
+
+
+class ImageTooLarge(ValueError):
+    """An image with more pixels than the cap (a decompression bomb, or simply too big to show)."""
+
+
+def check_pixels(width: int, height: int, max_pixels: int) -> None:
+    if width * height > max_pixels:
+        raise ImageTooLarge(
+            f"image of {width} x {height} = {width * height} pixels is over the limit of {max_pixels} pixels "
+            "(max_image_pixels); it was not decoded"
+        )
 
 
 def image_sha256(data: bytes) -> str:
@@ -51,28 +77,42 @@ def encode_png(image: Image) -> bytes:
     return buf.getvalue()
 
 
-def decode_image(data: bytes) -> Image:
-    """Encoded bytes -> a loaded RGB PIL image (what the engine's and the learner's processors take)."""
-    from PIL import Image as PILImage
-
-    image = PILImage.open(io.BytesIO(data))
+def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image:
+    """Encoded bytes -> a loaded RGB PIL image (what the engine's and the learner's processors take);
+    `ImageTooLarge` before decoding an image of more than `max_pixels`."""
+    image = _open(data, max_pixels)
     image.load()
     return image.convert("RGB") if image.mode != "RGB" else image
 
 
-def describe_image(data: bytes) -> ImageRef:
+def describe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageRef:
     """The `ImageRef` of encoded bytes (reads the header for size and format; raises ValueError if the
-    bytes are not an image PIL can read)."""
+    bytes are not an image PIL can read, `ImageTooLarge` if it has more than `max_pixels`)."""
+    from PIL import Image as PILImage
+
+    with _open(data, max_pixels) as image:
+        width, height = image.size
+        mime = PILImage.MIME.get(image.format or "", "application/octet-stream")
+    return ImageRef(sha256=image_sha256(data), width=width, height=height, mime=mime)
+
+
+def _open(data: bytes, max_pixels: int) -> Image:
+    """PIL's lazy open (the header only) with the pixel cap checked."""
     from PIL import Image as PILImage
     from PIL import UnidentifiedImageError
 
     try:
-        with PILImage.open(io.BytesIO(data)) as image:
-            width, height = image.size
-            mime = PILImage.MIME.get(image.format or "", "application/octet-stream")
+        image = PILImage.open(io.BytesIO(data))
     except UnidentifiedImageError as exc:
         raise ValueError(f"not an image ({len(data)} bytes): {exc}") from exc
-    return ImageRef(sha256=image_sha256(data), width=width, height=height, mime=mime)
+    except (PILImage.DecompressionBombError, PILImage.DecompressionBombWarning) as exc:
+        raise ImageTooLarge(f"image refused as a decompression bomb: {exc}") from exc
+    try:
+        check_pixels(*image.size, max_pixels)
+    except ImageTooLarge:
+        image.close()
+        raise
+    return image
 
 
 def is_content_parts(value: Any) -> bool:
@@ -99,25 +139,23 @@ def load_image_source(source: Any) -> bytes:
         raise ValueError(f"image {source[:80]!r} is neither an existing file nor base64 bytes") from None
 
 
-def read_response_image(source: Any) -> bytes:
+def read_response_image(source: Any, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> bytes:
     """Encoded bytes of an image a tool or interaction returned, fully decoded once so a corrupt or
     truncated file is refused here (ValueError) and never reaches the engine. Besides the JSON-safe
     sources of `load_image_source`, in-process code may hand encoded `bytes` or a PIL image (stored
-    as PNG)."""
+    as PNG). More than `max_pixels` is refused (`ImageTooLarge`) before anything is decoded."""
     from PIL import Image as PILImage
 
     if isinstance(source, PILImage.Image):
+        check_pixels(*source.size, max_pixels)
         return encode_png(source)
     data = bytes(source) if isinstance(source, (bytes, bytearray)) else load_image_source(source)
+    describe_image(data, max_pixels)
     try:
-        describe_image(data)
-        decode_image(data)
-    except (OSError, SyntaxError, PILImage.DecompressionBombError) as exc:  # how PIL reports broken data
+        decode_image(data, max_pixels)
+    except (OSError, SyntaxError, PILImage.DecompressionBombError, PILImage.DecompressionBombWarning) as exc:
         raise ValueError(f"image of {len(data)} bytes cannot be decoded: {exc}") from exc
     return data
-
-
-KEEP_NEWEST = 64  # images an LRU-bounded store never evicts, newest first
 
 
 class ImageStore:
@@ -125,7 +163,10 @@ class ImageStore:
     in `directory` (see module doc)."""
 
     def __init__(self, directory: str | Path | None = None, *, max_bytes: int | None = None,
-                 pinned: Callable[[], set[str]] | None = None) -> None:
+                 pinned: Callable[[], set[str]] | None = None, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+        if max_pixels <= 0:
+            raise ValueError(f"max_pixels must be positive, got {max_pixels}")
+        self.max_pixels = max_pixels  # `put` refuses larger images (ImageTooLarge)
         self.directory = None if directory is None else Path(directory)
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -141,8 +182,8 @@ class ImageStore:
         return self.directory / sha256[:2] / sha256
 
     def put(self, data: bytes) -> ImageRef:
-        """Store encoded bytes (idempotent) and return their reference."""
-        ref = describe_image(data)
+        """Store encoded bytes (idempotent) and return their reference; `ImageTooLarge` above the cap."""
+        ref = describe_image(data, self.max_pixels)
         self._remember(ref.sha256, data)
         self._refs.setdefault(ref.sha256, ref)
         if self.directory is not None and not self._path(ref.sha256).exists():
@@ -194,7 +235,7 @@ class ImageStore:
         """The `ImageRef` (size, mime) of a stored image; KeyError if absent."""
         ref = self._refs.get(sha256)
         if ref is None:
-            ref = self._refs[sha256] = describe_image(self.get(sha256))
+            ref = self._refs[sha256] = describe_image(self.get(sha256), self.max_pixels)
         return ref
 
     def __contains__(self, sha256: object) -> bool:

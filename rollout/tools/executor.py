@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from streamrl.rollout.parsers.base import validate_call
 from streamrl.rollout.tools.base import BaseTool, ToolExecution
+from streamrl.rollout.tools.slots import ToolThreads
 from streamrl.rollout.types import ImageRef, ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
 
 if TYPE_CHECKING:
@@ -48,6 +49,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RESULT_CHARS = 8192
+IMAGE_ADMIT_TIMEOUT_S = 30.0  # reading + decoding one image a tool returned
+# Image admission decodes in threads of its own, never the event loop's default executor, which tools
+# or libraries may have exhausted; a read past IMAGE_ADMIT_TIMEOUT_S is an error result.
+_IMAGE_THREADS = ToolThreads(4, name="image-admission")
 _CURRENT_CALL: ContextVar[ToolCall | None] = ContextVar("streamrl_current_tool_call", default=None)
 
 
@@ -211,7 +216,8 @@ class ToolRegistry:
         """Run calls that passed `check_calls` concurrently; one ToolResult per call, in order.
 
         `images` is the worker's image store for a VLM policy (None: the policy reads text only). The
-        images a tool returns are read and fully decoded (off the event loop), then all put into the
+        images a tool returns are read and fully decoded (off the event loop, in threads of their own,
+        within `IMAGE_ADMIT_TIMEOUT_S` each, refused above the store's `max_pixels`), then all put into the
         store and listed in `ToolResult.images`; an unreadable image, or any image without a store,
         makes the whole result an error result whose text says why, followed by the tool's text
         (no image of that call is shown: all or nothing keeps the placeholder order simple)."""
@@ -301,7 +307,10 @@ class ToolRegistry:
         blobs: list[bytes] = []
         for i, source in enumerate(execution.images):
             try:
-                blobs.append(await asyncio.to_thread(read_response_image, source))
+                read = _IMAGE_THREADS.run(read_response_image, source, max_pixels=store.max_pixels)
+                blobs.append(await asyncio.wait_for(read, IMAGE_ADMIT_TIMEOUT_S))
+            except TimeoutError:
+                return f"tool '{call.name}' returned an image (#{i + 1} of {n}) that took more than {IMAGE_ADMIT_TIMEOUT_S:g} s to read; no image was shown"
             except (ValueError, TypeError) as exc:
                 return f"tool '{call.name}' returned an unreadable image (#{i + 1} of {n}): {exc}; no image was shown"
         return [store.put(blob) for blob in blobs]

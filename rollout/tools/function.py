@@ -17,10 +17,12 @@ build time naming the function and the parameter: a schema the model cannot sati
 fail on every call. The schema sets `additionalProperties: false`, so the executor's validation
 answers unknown arguments before the function runs.
 
-Calls: the executor has validated the arguments against the schema. A sync function runs in a worker
-thread (`asyncio.to_thread`) so a slow one never blocks the event loop that generates for every other
+Calls: the executor has validated the arguments against the schema. A sync function runs in a thread
+of the tool's own bounded pool (`slots.ToolThreads`, `max_threads` calls at once, never the event
+loop's default executor) so a slow one never blocks the event loop that generates for every other
 trajectory; it must therefore be thread-safe, and one that outlives the executor's timeout keeps its
-thread until it returns (threads cannot be cancelled). An async function is awaited on the loop. The
+thread (and its slot) until it returns (threads cannot be cancelled): hung calls of one tool can only
+exhaust that tool's slots. An async function is awaited on the loop. The
 result becomes the observation: a `ToolExecution` passes through (its `images` included), a `str` is
 the text, a list of content parts with at least one image (`[{"type": "text", "text": ...}, {"type":
 "image", "image": SOURCE}]`, SOURCE as in `ToolExecution.images`) is the joined text plus those
@@ -36,7 +38,6 @@ False) says a call interrupted by a worker's death may be re-run on resume.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import inspect
 import json
@@ -50,6 +51,7 @@ from typing import Annotated, Any, Literal, Union
 
 from streamrl.rollout.tools.base import BaseTool, ToolExecution
 from streamrl.rollout.tools.schema import OpenAIFunctionToolSchema
+from streamrl.rollout.tools.slots import ToolThreads
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ _SECTION = re.compile(
     r"Examples?|Notes?|Attributes|See Also|Warnings?|References|Todo):\s*$"
 )
 _ARG_LINE = re.compile(r"^\*{0,2}(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+DEFAULT_MAX_THREADS = 8  # sync calls of one function tool running at once
 _SUPPORTED = "use str, int, float, bool, list[...], dict[str, ...], Literal[...], an Enum or X | None"
 
 
@@ -311,6 +314,7 @@ class FunctionTool(BaseTool):
         idempotent: bool = False,
         bound: Mapping[str, Any] | None = None,
         instance_id_param: str | None = None,
+        max_threads: int = DEFAULT_MAX_THREADS,
     ) -> None:
         label = describe(fn)
         if isinstance(fn, type) or not callable(fn):
@@ -340,6 +344,7 @@ class FunctionTool(BaseTool):
         call = fn if inspect.isroutine(getattr(fn, "func", fn)) else type(fn).__call__
         self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
         self.num_exceptions = 0  # calls the function answered with an exception (observed as errors)
+        self.threads = ToolThreads(max_threads, name=self.name)  # sync functions only
 
     def _arguments(self, instance_id: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
         unexpected = sorted(k for k in parameters if k not in self._hints and not self._takes_any)
@@ -357,7 +362,7 @@ class FunctionTool(BaseTool):
             if self._is_async:
                 result = await self.fn(**kwargs)
             else:
-                result = await asyncio.to_thread(self.fn, **kwargs)
+                result = await self.threads.run(self.fn, **kwargs)
                 if inspect.isawaitable(result):  # a sync wrapper that returned a coroutine
                     result = await result
             return to_execution(result)
