@@ -33,7 +33,7 @@ def token_runs(traj: Trajectory) -> list[tuple[int, int, list[int]]]:
 def console_text(traj: Trajectory, tokenizer: Any) -> Any:
     """The terminal view of a trajectory (the report's HTML view is `report_viewer.render_trajectory`):
     a rich Text, prompt dim, sampled tokens green, observations yellow, [v=k] at version changes."""
-    from rich.text import Text
+    from streamrl.observability.safe_text import SafeText as Text  # model and tool text: escapes shown, not run
 
     text = Text()
     text.append(tokenizer.decode(traj.prompt_ids[-64:]), style="dim")

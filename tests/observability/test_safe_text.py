@@ -1,0 +1,50 @@
+"""Terminal escape injection (issue 29, finding 11): model and tool text reaches the console through
+`streamrl rollout` (`streaming/eval.console_text`) and console log lines; neither may carry a working
+control sequence (OSC 52 sets the clipboard, CSI 2J clears the screen). rich drops BEL but not ESC."""
+
+from __future__ import annotations
+
+import io
+import logging
+from types import SimpleNamespace
+
+from rich.console import Console
+
+from streamrl.observability.safe_text import SafeFormatter, safe_text
+from streamrl.streaming.eval import console_text
+
+OSC52 = "\x1b]52;c;cm0gLXJmIH4=\x07"  # put "rm -rf ~" on the clipboard
+CLEAR = "\x1b[2J\x1b[H"  # clear the screen, cursor home
+C1_CSI = "\x9b2J"  # the one-byte CSI of C1
+
+
+def test_safe_text_escapes_control_characters_but_keeps_newlines_and_tabs():
+    text = f"before{OSC52}mid{CLEAR}{C1_CSI}\x00\x7f\r\nnext\tline"
+    out = safe_text(text)
+    assert not any(c in out for c in "\x1b\x07\x9b\x00\x7f\r")
+    assert out == "before\\x1b]52;c;cm0gLXJmIH4=\\x07mid\\x1b[2J\\x1b[H\\x9b2J\\x00\\x7f\\x0d\nnext\tline"
+    assert safe_text("plain — ünïcode ✓\n") == "plain — ünïcode ✓\n"
+
+
+def _render(renderable) -> str:
+    buf = io.StringIO()
+    Console(file=buf, force_terminal=True, color_system="standard", width=200).print(renderable)
+    return buf.getvalue()
+
+
+def test_the_rollout_view_shows_escapes_instead_of_running_them():
+    pieces = {1: "prompt ", 2: f"model says {OSC52}", 3: f"tool says {CLEAR}{C1_CSI}"}
+    tokenizer = SimpleNamespace(decode=lambda ids: "".join(pieces[i] for i in ids))
+    traj = SimpleNamespace(
+        prompt_ids=[1], response_ids=[2, 3], response_mask=[1, 0], policy_versions=[0, 0], reward=1.0,
+        num_turns=1, num_tool_calls=1, status="finished", finish_reason="stop",
+    )
+    out = _render(console_text(traj, tokenizer))
+    assert "\x1b]52" not in out and "\x1b[2J" not in out and "\x1b[H" not in out and "\x9b" not in out
+    assert "\\x1b]52;c;" in out and "\\x1b[2J" in out  # shown, not run
+
+
+def test_console_log_lines_carry_no_control_sequences():
+    record = logging.LogRecord("streamrl.x", logging.INFO, __file__, 1, "tool output: %s", (OSC52 + CLEAR,), None)
+    line = SafeFormatter("%(name)s: %(message)s").format(record)
+    assert "\x1b" not in line and "\x07" not in line and line.startswith("streamrl.x: tool output: \\x1b]52")
