@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from streamrl.observability.safe_text import SafeFormatter
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -84,10 +86,10 @@ def setup_console(*, verbose: bool) -> None:
         from rich.logging import RichHandler
 
         handler: logging.Handler = RichHandler(console=console(), show_path=False, rich_tracebacks=False)
-        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        handler.setFormatter(SafeFormatter("%(name)s: %(message)s"))
     else:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(FILE_FORMAT))
+        handler.setFormatter(SafeFormatter(FILE_FORMAT))  # model and tool text in a message: escapes shown
     handler.streamrl_console = True  # type: ignore[attr-defined]
     handler.addFilter(_ConsoleFilter())
     root.addHandler(handler)

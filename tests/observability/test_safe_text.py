@@ -48,3 +48,20 @@ def test_console_log_lines_carry_no_control_sequences():
     record = logging.LogRecord("streamrl.x", logging.INFO, __file__, 1, "tool output: %s", (OSC52 + CLEAR,), None)
     line = SafeFormatter("%(name)s: %(message)s").format(record)
     assert "\x1b" not in line and "\x07" not in line and line.startswith("streamrl.x: tool output: \\x1b]52")
+
+
+def test_the_console_log_handler_escapes_what_it_prints(monkeypatch):
+    from streamrl.observability import logs
+
+    root = logging.getLogger()
+    saved = (root.level, list(root.handlers))
+    buf = io.StringIO()
+    monkeypatch.setattr(logs, "_console", Console(file=buf, force_terminal=False))
+    monkeypatch.setattr(logs.sys, "stderr", buf)
+    try:
+        logs.setup_console(verbose=True)
+        logging.getLogger("streamrl.rollout.tools").warning("tool raised: %s", OSC52 + CLEAR)
+    finally:
+        root.handlers[:] = saved[1]
+        root.setLevel(saved[0])
+    assert "tool raised: \\x1b]52" in buf.getvalue() and "\x1b" not in buf.getvalue()
