@@ -26,7 +26,9 @@ effect. Tools are not idempotent unless the entry says so (`idempotent: true`, o
 
 `close()` (or garbage collection of the toolset, or interpreter exit) ends the connection: the SDK
 closes a stdio server's stdin, then terminates its process group, so no child outlives the worker.
-A worker killed outright closes the server's stdin too, which ends a well-behaved stdio server.
+A worker killed outright takes its stdio servers along: each is started through a launcher that sets
+a parent-death signal (SIGKILL) before it becomes the server, so one that ignores its closed stdin
+dies too.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import asyncio
 import concurrent.futures
 import ipaddress
 import logging
+import os
 import sys
 import threading
 import weakref
@@ -62,6 +65,16 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _MAX_LIST_PAGES = 100
+# Runs a stdio server: ask for SIGKILL when the parent (this toolset's event-loop thread, which started
+# it) dies, check the parent did not die before that, then become the server. The SDK starts servers in
+# a session of their own, so without this a worker killed outright leaves behind any server that does
+# not exit when its stdin closes.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)\n"  # PR_SET_PDEATHSIG, SIGKILL
+    "if os.getppid() != int(sys.argv[1]):\n    os._exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 _CLOSE_TIMEOUT_S = 15.0  # the SDK's stdio shutdown is bounded by ~6 s (stdin close, SIGTERM, SIGKILL)
 
 
@@ -195,6 +208,8 @@ class _Link:
         if cfg.url is not None:
             return cfg.url
         command, args = (sys.executable, ["-m", cfg.module, *cfg.args]) if cfg.module else (cfg.command, cfg.args)
+        if sys.platform.startswith("linux"):  # the server dies with this process, even killed outright
+            command, args = sys.executable, ["-I", "-c", _DIE_WITH_PARENT, str(os.getpid()), str(command), *args]
         return StdioServerParameters(command=command, args=args, env=cfg.env, cwd=cfg.cwd)
 
     async def connected(self) -> tuple[Client, int]:

@@ -231,7 +231,7 @@ class Sandbox:
             return None
 
     def close(self) -> None:
-        """Kill this process's running sandboxes (each call that ran one then returns its result)."""
+        """Kill the sandboxes this object runs (each call that ran one then returns its result)."""
         self.registry.kill_owned()
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from streamrl.rollout.aio import observe_outcome
-from streamrl.rollout.tools.sandbox_reaper import SandboxRegistry, discard
+from streamrl.rollout.tools.sandbox_reaper import SandboxRegistry
 from streamrl.rollout.tools.sandbox_stages import _MARKER, SETUP_FAILED, SIGNAL_BASE
 
 if TYPE_CHECKING:
@@ -108,7 +108,8 @@ async def _execute(
     try:
         return await _wait(proc, stdin, timeout_s, settings, layer, start)
     finally:
-        discard(record)
+        if registry is not None:
+            registry.discard(record)
 
 
 async def _wait(proc: asyncio.subprocess.Process, stdin: bytes, timeout_s: float, settings: SandboxSettings,

@@ -6,9 +6,9 @@ sandboxes with it. This module is the second: while a sandbox runs, a file
 `<registry>/<owner>/<pgid>-<starttime>` names its process group, `owner` being the worker's
 `<pid>-<starttime>` (a pid alone may be reused). `sweep` kills the sandboxes, and removes the
 cgroups, of every owner that is no longer alive (a worker starting up calls it); `kill_owned` kills
-this process's own (its shutdown). A process group is only killed when its leader is the very
-process recorded (same pid and start time): the leader is the sandbox's first stage, which lives as
-long as the sandbox (it waits for it or becomes it by exec).
+the running sandboxes of one `Sandbox` (the worker's shutdown). A process group is only killed when
+its leader is the very process recorded (same pid and start time): the leader is the sandbox's first
+stage, which lives as long as the sandbox (it waits for it or becomes it by exec).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from streamrl.rollout.tools import sandbox_cgroup
@@ -39,7 +40,7 @@ def process_key(pid: int) -> str | None:
 
 
 class SandboxRegistry:
-    """The records of this process's running sandboxes (see the module docstring)."""
+    """The records of the sandboxes one `Sandbox` of this process runs (see the module docstring)."""
 
     def __init__(self, root: Path = DEFAULT_REGISTRY) -> None:
         self.root = root
@@ -47,6 +48,7 @@ class SandboxRegistry:
         assert owner is not None, "this process is alive"
         self.owner = owner
         self.dir = root / owner
+        self._live: set[Path] = set()
 
     def add(self, pgid: int) -> Path | None:
         """Record a sandbox whose first stage (its process group's leader) is `pgid`."""
@@ -56,16 +58,18 @@ class SandboxRegistry:
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = self.dir / key
         path.touch()
+        self._live.add(path)
         return path
 
+    def discard(self, record: Path | None) -> None:
+        if record is not None:
+            self._live.discard(record)
+            record.unlink(missing_ok=True)
+
     def kill_owned(self) -> int:
-        """Kill this process's running sandboxes; the number killed."""
-        return _kill_recorded(self.dir)
-
-
-def discard(record: Path | None) -> None:
-    if record is not None:
-        record.unlink(missing_ok=True)
+        """Kill the sandboxes recorded here that still run; the number killed."""
+        records, self._live = self._live, set()
+        return _kill(records)
 
 
 def sweep(root: Path = DEFAULT_REGISTRY, cgroups: sandbox_cgroup.CgroupBudget | None = None) -> int:
@@ -91,8 +95,17 @@ def _alive(key: str) -> bool:
 
 
 def _kill_recorded(owner_dir: Path) -> int:
+    killed = _kill(owner_dir.glob("*-*"))
+    try:
+        owner_dir.rmdir()
+    except OSError:  # not empty (a sandbox started meanwhile) or already gone
+        pass
+    return killed
+
+
+def _kill(records: Iterable[Path]) -> int:
     killed = 0
-    for record in list(owner_dir.glob("*-*")):
+    for record in list(records):
         pgid = record.name.partition("-")[0]
         if pgid.isdigit() and _alive(record.name):
             try:
@@ -101,8 +114,4 @@ def _kill_recorded(owner_dir: Path) -> int:
             except (ProcessLookupError, PermissionError):
                 pass
         record.unlink(missing_ok=True)
-    try:
-        owner_dir.rmdir()
-    except OSError:  # not empty (a sandbox started meanwhile) or already gone
-        pass
     return killed

@@ -499,3 +499,46 @@ async def test_a_garbage_collected_toolset_stops_its_server():
     del registry
     gc.collect()
     assert _wait_gone(pid)
+
+
+MCP_PARENT = """
+import sys, time
+from streamrl.rollout.tools.mcp_toolset import MCPToolset
+toolset = MCPToolset({"command": "sh", "args": ["-c", sys.argv[1]]})
+toolset.tools()
+print("listed", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_stdio_server_dies_with_a_worker_killed_outright():
+    """Found by the audit: the SDK starts stdio servers in a session of their own, so a server that
+    does not exit when its stdin closes outlived a SIGKILLed worker (here: a shell that, once the
+    Python server exits, goes on sleeping)."""
+    tag = f"streamrl-mcp-{time.time_ns()}"
+    script = f"{sys.executable} -m {SERVER}; sleep 600 # {tag}"
+    parent = subprocess.Popen([sys.executable, "-c", MCP_PARENT, script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "listed"
+        assert _pids_with_tag(tag)  # the shell wrapping the server runs
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while _pids_with_tag(tag):
+        assert time.monotonic() < deadline, "the stdio server outlived its worker"
+        time.sleep(0.05)
+
+
+def _pids_with_tag(tag: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if tag.encode() in cmdline and state != "Z":
+                found.append(int(entry))
+    return found
