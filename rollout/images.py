@@ -107,6 +107,8 @@ def _open(data: bytes, max_pixels: int) -> Image:
         raise ValueError(f"not an image ({len(data)} bytes): {exc}") from exc
     except (PILImage.DecompressionBombError, PILImage.DecompressionBombWarning) as exc:
         raise ImageTooLarge(f"image refused as a decompression bomb: {exc}") from exc
+    except (OSError, SyntaxError) as exc:  # how PIL reports a header cut short or broken
+        raise ValueError(f"image of {len(data)} bytes cannot be read: {exc}") from exc
     try:
         check_pixels(*image.size, max_pixels)
     except ImageTooLarge:

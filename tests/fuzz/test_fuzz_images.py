@@ -45,10 +45,6 @@ def test_random_bytes_are_an_image_or_a_value_error(data):
     _decode(data)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rollout/images.py (since 4f7dd44): describe_image's header check lets PIL's OSError('Truncated File "
-    "Read') of a PNG cut inside its IHDR chunk escape, so read_response_image raises OSError instead of "
-    "ValueError (e.g. the first 16 bytes of a PNG)"))
 @pytest.mark.timeout(120)
 @settings(max_examples=300, deadline=5000, derandomize=True)
 @given(image=st.sampled_from([PNG, GRAY]), cut=st.integers(0, 10**5),
