@@ -160,6 +160,9 @@ def read_response_image(source: Any, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS)
     return data
 
 
+KEEP_NEWEST = 64  # images an LRU-bounded store never evicts, newest first
+
+
 class ImageStore:
     """Encoded image bytes by sha256, in memory (LRU-bounded by `max_bytes` if given) and optionally
     in `directory` (see module doc)."""
