@@ -71,7 +71,7 @@ def test_the_pinned_held_out_reward_rises_far_beyond_seed_noise(tmp_path):
     assert [int(x["eval/served_step"]) for x in logged] == [0, 10, 20, 25]
     assert logged[-1]["eval/reward_mean"] == pytest.approx(sum(r["reward"] for r in tables[25]) / 256)
     assert all(x.get("eval/num_abandoned", 0) == 0 for x in logged)
-    assert "held-out reward" in log.read_text()  # the summary line compares the first and the last
+    assert "reward at step 0 -> step 25:" in log.read_text()  # the summary line compares the first and the last
 
     # `streamrl eval` re-evaluates the run offline: the base model and the last checkpoint, same metrics
     out = subprocess.run(
