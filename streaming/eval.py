@@ -78,6 +78,8 @@ async def rollouts_on(engines: list[Any], cfg: Any, model_path: str, records: li
             logger.error("failed trajectory: %s", err)
     finally:
         await worker.shutdown()
+        if worker.ctx.tools is not None:  # its MCP servers and sandboxes end with it
+            await asyncio.to_thread(worker.ctx.tools.close)
     return results
 
 

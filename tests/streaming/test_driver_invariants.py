@@ -58,13 +58,16 @@ def _fake_system(*, in_flight: int, rows, exhausted: bool, stall_timeout_s: floa
         return None
 
     sys = SimpleNamespace(
-        cfg=SimpleNamespace(trainer=SimpleNamespace(stall_timeout_s=stall_timeout_s, total_steps=10)),
+        cfg=SimpleNamespace(trainer=SimpleNamespace(stall_timeout_s=stall_timeout_s, total_steps=10, failed_window=64,
+                                                    max_failed_fraction=0.9)),
         state=SimpleNamespace(cursor=7, learner_step=3, policy_version=3),
         buffer=SimpleNamespace(progress=progress, wait_progress=wait_progress),
         sample_batch=no_batch,
         prompts_exhausted=exhausted,
         exhausted=False,
         run_dir=Path("."),
+        workers=[],  # no failures to count
+        failures=None,
     )
     return sys
 
