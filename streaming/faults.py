@@ -14,7 +14,9 @@ reaches `worker.sink`, raise `FaultInjected`.
 only: an actor dies, Ray reports it dead; a replacement actor counts its own passes), `raise`, and
 `delay<seconds>` (e.g. `buffer.append=delay5%3`: every 3rd append takes 5 s longer; a slow disk or a
 busy buffer). Async code passes through `await ahit(point)`, which sleeps without blocking its loop.
-Ray actors see the same variable (`streaming.train` forwards it).
+Ray actors see the same variable (`streaming.train` forwards it), and the buffer log's I/O fault
+plan, `STREAMRL_IO_FAULTS` (`buffer/iofaults.py`), which is read where the log is written: in the
+buffer's actor.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ logger = logging.getLogger(__name__)
 ENV = "STREAMRL_FAULTS"
 LEDGER_ENV = "STREAMRL_FAULT_LEDGER"
 JOB_ENV = "STREAMRL_FAULT_JOB_PGID"  # the driver's process group, for a kill_job inside a Ray actor
+IO_ENV = "STREAMRL_IO_FAULTS"  # buffer.iofaults.ENV (not imported: buffer imports this module)
 
 POINTS = {
     "admit.after_append": "driver: a group's rows are durable, the cursor is not saved yet",
@@ -112,8 +115,10 @@ def _fire(point: str) -> float:
 
 
 def forwarded_env() -> dict[str, str]:
-    """The variables for Ray actors' runtime_env (empty when no fault is armed)."""
+    """The variables for Ray actors' runtime_env: the armed fault points (with the ledger and the
+    job's process group) and the buffer log's I/O fault plan; empty when neither is set."""
+    env = {IO_ENV: os.environ[IO_ENV]} if os.environ.get(IO_ENV) else {}
     if not os.environ.get(ENV):
-        return {}
-    env = {k: os.environ[k] for k in (ENV, LEDGER_ENV) if os.environ.get(k)}
+        return env
+    env |= {k: os.environ[k] for k in (ENV, LEDGER_ENV) if os.environ.get(k)}
     return {**env, JOB_ENV: os.environ.get(JOB_ENV) or str(os.getpgrp())}

@@ -102,3 +102,21 @@ def test_kill_job_from_a_process_in_its_own_group_kills_the_drivers_group(tmp_pa
     proc = subprocess.Popen([sys.executable, "-c", driver], env=env, start_new_session=True)
     assert proc.wait(60) == -signal.SIGKILL  # the driver died with the actor's fault, not 30 s later
     assert not (tmp_path / "out.survived").exists() and not (tmp_path / "out.driver_survived").exists()
+
+
+def test_forwarded_env_carries_the_buffer_io_fault_plan_alone_or_with_fault_points(monkeypatch, tmp_path):
+    """STREAMRL_IO_FAULTS is read by the buffer log's writers, which run in the buffer's Ray actor: it
+    must reach the actors even when no STREAMRL_FAULTS point is armed."""
+    from streamrl.buffer import iofaults
+
+    assert faults.IO_ENV == iofaults.ENV
+    for name in (faults.ENV, faults.LEDGER_ENV, faults.JOB_ENV, faults.IO_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert faults.forwarded_env() == {}
+    monkeypatch.setenv(faults.IO_ENV, "at=traj:write:3:torn")
+    assert faults.forwarded_env() == {faults.IO_ENV: "at=traj:write:3:torn"}
+    monkeypatch.setenv(faults.ENV, "worker.sink=raise%3")
+    monkeypatch.setenv(faults.LEDGER_ENV, str(tmp_path / "ledger"))
+    env = faults.forwarded_env()
+    assert env[faults.IO_ENV] == "at=traj:write:3:torn" and env[faults.ENV] == "worker.sink=raise%3"
+    assert env[faults.LEDGER_ENV] == str(tmp_path / "ledger") and env[faults.JOB_ENV]
