@@ -51,8 +51,6 @@ REOPEN_AFTER_STEP = 2
 LAST_GROUP = "g08"
 # Problems of bugs found by this check and reported, each reproduced by a strict xfail test.
 KNOWN_BUGS = {
-    r"buffer recovery raised LogFailedError\(.*File exists: .*\.idx": (
-        "tests/buffer/test_crash_consistency.py::test_buffer_reopens_a_directory_with_an_orphaned_index_file"),
     r"names checkpoint .*, whose parent folder is not on disk": (
         "tests/buffer/test_crash_consistency.py::test_atomic_dir_makes_the_folder_it_creates_for_it_durable"),
 }

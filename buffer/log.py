@@ -71,10 +71,18 @@ class SegmentInfo:
     sealed: bool = False
 
 
-def segment_paths(directory: Path, prefix: str) -> list[tuple[int, Path]]:
-    pattern = re.compile(rf"^{re.escape(prefix)}-(\d{{6}})\.arrow$")
-    found = [(int(m.group(1)), p) for p in directory.glob(f"{prefix}-*.arrow") if (m := pattern.match(p.name))]
+def segment_paths(directory: Path, prefix: str, suffix: str = "arrow") -> list[tuple[int, Path]]:
+    pattern = re.compile(rf"^{re.escape(prefix)}-(\d{{6}})\.{suffix}$")
+    found = [(int(m.group(1)), p) for p in directory.glob(f"{prefix}-*.{suffix}") if (m := pattern.match(p.name))]
     return sorted(found)
+
+
+def next_segment_index(directory: Path, prefix: str) -> int:
+    """The number of this process's first segment: past every segment file *and* every index file,
+    since an index can outlive its segment (a power loss that kept only the .idx entry, or a lost
+    last segment) and a new segment must never collide with either."""
+    numbers = [n for suffix in ("arrow", "idx") for n, _ in segment_paths(directory, prefix, suffix)]
+    return max(numbers, default=0) + 1
 
 
 class SegmentWriter:
@@ -91,8 +99,7 @@ class SegmentWriter:
         self.prefix = prefix
         self.schema = schema
         self.segment_max_bytes = segment_max_bytes
-        existing = segment_paths(directory, prefix)
-        self._next_index = (existing[-1][0] + 1) if existing else 1
+        self._next_index = next_segment_index(directory, prefix)
         self.segments: list[SegmentInfo] = []
         self._data: int | None = None  # file descriptors of the open segment's .arrow and .idx
         self._idx: int | None = None

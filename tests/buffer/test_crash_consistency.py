@@ -107,10 +107,6 @@ def test_the_check_catches_broken_durability_protocols(broken, expected):
     assert any(expected in p for p in result.problems), result.problems[:5]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "buffer/log.py SegmentWriter numbers new segments after the last *.arrow only: an index file left "
-    "without its segment (a power loss that kept the .idx entry but not the .arrow one, or a lost last "
-    "segment) makes every reopen fail with EEXIST (LogFailedError), so --resume can never succeed"))
 def test_buffer_reopens_a_directory_with_an_orphaned_index_file(tmp_path):
     cfg = BufferConfig(root_dir=str(tmp_path), batch_size=2, group_size=2)
     buf = ReplayBuffer(cfg)
