@@ -208,7 +208,8 @@ class SegmentWriter:
             self._guarded("sealing a segment", self._seal)
             return
         for fd in (self._data, self._idx):
-            os.close(fd)
+            if fd is not None:  # a failed segment open may have created only the .arrow file
+                os.close(fd)
         self._data = self._idx = None
 
 
@@ -249,8 +250,11 @@ def _read_segment(
     with open(path, "rb") as f:
         try:
             file_schema = pa.ipc.open_stream(f).schema
-        except (pa.ArrowInvalid, OSError) as e:
+        except (pa.ArrowInvalid, OSError) as e:  # cut short: a crash while the segment was created
             _problem(report.torn_tails, f"segment {path.name}: unreadable schema header ({e}); segment skipped")
+            return
+        except pa.ArrowException as e:  # whole but damaged (a bit flip): any other Arrow error
+            _problem(report.corrupt, f"segment {path.name}: corrupt schema header ({type(e).__name__}: {e}); segment skipped")
             return
         known = [s for s in (schema, *legacy_schemas) if file_schema.equals(s)]
         if not known:
@@ -277,7 +281,7 @@ def _read_segment(
                 continue
             try:
                 batch = pa.ipc.read_record_batch(pa.ipc.read_message(pa.py_buffer(frame)), schema)
-            except (pa.ArrowInvalid, OSError) as e:
+            except (pa.ArrowException, OSError) as e:
                 _problem(report.corrupt, f"{where}: checksum ok but frame does not parse ({e}); frame skipped")
                 continue
             report.num_frames += 1

@@ -53,11 +53,29 @@ def read_manifest(root: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, None
     try:
         data = json.loads(path.read_text())
-        if data.get("format_version") != FORMAT_VERSION:
-            return None, f"{MANIFEST}: unsupported format_version {data.get('format_version')!r}; ignored"
-        return data, None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # ValueError: bad JSON, bad UTF-8, an over-long integer
         return None, f"{MANIFEST} is unreadable ({e}); recovering from segment files alone"
+    if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+        version = data.get("format_version") if isinstance(data, dict) else None
+        return None, f"{MANIFEST}: unsupported format_version {version!r}; ignored"
+    if (problem := _malformed_segments(data.get("segments", {}))) is not None:
+        return None, f"{MANIFEST} is malformed ({problem}); recovering from segment files alone"
+    return data, None
+
+
+def _malformed_segments(segments: Any) -> str | None:
+    """What is wrong with a manifest's `segments` (prefix -> [{name, num_frames}]), or None."""
+    if not isinstance(segments, dict):
+        return f"'segments' is a {type(segments).__name__}, not an object"
+    for prefix, entries in segments.items():
+        if not isinstance(entries, list):
+            return f"segments of {prefix!r} are a {type(entries).__name__}, not a list"
+        for entry in entries:
+            ok = (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                  and type(entry.get("num_frames")) is int and entry["num_frames"] >= 0)
+            if not ok:
+                return f"segment entry {entry!r:.80} of {prefix!r} lacks a name or a frame count"
+    return None
 
 
 def write_manifest(root: Path, segments: dict[str, list[dict[str, Any]]], *, sync: bool) -> None:

@@ -41,12 +41,6 @@ DAMAGE = st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(["flip", "tru
                             st.integers(0, 10**6), st.integers(1, 255)), min_size=1, max_size=3)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "buffer recovery raises on damaged directories (found by this test, buffer/log.py, durable.py): "
-    "(1) an index file without its segment -> LogFailedError EEXIST on every reopen; (2) a bit flip in a "
-    "segment's schema header -> pyarrow ArrowNotImplementedError, not caught by _read_segment (it catches "
-    "ArrowInvalid and OSError only); (3) a manifest entry missing 'num_frames' -> KeyError in "
-    "BufferDir._expected; (4) SegmentWriter.close after a failed segment open -> TypeError os.close(None)"))
 @pytest.mark.timeout(240)
 @settings(max_examples=60, deadline=10_000, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -92,10 +86,6 @@ def test_corrupted_logs_recover_a_well_formed_subset(tmp_path, template, damage)
         buf.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "buffer/durable.py BufferDir._expected reads s['num_frames'] of every manifest entry: a valid JSON "
-    "manifest with an entry lacking it (a damaged or hand-edited file) makes recovery raise KeyError "
-    "instead of reporting the manifest and recovering from the segments alone"))
 def test_a_manifest_entry_without_a_frame_count_is_reported_not_raised(tmp_path, template):
     root = tmp_path / "buf"
     shutil.copytree(template, root)
