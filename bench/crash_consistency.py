@@ -50,10 +50,7 @@ STEPS = ((1, ("g01", "g02")), (2, ("g03", "g04")), (3, ("g05",)), (4, ("g06", "g
 REOPEN_AFTER_STEP = 2
 LAST_GROUP = "g08"
 # Problems of bugs found by this check and reported, each reproduced by a strict xfail test.
-KNOWN_BUGS = {
-    r"names checkpoint .*, whose parent folder is not on disk": (
-        "tests/buffer/test_crash_consistency.py::test_atomic_dir_makes_the_folder_it_creates_for_it_durable"),
-}
+KNOWN_BUGS: dict[str, str] = {}  # pattern -> test
 
 
 def known_bug(problem: str) -> str | None:

@@ -44,9 +44,10 @@ def atomic_write(path: str | Path, data: str | bytes, *, sync: bool = False) -> 
 def atomic_dir(final: str | Path, write: Callable[[Path], object], *, sync: bool = False) -> Path:
     """Run `write(tmp)` into a fresh sibling folder, then swap it into `final` (an existing `final`
     is replaced whole: it is moved aside, the new one renamed in, the old one deleted). `sync=True`
-    seals the folder (module doc) before the rename and fsyncs the parent after it."""
+    seals the folder (module doc) before the rename and fsyncs the parent after it, and makes any
+    parent folder it creates durable too."""
     final = Path(final).resolve()
-    final.parent.mkdir(parents=True, exist_ok=True)
+    _make_parents(final.parent, sync=sync)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         write(tmp)
@@ -64,6 +65,20 @@ def atomic_dir(final: str | Path, write: Callable[[Path], object], *, sync: bool
     if sync:
         fsync_dir(final.parent)
     return final
+
+
+def _make_parents(folder: Path, *, sync: bool) -> None:
+    """`mkdir -p folder`; with `sync`, fsync the parent of every folder it creates: a new folder's
+    entry lives in its parent, so without it a lost machine can drop the folder with all under it."""
+    created = []
+    ancestor = folder
+    while not ancestor.exists():
+        created.append(ancestor)
+        ancestor = ancestor.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    if sync:
+        for new in reversed(created):  # outermost first
+            fsync_dir(new.parent)
 
 
 def build_once(final: str | Path, build: Callable[[Path], object], *, rebuild: bool = False,

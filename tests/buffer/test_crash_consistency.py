@@ -122,10 +122,6 @@ def test_buffer_reopens_a_directory_with_an_orphaned_index_file(tmp_path):
     buf.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rollout/atomic.py atomic_dir(sync=True) creates a missing parent folder but never fsyncs the "
-    "grandparent, so after it returns a power loss can drop the parent's entry and with it the sealed "
-    "folder (crash_consistency: a driver state naming step_000001 while checkpoints/ is gone)"))
 def test_atomic_dir_makes_the_folder_it_creates_for_it_durable(tmp_path):
     with Recorder(tmp_path) as rec:
         atomic_dir(tmp_path / "checkpoints" / "step_000001", lambda d: (d / "w").write_bytes(b"weights"), sync=True)
