@@ -11,6 +11,7 @@ JSON types) before anything is executed.
 from __future__ import annotations
 
 import abc
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -63,6 +64,20 @@ def get_parser(name: str) -> ToolParser:
     from streamrl.rollout.parsers import harmony, hermes  # noqa: F401
 
     return PARSERS.get(name)()
+
+
+def load_json(text: str) -> tuple[Any, str | None]:
+    """(value, None) for valid JSON, else (None, why not), for an error call's message. Model output
+    can fail `json.loads` three ways, none of them a bug: bad syntax, nesting past the recursion
+    limit, and a plain ValueError for an integer of more than 4300 digits (Python's int limit)."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as exc:
+        return None, f"{exc.msg} at character {exc.pos}"
+    except RecursionError:
+        return None, "nesting too deep"
+    except ValueError as exc:
+        return None, str(exc).partition(";")[0]  # drop the advice to raise the interpreter's limit
 
 
 def make_error_call(index: int, error: str, name: str = "", arguments: dict[str, Any] | None = None) -> ToolCall:

@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from streamrl.rollout.parsers.base import ParsedTurn, ToolParser, call_id_for, make_error_call, register_parser
+from streamrl.rollout.parsers.base import ParsedTurn, ToolParser, call_id_for, load_json, make_error_call, register_parser
 from streamrl.rollout.types import ToolCall
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
@@ -86,12 +86,10 @@ def _to_call(msg: HarmonyMessage, index: int) -> ToolCall:
     assert msg.recipient is not None
     name = msg.recipient.removeprefix(FUNCTIONS_PREFIX)
     body = msg.body.strip()
-    try:
-        arguments = json.loads(body) if body else {}
-    except (json.JSONDecodeError, RecursionError) as exc:
-        where = f" ({exc.msg} at character {exc.pos})" if isinstance(exc, json.JSONDecodeError) else ""
+    arguments, problem = load_json(body) if body else ({}, None)
+    if problem is not None:
         hint = "" if msg.terminator else " (the message was not terminated by <|call|>)"
-        return make_error_call(index, f"arguments of {name!r} are not valid JSON{where}{hint}; expected {EXPECTED_SHAPE}", name)
+        return make_error_call(index, f"arguments of {name!r} are not valid JSON ({problem}){hint}; expected {EXPECTED_SHAPE}", name)
     if not isinstance(arguments, dict):
         return make_error_call(index, f"arguments of {name!r} must be a JSON object, got {type(arguments).__name__}", name)
     if msg.terminator not in (CALL, None):

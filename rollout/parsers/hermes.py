@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
-from typing import Any
 
-from streamrl.rollout.parsers.base import ParsedTurn, ToolParser, call_id_for, make_error_call, register_parser
+from streamrl.rollout.parsers.base import ParsedTurn, ToolParser, call_id_for, load_json, make_error_call, register_parser
 from streamrl.rollout.types import ToolCall
 
 OPEN_TAG = "<tool_call>"
@@ -35,14 +34,9 @@ def parse_call_body(body: str, index: int) -> ToolCall:
     stripped = body.strip()
     if not stripped:
         return make_error_call(index, f"empty tool call; expected {EXPECTED_SHAPE}")
-    try:
-        obj: Any = json.loads(stripped)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "nesting too deep"
-        pos = f" at character {exc.pos}" if isinstance(exc, json.JSONDecodeError) else ""
-        return make_error_call(
-            index, f"tool call is not valid JSON ({msg}{pos}); expected {EXPECTED_SHAPE}", _guess_name(stripped)
-        )
+    obj, problem = load_json(stripped)
+    if problem is not None:
+        return make_error_call(index, f"tool call is not valid JSON ({problem}); expected {EXPECTED_SHAPE}", _guess_name(stripped))
     if not isinstance(obj, dict):
         return make_error_call(index, f"tool call must be a JSON object, got {type(obj).__name__}; expected {EXPECTED_SHAPE}")
     name = obj.get("name")
@@ -54,9 +48,8 @@ def parse_call_body(body: str, index: int) -> ToolCall:
     if arguments is None:
         arguments = {}
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except (json.JSONDecodeError, RecursionError):
+        arguments, problem = load_json(arguments) if arguments.strip() else ({}, None)
+        if problem is not None:
             return make_error_call(index, f'"arguments" of {name!r} is a string that is not valid JSON; pass a JSON object', name)
     if not isinstance(arguments, dict):
         return make_error_call(
