@@ -3,6 +3,8 @@ named injection points (`streaming/faults.py`), resumed until they finish, then 
 async invariants from the durable log and the run directory only (`streaming/invariants.py`).
 
     python -m bench.chaos [--seeds 2] [--scenarios a,b] [--out bench/results/chaos.json] [--keep DIR]
+    python -m bench.chaos --families io,hostile [--seeds 1]   # I/O faults, hostile callbacks
+
 
 A scenario is a list of segments; each segment is one `streamrl train` process (the first starts the
 run, the others `--resume` it) with its own armed faults. A segment killed by a `kill_job` fault, or
@@ -11,6 +13,9 @@ resumes run until the run completes. Faulted segments left when the run has fini
 (their faults could not land) and are reported as `skipped`. A segment that runs past its time limit is a hang. A segment
 entry `sigkill_after=S` is the runner's own fault: it SIGKILLs the whole job S seconds in, wherever
 the job is (start-up, a sync, a step, a checkpoint), the way a preempted node would.
+
+`--families` runs the other fault families instead (`bench/chaos_families.py`: the buffer log's I/O
+faults, hostile reward and tool callbacks); `by_kind` in the results sums every kind of fault.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import os
 import platform
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +34,9 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from bench.chaos_hostile import HOSTILE_OVERRIDES
+from bench.chaos_io import IO_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = [
@@ -97,6 +106,8 @@ SCENARIO_OVERRIDES = {
     "sigkill": ["trainer.total_steps=120"],
     # The tiny model warmed up on calculator transcripts (cached once per STREAMRL_CACHE; under a
     # minute) calls the calculator in most trajectories; easy problems keep it on the format.
+    "io": IO_OVERRIDES,
+    "hostile": HOSTILE_OVERRIDES,
     "tools": ["sft.enabled=true", "sft.num_steps=120", "sft.lr=5e-3", "sft.batch_size=8", "sft.num_examples=128",
               "sft.difficulty=easy", "data.difficulty=easy"],
 }
@@ -113,6 +124,8 @@ def _ledger_tools(root: Path, run_dir: Path, run_name: str) -> list[str]:
     )
     return [f"rollout.agent.tool_config={path}"]
 RUNNER_FAULT = "sigkill_after="
+IO_FAULTS_ENV = "STREAMRL_IO_FAULTS"  # buffer.iofaults.ENV
+_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Trajectories|Interrupt)\b[^\n]*: ")
 
 
 @dataclass(kw_only=True)
@@ -160,8 +173,29 @@ def _segment(args: list[str], env: dict[str, str], log: Path, timeout_s: float,
     return rc, time.monotonic() - t0, killed
 
 
+def _scenario_files(name: str, root: Path, run_dir: Path, run_name: str) -> list[str]:
+    """Overrides naming files a scenario writes next to its run (tool configs)."""
+    if name == "tools":
+        return _ledger_tools(root, run_dir, run_name)
+    if name == "hostile":
+        from bench.chaos_hostile import hostile_tools
+
+        return hostile_tools(root, run_name)
+    return []
+
+
+def _stop_error(output: str) -> str | None:
+    """The last exception line a segment printed (how it said it stopped), if any."""
+    lines = [line for line in output.splitlines() if _ERROR_LINE.match(line)]
+    lines = [line for line in lines if not line.startswith("RuntimeError")] or lines  # "... loop failed"
+    return lines[-1][:400] if lines else None
+
+
 def run_scenario(name: str, seed: int, faulted: list[str], root: Path, *, config: str = "configs/tiny.toml",
-                 timeout_s: float = 600.0, max_clean: int = 2) -> ScenarioResult:
+                 timeout_s: float = 600.0, max_clean: int = 2, io_faults: list[str] | None = None) -> ScenarioResult:
+    """Run `name`'s segments (`faulted` arms STREAMRL_FAULTS per segment; `io_faults`, aligned with
+    it, STREAMRL_IO_FAULTS), then up to `max_clean` clean resumes, and check the invariants."""
+    from bench.chaos_io import stopped_clearly
     from streamrl.streaming.invariants import check_run
 
     run_name = f"{name}-s{seed}"
@@ -173,6 +207,10 @@ def run_scenario(name: str, seed: int, faulted: list[str], root: Path, *, config
     result = ScenarioResult(name=name, seed=seed)
     base_env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     base_env.pop("RAY_ADDRESS", None)
+    base_env.pop(IO_FAULTS_ENV, None)
+    io_faults = io_faults or []
+    if len(io_faults) > len(faulted):
+        faulted = [*faulted, *[""] * (len(io_faults) - len(faulted))]
     plan = [*faulted, *[""] * max_clean]
     runner_faults = 0
     for i, spec in enumerate(plan):
@@ -184,14 +222,23 @@ def run_scenario(name: str, seed: int, faulted: list[str], root: Path, *, config
         items = [item for item in spec.split(",") if item]
         kill_after = [float(item.removeprefix(RUNNER_FAULT)) for item in items if item.startswith(RUNNER_FAULT)]
         armed = ",".join(item for item in items if not item.startswith(RUNNER_FAULT))
+        io_spec = io_faults[i] if i < len(io_faults) else ""
         env = dict(base_env, STREAMRL_FAULTS=armed, STREAMRL_FAULT_LEDGER=str(ledger))
+        if io_spec:
+            env[IO_FAULTS_ENV] = io_spec
         args = (["--config", config, f"trainer.run_root={root}", f"trainer.run_name={run_name}",
                  f"trainer.seed={seed}", *OVERRIDES, *SCENARIO_OVERRIDES.get(name, []),
-                 *(_ledger_tools(root, run_dir, run_name) if name == "tools" else [])]
+                 *_scenario_files(name, root, run_dir, run_name)]
                 if i == 0 else ["--resume", str(run_dir)])
+        offset = log.stat().st_size if log.exists() else 0
         rc, wall, killed = _segment(args, env, log, timeout_s, kill_after[0] if kill_after else None)
         runner_faults += killed
-        result.segments.append({"faults": spec, "rc": rc, "wall_s": round(wall, 1), "sigkilled_by_runner": killed})
+        output = log.read_bytes()[offset:].decode(errors="replace")
+        segment = {"faults": spec, "rc": rc, "wall_s": round(wall, 1), "sigkilled_by_runner": killed,
+                   "error": _stop_error(output) if rc else None}
+        if io_spec:
+            segment |= {"io_faults": io_spec, "stopped_clearly": rc not in (0, None) and stopped_clearly(output)}
+        result.segments.append(segment)
         result.hangs += rc is None
         result.completed = rc == 0
     fired = [" ".join(line.split()[:2]) for line in ledger.read_text().splitlines()] if ledger.exists() else []
@@ -230,7 +277,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", default=None, help="keep the run directories and logs here (default: a temp dir)")
     parser.add_argument("--recheck", default=None, metavar="DIR",
                         help="no runs: re-check the runs of --out kept in DIR with this checkout's checker")
+    parser.add_argument("--families", default=None,
+                        help="run these fault families instead of the kill suite: io,hostile (bench/chaos_families.py)")
+    parser.add_argument("--by-kind", action="store_true", help="no runs: rebuild --out's by_kind summary")
     args = parser.parse_args(argv)
+    if args.by_kind:
+        from bench.chaos_families import write_by_kind
+
+        print(json.dumps(write_by_kind(Path(args.out)), indent=1))
+        return 0
+    if args.families:
+        from bench.chaos_families import main as run_families
+
+        with tempfile.TemporaryDirectory(prefix="streamrl-chaos-") as tmp:
+            root = Path(args.keep or tmp)
+            root.mkdir(parents=True, exist_ok=True)
+            return run_families(args.families.split(","), args.seeds, root, Path(args.out),
+                                argv if argv is not None else sys.argv[1:])
     if args.recheck:
         return recheck(Path(args.out), Path(args.recheck), argv if argv is not None else sys.argv[1:])
     wanted = set(args.scenarios.split(",")) if args.scenarios else None
@@ -259,7 +322,13 @@ def main(argv: list[str] | None = None) -> int:
                 "counts (trajectory, call id) pairs run more than once",
         "results": [asdict(r) for r in results],
     }
+    previous = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+    if "fault_families" in previous:  # the families' history is not this run's to drop
+        out["fault_families"] = previous["fault_families"]
     Path(args.out).write_text(json.dumps(out, indent=1))
+    from bench.chaos_families import write_by_kind
+
+    write_by_kind(Path(args.out))
     print(json.dumps(out["summary"], indent=1))
     return 0
 

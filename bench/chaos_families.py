@@ -1,0 +1,155 @@
+"""The chaos bench's fault families beyond kills, and its summary by kind of fault.
+
+    python -m bench.chaos --families io,hostile [--seeds 1] [--keep DIR]
+
+runs the I/O-fault family (`bench/chaos_io.py`) and the hostile-callback family
+(`bench/chaos_hostile.py`) and appends one entry to `fault_families` in bench/results/chaos.json
+(earlier entries and the kill suite's results are kept). `by_kind` is then rebuilt from everything
+the file and its neighbours hold: kills and other armed faults (the kill suite's results), I/O faults
+(the newest entry), power-loss states checked (`bench/results/crash_consistency.json`), fuzz cases
+(the `max_examples` of every test under tests/fuzz, read from the source, not re-run) and hostile
+callbacks (the newest entry).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import platform
+import subprocess
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FAMILIES = ("io", "hostile")
+LOSS_KEYS = ("prompts_lost", "prompts_duplicated", "consumed_twice", "bad_batches", "version_violations",
+             "tool_side_effects_repeated")
+
+
+def run_io(seed: int, root: Path, timeout_s: float) -> dict:
+    from bench.chaos import run_scenario
+    from bench.chaos_io import injected_faults, io_segments, summarize_io
+
+    result = run_scenario("io", seed, [], root, timeout_s=timeout_s, io_faults=io_segments(seed))
+    counts = injected_faults(root / f"io-s{seed}")
+    return {**asdict(result), **summarize_io(counts, result.segments)}
+
+
+def run_hostile(seed: int, root: Path, timeout_s: float) -> list[dict]:
+    from bench.chaos import OVERRIDES, _segment, run_scenario
+    from bench.chaos_hostile import ALL_FAIL_OVERRIDES, all_fail_report, hostile_report, image_bomb_check
+    from streamrl.streaming.invariants import check_run
+
+    hostile = run_scenario("hostile", seed, [""], root, timeout_s=timeout_s, max_clean=0)
+    out = [{**asdict(hostile), **hostile_report(root / f"hostile-s{seed}", root / f"hostile-s{seed}.log")}]
+
+    # all_fail: one segment, no resume: stopping is the expected outcome.
+    log = root / f"all_fail-s{seed}.log"
+    args = ["--config", "configs/tiny.toml", f"trainer.run_root={root}", f"trainer.run_name=all_fail-s{seed}",
+            f"trainer.seed={seed}", *OVERRIDES, *ALL_FAIL_OVERRIDES]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.pop("RAY_ADDRESS", None)
+    rc, wall, _ = _segment(args, env, log, timeout_s)
+    report = all_fail_report(rc, log.read_text(errors="replace"))
+    run_dir = root / f"all_fail-s{seed}"
+    invariants = asdict(check_run(run_dir)) if (run_dir / "driver_state.json").exists() else {}
+    out.append({"name": "all_fail", "seed": seed, "wall_s": round(wall, 1), "hangs": int(rc is None), **report,
+                "invariants": invariants})
+
+    bomb_dir = root / f"image_bomb-s{seed}"
+    bomb_dir.mkdir(exist_ok=True)
+    out.append({"name": "image_bomb", "seed": seed, "level": "unit (real ToolRegistry + ImageStore, no run)",
+                **image_bomb_check(bomb_dir)})
+    return out
+
+
+def fuzz_cases(fuzz_dir: Path = REPO / "tests/fuzz") -> dict[str, int]:
+    """test -> its `@settings(max_examples=N)` (hypothesis runs at most N examples per run)."""
+    cases = {}
+    for path in sorted(fuzz_dir.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            for deco in node.decorator_list:
+                if isinstance(deco, ast.Call) and getattr(deco.func, "id", None) == "settings":
+                    for kw in deco.keywords:
+                        if kw.arg == "max_examples" and isinstance(kw.value, ast.Constant):
+                            cases[f"{path.name}::{node.name}"] = int(kw.value.value)
+    return cases
+
+
+def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int]) -> dict:
+    """Faults by kind over the kill suite, the newest family entry, the power-loss simulator and the
+    fuzzers, with every loss and violation count summed over the runs that report them."""
+    kill_actions: dict[str, int] = {}
+    for r in data.get("results", []):
+        fired = r.get("fault_counts", {})
+        for point_action, n in fired.items():
+            action = point_action.split()[-1]
+            action = "delay" if action.startswith("delay") else action
+            kill_actions[action] = kill_actions.get(action, 0) + n
+        kill_actions["runner_sigkill"] = kill_actions.get("runner_sigkill", 0) + r["faults_injected"] - sum(fired.values())
+    entry = (data.get("fault_families") or [{}])[-1]
+    io = [r for r in entry.get("results", []) if r.get("name") == "io"]
+    hostile = [r for r in entry.get("results", []) if "hostile_callbacks" in r]
+    invariants = [r.get("invariants") or {} for r in [*data.get("results", []), *entry.get("results", [])]]
+    losses = {key: sum(int(inv.get(key) or 0) for inv in invariants) for key in LOSS_KEYS}
+    losses["stranded"] = sum(int(inv.get("stranded") or 0) + int(inv.get("untracked") or 0) for inv in invariants)
+    losses["hangs"] = sum(int(r.get("hangs") or 0) for r in [*data.get("results", []), *entry.get("results", [])])
+    return {
+        "kills": sum(kill_actions.get(k, 0) for k in ("kill_job", "kill_self", "runner_sigkill")),
+        "other_armed_faults": {k: v for k, v in kill_actions.items() if k in ("raise", "delay")},
+        "io_faults": sum(r["io_faults_injected"] for r in io),
+        "io_hard_faults": sum(r["io_hard_faults"] for r in io),
+        "io_short_writes": sum(r["io_short_writes"] for r in io),
+        "power_loss_states_checked": (crash or {}).get("num_states_checked", 0),
+        "power_loss_crash_points_checked": (crash or {}).get("num_crash_points_checked", 0),
+        "fuzz_cases": sum(fuzz.values()),
+        "hostile_callbacks": sum(r["hostile_callbacks"] for r in hostile),
+        "losses_and_violations": losses,
+        "sources": {"kills": "results (kill suite)", "io_faults, hostile_callbacks": "fault_families[-1]",
+                    "power_loss": "bench/results/crash_consistency.json (num_states_checked)",
+                    "fuzz_cases": "max_examples of tests/fuzz/*.py (upper bound per run, not re-run)"},
+        "fuzz_cases_by_test": fuzz,
+    }
+
+
+def write_by_kind(out_path: Path) -> dict:
+    data = json.loads(out_path.read_text()) if out_path.exists() else {}
+    crash_path = REPO / "bench/results/crash_consistency.json"
+    crash = json.loads(crash_path.read_text()) if crash_path.exists() else None
+    data["by_kind"] = by_kind(data, crash, fuzz_cases())
+    out_path.write_text(json.dumps(data, indent=1))
+    return data["by_kind"]
+
+
+def main(families: list[str], seeds: int, root: Path, out_path: Path, argv: list[str], timeout_s: float = 900.0) -> int:
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        raise ValueError(f"unknown families {sorted(unknown)}; known: {list(FAMILIES)}")
+    t0 = time.monotonic()
+    results: list[dict] = []
+    for seed in range(seeds):
+        if "io" in families:
+            results.append(run_io(seed, root, timeout_s))
+            print(json.dumps({k: results[-1].get(k) for k in ("name", "io_faults_injected", "completed")}), flush=True)
+        if "hostile" in families:
+            results += run_hostile(seed, root, timeout_s)
+            print(json.dumps([r["name"] for r in results]), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    entry = {
+        "command": "python -m bench.chaos " + " ".join(argv),
+        "commit": commit.strip(),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - (time.monotonic() - t0))),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "results": results,
+    }
+    data = json.loads(out_path.read_text()) if out_path.exists() else {}
+    data.setdefault("fault_families", []).append(entry)
+    out_path.write_text(json.dumps(data, indent=1))
+    print(json.dumps(write_by_kind(out_path), indent=1))
+    return 0
+

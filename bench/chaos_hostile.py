@@ -1,0 +1,169 @@
+"""The chaos bench's hostile-callback family: user code that misbehaves inside a real run
+(`bench/hostile.py`), checked against the invariants and against what it must not do.
+
+- `hostile`: a tool-calling tiny model (SFT warm-up) whose reward is NaN, inf or hangs for three
+  tenths of the trajectories (`mixed_reward`, `rollout.agent.reward_timeout_s` = 2 s) and whose
+  calculator, a function tool, hangs for some expressions (`rollout.agent.tool_timeout_s` = 2 s) and
+  prints terminal escapes for others. The run must finish; each hostile reward is a FAILED
+  trajectory (never a reward in the buffer), the final weights and every learner metric are finite,
+  the one rollout worker is never replaced, and no log line or console line carries a raw escape.
+- `all_fail`: every reward is NaN: the run must stop with a clear error and a non-zero exit
+  (`streaming/failures.py`), not walk through its prompts.
+- the decompression bomb is unit-level (`image_bomb_check`): the real tool executor and image store of
+  a VLM worker, a function tool answering with a 36-megapixel PNG. A run of `configs/vlm_tiny.toml`
+  cannot reach it: its random-weight VLM never calls a tool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import resource
+from pathlib import Path
+
+from bench.hostile import ESCAPE_MARKER, HANG_S, REWARD_BUCKETS
+
+HOSTILE_OVERRIDES = [
+    "rollout.agent.reward_fn=bench.hostile:mixed_reward",
+    "rollout.agent.reward_timeout_s=2",
+    "rollout.agent.tool_timeout_s=2",
+    # the tools scenario's warm-up: the tiny model learns to call the calculator
+    "sft.enabled=true", "sft.num_steps=120", "sft.lr=5e-3", "sft.batch_size=8", "sft.num_examples=128",
+    "sft.difficulty=easy", "data.difficulty=easy",
+]
+ALL_FAIL_OVERRIDES = [
+    "rollout.agent.reward_fn=bench.hostile:nan_reward",
+    "trainer.failed_window=16",  # judged after 16 trajectories instead of 64
+]
+STOP_MESSAGE = re.compile(r"TooManyFailedTrajectories: the run stopped at learner step \d+: \d+ of the last \d+ trajectories failed")
+_ESCAPED_MARKER = ESCAPE_MARKER.replace("\x1b", "\\x1b")  # what safe_text shows instead
+
+
+def hostile_tools(root: Path, run_name: str) -> list[str]:
+    """The override giving a run `bench.hostile:calculator` as its function tool named calculator."""
+    path = root / f"{run_name}.tools.yaml"
+    path.write_text("tools:\n  - function: bench.hostile:calculator\n    name: calculator\n")
+    return [f"rollout.agent.tool_config={path}"]
+
+
+def _failed_errors(run_dir: Path) -> list[str]:
+    """The error text of every FAILED trajectory of the run (its latest row)."""
+    from streamrl.buffer.cli import load_frame
+
+    frame = load_frame(run_dir / "buffer")
+    failed = frame[frame["is_latest"] & (frame["status"] == "failed")]
+    return [str(text) for text in failed["agent_data_json"]]
+
+
+def _messages_text(run_dir: Path) -> str:
+    from streamrl.buffer.cli import load_frame
+
+    frame = load_frame(run_dir / "buffer")
+    return "\n".join(str(text) for text in frame[frame["is_latest"]]["agent_data_json"])
+
+
+def _finite_weights(run_dir: Path) -> tuple[str | None, int]:
+    """(the newest checkpoint, number of non-finite weights in it)."""
+    import torch
+    from safetensors.torch import load_file
+
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    if not checkpoints:
+        return None, -1
+    bad = 0
+    for shard in sorted(checkpoints[-1].rglob("*.safetensors")):
+        bad += sum(int((~torch.isfinite(t.float())).sum()) for t in load_file(str(shard)).values())
+    return checkpoints[-1].name, bad
+
+
+def _learner_metrics(run_dir: Path) -> tuple[int, int]:
+    """(learner metric values logged, how many of them are not finite)."""
+    values = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        values += [v for k, v in row.items() if k.startswith("learner/") and isinstance(v, (int, float))]
+    return len(values), sum(not math.isfinite(v) for v in values)
+
+
+def _max_metric(run_dir: Path, key: str) -> float:
+    best = 0.0
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        value = json.loads(line).get(key)
+        if isinstance(value, (int, float)):
+            best = max(best, value)
+    return best
+
+
+def _escapes(paths: list[Path]) -> tuple[int, int]:
+    """(raw escape payloads, escaped ones) in text files a terminal may show."""
+    raw = escaped = 0
+    for path in paths:
+        text = path.read_text(errors="replace")
+        raw += text.count(ESCAPE_MARKER)
+        escaped += text.count(_ESCAPED_MARKER)
+    return raw, escaped
+
+
+def hostile_report(run_dir: Path, console_log: Path) -> dict:
+    """What the hostile run's callbacks did, and whether the run kept them out of the weights."""
+    errors = _failed_errors(run_dir)
+    nan = sum("is nan" in e for e in errors)
+    inf = sum("is inf" in e for e in errors)
+    hung = sum("did not return within" in e for e in errors)
+    checkpoint, bad_weights = _finite_weights(run_dir)
+    num_learner_values, bad_metrics = _learner_metrics(run_dir)
+    raw, escaped = _escapes([*sorted((run_dir / "logs").glob("*.log")), console_log])
+    tool_timeouts = int(_max_metric(run_dir, "rollout/tools/num_timeouts"))
+    escape_results = _messages_text(run_dir).count(json.dumps(ESCAPE_MARKER)[1:-1])
+    return {
+        "nan_rewards_failed": nan,
+        "inf_rewards_failed": inf,
+        "hung_rewards_failed": hung,
+        "failed_trajectories": len(errors),
+        "tool_timeouts": tool_timeouts,
+        "escape_tool_results": escape_results,  # tool results with the payload that reached a trajectory
+        "raw_escapes_in_logs": raw,  # must be 0
+        "escaped_escapes_in_logs": escaped,  # shown as text
+        "checkpoint": checkpoint,
+        "non_finite_weights": bad_weights,  # must be 0 (-1: no checkpoint)
+        "learner_metric_values": num_learner_values,
+        "non_finite_learner_metrics": bad_metrics,  # must be 0
+        "rollout_worker_incarnations": len(list((run_dir / "logs").glob("RolloutWorkerActor-*.log"))),
+        "hostile_callbacks": nan + inf + hung + tool_timeouts + escape_results,
+        "reward_buckets": REWARD_BUCKETS,
+        "hang_s": HANG_S,
+    }
+
+
+def all_fail_report(rc: int | None, output: str) -> dict:
+    """The all-fail run must stop on its own, non-zero, saying why."""
+    match = STOP_MESSAGE.search(output)
+    failed = int(match.group(0).split(": ")[-1].split(" of ")[0].split()[-1]) if match else 0
+    return {"rc": rc, "stopped_clearly": bool(match) and rc not in (0, None), "message": match.group(0) if match else None,
+            "nan_rewards_failed": failed, "hostile_callbacks": failed}
+
+
+def image_bomb_check(tmp: Path) -> dict:
+    """A function tool returning a 36-megapixel PNG (as bytes, a data URL and a file) to the real
+    executor with a VLM worker's image store: each must be an error result, nothing stored, and the
+    process must not grow by the 108 MB a decode would take."""
+    from bench.hostile import bomb_png
+    from streamrl.rollout.images import ImageStore
+    from streamrl.rollout.tools.config import load_tool_config
+    from streamrl.rollout.types import ToolCall
+
+    bomb_png()  # built before the baseline: its compression is not the executor's memory
+    store = ImageStore(tmp / "images")
+    registry = load_tool_config({"tools": [{"function": "bench.hostile:image_bomb", "name": "bomb"}]})
+    before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    results = {}
+    for form in ("bytes", "data_url", "path"):
+        call = ToolCall(call_id=f"c-{form}", name="bomb", arguments={"form": form})
+        (result,) = asyncio.run(registry.run_calls([call], {}, timeout_s=30, images=store))
+        results[form] = {"is_error": result.is_error, "text": result.text[:240], "num_images": len(result.images)}
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kb) / 1024
+    refused = sum(r["is_error"] and r["num_images"] == 0 for r in results.values())
+    return {"bombs": len(results), "refused": refused, "images_stored": len(store), "peak_rss_growth_mb": round(grown_mb, 1),
+            "results": results, "hostile_callbacks": len(results)}
