@@ -138,7 +138,8 @@ def setup_worker_logging() -> None:
     """Ray's worker_process_setup_hook: send this worker process's output to `worker-<pid>.log`.
 
     File descriptors 1 and 2 are redirected, so vLLM's handlers, C++ extensions and prints follow;
-    the root logger gets an INFO handler so our modules' logs in actors are kept too."""
+    the root logger gets an INFO handler so our modules' logs in actors are kept too, its lines escaped
+    by `SafeFormatter` (tool or model text in a record must not drive the terminal that tails the file)."""
     target = os.environ.get(LOG_DIR_ENV)
     if not target:
         return
@@ -156,7 +157,9 @@ def setup_worker_logging() -> None:
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
-    logging.basicConfig(level=logging.INFO, format=FILE_FORMAT)
+    handler = logging.StreamHandler()
+    handler.setFormatter(SafeFormatter(FILE_FORMAT))  # tool and model text in a record: escapes shown, not run
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
 
 
 def link_ray_logs(run_dir: str | Path) -> Path | None:

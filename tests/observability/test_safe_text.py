@@ -65,3 +65,22 @@ def test_the_console_log_handler_escapes_what_it_prints(monkeypatch):
         root.handlers[:] = saved[1]
         root.setLevel(saved[0])
     assert "tool raised: \\x1b]52" in buf.getvalue() and "\x1b" not in buf.getvalue()
+
+
+def test_actor_log_files_escape_what_a_tool_logs(tmp_path):
+    """Actor output goes to RUN_DIR/logs/<actor>-<pid>.log (setup_worker_logging), which operators
+    `tail -f`: a log record carrying tool or model text must not drive their terminal either."""
+    import subprocess
+    import sys
+
+    from streamrl.observability import logs
+
+    code = (
+        "import logging; from streamrl.observability import logs; logs.setup_worker_logging(); "
+        f"logging.getLogger('streamrl.rollout.tools').warning('tool output: %s', {OSC52 + CLEAR!r})"
+    )
+    env = {**__import__("os").environ, logs.LOG_DIR_ENV: str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    (log,) = tmp_path.glob("*.log")
+    text = log.read_text()
+    assert "tool output: \\x1b]52" in text and "\x1b" not in text, text
