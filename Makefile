@@ -45,9 +45,11 @@ bench: install
 learn-bench: install
 	$(PY) -m bench.learning
 
-# >= 50 seeded faults on the real system, checked against the invariants: bench/results/chaos.json
+# >= 50 seeded faults on the real system, checked against the invariants: bench/results/chaos.json;
+# then buffer-log I/O faults and hostile reward/tool callbacks, and the summary by kind of fault
 chaos: install
 	$(PY) -m bench.chaos --seeds 2
+	$(PY) -m bench.chaos --families io,hostile --seeds 1
 
 # what a newcomer sees: clone, install and `make run` from scratch: bench/results/fresh_run.json
 fresh-run: install

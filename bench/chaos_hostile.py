@@ -48,20 +48,18 @@ def hostile_tools(root: Path, run_name: str) -> list[str]:
     return [f"rollout.agent.tool_config={path}"]
 
 
-def _failed_errors(run_dir: Path) -> list[str]:
-    """The error text of every FAILED trajectory of the run (its latest row)."""
+def _failed_rows(run_dir: Path) -> int:
+    """FAILED trajectories in the buffer log (their latest rows)."""
     from streamrl.buffer.cli import load_frame
 
     frame = load_frame(run_dir / "buffer")
-    failed = frame[frame["is_latest"] & (frame["status"] == "failed")]
-    return [str(text) for text in failed["agent_data_json"]]
+    return int((frame["is_latest"] & (frame["status"] == "failed")).sum())
 
 
-def _messages_text(run_dir: Path) -> str:
-    from streamrl.buffer.cli import load_frame
-
-    frame = load_frame(run_dir / "buffer")
-    return "\n".join(str(text) for text in frame[frame["is_latest"]]["agent_data_json"])
+def _log_lines(run_dir: Path, needle: str) -> list[str]:
+    """The lines of the run's process logs (every actor, every segment) that contain `needle`."""
+    return [line for log in sorted((run_dir / "logs").glob("*.log"))
+            for line in log.read_text(errors="replace").splitlines() if needle in line]
 
 
 def _finite_weights(run_dir: Path) -> tuple[str | None, int]:
@@ -107,31 +105,36 @@ def _escapes(paths: list[Path]) -> tuple[int, int]:
 
 
 def hostile_report(run_dir: Path, console_log: Path) -> dict:
-    """What the hostile run's callbacks did, and whether the run kept them out of the weights."""
-    errors = _failed_errors(run_dir)
-    nan = sum("is nan" in e for e in errors)
-    inf = sum("is inf" in e for e in errors)
-    hung = sum("did not return within" in e for e in errors)
+    """What the hostile run's callbacks did, and whether the run kept them out of the weights.
+
+    A failed trajectory's error is in its rollout worker's log ("trajectory T failed: ..."), not in
+    its row; the hostile calculator logs each hang and each escape-laden answer it gives."""
+    failures = _log_lines(run_dir, " failed: ")
+    nan = sum("is nan" in line for line in failures)
+    inf = sum("is inf" in line for line in failures)
+    hung = sum("did not return within" in line for line in failures)
+    tool_hangs = len(_log_lines(run_dir, "hostile calculator: hanging"))
+    escape_outputs = len(_log_lines(run_dir, "hostile calculator output"))
+    tool_timeouts = int(_max_metric(run_dir, "rollout/tools/num_timeouts"))  # cumulative per worker
     checkpoint, bad_weights = _finite_weights(run_dir)
     num_learner_values, bad_metrics = _learner_metrics(run_dir)
     raw, escaped = _escapes([*sorted((run_dir / "logs").glob("*.log")), console_log])
-    tool_timeouts = int(_max_metric(run_dir, "rollout/tools/num_timeouts"))
-    escape_results = _messages_text(run_dir).count(json.dumps(ESCAPE_MARKER)[1:-1])
     return {
         "nan_rewards_failed": nan,
         "inf_rewards_failed": inf,
         "hung_rewards_failed": hung,
-        "failed_trajectories": len(errors),
-        "tool_timeouts": tool_timeouts,
-        "escape_tool_results": escape_results,  # tool results with the payload that reached a trajectory
+        "failed_trajectories": _failed_rows(run_dir),  # every cause; >= the three above
+        "tool_hangs": tool_hangs,  # calls that hung (the executor answers each after tool_timeout_s)
+        "tool_timeouts": tool_timeouts,  # hung calls and any queued behind them in the tool's slots
+        "escape_outputs": escape_outputs,  # answers carrying OSC 52 / CSI 2J / a retitle
         "raw_escapes_in_logs": raw,  # must be 0
-        "escaped_escapes_in_logs": escaped,  # shown as text
+        "escaped_escapes_in_logs": escaped,  # the same payloads, shown as text
         "checkpoint": checkpoint,
         "non_finite_weights": bad_weights,  # must be 0 (-1: no checkpoint)
         "learner_metric_values": num_learner_values,
         "non_finite_learner_metrics": bad_metrics,  # must be 0
         "rollout_worker_incarnations": len(list((run_dir / "logs").glob("RolloutWorkerActor-*.log"))),
-        "hostile_callbacks": nan + inf + hung + tool_timeouts + escape_results,
+        "hostile_callbacks": nan + inf + hung + tool_hangs + escape_outputs,
         "reward_buckets": REWARD_BUCKETS,
         "hang_s": HANG_S,
     }

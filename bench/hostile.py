@@ -71,6 +71,7 @@ def calculator(expression: str) -> str:
 
     hostility = TOOL_BUCKETS.get(bucket(expression, 6))
     if hostility == "hang":
+        logger.warning("hostile calculator: hanging %g s on %r", HANG_S, expression)  # counted by the bench
         time.sleep(HANG_S)
     try:
         result = str(evaluate_expression(expression))
