@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "bench/results/chaos.json"))
     parser.add_argument("--keep", default=None, help="keep the run directories and logs here (default: a temp dir)")
     parser.add_argument("--recheck", default=None, metavar="DIR",
-                        help="no runs: re-check the runs of --out kept in DIR with this checkout's checker")
+                        help="no runs: re-check the runs of --out kept in DIR with this checkout's checker "
+                             "(with --families: the newest fault_families entry)")
     parser.add_argument("--families", default=None,
                         help="run these fault families instead of the kill suite: io,hostile (bench/chaos_families.py)")
     parser.add_argument("--by-kind", action="store_true", help="no runs: rebuild --out's by_kind summary")
@@ -285,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench.chaos_families import write_by_kind
 
         print(json.dumps(write_by_kind(Path(args.out)), indent=1))
+        return 0
+    if args.families and args.recheck:
+        from bench.chaos_families import recheck as recheck_families
+
+        print(json.dumps(recheck_families(Path(args.out), Path(args.recheck)), indent=1))
         return 0
     if args.families:
         from bench.chaos_families import main as run_families

@@ -65,6 +65,32 @@ def run_hostile(seed: int, root: Path, timeout_s: float) -> list[dict]:
     return out
 
 
+def recheck(out_path: Path, runs: Path) -> dict:
+    """Recount the newest `fault_families` entry from its kept run directories (`--keep`) with this
+    checkout's counters and checker; the counts the run wrote are kept as `at_run`."""
+    from bench.chaos_hostile import hostile_report
+    from bench.chaos_io import injected_faults, summarize_io
+    from streamrl.streaming.invariants import check_run
+
+    data = json.loads(out_path.read_text())
+    entry = data["fault_families"][-1]
+    for r in entry["results"]:
+        run_dir = runs / f"{r['name']}-s{r['seed']}"
+        if not (run_dir / "driver_state.json").exists():
+            continue
+        fresh = {"invariants": asdict(check_run(run_dir))}
+        if r["name"] == "io":
+            fresh |= summarize_io(injected_faults(run_dir), r["segments"])
+        elif r["name"] == "hostile":
+            fresh |= hostile_report(run_dir, runs / f"{r['name']}-s{r['seed']}.log")
+        r.setdefault("at_run", {k: r.get(k) for k in fresh if r.get(k) != fresh[k]})
+        r |= fresh
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    entry["rechecked"] = {"runs": str(runs), "checker_commit": commit.strip()}
+    out_path.write_text(json.dumps(data, indent=1))
+    return write_by_kind(out_path)
+
+
 def fuzz_cases(fuzz_dir: Path = REPO / "tests/fuzz") -> dict[str, int]:
     """test -> its `@settings(max_examples=N)` (hypothesis runs at most N examples per run)."""
     cases = {}

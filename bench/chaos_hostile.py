@@ -133,6 +133,7 @@ def hostile_report(run_dir: Path, console_log: Path) -> dict:
         "non_finite_weights": bad_weights,  # must be 0 (-1: no checkpoint)
         "learner_metric_values": num_learner_values,
         "non_finite_learner_metrics": bad_metrics,  # must be 0
+        "learner_nonfinite_steps": int(_max_metric(run_dir, "learner/num_nonfinite_steps")),  # skipped steps: 0
         "rollout_worker_incarnations": len(list((run_dir / "logs").glob("RolloutWorkerActor-*.log"))),
         "hostile_callbacks": nan + inf + hung + tool_hangs + escape_outputs,
         "reward_buckets": REWARD_BUCKETS,
