@@ -40,7 +40,7 @@ from bench.crashsim_record import Recorder, Trace
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.schema import batch_to_trajectories
 from streamrl.buffer.store import ReplayBuffer
-from streamrl.rollout.atomic import atomic_dir
+from streamrl.rollout.atomic import atomic_dir, make_dirs
 from streamrl.rollout.types import FinishReason, Trajectory
 from streamrl.streaming.checkpoints import delete_checkpoints, drop_old_checkpoints, record_checkpoint, use_newest_complete
 from streamrl.streaming.system import DriverState
@@ -114,7 +114,7 @@ def record_workload(root: Path, workload: Workload = Workload()) -> Trace:
             batch = buf.sample(served_version=0, learner_step=step)
             rec.mark("consumed", (step, sorted(set(batch.table.column("group_id").to_pylist()))))
             step_dir = run / "checkpoints" / f"step_{step:06d}"
-            step_dir.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs(step_dir.parent, sync=True)  # as System.checkpoint does
             atomic_dir(step_dir, _write_checkpoint(step), sync=workload.seal_checkpoints)
             buf.checkpoint()
             rec.mark("synced", list(appended))

@@ -47,7 +47,7 @@ def atomic_dir(final: str | Path, write: Callable[[Path], object], *, sync: bool
     seals the folder (module doc) before the rename and fsyncs the parent after it, and makes any
     parent folder it creates durable too."""
     final = Path(final).resolve()
-    _make_parents(final.parent, sync=sync)
+    make_dirs(final.parent, sync=sync)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         write(tmp)
@@ -67,9 +67,10 @@ def atomic_dir(final: str | Path, write: Callable[[Path], object], *, sync: bool
     return final
 
 
-def _make_parents(folder: Path, *, sync: bool) -> None:
+def make_dirs(folder: str | Path, *, sync: bool = False) -> None:
     """`mkdir -p folder`; with `sync`, fsync the parent of every folder it creates: a new folder's
     entry lives in its parent, so without it a lost machine can drop the folder with all under it."""
+    folder = Path(folder)
     created = []
     ancestor = folder
     while not ancestor.exists():

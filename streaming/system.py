@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from streamrl.rollout.atomic import atomic_write
+from streamrl.rollout.atomic import atomic_write, make_dirs
 from streamrl.observability import catalogue
 from streamrl.streaming import faults
 from streamrl.observability.catalogue import Reduction
@@ -258,7 +258,7 @@ class System:
     async def checkpoint(self) -> Path:
         """Learner (HF weights + optimizer state), buffer (fsync), then the driver state pointer."""
         step_dir = self.run_dir / "checkpoints" / f"step_{self.state.learner_step:06d}"
-        step_dir.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(step_dir.parent, sync=True)  # durable: the saved state will name a folder inside it
         await self.learner.save_checkpoint(str(step_dir))
         await self.buffer.checkpoint()
         record_checkpoint(self.state, step_dir)
