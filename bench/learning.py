@@ -151,6 +151,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=str(REPO / "bench/results/learning.json"))
     parser.add_argument("--plot", default=None, help="default: the --out path with .png")
     parser.add_argument("--keep", default=None, help="keep the run directories in this folder")
+    parser.add_argument("--from-runs", default=None, metavar="DIR",
+                        help="train nothing: summarize the <mode>-s<seed> run directories already in DIR")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run")
     return parser.parse_args(argv)
 
@@ -159,14 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     from bench.machine import machine
 
     args = parse_args(argv)
-    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="streamrl-learning-"))
+    root = Path(args.keep or args.from_runs or tempfile.mkdtemp(prefix="streamrl-learning-"))
     root.mkdir(parents=True, exist_ok=True)
     runs = []
     t_start = time.monotonic()
     for seed in args.seeds:
         for mode in args.modes:  # interleaved, so a slow spell of the machine touches both modes alike
-            run_dir, wall, rc = train(args.config, mode, seed, root, args.steps, args.eval_every, args.overrides,
-                                      root / "train.log")
+            if args.from_runs:
+                run_dir, wall, rc = Path(args.from_runs) / f"{mode}-s{seed}", 0.0, 0
+                if not (run_dir / "accounting.json").exists():
+                    continue  # not finished: left out
+            else:
+                run_dir, wall, rc = train(args.config, mode, seed, root, args.steps, args.eval_every, args.overrides,
+                                          root / "train.log")
             points = curve(run_dir) if run_dir.exists() else []
             runs.append({"mode": mode, "seed": seed, "exit_code": rc, "wall_s": wall, "curve": points})
             line = " ".join(f"{p['served_step']}:{p['reward']:.3f}" for p in points)
