@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(summary, Path(args.plot or out.with_suffix(".png")),
-         f"{Path(args.config).stem}: held-out reward, {len(args.seeds)} seeds ({machine()['cpu']}, "
+         f"{Path(args.config).stem}: held-out reward, {len({r['seed'] for r in runs})} seed(s) ({machine()['cpu']}, "
          f"{machine()['cpu_count']} cores)")
     for mode in ("async", "sync"):
         if mode in summary:
