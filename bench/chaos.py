@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                              "(with --families: the newest fault_families entry)")
     parser.add_argument("--families", default=None,
                         help="run these fault families instead of the kill suite: io,hostile (bench/chaos_families.py)")
+    parser.add_argument("--first-seed", type=int, default=0, help="with --families: seeds first-seed.. first-seed+seeds-1")
     parser.add_argument("--by-kind", action="store_true", help="no runs: rebuild --out's by_kind summary")
     args = parser.parse_args(argv)
     if args.by_kind:
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             root = Path(args.keep or tmp)
             root.mkdir(parents=True, exist_ok=True)
             return run_families(args.families.split(","), args.seeds, root, Path(args.out),
-                                argv if argv is not None else sys.argv[1:])
+                                argv if argv is not None else sys.argv[1:], first_seed=args.first_seed)
     if args.recheck:
         return recheck(Path(args.out), Path(args.recheck), argv if argv is not None else sys.argv[1:])
     wanted = set(args.scenarios.split(",")) if args.scenarios else None

@@ -1,14 +1,14 @@
 """The chaos bench's fault families beyond kills, and its summary by kind of fault.
 
-    python -m bench.chaos --families io,hostile [--seeds 1] [--keep DIR]
+    python -m bench.chaos --families io,hostile [--seeds 1] [--first-seed 0] [--keep DIR]
 
 runs the I/O-fault family (`bench/chaos_io.py`) and the hostile-callback family
 (`bench/chaos_hostile.py`) and appends one entry to `fault_families` in bench/results/chaos.json
 (earlier entries and the kill suite's results are kept). `by_kind` is then rebuilt from everything
 the file and its neighbours hold: kills and other armed faults (the kill suite's results), I/O faults
-(the newest entry), power-loss states checked (`bench/results/crash_consistency.json`), fuzz cases
-(the `max_examples` of every test under tests/fuzz, read from the source, not re-run) and hostile
-callbacks (the newest entry).
+and hostile callbacks (every `fault_families` entry: each holds its own runs, e.g. another seed via
+`--first-seed`), power-loss states checked (`bench/results/crash_consistency.json`) and fuzz cases
+(the `max_examples` of every test under tests/fuzz, read from the source, not re-run).
 """
 
 from __future__ import annotations
@@ -123,13 +123,13 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int]) -> dict:
             action = "delay" if action.startswith("delay") else action
             kill_actions[action] = kill_actions.get(action, 0) + n
         kill_actions["runner_sigkill"] = kill_actions.get("runner_sigkill", 0) + r["faults_injected"] - sum(fired.values())
-    entry = (data.get("fault_families") or [{}])[-1]
-    io = [r for r in entry.get("results", []) if r.get("name") == "io"]
-    hostile = [r for r in entry.get("results", []) if "hostile_callbacks" in r]
-    invariants = [r.get("invariants") or {} for r in [*data.get("results", []), *entry.get("results", [])]]
+    family_results = [r for entry in data.get("fault_families", []) for r in entry.get("results", [])]
+    io = [r for r in family_results if r.get("name") == "io"]
+    hostile = [r for r in family_results if "hostile_callbacks" in r]
+    invariants = [r.get("invariants") or {} for r in [*data.get("results", []), *family_results]]
     losses = {key: sum(int(inv.get(key) or 0) for inv in invariants) for key in LOSS_KEYS}
     losses["stranded"] = sum(int(inv.get("stranded") or 0) + int(inv.get("untracked") or 0) for inv in invariants)
-    losses["hangs"] = sum(int(r.get("hangs") or 0) for r in [*data.get("results", []), *entry.get("results", [])])
+    losses["hangs"] = sum(int(r.get("hangs") or 0) for r in [*data.get("results", []), *family_results])
     return {
         "kills": sum(kill_actions.get(k, 0) for k in ("kill_job", "kill_self", "runner_sigkill", "segment_killed")),
         "other_armed_faults": {k: v for k, v in kill_actions.items() if k in ("raise", "delay")},
@@ -144,7 +144,7 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int]) -> dict:
         "hostile_callbacks": sum(r["hostile_callbacks"] for r in hostile),
         "losses_and_violations": losses,
         "sources": {"kills": "results (kill suite): per point and action; for results recorded without "
-                             "per-point counts, the segments that died by SIGKILL (a lower bound)", "io_faults, hostile_callbacks": "fault_families[-1]",
+                             "per-point counts, the segments that died by SIGKILL (a lower bound)", "io_faults, hostile_callbacks": "every entry of fault_families (each its own runs and seeds)",
                     "power_loss": "bench/results/crash_consistency.json (num_states_checked)",
                     "fuzz_cases": "max_examples of tests/fuzz/*.py (upper bound per run, not re-run)"},
         "fuzz_cases_by_test": fuzz,
@@ -160,13 +160,14 @@ def write_by_kind(out_path: Path) -> dict:
     return data["by_kind"]
 
 
-def main(families: list[str], seeds: int, root: Path, out_path: Path, argv: list[str], timeout_s: float = 900.0) -> int:
+def main(families: list[str], seeds: int, root: Path, out_path: Path, argv: list[str], timeout_s: float = 900.0,
+         first_seed: int = 0) -> int:
     unknown = set(families) - set(FAMILIES)
     if unknown:
         raise ValueError(f"unknown families {sorted(unknown)}; known: {list(FAMILIES)}")
     t0 = time.monotonic()
     results: list[dict] = []
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         if "io" in families:
             results.append(run_io(seed, root, timeout_s))
             print(json.dumps({k: results[-1].get(k) for k in ("name", "io_faults_injected", "completed")}), flush=True)

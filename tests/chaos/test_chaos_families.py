@@ -163,12 +163,14 @@ def test_by_kind_sums_every_family_and_reads_the_fuzz_settings():
             {"name": "io", "io_faults_injected": 30, "io_hard_faults": 5, "io_short_writes": 25, "invariants": inv},
             {"name": "hostile", "hostile_callbacks": 12, "invariants": {**inv, "prompts_lost": 1}},
             {"name": "image_bomb", "hostile_callbacks": 3},
+        ]}, {"results": [  # another seed's runs: summed too
+            {"name": "io", "io_faults_injected": 10, "io_hard_faults": 4, "io_short_writes": 6, "invariants": inv},
         ]}],
     }
     kinds = chaos_families.by_kind(data, {"num_states_checked": 2000, "num_crash_points_checked": 5}, fuzz)
     assert kinds["kills"] == 1 + 1 + 1  # a kill_job, a runner SIGKILL (7 - 6 fired), a SIGKILLed segment
     assert kinds["other_armed_faults"] == {"raise": 3, "delay": 2} and kinds["armed_faults_not_split_by_kind"] == 1
-    assert kinds["io_faults"] == 30 and kinds["hostile_callbacks"] == 15
+    assert kinds["io_faults"] == 40 and kinds["io_hard_faults"] == 9 and kinds["hostile_callbacks"] == 15
     assert kinds["power_loss_states_checked"] == 2000 and kinds["fuzz_cases"] == sum(fuzz.values())
     assert kinds["losses_and_violations"]["prompts_lost"] == 1  # a loss anywhere shows
     json.dumps(kinds)
