@@ -49,7 +49,7 @@ learn-bench: install
 # then buffer-log I/O faults and hostile reward/tool callbacks, and the summary by kind of fault
 chaos: install
 	$(PY) -m bench.chaos --seeds 2
-	$(PY) -m bench.chaos --families io,hostile --seeds 1
+	$(PY) -m bench.chaos --families io,hostile,all_fail --seeds 1
 
 # what a newcomer sees: clone, install and `make run` from scratch: bench/results/fresh_run.json
 fresh-run: install

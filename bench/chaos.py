@@ -3,7 +3,7 @@ named injection points (`streaming/faults.py`), resumed until they finish, then 
 async invariants from the durable log and the run directory only (`streaming/invariants.py`).
 
     python -m bench.chaos [--seeds 2] [--scenarios a,b] [--out bench/results/chaos.json] [--keep DIR]
-    python -m bench.chaos --families io,hostile [--seeds 1]   # I/O faults, hostile callbacks
+    python -m bench.chaos --families io,hostile,all_fail [--seeds 1]   # I/O faults, hostile callbacks
 
 
 A scenario is a list of segments; each segment is one `streamrl train` process (the first starts the
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="no runs: re-check the runs of --out kept in DIR with this checkout's checker "
                              "(with --families: the newest fault_families entry)")
     parser.add_argument("--families", default=None,
-                        help="run these fault families instead of the kill suite: io,hostile (bench/chaos_families.py)")
+                        help="run these fault families instead of the kill suite: io,hostile,all_fail (bench/chaos_families.py)")
     parser.add_argument("--first-seed", type=int, default=0, help="with --families: seeds first-seed.. first-seed+seeds-1")
     parser.add_argument("--by-kind", action="store_true", help="no runs: rebuild --out's by_kind summary")
     args = parser.parse_args(argv)

@@ -1,9 +1,9 @@
 """The chaos bench's fault families beyond kills, and its summary by kind of fault.
 
-    python -m bench.chaos --families io,hostile [--seeds 1] [--first-seed 0] [--keep DIR]
+    python -m bench.chaos --families io,hostile,all_fail [--seeds 1] [--first-seed 0] [--keep DIR]
 
-runs the I/O-fault family (`bench/chaos_io.py`) and the hostile-callback family
-(`bench/chaos_hostile.py`) and appends one entry to `fault_families` in bench/results/chaos.json
+runs the I/O-fault family (`bench/chaos_io.py`) and the hostile-callback families
+(`bench/chaos_hostile.py`: hostile rewards and tools, a run whose every trajectory fails) and appends one entry to `fault_families` in bench/results/chaos.json
 (earlier entries and the kill suite's results are kept). `by_kind` is then rebuilt from everything
 the file and its neighbours hold: kills and other armed faults (the kill suite's results), I/O faults
 and hostile callbacks (every `fault_families` entry: each holds its own runs, e.g. another seed via
@@ -23,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FAMILIES = ("io", "hostile")
+FAMILIES = ("io", "hostile", "all_fail")
 LOSS_KEYS = ("prompts_lost", "prompts_duplicated", "consumed_twice", "bad_batches", "version_violations",
              "tool_side_effects_repeated")
 
@@ -38,14 +38,29 @@ def run_io(seed: int, root: Path, timeout_s: float) -> dict:
 
 
 def run_hostile(seed: int, root: Path, timeout_s: float) -> list[dict]:
-    from bench.chaos import OVERRIDES, _segment, run_scenario
-    from bench.chaos_hostile import ALL_FAIL_OVERRIDES, all_fail_report, hostile_report, image_bomb_check
-    from streamrl.streaming.invariants import check_run
+    """The mixed hostile-reward run, then the tool hostilities and the decompression bomb on the real
+    tool executor (unit-level; see bench/chaos_hostile.py)."""
+    from bench.chaos import run_scenario
+    from bench.chaos_hostile import hostile_report, image_bomb_check, tool_check
 
     hostile = run_scenario("hostile", seed, [""], root, timeout_s=timeout_s, max_clean=0)
-    out = [{**asdict(hostile), **hostile_report(root / f"hostile-s{seed}", root / f"hostile-s{seed}.log")}]
+    run_dir = root / f"hostile-s{seed}"
+    report = hostile_report(run_dir, root / f"hostile-s{seed}.log") if (run_dir / "buffer").exists() else {}
+    out = [{**asdict(hostile), **report}]
+    out.append({"name": "hostile_tools", "seed": seed, **tool_check()})
+    bomb_dir = root / f"image_bomb-s{seed}"
+    bomb_dir.mkdir(exist_ok=True)
+    out.append({"name": "image_bomb", "seed": seed, "level": "unit (real ToolRegistry + ImageStore, no run)",
+                **image_bomb_check(bomb_dir)})
+    return out
 
-    # all_fail: one segment, no resume: stopping is the expected outcome.
+
+def run_all_fail(seed: int, root: Path, timeout_s: float) -> dict:
+    """Every reward NaN: one segment, no resume: stopping with a clear error is the expected outcome."""
+    from bench.chaos import OVERRIDES, _segment
+    from bench.chaos_hostile import ALL_FAIL_OVERRIDES, all_fail_report
+    from streamrl.streaming.invariants import check_run
+
     log = root / f"all_fail-s{seed}.log"
     args = ["--config", "configs/tiny.toml", f"trainer.run_root={root}", f"trainer.run_name=all_fail-s{seed}",
             f"trainer.seed={seed}", *OVERRIDES, *ALL_FAIL_OVERRIDES]
@@ -55,14 +70,8 @@ def run_hostile(seed: int, root: Path, timeout_s: float) -> list[dict]:
     report = all_fail_report(rc, log.read_text(errors="replace"))
     run_dir = root / f"all_fail-s{seed}"
     invariants = asdict(check_run(run_dir)) if (run_dir / "driver_state.json").exists() else {}
-    out.append({"name": "all_fail", "seed": seed, "wall_s": round(wall, 1), "hangs": int(rc is None), **report,
-                "invariants": invariants})
-
-    bomb_dir = root / f"image_bomb-s{seed}"
-    bomb_dir.mkdir(exist_ok=True)
-    out.append({"name": "image_bomb", "seed": seed, "level": "unit (real ToolRegistry + ImageStore, no run)",
-                **image_bomb_check(bomb_dir)})
-    return out
+    return {"name": "all_fail", "seed": seed, "wall_s": round(wall, 1), "hangs": int(rc is None), **report,
+            "invariants": invariants}
 
 
 def recheck(out_path: Path, runs: Path) -> dict:
@@ -173,7 +182,10 @@ def main(families: list[str], seeds: int, root: Path, out_path: Path, argv: list
             print(json.dumps({k: results[-1].get(k) for k in ("name", "io_faults_injected", "completed")}), flush=True)
         if "hostile" in families:
             results += run_hostile(seed, root, timeout_s)
-            print(json.dumps([r["name"] for r in results]), flush=True)
+            print(json.dumps({k: results[-3].get(k) for k in ("name", "hostile_callbacks", "completed")}), flush=True)
+        if "all_fail" in families:
+            results.append(run_all_fail(seed, root, timeout_s))
+            print(json.dumps({k: results[-1].get(k) for k in ("name", "stopped_clearly", "rc")}), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     entry = {
         "command": "python -m bench.chaos " + " ".join(argv),

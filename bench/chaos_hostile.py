@@ -1,15 +1,19 @@
 """The chaos bench's hostile-callback family: user code that misbehaves inside a real run
 (`bench/hostile.py`), checked against the invariants and against what it must not do.
 
-- `hostile`: a tool-calling tiny model (SFT warm-up) whose reward is NaN, inf or hangs for three
-  tenths of the trajectories (`mixed_reward`, `rollout.agent.reward_timeout_s` = 2 s) and whose
-  calculator, a function tool, hangs for some expressions (`rollout.agent.tool_timeout_s` = 2 s) and
-  prints terminal escapes for others. The run must finish; each hostile reward is a FAILED
-  trajectory (never a reward in the buffer), the final weights and every learner metric are finite,
-  the one rollout worker is never replaced, and no log line or console line carries a raw escape.
+- `hostile`: a tiny run whose reward is NaN, inf or hangs for three tenths of the trajectories
+  (`mixed_reward`, `rollout.agent.reward_timeout_s` = 2 s). The run must finish; each hostile reward
+  is a FAILED trajectory (never a reward in the buffer), the final weights and every learner metric
+  are finite, the one rollout worker is never replaced, and no log or console line carries a raw
+  escape. Its calculator is `bench.hostile:calculator`, a function tool that hangs for some
+  expressions and prints terminal escapes for others, but the tiny model calls tools only after an
+  SFT warm-up too slow for a loaded 2-core machine (see HOSTILE_OVERRIDES), so the tool hostilities
+  are unit-level (`tool_check`): the real `ToolRegistry` answers a hung call after
+  `tool_timeout_s` and serves the next call at once; an escape-laden answer logged through an
+  actor's log handler is escaped.
 - `all_fail`: every reward is NaN: the run must stop with a clear error and a non-zero exit
   (`streaming/failures.py`), not walk through its prompts.
-- the decompression bomb is unit-level (`image_bomb_check`): the real tool executor and image store of
+- the decompression bomb is unit-level too (`image_bomb_check`): the real tool executor and image store of
   a VLM worker, a function tool answering with a 36-megapixel PNG. A run of `configs/vlm_tiny.toml`
   cannot reach it: its random-weight VLM never calls a tool.
 """
@@ -25,13 +29,13 @@ from pathlib import Path
 
 from bench.hostile import ESCAPE_MARKER, HANG_S, REWARD_BUCKETS
 
+# No SFT warm-up: on a loaded 2-core machine (load average 60) it ran at 16 s a step, 30 min for the
+# 120 steps that make the tiny model call its calculator; the tool hostilities are checked on the
+# real tool executor instead (`tool_check`), and the run keeps the hostile tool configured.
 HOSTILE_OVERRIDES = [
     "rollout.agent.reward_fn=bench.hostile:mixed_reward",
     "rollout.agent.reward_timeout_s=2",
     "rollout.agent.tool_timeout_s=2",
-    # the tools scenario's warm-up: the tiny model learns to call the calculator
-    "sft.enabled=true", "sft.num_steps=120", "sft.lr=5e-3", "sft.batch_size=8", "sft.num_examples=128",
-    "sft.difficulty=easy", "data.difficulty=easy",
 ]
 ALL_FAIL_OVERRIDES = [
     "rollout.agent.reward_fn=bench.hostile:nan_reward",
@@ -171,3 +175,50 @@ def image_bomb_check(tmp: Path) -> dict:
     refused = sum(r["is_error"] and r["num_images"] == 0 for r in results.values())
     return {"bombs": len(results), "refused": refused, "images_stored": len(store), "peak_rss_growth_mb": round(grown_mb, 1),
             "results": results, "hostile_callbacks": len(results)}
+
+
+def tool_check(num_calls: int = 3) -> dict:
+    """The hostile calculator on the real tool executor: `num_calls` hanging calls time out (2 s) and
+    a normal call right after each is answered (the registry stays healthy); `num_calls` escape-laden
+    answers reach the observation as they are (the model may see any text), and the same text logged
+    through `SafeFormatter` (console and actor log files) carries no control character."""
+    import logging
+    import time
+
+    from bench import hostile
+    from streamrl.observability.safe_text import SafeFormatter
+    from streamrl.rollout.tools.config import load_tool_config
+    from streamrl.rollout.types import ToolCall
+
+    registry = load_tool_config({"tools": [{"function": "bench.hostile:calculator", "name": "calculator"}]})
+    by_bucket: dict[str, list[str]] = {"hang": [], "escapes": [], None: []}
+    for i in range(1000):
+        expression = f"{i} + 1"
+        found = by_bucket[hostile.TOOL_BUCKETS.get(hostile.bucket(expression, 6))]
+        if len(found) < num_calls:
+            found.append(expression)
+
+    def run(expression: str, timeout_s: float):
+        call = ToolCall(call_id="c", name="calculator", arguments={"expression": expression})
+        t0 = time.monotonic()
+        (result,) = asyncio.run(registry.run_calls([call], {}, timeout_s=timeout_s))
+        return result, time.monotonic() - t0
+
+    timed_out = served_after = 0
+    for hang, normal in zip(by_bucket["hang"], by_bucket[None]):
+        result, _ = run(hang, 2.0)
+        timed_out += result.is_error and "timed out" in result.text
+        after, seconds = run(normal, 2.0)
+        served_after += not after.is_error and seconds < 1.0
+    escapes_shown = escapes_logged_clean = 0
+    formatter = SafeFormatter("%(message)s")
+    for expression in by_bucket["escapes"]:
+        result, _ = run(expression, 2.0)
+        escapes_shown += result.text.startswith(hostile.ESCAPES)
+        record = logging.LogRecord("bench.hostile", logging.WARNING, __file__, 1, "tool said: %s", (result.text,), None)
+        line = formatter.format(record)
+        escapes_logged_clean += "\x1b" not in line and _ESCAPED_MARKER in line
+    return {"level": "unit (real ToolRegistry, no run)", "hung_calls": len(by_bucket["hang"]), "timed_out": timed_out,
+            "next_call_served_at_once": served_after, "escape_answers": len(by_bucket["escapes"]),
+            "escapes_reached_the_observation": escapes_shown, "escapes_logged_escaped": escapes_logged_clean,
+            "hostile_callbacks": len(by_bucket["hang"]) + len(by_bucket["escapes"])}

@@ -84,7 +84,7 @@ def test_the_hostile_scenario_names_its_reward_and_function_tool(tmp_path, monke
     monkeypatch.setattr(chaos, "_segment", fake_segment)
     chaos.run_scenario("hostile", 0, [""], tmp_path, max_clean=0)
     (args,) = seen
-    assert "rollout.agent.reward_fn=bench.hostile:mixed_reward" in args and "sft.enabled=true" in args
+    assert "rollout.agent.reward_fn=bench.hostile:mixed_reward" in args and "rollout.agent.tool_timeout_s=2" in args
     tool_config = next(a for a in args if a.startswith("rollout.agent.tool_config="))
     from streamrl.rollout.tools.config import load_tool_config
 
