@@ -36,6 +36,7 @@ HOSTILE_OVERRIDES = [
     "rollout.agent.reward_fn=bench.hostile:mixed_reward",
     "rollout.agent.reward_timeout_s=2",
     "rollout.agent.tool_timeout_s=2",
+    "trainer.total_steps=6",  # ~5 s a step: more trajectories meet a hostile reward
 ]
 ALL_FAIL_OVERRIDES = [
     "rollout.agent.reward_fn=bench.hostile:nan_reward",
