@@ -386,6 +386,16 @@ class System:
             if answered:
                 break
         resumable = set(await self.buffer.resumable_ids())
+        # A paused worker still finishes what does not use the engine: a tool call, then the reward
+        # call. A trajectory being scored when the workers paused is held, then writes its terminal
+        # row and leaves its worker; read in between, it looks held without a partial row. Wait for
+        # such trajectories to settle, at most one tool call plus one reward call.
+        agent = self.cfg.rollout.agent
+        settle_until = time.monotonic() + agent.tool_timeout_s + agent.reward_timeout_s + 1.0
+        while held - resumable and time.monotonic() < settle_until:
+            await asyncio.sleep(0.2)
+            held = await self._held_ids(held)
+            resumable = set(await self.buffer.resumable_ids())
         report = {"learner_step": self.state.learner_step, "stranded": sorted(resumable - held),
                   "untracked": sorted(held - resumable), "resumable": sorted(resumable)}
         atomic_write(self.run_dir / "accounting.json", json.dumps(report, indent=1), sync=True)
@@ -393,6 +403,16 @@ class System:
             logger.error("I2 violated at the end of the run: %d stranded, %d held without a partial row",
                          len(report["stranded"]), len(report["untracked"]))
         return report
+
+    async def _held_ids(self, previous: set[str]) -> set[str]:
+        """The trajectories the (paused) workers hold now; `previous` if one of them does not answer."""
+        held: set[str] = set()
+        for w in self.workers:
+            try:
+                held.update(await w.running_ids())
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                return previous
+        return held
 
     async def write_placement(self) -> dict[str, Any]:
         """RUN_DIR/placement.json: the Ray node of every part, and the cluster's live nodes."""

@@ -417,3 +417,30 @@ async def test_sync_loop_replaces_groups_the_filter_drops(tmp_path):
     _check_batches(system, buffer)
     _check_admission(system, buffer)
     assert system.state.cursor == 4 * system.cfg.buffer.groups_per_batch + len(uniform)  # one more per dropped group
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+async def test_end_of_run_accounting_waits_for_a_trajectory_still_being_scored(tmp_path):
+    """A paused worker still runs what does not use the engine: a trajectory whose (slow) reward is
+    being computed when the accounting pauses the workers is held, then writes its terminal row and
+    leaves the worker. Read in between, it looked "held without a partial row" (the chaos bench's
+    hostile-reward run: 4 untracked). The accounting waits, at most a tool call plus a reward call,
+    for such trajectories to settle; one that never does is still reported."""
+    system, buffer, learner = _system(tmp_path, "rollout.agent.reward_timeout_s=1", "rollout.agent.tool_timeout_s=0.5")
+    worker = system.workers[0]
+
+    async def scoring(tid: str, seconds: float) -> None:
+        await asyncio.sleep(seconds)  # its terminal row is written; then it leaves the worker
+        del worker.tasks[tid]
+
+    worker.tasks["g-scored@e0/0"] = asyncio.create_task(scoring("g-scored@e0/0", 0.3))
+    try:
+        accounting = await system.write_accounting()
+        assert accounting["untracked"] == [] and accounting["stranded"] == []
+        worker.tasks["g-stuck@e0/0"] = asyncio.create_task(asyncio.sleep(60))  # never settles
+        t0 = time.monotonic()
+        accounting = await system.write_accounting()
+        assert accounting["untracked"] == ["g-stuck@e0/0"] and time.monotonic() - t0 < 5
+    finally:
+        await worker.shutdown()
+        system.metrics.close()
