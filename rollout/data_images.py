@@ -19,8 +19,9 @@ def with_images(messages: list[dict[str, Any]], row: dict[str, Any], where: str)
     """The messages of a verl multimodal row: each `<image>` of a string content replaced by the next
     entry of the row's `images` (verl's order: messages in turn, placeholders left to right). Content
     that is already parts is left as it is, as verl does. A row with no images is returned unchanged."""
-    if row.get("videos"):
-        raise ValueError(f"{where}: field 'videos' holds {len(row['videos'])} video(s); video is not supported")
+    if videos := row.get("videos"):
+        count = f"{len(videos)} video(s)" if isinstance(videos, list) else f"a {type(videos).__name__}"
+        raise ValueError(f"{where}: field 'videos' holds {count}; video is not supported")
     images = row.get("images")
     if not images:
         return messages

@@ -66,7 +66,9 @@ def test_chunked_logprobs_entropy_and_grads_match(tiny_model_path, chunk, tied):
     ga, gb = _grads(ref), _grads(chunked)
     assert set(ga) == set(gb) and len(ga) > 0
     for k in ga:
-        assert torch.allclose(ga[k], gb[k], rtol=1e-4, atol=1e-6), k
+        # fp32 sums in another order (one token per chunk): one embedding-gradient element was off by
+        # 6.5e-6 on torch 2.13 CPU; 1e-5 is still 1e-6 of the largest gradient (about 12)
+        assert torch.allclose(ga[k], gb[k], rtol=1e-4, atol=1e-5), k
 
 
 def test_entropy_without_grad_and_without_entropy(tiny_model_path):
