@@ -67,8 +67,8 @@ def run_all_fail(seed: int, root: Path, timeout_s: float) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.pop("RAY_ADDRESS", None)
     rc, wall, _ = _segment(args, env, log, timeout_s)
-    report = all_fail_report(rc, log.read_text(errors="replace"))
     run_dir = root / f"all_fail-s{seed}"
+    report = all_fail_report(rc, log.read_text(errors="replace"), run_dir)
     invariants = asdict(check_run(run_dir)) if (run_dir / "driver_state.json").exists() else {}
     return {"name": "all_fail", "seed": seed, "wall_s": round(wall, 1), "hangs": int(rc is None), **report,
             "invariants": invariants}
@@ -77,7 +77,7 @@ def run_all_fail(seed: int, root: Path, timeout_s: float) -> dict:
 def recheck(out_path: Path, runs: Path) -> dict:
     """Recount the newest `fault_families` entry from its kept run directories (`--keep`) with this
     checkout's counters and checker; the counts the run wrote are kept as `at_run`."""
-    from bench.chaos_hostile import hostile_report
+    from bench.chaos_hostile import all_fail_report, hostile_report
     from bench.chaos_io import injected_faults, summarize_io
     from streamrl.streaming.invariants import check_run
 
@@ -92,6 +92,9 @@ def recheck(out_path: Path, runs: Path) -> dict:
             fresh |= summarize_io(injected_faults(run_dir), r["segments"])
         elif r["name"] == "hostile":
             fresh |= hostile_report(run_dir, runs / f"{r['name']}-s{r['seed']}.log")
+        elif r["name"] == "all_fail":
+            output = (runs / f"{r['name']}-s{r['seed']}.log").read_text(errors="replace")
+            fresh |= all_fail_report(r["rc"], output, run_dir)
         r.setdefault("at_run", {k: r.get(k) for k in fresh if r.get(k) != fresh[k]})
         r |= fresh
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout

@@ -42,7 +42,8 @@ ALL_FAIL_OVERRIDES = [
     "rollout.agent.reward_fn=bench.hostile:nan_reward",
     "trainer.failed_window=16",  # judged after 16 trajectories instead of 64
 ]
-STOP_MESSAGE = re.compile(r"TooManyFailedTrajectories: the run stopped at learner step \d+: \d+ of the last \d+ trajectories failed")
+# The CLI prints it as "streamrl: error: the run stopped at ..." (streaming/failures.py, FailureWindow.message).
+STOP_MESSAGE = re.compile(r"the run stopped at learner step \d+: (\d+) of the last \d+ trajectories failed[^\n]*")
 _ESCAPED_MARKER = ESCAPE_MARKER.replace("\x1b", "\\x1b")  # what safe_text shows instead
 
 
@@ -146,12 +147,14 @@ def hostile_report(run_dir: Path, console_log: Path) -> dict:
     }
 
 
-def all_fail_report(rc: int | None, output: str) -> dict:
-    """The all-fail run must stop on its own, non-zero, saying why."""
+def all_fail_report(rc: int | None, output: str, run_dir: Path | None = None) -> dict:
+    """The all-fail run must stop on its own, non-zero, saying why; its NaN rewards are counted from
+    the workers' logs (each failed trajectory's line), else from the stop message's window."""
     match = STOP_MESSAGE.search(output)
-    failed = int(match.group(0).split(": ")[-1].split(" of ")[0].split()[-1]) if match else 0
-    return {"rc": rc, "stopped_clearly": bool(match) and rc not in (0, None), "message": match.group(0) if match else None,
-            "nan_rewards_failed": failed, "hostile_callbacks": failed}
+    nan = (sum("is nan" in line for line in _log_lines(run_dir, " failed: ")) if run_dir is not None else 0) or (
+        int(match.group(1)) if match else 0)
+    return {"rc": rc, "stopped_clearly": bool(match) and rc not in (0, None), "message": match.group(0)[:400] if match else None,
+            "nan_rewards_failed": nan, "hostile_callbacks": nan}
 
 
 def image_bomb_check(tmp: Path) -> dict:
