@@ -33,6 +33,19 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def _heldout_comparison(run_dir: Path) -> dict | None:
+    """The paired test of the run's first and last held-out evaluation (streaming.heldout)."""
+    from streamrl.streaming.heldout import first_last_comparison
+
+    found = first_last_comparison(run_dir)
+    if found is None:
+        return None
+    first, last, result = found
+    return {"first_step": first, "last_step": last, "before": round(result.before, 4), "after": round(result.after, 4),
+            "ci95": [round(result.ci_low, 4), round(result.ci_high, 4)], "p_value": result.p_value, "test": result.test,
+            "num_pairs": result.num_pairs, "num_up": result.num_up, "num_down": result.num_down}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ref", default="HEAD")
@@ -61,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                 "num_prompts": m["eval/num_prompts"], "seconds": round(m["eval/seconds"], 1)}
                for m in lines if "eval/reward_mean" in m]
     rewards = [round(m.get("rollout/finished_reward_mean", float("nan")), 3) for m in steps]
+    summary_lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip().startswith("held-out")]
+    comparison = _heldout_comparison(run_dir) if run_dir else None
     half = len(rewards) // 2
     result = {
         "command": "python -m bench.fresh_run " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -76,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         "reward_first_half_mean": round(sum(rewards[:half]) / max(half, 1), 3) if half else None,
         "reward_second_half_mean": round(sum(rewards[half:]) / max(len(rewards) - half, 1), 3) if half else None,
         "heldout_reward": heldout,
+        "heldout_summary_line": summary_lines[-1] if summary_lines else None,  # what `make run` printed last
+        "heldout_comparison": comparison,
         "memory": memory,
         "learner_peak_gb_reported": max((m.get("memory/learner_peak_gb", 0.0) for m in steps), default=None),
         "report_html": bool(run_dir and (run_dir / "report.html").exists()),
