@@ -119,6 +119,9 @@ def hostile_report(run_dir: Path, console_log: Path) -> dict:
     nan = sum("is nan" in line for line in failures)
     inf = sum("is inf" in line for line in failures)
     hung = sum("did not return within" in line for line in failures)
+    # the hangs the reward function started (runs before that line existed: 0, a lower bound); every
+    # reward call queued behind a hung one in the 4-thread reward pool times out too
+    reward_hangs = len(_log_lines(run_dir, "hostile reward: hang"))
     tool_hangs = len(_log_lines(run_dir, "hostile calculator: hanging"))
     escape_outputs = len(_log_lines(run_dir, "hostile calculator output"))
     tool_timeouts = int(_max_metric(run_dir, "rollout/tools/num_timeouts"))  # cumulative per worker
@@ -128,7 +131,8 @@ def hostile_report(run_dir: Path, console_log: Path) -> dict:
     return {
         "nan_rewards_failed": nan,
         "inf_rewards_failed": inf,
-        "hung_rewards_failed": hung,
+        "reward_timeouts_failed": hung,  # the hung calls and the calls queued behind them
+        "reward_hangs_injected": reward_hangs,
         "failed_trajectories": _failed_rows(run_dir),  # every cause; >= the three above
         "tool_hangs": tool_hangs,  # calls that hung (the executor answers each after tool_timeout_s)
         "tool_timeouts": tool_timeouts,  # hung calls and any queued behind them in the tool's slots
@@ -141,7 +145,7 @@ def hostile_report(run_dir: Path, console_log: Path) -> dict:
         "non_finite_learner_metrics": bad_metrics,  # must be 0
         "learner_nonfinite_steps": int(_max_metric(run_dir, "learner/num_nonfinite_steps")),  # skipped steps: 0
         "rollout_worker_incarnations": len(list((run_dir / "logs").glob("RolloutWorkerActor-*.log"))),
-        "hostile_callbacks": nan + inf + hung + tool_hangs + escape_outputs,
+        "hostile_callbacks": nan + inf + reward_hangs + tool_hangs + escape_outputs,
         "reward_buckets": REWARD_BUCKETS,
         "hang_s": HANG_S,
     }

@@ -47,6 +47,8 @@ def mixed_reward(inp: RewardInput) -> float:
     from streamrl.rollout.rewards import math_answer
 
     hostility = reward_hostility(inp)
+    if hostility is not None:  # counted by the bench (a hang also fails the calls queued behind it)
+        logger.warning("hostile reward: %s", hostility)
     if hostility == "nan":
         return float("nan")
     if hostility == "inf":
