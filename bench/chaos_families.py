@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import json
+from collections import Counter
 import os
 import platform
 import subprocess
@@ -142,6 +143,12 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int]) -> dict:
     losses = {key: sum(int(inv.get(key) or 0) for inv in invariants) for key in LOSS_KEYS}
     losses["stranded"] = sum(int(inv.get("stranded") or 0) + int(inv.get("untracked") or 0) for inv in invariants)
     losses["hangs"] = sum(int(r.get("hangs") or 0) for r in [*data.get("results", []), *family_results])
+    # where a non-zero count comes from: (fault_families entry, its commit, run, seed, counts)
+    nonzero = [{"entry": i, "commit": entry.get("commit"), "name": r["name"], "seed": r.get("seed"),
+                "counts": {k: v for k, v in (r.get("invariants") or {}).items()
+                           if k in (*LOSS_KEYS, "stranded", "untracked") and v}}
+               for i, entry in enumerate(data.get("fault_families", [])) for r in entry.get("results", [])
+               if any(v for k, v in (r.get("invariants") or {}).items() if k in (*LOSS_KEYS, "stranded", "untracked"))]
     return {
         "kills": sum(kill_actions.get(k, 0) for k in ("kill_job", "kill_self", "runner_sigkill", "segment_killed")),
         "other_armed_faults": {k: v for k, v in kill_actions.items() if k in ("raise", "delay")},
@@ -150,11 +157,13 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int]) -> dict:
         "io_faults": sum(r["io_faults_injected"] for r in io),
         "io_hard_faults": sum(r["io_hard_faults"] for r in io),
         "io_short_writes": sum(r["io_short_writes"] for r in io),
+        "io_faults_by_kind": dict(sorted(sum((Counter(r.get("io_faults_by_kind", {})) for r in io), Counter()).items())),
         "power_loss_states_checked": (crash or {}).get("num_states_checked", 0),
         "power_loss_crash_points_checked": (crash or {}).get("num_crash_points_checked", 0),
         "fuzz_cases": sum(fuzz.values()),
         "hostile_callbacks": sum(r["hostile_callbacks"] for r in hostile),
         "losses_and_violations": losses,
+        "losses_and_violations_from": nonzero,
         "sources": {"kills": "results (kill suite): per point and action; for results recorded without "
                              "per-point counts, the segments that died by SIGKILL (a lower bound)", "io_faults, hostile_callbacks": "every entry of fault_families (each its own runs and seeds)",
                     "power_loss": "bench/results/crash_consistency.json (num_states_checked)",
@@ -178,6 +187,9 @@ def main(families: list[str], seeds: int, root: Path, out_path: Path, argv: list
     if unknown:
         raise ValueError(f"unknown families {sorted(unknown)}; known: {list(FAMILIES)}")
     t0 = time.monotonic()
+    head = lambda: subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,  # noqa: E731
+                                  capture_output=True, text=True).stdout.strip()
+    commit_at_start = head()
     results: list[dict] = []
     for seed in range(first_seed, first_seed + seeds):
         if "io" in families:
@@ -189,10 +201,10 @@ def main(families: list[str], seeds: int, root: Path, out_path: Path, argv: list
         if "all_fail" in families:
             results.append(run_all_fail(seed, root, timeout_s))
             print(json.dumps({k: results[-1].get(k) for k in ("name", "stopped_clearly", "rc")}), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     entry = {
         "command": "python -m bench.chaos " + " ".join(argv),
-        "commit": commit.strip(),
+        "commit": commit_at_start,  # each segment runs the working tree as it is when it starts
+        "commit_at_end": head(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - (time.monotonic() - t0))),
         "wall_s": round(time.monotonic() - t0, 1),
