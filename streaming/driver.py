@@ -77,7 +77,8 @@ async def publish(system: System) -> dict[str, float]:
         return await system.publish_weights()
     held_s = await system.evaluator.hold()
     metrics = await system.publish_weights()
-    system.evaluator.maybe_start(system)
+    if system.state.learner_step < system.cfg.trainer.total_steps:  # the last weights: after the workers park
+        system.evaluator.maybe_start(system)
     return metrics | {"eval/sync_held_s": held_s}
 
 

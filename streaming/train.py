@@ -168,8 +168,8 @@ async def _train(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) 
     try:
         system.evaluator.maybe_start(system)  # the starting policy (a resume goes on with the schedule)
         await (run_async(system) if cfg.trainer.mode == "async" else run_sync(system))
-        await system.write_accounting()  # parks the workers: the engines are left to the last evaluation
         await system.evaluator.drain()
+        await system.write_accounting()  # parks the workers: the engines are left to the last evaluation
         system.evaluator.maybe_start(system, final=True)  # the last weights, also when the prompts ran out early
         await system.evaluator.drain()
     finally:

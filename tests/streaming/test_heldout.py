@@ -148,7 +148,7 @@ def test_a_resumed_run_reads_its_evaluations_and_repeats_none(tmp_path):
 
 class _State:
     def __init__(self) -> None:
-        self.served_step, self.policy_version = 0, 0
+        self.served_step, self.policy_version, self.learner_step = 0, 0, 0
 
 
 class _System:
@@ -156,11 +156,13 @@ class _System:
 
     def __init__(self, evaluator: Evaluator) -> None:
         self.evaluator, self.state, self.published_while_evaluating = evaluator, _State(), []
+        self.cfg = evaluator.cfg
 
     async def publish_weights(self) -> dict[str, float]:
         self.published_while_evaluating.append(self.evaluator._task is not None and not self.evaluator._task.done())
         self.state.served_step += 1
         self.state.policy_version += 1
+        self.state.learner_step += 1
         return {}
 
 
@@ -238,3 +240,14 @@ def test_the_summary_line_compares_the_first_and_last_evaluation(tmp_path):
     assert (first, last, result.num_up, result.num_down, result.test) == (0, 3, 2, 0, "mcnemar-exact")
     assert result.p_value == pytest.approx(0.5)  # 2 of 2 discordant pairs up: 2 x 1/4
     assert "step 0 -> step 3" in summary_line(tmp_path)
+
+
+async def test_the_last_weights_are_evaluated_after_the_workers_park_not_at_the_publish(tmp_path):
+    """The run's last publish starts no evaluation: `_train` starts it once the workers are parked, so
+    it does not share the engines with rollouts nobody will train on."""
+    from streamrl.streaming.driver import publish
+
+    ev = Evaluator.open(_cfg("eval.num_prompts=4", "trainer.total_steps=1"), tmp_path, [])
+    system = _System(ev)
+    await publish(system)
+    assert system.state.learner_step == 1 and ev._task is None and ev.due(1, final=True)
