@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from streamrl.rollout.atomic import unsealed_reason
 
 if TYPE_CHECKING:
-    from streamrl.streaming.system import DriverState
+    from streamrl.streaming.driver_state import DriverState
 
 logger = logging.getLogger(__name__)
 

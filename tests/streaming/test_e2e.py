@@ -115,10 +115,8 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
     overrides = [
         f"trainer.run_root={tmp_path}",
         "trainer.run_name=e2e",
-        f"trainer.total_steps={total_steps}",
-        "trainer.checkpoint_every=2",
-        "eval.num_prompts=4",
-        "eval.every_steps=2",
+        f"trainer.total_steps={total_steps}", "trainer.checkpoint_every=2",
+        "eval.num_prompts=4", "eval.every_steps=2",
     ]
     run_dir = tmp_path / "e2e"
     log = tmp_path / "train.log"
