@@ -9,7 +9,7 @@ being written; a resumed run appends to the same files (`streamrl report` reads 
   elapsed seconds since the run's `started_at` (from run_info.json, so a resumed run keeps one clock)
 - `samples.jsonl`  `Trajectory.to_dict()` + {"learner_step"}
 
-Metric conventions (STYLE.md §11): keys are `<namespace>/<name>` with the namespaces `rollout`,
+Metric conventions: keys are `<namespace>/<name>` with the namespaces `rollout`,
 `buffer`, `learner`, `staleness`, `is`, `sync`, `engine`; `rollout/num_*` counts are per interval
 (since the previous log call that carried them), so their sum is the run total; fractions lie in
 [0, 1]; durations are seconds. `engine/busy_fraction` is the mean over engines and
@@ -165,7 +165,7 @@ def clean_metrics(metrics: Mapping[str, Any]) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for key, value in metrics.items():
         if not isinstance(key, str) or "/" not in key.strip("/") or key in RESERVED_KEYS:
-            raise ValueError(f"metric key {key!r} must be namespaced like 'rollout/reward_mean' (STYLE.md §11)")
+            raise ValueError(f"metric key {key!r} must be namespaced like 'rollout/reward_mean' (<namespace>/<name>)")
         out[key] = _clean_value(key, value)
     return out
 
