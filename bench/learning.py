@@ -14,8 +14,13 @@ Reported (bench/results/learning.json, learning.png):
   seed-mean final held-out reward of sync, against sync's whole wall time. Target: <= 1/2.
 - the curves: held-out reward against wall-clock and against learner step, mean and range over seeds.
 
-    python -m bench.learning [--seeds 0 1 2] [--modes async sync] [--steps 10] [--eval-every 5]
-                             [--config configs/learning_smollm2.toml] [key=value ...]
+The sync baseline is verl's DAPO recipe, not one group at a time: each generation round admits
+`trainer.sync_generation_groups` groups at once (32 trajectories, the engine's concurrency), waits for
+the whole round, and trains on groups with a signal; leftovers are evicted as stale (max_staleness 0),
+so every trained token is on-policy. Rounds repeat while the filter leaves no full batch.
+
+    python -m bench.learning [--seeds 0 1 2] [--modes async sync] [--steps 8] [--eval-every 4]
+                             [--config configs/learning_smollm2.toml] [--sync-overrides ...] [key=value ...]
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/learning_smollm2.toml"
+SYNC_OVERRIDES = ["trainer.sync_generation_groups=8", "buffer.max_staleness=0", "buffer.over_age=evict"]
 
 
 def train(config: str, mode: str, seed: int, root: Path, steps: int, eval_every: int, overrides: list[str],
@@ -146,8 +152,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", default=CONFIG)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--sync-overrides", nargs="*", default=SYNC_OVERRIDES,
+                        help="config overrides for the sync runs only (default: verl-style generation rounds)")
     parser.add_argument("--out", default=str(REPO / "bench/results/learning.json"))
     parser.add_argument("--plot", default=None, help="default: the --out path with .png")
     parser.add_argument("--keep", default=None, help="keep the run directories in this folder")
@@ -172,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not (run_dir / "accounting.json").exists():
                     continue  # not finished: left out
             else:
-                run_dir, wall, rc = train(args.config, mode, seed, root, args.steps, args.eval_every, args.overrides,
+                overrides = args.overrides + (args.sync_overrides if mode == "sync" else [])
+                run_dir, wall, rc = train(args.config, mode, seed, root, args.steps, args.eval_every, overrides,
                                           root / "train.log")
             points = curve(run_dir) if run_dir.exists() else []
             runs.append({"mode": mode, "seed": seed, "exit_code": rc, "wall_s": wall, "curve": points})
@@ -181,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs)
     result = {
         "command": "python -m bench.learning " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "config": args.config, "overrides": args.overrides, "steps": args.steps, "eval_every": args.eval_every,
+        "config": args.config, "overrides": args.overrides, "sync_overrides": args.sync_overrides, "steps": args.steps, "eval_every": args.eval_every,
         "seeds": args.seeds, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
         "total_wall_s": time.monotonic() - t_start,

@@ -113,6 +113,11 @@ class TrainerConfig(BaseModel):
     failed_window: int = Field(64, gt=0)
     log_samples_every: int = Field(1, gt=0)
     seed: int = 0
+    # Sync mode: groups admitted together per generation round (verl's gen_batch_size with DAPO
+    # dynamic sampling); rounds repeat until the DAPO filter leaves a full batch. 0 = one batch's
+    # groups. More than one batch's groups needs buffer.max_staleness = 0 and buffer.over_age =
+    # "evict": the groups left over when the step trains are evicted as stale, never trained later.
+    sync_generation_groups: int = Field(0, ge=0)
 
 
 class StreamRLConfig(BaseModel):
@@ -144,6 +149,7 @@ class StreamRLConfig(BaseModel):
             )
         self._check_images()
         self._check_nccl_gpus()
+        self._check_sync_rounds()
         if self.eval.enabled and self.eval.source is None and self.data.source not in GENERATED_SOURCES:
             raise ValueError(
                 f"eval.num_prompts={self.eval.num_prompts} with data.source a dataset ({self.data.source!r}): "
@@ -155,6 +161,16 @@ class StreamRLConfig(BaseModel):
                 f"response_length = {self.rollout.max_model_len}"
             )
         return self
+
+    def _check_sync_rounds(self) -> None:
+        rounds = self.trainer.sync_generation_groups
+        if rounds > self.buffer.groups_per_batch and (self.buffer.max_staleness != 0 or self.buffer.over_age == "train"):
+            raise ValueError(
+                f"trainer.sync_generation_groups={rounds} > the {self.buffer.groups_per_batch} group(s) of a batch "
+                f"with buffer.max_staleness={self.buffer.max_staleness} and buffer.over_age={self.buffer.over_age!r}: "
+                "the groups left over would be trained at the next step, off-policy; set buffer.max_staleness = 0 "
+                'and buffer.over_age = "evict"'
+            )
 
     def _check_images(self) -> None:
         """A VLM run is one with `rollout.engine.max_images_per_prompt > 0` (the built-in 'tiny-vlm'

@@ -86,16 +86,18 @@ class Stalled(RuntimeError):
     """The learner waited `trainer.stall_timeout_s` for a batch while no trajectory row arrived."""
 
 
-async def wait_for_batch(system: System, *, check_workers: bool = False, refill: bool = False):
+async def wait_for_batch(system: System, *, check_workers: bool = False, refill: int = 0):
     """The next batch, or None when the prompts are used up and nothing is left in flight (the run
     ends cleanly with fewer steps). Raises `Stalled` when nothing arrives for `stall_timeout_s`.
 
-    `refill` (the sync loop, which admits only what one batch needs): when nothing is in flight and
-    the buffer still holds no batch, a group was dropped by the DAPO filter (all rewards equal), so
-    one more group is admitted, as often as needed."""
+    `refill` (the sync loop, which admits one generation round at a time): when nothing is in flight
+    and the buffer still holds no batch, groups were dropped by the DAPO filter (all rewards equal),
+    so another round of `refill` groups is admitted, as often as needed. A round finishes whole
+    before its batch is taken (as verl's blocking generate does): no generation overlaps a step."""
     stall_s = system.cfg.trainer.stall_timeout_s
     last_rows, last_change, changes = -1, time.monotonic(), -1
-    while (batch_ref := await system.sample_batch()) is None:
+    drain = refill > 0
+    while drain or (batch_ref := await system.sample_batch()) is None:
         # Sleeps until a row arrives after the last look (returns at once the first time, and when
         # one arrived between that look and the sample above: no wake-up is lost).
         progress = await system.buffer.wait_progress(changes, WAIT_S)
@@ -111,8 +113,9 @@ async def wait_for_batch(system: System, *, check_workers: bool = False, refill:
                 system.exhausted = True
                 return None
             if refill:
-                logger.info("no batch and nothing in flight (a group was filtered): admitting one more group")
-                await system.admit_next_group()
+                logger.info("no batch and nothing in flight (groups were filtered): admitting %d more", refill)
+                for _ in range(refill):
+                    await system.admit_next_group()
                 continue
         if rows != last_rows:
             last_rows, last_change = rows, time.monotonic()
@@ -158,13 +161,16 @@ async def run_async(system: System) -> None:
 
 
 async def run_sync(system: System) -> None:
-    """On-policy baseline: admit exactly one batch, wait for all of it, train, publish, repeat."""
+    """On-policy baseline: admit one generation round (one batch's groups, or
+    `trainer.sync_generation_groups`), wait for a full batch (more rounds while the DAPO filter drops
+    groups), train, publish, repeat."""
     cfg = system.cfg.trainer
+    round_groups = max(cfg.sync_generation_groups, system.groups_per_step)
     while system.state.learner_step < cfg.total_steps:
-        for _ in range(system.groups_per_step):
+        for _ in range(round_groups):
             await system.admit_next_group()
         t_wait = time.monotonic()
-        batch_ref = await wait_for_batch(system, check_workers=True, refill=True)
+        batch_ref = await wait_for_batch(system, check_workers=True, refill=round_groups)
         system.learner_idle_s += time.monotonic() - t_wait
         if batch_ref is None:
             break

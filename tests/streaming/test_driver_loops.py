@@ -444,3 +444,39 @@ async def test_end_of_run_accounting_waits_for_a_trajectory_still_being_scored(t
     finally:
         await worker.shutdown()
         system.metrics.close()
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+async def test_sync_generation_rounds_train_on_policy_and_never_overlap_a_step(tmp_path):
+    """verl's gen_batch_size: each round admits 4 groups (a batch holds 2), waits for the whole
+    round, trains; the leftovers are evicted as stale (max_staleness = 0), never trained later."""
+    system, buffer, learner = _system(tmp_path, "trainer.mode=sync", "trainer.total_steps=4",
+                                      "trainer.sync_generation_groups=4", "buffer.max_staleness=0",
+                                      "buffer.over_age=evict")
+    in_flight_at_step: list[int] = []
+    train_step = learner.train_step
+
+    async def recording_step(batch):
+        in_flight_at_step.append(buffer.rb.num_in_flight)
+        return await train_step(batch)
+
+    learner.train_step = recording_step
+    try:
+        await asyncio.wait_for(run_sync(system), TIMEOUT_S)
+    finally:
+        system.metrics.close()
+    assert system.state.learner_step == 4 and in_flight_at_step == [0, 0, 0, 0]
+    assert all(max(b.lags) == 0 for b in buffer.sampled)
+    _check_batches(system, buffer)
+    _check_admission(system, buffer)
+    assert system.state.cursor == 4 * 4  # one round of 4 groups per step (nothing filtered by the fakes)
+    assert buffer.rb.stats()["buffer/evicted_over_age"] == 3 * 2 * 2  # each step's 2 leftover groups, but the last's
+
+
+def test_sync_generation_rounds_larger_than_a_batch_need_max_staleness_0():
+    with pytest.raises(ValueError, match="set buffer.max_staleness = 0"):
+        load_config(None, ["trainer.mode=sync", "buffer.group_size=2", "buffer.batch_size=4",
+                           "trainer.sync_generation_groups=4", "buffer.max_staleness=0"])
+    with pytest.raises(ValueError, match="set buffer.max_staleness = 0"):
+        load_config(None, ["trainer.mode=sync", "buffer.group_size=2", "buffer.batch_size=4",
+                           "trainer.sync_generation_groups=4", "buffer.max_staleness=1"])
