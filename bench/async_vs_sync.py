@@ -34,8 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/bench_async_vs_sync.toml"
 
 
-def run_mode(mode: str, root: Path, steps: int, env: dict | None, seed: int, name: str | None = None,
-             config: str = CONFIG) -> dict:
+def run_mode(
+    mode: str, root: Path, steps: int, env: dict | None, seed: int, name: str | None = None, config: str = CONFIG
+) -> dict:
     """One `streamrl train` of `config` in `mode`; `env` = the latency environment's settings (None: the
     config's own tools, e.g. the code interpreter)."""
     name = name or f"{mode}-seed{seed}"
@@ -51,14 +52,17 @@ def run_mode(mode: str, root: Path, steps: int, env: dict | None, seed: int, nam
     if env is not None:
         overrides.append(f"rollout.agent.interaction_config={write_env_config(root, env, seed)}")
     t0 = time.time()
-    subprocess.run([sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", config, *overrides],
-                   cwd=REPO, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", config, *overrides], cwd=REPO, check=True
+    )
     wall = time.time() - t0
     records = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
     first, last = records[0], records[-1]
     span_s = last["time/elapsed_s"] - first["time/elapsed_s"]
     trained = (last["learner_step"] - first["learner_step"]) * batch_size(config)
-    busy = (last["engine/busy_s"] - first["engine/busy_s"]) / max(last["engine/uptime_s"] - first["engine/uptime_s"], 1e-9)
+    busy = (last["engine/busy_s"] - first["engine/busy_s"]) / max(
+        last["engine/uptime_s"] - first["engine/uptime_s"], 1e-9
+    )
     lags = [r.get("staleness/lag_mean") for r in records if r.get("staleness/lag_mean") is not None]
     return {
         "mode": mode,
@@ -117,9 +121,13 @@ def calibrate(root: Path, env: dict, steps: int) -> dict:
     run_mode("async", root, steps, {**env, "latency_s": 1.0}, seed=1000, name="calibration")
     per_turn = sorted(turn_generate_s(root / "calibration"))
     q = statistics.quantiles(per_turn, n=10)
-    return {"latency_s": round(statistics.median(per_turn), 3), "steps": steps, "trajectories": len(per_turn),
-            "turn_generate_s": {"p10": q[0], "p50": statistics.median(per_turn), "p90": q[-1]},
-            "how": "median generate_s per assistant turn of the finished trajectories of an async run at 1 s latency"}
+    return {
+        "latency_s": round(statistics.median(per_turn), 3),
+        "steps": steps,
+        "trajectories": len(per_turn),
+        "turn_generate_s": {"p10": q[0], "p50": statistics.median(per_turn), "p90": q[-1]},
+        "how": "median generate_s per assistant turn of the finished trajectories of an async run at 1 s latency",
+    }
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -137,16 +145,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps-async", type=int, default=110, help="learner steps of async runs (>= 2 min steady)")
     parser.add_argument("--steps-sync", type=int, default=32, help="learner steps of sync runs (>= 2 min steady)")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--latency", default="auto",
-                        help="environment latency per turn: median in s, or 'auto' = one turn's generation time")
+    parser.add_argument(
+        "--latency",
+        default="auto",
+        help="environment latency per turn: median in s, or 'auto' = one turn's generation time",
+    )
     parser.add_argument("--calibration-steps", type=int, default=8, help="learner steps of the calibration run")
     parser.add_argument("--dist", choices=("lognormal", "uniform"), default="lognormal")
     parser.add_argument("--p99-over-median", type=float, default=10.0)
     parser.add_argument("--min-turns", type=int, default=1, help="fewest environment replies of a trajectory")
     parser.add_argument("--max-turns", type=int, default=4, help="most environment replies of a trajectory")
-    parser.add_argument("--workload", choices=("env", "code"), default="env",
-                        help="env: the long-tailed latency environment (tiny model); code: configs/code_interpreter.toml "
-                             "(SmolLM2, SFT-warmed, real sandboxed cells)")
+    parser.add_argument(
+        "--workload",
+        choices=("env", "code"),
+        default="env",
+        help="env: the long-tailed latency environment (tiny model); code: configs/code_interpreter.toml "
+        "(SmolLM2, SFT-warmed, real sandboxed cells)",
+    )
     parser.add_argument("--out", default=None, help="default bench/results/async_vs_sync[_code].json")
     args = parser.parse_args(argv)
     code = args.workload == "code"
@@ -172,15 +187,23 @@ def main(argv: list[str] | None = None) -> int:
             for mode in ("async", "sync") if seed % 2 == 0 else ("sync", "async"):
                 runs[mode].append(run_mode(mode, Path(tmp), steps[mode], env, seed, config=config))
                 print(json.dumps(runs[mode][-1]), file=sys.stderr, flush=True)
-    ratios = [a["trained_samples_per_hour"] / s["trained_samples_per_hour"]
-              for a, s in zip(runs["async"], runs["sync"], strict=True)
-              if a["trained_samples_per_hour"] and s["trained_samples_per_hour"]]
+    ratios = [
+        a["trained_samples_per_hour"] / s["trained_samples_per_hour"]
+        for a, s in zip(runs["async"], runs["sync"], strict=True)
+        if a["trained_samples_per_hour"] and s["trained_samples_per_hour"]
+    ]
     out = {
         "command": " ".join(["python", "-m", "bench.async_vs_sync", *(argv if argv is not None else sys.argv[1:])]),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
-        "workload": {"config": config, "environment": env, "latency_calibration": calibration, "steps": steps,
-                     "batch_size": batch_size(config), "seeds": args.seeds},
+        "workload": {
+            "config": config,
+            "environment": env,
+            "latency_calibration": calibration,
+            "steps": steps,
+            "batch_size": batch_size(config),
+            "seeds": args.seeds,
+        },
         "async": summarize(runs["async"]),
         "sync": summarize(runs["sync"]),
         "throughput_ratio_async_over_sync": _mean_sd(ratios) if ratios else None,

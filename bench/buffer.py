@@ -46,7 +46,9 @@ def make_batches(num_rows: int, seed: int = 0) -> list[pa.RecordBatch]:
         logprobs = np.where(mask == 1, -rng.random((n, RESPONSE)), 0).astype(np.float32)
 
         def lists(values: np.ndarray, width: int) -> pa.ListArray:
-            return pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32) * width), pa.array(values.ravel()))
+            return pa.ListArray.from_arrays(
+                pa.array(np.arange(n + 1, dtype=np.int32) * width), pa.array(values.ravel())
+            )
 
         ids = [f"t{b}-{i}" for i in range(n)]
         cols = {

@@ -108,8 +108,15 @@ SCENARIO_OVERRIDES = {
     # minute) calls the calculator in most trajectories; easy problems keep it on the format.
     "io": IO_OVERRIDES,
     "hostile": HOSTILE_OVERRIDES,
-    "tools": ["sft.enabled=true", "sft.num_steps=120", "sft.lr=5e-3", "sft.batch_size=8", "sft.num_examples=128",
-              "sft.difficulty=easy", "data.difficulty=easy"],
+    "tools": [
+        "sft.enabled=true",
+        "sft.num_steps=120",
+        "sft.lr=5e-3",
+        "sft.batch_size=8",
+        "sft.num_examples=128",
+        "sft.difficulty=easy",
+        "data.difficulty=easy",
+    ],
 }
 TOOL_LEDGER = "tool_ledger.jsonl"  # in the run directory: streaming.invariants checks I5 from it
 
@@ -123,6 +130,8 @@ def _ledger_tools(root: Path, run_dir: Path, run_name: str) -> list[str]:
         f"    config: {{ledger_path: {json.dumps(str(run_dir / TOOL_LEDGER))}}}\n"
     )
     return [f"rollout.agent.tool_config={path}"]
+
+
 RUNNER_FAULT = "sigkill_after="
 IO_FAULTS_ENV = "STREAMRL_IO_FAULTS"  # buffer.iofaults.ENV
 _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Trajectories|Interrupt)\b[^\n]*: ")
@@ -143,14 +152,21 @@ class ScenarioResult:
     invariants: dict = field(default_factory=dict)
 
 
-def _segment(args: list[str], env: dict[str, str], log: Path, timeout_s: float,
-             kill_after_s: float | None = None) -> tuple[int | None, float, bool]:
+def _segment(
+    args: list[str], env: dict[str, str], log: Path, timeout_s: float, kill_after_s: float | None = None
+) -> tuple[int | None, float, bool]:
     """(exit code or None for a hang, wall seconds, whether the runner SIGKILLed it)."""
     t0 = time.monotonic()
     killed = False
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "streamrl.streaming.cli", "train", *args], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamrl.streaming.cli", "train", *args],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             if kill_after_s is not None:
                 try:
@@ -191,8 +207,17 @@ def _stop_error(output: str) -> str | None:
     return lines[-1][:400] if lines else None
 
 
-def run_scenario(name: str, seed: int, faulted: list[str], root: Path, *, config: str = "configs/tiny.toml",
-                 timeout_s: float = 600.0, max_clean: int = 2, io_faults: list[str] | None = None) -> ScenarioResult:
+def run_scenario(
+    name: str,
+    seed: int,
+    faulted: list[str],
+    root: Path,
+    *,
+    config: str = "configs/tiny.toml",
+    timeout_s: float = 600.0,
+    max_clean: int = 2,
+    io_faults: list[str] | None = None,
+) -> ScenarioResult:
     """Run `name`'s segments (`faulted` arms STREAMRL_FAULTS per segment; `io_faults`, aligned with
     it, STREAMRL_IO_FAULTS), then up to `max_clean` clean resumes, and check the invariants."""
     from bench.chaos_io import stopped_clearly
@@ -226,16 +251,31 @@ def run_scenario(name: str, seed: int, faulted: list[str], root: Path, *, config
         env = dict(base_env, STREAMRL_FAULTS=armed, STREAMRL_FAULT_LEDGER=str(ledger))
         if io_spec:
             env[IO_FAULTS_ENV] = io_spec
-        args = (["--config", config, f"trainer.run_root={root}", f"trainer.run_name={run_name}",
-                 f"trainer.seed={seed}", *OVERRIDES, *SCENARIO_OVERRIDES.get(name, []),
-                 *_scenario_files(name, root, run_dir, run_name)]
-                if i == 0 else ["--resume", str(run_dir)])
+        args = (
+            [
+                "--config",
+                config,
+                f"trainer.run_root={root}",
+                f"trainer.run_name={run_name}",
+                f"trainer.seed={seed}",
+                *OVERRIDES,
+                *SCENARIO_OVERRIDES.get(name, []),
+                *_scenario_files(name, root, run_dir, run_name),
+            ]
+            if i == 0
+            else ["--resume", str(run_dir)]
+        )
         offset = log.stat().st_size if log.exists() else 0
         rc, wall, killed = _segment(args, env, log, timeout_s, kill_after[0] if kill_after else None)
         runner_faults += killed
         output = log.read_bytes()[offset:].decode(errors="replace")
-        segment = {"faults": spec, "rc": rc, "wall_s": round(wall, 1), "sigkilled_by_runner": killed,
-                   "error": _stop_error(output) if rc else None}
+        segment = {
+            "faults": spec,
+            "rc": rc,
+            "wall_s": round(wall, 1),
+            "sigkilled_by_runner": killed,
+            "error": _stop_error(output) if rc else None,
+        }
         if io_spec:
             segment |= {"io_faults": io_spec, "stopped_clearly": rc not in (0, None) and stopped_clearly(output)}
         result.segments.append(segment)
@@ -275,12 +315,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default=None, help="comma-separated subset")
     parser.add_argument("--out", default=str(REPO / "bench/results/chaos.json"))
     parser.add_argument("--keep", default=None, help="keep the run directories and logs here (default: a temp dir)")
-    parser.add_argument("--recheck", default=None, metavar="DIR",
-                        help="no runs: re-check the runs of --out kept in DIR with this checkout's checker "
-                             "(with --families: the newest fault_families entry)")
-    parser.add_argument("--families", default=None,
-                        help="run these fault families instead of the kill suite: io,hostile,all_fail (bench/chaos_families.py)")
-    parser.add_argument("--first-seed", type=int, default=0, help="with --families: seeds first-seed.. first-seed+seeds-1")
+    parser.add_argument(
+        "--recheck",
+        default=None,
+        metavar="DIR",
+        help="no runs: re-check the runs of --out kept in DIR with this checkout's checker "
+        "(with --families: the newest fault_families entry)",
+    )
+    parser.add_argument(
+        "--families",
+        default=None,
+        help="run these fault families instead of the kill suite: io,hostile,all_fail (bench/chaos_families.py)",
+    )
+    parser.add_argument(
+        "--first-seed", type=int, default=0, help="with --families: seeds first-seed.. first-seed+seeds-1"
+    )
     parser.add_argument("--by-kind", action="store_true", help="no runs: rebuild --out's by_kind summary")
     args = parser.parse_args(argv)
     if args.by_kind:
@@ -299,8 +348,14 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="streamrl-chaos-") as tmp:
             root = Path(args.keep or tmp)
             root.mkdir(parents=True, exist_ok=True)
-            return run_families(args.families.split(","), args.seeds, root, Path(args.out),
-                                argv if argv is not None else sys.argv[1:], first_seed=args.first_seed)
+            return run_families(
+                args.families.split(","),
+                args.seeds,
+                root,
+                Path(args.out),
+                argv if argv is not None else sys.argv[1:],
+                first_seed=args.first_seed,
+            )
     if args.recheck:
         return recheck(Path(args.out), Path(args.recheck), argv if argv is not None else sys.argv[1:])
     wanted = set(args.scenarios.split(",")) if args.scenarios else None
@@ -316,17 +371,26 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 result = run_scenario(name, seed, faulted, Path(tmp))
                 results.append(result)
-                print(json.dumps({"scenario": name, "seed": seed, "faults": result.faults_injected,
-                                  "completed": result.completed, "ok": result.invariants.get("problems") == []}),
-                      flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "scenario": name,
+                            "seed": seed,
+                            "faults": result.faults_injected,
+                            "completed": result.completed,
+                            "ok": result.invariants.get("problems") == [],
+                        }
+                    ),
+                    flush=True,
+                )
     out = {
         "command": "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "wall_s": round(time.monotonic() - t0, 1),
         "summary": summarize(results),
         "note": "tool side effects: the `tools` scenario runs a tool-calling tiny model (SFT warm-up) whose "
-                "calculator appends an fsynced ledger line per execution (rollout.tools.ledger); the checker "
-                "counts (trajectory, call id) pairs run more than once",
+        "calculator appends an fsynced ledger line per execution (rollout.tools.ledger); the checker "
+        "counts (trajectory, call id) pairs run more than once",
         "results": [asdict(r) for r in results],
     }
     previous = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}

@@ -15,18 +15,24 @@ from __future__ import annotations
 
 import ast
 import json
-from collections import Counter
 import os
 import platform
 import subprocess
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ("io", "hostile", "all_fail")
-LOSS_KEYS = ("prompts_lost", "prompts_duplicated", "consumed_twice", "bad_batches", "version_violations",
-             "tool_side_effects_repeated")
+LOSS_KEYS = (
+    "prompts_lost",
+    "prompts_duplicated",
+    "consumed_twice",
+    "bad_batches",
+    "version_violations",
+    "tool_side_effects_repeated",
+)
 
 
 def run_io(seed: int, root: Path, timeout_s: float) -> dict:
@@ -51,8 +57,14 @@ def run_hostile(seed: int, root: Path, timeout_s: float) -> list[dict]:
     out.append({"name": "hostile_tools", "seed": seed, **tool_check()})
     bomb_dir = root / f"image_bomb-s{seed}"
     bomb_dir.mkdir(exist_ok=True)
-    out.append({"name": "image_bomb", "seed": seed, "level": "unit (real ToolRegistry + ImageStore, no run)",
-                **image_bomb_check(bomb_dir)})
+    out.append(
+        {
+            "name": "image_bomb",
+            "seed": seed,
+            "level": "unit (real ToolRegistry + ImageStore, no run)",
+            **image_bomb_check(bomb_dir),
+        }
+    )
     return out
 
 
@@ -63,16 +75,29 @@ def run_all_fail(seed: int, root: Path, timeout_s: float) -> dict:
     from streamrl.streaming.invariants import check_run
 
     log = root / f"all_fail-s{seed}.log"
-    args = ["--config", "configs/tiny.toml", f"trainer.run_root={root}", f"trainer.run_name=all_fail-s{seed}",
-            f"trainer.seed={seed}", *OVERRIDES, *ALL_FAIL_OVERRIDES]
+    args = [
+        "--config",
+        "configs/tiny.toml",
+        f"trainer.run_root={root}",
+        f"trainer.run_name=all_fail-s{seed}",
+        f"trainer.seed={seed}",
+        *OVERRIDES,
+        *ALL_FAIL_OVERRIDES,
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.pop("RAY_ADDRESS", None)
     rc, wall, _ = _segment(args, env, log, timeout_s)
     run_dir = root / f"all_fail-s{seed}"
     report = all_fail_report(rc, log.read_text(errors="replace"), run_dir)
     invariants = asdict(check_run(run_dir)) if (run_dir / "driver_state.json").exists() else {}
-    return {"name": "all_fail", "seed": seed, "wall_s": round(wall, 1), "hangs": int(rc is None), **report,
-            "invariants": invariants}
+    return {
+        "name": "all_fail",
+        "seed": seed,
+        "wall_s": round(wall, 1),
+        "hangs": int(rc is None),
+        **report,
+        "invariants": invariants,
+    }
 
 
 def recheck(out_path: Path, runs: Path) -> dict:
@@ -135,7 +160,9 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int]) -> dict:
             action = point_action.split()[-1]
             action = "delay" if action.startswith("delay") else action
             kill_actions[action] = kill_actions.get(action, 0) + n
-        kill_actions["runner_sigkill"] = kill_actions.get("runner_sigkill", 0) + r["faults_injected"] - sum(fired.values())
+        kill_actions["runner_sigkill"] = (
+            kill_actions.get("runner_sigkill", 0) + r["faults_injected"] - sum(fired.values())
+        )
     family_results = [r for entry in data.get("fault_families", []) for r in entry.get("results", [])]
     io = [r for r in family_results if r.get("name") == "io"]
     hostile = [r for r in family_results if "hostile_callbacks" in r]
@@ -144,11 +171,20 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int]) -> dict:
     losses["stranded"] = sum(int(inv.get("stranded") or 0) + int(inv.get("untracked") or 0) for inv in invariants)
     losses["hangs"] = sum(int(r.get("hangs") or 0) for r in [*data.get("results", []), *family_results])
     # where a non-zero count comes from: (fault_families entry, its commit, run, seed, counts)
-    nonzero = [{"entry": i, "commit": entry.get("commit"), "name": r["name"], "seed": r.get("seed"),
-                "counts": {k: v for k, v in (r.get("invariants") or {}).items()
-                           if k in (*LOSS_KEYS, "stranded", "untracked") and v}}
-               for i, entry in enumerate(data.get("fault_families", [])) for r in entry.get("results", [])
-               if any(v for k, v in (r.get("invariants") or {}).items() if k in (*LOSS_KEYS, "stranded", "untracked"))]
+    nonzero = [
+        {
+            "entry": i,
+            "commit": entry.get("commit"),
+            "name": r["name"],
+            "seed": r.get("seed"),
+            "counts": {
+                k: v for k, v in (r.get("invariants") or {}).items() if k in (*LOSS_KEYS, "stranded", "untracked") and v
+            },
+        }
+        for i, entry in enumerate(data.get("fault_families", []))
+        for r in entry.get("results", [])
+        if any(v for k, v in (r.get("invariants") or {}).items() if k in (*LOSS_KEYS, "stranded", "untracked"))
+    ]
     return {
         "kills": sum(kill_actions.get(k, 0) for k in ("kill_job", "kill_self", "runner_sigkill", "segment_killed")),
         "other_armed_faults": {k: v for k, v in kill_actions.items() if k in ("raise", "delay")},
@@ -157,17 +193,22 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int]) -> dict:
         "io_faults": sum(r["io_faults_injected"] for r in io),
         "io_hard_faults": sum(r["io_hard_faults"] for r in io),
         "io_short_writes": sum(r["io_short_writes"] for r in io),
-        "io_faults_by_kind": dict(sorted(sum((Counter(r.get("io_faults_by_kind", {})) for r in io), Counter()).items())),
+        "io_faults_by_kind": dict(
+            sorted(sum((Counter(r.get("io_faults_by_kind", {})) for r in io), Counter()).items())
+        ),
         "power_loss_states_checked": (crash or {}).get("num_states_checked", 0),
         "power_loss_crash_points_checked": (crash or {}).get("num_crash_points_checked", 0),
         "fuzz_cases": sum(fuzz.values()),
         "hostile_callbacks": sum(r["hostile_callbacks"] for r in hostile),
         "losses_and_violations": losses,
         "losses_and_violations_from": nonzero,
-        "sources": {"kills": "results (kill suite): per point and action; for results recorded without "
-                             "per-point counts, the segments that died by SIGKILL (a lower bound)", "io_faults, hostile_callbacks": "every entry of fault_families (each its own runs and seeds)",
-                    "power_loss": "bench/results/crash_consistency.json (num_states_checked)",
-                    "fuzz_cases": "max_examples of tests/fuzz/*.py (upper bound per run, not re-run)"},
+        "sources": {
+            "kills": "results (kill suite): per point and action; for results recorded without "
+            "per-point counts, the segments that died by SIGKILL (a lower bound)",
+            "io_faults, hostile_callbacks": "every entry of fault_families (each its own runs and seeds)",
+            "power_loss": "bench/results/crash_consistency.json (num_states_checked)",
+            "fuzz_cases": "max_examples of tests/fuzz/*.py (upper bound per run, not re-run)",
+        },
         "fuzz_cases_by_test": fuzz,
     }
 
@@ -181,14 +222,25 @@ def write_by_kind(out_path: Path) -> dict:
     return data["by_kind"]
 
 
-def main(families: list[str], seeds: int, root: Path, out_path: Path, argv: list[str], timeout_s: float = 900.0,
-         first_seed: int = 0) -> int:
+def main(
+    families: list[str],
+    seeds: int,
+    root: Path,
+    out_path: Path,
+    argv: list[str],
+    timeout_s: float = 900.0,
+    first_seed: int = 0,
+) -> int:
     unknown = set(families) - set(FAMILIES)
     if unknown:
         raise ValueError(f"unknown families {sorted(unknown)}; known: {list(FAMILIES)}")
     t0 = time.monotonic()
-    head = lambda: subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,  # noqa: E731
-                                  capture_output=True, text=True).stdout.strip()
+    head = lambda: subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=REPO,  # noqa: E731
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     commit_at_start = head()
     results: list[dict] = []
     for seed in range(first_seed, first_seed + seeds):
@@ -215,4 +267,3 @@ def main(families: list[str], seeds: int, root: Path, out_path: Path, argv: list
     out_path.write_text(json.dumps(data, indent=1))
     print(json.dumps(write_by_kind(out_path), indent=1))
     return 0
-

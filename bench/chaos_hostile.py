@@ -64,8 +64,12 @@ def _failed_rows(run_dir: Path) -> int:
 
 def _log_lines(run_dir: Path, needle: str) -> list[str]:
     """The lines of the run's process logs (every actor, every segment) that contain `needle`."""
-    return [line for log in sorted((run_dir / "logs").glob("*.log"))
-            for line in log.read_text(errors="replace").splitlines() if needle in line]
+    return [
+        line
+        for log in sorted((run_dir / "logs").glob("*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if needle in line
+    ]
 
 
 def _finite_weights(run_dir: Path) -> tuple[str | None, int]:
@@ -156,9 +160,15 @@ def all_fail_report(rc: int | None, output: str, run_dir: Path | None = None) ->
     the workers' logs (each failed trajectory's line), else from the stop message's window."""
     match = STOP_MESSAGE.search(output)
     nan = (sum("is nan" in line for line in _log_lines(run_dir, " failed: ")) if run_dir is not None else 0) or (
-        int(match.group(1)) if match else 0)
-    return {"rc": rc, "stopped_clearly": bool(match) and rc not in (0, None), "message": match.group(0)[:400] if match else None,
-            "nan_rewards_failed": nan, "hostile_callbacks": nan}
+        int(match.group(1)) if match else 0
+    )
+    return {
+        "rc": rc,
+        "stopped_clearly": bool(match) and rc not in (0, None),
+        "message": match.group(0)[:400] if match else None,
+        "nan_rewards_failed": nan,
+        "hostile_callbacks": nan,
+    }
 
 
 def image_bomb_check(tmp: Path) -> dict:
@@ -181,8 +191,14 @@ def image_bomb_check(tmp: Path) -> dict:
         results[form] = {"is_error": result.is_error, "text": result.text[:240], "num_images": len(result.images)}
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kb) / 1024
     refused = sum(r["is_error"] and r["num_images"] == 0 for r in results.values())
-    return {"bombs": len(results), "refused": refused, "images_stored": len(store), "peak_rss_growth_mb": round(grown_mb, 1),
-            "results": results, "hostile_callbacks": len(results)}
+    return {
+        "bombs": len(results),
+        "refused": refused,
+        "images_stored": len(store),
+        "peak_rss_growth_mb": round(grown_mb, 1),
+        "results": results,
+        "hostile_callbacks": len(results),
+    }
 
 
 def tool_check(num_calls: int = 3) -> dict:
@@ -226,7 +242,13 @@ def tool_check(num_calls: int = 3) -> dict:
         record = logging.LogRecord("bench.hostile", logging.WARNING, __file__, 1, "tool said: %s", (result.text,), None)
         line = formatter.format(record)
         escapes_logged_clean += "\x1b" not in line and _ESCAPED_MARKER in line
-    return {"level": "unit (real ToolRegistry, no run)", "hung_calls": len(by_bucket["hang"]), "timed_out": timed_out,
-            "next_call_served_at_once": served_after, "escape_answers": len(by_bucket["escapes"]),
-            "escapes_reached_the_observation": escapes_shown, "escapes_logged_escaped": escapes_logged_clean,
-            "hostile_callbacks": len(by_bucket["hang"]) + len(by_bucket["escapes"])}
+    return {
+        "level": "unit (real ToolRegistry, no run)",
+        "hung_calls": len(by_bucket["hang"]),
+        "timed_out": timed_out,
+        "next_call_served_at_once": served_after,
+        "escape_answers": len(by_bucket["escapes"]),
+        "escapes_reached_the_observation": escapes_shown,
+        "escapes_logged_escaped": escapes_logged_clean,
+        "hostile_callbacks": len(by_bucket["hang"]) + len(by_bucket["escapes"]),
+    }

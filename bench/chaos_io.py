@@ -41,8 +41,10 @@ def io_segments(seed: int, num_segments: int = 5) -> list[str]:
         "at=traj:write:0:eio",  # the new segment's header, at start-up: the disk is bad from the start
     ]
     rng.shuffle(points)
-    return [f"seed={seed * 100 + i},rate={SHORT_RATE},kinds=short,max={MAX_SHORT},{point}"
-            for i, point in enumerate(points[:num_segments])]
+    return [
+        f"seed={seed * 100 + i},rate={SHORT_RATE},kinds=short,max={MAX_SHORT},{point}"
+        for i, point in enumerate(points[:num_segments])
+    ]
 
 
 def injected_faults(run_dir: Path) -> Counter[str]:

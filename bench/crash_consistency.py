@@ -42,7 +42,12 @@ from streamrl.buffer.schema import batch_to_trajectories
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.rollout.atomic import atomic_dir, make_dirs
 from streamrl.rollout.types import FinishReason, Trajectory
-from streamrl.streaming.checkpoints import delete_checkpoints, drop_old_checkpoints, record_checkpoint, use_newest_complete
+from streamrl.streaming.checkpoints import (
+    delete_checkpoints,
+    drop_old_checkpoints,
+    record_checkpoint,
+    use_newest_complete,
+)
 from streamrl.streaming.system import DriverState
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,17 +66,31 @@ def known_bug(problem: str) -> str | None:
 def trajectories(group_id: str) -> list[Trajectory]:
     """Two finished rows whose tokens and rewards are derived from `group_id` (checked after recovery)."""
     base = int(group_id[1:]) * 1000
-    return [Trajectory(trajectory_id=f"{group_id}/{i}", group_id=group_id, sample_index=i, agent_name="crash",
-                       prompt_ids=[base + j for j in range(5)], response_ids=[base + 500 + i * 50 + j for j in range(40)],
-                       response_mask=[1] * 40, behavior_logprobs=[-0.5] * 40, policy_versions=[0] * 40,
-                       reward=float(i), finish_reason=FinishReason.STOP) for i in range(2)]
+    return [
+        Trajectory(
+            trajectory_id=f"{group_id}/{i}",
+            group_id=group_id,
+            sample_index=i,
+            agent_name="crash",
+            prompt_ids=[base + j for j in range(5)],
+            response_ids=[base + 500 + i * 50 + j for j in range(40)],
+            response_mask=[1] * 40,
+            behavior_logprobs=[-0.5] * 40,
+            policy_versions=[0] * 40,
+            reward=float(i),
+            finish_reason=FinishReason.STOP,
+        )
+        for i in range(2)
+    ]
 
 
 def checkpoint_files(step: int) -> dict[str, bytes]:
     """The files of the learner checkpoint of `step` (stand-ins for weights, optimizer and state)."""
-    return {"hf/model.safetensors": bytes((step * 7 + i) % 251 for i in range(3000)),
-            "optimizer.pt": bytes((step * 13 + i) % 241 for i in range(1500)),
-            "state.json": json.dumps({"policy_version": step}).encode()}
+    return {
+        "hf/model.safetensors": bytes((step * 7 + i) % 251 for i in range(3000)),
+        "optimizer.pt": bytes((step * 13 + i) % 241 for i in range(1500)),
+        "state.json": json.dumps({"policy_version": step}).encode(),
+    }
 
 
 def _write_checkpoint(step: int) -> Callable[[Path], None]:
@@ -79,12 +98,20 @@ def _write_checkpoint(step: int) -> Callable[[Path], None]:
         for name, data in checkpoint_files(step).items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp / name).write_bytes(data)
+
     return write
 
 
 def buffer_config(run: Path, *, fsync: bool = True) -> BufferConfig:
-    return BufferConfig(root_dir=str(run / "buffer"), batch_size=2, group_size=2, flush_every_rows=10_000,
-                        flush_every_ms=1e9, segment_max_bytes=6000, fsync_on_checkpoint=fsync)
+    return BufferConfig(
+        root_dir=str(run / "buffer"),
+        batch_size=2,
+        group_size=2,
+        flush_every_rows=10_000,
+        flush_every_ms=1e9,
+        segment_max_bytes=6000,
+        fsync_on_checkpoint=fsync,
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -196,7 +223,9 @@ def check_state(root: Path, state: CrashState, trace: Trace) -> list[str]:
         if found not in acked.states:
             problems.append(f"{_where(point, trace)}: driver_state.json holds neither the old nor the new state")
         if groups is not None:
-            problems += [f"{_where(point, trace)}: {p}" for p in _check_groups(groups, acked, point, driver.checkpoint_step)]
+            problems += [
+                f"{_where(point, trace)}: {p}" for p in _check_groups(groups, acked, point, driver.checkpoint_step)
+            ]
     return problems
 
 
@@ -208,9 +237,13 @@ def _where(point: CrashPoint, trace: Trace) -> str:
 
 def _check_checkpoint(folder: Path, step: int) -> list[str]:
     want = checkpoint_files(int(folder.name.removeprefix("step_")))
-    got = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != "SEALED.json"}
+    got = {
+        str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != "SEALED.json"
+    }
     if got != want:
-        return [f"resumed checkpoint {folder.name} (step {step}) is torn: files {sorted(got)} differ from {sorted(want)}"]
+        return [
+            f"resumed checkpoint {folder.name} (step {step}) is torn: files {sorted(got)} differ from {sorted(want)}"
+        ]
     return []
 
 
@@ -244,7 +277,8 @@ def _check_groups(handed: dict[str, list[Trajectory]], acked: _Acked, point: Cra
         elif not rows and gid in durable and gid not in kept_uses:
             problems.append(f"acknowledged group {gid} is recovered but never handed out")
         elif rows and sorted((t.trajectory_id, t.response_ids, t.reward) for t in rows) != sorted(
-                (t.trajectory_id, t.response_ids, t.reward) for t in trajectories(gid)):
+            (t.trajectory_id, t.response_ids, t.reward) for t in trajectories(gid)
+        ):
             problems.append(f"group {gid} came back with different rows")
     return problems
 
@@ -261,8 +295,15 @@ class Result:
     seconds: float
 
 
-def run(*, max_states: int, seed: int = 0, workload: Workload = Workload(), work_dir: Path | None = None,
-        num_random: int = 6, num_torn: int = 2) -> Result:
+def run(
+    *,
+    max_states: int,
+    seed: int = 0,
+    workload: Workload = Workload(),
+    work_dir: Path | None = None,
+    num_random: int = 6,
+    num_torn: int = 2,
+) -> Result:
     """Record the workload, build at most `max_states` crash states (`bench.crashsim.crash_states`:
     `num_random` random and `num_torn` torn choices per crash point), check them all. Recovery's
     warnings about the torn logs it meets are silenced meanwhile (thousands of them)."""
@@ -275,16 +316,24 @@ def run(*, max_states: int, seed: int = 0, workload: Workload = Workload(), work
             root = Path(tmp) / "root"
             root.mkdir()
             trace = record_workload(root, workload)
-            states, found = crash_states(trace, max_states=max_states, seed=seed, num_random=num_random, num_torn=num_torn)
+            states, found = crash_states(
+                trace, max_states=max_states, seed=seed, num_random=num_random, num_torn=num_torn
+            )
             problems = []
             for state in states:
                 problems += check_state(root, state, trace)
     finally:
         logging.disable(previous)
-    return Result(num_ops=len(trace.ops), num_marks=len(trace.marks), num_states_found=found,
-                  num_states_checked=len(states), num_crash_points_checked=sum(len(s.points) for s in states),
-                  num_process_kill_states=sum(any(p.process_kill for p in s.points) for s in states),
-                  problems=problems, seconds=time.monotonic() - started)
+    return Result(
+        num_ops=len(trace.ops),
+        num_marks=len(trace.marks),
+        num_states_found=found,
+        num_states_checked=len(states),
+        num_crash_points_checked=sum(len(s.points) for s in states),
+        num_process_kill_states=sum(any(p.process_kill for p in s.points) for s in states),
+        problems=problems,
+        seconds=time.monotonic() - started,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--states", type=int, default=2000, help="most crash states to check")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--random-per-point", type=int, default=16, help="random subsets of pending operations per crash point")
+    parser.add_argument(
+        "--random-per-point", type=int, default=16, help="random subsets of pending operations per crash point"
+    )
     parser.add_argument("--torn-per-point", type=int, default=4, help="torn writes per crash point")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "crash_consistency.json")
     args = parser.parse_args(argv)
@@ -304,9 +355,16 @@ def main(argv: list[str] | None = None) -> int:
     for p in result.problems:
         if (test := known_bug(p)) is not None:
             by_bug[test] = by_bug.get(test, 0) + 1
-    report = {"command": command.strip(), "machine": machine(), **asdict(result) | {"problems": None},
-              "num_problems": len(result.problems), "num_new_problems": len(new), "known_bugs": by_bug,
-              "new_problems": new[:50], "known_bug_examples": [p for p in result.problems if known_bug(p)][:5]}
+    report = {
+        "command": command.strip(),
+        "machine": machine(),
+        **asdict(result) | {"problems": None},
+        "num_problems": len(result.problems),
+        "num_new_problems": len(new),
+        "known_bugs": by_bug,
+        "new_problems": new[:50],
+        "known_bug_examples": [p for p in result.problems if known_bug(p)][:5],
+    }
     report.pop("problems")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -66,7 +65,9 @@ class _File:
 class _Dir:
     durable: dict[str, int] = field(default_factory=dict)
     current: dict[str, int] = field(default_factory=dict)
-    pending: list[tuple[int, tuple]] = field(default_factory=list)  # (seq, ("link", name, ino) | ("unlink", name) | ("move", a, b))
+    pending: list[tuple[int, tuple]] = field(
+        default_factory=list
+    )  # (seq, ("link", name, ino) | ("unlink", name) | ("move", a, b))
 
 
 def _apply_data(data: bytes, ops: list[tuple[int, Op]], tear: _Tear | None = None) -> bytes:
@@ -75,7 +76,7 @@ def _apply_data(data: bytes, ops: list[tuple[int, Op]], tear: _Tear | None = Non
     out = bytearray(data)
     for seq, op in ops:
         if op.kind is OpKind.TRUNCATE:
-            del out[op.size:]
+            del out[op.size :]
             out.extend(bytes(op.size - len(out)))
             continue
         chunk = op.data
@@ -83,7 +84,7 @@ def _apply_data(data: bytes, ops: list[tuple[int, Op]], tear: _Tear | None = Non
             chunk = chunk[: tear.keep] + (bytes(len(chunk) - tear.keep) if tear.zeros else b"")
         if op.offset > len(out):
             out.extend(bytes(op.offset - len(out)))
-        out[op.offset: op.offset + len(chunk)] = chunk
+        out[op.offset : op.offset + len(chunk)] = chunk
     return bytes(out)
 
 
@@ -186,8 +187,15 @@ class FsModel:
         return out
 
 
-def _subsets(units: list[tuple[int, OpKind | str]], rng: random.Random, *, exhaustive_up_to: int,
-             num_random: int, num_torn: int, writes: dict[int, int]) -> list[tuple[str, set[int], _Tear | None]]:
+def _subsets(
+    units: list[tuple[int, OpKind | str]],
+    rng: random.Random,
+    *,
+    exhaustive_up_to: int,
+    num_random: int,
+    num_torn: int,
+    writes: dict[int, int],
+) -> list[tuple[str, set[int], _Tear | None]]:
     seqs = [s for s, _ in units]
     out: list[tuple[str, set[int], _Tear | None]] = [("power loss", set(), None), ("process kill", set(seqs), None)]
     if len(seqs) <= exhaustive_up_to:
@@ -214,8 +222,9 @@ def _digest(tree: Tree) -> bytes:
     return h.digest()
 
 
-def crash_states(trace: Trace, *, max_states: int, seed: int = 0, exhaustive_up_to: int = 4,
-                 num_random: int = 6, num_torn: int = 2) -> tuple[list[CrashState], int]:
+def crash_states(
+    trace: Trace, *, max_states: int, seed: int = 0, exhaustive_up_to: int = 4, num_random: int = 6, num_torn: int = 2
+) -> tuple[list[CrashState], int]:
     """(distinct crash states, at most `max_states`; the number of distinct states found). Every
     "power loss" state is kept; the rest are a seeded sample."""
     rng = random.Random(seed)
@@ -229,8 +238,9 @@ def crash_states(trace: Trace, *, max_states: int, seed: int = 0, exhaustive_up_
             if trace.ops[at - 1].kind is OpKind.WRITE:
                 writes[model.seq] = len(trace.ops[at - 1].data)
         units = model.pending()
-        for label, chosen, tear in _subsets(units, rng, exhaustive_up_to=exhaustive_up_to, num_random=num_random,
-                                            num_torn=num_torn, writes=writes):
+        for label, chosen, tear in _subsets(
+            units, rng, exhaustive_up_to=exhaustive_up_to, num_random=num_random, num_torn=num_torn, writes=writes
+        ):
             tree = {p: d if d is None else interned.setdefault(d, d) for p, d in model.tree(chosen, tear).items()}
             state = found.setdefault(_digest(tree), CrashState(tree=tree))
             state.points.append(CrashPoint(at=at, process_kill=label == "process kill", label=label))

@@ -66,8 +66,23 @@ class Trace:
 
 
 _active: Recorder | None = None
-_REAL = {name: getattr(os, name) for name in ("open", "close", "write", "ftruncate", "fsync", "fdatasync",
-                                               "replace", "rename", "unlink", "remove", "mkdir", "rmdir")}
+_REAL = {
+    name: getattr(os, name)
+    for name in (
+        "open",
+        "close",
+        "write",
+        "ftruncate",
+        "fsync",
+        "fdatasync",
+        "replace",
+        "rename",
+        "unlink",
+        "remove",
+        "mkdir",
+        "rmdir",
+    )
+}
 _REAL_OPEN = io.open
 
 
@@ -109,7 +124,7 @@ class Recorder:
         path = os.path.join(os.path.realpath(parent), name) if name else os.path.realpath(path)
         if path == self.root:
             return ""
-        return path[len(self.root) + 1:] if path.startswith(self.root + os.sep) else None
+        return path[len(self.root) + 1 :] if path.startswith(self.root + os.sep) else None
 
     def mark(self, name: str, value: Any = None) -> None:
         with self._lock:
@@ -157,7 +172,9 @@ class Recorder:
 
 
 def _creates(path: Any, flags: int, dir_fd: int | None) -> bool:
-    return bool(flags & os.O_CREAT) and not os.path.lexists(path if dir_fd is None else f"/proc/self/fd/{dir_fd}/{os.fsdecode(path)}")
+    return bool(flags & os.O_CREAT) and not os.path.lexists(
+        path if dir_fd is None else f"/proc/self/fd/{dir_fd}/{os.fsdecode(path)}"
+    )
 
 
 def _w_open(path, flags, mode=0o777, *, dir_fd=None):
@@ -198,6 +215,7 @@ def _fsync_as(name: str):
             _REAL[name](fd)
             if fd in rec._fds:
                 rec._add(Op(kind=OpKind.FSYNC, ino=rec._fds[fd]))
+
     return fsync
 
 
@@ -210,6 +228,7 @@ def _rename_as(name: str):
             assert (a is None) == (b is None), f"rename across the recorded root: {src} -> {dst}"
             if a is not None:
                 rec._add(Op(kind=OpKind.RENAME, path=a, dest=b))
+
     return rename
 
 
@@ -221,6 +240,7 @@ def _unlink_as(name: str):
             _REAL[name](path, dir_fd=dir_fd)
             if rel is not None:
                 rec._add(Op(kind=OpKind.UNLINK, path=rel))
+
     return unlink
 
 
@@ -235,10 +255,18 @@ def _w_mkdir(path, mode=0o777, *, dir_fd=None):
 
 
 _WRAPPERS = {
-    "open": _w_open, "close": _w_close, "write": _w_write, "ftruncate": _w_ftruncate,
-    "fsync": _fsync_as("fsync"), "fdatasync": _fsync_as("fdatasync"), "replace": _rename_as("replace"),
-    "rename": _rename_as("rename"), "unlink": _unlink_as("unlink"), "remove": _unlink_as("remove"),
-    "mkdir": _w_mkdir, "rmdir": _unlink_as("rmdir"),
+    "open": _w_open,
+    "close": _w_close,
+    "write": _w_write,
+    "ftruncate": _w_ftruncate,
+    "fsync": _fsync_as("fsync"),
+    "fdatasync": _fsync_as("fdatasync"),
+    "replace": _rename_as("replace"),
+    "rename": _rename_as("rename"),
+    "unlink": _unlink_as("unlink"),
+    "remove": _unlink_as("remove"),
+    "mkdir": _w_mkdir,
+    "rmdir": _unlink_as("rmdir"),
 }
 
 

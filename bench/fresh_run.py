@@ -41,9 +41,18 @@ def _heldout_comparison(run_dir: Path) -> dict | None:
     if found is None:
         return None
     first, last, result = found
-    return {"first_step": first, "last_step": last, "before": round(result.before, 4), "after": round(result.after, 4),
-            "ci95": [round(result.ci_low, 4), round(result.ci_high, 4)], "p_value": result.p_value, "test": result.test,
-            "num_pairs": result.num_pairs, "num_up": result.num_up, "num_down": result.num_down}
+    return {
+        "first_step": first,
+        "last_step": last,
+        "before": round(result.before, 4),
+        "after": round(result.after, 4),
+        "ci95": [round(result.ci_low, 4), round(result.ci_high, 4)],
+        "p_value": result.p_value,
+        "test": result.test,
+        "num_pairs": result.num_pairs,
+        "num_up": result.num_up,
+        "num_down": result.num_down,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="streamrl-fresh-"))
     clone = tmp / "main"
-    commit = subprocess.run(["git", "rev-parse", args.ref], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", args.ref], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
     subprocess.run(["git", "checkout", "-q", commit], cwd=clone, check=True)
     if (REPO.parent / "shared").exists():
@@ -65,23 +76,37 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     install = subprocess.run(["make", "install"], cwd=clone, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
     install_s = time.monotonic() - t0
-    rc, run_s, memory = sample_run(["make", "run"], cwd=str(clone), env=env, log_path=str(log), timeout_s=args.timeout_s)
+    rc, run_s, memory = sample_run(
+        ["make", "run"], cwd=str(clone), env=env, log_path=str(log), timeout_s=args.timeout_s
+    )
     runs = sorted((clone / "runs").glob("*")) if (clone / "runs").exists() else []
     run_dir = runs[-1] if runs else None
     lines = _metrics(run_dir) if run_dir else []
     steps = [m for m in lines if "learner/loss" in m]  # one per learner step (held-out evaluations apart)
-    heldout = [{"learner_step": m["learner_step"], "reward": round(m["eval/reward_mean"], 3),
-                "num_prompts": m["eval/num_prompts"], "seconds": round(m["eval/seconds"], 1)}
-               for m in lines if "eval/reward_mean" in m]
+    heldout = [
+        {
+            "learner_step": m["learner_step"],
+            "reward": round(m["eval/reward_mean"], 3),
+            "num_prompts": m["eval/num_prompts"],
+            "seconds": round(m["eval/seconds"], 1),
+        }
+        for m in lines
+        if "eval/reward_mean" in m
+    ]
     rewards = [round(m.get("rollout/finished_reward_mean", float("nan")), 3) for m in steps]
-    summary_lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip().startswith("held-out")]
+    summary_lines = [
+        ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip().startswith("held-out")
+    ]
     comparison = _heldout_comparison(run_dir) if run_dir else None
     half = len(rewards) // 2
     result = {
         "command": "python -m bench.fresh_run " + " ".join(argv if argv is not None else sys.argv[1:]),
         "commit": commit,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "memory_gb": round(psutil.virtual_memory().total / 2**30, 1)},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        },
         "install_exit_code": install.returncode,
         "install_s": round(install_s, 1),
         "run_exit_code": rc,

@@ -34,8 +34,12 @@ REPO = Path(__file__).resolve().parents[1]
 def environment() -> dict[str, Any]:
     import torch
 
-    out: dict[str, Any] = {"platform": platform.platform(), "torch": torch.__version__,
-                           "cuda": torch.cuda.is_available(), "num_gpus": torch.cuda.device_count()}
+    out: dict[str, Any] = {
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "num_gpus": torch.cuda.device_count(),
+    }
     if out["cuda"]:
         out["gpus"] = [torch.cuda.get_device_name(i) for i in range(out["num_gpus"])]
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -65,14 +69,20 @@ def gpu_overrides(work: Path, *, steps: int, num_gpus: int) -> list[str]:
     ranks = max(num_gpus - 1, 1)
     shared = num_gpus == 1
     return [
-        f"trainer.run_root={work}", "trainer.run_name=gpu-check", f"trainer.total_steps={steps}",
-        f"trainer.checkpoint_every={steps}", "wandb.enabled=false",
-        "rollout.engine.device=cuda", "rollout.engine.dtype=bfloat16",
+        f"trainer.run_root={work}",
+        "trainer.run_name=gpu-check",
+        f"trainer.total_steps={steps}",
+        f"trainer.checkpoint_every={steps}",
+        "wandb.enabled=false",
+        "rollout.engine.device=cuda",
+        "rollout.engine.dtype=bfloat16",
         "rollout.engine.num_gpus=0.5" if shared else "rollout.engine.num_gpus=1",
         f"rollout.engine.gpu_memory_utilization={0.3 if shared else 0.85}",
-        "learner.device=cuda", f"learner.num_workers={ranks}",
+        "learner.device=cuda",
+        f"learner.num_workers={ranks}",
         *(["learner.num_gpus_per_worker=0.5"] if shared else []),
-        f"weight_sync.backend={'gloo' if shared else 'nccl'}", "weight_sync.pause_mode=abort",
+        f"weight_sync.backend={'gloo' if shared else 'nccl'}",
+        "weight_sync.pause_mode=abort",
         *DISCRIMINATING,
     ]
 
@@ -101,8 +111,17 @@ def check_run(run_dir: Path, *, steps: int, ranks: int) -> dict[str, bool]:
 
 def observed(run_dir: Path) -> dict[str, Any]:
     """What the run measured, per step: weight-sync bytes and pause, IS-ratio range, GPU memory."""
-    keys = ["learner/grad_norm", "sync/bytes", "sync/paused_s", "is/ratio_min", "is/ratio_max", "is/mismatch_kl", "learner/step_s",
-            "memory/learner_peak_gb", "memory/engine_peak_gb"]
+    keys = [
+        "learner/grad_norm",
+        "sync/bytes",
+        "sync/paused_s",
+        "is/ratio_min",
+        "is/ratio_max",
+        "is/mismatch_kl",
+        "learner/step_s",
+        "memory/learner_peak_gb",
+        "memory/engine_peak_gb",
+    ]
     return {key: [m.get(key) for m in load_logged(run_dir)] for key in keys}
 
 
@@ -114,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     env = environment()
     num_gpus = env["num_gpus"]
-    out: dict[str, Any] = {"command": "python -m bench.gpu_check" + (" --dry-run" if args.dry_run else ""),
-                           "environment": env}
+    out: dict[str, Any] = {
+        "command": "python -m bench.gpu_check" + (" --dry-run" if args.dry_run else ""),
+        "environment": env,
+    }
     with tempfile.TemporaryDirectory(prefix="streamrl-gpu-check-") as tmp:
         overrides = gpu_overrides(Path(tmp), steps=args.steps, num_gpus=max(num_gpus, 1))
         out["overrides"] = overrides
@@ -133,8 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         log = Path(tmp) / "train.log"
         started = time.monotonic()
         with open(log, "w") as f:
-            proc = subprocess.run([*base, *overrides], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=1800)
+            proc = subprocess.run(
+                [*base, *overrides],
+                cwd=REPO,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                timeout=1800,
+            )
         out["wall_s"] = round(time.monotonic() - started, 1)
         out["exit_code"] = proc.returncode
         checks = {"CUDA available": True, "train exited 0": proc.returncode == 0}

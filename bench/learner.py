@@ -56,7 +56,11 @@ def time_steps(model: str, steps: int) -> dict[str, dict[str, float]]:
     from streamrl.learner.engine import TrainingEngine
 
     cfg = LearnerConfig(
-        model=model, algo="grpo", device="auto", lr=1e-6, micro_batch_tokens=BATCH * (PROMPT + RESPONSE),
+        model=model,
+        algo="grpo",
+        device="auto",
+        lr=1e-6,
+        micro_batch_tokens=BATCH * (PROMPT + RESPONSE),
         correction={"mode": "decoupled", "prox": "recompute"},
     )
     engine = TrainingEngine(cfg)

@@ -41,19 +41,33 @@ CONFIG = "configs/learning_smollm2.toml"
 SYNC_OVERRIDES = ["trainer.sync_generation_groups=8", "buffer.max_staleness=0", "buffer.over_age=evict"]
 
 
-def train(config: str, mode: str, seed: int, root: Path, steps: int, eval_every: int, overrides: list[str],
-          log: Path) -> tuple[Path, float, int]:
+def train(
+    config: str, mode: str, seed: int, root: Path, steps: int, eval_every: int, overrides: list[str], log: Path
+) -> tuple[Path, float, int]:
     """One `streamrl train`; (run dir, wall seconds, exit code)."""
     name = f"{mode}-s{seed}"
-    args = [f"trainer.mode={mode}", f"trainer.seed={seed}", f"trainer.total_steps={steps}",
-            f"eval.every_steps={eval_every}", f"trainer.run_root={root}", f"trainer.run_name={name}",
-            f"trainer.checkpoint_every={steps}", "wandb.enabled=false", *overrides]
+    args = [
+        f"trainer.mode={mode}",
+        f"trainer.seed={seed}",
+        f"trainer.total_steps={steps}",
+        f"eval.every_steps={eval_every}",
+        f"trainer.run_root={root}",
+        f"trainer.run_name={name}",
+        f"trainer.checkpoint_every={steps}",
+        "wandb.enabled=false",
+        *overrides,
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
     t0 = time.monotonic()
     with open(log, "ab") as out:
-        rc = subprocess.run([sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", config, *args],
-                            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(
+            [sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", config, *args],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        ).returncode
     return root / name, time.monotonic() - t0, rc
 
 
@@ -67,9 +81,16 @@ def curve(run_dir: Path) -> list[dict[str, Any]]:
     for step, path in sorted(evaluated_steps(run_dir).items()):
         meta = pq.read_table(path, columns=["policy_version", "run_elapsed_s", "eval_seconds"]).to_pylist()[0]
         scores = read_evaluation(path)
-        points.append({"served_step": step, "policy_version": meta["policy_version"],
-                       "elapsed_s": meta["run_elapsed_s"], "eval_seconds": meta["eval_seconds"],
-                       "reward": statistics.fmean(scores.values()), "scores": scores})
+        points.append(
+            {
+                "served_step": step,
+                "policy_version": meta["policy_version"],
+                "elapsed_s": meta["run_elapsed_s"],
+                "eval_seconds": meta["eval_seconds"],
+                "reward": statistics.fmean(scores.values()),
+                "scores": scores,
+            }
+        )
     return points
 
 
@@ -106,20 +127,34 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if not done:
             continue
         result = compare(pooled(done, 0), pooled(done, -1))
-        out[mode] = {"num_seeds": len(done), "before": result.before, "after": result.after, "rise": result.diff,
-                     "ci95": [result.ci_low, result.ci_high], "p_value": result.p_value, "test": result.test,
-                     "num_pairs": result.num_pairs, "num_up": result.num_up, "num_down": result.num_down,
-                     "wall_s_mean": statistics.fmean(r["wall_s"] for r in done),
-                     "train_s_mean": statistics.fmean(r["curve"][-1]["elapsed_s"] for r in done),
-                     "curve_wall": mean_curve(done, "elapsed_s"), "curve_step": mean_curve(done, "served_step"),
-                     "rise_target_met": result.diff >= 0.10 and result.p_value < 0.05}
+        out[mode] = {
+            "num_seeds": len(done),
+            "before": result.before,
+            "after": result.after,
+            "rise": result.diff,
+            "ci95": [result.ci_low, result.ci_high],
+            "p_value": result.p_value,
+            "test": result.test,
+            "num_pairs": result.num_pairs,
+            "num_up": result.num_up,
+            "num_down": result.num_down,
+            "wall_s_mean": statistics.fmean(r["wall_s"] for r in done),
+            "train_s_mean": statistics.fmean(r["curve"][-1]["elapsed_s"] for r in done),
+            "curve_wall": mean_curve(done, "elapsed_s"),
+            "curve_step": mean_curve(done, "served_step"),
+            "rise_target_met": result.diff >= 0.10 and result.p_value < 0.05,
+        }
     if "async" in out and "sync" in out:
         target = out["sync"]["after"]
         reach = time_to_reach(out["async"]["curve_wall"], target)
         sync_s = out["sync"]["train_s_mean"]
-        out["async_vs_sync"] = {"sync_final_reward": target, "async_time_to_it_s": reach, "sync_time_s": sync_s,
-                                "ratio": reach / sync_s if reach is not None else None,
-                                "target_met": reach is not None and reach <= 0.5 * sync_s}
+        out["async_vs_sync"] = {
+            "sync_final_reward": target,
+            "async_time_to_it_s": reach,
+            "sync_time_s": sync_s,
+            "ratio": reach / sync_s if reach is not None else None,
+            "target_met": reach is not None and reach <= 0.5 * sync_s,
+        }
     return out
 
 
@@ -133,8 +168,10 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     for mode, color in (("async", "tab:blue"), ("sync", "tab:orange")):
         if mode not in summary:
             continue
-        for ax, key, xlabel in ((axes[0], "curve_wall", "training wall time (s)"),
-                                (axes[1], "curve_step", "learner step of the evaluated weights")):
+        for ax, key, xlabel in (
+            (axes[0], "curve_wall", "training wall time (s)"),
+            (axes[1], "curve_step", "learner step of the evaluated weights"),
+        ):
             xs, mean, low, high = zip(*summary[mode][key])
             ax.plot(xs, mean, marker="o", color=color, label=f"{mode} (mean of {summary[mode]['num_seeds']} seeds)")
             ax.fill_between(xs, low, high, color=color, alpha=0.2)
@@ -154,13 +191,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--eval-every", type=int, default=4)
-    parser.add_argument("--sync-overrides", nargs="*", default=SYNC_OVERRIDES,
-                        help="config overrides for the sync runs only (default: verl-style generation rounds)")
+    parser.add_argument(
+        "--sync-overrides",
+        nargs="*",
+        default=SYNC_OVERRIDES,
+        help="config overrides for the sync runs only (default: verl-style generation rounds)",
+    )
     parser.add_argument("--out", default=str(REPO / "bench/results/learning.json"))
     parser.add_argument("--plot", default=None, help="default: the --out path with .png")
     parser.add_argument("--keep", default=None, help="keep the run directories in this folder")
-    parser.add_argument("--from-runs", default=None, metavar="DIR",
-                        help="train nothing: summarize the <mode>-s<seed> run directories already in DIR")
+    parser.add_argument(
+        "--from-runs",
+        default=None,
+        metavar="DIR",
+        help="train nothing: summarize the <mode>-s<seed> run directories already in DIR",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for every run")
     return parser.parse_args(argv)
 
@@ -181,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # not finished: left out
             else:
                 overrides = args.overrides + (args.sync_overrides if mode == "sync" else [])
-                run_dir, wall, rc = train(args.config, mode, seed, root, args.steps, args.eval_every, overrides,
-                                          root / "train.log")
+                run_dir, wall, rc = train(
+                    args.config, mode, seed, root, args.steps, args.eval_every, overrides, root / "train.log"
+                )
             points = curve(run_dir) if run_dir.exists() else []
             runs.append({"mode": mode, "seed": seed, "exit_code": rc, "wall_s": wall, "curve": points})
             line = " ".join(f"{p['served_step']}:{p['reward']:.3f}" for p in points)
@@ -190,26 +236,40 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs)
     result = {
         "command": "python -m bench.learning " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "config": args.config, "overrides": args.overrides, "sync_overrides": args.sync_overrides, "steps": args.steps, "eval_every": args.eval_every,
-        "seeds": args.seeds, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+        "config": args.config,
+        "overrides": args.overrides,
+        "sync_overrides": args.sync_overrides,
+        "steps": args.steps,
+        "eval_every": args.eval_every,
+        "seeds": args.seeds,
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
         "total_wall_s": time.monotonic() - t_start,
         "summary": summary,
-        "runs": [{k: v for k, v in r.items() if k != "curve"}
-                 | {"curve": [{k: v for k, v in p.items() if k != "scores"} for p in r["curve"]]} for r in runs],
+        "runs": [
+            {k: v for k, v in r.items() if k != "curve"}
+            | {"curve": [{k: v for k, v in p.items() if k != "scores"} for p in r["curve"]]}
+            for r in runs
+        ],
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(summary, Path(args.plot or out.with_suffix(".png")),
-         f"{Path(args.config).stem}: held-out reward, {len({r['seed'] for r in runs})} seed(s) ({machine()['cpu']}, "
-         f"{machine()['cpu_count']} cores)")
+    plot(
+        summary,
+        Path(args.plot or out.with_suffix(".png")),
+        f"{Path(args.config).stem}: held-out reward, {len({r['seed'] for r in runs})} seed(s) ({machine()['cpu']}, "
+        f"{machine()['cpu_count']} cores)",
+    )
     for mode in ("async", "sync"):
         if mode in summary:
             s = summary[mode]
-            print(f"{mode}: {s['before']:.3f} -> {s['after']:.3f} (rise {s['rise']:+.3f}, 95% CI "
-                  f"[{s['ci95'][0]:+.3f}, {s['ci95'][1]:+.3f}], {s['test']} p={s['p_value']:.2g}) "
-                  f"in {s['train_s_mean']:.0f} s of training")
+            print(
+                f"{mode}: {s['before']:.3f} -> {s['after']:.3f} (rise {s['rise']:+.3f}, 95% CI "
+                f"[{s['ci95'][0]:+.3f}, {s['ci95'][1]:+.3f}], {s['test']} p={s['p_value']:.2g}) "
+                f"in {s['train_s_mean']:.0f} s of training"
+            )
     if "async_vs_sync" in summary:
         print("async reaches sync's final held-out reward after:", summary["async_vs_sync"])
     print(f"wrote {out}")

@@ -34,22 +34,34 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("engine_commit_skipped", "weight_sync/worker_extension.py",
-             "        self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]",
-             "        sum(1 for _ in weights)  # MUTATION: staged and checked, never loaded",
-             "the engine keeps serving its first weights while every sync reports success"),
-    Mutation("advantage_sign_flipped", "learner/advantages.py",
-             "    return centered / (std[inverse] + eps)",
-             "    return -centered / (std[inverse] + eps)  # MUTATION",
-             "GRPO pushes towards the worse samples of each group"),
-    Mutation("partial_sync", "weight_sync/worker_extension.py",
-             "        self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]",
-             "        self.reload_weights(weights_iterator=(w for i, w in enumerate(weights) if i % 2 == 0))  # MUTATION",
-             "every other tensor of each sync is dropped on the engine side"),
-    Mutation("versions_shifted_by_one", "learner/step_inputs.py",
-             "token_lag(policy_version, batch.policy_versions)",
-             "token_lag(policy_version, batch.policy_versions - 1)",
-             "every token looks one version staler than it is to the correction"),
+    Mutation(
+        "engine_commit_skipped",
+        "weight_sync/worker_extension.py",
+        "        self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]",
+        "        sum(1 for _ in weights)  # MUTATION: staged and checked, never loaded",
+        "the engine keeps serving its first weights while every sync reports success",
+    ),
+    Mutation(
+        "advantage_sign_flipped",
+        "learner/advantages.py",
+        "    return centered / (std[inverse] + eps)",
+        "    return -centered / (std[inverse] + eps)  # MUTATION",
+        "GRPO pushes towards the worse samples of each group",
+    ),
+    Mutation(
+        "partial_sync",
+        "weight_sync/worker_extension.py",
+        "        self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]",
+        "        self.reload_weights(weights_iterator=(w for i, w in enumerate(weights) if i % 2 == 0))  # MUTATION",
+        "every other tensor of each sync is dropped on the engine side",
+    ),
+    Mutation(
+        "versions_shifted_by_one",
+        "learner/step_inputs.py",
+        "token_lag(policy_version, batch.policy_versions)",
+        "token_lag(policy_version, batch.policy_versions - 1)",
+        "every token looks one version staler than it is to the correction",
+    ),
 ]
 
 
@@ -73,20 +85,34 @@ def run_mutation(mutation: Mutation | None) -> dict:
             target.write_text(text.replace(mutation.old, mutation.new))
         env = dict(os.environ, PYTHONPATH=tmp, PYTHONUNBUFFERED="1")
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", TEST],
-                              cwd=root, env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", TEST],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         lines = proc.stdout.splitlines()
-        said = next((ln for ln in lines if ln.startswith("E ") and "assert" in ln), None) or (lines[-1] if lines else "")
-        return {"name": mutation.name if mutation else "none (the tree as it is)", "why": mutation.why if mutation else "",
-                "test_failed": proc.returncode != 0, "exit_code": proc.returncode, "wall_s": round(time.monotonic() - t0, 1),
-                "evidence": said.strip()[:400]}
+        said = next((ln for ln in lines if ln.startswith("E ") and "assert" in ln), None) or (
+            lines[-1] if lines else ""
+        )
+        return {
+            "name": mutation.name if mutation else "none (the tree as it is)",
+            "why": mutation.why if mutation else "",
+            "test_failed": proc.returncode != 0,
+            "exit_code": proc.returncode,
+            "wall_s": round(time.monotonic() - t0, 1),
+            "evidence": said.strip()[:400],
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
     from bench.machine import machine
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", default=None, help="mutation names (default: all, plus the unmutated tree)")
+    parser.add_argument(
+        "--only", nargs="*", default=None, help="mutation names (default: all, plus the unmutated tree)"
+    )
     parser.add_argument("--out", default=str(REPO / "bench/results/learning_mutations.json"))
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS if args.only is None or m.name in args.only]
@@ -95,12 +121,19 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_mutation(mutation))
         print(json.dumps(results[-1]), flush=True)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    out = {"command": "python -m bench.learning_mutations " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "test": TEST, "commit": commit, "machine": machine(), "date": time.strftime("%Y-%m-%d"), "results": results}
+    out = {
+        "command": "python -m bench.learning_mutations " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "test": TEST,
+        "commit": commit,
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "results": results,
+    }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     clean = [r for r in results if r["name"].startswith("none")]
     ok = all(r["test_failed"] for r in results if not r["name"].startswith("none")) and not any(
-        r["test_failed"] for r in clean)
+        r["test_failed"] for r in clean
+    )
     print(f"wrote {args.out}: {'every mutation failed the test' if ok else 'NOT every mutation was caught'}")
     return 0 if ok else 1
 

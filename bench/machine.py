@@ -16,5 +16,10 @@ def machine(**extra: Any) -> dict[str, Any]:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), **extra}
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        **extra,
+    }

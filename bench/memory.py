@@ -37,39 +37,67 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "bench/results/memory.json"))
     parser.add_argument("--skip-logits", action="store_true")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the logits-path comparison")
-    parser.add_argument("--keep", default=None, metavar="DIR",
-                        help="run the job under DIR and keep its run directory (DIR/memory), e.g. for `streamrl staleness`")
+    parser.add_argument(
+        "--keep",
+        default=None,
+        metavar="DIR",
+        help="run the job under DIR and keep its run directory (DIR/memory), e.g. for `streamrl staleness`",
+    )
     args = parser.parse_args(argv)
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)
     keep = contextlib.nullcontext(str(Path(args.keep).resolve())) if args.keep else None
     with keep or tempfile.TemporaryDirectory(prefix="streamrl-memory-") as tmp:
-        cmd = [sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", "configs/default.toml",
-               f"trainer.total_steps={args.steps}", f"trainer.run_root={tmp}", "trainer.run_name=memory"]
-        rc, wall, memory = sample_run(cmd, cwd=str(REPO), env=dict(os.environ), log_path=f"{tmp}/train.log",
-                                      timeout_s=3600)
-        lines = [json.loads(x) for x in (Path(tmp) / "memory/metrics.jsonl").read_text().splitlines() if x.strip()] \
-            if (Path(tmp) / "memory/metrics.jsonl").exists() else []
+        cmd = [
+            sys.executable,
+            "-m",
+            "streamrl.streaming.cli",
+            "train",
+            "--config",
+            "configs/default.toml",
+            f"trainer.total_steps={args.steps}",
+            f"trainer.run_root={tmp}",
+            "trainer.run_name=memory",
+        ]
+        rc, wall, memory = sample_run(
+            cmd, cwd=str(REPO), env=dict(os.environ), log_path=f"{tmp}/train.log", timeout_s=3600
+        )
+        lines = (
+            [json.loads(x) for x in (Path(tmp) / "memory/metrics.jsonl").read_text().splitlines() if x.strip()]
+            if (Path(tmp) / "memory/metrics.jsonl").exists()
+            else []
+        )
         metrics = [m for m in lines if "learner/loss" in m]  # the learner steps (not held-out evaluations)
     state_gb = 16 * SMOLLM2_PARAMS / 2**30  # fp32 params + grads + AdamW m and v
     learner = memory["part_peak_gb"].get("learner", 0.0)
     result = {
         "command": "python -m bench.memory " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "memory_gb": round(psutil.virtual_memory().total / 2**30, 1)},
-        "run": {"exit_code": rc, "wall_s": round(wall, 1), "steps": len(metrics), **memory,
-                "learner_rss_per_step_gb": [round(m.get("memory/learner_rss_gb", 0.0), 3) for m in metrics],
-                "learner_peak_gb_reported": max((m.get("memory/learner_peak_gb", 0.0) for m in metrics), default=None),
-                "reward_per_step": [m.get("rollout/reward_mean") for m in metrics],
-                "sync_paused_s": [m.get("sync/paused_s") for m in metrics]},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        },
+        "run": {
+            "exit_code": rc,
+            "wall_s": round(wall, 1),
+            "steps": len(metrics),
+            **memory,
+            "learner_rss_per_step_gb": [round(m.get("memory/learner_rss_gb", 0.0), 3) for m in metrics],
+            "learner_peak_gb_reported": max((m.get("memory/learner_peak_gb", 0.0) for m in metrics), default=None),
+            "reward_per_step": [m.get("rollout/reward_mean") for m in metrics],
+            "sync_paused_s": [m.get("sync/paused_s") for m in metrics],
+        },
         "learner_state_gb": round(state_gb, 3),
         "learner_peak_over_state": round(learner / state_gb, 2),
         "targets": {"node_peak_gb_max": 12, "learner_peak_over_state_max": 1.5},
     }
     if not args.skip_logits:
         out = Path(tempfile.mkdtemp()) / "logits.json"
-        subprocess.run([sys.executable, "-m", "bench.memory_learner", "--seeds", str(args.seeds), "--out", str(out)],
-                       cwd=REPO, check=False)
+        subprocess.run(
+            [sys.executable, "-m", "bench.memory_learner", "--seeds", str(args.seeds), "--out", str(out)],
+            cwd=REPO,
+            check=False,
+        )
         result["logits_path"] = json.loads(out.read_text()) if out.exists() else None
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -73,9 +73,16 @@ def run_batch(cfg: Any, vocab: int, seed: int, policy_version: int, *, longest: 
     rewards = rng.integers(0, 2, batch).astype(np.float32)
     rewards[::group] = 1.0 - rewards[1::group]  # every group has a reward signal
     return SimpleNamespace(
-        input_ids=ids, attention_mask=attn, loss_mask=loss, behavior_logprobs=behav, policy_versions=versions,
-        prompt_lens=prompts.astype(np.int32), seq_lens=attn.sum(1).astype(np.int32), rewards=rewards,
-        group_index=np.arange(batch, dtype=np.int64) // group, turn_scores=[[] for _ in range(batch)],
+        input_ids=ids,
+        attention_mask=attn,
+        loss_mask=loss,
+        behavior_logprobs=behav,
+        policy_versions=versions,
+        prompt_lens=prompts.astype(np.int32),
+        seq_lens=attn.sum(1).astype(np.int32),
+        rewards=rewards,
+        group_index=np.arange(batch, dtype=np.int64) // group,
+        turn_scores=[[] for _ in range(batch)],
     )
 
 
@@ -88,8 +95,8 @@ def _state_gb(engine: Any) -> dict[str, float]:
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """One variant in this process: build the engine, run `steps` train steps, measure RSS."""
     from streamrl.learner.engine import TrainingEngine
-    from streamrl.streaming.config import load_config
     from streamrl.observability.memory import peak_rss_gb, reset_peak_rss, rss_gb, trim_allocator
+    from streamrl.streaming.config import load_config
 
     cfg = load_config(spec["config"], [*spec["overrides"], f"learner.logits_chunk_tokens={spec['chunk']}"])
     engine = TrainingEngine(cfg.learner)
@@ -108,8 +115,15 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         step_peak = peak_rss_gb()
         if trim:
             trim_allocator()
-        steps.append({"step": i + 1, "rss_gb": rss_gb(), "step_peak_rss_gb": step_peak, "step_s": step_s,
-                      "tokens": int(batch.seq_lens.sum())})
+        steps.append(
+            {
+                "step": i + 1,
+                "rss_gb": rss_gb(),
+                "step_peak_rss_gb": step_peak,
+                "step_s": step_s,
+                "tokens": int(batch.seq_lens.sum()),
+            }
+        )
         print(json.dumps({"progress": spec["name"], **steps[-1]}), file=sys.stderr, flush=True)
     return {"spec": spec, "after_init": after_init, "steps": steps, **_state_gb(engine)}
 
@@ -153,35 +167,70 @@ def _chunk_runs(base: dict[str, Any], default_chunk: int, seeds: int, steps: int
     rows = []
     for seed in range(seeds):
         for name, (chunk, gc) in variants.items():
-            spec = {**base, "overrides": [*base["overrides"], f"learner.gradient_checkpointing={str(gc).lower()}"],
-                    "name": f"{name}-seed{seed}", "chunk": chunk, "seed": seed, "steps": steps, "longest": True,
-                    "trim": True}
+            spec = {
+                **base,
+                "overrides": [*base["overrides"], f"learner.gradient_checkpointing={str(gc).lower()}"],
+                "name": f"{name}-seed{seed}",
+                "chunk": chunk,
+                "seed": seed,
+                "steps": steps,
+                "longest": True,
+                "trim": True,
+            }
             r = _spawn(spec, allocator_env=True, timeout_s=timeout_s)
             peaks = [s["step_peak_rss_gb"] for s in r["steps"]]
-            rows.append({"variant": name, "chunk": chunk, "gradient_checkpointing": gc, "seed": seed,
-                         "step_peak_rss_gb": max(peaks), "step_peak_rss_gb_per_step": peaks,
-                         "process_peak_rss_gb": max(r["after_init"]["peak_rss_gb"], *peaks),
-                         "rss_after_init_gb": r["after_init"]["rss_gb"], "rss_after_gb": r["steps"][-1]["rss_gb"],
-                         "step_s": [s["step_s"] for s in r["steps"]], "tokens": r["steps"][0]["tokens"],
-                         **{k: r[k] for k in ("params_gb", "params_grads_adam_gb")}})
+            rows.append(
+                {
+                    "variant": name,
+                    "chunk": chunk,
+                    "gradient_checkpointing": gc,
+                    "seed": seed,
+                    "step_peak_rss_gb": max(peaks),
+                    "step_peak_rss_gb_per_step": peaks,
+                    "process_peak_rss_gb": max(r["after_init"]["peak_rss_gb"], *peaks),
+                    "rss_after_init_gb": r["after_init"]["rss_gb"],
+                    "rss_after_gb": r["steps"][-1]["rss_gb"],
+                    "step_s": [s["step_s"] for s in r["steps"]],
+                    "tokens": r["steps"][0]["tokens"],
+                    **{k: r[k] for k in ("params_gb", "params_grads_adam_gb")},
+                }
+            )
     out: dict[str, Any] = {"runs": rows}
     for name in variants:
         peaks = [r["step_peak_rss_gb"] for r in rows if r["variant"] == name]
         out[name] = {"step_peak_rss_gb_mean": float(np.mean(peaks)), "step_peak_rss_gb_std": float(np.std(peaks))}
-    out["peak_saved_by_chunking_gb"] = out["unchunked"]["step_peak_rss_gb_mean"] - out["chunked"]["step_peak_rss_gb_mean"]
+    out["peak_saved_by_chunking_gb"] = (
+        out["unchunked"]["step_peak_rss_gb_mean"] - out["chunked"]["step_peak_rss_gb_mean"]
+    )
     return out
 
 
 # The learner before and after session 9's change, and the two steps between (see `_peak_variants`).
 PEAK_VARIANTS: dict[str, dict[str, Any]] = {
-    "before": {"what": "mmap threshold 4 MB, no activation checkpointing, logits chunk 512 (defaults until session 9)",
-               "mmap": 4 * 1024 * 1024, "gc": False, "chunk": 512},
-    "mmap128k": {"what": "mmap threshold 128 KB, no activation checkpointing, logits chunk 512",
-                 "mmap": 128 * 1024, "gc": False, "chunk": 512},
-    "mmap128k_gc": {"what": "mmap threshold 128 KB, activation checkpointing, logits chunk 512",
-                    "mmap": 128 * 1024, "gc": True, "chunk": 512},
-    "mmap128k_gc_chunk128": {"what": "mmap threshold 128 KB, activation checkpointing, logits chunk 128 (the default now)",
-                             "mmap": 128 * 1024, "gc": True, "chunk": 128},
+    "before": {
+        "what": "mmap threshold 4 MB, no activation checkpointing, logits chunk 512 (defaults until session 9)",
+        "mmap": 4 * 1024 * 1024,
+        "gc": False,
+        "chunk": 512,
+    },
+    "mmap128k": {
+        "what": "mmap threshold 128 KB, no activation checkpointing, logits chunk 512",
+        "mmap": 128 * 1024,
+        "gc": False,
+        "chunk": 512,
+    },
+    "mmap128k_gc": {
+        "what": "mmap threshold 128 KB, activation checkpointing, logits chunk 512",
+        "mmap": 128 * 1024,
+        "gc": True,
+        "chunk": 512,
+    },
+    "mmap128k_gc_chunk128": {
+        "what": "mmap threshold 128 KB, activation checkpointing, logits chunk 128 (the default now)",
+        "mmap": 128 * 1024,
+        "gc": True,
+        "chunk": 128,
+    },
 }
 
 
@@ -192,23 +241,44 @@ def _peak_variants(base: dict[str, Any], seeds: int, steps: int, timeout_s: floa
     for seed in range(seeds):
         for name, v in PEAK_VARIANTS.items():
             gc = str(v["gc"]).lower()
-            spec = {**base, "overrides": [*base["overrides"], f"learner.gradient_checkpointing={gc}"],
-                    "name": f"{name}-seed{seed}", "chunk": v["chunk"], "seed": seed, "steps": steps, "longest": True,
-                    "trim": True}
-            r = _spawn(spec, allocator_env=True, timeout_s=timeout_s,
-                       env_overrides={"MALLOC_MMAP_THRESHOLD_": str(v["mmap"])})
+            spec = {
+                **base,
+                "overrides": [*base["overrides"], f"learner.gradient_checkpointing={gc}"],
+                "name": f"{name}-seed{seed}",
+                "chunk": v["chunk"],
+                "seed": seed,
+                "steps": steps,
+                "longest": True,
+                "trim": True,
+            }
+            r = _spawn(
+                spec, allocator_env=True, timeout_s=timeout_s, env_overrides={"MALLOC_MMAP_THRESHOLD_": str(v["mmap"])}
+            )
             peaks = [s["step_peak_rss_gb"] for s in r["steps"]]
-            rows.append({"variant": name, "seed": seed, "step_peak_rss_gb_per_step": peaks,
-                         "step_s": [s["step_s"] for s in r["steps"]], "rss_after_gb": r["steps"][-1]["rss_gb"],
-                         "tokens": r["steps"][0]["tokens"], "params_grads_adam_gb": r["params_grads_adam_gb"]})
+            rows.append(
+                {
+                    "variant": name,
+                    "seed": seed,
+                    "step_peak_rss_gb_per_step": peaks,
+                    "step_s": [s["step_s"] for s in r["steps"]],
+                    "rss_after_gb": r["steps"][-1]["rss_gb"],
+                    "tokens": r["steps"][0]["tokens"],
+                    "params_grads_adam_gb": r["params_grads_adam_gb"],
+                }
+            )
     out: dict[str, Any] = {"runs": rows}
     state = rows[0]["params_grads_adam_gb"]
     for name, v in PEAK_VARIANTS.items():
         mine = [r for r in rows if r["variant"] == name]
         peak = max(max(r["step_peak_rss_gb_per_step"]) for r in mine)
         later = [t for r in mine for t in r["step_s"][1:]]  # step 1 also allocates AdamW's moments
-        out[name] = {"what": v["what"], "step_peak_rss_gb_max": peak, "peak_over_state": peak / state,
-                     "step_s_mean": float(np.mean(later)), "step_s_std": float(np.std(later))}
+        out[name] = {
+            "what": v["what"],
+            "step_peak_rss_gb_max": peak,
+            "peak_over_state": peak / state,
+            "step_s_mean": float(np.mean(later)),
+            "step_s_std": float(np.std(later)),
+        }
     return out
 
 
@@ -245,11 +315,22 @@ def learner_memory(
         for name, (chunk, fix, extra) in variants.items():
             if name not in growth_variants:
                 continue
-            spec = {**base, "overrides": [*base["overrides"], *extra], "name": f"growth-{name}", "chunk": chunk,
-                    "steps": steps, "longest": False, "trim": fix}
+            spec = {
+                **base,
+                "overrides": [*base["overrides"], *extra],
+                "name": f"growth-{name}",
+                "chunk": chunk,
+                "steps": steps,
+                "longest": False,
+                "trim": fix,
+            }
             result = _spawn(spec, allocator_env=fix, timeout_s=timeout_s)
-            out["growth"][name] = {"chunk": chunk, "trim": fix, "overrides": spec["overrides"],
-                                   **_summary_growth(result)}
+            out["growth"][name] = {
+                "chunk": chunk,
+                "trim": fix,
+                "overrides": spec["overrides"],
+                **_summary_growth(result),
+            }
             out["state"] = {k: result[k] for k in ("params_gb", "params_grads_adam_gb")}
     if "state" in out:
         out["state"]["budget_1p5x_gb"] = 1.5 * out["state"]["params_grads_adam_gb"]
@@ -281,12 +362,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the chunked-vs-unchunked peak")
     parser.add_argument("--chunk-steps", type=int, default=2, help="train steps per chunk-comparison run")
     parser.add_argument("--skip-chunks", action="store_true")
-    parser.add_argument("--growth-variants", default="before,after",
-                        help="which growth runs: before (the pre-issue-9 learner), after (as it runs now)")
+    parser.add_argument(
+        "--growth-variants",
+        default="before,after",
+        help="which growth runs: before (the pre-issue-9 learner), after (as it runs now)",
+    )
     parser.add_argument("--override", action="append", default=[], help="a run-file override, key=value")
     parser.add_argument("--out", default="bench/results/memory_learner.json")
-    parser.add_argument("--peak-variants", action="store_true",
-                        help="only the allocator/checkpointing/chunk variants of the step peak (PEAK_VARIANTS)")
+    parser.add_argument(
+        "--peak-variants",
+        action="store_true",
+        help="only the allocator/checkpointing/chunk variants of the step peak (PEAK_VARIANTS)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -297,8 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.peak_variants:
         start = time.perf_counter()
         base = {"config": args.config, "overrides": args.override, "seed": 0}
-        result = {"command": " ".join(["python -m bench.memory_learner", *(argv if argv is not None else sys.argv[1:])]),
-                  "machine": _machine(), **_peak_variants(base, args.seeds, args.chunk_steps, 6 * 3600)}
+        result = {
+            "command": " ".join(["python -m bench.memory_learner", *(argv if argv is not None else sys.argv[1:])]),
+            "machine": _machine(),
+            **_peak_variants(base, args.seeds, args.chunk_steps, 6 * 3600),
+        }
         result["wall_s"] = time.perf_counter() - start
         Path(args.out).write_text(json.dumps(result, indent=2))
         print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "machine")}, indent=1))
@@ -307,17 +397,25 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": " ".join(["python -m bench.memory_learner", *(argv if argv is not None else sys.argv[1:])]),
         "machine": _machine(),
-        **learner_memory(args.config, steps=args.steps, seeds=args.seeds, chunk_steps=args.chunk_steps,
-                         chunks=not args.skip_chunks, overrides=args.override,
-                         growth_variants=tuple(args.growth_variants.split(","))),
+        **learner_memory(
+            args.config,
+            steps=args.steps,
+            seeds=args.seeds,
+            chunk_steps=args.chunk_steps,
+            chunks=not args.skip_chunks,
+            overrides=args.override,
+            growth_variants=tuple(args.growth_variants.split(",")),
+        ),
         "wall_s": time.perf_counter() - start,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     brief = {k: v for k, v in (result.get("chunks") or {}).items() if k != "runs"}
-    brief |= {f"growth_{k}": {m: v[m] for m in ("rss_after_step5_gb", "rss_last_gb", "peak_rss_gb", "step_s_median")}
-              for k, v in (result.get("growth") or {}).items()}
+    brief |= {
+        f"growth_{k}": {m: v[m] for m in ("rss_after_step5_gb", "rss_last_gb", "peak_rss_gb", "step_s_median")}
+        for k, v in (result.get("growth") or {}).items()
+    }
     print(json.dumps({"state": result.get("state"), **brief, "wall_s": result["wall_s"]}))
     return 0
 

@@ -56,9 +56,11 @@ class MemorySampler:
     def stop(self) -> dict:
         self._stop.set()
         self._thread.join(10)
-        return {"node_peak_gb": round(self.node_peak_gb, 3),
-                "part_peak_gb": {k: round(v, 3) for k, v in sorted(self.peak_gb.items())},
-                "samples": self.samples}
+        return {
+            "node_peak_gb": round(self.node_peak_gb, 3),
+            "part_peak_gb": {k: round(v, 3) for k, v in sorted(self.peak_gb.items())},
+            "samples": self.samples,
+        }
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -80,7 +82,9 @@ class MemorySampler:
             self._stop.wait(self.period_s)
 
 
-def sample_run(cmd: list[str], *, cwd: str, env: dict[str, str], log_path: str, timeout_s: float) -> tuple[int | None, float, dict]:
+def sample_run(
+    cmd: list[str], *, cwd: str, env: dict[str, str], log_path: str, timeout_s: float
+) -> tuple[int | None, float, dict]:
     """Run `cmd` in a new session while sampling it; returns (rc or None on timeout, wall s, memory)."""
     import os
     import signal

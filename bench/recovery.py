@@ -51,8 +51,10 @@ def _batch(first_group: int, num_groups: int, *, partial: bool, rng: np.random.G
     width = 0 if partial else RESPONSE
     mask = np.ones((n, width), dtype=np.int8)
     cols = {
-        "trajectory_id": pa.array(ids), "group_id": pa.array(groups),
-        "sample_index": pa.array(np.arange(n, dtype=np.int32) % GROUP), "agent_name": pa.array(["tool_agent"] * n),
+        "trajectory_id": pa.array(ids),
+        "group_id": pa.array(groups),
+        "sample_index": pa.array(np.arange(n, dtype=np.int32) % GROUP),
+        "agent_name": pa.array(["tool_agent"] * n),
         "prompt_ids": _lists(prompt, PROMPT),
         "response_ids": _lists(rng.integers(0, 50000, (n, width), dtype=np.int32), width),
         "response_mask": _lists(mask, width),
@@ -61,9 +63,15 @@ def _batch(first_group: int, num_groups: int, *, partial: bool, rng: np.random.G
         "reward": pa.array(rng.random(n)),
         "status": pa.array(["partial" if partial else "finished"] * n),
         "finish_reason": pa.array(["abort" if partial else "stop"] * n),
-        "agent_data_json": pa.array([
-            AgentData(trajectory_id=t, group_id=g, sample_index=i % GROUP, prompt_ids=prompt[i].tolist()).to_json()
-            if partial else None for i, (t, g) in enumerate(zip(ids, groups))], pa.string()),
+        "agent_data_json": pa.array(
+            [
+                AgentData(trajectory_id=t, group_id=g, sample_index=i % GROUP, prompt_ids=prompt[i].tolist()).to_json()
+                if partial
+                else None
+                for i, (t, g) in enumerate(zip(ids, groups))
+            ],
+            pa.string(),
+        ),
     }
     for f in RECORD_FIELDS:
         if f.name not in cols:
@@ -127,11 +135,16 @@ def time_reopen(root: Path, repeats: int) -> dict:
         out = subprocess.run([sys.executable, "-c", _CHILD, str(root)], capture_output=True, text=True, check=True)
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     first = runs[0]
-    return {"reopen_s_median": statistics.median(r["reopen_s"] for r in runs), "reopen_s_min": min(r["reopen_s"] for r in runs),
-            "reopen_s_all": [r["reopen_s"] for r in runs],
-            "rss_growth_mb_median": statistics.median(r["rss_growth_mb"] for r in runs),
-            "num_rows_recovered": first["num_rows"], "num_frames": first["num_frames"],
-            "num_consumption_records": first["num_consumption_records"], "clean": first["clean"]}
+    return {
+        "reopen_s_median": statistics.median(r["reopen_s"] for r in runs),
+        "reopen_s_min": min(r["reopen_s"] for r in runs),
+        "reopen_s_all": [r["reopen_s"] for r in runs],
+        "rss_growth_mb_median": statistics.median(r["rss_growth_mb"] for r in runs),
+        "num_rows_recovered": first["num_rows"],
+        "num_frames": first["num_frames"],
+        "num_consumption_records": first["num_consumption_records"],
+        "clean": first["clean"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,17 +160,31 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             steps = write_log(root, n)
             write_s = time.perf_counter() - t0
-            row = {"num_groups": n, "num_trajectories": n * GROUP, "learner_steps": steps, "write_s": write_s,
-                   "log_mb": _disk_bytes(root) / 2**20, **time_reopen(root, args.repeats)}
+            row = {
+                "num_groups": n,
+                "num_trajectories": n * GROUP,
+                "learner_steps": steps,
+                "write_s": write_s,
+                "log_mb": _disk_bytes(root) / 2**20,
+                **time_reopen(root, args.repeats),
+            }
             row["reopen_us_per_row"] = 1e6 * row["reopen_s_median"] / max(row["num_rows_recovered"], 1)
             results.append(row)
             print(json.dumps(row), flush=True)
             shutil.rmtree(root)
-    out = {"command": "python -m bench.recovery " + " ".join(sys.argv[1:] if argv is None else argv),
-           "machine": machine(pyarrow=pa.__version__, loadavg_at_end=list(os.getloadavg())),
-           "setup": {"group_size": GROUP, "batch_size": BATCH, "prompt_tokens": PROMPT, "response_tokens": RESPONSE,
-                     "rows_per_group": 2 * GROUP, "note": "every group admitted (partial rows), finished and consumed"},
-           "results": results}
+    out = {
+        "command": "python -m bench.recovery " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine(pyarrow=pa.__version__, loadavg_at_end=list(os.getloadavg())),
+        "setup": {
+            "group_size": GROUP,
+            "batch_size": BATCH,
+            "prompt_tokens": PROMPT,
+            "response_tokens": RESPONSE,
+            "rows_per_group": 2 * GROUP,
+            "note": "every group admitted (partial rows), finished and consumed",
+        },
+        "results": results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0

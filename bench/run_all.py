@@ -10,8 +10,15 @@ import subprocess
 import sys
 import time
 
-BENCHMARKS = ["bench.buffer", "bench.learner", "bench.weight_sync", "bench.async_vs_sync", "bench.memory",
-              "bench.staleness_sweep", "bench.learning"]
+BENCHMARKS = [
+    "bench.buffer",
+    "bench.learner",
+    "bench.weight_sync",
+    "bench.async_vs_sync",
+    "bench.memory",
+    "bench.staleness_sweep",
+    "bench.learning",
+]
 
 
 def main(argv: list[str] | None = None) -> int:

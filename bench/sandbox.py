@@ -70,7 +70,10 @@ async def run_catalogue(tool: CodeInterpreterTool, harness: Harness, *, namespac
             continue
         outcome = await run_attempt(tool, attempt, harness)
         outcomes.append(outcome)
-        print(f"{tool.layer:8s} {outcome.name:32s} blocked={outcome.blocked!s:5s} {outcome.wall_s:5.2f}s  {outcome.layer}", flush=True)
+        print(
+            f"{tool.layer:8s} {outcome.name:32s} blocked={outcome.blocked!s:5s} {outcome.wall_s:5.2f}s  {outcome.layer}",
+            flush=True,
+        )
     return {
         "layer": tool.layer,
         "probe": tool.sandbox.report.tried,
@@ -93,12 +96,18 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     with Harness() as harness:
         tool = CodeInterpreterTool(escape_tool_config(harness, isolation=args.isolation))
         main_run = await run_catalogue(tool, harness, namespaced=tool.layer != "none")
-        control = await run_catalogue(CodeInterpreterTool(escape_tool_config(harness, isolation="none")), harness, namespaced=False)
+        control = await run_catalogue(
+            CodeInterpreterTool(escape_tool_config(harness, isolation="none")), harness, namespaced=False
+        )
         others = {}
         if args.bwrap:
             bwrap = CodeInterpreterTool(escape_tool_config(harness, isolation="bwrap", bwrap_path=args.bwrap))
             version = subprocess.run([args.bwrap, "--version"], capture_output=True, text=True).stdout.strip()
-            others["bwrap"] = {"binary": args.bwrap, "version": version, **await run_catalogue(bwrap, harness, namespaced=True)}
+            others["bwrap"] = {
+                "binary": args.bwrap,
+                "version": version,
+                **await run_catalogue(bwrap, harness, namespaced=True),
+            }
         config = escape_tool_config(harness, isolation=args.isolation)
     config.pop("ro_paths")
     return {
@@ -131,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     summary = {k: result[k] for k in ("isolation", "attempts_tried", "attempts_blocked", "all_blocked")}
-    summary["control_blocked"] = f"{result['control_without_isolation']['attempts_blocked']}/{result['control_without_isolation']['attempts_tried']}"
+    summary["control_blocked"] = (
+        f"{result['control_without_isolation']['attempts_blocked']}/{result['control_without_isolation']['attempts_tried']}"
+    )
     print(json.dumps(summary, indent=1))
     return 0 if result["all_blocked"] else 1
 

@@ -109,8 +109,13 @@ def learner_config(correction: str, seed: int, settings: Settings, max_lag: int)
     """Defaults except: CPU, the cell's correction preset and seed, a fast lr, small micro-batches,
     two mini-batches (so the PPO clip acts even at lag 0) and one lag bucket per swept lag."""
     return LearnerConfig(
-        model="tiny", device="cpu", algo="grpo", seed=seed, lr=settings.lr,
-        num_minibatches=settings.num_minibatches, micro_batch_tokens=settings.micro_batch_tokens,
+        model="tiny",
+        device="cpu",
+        algo="grpo",
+        seed=seed,
+        lr=settings.lr,
+        num_minibatches=settings.num_minibatches,
+        micro_batch_tokens=settings.micro_batch_tokens,
         correction={"mode": correction, "num_lag_buckets": max_lag + 1},
     )
 
@@ -134,8 +139,14 @@ def sample(
     return torch.cat(tokens, 1), torch.cat(logps, 1)
 
 
-def padded_batch(prompts: torch.Tensor, responses: torch.Tensor, logps: torch.Tensor, version: int,
-                 rewards: torch.Tensor, group_size: int) -> SimpleNamespace:
+def padded_batch(
+    prompts: torch.Tensor,
+    responses: torch.Tensor,
+    logps: torch.Tensor,
+    version: int,
+    rewards: torch.Tensor,
+    group_size: int,
+) -> SimpleNamespace:
     """The `PaddedBatch` fields `train_step` reads; all rows have the same length (no padding)."""
     rows, p = prompts.shape
     ids = torch.cat([prompts, responses], 1).numpy()
@@ -228,16 +239,22 @@ def run_cell(lag: int, correction: str, seed: int, settings: Settings, max_lag: 
         batch, version = sampler.train_batch(step)
         metrics = engine.train_step(batch)
         sampler.record(engine)
-        row = {"step": step, "behaviour_version": version, "reward": float(batch.rewards.mean()),
-               "eval_reward": sampler.eval_reward(engine.policy_version, step),
-               "learner_lag": learner_lag(metrics, max_lag + 1),
-               # share of the step's tokens the learner put at lag step − version (1.0: exact lag)
-               "learner_lag_frac": metrics.get(f"is/token_frac/lag_{step - version}", 0.0)}
+        row = {
+            "step": step,
+            "behaviour_version": version,
+            "reward": float(batch.rewards.mean()),
+            "eval_reward": sampler.eval_reward(engine.policy_version, step),
+            "learner_lag": learner_lag(metrics, max_lag + 1),
+            # share of the step's tokens the learner put at lag step − version (1.0: exact lag)
+            "learner_lag_frac": metrics.get(f"is/token_frac/lag_{step - version}", 0.0),
+        }
         row |= {name: metrics[key] for key, name in METRIC_KEYS.items() if key in metrics}
         steps.append(row)
     columns = {key: [r.get(key, float("nan")) for r in steps] for key in steps[0]}
     return {
-        "lag": lag, "correction": correction, "seed": seed,
+        "lag": lag,
+        "correction": correction,
+        "seed": seed,
         "final_reward": statistics.fmean(columns["eval_reward"][-FINAL_WINDOW:]),
         "final_train_reward": statistics.fmean(columns["reward"][-FINAL_WINDOW:]),
         "mean_eval_reward": statistics.fmean(columns["eval_reward"]),
@@ -271,8 +288,11 @@ def _collect(results: Iterator[dict[str, Any]], total: int) -> list[dict[str, An
     for cell in results:
         cells.append(cell)
         r = cell["per_step"]["eval_reward"]
-        print(f"[{len(cells)}/{total}] lag={cell['lag']} {cell['correction']:<9} seed={cell['seed']} eval reward "
-              f"{r[0]:.3f} -> final {cell['final_reward']:.3f} in {cell['wall_s']:.1f}s", flush=True)
+        print(
+            f"[{len(cells)}/{total}] lag={cell['lag']} {cell['correction']:<9} seed={cell['seed']} eval reward "
+            f"{r[0]:.3f} -> final {cell['final_reward']:.3f} in {cell['wall_s']:.1f}s",
+            flush=True,
+        )
     return cells
 
 
@@ -283,11 +303,17 @@ def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for lag, corr in keys:
         same = [c for c in cells if (c["lag"], c["correction"]) == (lag, corr)]
         finals = [c["final_reward"] for c in same]
-        rows.append({"lag": lag, "correction": corr, "num_seeds": len(same),
-                     "final_reward_mean": statistics.fmean(finals),
-                     "final_reward_sd": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-                     "final_train_reward_mean": statistics.fmean(c["final_train_reward"] for c in same),
-                     "mean_eval_reward_mean": statistics.fmean(c["mean_eval_reward"] for c in same)})
+        rows.append(
+            {
+                "lag": lag,
+                "correction": corr,
+                "num_seeds": len(same),
+                "final_reward_mean": statistics.fmean(finals),
+                "final_reward_sd": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+                "final_train_reward_mean": statistics.fmean(c["final_train_reward"] for c in same),
+                "mean_eval_reward_mean": statistics.fmean(c["mean_eval_reward"] for c in same),
+            }
+        )
     return rows
 
 
@@ -326,11 +352,23 @@ def plot(cells: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path)
     for i, lag in enumerate(lags):
         for j, c in enumerate(corrections):
             r = means[(lag, c)]
-            ax.text(j, i, f"{r['final_reward_mean']:.3f}\n±{r['final_reward_sd']:.3f}", ha="center", va="center",
-                    color="white" if r["final_reward_mean"] < 0.5 else "black", fontsize=8)
-    ax.set(xticks=range(len(corrections)), xticklabels=corrections, yticks=range(len(lags)), yticklabels=lags,
-           ylabel="policy lag k",
-           title=f"final reward (eval, mean of last {FINAL_WINDOW} steps; mean ± sd over seeds)")
+            ax.text(
+                j,
+                i,
+                f"{r['final_reward_mean']:.3f}\n±{r['final_reward_sd']:.3f}",
+                ha="center",
+                va="center",
+                color="white" if r["final_reward_mean"] < 0.5 else "black",
+                fontsize=8,
+            )
+    ax.set(
+        xticks=range(len(corrections)),
+        xticklabels=corrections,
+        yticks=range(len(lags)),
+        yticklabels=lags,
+        ylabel="policy lag k",
+        title=f"final reward (eval, mean of last {FINAL_WINDOW} steps; mean ± sd over seeds)",
+    )
     fig.colorbar(im, ax=ax)
     for j, c in enumerate(corrections):
         sub = fig.add_subplot(grid[1, j])
@@ -338,8 +376,12 @@ def plot(cells: list[dict[str, Any]], summary: list[dict[str, Any]], path: Path)
             runs = [x for x in cells if x["lag"] == lag and x["correction"] == c]
             curves = np.array([x["per_step"]["eval_reward"] for x in runs])
             sub.plot(np.arange(1, curves.shape[1] + 1), curves.mean(0), label=f"k={lag}")
-        sub.set(title=c, xlabel="policy version (steps trained)", ylim=(0.0, 1.02),
-                ylabel="eval reward (mean over seeds)" if j == 0 else None)
+        sub.set(
+            title=c,
+            xlabel="policy version (steps trained)",
+            ylim=(0.0, 1.02),
+            ylabel="eval reward (mean over seeds)" if j == 0 else None,
+        )
         if j == 0:
             sub.legend(fontsize=7)
     fig.tight_layout()
@@ -381,10 +423,16 @@ def main(argv: list[str] | None = None) -> int:
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False)
     result = {
         "command": " ".join(["python -m bench.staleness_sweep", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": machine(torch=torch.__version__), "commit": git.stdout.strip(),
-        "settings": asdict(settings) | {
-            "lags": args.lags, "corrections": args.corrections, "seeds": args.seeds, "workers": args.workers,
-            "target_frac": TARGET_FRAC, "final_window": FINAL_WINDOW,
+        "machine": machine(torch=torch.__version__),
+        "commit": git.stdout.strip(),
+        "settings": asdict(settings)
+        | {
+            "lags": args.lags,
+            "corrections": args.corrections,
+            "seeds": args.seeds,
+            "workers": args.workers,
+            "target_frac": TARGET_FRAC,
+            "final_window": FINAL_WINDOW,
         },
         "wall_s": time.perf_counter() - start,
         "summary": summary,

@@ -38,8 +38,9 @@ def start_cluster() -> Any:
     from ray.cluster_utils import Cluster
 
     common = {"node_ip_address": "127.0.0.1", "object_store_memory": 256 * 1024 * 1024, "num_cpus": 4}
-    cluster = Cluster(initialize_head=True, head_node_args={**common, "resources": {"learner_node": 1.0},
-                                                           "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={**common, "resources": {"learner_node": 1.0}, "include_dashboard": False}
+    )
     cluster.add_node(**common, resources={"engine_node": 1.0})
     cluster.wait_for_nodes()
     return cluster
@@ -51,10 +52,19 @@ def run_two_node(work: Path, *, steps: int, timeout_s: float = 900.0) -> dict[st
     try:
         run_dir = work / "two-node"
         cmd = [
-            sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", "configs/tiny.toml",
-            f"trainer.run_root={work}", "trainer.run_name=two-node", f"trainer.total_steps={steps}",
-            f"trainer.checkpoint_every={steps}", "wandb.enabled=false",
-            "rollout.engine.resources={engine_node = 1}", "learner.resources_per_worker={learner_node = 1}",
+            sys.executable,
+            "-m",
+            "streamrl.streaming.cli",
+            "train",
+            "--config",
+            "configs/tiny.toml",
+            f"trainer.run_root={work}",
+            "trainer.run_name=two-node",
+            f"trainer.total_steps={steps}",
+            f"trainer.checkpoint_every={steps}",
+            "wandb.enabled=false",
+            "rollout.engine.resources={engine_node = 1}",
+            "learner.resources_per_worker={learner_node = 1}",
         ]
         env = {**os.environ, **LOOPBACK_ENV, "RAY_ADDRESS": cluster.address}
         started = time.monotonic()
@@ -72,8 +82,9 @@ def run_two_node(work: Path, *, steps: int, timeout_s: float = 900.0) -> dict[st
 def check_run(run_dir: Path, *, steps: int, wall_s: float) -> dict[str, Any]:
     placement = json.loads((run_dir / "placement.json").read_text())
     nodes = placement["nodes"]
-    by_resource = {res: nid for nid, node in nodes.items() for res in ("engine_node", "learner_node")
-                   if node["resources"].get(res)}
+    by_resource = {
+        res: nid for nid, node in nodes.items() for res in ("engine_node", "learner_node") if node["resources"].get(res)
+    }
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps_logged = [m for m in metrics if "learner/loss" in m]
     state = json.loads((run_dir / "driver_state.json").read_text())

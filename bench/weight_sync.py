@@ -106,8 +106,14 @@ def synthetic_state_dict(num_params: int) -> list[tuple[str, Any]]:
     out.append(("embed.weight", torch.full((32768, hidden), 0.5)))
     total += 32768 * hidden
     while total < num_params:
-        for name, shape in (("qkv", (3 * hidden, hidden)), ("o", (hidden, hidden)), ("up", (4 * hidden, hidden)),
-                            ("down", (hidden, 4 * hidden)), ("norm1", (hidden,)), ("norm2", (hidden,))):
+        for name, shape in (
+            ("qkv", (3 * hidden, hidden)),
+            ("o", (hidden, hidden)),
+            ("up", (4 * hidden, hidden)),
+            ("down", (hidden, 4 * hidden)),
+            ("norm1", (hidden,)),
+            ("norm2", (hidden,)),
+        ):
             out.append((f"layers.{layer}.{name}.weight", torch.full(shape, 0.25)))
             total += out[-1][1].numel()
         layer += 1
@@ -175,7 +181,10 @@ def bench_checksum(num_bytes: int = 256 * 1024 * 1024, repeats: int = 3) -> dict
     out: dict[str, Any] = {"bytes": num_bytes, "torch_threads": torch.get_num_threads()}
     reference = int(flat.view(torch.int64).sum().item()) & ((1 << 64) - 1)
     assert checksum(flat) == reference, "numpy and torch checksums disagree"
-    candidates = (("checksum", lambda: checksum(flat)), ("torch_int64_sum", lambda: flat.view(torch.int64).sum().item()))
+    candidates = (
+        ("checksum", lambda: checksum(flat)),
+        ("torch_int64_sum", lambda: flat.view(torch.int64).sum().item()),
+    )
     for name, fn in candidates:
         times = []
         for _ in range(repeats):
@@ -197,8 +206,13 @@ async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]
 
     hf = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
     weights = [(n, p.detach()) for n, p in hf.named_parameters()]
-    cfg = EngineConfig(model=str(model_path), device="cpu", max_model_len=1024, max_num_seqs=8,
-                       worker_extension_cls=WORKER_EXTENSION_CLS)
+    cfg = EngineConfig(
+        model=str(model_path),
+        device="cpu",
+        max_model_len=1024,
+        max_num_seqs=8,
+        worker_extension_cls=WORKER_EXTENSION_CLS,
+    )
     t0 = time.monotonic()
     engine = VLLMEngine(cfg, "bench-0")
     prompt = list(range(10, 42))
@@ -208,7 +222,9 @@ async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]
     try:
         for mode in (PauseMode.ABORT, PauseMode.KEEP):
             max_tokens = 200
-            task = asyncio.ensure_future(engine.generate(f"req-{mode}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+            task = asyncio.ensure_future(
+                engine.generate(f"req-{mode}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+            )
             await asyncio.sleep(1.0)
             parked = {}
 
@@ -226,8 +242,11 @@ async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]
             if mode is PauseMode.ABORT:
                 first = parked["out"]
                 rest = max_tokens - len(first.token_ids)
-                again = await engine.generate(f"req-{mode}-resume", prompt + first.token_ids,
-                                              SamplingParams(max_tokens=max(rest, 1), temperature=0.0))
+                again = await engine.generate(
+                    f"req-{mode}-resume",
+                    prompt + first.token_ids,
+                    SamplingParams(max_tokens=max(rest, 1), temperature=0.0),
+                )
                 row |= {
                     "tokens_kept_at_interrupt": len(first.token_ids),
                     "tokens_discarded": 0 if first.aborted and len(first.token_ids) == len(first.logprobs) else None,
@@ -253,16 +272,36 @@ async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]
 def _summarize_overlap(runs: list[dict[str, Any]], overlap: bool) -> dict[str, Any]:
     """Mean, min and max per key over the runs of one mode."""
     rows = [r for r in runs if r["overlap"] is overlap]
-    keys = ("sync/paused_s", "sync/load_s", "sync/transfer_s", "paused_over_load", "abort_wait_s",
-            "tokens_generated_while_aborting", "engine_idle_s", "idle_over_load", "tokens_generated_while_staging",
-            "tokens_per_s_while_staging", "tokens_per_s_before_sync", "tokens_discarded", "commit_reload_s",
-            "commit_refresh_s", "commit_ns_per_byte")
-    return {k: {"mean": statistics.fmean(r[k] for r in rows), "min": min(r[k] for r in rows),
-                "max": max(r[k] for r in rows)} for k in keys}
+    keys = (
+        "sync/paused_s",
+        "sync/load_s",
+        "sync/transfer_s",
+        "paused_over_load",
+        "abort_wait_s",
+        "tokens_generated_while_aborting",
+        "engine_idle_s",
+        "idle_over_load",
+        "tokens_generated_while_staging",
+        "tokens_per_s_while_staging",
+        "tokens_per_s_before_sync",
+        "tokens_discarded",
+        "commit_reload_s",
+        "commit_refresh_s",
+        "commit_ns_per_byte",
+    )
+    return {
+        k: {
+            "mean": statistics.fmean(r[k] for r in rows),
+            "min": min(r[k] for r in rows),
+            "max": max(r[k] for r in rows),
+        }
+        for k in keys
+    }
 
 
-def _overlap_row(result, at: dict[str, Any], start_tokens: int, start_t: float, rate_before: float,
-                 last_commit: dict[str, float]) -> dict[str, Any]:
+def _overlap_row(
+    result, at: dict[str, Any], start_tokens: int, start_t: float, rate_before: float, last_commit: dict[str, float]
+) -> dict[str, Any]:
     """One sync of `bench_overlap`: its `*_s` metrics and what the engine did during it. `at` holds
     what the workers' pause and resume saw (tokens and time at the pause, the aborted outputs, when
     the engine's last step ended, when it resumed)."""
@@ -305,8 +344,13 @@ async def bench_overlap(model_name: str, model_path: Path, repeats: int, num_req
 
     hf = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
     weights = [(n, p.detach()) for n, p in hf.named_parameters()]
-    cfg = EngineConfig(model=str(model_path), device="cpu", max_model_len=1024, max_num_seqs=8,
-                       worker_extension_cls=WORKER_EXTENSION_CLS)
+    cfg = EngineConfig(
+        model=str(model_path),
+        device="cpu",
+        max_model_len=1024,
+        max_num_seqs=8,
+        worker_extension_cls=WORKER_EXTENSION_CLS,
+    )
     engine = VLLMEngine(cfg, "bench-overlap")
     prompt = list(range(10, 42))
     await engine.generate("warmup", prompt, SamplingParams(max_tokens=4, temperature=0.0))
@@ -317,8 +361,10 @@ async def bench_overlap(model_name: str, model_path: Path, repeats: int, num_req
         for rep in range(repeats):
             for overlap in (False, True) if rep % 2 == 0 else (True, False):
                 ids = [f"ov-{rep}-{overlap}-{i}" for i in range(num_requests)]
-                tasks = [asyncio.ensure_future(engine.generate(r, prompt, SamplingParams(max_tokens=960, temperature=0.0)))
-                         for r in ids]
+                tasks = [
+                    asyncio.ensure_future(engine.generate(r, prompt, SamplingParams(max_tokens=960, temperature=0.0)))
+                    for r in ids
+                ]
                 streamed = lambda: sum(engine.num_streamed_tokens(r) for r in ids)  # noqa: E731
                 await asyncio.sleep(1.0)
                 before_tokens, before_t = streamed(), time.monotonic()
@@ -341,25 +387,38 @@ async def bench_overlap(model_name: str, model_path: Path, repeats: int, num_req
                 start_tokens, start_t = streamed(), time.monotonic()
                 result = await coordinator.sync(weights)
                 assert result.ok, result.error
-                runs.append({"overlap": overlap, "repeat": rep,
-                             **_overlap_row(result, at, start_tokens, start_t, rate_before, engine.last_commit)})
+                runs.append(
+                    {
+                        "overlap": overlap,
+                        "repeat": rep,
+                        **_overlap_row(result, at, start_tokens, start_t, rate_before, engine.last_commit),
+                    }
+                )
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     finally:
         await coordinator.close()
         await engine.shutdown()
 
-    return {"model": model_name, "num_requests": num_requests, "repeats": repeats, "runs": runs,
-            "overlap": _summarize_overlap(runs, True), "paused_transfer": _summarize_overlap(runs, False),
-            "target": "overlap: engine pause per sync (engine_idle_s: from the end of its last step to the resume) "
-                      "<= 1.1 x commit (load) time, tokens generated while staging > 0, "
-                      "0 tokens discarded"}
+    return {
+        "model": model_name,
+        "num_requests": num_requests,
+        "repeats": repeats,
+        "runs": runs,
+        "overlap": _summarize_overlap(runs, True),
+        "paused_transfer": _summarize_overlap(runs, False),
+        "target": "overlap: engine pause per sync (engine_idle_s: from the end of its last step to the resume) "
+        "<= 1.1 x commit (load) time, tokens generated while staging > 0, "
+        "0 tokens discarded",
+    }
 
 
 def _git_commit() -> str | None:
     import subprocess
 
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=RESULTS.parents[2], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=RESULTS.parents[2], capture_output=True, text=True, timeout=10
+        )
         return out.stdout.strip() or None
     except OSError:
         return None
@@ -371,8 +430,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="syncs per SmolLM2 row (best one counts)")
     parser.add_argument("--synthetic-repeats", type=int, default=3, help="syncs per synthetic row")
     parser.add_argument("--overlap-repeats", type=int, default=3, help="syncs per overlap mode")
-    parser.add_argument("--overlap-only", action="store_true",
-                        help="run only the overlap comparison and update its section of the results file")
+    parser.add_argument(
+        "--overlap-only",
+        action="store_true",
+        help="run only the overlap comparison and update its section of the results file",
+    )
     args = parser.parse_args()
     import torch
 
@@ -396,7 +458,10 @@ def main() -> None:
         return
     from transformers import AutoModelForCausalLM
 
-    hf_named = [(n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).named_parameters()]
+    hf_named = [
+        (n, p.detach())
+        for n, p in AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).named_parameters()
+    ]
     checksum_row = bench_checksum()
     transport_rows = [asyncio.run(bench_transport(hf_named, model_name, args.repeats, v)) for v in (True, False)]
     del hf_named
@@ -407,8 +472,13 @@ def main() -> None:
     engine_row = asyncio.run(bench_engine_sync(model_name, model_path))
     results = {
         "command": command,
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                    "device": "cpu", "backend": "gloo"},
+        "machine": {
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "device": "cpu",
+            "backend": "gloo",
+        },
         "checksum_throughput": checksum_row,
         "transport_vs_raw": transport_rows,
         "engine_sync": engine_row,
@@ -423,4 +493,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-

@@ -111,7 +111,9 @@ class BufferActor:
         await self._notify_changed()
         return True
 
-    async def try_append(self, data: pa.RecordBatch | pa.Table | list[Trajectory], images: list[ImageBlob] | None = None) -> bool:
+    async def try_append(
+        self, data: pa.RecordBatch | pa.Table | list[Trajectory], images: list[ImageBlob] | None = None
+    ) -> bool:
         """Append only if there is room now (partial rows always); never waits."""
         self._check_flusher()
         batch = self._as_batch(data)
@@ -163,8 +165,11 @@ class BufferActor:
 
     async def progress(self) -> BufferProgress:
         """Trajectories in flight and rows appended so far: cheap, for the driver's stall checks."""
-        return BufferProgress(in_flight=self.buffer.num_in_flight, rows_appended=self.buffer.num_rows_appended,
-                              changes=self.buffer.num_changes)
+        return BufferProgress(
+            in_flight=self.buffer.num_in_flight,
+            rows_appended=self.buffer.num_rows_appended,
+            changes=self.buffer.num_changes,
+        )
 
     async def wait_progress(self, after: int, timeout_s: float) -> BufferProgress:
         """Long-poll: `progress()` as soon as the change counter passes `after` (a row arrived, a batch
@@ -214,7 +219,9 @@ class BufferActor:
         self.buffer.close()
 
 
-def create_buffer_actor(cfg: BufferConfig, *, resume_learner_step: int | None = None, **options: Any) -> ray.actor.ActorHandle:
+def create_buffer_actor(
+    cfg: BufferConfig, *, resume_learner_step: int | None = None, **options: Any
+) -> ray.actor.ActorHandle:
     """Start a `BufferActor` (default `num_cpus=0`: it is I/O bound; pass Ray options to override)."""
     import ray
 

@@ -62,7 +62,9 @@ def _read_logs(buffer_dir: str | Path) -> tuple[pa.Table, list[pa.RecordBatch], 
         raise ValueError(f"{root} is not a buffer directory")
     report = RecoveryReport()
     names, batches = [], []
-    for name, batch in read_segments(root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, report=report, legacy_schemas=LEGACY_SCHEMAS):
+    for name, batch in read_segments(
+        root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, report=report, legacy_schemas=LEGACY_SCHEMAS
+    ):
         if not batch.schema.equals(TRAJECTORY_SCHEMA):
             batch = normalize_batch(batch)  # schema "1": empty image columns
         names.extend([name] * batch.num_rows)
@@ -75,7 +77,9 @@ def _read_logs(buffer_dir: str | Path) -> tuple[pa.Table, list[pa.RecordBatch], 
 
 
 def _kept(table: pa.Table) -> np.ndarray:
-    return np.array(kept_rows(table.column("trajectory_id").to_pylist(), table.column("status").to_pylist()), dtype=np.int64)
+    return np.array(
+        kept_rows(table.column("trajectory_id").to_pylist(), table.column("status").to_pylist()), dtype=np.int64
+    )
 
 
 def latest_rows(table: pa.Table) -> pa.Table:
@@ -91,7 +95,9 @@ def load_table(buffer_dir: str | Path) -> pa.Table:
     tids = table.column("trajectory_id").to_pylist()
     uses = [history.get(t, []) for t in tids]
     table = table.append_column("num_consumed", pa.array([len(u) for u in uses], pa.int32()))
-    return table.append_column("last_consume_step", pa.array([max((s for s, _ in u), default=-1) for u in uses], pa.int64()))
+    return table.append_column(
+        "last_consume_step", pa.array([max((s for s, _ in u), default=-1) for u in uses], pa.int64())
+    )
 
 
 def load_dataset(buffer_dir: str | Path) -> ds.Dataset:
@@ -130,13 +136,17 @@ def stats(buffer_dir: str | Path) -> str:
     lines = [f"buffer {buffer_dir}", *report.lines()]
     latest = latest_rows(table)
     status_counts = dict(zip(*np.unique(latest.column("status").to_numpy(zero_copy_only=False), return_counts=True)))
-    lines.append(f"rows logged: {table.num_rows}, trajectories: {latest.num_rows}, groups: {len(pc.unique(latest.column('group_id')))}")
+    lines.append(
+        f"rows logged: {table.num_rows}, trajectories: {latest.num_rows}, groups: {len(pc.unique(latest.column('group_id')))}"
+    )
     lines.append("latest status: " + (", ".join(f"{k}={v}" for k, v in sorted(status_counts.items())) or "none"))
     lags = np.array([lag for uses in history.values() for _, lag in uses], dtype=np.int64)
     lines.append(f"consumed: {len(history)} trajectories, {len(lags)} uses")
     if len(lags):
         hist = lag_histogram(lags, int(lags.max()))[:-1]
-        lines.append("lag at consume (trajectory, oldest token): " + " ".join(f"{k}:{n}" for k, n in enumerate(hist.tolist())))
+        lines.append(
+            "lag at consume (trajectory, oldest token): " + " ".join(f"{k}:{n}" for k, n in enumerate(hist.tolist()))
+        )
     finished = latest.filter(pc.equal(latest.column("status"), "finished"))
     lines.append(_summary("reward (finished)", finished.column("reward").to_numpy()))
     lines.append(_summary("response tokens (finished)", finished.column("num_response_tokens").to_numpy()))
@@ -144,8 +154,12 @@ def stats(buffer_dir: str | Path) -> str:
     lo, hi = (finished.column(c).to_numpy().astype(np.int64) for c in ("min_policy_version", "max_policy_version"))
     lines.append(_summary("versions spanned per trajectory (finished)", np.where(lo >= 0, hi - lo, 0)))
     lines.append(_summary("interruptions per trajectory (finished)", finished.column("num_interrupts").to_numpy()))
-    lines.append(_summary("seconds in flight (finished)",
-                          finished.column("finished_at").to_numpy() - finished.column("created_at").to_numpy()))
+    lines.append(
+        _summary(
+            "seconds in flight (finished)",
+            finished.column("finished_at").to_numpy() - finished.column("created_at").to_numpy(),
+        )
+    )
     return "\n".join(lines)
 
 

@@ -65,8 +65,13 @@ class BufferDir:
         seen: Counter[str] = Counter()
 
         def batches() -> Iterator[pa.RecordBatch]:
-            for name, batch in read_segments(self.root, prefix=CONSUMED_PREFIX, schema=CONSUMPTION_SCHEMA,
-                                             report=self.report, expected=self._expected(CONSUMED_PREFIX)):
+            for name, batch in read_segments(
+                self.root,
+                prefix=CONSUMED_PREFIX,
+                schema=CONSUMPTION_SCHEMA,
+                report=self.report,
+                expected=self._expected(CONSUMED_PREFIX),
+            ):
                 seen[name] += 1
                 self.report.num_consumption_records += batch.num_rows
                 yield batch
@@ -81,8 +86,14 @@ class BufferDir:
     def trajectories(self) -> Iterator[pa.RecordBatch]:
         """Every verified trajectory frame, in write order, in `TRAJECTORY_SCHEMA`."""
         seen: Counter[str] = Counter()
-        for name, batch in read_segments(self.root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, report=self.report,
-                                         expected=self._expected(TRAJ_PREFIX), legacy_schemas=LEGACY_SCHEMAS):
+        for name, batch in read_segments(
+            self.root,
+            prefix=TRAJ_PREFIX,
+            schema=TRAJECTORY_SCHEMA,
+            report=self.report,
+            expected=self._expected(TRAJ_PREFIX),
+            legacy_schemas=LEGACY_SCHEMAS,
+        ):
             seen[name] += 1
             if not batch.schema.equals(TRAJECTORY_SCHEMA):
                 batch = normalize_batch(batch)  # an older schema version: adds the empty image columns
@@ -92,9 +103,13 @@ class BufferDir:
 
     def start(self, resume_learner_step: int | None) -> None:
         """Open this process's segments, record a consumption rollback, write the manifest (fsync'd)."""
-        self.traj = SegmentWriter(self.root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, segment_max_bytes=self._segment_max_bytes)
+        self.traj = SegmentWriter(
+            self.root, prefix=TRAJ_PREFIX, schema=TRAJECTORY_SCHEMA, segment_max_bytes=self._segment_max_bytes
+        )
         self.traj.open()  # its directory fsync happens here, not in the first append
-        self.cons = SegmentWriter(self.root, prefix=CONSUMED_PREFIX, schema=CONSUMPTION_SCHEMA, segment_max_bytes=self._segment_max_bytes)
+        self.cons = SegmentWriter(
+            self.root, prefix=CONSUMED_PREFIX, schema=CONSUMPTION_SCHEMA, segment_max_bytes=self._segment_max_bytes
+        )
         if resume_learner_step is not None:
             logger.info("rolling back consumption recorded after learner step %d", resume_learner_step)
             self.cons.write(rollback_record(resume_learner_step))
@@ -127,7 +142,10 @@ class BufferDir:
 
     def flushed(self) -> None:
         """After a flush: rewrite the manifest if a log rolled to a new segment."""
-        if len(self.traj.segments) != self._manifest_segments or self.images.num_segments_written != self._manifest_image_segments:
+        if (
+            len(self.traj.segments) != self._manifest_segments
+            or self.images.num_segments_written != self._manifest_image_segments
+        ):
             self.write_manifest(sync=False)
 
     def sync(self, *, fsync: bool) -> None:

@@ -158,8 +158,13 @@ class GroupTable:
         groups, trajectories, preloaded = self.groups, self.trajectories, self.preloaded_steps
         group_size, partial = self.group_size, TrajectoryStatus.PARTIAL
         columns = zip(
-            rows.trajectory_ids, rows.group_ids, rows.statuses, rows.sample_index,
-            rows.num_tokens, rows.rewards, rows.min_policy_versions,
+            rows.trajectory_ids,
+            rows.group_ids,
+            rows.statuses,
+            rows.sample_index,
+            rows.num_tokens,
+            rows.rewards,
+            rows.min_policy_versions,
         )
         for row, (tid, gid, status, sample_index, num_tokens, reward, min_pv) in enumerate(columns, rows.first_row):
             group = trajectories.get(tid) or groups.get(gid)

@@ -78,7 +78,9 @@ class ImageLog:
         are simply absent (reported by `read_segments`)."""
         assert self._root is not None and self._writer is None, "recover once, before writing"
         seen: dict[str, int] = {}
-        for name, batch in read_segments(self._root, prefix=IMAGES_PREFIX, schema=IMAGE_SCHEMA, report=report, expected=expected):
+        for name, batch in read_segments(
+            self._root, prefix=IMAGES_PREFIX, schema=IMAGE_SCHEMA, report=report, expected=expected
+        ):
             seen[name] = seen.get(name, 0) + 1
             for sha, data in zip(batch.column("sha256").to_pylist(), batch.column("data").to_pylist()):
                 self._data.setdefault(sha, data)
@@ -156,7 +158,9 @@ class ImageLog:
 
     def _writer_open(self) -> SegmentWriter:
         if self._writer is None:
-            self._writer = SegmentWriter(self._root, prefix=IMAGES_PREFIX, schema=IMAGE_SCHEMA, segment_max_bytes=self._segment_max_bytes)
+            self._writer = SegmentWriter(
+                self._root, prefix=IMAGES_PREFIX, schema=IMAGE_SCHEMA, segment_max_bytes=self._segment_max_bytes
+            )
         return self._writer
 
     def sync(self) -> None:

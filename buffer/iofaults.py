@@ -91,11 +91,20 @@ class FaultPlan(PlainIO):
             n = self.calls[log, op]
             self.calls[log, op] += 1
             fault = self.faults.get((log, op, n))
-            if fault is None and self.rate and len(self.injected) < self.max_faults and (self.logs is None or log in self.logs):
+            if (
+                fault is None
+                and self.rate
+                and len(self.injected) < self.max_faults
+                and (self.logs is None or log in self.logs)
+            ):
                 kinds = [k for k in self.kinds if k.op == op]
                 if kinds and self._rng.random() < self.rate:
-                    fault = Fault(kind=kinds[int(self._rng.integers(len(kinds)))], at=n, log=log,
-                                  nbytes=int(self._rng.integers(1, 200)))
+                    fault = Fault(
+                        kind=kinds[int(self._rng.integers(len(kinds)))],
+                        at=n,
+                        log=log,
+                        nbytes=int(self._rng.integers(1, 200)),
+                    )
             if fault is not None:
                 self.injected.append(f"{log} {op} #{n} {fault.kind.value}")
                 logger.warning("I/O fault injected: %s call #%d on log %s: %s", op, n, log, fault.kind.value)

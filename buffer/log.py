@@ -92,7 +92,13 @@ class SegmentWriter:
     `segments` and call `sync` / `close` only once every submitted future is done."""
 
     def __init__(
-        self, directory: Path, *, prefix: str, schema: pa.Schema, segment_max_bytes: int, io: iofaults.PlainIO | None = None
+        self,
+        directory: Path,
+        *,
+        prefix: str,
+        schema: pa.Schema,
+        segment_max_bytes: int,
+        io: iofaults.PlainIO | None = None,
     ) -> None:
         self.directory = directory
         self._io = io or iofaults.active()
@@ -254,7 +260,9 @@ def _read_segment(
             _problem(report.torn_tails, f"segment {path.name}: unreadable schema header ({e}); segment skipped")
             return
         except pa.ArrowException as e:  # whole but damaged (a bit flip): any other Arrow error
-            _problem(report.corrupt, f"segment {path.name}: corrupt schema header ({type(e).__name__}: {e}); segment skipped")
+            _problem(
+                report.corrupt, f"segment {path.name}: corrupt schema header ({type(e).__name__}: {e}); segment skipped"
+            )
             return
         known = [s for s in (schema, *legacy_schemas) if file_schema.equals(s)]
         if not known:
@@ -277,7 +285,10 @@ def _read_segment(
             frame = f.read(length)
             end = offset + length
             if zlib.crc32(frame) != crc:
-                _problem(report.corrupt, f"{where}: checksum mismatch (stored {crc:#010x}, computed {zlib.crc32(frame):#010x}); frame skipped")
+                _problem(
+                    report.corrupt,
+                    f"{where}: checksum mismatch (stored {crc:#010x}, computed {zlib.crc32(frame):#010x}); frame skipped",
+                )
                 continue
             try:
                 batch = pa.ipc.read_record_batch(pa.ipc.read_message(pa.py_buffer(frame)), schema)
@@ -287,10 +298,16 @@ def _read_segment(
             report.num_frames += 1
             yield batch
         if len(entries) % _ENTRY_SIZE:
-            _problem(report.torn_tails, f"segment {path.name}: torn index entry after frame {len(entries) // _ENTRY_SIZE - 1}")
+            _problem(
+                report.torn_tails,
+                f"segment {path.name}: torn index entry after frame {len(entries) // _ENTRY_SIZE - 1}",
+            )
         tail = size - max(end, _header_size(schema))
         if tail > 0 and not _is_eos_tail(f, end, size):
-            _problem(report.torn_tails, f"segment {path.name}: torn tail of {tail} bytes after the last complete frame ignored")
+            _problem(
+                report.torn_tails,
+                f"segment {path.name}: torn tail of {tail} bytes after the last complete frame ignored",
+            )
 
 
 def _header_size(schema: pa.Schema) -> int:
@@ -307,4 +324,3 @@ def _is_eos_tail(f, end: int, size: int) -> bool:
 def _problem(sink: list[str], message: str) -> None:
     logger.warning("buffer log: %s", message)
     sink.append(message)
-

@@ -71,8 +71,12 @@ def _malformed_segments(segments: Any) -> str | None:
         if not isinstance(entries, list):
             return f"segments of {prefix!r} are a {type(entries).__name__}, not a list"
         for entry in entries:
-            ok = (isinstance(entry, dict) and isinstance(entry.get("name"), str)
-                  and type(entry.get("num_frames")) is int and entry["num_frames"] >= 0)
+            ok = (
+                isinstance(entry, dict)
+                and isinstance(entry.get("name"), str)
+                and type(entry.get("num_frames")) is int
+                and entry["num_frames"] >= 0
+            )
             if not ok:
                 return f"segment entry {entry!r:.80} of {prefix!r} lacks a name or a frame count"
     return None
@@ -112,13 +116,24 @@ class DirLock:
 def rollback_record(learner_step: int) -> pa.RecordBatch:
     """The consumption-log record that rolls back consumption recorded after `learner_step`."""
     return pa.RecordBatch.from_pylist(
-        [{"op": "rollback", "trajectory_id": None, "group_id": None, "learner_step": learner_step,
-          "learner_version": -1, "lag": 0, "consumed_at": time.time()}],
+        [
+            {
+                "op": "rollback",
+                "trajectory_id": None,
+                "group_id": None,
+                "learner_step": learner_step,
+                "learner_version": -1,
+                "lag": 0,
+                "consumed_at": time.time(),
+            }
+        ],
         schema=CONSUMPTION_SCHEMA,
     )
 
 
-def consumption_history(batches: Iterable[pa.RecordBatch], resume_learner_step: int | None = None) -> dict[str, list[tuple[int, int]]]:
+def consumption_history(
+    batches: Iterable[pa.RecordBatch], resume_learner_step: int | None = None
+) -> dict[str, list[tuple[int, int]]]:
     """Replay consumption records: trajectory_id -> [(learner_step, lag)] of its surviving uses.
     A rollback marker (and `resume_learner_step`) drops uses at later learner steps."""
     history: dict[str, list[tuple[int, int]]] = {}

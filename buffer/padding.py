@@ -52,7 +52,11 @@ def pad_table(table: pa.Table | pa.RecordBatch, *, images: list[list[bytes]] | N
     versions[rows, cols] = col("policy_versions").flatten().to_numpy(zero_copy_only=False)
     attention_mask = (np.arange(width)[None, :] < seq_lens[:, None]).astype(np.int8)
 
-    refs = table.column("image_refs").to_pylist() if "image_refs" in table.schema.names else [[] for _ in range(batch_size)]
+    refs = (
+        table.column("image_refs").to_pylist()
+        if "image_refs" in table.schema.names
+        else [[] for _ in range(batch_size)]
+    )
     if images is None and any(refs):
         raise ValueError("rows reference images but no image bytes were given (sample through the buffer)")
     if images is not None and (len(images) != batch_size or [len(r) for r in images] != [len(r) for r in refs]):

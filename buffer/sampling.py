@@ -33,7 +33,9 @@ def group_order(
         return np.arange(n)
     if policy is SamplingPolicy.UNIFORM:
         return rng.permutation(n)
-    weights = (np.asarray(reward_std, dtype=np.float64) + priority_eps) * lag_decay ** np.asarray(lags, dtype=np.float64)
+    weights = (np.asarray(reward_std, dtype=np.float64) + priority_eps) * lag_decay ** np.asarray(
+        lags, dtype=np.float64
+    )
     return rng.choice(n, size=n, replace=False, p=weights / weights.sum())
 
 

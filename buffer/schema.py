@@ -92,7 +92,9 @@ IMAGE_FIELDS: list[pa.Field] = [
     pa.field("num_image_tokens", pa.list_(pa.int32()), nullable=False),  # [num_images]
 ]
 IMAGE_FIELD_NAMES = tuple(f.name for f in IMAGE_FIELDS)
-TRAJECTORY_SCHEMA = pa.schema(RECORD_FIELDS + IMAGE_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": SCHEMA_VERSION})
+TRAJECTORY_SCHEMA = pa.schema(
+    RECORD_FIELDS + IMAGE_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": SCHEMA_VERSION}
+)
 TRAJECTORY_SCHEMA_V1 = pa.schema(RECORD_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": "1"})
 LEGACY_SCHEMAS = (TRAJECTORY_SCHEMA_V1,)  # older on-disk schemas recovery still reads
 _BASE_FIELD_NAMES = tuple(f.name for f in RECORD_FIELDS)
@@ -273,7 +275,9 @@ def _with_image_columns(data: pa.RecordBatch) -> pa.RecordBatch:
     """A batch without image columns (schema "1" on disk, a producer predating images) gets empty ones."""
     for f in IMAGE_FIELDS:
         if f.name not in data.schema.names:
-            empty = pa.ListArray.from_arrays(pa.array(np.zeros(data.num_rows + 1, dtype=np.int32)), pa.array([], f.type.value_type))
+            empty = pa.ListArray.from_arrays(
+                pa.array(np.zeros(data.num_rows + 1, dtype=np.int32)), pa.array([], f.type.value_type)
+            )
             data = data.append_column(f, empty)
     return data
 

@@ -84,14 +84,18 @@ def _bars(title: str, counts: dict[str, int], label: str) -> str:
         f"</td><td>{100 * v / total:.1f} %</td></tr>"
         for k, v in counts.items()
     )
-    return f"<h2>{html.escape(title)}</h2><table><tr><th>{label}</th><th>n</th><th></th><th>share</th></tr>{rows}</table>"
+    return (
+        f"<h2>{html.escape(title)}</h2><table><tr><th>{label}</th><th>n</th><th></th><th>share</th></tr>{rows}</table>"
+    )
 
 
 def render_html(result: dict[str, Any]) -> str:
     length = result["length"]
     ratio = length["trained_over_generated"]
-    reward_rows = "".join(f"<tr><td>{k}</td><td>{v['uses']}</td><td>{v['mean']:.3f}</td></tr>"
-                          for k, v in result["reward_by_trajectory_lag"].items())
+    reward_rows = "".join(
+        f"<tr><td>{k}</td><td>{v['uses']}</td><td>{v['mean']:.3f}</td></tr>"
+        for k, v in result["reward_by_trajectory_lag"].items()
+    )
     parts = [
         "<!doctype html><meta charset=utf-8><title>streamrl staleness</title>",
         "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 8px;text-align:left}"
@@ -105,13 +109,18 @@ def render_html(result: dict[str, Any]) -> str:
         _bars("Interruptions per finished trajectory", result["interruptions"], "interruptions"),
         "<h2>Length bias</h2>"
         f"<p>generated mean {length['generated_mean_tokens']:.1f} tokens, trained mean {length['trained_mean_tokens']:.1f}"
-        + (f", ratio {ratio:.3f} (1.0 = no bias)" if ratio is not None else "") + "</p>",
+        + (f", ratio {ratio:.3f} (1.0 = no bias)" if ratio is not None else "")
+        + "</p>",
         _bars("Generated, by response-length bucket", length["generated_by_bucket"], "≤ tokens"),
         _bars("Trained, by response-length bucket", length["trained_by_bucket"], "≤ tokens"),
         f"<h2>Reward by trajectory lag</h2><table><tr><th>lag</th><th>uses</th><th>mean reward</th></tr>{reward_rows}</table>",
     ]
     if result["log_problems"]:
-        parts.append("<h2>Log problems</h2><ul>" + "".join(f"<li>{html.escape(p)}</li>" for p in result["log_problems"]) + "</ul>")
+        parts.append(
+            "<h2>Log problems</h2><ul>"
+            + "".join(f"<li>{html.escape(p)}</li>" for p in result["log_problems"])
+            + "</ul>"
+        )
     return "\n".join(parts)
 
 
@@ -129,13 +138,16 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path, dict[str, Any]]:
 def summary(result: dict[str, Any]) -> str:
     length = result["length"]
     ratio = length["trained_over_generated"]
-    return "\n".join([
-        f"{result['finished_trajectories']} finished trajectories, {result['consumed_trajectories']} trained ({result['uses']} uses)",
-        "trajectory lag at consume: " + " ".join(f"{k}:{v}" for k, v in result["trajectory_lag_at_consume"].items()),
-        "token lag at consume:      " + " ".join(f"{k}:{v}" for k, v in result["token_lag_at_consume"].items()),
-        "versions spanned:          " + " ".join(f"{k}:{v}" for k, v in result["version_span"].items()),
-        f"length: generated mean {length['generated_mean_tokens']:.1f}, trained mean {length['trained_mean_tokens']:.1f}"
-        + (f", ratio {ratio:.3f}" if ratio is not None else ""),
-        "reward by trajectory lag:  " + " ".join(f"{k}:{v['mean']:.3f} (n={v['uses']})"
-                                                for k, v in result["reward_by_trajectory_lag"].items()),
-    ])
+    return "\n".join(
+        [
+            f"{result['finished_trajectories']} finished trajectories, {result['consumed_trajectories']} trained ({result['uses']} uses)",
+            "trajectory lag at consume: "
+            + " ".join(f"{k}:{v}" for k, v in result["trajectory_lag_at_consume"].items()),
+            "token lag at consume:      " + " ".join(f"{k}:{v}" for k, v in result["token_lag_at_consume"].items()),
+            "versions spanned:          " + " ".join(f"{k}:{v}" for k, v in result["version_span"].items()),
+            f"length: generated mean {length['generated_mean_tokens']:.1f}, trained mean {length['trained_mean_tokens']:.1f}"
+            + (f", ratio {ratio:.3f}" if ratio is not None else ""),
+            "reward by trajectory lag:  "
+            + " ".join(f"{k}:{v['mean']:.3f} (n={v['uses']})" for k, v in result["reward_by_trajectory_lag"].items()),
+        ]
+    )

@@ -27,7 +27,9 @@ class BufferStats:
         self.trained_lengths: Counter[int] = Counter()  # length bucket -> trajectories at their first use
         self.dropped_lengths: Counter[int] = Counter()  # length bucket -> trajectories dropped over age
 
-    def account_batch(self, table: pa.Table, row_lags: np.ndarray, served_version: int, *, now: float | None = None) -> None:
+    def account_batch(
+        self, table: pa.Table, row_lags: np.ndarray, served_version: int, *, now: float | None = None
+    ) -> None:
         """Token and trajectory lags of one sampled batch, relative to the version it is served at;
         how many versions each trajectory spans and how often it was interrupted; its time in
         flight (created → finished) and in the queue (finished → sampled, at `now`)."""
@@ -46,15 +48,19 @@ class BufferStats:
             span = np.where(lo >= 0, hi - lo, 0)
             created, finished = (table.column(c).to_numpy() for c in ("created_at", "finished_at"))
             now = time.time() if now is None else now
-            self.last_batch.update({
-                "staleness/batch_version_span_mean": float(span.mean()),
-                "staleness/batch_version_span_max": float(span.max()),
-                "staleness/batch_interrupts_mean": float(table.column("num_interrupts").to_numpy().mean()),
-                "staleness/batch_in_flight_s_mean": float(np.mean(finished - created)),
-                "staleness/batch_in_queue_s_mean": float(np.mean(now - finished)),
-            })
+            self.last_batch.update(
+                {
+                    "staleness/batch_version_span_mean": float(span.mean()),
+                    "staleness/batch_version_span_max": float(span.max()),
+                    "staleness/batch_interrupts_mean": float(table.column("num_interrupts").to_numpy().mean()),
+                    "staleness/batch_in_flight_s_mean": float(np.mean(finished - created)),
+                    "staleness/batch_in_queue_s_mean": float(np.mean(now - finished)),
+                }
+            )
 
-    def snapshot(self, groups: Any, *, live_rows: int, memory_bytes: int, chunks: int, recovery: Any) -> dict[str, float]:
+    def snapshot(
+        self, groups: Any, *, live_rows: int, memory_bytes: int, chunks: int, recovery: Any
+    ) -> dict[str, float]:
         """`ReplayBuffer.stats`: these counters and histograms with the group table's (`groups`) and the
         row store's gauges and the recovery report's totals."""
         c, g = self.counts, groups
@@ -88,8 +94,10 @@ class BufferStats:
         """Lag shares (`staleness/lag_frac/{tokens,trajectories}/<k>`, `.../over`) and means over
         everything trained so far."""
         out: dict[str, float] = {}
-        for name, scope, hist in (("token_lag", "tokens", self.token_lag_hist),
-                                  ("trajectory_lag", "trajectories", self.traj_lag_hist)):
+        for name, scope, hist in (
+            ("token_lag", "tokens", self.token_lag_hist),
+            ("trajectory_lag", "trajectories", self.traj_lag_hist),
+        ):
             out.update(lag_fractions(hist, f"{LAG_FRAC}{scope}/"))
             out[f"staleness/{name}_mean"] = float(np.dot(np.arange(len(hist)), hist) / max(int(hist.sum()), 1))
         out.update(self.last_batch)
@@ -100,8 +108,11 @@ class BufferStats:
         `staleness/length_bias` = trained mean / generated mean (1.0 = no bias towards short ones)."""
         out: dict[str, float] = {}
         means = {}
-        for name, hist in (("generated", generated), ("trained", self.trained_lengths),
-                           ("dropped_over_age", self.dropped_lengths)):
+        for name, hist in (
+            ("generated", generated),
+            ("trained", self.trained_lengths),
+            ("dropped_over_age", self.dropped_lengths),
+        ):
             total = sum(hist.values())
             means[name] = sum(b * n for b, n in hist.items()) / total if total else 0.0
             out[f"length/{name}_mean_bucket"] = means[name]

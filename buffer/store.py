@@ -148,7 +148,10 @@ class ReplayBuffer:
         tids = batch.column("trajectory_id").to_pylist()
         gids = batch.column("group_id").to_pylist()
         self._groups.check_overflow(tids, gids)
-        tokens = batch.column("num_prompt_tokens").to_numpy().astype(np.int64) + batch.column("num_response_tokens").to_numpy()
+        tokens = (
+            batch.column("num_prompt_tokens").to_numpy().astype(np.int64)
+            + batch.column("num_response_tokens").to_numpy()
+        )
         top = pc.max(batch.column("max_policy_version")).as_py()
         if top is not None and top > self.max_policy_version:
             self.max_policy_version = top
@@ -177,8 +180,12 @@ class ReplayBuffer:
         budget = self.cfg.max_batch_tokens
         ready = self._groups.ready
         for group in [ready[gid] for gid in group_ids if gid in ready and ready[gid].num_tokens > budget]:
-            logger.warning("group %s has %d tokens, over max_batch_tokens %d: it is trained in a batch of its own",
-                           group.group_id, group.num_tokens, budget)
+            logger.warning(
+                "group %s has %d tokens, over max_batch_tokens %d: it is trained in a batch of its own",
+                group.group_id,
+                group.num_tokens,
+                budget,
+            )
             self._counts["groups_over_token_budget"] += 1
 
     def has_room(self, num_rows: int = 1) -> bool:
@@ -190,7 +197,9 @@ class ReplayBuffer:
 
     def num_new_rows(self, batch: pa.RecordBatch) -> int:
         """The live rows appending `batch` would add (`GroupTable.num_new_trajectories`)."""
-        return self._groups.num_new_trajectories(batch.column("trajectory_id").to_pylist(), batch.column("group_id").to_pylist())
+        return self._groups.num_new_trajectories(
+            batch.column("trajectory_id").to_pylist(), batch.column("group_id").to_pylist()
+        )
 
     # ---------------------------------------------------------------- durability
     def poll(self) -> None:
@@ -451,8 +460,13 @@ class ReplayBuffer:
         return self._rows.nbytes + self._images.nbytes
 
     def stats(self) -> dict[str, float]:
-        return self._stats.snapshot(self._groups, live_rows=self._rows.num_live, memory_bytes=self.memory_bytes(),
-                                    chunks=len(self._rows.chunks), recovery=self.recovery_report)
+        return self._stats.snapshot(
+            self._groups,
+            live_rows=self._rows.num_live,
+            memory_bytes=self.memory_bytes(),
+            chunks=len(self._rows.chunks),
+            recovery=self.recovery_report,
+        )
 
     # ---------------------------------------------------------------- recovery
     def _recover(self, resume_learner_step: int | None) -> None:

@@ -162,7 +162,11 @@ def load_checkpoint(ts: TrainState, directory: Path) -> tuple[int, int]:
         raise ValueError("checkpoint and config disagree on the value head (algo ppo vs grpo)")
     optim_state = _load(directory / "optimizer.pt")
     if ts.is_distributed:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         full = {f"lm.{k}": v for k, v in lm_state.items()}
         if head_state is not None:

@@ -81,16 +81,21 @@ class CorrectionRecipe:
 
 # Each mode is a preset: exactly the behaviour the mode had before corrections composed.
 PRESETS: dict[CorrectionMode, CorrectionRecipe] = {
-    CorrectionMode.NONE: CorrectionRecipe(anchor=Anchor.BEHAVIOR, weight=Weight.NONE, weight_at=WeightAt.LOSS,
-                                          rejection=Rejection.NONE, clip=True),
-    CorrectionMode.TIS: CorrectionRecipe(anchor=Anchor.PROXIMAL, weight=Weight.TRUNCATED, weight_at=WeightAt.RATIO,
-                                         rejection=Rejection.NONE, clip=True),
-    CorrectionMode.DECOUPLED: CorrectionRecipe(anchor=Anchor.PROXIMAL, weight=Weight.TRUNCATED,
-                                               weight_at=WeightAt.LOSS, rejection=Rejection.NONE, clip=True),
-    CorrectionMode.MASKED: CorrectionRecipe(anchor=Anchor.PROXIMAL, weight=Weight.NONE, weight_at=WeightAt.LOSS,
-                                            rejection=Rejection.BOUNDS, clip=True),
-    CorrectionMode.M2PO: CorrectionRecipe(anchor=Anchor.BEHAVIOR, weight=Weight.NONE, weight_at=WeightAt.LOSS,
-                                          rejection=Rejection.M2, clip=False),
+    CorrectionMode.NONE: CorrectionRecipe(
+        anchor=Anchor.BEHAVIOR, weight=Weight.NONE, weight_at=WeightAt.LOSS, rejection=Rejection.NONE, clip=True
+    ),
+    CorrectionMode.TIS: CorrectionRecipe(
+        anchor=Anchor.PROXIMAL, weight=Weight.TRUNCATED, weight_at=WeightAt.RATIO, rejection=Rejection.NONE, clip=True
+    ),
+    CorrectionMode.DECOUPLED: CorrectionRecipe(
+        anchor=Anchor.PROXIMAL, weight=Weight.TRUNCATED, weight_at=WeightAt.LOSS, rejection=Rejection.NONE, clip=True
+    ),
+    CorrectionMode.MASKED: CorrectionRecipe(
+        anchor=Anchor.PROXIMAL, weight=Weight.NONE, weight_at=WeightAt.LOSS, rejection=Rejection.BOUNDS, clip=True
+    ),
+    CorrectionMode.M2PO: CorrectionRecipe(
+        anchor=Anchor.BEHAVIOR, weight=Weight.NONE, weight_at=WeightAt.LOSS, rejection=Rejection.M2, clip=False
+    ),
 }
 
 
@@ -224,7 +229,9 @@ class LearnerConfig(BaseModel):
     warmup_steps: int = Field(default=0, ge=0)
     lr_schedule: LRSchedule = LRSchedule.CONSTANT
     # optimiser steps the schedule spans; needed by linear/cosine ("total_steps", its earlier name, is read too)
-    lr_schedule_steps: int | None = Field(default=None, gt=0, validation_alias=AliasChoices("lr_schedule_steps", "total_steps"))
+    lr_schedule_steps: int | None = Field(
+        default=None, gt=0, validation_alias=AliasChoices("lr_schedule_steps", "total_steps")
+    )
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
 
     # Batching: a train batch splits into num_minibatches optimiser steps per epoch; each mini-batch

@@ -174,6 +174,7 @@ def policy_ratio(logp: torch.Tensor, terms: CorrectionTerms) -> torch.Tensor:
     (the geometric mean of its token ratios, broadcast to its tokens) when `terms.mask` is set."""
     log_r = logp - terms.anchor_logp
     if terms.mask is not None:
-        log_r = _sequence_reduce(torch.where(terms.mask != 0, log_r, torch.zeros_like(log_r)), terms.mask,
-                                 CorrectionLevel.GEOMETRIC)
+        log_r = _sequence_reduce(
+            torch.where(terms.mask != 0, log_r, torch.zeros_like(log_r)), terms.mask, CorrectionLevel.GEOMETRIC
+        )
     return torch.exp(log_r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)) * terms.ratio_scale

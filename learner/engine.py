@@ -252,7 +252,9 @@ class TrainingEngine:
                 torch.distributed.all_gather_object(gathered, local)
                 local = TokenStats.concat(gathered)
             metrics.update(correction_metrics(local, cfg.correction.num_lag_buckets))
-        return StepResult(policy_version=self.policy_version, metrics=metrics, skipped_nonfinite=num_skipped == num_updates)
+        return StepResult(
+            policy_version=self.policy_version, metrics=metrics, skipped_nonfinite=num_skipped == num_updates
+        )
 
     def _minibatch_update(
         self, tb: TrainBatch, inputs: StepInputs, rows: torch.Tensor, stats: list[TokenStats]
@@ -340,7 +342,9 @@ class TrainingEngine:
         norm = clip_grad_norm(params, max_norm)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             self.optimizer.zero_grad(set_to_none=True)
-            logger.warning("optimizer step skipped: loss %s, grad norm %s (policy_version %d)", loss, norm, self.policy_version)
+            logger.warning(
+                "optimizer step skipped: loss %s, grad norm %s (policy_version %d)", loss, norm, self.policy_version
+            )
             return norm, False
         self.optimizer.step()
         self.scheduler.step()
@@ -364,9 +368,16 @@ class TrainingEngine:
         # a VLM's processor saves its tokenizer *and* image processor: vLLM needs both to load the folder
         tokenizer = self.processor if self.processor is not None else self.tokenizer
         return TrainState(
-            cfg=self.cfg, policy=self.policy, optimizer=self.optimizer, scheduler=self.scheduler,
-            generator=self.generator, tokenizer=tokenizer, rank=self.rank, is_distributed=self.is_distributed,
-            policy_version=self.policy_version, num_optimizer_steps=self.num_optimizer_steps,
+            cfg=self.cfg,
+            policy=self.policy,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            generator=self.generator,
+            tokenizer=tokenizer,
+            rank=self.rank,
+            is_distributed=self.is_distributed,
+            policy_version=self.policy_version,
+            num_optimizer_steps=self.num_optimizer_steps,
         )
 
     def save_hf(self, directory: str | Path) -> Path:

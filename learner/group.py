@@ -178,8 +178,11 @@ class LearnerGroup:
 
         from streamrl.rollout.models import resolve_model
 
-        overrides = {"num_workers": num_workers, "num_cpus_per_worker": num_cpus_per_worker,
-                     "num_gpus_per_worker": num_gpus_per_worker}
+        overrides = {
+            "num_workers": num_workers,
+            "num_cpus_per_worker": num_cpus_per_worker,
+            "num_gpus_per_worker": num_gpus_per_worker,
+        }
         data = cfg.model_dump() | {k: v for k, v in overrides.items() if v is not None}
         cfg = LearnerConfig.model_validate(data)  # overrides are validated like the config itself
         where = placement(cfg)

@@ -87,7 +87,7 @@ def kl_penalty(
 ) -> torch.Tensor:  # [B, T]
     """Per-token estimators of KL(π_θ ‖ π_ref) on samples (Schulman's k1/k2/k3), with d = log π_ref − log π_θ:
 
-        k1 = −d,   k2 = ½ d²,   k3 = exp(d) − 1 − d   (unbiased, always ≥ 0)
+    k1 = −d,   k2 = ½ d²,   k3 = exp(d) − 1 − d   (unbiased, always ≥ 0)
     """
     d = ref_logp - logp
     if estimator == KLEstimator.K1:
@@ -111,10 +111,10 @@ def aggregate(
 ) -> torch.Tensor:  # scalar
     """Reduce a per-token loss. N = num_tokens (default Σ mask), S = num_seqs (default B), n_b = Σ_t mask[b]:
 
-        token-mean           Σ_{b,t} m·x / N
-        seq-mean-token-sum   Σ_b (Σ_t m·x) / S
-        seq-mean-token-mean  Σ_b (Σ_t m·x / n_b) / S      (rows with n_b = 0 contribute 0)
-        constant (Dr.GRPO)   Σ_{b,t} m·x / (S · constant)  (constant defaults to T)
+    token-mean           Σ_{b,t} m·x / N
+    seq-mean-token-sum   Σ_b (Σ_t m·x) / S
+    seq-mean-token-mean  Σ_b (Σ_t m·x / n_b) / S      (rows with n_b = 0 contribute 0)
+    constant (Dr.GRPO)   Σ_{b,t} m·x / (S · constant)  (constant defaults to T)
     """
     m = (mask != 0).to(values.dtype)
     masked = values * m

@@ -134,10 +134,17 @@ def chunked_token_logprobs_and_entropy(
         flat = torch.cat(parts) if parts else src.new_zeros(0, dtype=torch.float32)
         return nn.functional.pad(flat.view(batch, width - 1), (1, 0))
 
-    if grad and fused and fused_head_applies(head, src):  # one weight gradient instead of one per chunk (learner.lm_head)
+    if (
+        grad and fused and fused_head_applies(head, src)
+    ):  # one weight gradient instead of one per chunk (learner.lm_head)
         logp, entropy = chunked_head_logprobs(
-            src, head.weight, targets, chunk_tokens=chunk_tokens, temperature=temperature,
-            with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad,
+            src,
+            head.weight,
+            targets,
+            chunk_tokens=chunk_tokens,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_requires_grad=entropy_requires_grad,
         )
         return assemble([logp]), assemble([entropy]) if entropy is not None else None
 
@@ -224,9 +231,7 @@ def pack_by_tokens(seq_lens: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def split_minibatches(
-    batch_size: int, num_minibatches: int, generator: torch.Generator | None
-) -> list[torch.Tensor]:
+def split_minibatches(batch_size: int, num_minibatches: int, generator: torch.Generator | None) -> list[torch.Tensor]:
     """Row indices of each mini-batch; shuffled with `generator` when one is given."""
     if batch_size < num_minibatches:
         raise ValueError(f"batch of {batch_size} sequences cannot split into {num_minibatches} mini-batches")

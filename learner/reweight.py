@@ -121,7 +121,11 @@ def correction_effect(
         truncated = weight < full.is_weight * full.ratio_scale
     ratio = policy_ratio(prox_logp.detach().to(torch.float32), terms)  # r·s with π_θ = π_prox
     _, was_clipped, dual = ppo_policy_loss(
-        ratio, advantages, clip_low=clip.clip_low, clip_high=clip.clip_high, dual_clip_c=clip.dual_clip_c,
+        ratio,
+        advantages,
+        clip_low=clip.clip_low,
+        clip_high=clip.clip_high,
+        dual_clip_c=clip.dual_clip_c,
         clip=terms.clip,
     )
     clipped = was_clipped | dual
@@ -167,7 +171,9 @@ def summarize(name: str, e: TokenEffect, num_lag_buckets: int) -> CorrectionSumm
     n = int(e.weight.numel())
     seqs = torch.unique(e.seq)
     dropped = (~e.keep).to(torch.int64)
-    per_seq_dropped = torch.zeros(int(e.seq.max().item()) + 1 if n else 0, dtype=torch.int64).index_add_(0, e.seq, dropped)
+    per_seq_dropped = torch.zeros(int(e.seq.max().item()) + 1 if n else 0, dtype=torch.int64).index_add_(
+        0, e.seq, dropped
+    )
     per_seq_tokens = torch.zeros_like(per_seq_dropped).index_add_(0, e.seq, torch.ones_like(dropped))
     per_seq_dropped, per_seq_tokens = per_seq_dropped[seqs], per_seq_tokens[seqs]
     kept_weight = e.weight * e.keep
@@ -230,8 +236,14 @@ def rho_stats(rho: torch.Tensor) -> RhoStats:
     if not r.numel():
         return RhoStats(num_tokens=0, mean=0.0, min=0.0, max=0.0, mismatch_kl=0.0, max_abs_log=0.0)
     log_r = torch.log(r.clamp(min=1e-30))
-    return RhoStats(num_tokens=int(r.numel()), mean=float(r.mean()), min=float(r.min()), max=float(r.max()),
-                    mismatch_kl=float((r - 1.0 - log_r).mean()), max_abs_log=float(log_r.abs().max()))
+    return RhoStats(
+        num_tokens=int(r.numel()),
+        mean=float(r.mean()),
+        min=float(r.min()),
+        max=float(r.max()),
+        mismatch_kl=float((r - 1.0 - log_r).mean()),
+        max_abs_log=float(log_r.abs().max()),
+    )
 
 
 def rho_by(rho: torch.Tensor, key: torch.Tensor) -> dict[int, RhoStats]:

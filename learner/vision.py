@@ -85,7 +85,9 @@ def image_vision_inputs(processor: Any, images: Sequence[bytes | Image]) -> RowI
 
 
 def batch_vision_inputs(
-    processor: Any, images: Sequence[Sequence[bytes | Image]], input_ids: torch.Tensor  # [B][num_images], [B, T]
+    processor: Any,
+    images: Sequence[Sequence[bytes | Image]],
+    input_ids: torch.Tensor,  # [B][num_images], [B, T]
 ) -> list[RowImages | None]:
     """`image_vision_inputs` for every row, checking each row's placeholder count: a row whose
     `input_ids` hold a different number of image tokens than its images expand to is a data bug

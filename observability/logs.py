@@ -213,8 +213,9 @@ def format_duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-def run_summary(run_dir: str | Path, *, learner_step: int, total_steps: int, elapsed_s: float,
-                report: str | Path | None) -> str:
+def run_summary(
+    run_dir: str | Path, *, learner_step: int, total_steps: int, elapsed_s: float, report: str | Path | None
+) -> str:
     """The lines `streamrl train` ends with: how far it got and where everything is."""
     run_dir = Path(run_dir)
     checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
@@ -222,7 +223,8 @@ def run_summary(run_dir: str | Path, *, learner_step: int, total_steps: int, ela
         f"run {'finished' if learner_step >= total_steps else 'stopped'} at learner step {learner_step}/{total_steps} "
         f"after {format_duration(elapsed_s)}",
         f"  report       {report if report is not None else '(not written)'}",
-        f"  checkpoints  {run_dir / 'checkpoints'}" + (f" (latest {checkpoints[-1].name})" if checkpoints else " (none)"),
+        f"  checkpoints  {run_dir / 'checkpoints'}"
+        + (f" (latest {checkpoints[-1].name})" if checkpoints else " (none)"),
         f"  logs         {log_dir(run_dir)}",
         f"  metrics      {run_dir / 'metrics.jsonl'}",
     ]

@@ -39,10 +39,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
 from rich.text import Text
 
-from streamrl.rollout.atomic import atomic_write
 from streamrl.observability import catalogue
 from streamrl.observability.logs import PROGRESS_EXTRA, format_duration
 from streamrl.observability.logs import console as shared_console
+from streamrl.rollout.atomic import atomic_write
 
 if TYPE_CHECKING:
     from streamrl.rollout.types import Trajectory
@@ -128,7 +128,9 @@ def resolve_wandb_mode(cfg: WandbConfig | None, environ: Mapping[str, str] = os.
     return WandbMode.OFFLINE
 
 
-def summarize(values: Iterable[float], *, prefix: str = "", quantiles: Iterable[float] = (0.5, 0.9, 0.99)) -> dict[str, float]:
+def summarize(
+    values: Iterable[float], *, prefix: str = "", quantiles: Iterable[float] = (0.5, 0.9, 0.99)
+) -> dict[str, float]:
     """Mean/std/min/max and quantiles (`p50`...) of `values` as `{prefix+stat: value}`; {} if empty."""
     arr = np.asarray(list(values), dtype=np.float64)
     if arr.size == 0:
@@ -257,8 +259,14 @@ class _Progress:
                 console=shared_console(),
                 refresh_per_second=2,
             )
-            self._task = self._bar.add_task("train", total=total_steps, vitals="starting engines and learner",
-                                            elapsed=elapsed_s, eta=None, at=time.monotonic())
+            self._task = self._bar.add_task(
+                "train",
+                total=total_steps,
+                vitals="starting engines and learner",
+                elapsed=elapsed_s,
+                eta=None,
+                at=time.monotonic(),
+            )
             self._bar.start()
 
     def update(self, record: Mapping[str, Any]) -> None:
@@ -269,8 +277,14 @@ class _Progress:
         eta = eta_s(self._first, step, now, self._total_steps)
         logger.info("%s", progress_line(self._latest, total_steps=self._total_steps, eta=eta), extra=PROGRESS_EXTRA)
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, vitals=format_vitals(self._latest),
-                             elapsed=float(record.get("elapsed_s") or 0.0), eta=eta, at=now)
+            self._bar.update(
+                self._task,
+                completed=step,
+                vitals=format_vitals(self._latest),
+                elapsed=float(record.get("elapsed_s") or 0.0),
+                eta=eta,
+                at=now,
+            )
 
     def close(self) -> None:
         if self._bar is not None:

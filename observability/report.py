@@ -17,14 +17,21 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from streamrl.observability import catalogue
-from streamrl.observability.metrics import ENGINE_BUSY_KEY, METRICS_FILE, REWARD_KEY, RUN_INFO_FILE, SAMPLES_FILE, TIMELINE_FILE
+from streamrl.observability.metrics import (
+    ENGINE_BUSY_KEY,
+    METRICS_FILE,
+    REWARD_KEY,
+    RUN_INFO_FILE,
+    SAMPLES_FILE,
+    TIMELINE_FILE,
+)
 from streamrl.observability.report_figures import build_figures, busy_fractions, per_step, resume_points
 from streamrl.observability.report_viewer import (
     VERSION_COLORS,
@@ -135,8 +142,10 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
     df, info = data.metrics, data.info
     rewards = per_step(df, REWARD_KEY)
     k = max(1, min(3, len(rewards) // 2)) if len(rewards) else 0
-    wall = max([float(df["elapsed_s"].max()) if df["elapsed_s"].notna().any() else 0.0]
-               + ([float(data.spans["end"].max())] if not data.spans.empty else []))
+    wall = max(
+        [float(df["elapsed_s"].max()) if df["elapsed_s"].notna().any() else 0.0]
+        + ([float(data.spans["end"].max())] if not data.spans.empty else [])
+    )
     busy = _col_mean(df, ENGINE_BUSY_KEY)
     if busy is None:
         engines = {w: f for w, f in busy_fractions(data.spans).items() if w.startswith("engine")}
@@ -146,8 +155,12 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
         ("run", str(info.get("run_name", data.run_dir.name))),
         ("mode", str(info.get("mode", "–"))),
         ("model", str(info.get("model_path", "–"))),
-        ("started", datetime.fromtimestamp(info["started_at"], timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-         if isinstance(info.get("started_at"), int | float) else "–"),
+        (
+            "started",
+            datetime.fromtimestamp(info["started_at"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+            if isinstance(info.get("started_at"), int | float)
+            else "–",
+        ),
         ("wall time", f"{wall:.1f} s ({wall / 60:.1f} min)"),
         ("learner steps", fmt_number(df["learner_step"].max(), ".0f")),
         ("final policy_version", fmt_number(df["policy_version"].max(), ".0f")),
@@ -164,13 +177,23 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
         ("learner tokens/s (mean)", fmt_number(_col_mean(df, "learner/tokens_per_s"), ".1f")),
         ("engine busy fraction (mean)", fmt_number(busy, ".1%")),
         ("learner idle ratio (mean)", fmt_number(_col_mean(df, "learner/idle_ratio"), ".1%")),
-        ("lag at consume (mean / max)",
-         f"{fmt_number(_col_mean(df, 'staleness/lag_mean'), '.2f')} / {fmt_number(df['staleness/lag_max'].max() if 'staleness/lag_max' in df else None, '.0f')}"),
-        ("weight syncs (count, mean total s)", f"{len(syncs)}, {fmt_number(float(np.mean(syncs)) if len(syncs) else None)}"),
-        ("peak memory by part (GiB)", ", ".join(
-            f"{c[len('memory/'):-len('_peak_gb')]} {df[c].max():.2f}"
-            for c in sorted(df.columns) if c.startswith("memory/") and c.endswith("_peak_gb") and df[c].notna().any()
-        ) or "–"),
+        (
+            "lag at consume (mean / max)",
+            f"{fmt_number(_col_mean(df, 'staleness/lag_mean'), '.2f')} / {fmt_number(df['staleness/lag_max'].max() if 'staleness/lag_max' in df else None, '.0f')}",
+        ),
+        (
+            "weight syncs (count, mean total s)",
+            f"{len(syncs)}, {fmt_number(float(np.mean(syncs)) if len(syncs) else None)}",
+        ),
+        (
+            "peak memory by part (GiB)",
+            ", ".join(
+                f"{c[len('memory/') : -len('_peak_gb')]} {df[c].max():.2f}"
+                for c in sorted(df.columns)
+                if c.startswith("memory/") and c.endswith("_peak_gb") and df[c].notna().any()
+            )
+            or "–",
+        ),
         ("resumes detected", str(len(resume_points(df)))),
         ("sampled trajectories", str(len(data.samples))),
     ]
@@ -187,8 +210,14 @@ def buffer_dir(data: RunData) -> Path:
     return Path(root) if isinstance(root, str) and root else data.run_dir / "buffer"
 
 
-def write_report(run_dir: str | Path, *, max_trajectories: int = 24, max_tokens: int = 2048,
-                 max_image_px: int = 128, max_image_bytes: int = 2 * 1024 * 1024) -> Path:
+def write_report(
+    run_dir: str | Path,
+    *,
+    max_trajectories: int = 24,
+    max_tokens: int = 2048,
+    max_image_px: int = 128,
+    max_image_bytes: int = 2 * 1024 * 1024,
+) -> Path:
     """Render `run_dir/report.html` from whatever the run wrote; returns its path.
 
     Raises ValueError only if `run_dir` is not a directory; anything missing inside it is listed
@@ -202,10 +231,23 @@ def write_report(run_dir: str | Path, *, max_trajectories: int = 24, max_tokens:
     picked = pick_samples(data.samples, max_trajectories)
     tokenizer = load_tokenizer(data.info.get("model_path"), data.problems) if picked else None
     special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-    images = (load_viewer_images(data.info.get("model_path"), tokenizer, buffer_dir(data), picked, data.problems,
-                                 max_px=max_image_px, budget_bytes=max_image_bytes) if picked else None)
-    trajectories = [render_trajectory(row, tokenizer, special_ids=special_ids, max_tokens=max_tokens, images=images)
-                    for row in picked]
+    images = (
+        load_viewer_images(
+            data.info.get("model_path"),
+            tokenizer,
+            buffer_dir(data),
+            picked,
+            data.problems,
+            max_px=max_image_px,
+            budget_bytes=max_image_bytes,
+        )
+        if picked
+        else None
+    )
+    trajectories = [
+        render_trajectory(row, tokenizer, special_ids=special_ids, max_tokens=max_tokens, images=images)
+        for row in picked
+    ]
     if images is not None:
         data.problems.extend(images.problems)
     versions = sorted({v for t in trajectories for v in t["versions"]})
@@ -229,5 +271,7 @@ def write_report(run_dir: str | Path, *, max_trajectories: int = 24, max_tokens:
     tmp.replace(out)
     if data.problems:
         logger.warning("report for %s is incomplete: %s", data.run_dir, "; ".join(data.problems))
-    logger.info("wrote %s (%d figures, %d trajectories)", out, sum(f.svg is not None for f in figures), len(trajectories))
+    logger.info(
+        "wrote %s (%d figures, %d trajectories)", out, sum(f.svg is not None for f in figures), len(trajectories)
+    )
     return out

@@ -125,14 +125,20 @@ def to_svg(fig: Figure) -> Any:
     with matplotlib.rc_context({"svg.fonttype": "none"}):  # text stays text: small and searchable
         fig.savefig(buf, format="svg", metadata={"Date": None})
     svg = buf.getvalue()
-    return Markup(svg[svg.index("<svg"):])
+    return Markup(svg[svg.index("<svg") :])
 
 
-X_LABELS = {"learner_step": "learner step", "elapsed_s": "elapsed s", "policy_version": "policy version",
-            "eval/elapsed_s": "training wall time (s)"}
+X_LABELS = {
+    "learner_step": "learner step",
+    "elapsed_s": "elapsed s",
+    "policy_version": "policy version",
+    "eval/elapsed_s": "training wall time (s)",
+}
 
 
-def _plot_keys(ax: Any, df: pd.DataFrame, keys: Sequence[str], *, x: str, title: str, resumes: Sequence[float] = ()) -> bool:
+def _plot_keys(
+    ax: Any, df: pd.DataFrame, keys: Sequence[str], *, x: str, title: str, resumes: Sequence[float] = ()
+) -> bool:
     plotted = False
     for key in keys:
         if key not in df or not df[key].notna().any():
@@ -153,7 +159,9 @@ def _plot_keys(ax: Any, df: pd.DataFrame, keys: Sequence[str], *, x: str, title:
     return plotted
 
 
-def _panels(df: pd.DataFrame, panels: Sequence[tuple[str, Sequence[str], str]], resumes: Sequence[float]) -> Figure | None:
+def _panels(
+    df: pd.DataFrame, panels: Sequence[tuple[str, Sequence[str], str]], resumes: Sequence[float]
+) -> Figure | None:
     """One subplot per (title, keys, x) with at least one logged key; None if none has data."""
     present = [p for p in panels if any(k in df and df[k].notna().any() for k in p[1])]
     if not present:
@@ -162,7 +170,7 @@ def _panels(df: pd.DataFrame, panels: Sequence[tuple[str, Sequence[str], str]], 
     fig, axes = _new_figure(ncols, -(-len(present) // ncols))
     for ax, (title, keys, x) in zip(axes, present):
         _plot_keys(ax, df, keys, x=x, title=title, resumes=resumes)
-    for ax in axes[len(present):]:
+    for ax in axes[len(present) :]:
         ax.set_visible(False)
     return fig
 
@@ -172,18 +180,26 @@ def _lag_order(label: str) -> int:
 
 
 def plot_staleness(df: pd.DataFrame) -> Figure | None:
-    hist_cols = sorted(((_lag_order(m["lag"]), c) for c in df.columns if (m := HIST_KEY_RE.match(c))))
+    hist_cols = sorted((_lag_order(m["lag"]), c) for c in df.columns if (m := HIST_KEY_RE.match(c)))
     has_lag = any(k in df and df[k].notna().any() for k in ("staleness/lag_mean", "staleness/lag_max"))
     if not hist_cols and not has_lag:
         return None
     fig, axes = _new_figure(3)
-    _plot_keys(axes[0], df, ["staleness/lag_mean", "staleness/lag_p90", "staleness/lag_max"], x="learner_step", title="lag at consume")
+    _plot_keys(
+        axes[0],
+        df,
+        ["staleness/lag_mean", "staleness/lag_p90", "staleness/lag_max"],
+        x="learner_step",
+        title="lag at consume",
+    )
     if hist_cols:
         rows = df.dropna(subset=[c for _, c in hist_cols], how="all")
         grid = rows[[c for _, c in hist_cols]].fillna(0.0).to_numpy().T  # [num_buckets, num_records]
         labels = [c.rsplit("/", 1)[1] for _, c in hist_cols]
         steps = rows["learner_step"].to_numpy()
-        mesh = axes[1].pcolormesh(np.arange(grid.shape[1] + 1), np.arange(len(labels) + 1), grid, cmap="viridis", vmin=0, vmax=1)
+        mesh = axes[1].pcolormesh(
+            np.arange(grid.shape[1] + 1), np.arange(len(labels) + 1), grid, cmap="viridis", vmin=0, vmax=1
+        )
         axes[1].set_yticks(np.arange(len(labels)) + 0.5, labels)
         ticks = np.linspace(0, len(steps) - 1, num=min(6, len(steps))).astype(int)
         axes[1].set_xticks(ticks + 0.5, [str(int(steps[i])) for i in ticks])
@@ -212,21 +228,39 @@ def plot_timeline(spans: pd.DataFrame) -> Figure | None:
             if sel.empty:
                 continue
             merged = merge_intervals(zip(sel["start"], sel["end"]))
-            ax.broken_barh([(s, max(e - s, 1e-3)) for s, e in merged], (row - 0.4, 0.8),
-                           color=KIND_COLORS[kind], rasterized=many, label=kind.value)
+            ax.broken_barh(
+                [(s, max(e - s, 1e-3)) for s, e in merged],
+                (row - 0.4, 0.8),
+                color=KIND_COLORS[kind],
+                rasterized=many,
+                label=kind.value,
+            )
     ax.set_yticks(range(len(whos)), [f"{w} ({fractions.get(w, 0.0):.0%} busy)" for w in whos])
     ax.invert_yaxis()
     handles = {h.get_label(): h for h in ax.get_legend_handles_labels()[0]}
-    ax.legend(handles.values(), handles.keys(), fontsize=8, loc="lower right", bbox_to_anchor=(1.0, 1.0),
-              ncols=len(handles), frameon=False)
+    ax.legend(
+        handles.values(),
+        handles.keys(),
+        fontsize=8,
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        ncols=len(handles),
+        frameon=False,
+    )
     ax.set_xlabel("elapsed s")
     return fig
 
 
 def plot_sync(df: pd.DataFrame, spans: pd.DataFrame) -> Figure | None:
     parts = [k for k in ("sync/transfer_s", "sync/pause_s", "sync/load_s", "sync/resume_s") if k in df]
-    rows = df.dropna(subset=parts + (["sync/total_s"] if "sync/total_s" in df else []), how="all") if parts or "sync/total_s" in df else df.iloc[0:0]
-    sync_spans = spans[(spans["kind"] == SpanKind.SYNC.value) & (spans["who"] == "learner")] if not spans.empty else spans
+    rows = (
+        df.dropna(subset=parts + (["sync/total_s"] if "sync/total_s" in df else []), how="all")
+        if parts or "sync/total_s" in df
+        else df.iloc[0:0]
+    )
+    sync_spans = (
+        spans[(spans["kind"] == SpanKind.SYNC.value) & (spans["who"] == "learner")] if not spans.empty else spans
+    )
     if rows.empty and sync_spans.empty:
         return None
     fig, axes = _new_figure(1, width=12, height=3.0)
@@ -265,7 +299,7 @@ def plot_is_by_lag(df: pd.DataFrame) -> Figure | None:
         ax.bar([label for _, label, _ in entries], [df[c].mean() for _, _, c in entries], color="#9467bd", width=0.6)
         ax.set_xlim(-0.6, max(len(entries), 4) - 0.4)
         ax.set(title=f"is/{stat} by lag (run mean)", xlabel="lag")
-    for ax in axes[len(stats):]:
+    for ax in axes[len(stats) :]:
         ax.set_visible(False)
     return fig
 
@@ -284,39 +318,74 @@ def build_figures(df: pd.DataFrame, spans: pd.DataFrame, problems: list[str]) ->
     memory_cols = sorted(c for c in df.columns if c.startswith("memory/") and c.endswith("peak_gb"))
     engine_cols = sorted(c for c in df.columns if c.startswith(ENGINE_BUSY_KEY + "/"))
     groups: list[tuple[str, str, list[tuple[str, Sequence[str], str]], str]] = [
-        ("rollout", "Reward and rollouts", [
-            ("reward by learner step", [REWARD_KEY, catalogue.EVAL_REWARD], "learner_step"),
-            ("reward over time", [REWARD_KEY], "elapsed_s"),
-            ("response length", ["rollout/response_len_mean"], "learner_step"),
-            ("turns and tool calls", ["rollout/num_turns_mean", "rollout/tool_calls_mean"], "learner_step"),
-            ("tool error rate", ["rollout/tool_error_rate"], "learner_step"),
-            ("trajectories per interval", ["rollout/num_finished", "rollout/num_partial", "rollout/num_resumed", "rollout/num_failed"], "elapsed_s"),
-        ], "Dotted vertical lines mark resumes (learner_step went backwards)."),
-        ("heldout", "Held-out evaluation (version-pinned)", [
-            ("held-out reward by policy version", [catalogue.EVAL_REWARD, "eval/pass_at_1", "eval/pass_at_k"],
-             "policy_version"),
-            ("held-out reward over wall-clock", [catalogue.EVAL_REWARD, "eval/pass_at_k"], "eval/elapsed_s"),
-        ], "Each point is one evaluation: every sample of it generated by one policy version (RUN_DIR/eval/)."),
-        ("throughput", "Throughput and utilization", [
-            ("tokens/s", ["rollout/tokens_per_s", "learner/tokens_per_s"], "elapsed_s"),
-            ("engine busy fraction", [ENGINE_BUSY_KEY, *engine_cols], "elapsed_s"),
-            ("learner idle ratio", ["learner/idle_ratio"], "elapsed_s"),
-            ("buffer contents (trajectories)", ["buffer/ready_trajectories", "buffer/partial_trajectories",
-                                                "buffer/in_flight_trajectories"], "elapsed_s"),
-        ], ""),
-        ("learner", "Learner", [
-            ("loss", ["learner/loss"], "learner_step"),
-            ("grad norm", ["learner/grad_norm"], "learner_step"),
-            ("learning rate", ["learner/lr"], "learner_step"),
-            ("step time (s)", ["learner/step_s", "learner/update_s"], "learner_step"),
-            ("IS ratio", ["is/ratio_mean", "is/ratio_max"], "learner_step"),
-            ("IS clip / mask / mismatch", ["is/clip_frac", "is/mask_frac", "is/mismatch_kl"], "learner_step"),
-        ], ""),
-        ("memory", "Memory", [
-            ("peak memory by part (GiB)", memory_cols, "learner_step"),
-            ("learner resident set after each step (GiB)", ["memory/learner_rss_gb"], "learner_step"),
-        ], "Peak RSS of each part (plus its child processes; GPU peaks where a part computes on CUDA). "
-           "The learner's peak is per step, the other parts' since they started."),
+        (
+            "rollout",
+            "Reward and rollouts",
+            [
+                ("reward by learner step", [REWARD_KEY, catalogue.EVAL_REWARD], "learner_step"),
+                ("reward over time", [REWARD_KEY], "elapsed_s"),
+                ("response length", ["rollout/response_len_mean"], "learner_step"),
+                ("turns and tool calls", ["rollout/num_turns_mean", "rollout/tool_calls_mean"], "learner_step"),
+                ("tool error rate", ["rollout/tool_error_rate"], "learner_step"),
+                (
+                    "trajectories per interval",
+                    ["rollout/num_finished", "rollout/num_partial", "rollout/num_resumed", "rollout/num_failed"],
+                    "elapsed_s",
+                ),
+            ],
+            "Dotted vertical lines mark resumes (learner_step went backwards).",
+        ),
+        (
+            "heldout",
+            "Held-out evaluation (version-pinned)",
+            [
+                (
+                    "held-out reward by policy version",
+                    [catalogue.EVAL_REWARD, "eval/pass_at_1", "eval/pass_at_k"],
+                    "policy_version",
+                ),
+                ("held-out reward over wall-clock", [catalogue.EVAL_REWARD, "eval/pass_at_k"], "eval/elapsed_s"),
+            ],
+            "Each point is one evaluation: every sample of it generated by one policy version (RUN_DIR/eval/).",
+        ),
+        (
+            "throughput",
+            "Throughput and utilization",
+            [
+                ("tokens/s", ["rollout/tokens_per_s", "learner/tokens_per_s"], "elapsed_s"),
+                ("engine busy fraction", [ENGINE_BUSY_KEY, *engine_cols], "elapsed_s"),
+                ("learner idle ratio", ["learner/idle_ratio"], "elapsed_s"),
+                (
+                    "buffer contents (trajectories)",
+                    ["buffer/ready_trajectories", "buffer/partial_trajectories", "buffer/in_flight_trajectories"],
+                    "elapsed_s",
+                ),
+            ],
+            "",
+        ),
+        (
+            "learner",
+            "Learner",
+            [
+                ("loss", ["learner/loss"], "learner_step"),
+                ("grad norm", ["learner/grad_norm"], "learner_step"),
+                ("learning rate", ["learner/lr"], "learner_step"),
+                ("step time (s)", ["learner/step_s", "learner/update_s"], "learner_step"),
+                ("IS ratio", ["is/ratio_mean", "is/ratio_max"], "learner_step"),
+                ("IS clip / mask / mismatch", ["is/clip_frac", "is/mask_frac", "is/mismatch_kl"], "learner_step"),
+            ],
+            "",
+        ),
+        (
+            "memory",
+            "Memory",
+            [
+                ("peak memory by part (GiB)", memory_cols, "learner_step"),
+                ("learner resident set after each step (GiB)", ["memory/learner_rss_gb"], "learner_step"),
+            ],
+            "Peak RSS of each part (plus its child processes; GPU peaks where a part computes on CUDA). "
+            "The learner's peak is per step, the other parts' since they started.",
+        ),
     ]
     used = {k for _, _, panels, _ in groups for _, keys, _ in panels for k in keys}
     used |= {c for c in df.columns if c.startswith(("staleness/lag_", "sync/"))}
@@ -325,11 +394,27 @@ def build_figures(df: pd.DataFrame, spans: pd.DataFrame, problems: list[str]) ->
         for anchor, title, panels, caption in groups
     ]
     specs += [
-        ("staleness", "Staleness (lag at consume time)", lambda: plot_staleness(df), "no staleness/* metrics were logged",
-         "lag = learner version − policy_version of each consumed token."),
-        ("timeline", "Utilization timeline", lambda: plot_timeline(spans), "timeline.jsonl has no spans",
-         "Busy = time covered by non-idle spans over the window from the first span start to the last span end."),
-        ("sync", "Weight sync timings", lambda: plot_sync(df, spans), "no sync/* metrics or sync spans were logged", ""),
+        (
+            "staleness",
+            "Staleness (lag at consume time)",
+            lambda: plot_staleness(df),
+            "no staleness/* metrics were logged",
+            "lag = learner version − policy_version of each consumed token.",
+        ),
+        (
+            "timeline",
+            "Utilization timeline",
+            lambda: plot_timeline(spans),
+            "timeline.jsonl has no spans",
+            "Busy = time covered by non-idle spans over the window from the first span start to the last span end.",
+        ),
+        (
+            "sync",
+            "Weight sync timings",
+            lambda: plot_sync(df, spans),
+            "no sync/* metrics or sync spans were logged",
+            "",
+        ),
         ("is", "Importance ratios by lag", lambda: plot_is_by_lag(df), "no is/*/lag_<k> metrics were logged", ""),
         ("other", "Other metrics", lambda: plot_remaining(df, used, resumes), "no other metrics", ""),
     ]
@@ -344,4 +429,3 @@ def build_figures(df: pd.DataFrame, spans: pd.DataFrame, problems: list[str]) ->
             svg = None
         blocks.append(FigureBlock(anchor=anchor, title=title, svg=svg, empty=empty, caption=caption if svg else ""))
     return blocks
-

@@ -28,7 +28,16 @@ from typing import Any
 import numpy as np
 
 VERSION_COLORS = [  # light, distinguishable backgrounds; version v uses index v % len
-    "#cfe2ff", "#ffe0b3", "#c8f0c8", "#ffc9c9", "#e3d4f5", "#f5dcc8", "#fbd3ec", "#e0e0a8", "#c4eef2", "#d6e4b0",
+    "#cfe2ff",
+    "#ffe0b3",
+    "#c8f0c8",
+    "#ffc9c9",
+    "#e3d4f5",
+    "#f5dcc8",
+    "#fbd3ec",
+    "#e0e0a8",
+    "#c4eef2",
+    "#d6e4b0",
 ]
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 TOOL_RESPONSE_RE = re.compile(r"<tool_response>(.*?)(?:</tool_response>|$)", re.S)
@@ -76,7 +85,9 @@ def load_tokenizer(model_path: str | None, problems: list[str]) -> Any:
 
         return AutoTokenizer.from_pretrained(model_path)
     except Exception as exc:  # the world: a moved or partial model folder still gets a report
-        problems.append(f"tokenizer at {model_path} could not be loaded ({type(exc).__name__}): trajectories show token ids")
+        problems.append(
+            f"tokenizer at {model_path} could not be loaded ({type(exc).__name__}): trajectories show token ids"
+        )
         return None
 
 
@@ -204,19 +215,36 @@ class ViewerImages:
         self.num_chips += 1
         stored = self.stored.get(sha256) if sha256 else None
         if stored is None:
-            why = "image_refs do not match the placeholder runs" if sha256 is None else f"sha256 {sha256} is not in the buffer's image log"
-            return {"label": f"[missing image, {num_tokens} tokens]", "title": f"{where} · {why}", "src": "", "missing": True}
+            why = (
+                "image_refs do not match the placeholder runs"
+                if sha256 is None
+                else f"sha256 {sha256} is not in the buffer's image log"
+            )
+            return {
+                "label": f"[missing image, {num_tokens} tokens]",
+                "title": f"{where} · {why}",
+                "src": "",
+                "missing": True,
+            }
         title = f"{where} · sha256 {sha256[:12]}… · {stored.width}×{stored.height} · {num_tokens} image tokens"
         src = self._thumbnail(sha256, stored)
         if src is None:
-            return {"label": f"[unreadable image {stored.width}×{stored.height}, {num_tokens} tokens]",
-                    "title": title, "src": "", "missing": True}
+            return {
+                "label": f"[unreadable image {stored.width}×{stored.height}, {num_tokens} tokens]",
+                "title": title,
+                "src": "",
+                "missing": True,
+            }
         if self.used_bytes + len(src) > self.budget_bytes:
             src, title = "", title + " · thumbnail not shown (report image budget)"
             self.num_not_shown += 1
         self.used_bytes += len(src)
-        return {"label": f"[image {stored.width}×{stored.height}, {num_tokens} tokens]", "title": title, "src": src,
-                "missing": False}
+        return {
+            "label": f"[image {stored.width}×{stored.height}, {num_tokens} tokens]",
+            "title": title,
+            "src": src,
+            "missing": False,
+        }
 
     def _thumbnail(self, sha256: str, stored: StoredImage) -> str | None:
         if sha256 not in self._thumbs:
@@ -230,8 +258,12 @@ class ViewerImages:
 
     @property
     def note(self) -> str:
-        return (f"{self.num_not_shown} images not shown: the report's thumbnail budget "
-                f"({self.budget_bytes // 1024} KiB) is spent" if self.num_not_shown else "")
+        return (
+            f"{self.num_not_shown} images not shown: the report's thumbnail budget "
+            f"({self.budget_bytes // 1024} KiB) is spent"
+            if self.num_not_shown
+            else ""
+        )
 
     def row_chips(self, row: dict[str, Any], spans: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
         """One chip per span of `prompt_ids + response_ids`, in placeholder order; a row whose
@@ -240,31 +272,49 @@ class ViewerImages:
         counts = list(row.get("num_image_tokens") or [])
         tid = row.get("trajectory_id", "?")
         if len(refs) != len(spans):
-            self.problems.append(f"trajectory {tid}: {len(spans)} image placeholder runs but {len(refs)} image_refs; "
-                                 "its images are shown without lookup")
+            self.problems.append(
+                f"trajectory {tid}: {len(spans)} image placeholder runs but {len(refs)} image_refs; "
+                "its images are shown without lookup"
+            )
             refs = [None] * len(spans)
         elif [n for _, _, n in spans] != counts:
-            self.problems.append(f"trajectory {tid}: placeholder run lengths {[n for _, _, n in spans]} "
-                                 f"differ from num_image_tokens {counts}")
-        return [self.chip(ref, n, f"image {k + 1} of {len(spans)}") for k, (ref, (_, _, n)) in enumerate(zip(refs, spans))]
+            self.problems.append(
+                f"trajectory {tid}: placeholder run lengths {[n for _, _, n in spans]} "
+                f"differ from num_image_tokens {counts}"
+            )
+        return [
+            self.chip(ref, n, f"image {k + 1} of {len(spans)}") for k, (ref, (_, _, n)) in enumerate(zip(refs, spans))
+        ]
 
 
-def load_viewer_images(model_path: str | None, tokenizer: Any, buffer_dir: Path, rows: Sequence[dict[str, Any]],
-                       problems: list[str], *, max_px: int = 128, budget_bytes: int = 2 * 1024 * 1024) -> ViewerImages | None:
+def load_viewer_images(
+    model_path: str | None,
+    tokenizer: Any,
+    buffer_dir: Path,
+    rows: Sequence[dict[str, Any]],
+    problems: list[str],
+    *,
+    max_px: int = 128,
+    budget_bytes: int = 2 * 1024 * 1024,
+) -> ViewerImages | None:
     """The image side of the viewer, or None for a text model (the viewer then renders as before);
     reads the image log only if some row references an image."""
     tokens = load_image_tokens(model_path, tokenizer)
     with_refs = [r for r in rows if r.get("image_refs")]
     if tokens is None:
         if with_refs:
-            problems.append(f"{len(with_refs)} sampled trajectories reference images but model {model_path} has no "
-                            "image token (config.json without vision_config): placeholders are shown as text")
+            problems.append(
+                f"{len(with_refs)} sampled trajectories reference images but model {model_path} has no "
+                "image token (config.json without vision_config): placeholders are shown as text"
+            )
         return None
     wanted = {str(ref) for r in with_refs for ref in r["image_refs"]}
     stored = read_image_log(buffer_dir, wanted, problems) if wanted else {}
     if wanted - stored.keys():
-        problems.append(f"{len(wanted - stored.keys())} image(s) referenced by sampled trajectories are not in the "
-                        f"buffer's image log ({buffer_dir}): shown as missing")
+        problems.append(
+            f"{len(wanted - stored.keys())} image(s) referenced by sampled trajectories are not in the "
+            f"buffer's image log ({buffer_dir}): shown as missing"
+        )
     return ViewerImages(tokens=tokens, stored=stored, max_px=max_px, budget_bytes=budget_bytes)
 
 
@@ -285,9 +335,9 @@ def decode_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     pieces, prefix, read = [], 0, 0
     for i in range(len(ids)):
         before = tokenizer.decode(list(ids[prefix:read]), **kwargs)
-        after = tokenizer.decode(list(ids[prefix:i + 1]), **kwargs)
+        after = tokenizer.decode(list(ids[prefix : i + 1]), **kwargs)
         if len(after) > len(before) and not after.endswith("\ufffd"):
-            pieces.append(after[len(before):])
+            pieces.append(after[len(before) :])
             prefix, read = read, i + 1
         else:
             pieces.append("")
@@ -313,14 +363,19 @@ def _pretty(text: str) -> str:
 def _headline_and_facts(row: dict[str, Any], sampled_versions: list[int], *, aligned: bool) -> tuple[str, list]:
     """The trajectory's one-line headline and its (name, value) facts table."""
     ids, mask = row.get("response_ids", []), row.get("response_mask", [1] * len(row.get("response_ids", [])))
-    headline = (f"{row.get('trajectory_id', '?')} · step {row.get('learner_step')} · reward {fmt_number(row.get('reward'))} · "
-                f"{row.get('status', '?')}/{row.get('finish_reason', '?')} · {row.get('num_turns', 0)} turns · "
-                f"{row.get('num_tool_calls', 0)} tool calls · versions {sampled_versions} · "
-                f"{row.get('num_interrupts', 0)} interrupts")
+    headline = (
+        f"{row.get('trajectory_id', '?')} · step {row.get('learner_step')} · reward {fmt_number(row.get('reward'))} · "
+        f"{row.get('status', '?')}/{row.get('finish_reason', '?')} · {row.get('num_turns', 0)} turns · "
+        f"{row.get('num_tool_calls', 0)} tool calls · versions {sampled_versions} · "
+        f"{row.get('num_interrupts', 0)} interrupts"
+    )
     facts = [
         ("group / sample", f"{row.get('group_id', '?')} / {row.get('sample_index', '?')}"),
         ("agent", str(row.get("agent_name", "?"))),
-        ("tokens (prompt / response / sampled)", f"{len(row.get('prompt_ids', []))} / {len(ids)} / {sum(1 for m in mask if m)}"),
+        (
+            "tokens (prompt / response / sampled)",
+            f"{len(row.get('prompt_ids', []))} / {len(ids)} / {sum(1 for m in mask if m)}",
+        ),
         ("generate s / tool s", f"{fmt_number(row.get('generate_s'), '.2f')} / {fmt_number(row.get('tool_s'), '.2f')}"),
         ("turn scores / tool rewards", f"{row.get('turn_scores', [])} / {row.get('tool_rewards', [])}"),
     ]
@@ -329,8 +384,9 @@ def _headline_and_facts(row: dict[str, Any], sampled_versions: list[int], *, ali
     return headline, facts
 
 
-def render_trajectory(row: dict[str, Any], tokenizer: Any, *, special_ids: set[int], max_tokens: int,
-                      images: ViewerImages | None = None) -> dict[str, Any]:
+def render_trajectory(
+    row: dict[str, Any], tokenizer: Any, *, special_ids: set[int], max_tokens: int, images: ViewerImages | None = None
+) -> dict[str, Any]:
     """The template's view of one sampled trajectory: per-token text, classes, hover titles; with
     `images`, each image's placeholder span is one chip (in the prompt or inside its token span)."""
     ids = [int(i) for i in row.get("response_ids", [])]
@@ -357,7 +413,9 @@ def render_trajectory(row: dict[str, Any], tokenizer: Any, *, special_ids: set[i
             response_chips[start] = (b - num_prompt, chip if a >= num_prompt else None)
             for j in range(start, min(b - num_prompt, shown)):  # the calls table reads the chip, not <image>×N
                 pieces[j] = chip["label"] if j == start and a >= num_prompt else ""
-    prompt_parts = _prompt_parts(tokenizer, prompt_ids, [(a, b, c) for (a, b, _), c in zip(spans, chips) if a < num_prompt])
+    prompt_parts = _prompt_parts(
+        tokenizer, prompt_ids, [(a, b, c) for (a, b, _), c in zip(spans, chips) if a < num_prompt]
+    )
     offsets = np.concatenate([[0], np.cumsum([len(p) for p in pieces])]).tolist()
     text = "".join(pieces)
     in_call = _span_mask(offsets, [m.span() for m in TOOL_CALL_RE.finditer(text)])
@@ -370,14 +428,29 @@ def render_trajectory(row: dict[str, Any], tokenizer: Any, *, special_ids: set[i
         if i in response_chips:
             skip_to, chip = response_chips[i]
             if chip is not None:
-                prev_version = _add_chip(tokens, chip, i, min(skip_to, n) - 1, mask=mask[i], version=int(versions[i]),
-                                         prev_version=prev_version)
+                prev_version = _add_chip(
+                    tokens,
+                    chip,
+                    i,
+                    min(skip_to, n) - 1,
+                    mask=mask[i],
+                    version=int(versions[i]),
+                    prev_version=prev_version,
+                )
             continue
         if not mask[i]:  # one span per observation run: no per-token facts worth a hover there
             if tokens and tokens[-1]["cls"] == "obs":
                 _extend_obs(tokens[-1], pieces[i], i)
             else:
-                tokens.append({"text": pieces[i], "cls": "obs", "title": f"observation (mask 0) #{i}–#{i}", "marker": "", "parts": []})
+                tokens.append(
+                    {
+                        "text": pieces[i],
+                        "cls": "obs",
+                        "title": f"observation (mask 0) #{i}–#{i}",
+                        "marker": "",
+                        "parts": [],
+                    }
+                )
             continue
         v = int(versions[i])
         classes = [f"v{v % len(VERSION_COLORS)}"]
@@ -392,13 +465,25 @@ def render_trajectory(row: dict[str, Any], tokenizer: Any, *, special_ids: set[i
         tokens.append({"text": pieces[i], "cls": " ".join(classes), "title": title, "marker": marker, "parts": []})
     calls = [_pretty(m.group(1)) for m in TOOL_CALL_RE.finditer(text)]
     responses = [m.group(1).strip() for m in TOOL_RESPONSE_RE.finditer(text)]
-    pairs = [(calls[j] if j < len(calls) else "", responses[j] if j < len(responses) else "")
-             for j in range(max(len(calls), len(responses)))]
+    pairs = [
+        (calls[j] if j < len(calls) else "", responses[j] if j < len(responses) else "")
+        for j in range(max(len(calls), len(responses)))
+    ]
     sampled_versions = sorted({int(v) for m, v in zip(mask[:n], versions[:n]) if m})
-    headline, facts = _headline_and_facts(row, sampled_versions, aligned=len(ids) == len(mask) == len(versions) == len(logprobs))
-    return {"headline": headline, "facts": facts, "calls": pairs, "prompt": prompt, "prompt_parts": prompt_parts,
-            "num_prompt_tokens": len(row.get("prompt_ids", [])), "tokens": tokens, "num_hidden": n - shown,
-            "versions": sampled_versions}
+    headline, facts = _headline_and_facts(
+        row, sampled_versions, aligned=len(ids) == len(mask) == len(versions) == len(logprobs)
+    )
+    return {
+        "headline": headline,
+        "facts": facts,
+        "calls": pairs,
+        "prompt": prompt,
+        "prompt_parts": prompt_parts,
+        "num_prompt_tokens": len(row.get("prompt_ids", [])),
+        "tokens": tokens,
+        "num_hidden": n - shown,
+        "versions": sampled_versions,
+    }
 
 
 def _extend_obs(token: dict[str, Any], text: str, last: int) -> None:
@@ -412,8 +497,16 @@ def _extend_obs(token: dict[str, Any], text: str, last: int) -> None:
     token["title"] = token["title"].rsplit("–", 1)[0] + f"–#{last}"
 
 
-def _add_chip(tokens: list[dict[str, Any]], chip: dict[str, Any], first: int, last: int, *, mask: int, version: int,
-              prev_version: int | None) -> int | None:
+def _add_chip(
+    tokens: list[dict[str, Any]],
+    chip: dict[str, Any],
+    first: int,
+    last: int,
+    *,
+    mask: int,
+    version: int,
+    prev_version: int | None,
+) -> int | None:
     """An image chip covering response tokens first..last: inside the current observation span (mask
     0, the usual case: a tool response's image) or as its own version-coloured span. Returns the
     version the next sampled token compares against."""
@@ -425,22 +518,41 @@ def _add_chip(tokens: list[dict[str, Any]], chip: dict[str, Any], first: int, la
             tokens[-1]["parts"].append(part)
             _extend_obs(tokens[-1], "", last)
         else:
-            tokens.append({"text": "", "cls": "obs", "title": f"observation (mask 0) #{first}–#{last}", "marker": "", "parts": [part]})
+            tokens.append(
+                {
+                    "text": "",
+                    "cls": "obs",
+                    "title": f"observation (mask 0) #{first}–#{last}",
+                    "marker": "",
+                    "parts": [part],
+                }
+            )
         return prev_version
     marker = f"v{prev_version}→v{version}" if prev_version is not None and version != prev_version else ""
-    tokens.append({"text": "", "cls": f"v{version % len(VERSION_COLORS)} image", "marker": marker, "parts": [part],
-                   "title": f"#{first}–#{last} · policy_version {version} · {chip['title']}"})
+    tokens.append(
+        {
+            "text": "",
+            "cls": f"v{version % len(VERSION_COLORS)} image",
+            "marker": marker,
+            "parts": [part],
+            "title": f"#{first}–#{last} · policy_version {version} · {chip['title']}",
+        }
+    )
     return version
 
 
-def _prompt_parts(tokenizer: Any, prompt_ids: list[int], chips: list[tuple[int, int, dict[str, Any]]]) -> list[dict[str, Any]]:
+def _prompt_parts(
+    tokenizer: Any, prompt_ids: list[int], chips: list[tuple[int, int, dict[str, Any]]]
+) -> list[dict[str, Any]]:
     """The prompt as text and chip parts; empty when the prompt has no image (the template then
     shows the plain decoded prompt)."""
     if not chips:
         return []
 
     def decode(seg: list[int]) -> str:
-        return tokenizer.decode(seg, skip_special_tokens=False) if tokenizer is not None else " ".join(str(i) for i in seg)
+        return (
+            tokenizer.decode(seg, skip_special_tokens=False) if tokenizer is not None else " ".join(str(i) for i in seg)
+        )
 
     parts, pos = [], 0
     for a, b, chip in chips:
@@ -467,4 +579,3 @@ def pick_samples(samples: Sequence[dict[str, Any]], max_n: int) -> list[dict[str
     need = max_n - len(chosen)
     chosen += [rest[j] for j in np.linspace(0, len(rest) - 1, num=need).round().astype(int)] if need > 0 else []
     return [samples[i] for i in sorted(set(chosen))]
-

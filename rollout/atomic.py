@@ -82,8 +82,9 @@ def make_dirs(folder: str | Path, *, sync: bool = False) -> None:
             fsync_dir(new.parent)
 
 
-def build_once(final: str | Path, build: Callable[[Path], object], *, rebuild: bool = False,
-               marker: str = "config.json") -> Path:
+def build_once(
+    final: str | Path, build: Callable[[Path], object], *, rebuild: bool = False, marker: str = "config.json"
+) -> Path:
     """The cached folder `final`, built by `build(tmp)` (`atomic_dir`) when it lacks `marker` (or
     always, with `rebuild`). Builders of one folder take turns on a file lock beside it, and a waiter
     finding it built when its turn comes uses it: concurrent runs sharing a cache build it once, and

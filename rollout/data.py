@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import re
 import string
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,7 +240,9 @@ def records_from_rows(rows: Sequence[Any], source: str = "<rows>") -> list[Promp
         record, explicit = _record(row, index, source)
         if record.group_id in seen:
             if explicit:
-                raise ValueError(f"{source} row {index}: duplicate id {record.group_id!r} (first at row {seen[record.group_id]})")
+                raise ValueError(
+                    f"{source} row {index}: duplicate id {record.group_id!r} (first at row {seen[record.group_id]})"
+                )
             base, n = record.group_id, 1
             while f"{base}-dup{n}" in seen:
                 n += 1
@@ -389,8 +391,12 @@ CODE_INTERPRETER = "code_interpreter"  # rollout.tools.code_interpreter's defaul
 
 
 def make_tool_sft_transcripts(
-    records: Iterable[PromptRecord], *, tool_name: str = "calculator", explain: bool = True,
-    tool_fraction: float = 1.0, seed: int = 0,
+    records: Iterable[PromptRecord],
+    *,
+    tool_name: str = "calculator",
+    explain: bool = True,
+    tool_fraction: float = 1.0,
+    seed: int = 0,
 ) -> list[list[dict[str, Any]]]:
     """Gold chats: prompt -> assistant calls the tool -> tool result -> assistant `\\boxed{answer}`.
 
@@ -412,15 +418,25 @@ def make_tool_sft_transcripts(
         expression = expression_for(str(user["content"]))
         result = format_number(evaluate_expression(expression))
         if not answers_match(result, record.ground_truth):
-            raise ValueError(f"record {record.group_id}: {expression} = {result}, but ground truth is {record.ground_truth}")
+            raise ValueError(
+                f"record {record.group_id}: {expression} = {result}, but ground truth is {record.ground_truth}"
+            )
         if tool_name == CODE_INTERPRETER:
             # what Python prints for it (`72.0` after a division), as the sandbox will answer
-            arguments, observation, how = {"code": f"print({expression})"}, f"{evaluate_expression(expression)}\n", "in Python"
+            arguments, observation, how = (
+                {"code": f"print({expression})"},
+                f"{evaluate_expression(expression)}\n",
+                "in Python",
+            )
         else:
             arguments, observation, how = {"expression": expression}, result, "with the calculator"
         if rng.random() >= tool_fraction:
-            transcripts.append([*[dict(m) for m in record.messages],
-                                {"role": "assistant", "content": f"The answer is \\boxed{{{result}}}."}])
+            transcripts.append(
+                [
+                    *[dict(m) for m in record.messages],
+                    {"role": "assistant", "content": f"The answer is \\boxed{{{result}}}."},
+                ]
+            )
             continue
         call = {"id": "call_0", "type": "function", "function": {"name": tool_name, "arguments": arguments}}
         preface = f"I will compute {expression} {how}." if explain else ""

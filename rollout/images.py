@@ -167,8 +167,14 @@ class ImageStore:
     """Encoded image bytes by sha256, in memory (LRU-bounded by `max_bytes` if given) and optionally
     in `directory` (see module doc)."""
 
-    def __init__(self, directory: str | Path | None = None, *, max_bytes: int | None = None,
-                 pinned: Callable[[], set[str]] | None = None, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+    def __init__(
+        self,
+        directory: str | Path | None = None,
+        *,
+        max_bytes: int | None = None,
+        pinned: Callable[[], set[str]] | None = None,
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ) -> None:
         if max_pixels <= 0:
             raise ValueError(f"max_pixels must be positive, got {max_pixels}")
         self.max_pixels = max_pixels  # `put` refuses larger images (ImageTooLarge)

@@ -154,7 +154,9 @@ def _normalize(text: str) -> str:
     return re.sub(r"\s+", "", _TEXT_WRAPPER.sub(r"\1", text)).strip("$.").lower()
 
 
-def answers_match(predicted: str | None, ground_truth: str | None, *, rel_tol: float = 1e-6, abs_tol: float = 1e-6) -> bool:
+def answers_match(
+    predicted: str | None, ground_truth: str | None, *, rel_tol: float = 1e-6, abs_tol: float = 1e-6
+) -> bool:
     if predicted is None or ground_truth is None:
         return False
     pred_num, gt_num = parse_number(predicted), parse_number(ground_truth)
@@ -240,11 +242,15 @@ def verl_score(result: Any) -> VerlScore:
     extras: dict[str, float] = {}
     if isinstance(result, dict):
         if "score" not in result:
-            raise ValueError(f"compute_score returned a dict without a 'score' entry (keys: {sorted(map(str, result))})")
+            raise ValueError(
+                f"compute_score returned a dict without a 'score' entry (keys: {sorted(map(str, result))})"
+            )
         extras = {str(k): float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)}
         result = result["score"]
     if not isinstance(result, numbers.Real):
-        raise ValueError(f"compute_score returned {type(result).__name__} {result!r:.60}; expected a number or a dict with 'score'")
+        raise ValueError(
+            f"compute_score returned {type(result).__name__} {result!r:.60}; expected a number or a dict with 'score'"
+        )
     if not math.isfinite(result):
         raise ValueError(f"compute_score returned {float(result)}; a reward must be a finite number")
     return VerlScore(score=float(result), extras=extras)
@@ -268,7 +274,9 @@ def verl_reward_fn(compute_score: Callable[..., Any]) -> RewardFn:
     if not is_verl_compute_score(compute_score):
         raise ValueError(f"{name} does not take verl's compute_score arguments {_VERL_ARGUMENTS}")
     if inspect.iscoroutinefunction(compute_score):
-        raise ValueError(f"{name} is async; reward functions are called in a thread at trajectory end, so it must be sync")
+        raise ValueError(
+            f"{name} is async; reward functions are called in a thread at trajectory end, so it must be sync"
+        )
     params = inspect.signature(compute_score).parameters
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     passed = [a for a in _VERL_ARGUMENTS if a in params or takes_any]

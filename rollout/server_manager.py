@@ -214,12 +214,16 @@ class ServerManager:
         for engine_id in restored:
             self.mark_healthy(engine_id)
             self._num_restored += 1
-            logger.warning("engine %s answers again at policy_version %d: back in routing", engine_id, served[engine_id])
+            logger.warning(
+                "engine %s answers again at policy_version %d: back in routing", engine_id, served[engine_id]
+            )
         for engine_id in unhealthy:
             if engine_id in served and engine_id not in restored:
                 logger.info(
                     "engine %s answers but serves policy_version %d < %d: stays out of routing",
-                    engine_id, served[engine_id], self._newest_version,
+                    engine_id,
+                    served[engine_id],
+                    self._newest_version,
                 )
         return restored
 

@@ -164,7 +164,8 @@ class AgentData(BaseModel):
     # The sampling policy's log-probs (`Trajectory.behavior_logprobs`); snapshots written before the
     # rename say `response_logprobs` and still load.
     behavior_logprobs: list[float] = Field(
-        default_factory=list, validation_alias=AliasChoices("behavior_logprobs", "response_logprobs"))  # [num_response_tokens]
+        default_factory=list, validation_alias=AliasChoices("behavior_logprobs", "response_logprobs")
+    )  # [num_response_tokens]
     policy_versions: list[int] = Field(default_factory=list)  # [num_response_tokens]
     turn_start: int = 0
     images: list[ImageRef] = Field(default_factory=list)  # [num_images]; placeholder order

@@ -163,7 +163,7 @@ class RolloutWorker:
                 if errors >= max_errors:
                     raise
             self.num_sink_retries += 1
-            await asyncio.sleep(self.sink_retry_s * (2 ** errors))
+            await asyncio.sleep(self.sink_retry_s * (2**errors))
 
     def _record_error(self, tid: str, exc: BaseException) -> None:
         self.errors.append(f"{tid}: {exc!r}\n{traceback.format_exc(limit=3)}")
@@ -205,7 +205,10 @@ class RolloutWorker:
             if epoch <= self._resumed_epoch or epoch < self._paused_epoch:
                 logger.warning(
                     "%s: ignoring stale pause of sync epoch %d (newest pause %d, resume %d)",
-                    self.worker_id, epoch, self._paused_epoch, self._resumed_epoch,
+                    self.worker_id,
+                    epoch,
+                    self._paused_epoch,
+                    self._resumed_epoch,
                 )
                 return
             self._paused_epoch = epoch
@@ -225,11 +228,7 @@ class RolloutWorker:
 
     def _num_about_to_generate(self) -> int:
         """Running loops that will enter (or are in) GENERATING without first running a tool."""
-        return sum(
-            1
-            for tid in self._active
-            if self._states[tid].state in (AgentState.PENDING, AgentState.GENERATING)
-        )
+        return sum(1 for tid in self._active if self._states[tid].state in (AgentState.PENDING, AgentState.GENERATING))
 
     async def resume(self, epoch: int | None = None) -> None:
         """Serve again: relaunch parked trajectories from their AgentData, then held submissions.
@@ -237,7 +236,10 @@ class RolloutWorker:
         if epoch is not None:
             if epoch < self._paused_epoch:
                 logger.warning(
-                    "%s: ignoring stale resume of sync epoch %d (pause %d in force)", self.worker_id, epoch, self._paused_epoch
+                    "%s: ignoring stale resume of sync epoch %d (pause %d in force)",
+                    self.worker_id,
+                    epoch,
+                    self._paused_epoch,
                 )
                 return
             self._resumed_epoch = max(self._resumed_epoch, epoch)
@@ -274,8 +276,12 @@ class RolloutWorker:
 
     def outcomes(self) -> RolloutOutcomes:
         """Finished and failed trajectories so far, failures by reason (the driver's failure check)."""
-        return RolloutOutcomes(worker_id=self.worker_id, num_finished=self.num_finished, num_failed=self.num_failed,
-                               failure_reasons=dict(self.failure_reasons))
+        return RolloutOutcomes(
+            worker_id=self.worker_id,
+            num_finished=self.num_finished,
+            num_failed=self.num_failed,
+            failure_reasons=dict(self.failure_reasons),
+        )
 
     def check(self) -> None:
         """Surface a crashed background task or a failed sink (a fault, not a failed trajectory)."""

@@ -43,8 +43,12 @@ class CheckpointRecord:
 
 def record_checkpoint(state: DriverState, path: Path) -> None:
     """The checkpoint at `path` (written and sealed) of the state's current step is the newest one."""
-    record = CheckpointRecord(path=str(path), step=state.learner_step, policy_version=state.policy_version,
-                              version_offset=state.version_offset)
+    record = CheckpointRecord(
+        path=str(path),
+        step=state.learner_step,
+        policy_version=state.policy_version,
+        version_offset=state.version_offset,
+    )
     state.checkpoints = [r for r in state.checkpoints if r.path != record.path] + [record]
     _point_at(state, record)
 
@@ -75,9 +79,14 @@ def use_newest_complete(state: DriverState) -> None:
     before checkpoints were recorded has its one checkpoint pointer as the only record."""
     records = state.checkpoints
     if not records and state.checkpoint is not None:
-        records = [CheckpointRecord(path=state.checkpoint, step=state.checkpoint_step,
-                                    policy_version=state.checkpoint_policy_version,
-                                    version_offset=state.checkpoint_version_offset)]
+        records = [
+            CheckpointRecord(
+                path=state.checkpoint,
+                step=state.checkpoint_step,
+                policy_version=state.checkpoint_policy_version,
+                version_offset=state.checkpoint_version_offset,
+            )
+        ]
     while records:
         why = unsealed_reason(Path(records[-1].path))
         if why is None:
@@ -90,7 +99,12 @@ def use_newest_complete(state: DriverState) -> None:
         return
     if state.checkpoint is not None:
         logger.error("no complete checkpoint is left: the run restarts from the initial model (learner step 0)")
-    state.checkpoint, state.checkpoint_step, state.checkpoint_policy_version, state.checkpoint_version_offset = None, 0, 0, 0
+    state.checkpoint, state.checkpoint_step, state.checkpoint_policy_version, state.checkpoint_version_offset = (
+        None,
+        0,
+        0,
+        0,
+    )
 
 
 def _point_at(state: DriverState, record: CheckpointRecord) -> None:

@@ -1,17 +1,17 @@
 """`streamrl` command line. Heavy modules are imported inside the commands so `--help` is instant.
 
-    streamrl train --config configs/default.toml [key=value ...]
-    streamrl train --resume RUN_DIR [key=value ...]
-    streamrl train --dry-run --config configs/default.toml [key=value ...]   (config + memory estimate)
-    streamrl train --replay RUN_DIR [key=value ...]   (re-train on the run's logged batches)
-    streamrl rollout --config configs/default.toml [--num-prompts N] [--out FILE]   (print trajectories)
-    streamrl eval RUN_DIR [--checkpoint base|latest|all|STEP ...] [eval.k=4 ...]   (held-out, offline)
-    streamrl eval --config configs/default.toml [key=value ...]                   (the starting model)
-    streamrl report RUN_DIR
-    streamrl staleness RUN_DIR                   (lags, version spans, length bias, reward by lag)
-    streamrl staleness reweight RUN_DIR --checkpoint STEP [--correction SPEC ...] [--steps A:B] [--out DIR]
-    streamrl buffer export DIR --parquet OUT
-    streamrl buffer stats DIR
+streamrl train --config configs/default.toml [key=value ...]
+streamrl train --resume RUN_DIR [key=value ...]
+streamrl train --dry-run --config configs/default.toml [key=value ...]   (config + memory estimate)
+streamrl train --replay RUN_DIR [key=value ...]   (re-train on the run's logged batches)
+streamrl rollout --config configs/default.toml [--num-prompts N] [--out FILE]   (print trajectories)
+streamrl eval RUN_DIR [--checkpoint base|latest|all|STEP ...] [eval.k=4 ...]   (held-out, offline)
+streamrl eval --config configs/default.toml [key=value ...]                   (the starting model)
+streamrl report RUN_DIR
+streamrl staleness RUN_DIR                   (lags, version spans, length bias, reward by lag)
+streamrl staleness reweight RUN_DIR --checkpoint STEP [--correction SPEC ...] [--steps A:B] [--out DIR]
+streamrl buffer export DIR --parquet OUT
+streamrl buffer stats DIR
 """
 
 from __future__ import annotations
@@ -50,8 +50,13 @@ def _eval(args: argparse.Namespace) -> int:
     dirs = [a for a in args.args if "=" not in a]  # RUN_DIR and key=value overrides, in any order
     if len(dirs) > 1:
         raise ValueError(f"streamrl eval takes one RUN_DIR, got {dirs}")
-    return eval_main(run_dir=dirs[0] if dirs else None, config=args.config,
-                     overrides=[a for a in args.args if "=" in a], checkpoints=args.checkpoint, out=args.out)
+    return eval_main(
+        run_dir=dirs[0] if dirs else None,
+        config=args.config,
+        overrides=[a for a in args.args if "=" in a],
+        checkpoints=args.checkpoint,
+        out=args.out,
+    )
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -84,18 +89,32 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="debug logging; train: every part's logs on the console too (else in RUN_DIR/logs/)")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="debug logging; train: every part's logs on the console too (else in RUN_DIR/logs/)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train (async by default; trainer.mode=sync for the baseline)")
     train.add_argument("--config", help="TOML run file (configs/*.toml)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a killed or finished run from its directory")
-    train.add_argument("--dry-run", action="store_true", help="print the resolved config and the memory estimate; start nothing")
-    train.add_argument("--replay", metavar="RUN_DIR",
-                       help="re-train a fresh learner on exactly the batches RUN_DIR trained on, in order (no Ray)")
-    train.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                       help="every part's logs on the console too (else in RUN_DIR/logs/)")
+    train.add_argument(
+        "--dry-run", action="store_true", help="print the resolved config and the memory estimate; start nothing"
+    )
+    train.add_argument(
+        "--replay",
+        metavar="RUN_DIR",
+        help="re-train a fresh learner on exactly the batches RUN_DIR trained on, in order (no Ray)",
+    )
+    train.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="every part's logs on the console too (else in RUN_DIR/logs/)",
+    )
     train.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.total_steps=10")
     train.set_defaults(func=_train)
 
@@ -107,22 +126,35 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("overrides", nargs="*", help="config overrides")
     rollout.set_defaults(func=_rollout)
 
-    evaluate = sub.add_parser("eval", help="held-out evaluation of a run's base model or checkpoints (avg@k, pass@k, "
-                              "pass^k, paired comparison)")
+    evaluate = sub.add_parser(
+        "eval",
+        help="held-out evaluation of a run's base model or checkpoints (avg@k, pass@k, pass^k, paired comparison)",
+    )
     evaluate.add_argument("--config", help="evaluate this config's starting model instead of a run's")
-    evaluate.add_argument("--checkpoint", action="append", default=[],
-                          help="base, latest, all or a learner step; repeatable (default: base and latest)")
+    evaluate.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        help="base, latest, all or a learner step; repeatable (default: base and latest)",
+    )
     evaluate.add_argument("--out", help="folder for the rows (default: RUN_DIR/eval_offline)")
-    evaluate.add_argument("args", nargs="*", metavar="RUN_DIR|key=value",
-                          help="a run directory, and config overrides, e.g. eval.num_prompts=128 eval.k=4")
+    evaluate.add_argument(
+        "args",
+        nargs="*",
+        metavar="RUN_DIR|key=value",
+        help="a run directory, and config overrides, e.g. eval.num_prompts=128 eval.k=4",
+    )
     evaluate.set_defaults(func=_eval)
 
     report = sub.add_parser("report", help="write RUN_DIR/report.html (plots + trajectory viewer)")
     report.add_argument("run_dir")
     report.set_defaults(func=_report)
 
-    staleness = sub.add_parser("staleness", help="RUN_DIR/staleness.{json,html} from the run's durable buffer; "
-                               "`staleness reweight -h`: each correction on the logged batches under a checkpoint")
+    staleness = sub.add_parser(
+        "staleness",
+        help="RUN_DIR/staleness.{json,html} from the run's durable buffer; "
+        "`staleness reweight -h`: each correction on the logged batches under a checkpoint",
+    )
     staleness.add_argument("run_dir", help="a run directory, or `reweight` followed by its arguments")
     staleness.add_argument("reweight_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     staleness.set_defaults(func=_staleness)
@@ -140,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         args.args += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from streamrl.streaming.errors import StreamRLError
     from streamrl.observability.logs import setup_console
+    from streamrl.streaming.errors import StreamRLError
 
     setup_console(verbose=args.verbose)
     try:

@@ -16,10 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from streamrl.buffer.config import BufferConfig
 from streamrl.learner.config import LearnerConfig
-from streamrl.rollout.config import RolloutConfig
 from streamrl.observability.metrics import WandbConfig
+from streamrl.rollout.config import RolloutConfig
 from streamrl.weight_sync.config import BackendKind, WeightSyncConfig
-
 
 GENERATED_SOURCES = ("arithmetic", "dots")  # data.source values drawn by a generator, not read from a file
 
@@ -42,8 +41,10 @@ class DataConfig(BaseModel):
     def _moved_eval_keys(cls, data: Any) -> Any:
         moved = sorted(k for k in data if k in MOVED_EVAL_KEYS) if isinstance(data, dict) else []
         if moved:
-            raise ValueError("the held-out evaluation keys moved to the [eval] section: "
-                             + ", ".join(f"data.{k} -> eval.{MOVED_EVAL_KEYS[k]}" for k in moved))
+            raise ValueError(
+                "the held-out evaluation keys moved to the [eval] section: "
+                + ", ".join(f"data.{k} -> eval.{MOVED_EVAL_KEYS[k]}" for k in moved)
+            )
         return data
 
 
@@ -95,7 +96,9 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: Literal["async", "sync"] = "async"
-    total_steps: int = Field(20, gt=0)  # learner steps: one buffer batch each (num_minibatches x ppo_epochs optimiser steps)
+    total_steps: int = Field(
+        20, gt=0
+    )  # learner steps: one buffer batch each (num_minibatches x ppo_epochs optimiser steps)
     sync_every: int = Field(1, gt=0)  # publish weights every K learner steps
     checkpoint_every: int = Field(5, gt=0)
     # Complete checkpoints kept in RUN_DIR/checkpoints (the oldest go once a new one is complete); 0 = all.
@@ -143,7 +146,7 @@ class StreamRLConfig(BaseModel):
         lag = self.weight_sync.publish_lag
         if lag and (self.trainer.mode != "sync" or self.trainer.sync_every != 1):
             raise ValueError(
-                f"weight_sync.publish_lag={lag} (a fixed lag) needs trainer.mode = \"sync\" and trainer.sync_every = 1 "
+                f'weight_sync.publish_lag={lag} (a fixed lag) needs trainer.mode = "sync" and trainer.sync_every = 1 '
                 f"(got mode {self.trainer.mode!r}, sync_every {self.trainer.sync_every}): in async mode the lag also "
                 "depends on scheduling"
             )
@@ -164,7 +167,9 @@ class StreamRLConfig(BaseModel):
 
     def _check_sync_rounds(self) -> None:
         rounds = self.trainer.sync_generation_groups
-        if rounds > self.buffer.groups_per_batch and (self.buffer.max_staleness != 0 or self.buffer.over_age == "train"):
+        if rounds > self.buffer.groups_per_batch and (
+            self.buffer.max_staleness != 0 or self.buffer.over_age == "train"
+        ):
             raise ValueError(
                 f"trainer.sync_generation_groups={rounds} > the {self.buffer.groups_per_batch} group(s) of a batch "
                 f"with buffer.max_staleness={self.buffer.max_staleness} and buffer.over_age={self.buffer.over_age!r}: "
@@ -186,7 +191,7 @@ class StreamRLConfig(BaseModel):
         if self.data.source == "dots" and images == 0:
             raise ValueError(
                 'data.source = "dots" (image prompts) needs a VLM served with images: set '
-                "rollout.engine.max_images_per_prompt >= 1 (and model = \"tiny-vlm\" or a VLM folder)"
+                'rollout.engine.max_images_per_prompt >= 1 (and model = "tiny-vlm" or a VLM folder)'
             )
 
     def _check_nccl_gpus(self) -> None:
@@ -207,7 +212,7 @@ class StreamRLConfig(BaseModel):
             self.weight_sync.backend = BackendKind.GLOO
             return
         raise ValueError(
-            f"weight_sync.backend = \"nccl\" with {' and '.join(shared)}: a fractional GPU shares one GPU with another "
+            f'weight_sync.backend = "nccl" with {" and ".join(shared)}: a fractional GPU shares one GPU with another '
             'process, and NCCL refuses two processes of its group on one GPU ("Duplicate GPU detected"); set '
             'weight_sync.backend = "gloo" (or "auto") or give each process a whole GPU'
         )

@@ -107,9 +107,13 @@ async def wait_for_batch(system: System, *, check_workers: bool = False, refill:
                 return batch_ref
             if system.prompts_exhausted:
                 await check_failures(system, final=True)  # ran out because (nearly) everything failed?
-                logger.warning("the prompt stream is exhausted (%d prompts admitted) and nothing is in flight: "
-                               "ending the run at learner step %d of %d", system.state.cursor,
-                               system.state.learner_step, system.cfg.trainer.total_steps)
+                logger.warning(
+                    "the prompt stream is exhausted (%d prompts admitted) and nothing is in flight: "
+                    "ending the run at learner step %d of %d",
+                    system.state.cursor,
+                    system.state.learner_step,
+                    system.cfg.trainer.total_steps,
+                )
                 system.exhausted = True
                 return None
             if refill:

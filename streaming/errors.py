@@ -32,7 +32,9 @@ def check_nonfinite_steps(num_in_row: int, max_in_row: int, learner_step: int) -
     """Raise `NonFiniteTrainingError` once `num_in_row` skipped steps reach `max_in_row`."""
     if num_in_row == 0:
         return
-    logger.warning("learner step %d was skipped: non-finite loss or gradient norm (%d in a row)", learner_step, num_in_row)
+    logger.warning(
+        "learner step %d was skipped: non-finite loss or gradient norm (%d in a row)", learner_step, num_in_row
+    )
     if num_in_row >= max_in_row:
         raise NonFiniteTrainingError(
             f"the run stopped at learner step {learner_step}: {num_in_row} learner steps in a row had a non-finite "
@@ -45,8 +47,14 @@ def check_nonfinite_steps(num_in_row: int, max_in_row: int, learner_step: int) -
 # Ray actor class -> (what a person calls it, the knobs that shrink it).
 PARTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "EngineActor": ("the inference engine", ("rollout.engine.kv_cache_space_gb", "rollout.num_engines")),
-    "LearnerActor": ("the learner", ("learner.micro_batch_tokens", "learner.logits_chunk_tokens", "learner.gradient_checkpointing=true")),
-    "LearnerWorker": ("a learner rank", ("learner.micro_batch_tokens", "learner.logits_chunk_tokens", "learner.gradient_checkpointing=true")),
+    "LearnerActor": (
+        "the learner",
+        ("learner.micro_batch_tokens", "learner.logits_chunk_tokens", "learner.gradient_checkpointing=true"),
+    ),
+    "LearnerWorker": (
+        "a learner rank",
+        ("learner.micro_batch_tokens", "learner.logits_chunk_tokens", "learner.gradient_checkpointing=true"),
+    ),
     "RolloutWorkerActor": ("a rollout worker", ("rollout.max_concurrent_per_worker",)),
     "BufferActor": ("the replay buffer", ("buffer.capacity_rows", "buffer.batch_size")),
 }
@@ -119,7 +127,11 @@ def explain_failure(exc: BaseException, run_dir: str | Path) -> str | None:
         names.append(f"{name} ({details})" if details else name)
         knobs += [k for k in part_knobs if k not in knobs]
     node = _NODE.search(text)
-    fix = f"shrink it with {join_or(knobs[:4])} (`streamrl train --dry-run` shows the memory estimate), then " if knobs else ""
+    fix = (
+        f"shrink it with {join_or(knobs[:4])} (`streamrl train --dry-run` shows the memory estimate), then "
+        if knobs
+        else ""
+    )
     return (
         f"{' and '.join(names)} {'was' if len(names) == 1 else 'were'} killed for lack of memory"
         + (f" with the node at {node.group(1)} of {node.group(2)}" if node else "")

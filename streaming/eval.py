@@ -51,8 +51,9 @@ def console_text(traj: Trajectory, tokenizer: Any) -> Any:
     return text
 
 
-async def rollouts_on(engines: list[Any], cfg: Any, model_path: str, records: list, *, group_size: int,
-                      timeout_s: float = 3600.0) -> list[Trajectory]:
+async def rollouts_on(
+    engines: list[Any], cfg: Any, model_path: str, records: list, *, group_size: int, timeout_s: float = 3600.0
+) -> list[Trajectory]:
     """`group_size` trajectories per record through the run's agent loop on `engines`
     (`InferenceEngine`s), in this process; the finished and failed trajectories, in no particular order."""
     from streamrl.rollout.server_manager import ServerManager
@@ -66,8 +67,9 @@ async def rollouts_on(engines: list[Any], cfg: Any, model_path: str, records: li
         results.append(traj)
 
     server = ServerManager(engines, max_sticky_keys=cfg.rollout.sticky_lru_size)
-    worker = RolloutWorker(build_agent_context(cfg, model_path, server), sink,
-                           max_concurrent=cfg.rollout.max_concurrent_per_worker)
+    worker = RolloutWorker(
+        build_agent_context(cfg, model_path, server), sink, max_concurrent=cfg.rollout.max_concurrent_per_worker
+    )
     try:
         for record in records:
             for data in make_group(record, 0, group_size, cfg.rollout.agent.default_interaction):
@@ -95,9 +97,7 @@ async def run_rollouts(cfg: Any, records: list, *, group_size: int) -> list[Traj
         await engine.shutdown()
 
 
-def rollout_main(
-    *, config: str | None, overrides: list[str], num_prompts: int, out: str | None, show: int
-) -> int:
+def rollout_main(*, config: str | None, overrides: list[str], num_prompts: int, out: str | None, show: int) -> int:
     from rich.console import Console
     from transformers import AutoTokenizer
 

@@ -37,8 +37,11 @@ class Target:
 def run_targets(run_dir: Path, which: list[str]) -> list[Target]:
     """The models to evaluate: `base` (the run's starting model), `latest`, `all` or step numbers."""
     info = json.loads((run_dir / "run_info.json").read_text())
-    checkpoints = {int(p.name.split("_")[1]): p / "hf" for p in sorted((run_dir / "checkpoints").glob("step_*"))
-                   if (p / "hf").is_dir()}
+    checkpoints = {
+        int(p.name.split("_")[1]): p / "hf"
+        for p in sorted((run_dir / "checkpoints").glob("step_*"))
+        if (p / "hf").is_dir()
+    }
     out: list[Target] = []
     for item in which or ["base", "latest"]:
         if item == "base":
@@ -49,8 +52,9 @@ def run_targets(run_dir: Path, which: list[str]) -> list[Target]:
             steps = sorted(checkpoints) if item == "all" else [max(checkpoints)]
             out += [Target(label=f"step_{s:06d}", model_path=str(checkpoints[s]), served_step=s) for s in steps]
         elif item.isdigit() and int(item) in checkpoints:
-            out.append(Target(label=f"step_{int(item):06d}", model_path=str(checkpoints[int(item)]),
-                              served_step=int(item)))
+            out.append(
+                Target(label=f"step_{int(item):06d}", model_path=str(checkpoints[int(item)]), served_step=int(item))
+            )
         else:
             raise ValueError(f"--checkpoint {item!r}: use base, latest, all or one of the steps {sorted(checkpoints)}")
     return list({t.label: t for t in out}.values())  # each once, in the order asked
@@ -60,20 +64,25 @@ async def evaluate_model(cfg, target: Target, records) -> tuple[EvalSummary, Pat
     from streamrl.rollout.engine import make_engine
     from streamrl.streaming.heldout import heldout_metrics, run_heldout
 
-    engine = make_engine(cfg.rollout.engine.model_copy(update={"placement": "local", "model": target.model_path}),
-                         "engine-0")
+    engine = make_engine(
+        cfg.rollout.engine.model_copy(update={"placement": "local", "model": target.model_path}), "engine-0"
+    )
     try:
         t0 = time.monotonic()
-        trajectories = await run_heldout(cfg, target.model_path, [engine], records, timeout_s=cfg.trainer.step_timeout_s)
-        summary, _ = heldout_metrics(trajectories, records, k=cfg.eval.k, threshold=cfg.eval.pass_threshold,
-                                     seconds=time.monotonic() - t0)
+        trajectories = await run_heldout(
+            cfg, target.model_path, [engine], records, timeout_s=cfg.trainer.step_timeout_s
+        )
+        summary, _ = heldout_metrics(
+            trajectories, records, k=cfg.eval.k, threshold=cfg.eval.pass_threshold, seconds=time.monotonic() - t0
+        )
         return summary, None, trajectories
     finally:
         await engine.shutdown()
 
 
-def eval_main(*, run_dir: str | None, config: str | None, overrides: list[str], checkpoints: list[str],
-              out: str | None) -> int:
+def eval_main(
+    *, run_dir: str | None, config: str | None, overrides: list[str], checkpoints: list[str], out: str | None
+) -> int:
     from streamrl.streaming.config import StreamRLConfig, apply_overrides, load_config
     from streamrl.streaming.heldout import heldout_records, per_prompt_rewards, write_rows
     from streamrl.streaming.prompts import load_records
@@ -84,8 +93,9 @@ def eval_main(*, run_dir: str | None, config: str | None, overrides: list[str], 
         root = Path(run_dir)
         if not (root / "run_info.json").exists():
             raise ValueError(f"{root} is not a streamrl run directory (no run_info.json)")
-        cfg = StreamRLConfig.model_validate(apply_overrides(json.loads((root / "run_info.json").read_text())["config"],
-                                                            overrides))
+        cfg = StreamRLConfig.model_validate(
+            apply_overrides(json.loads((root / "run_info.json").read_text())["config"], overrides)
+        )
         targets = run_targets(root, checkpoints)
         out_dir = Path(out) if out else root / "eval_offline"
     else:
@@ -100,17 +110,27 @@ def eval_main(*, run_dir: str | None, config: str | None, overrides: list[str], 
     records = heldout_records(cfg, training)
     out_dir.mkdir(parents=True, exist_ok=True)
     scores: list[dict[str, float]] = []
-    print(f"{'model':<14} {'step':>5} {'avg@k':>7} {'pass@1':>7} {f'pass@{cfg.eval.k}':>7} {f'pass^{cfg.eval.k}':>7}"
-          f"  ({len(records)} prompts x {cfg.eval.k} samples, temperature {cfg.eval.temperature})")
+    print(
+        f"{'model':<14} {'step':>5} {'avg@k':>7} {'pass@1':>7} {f'pass@{cfg.eval.k}':>7} {f'pass^{cfg.eval.k}':>7}"
+        f"  ({len(records)} prompts x {cfg.eval.k} samples, temperature {cfg.eval.temperature})"
+    )
     for target in targets:
         t0 = time.monotonic()
         summary, _, trajectories = asyncio.run(evaluate_model(cfg, target, records))
-        write_rows(out_dir / f"{target.label}.parquet", trajectories, served_step=target.served_step, policy_version=-1,
-                   started_elapsed_s=0.0, seconds=time.monotonic() - t0)
+        write_rows(
+            out_dir / f"{target.label}.parquet",
+            trajectories,
+            served_step=target.served_step,
+            policy_version=-1,
+            started_elapsed_s=0.0,
+            seconds=time.monotonic() - t0,
+        )
         rewards = per_prompt_rewards(trajectories, records, cfg.eval.k)
         scores.append({p: sum(r) / len(r) for p, r in rewards.items()})
-        print(f"{target.label:<14} {target.served_step:>5} {summary.avg_reward:>7.3f} {summary.pass_at_1:>7.3f} "
-              f"{summary.pass_at_k:>7.3f} {summary.pass_hat_k:>7.3f}")
+        print(
+            f"{target.label:<14} {target.served_step:>5} {summary.avg_reward:>7.3f} {summary.pass_at_1:>7.3f} "
+            f"{summary.pass_at_k:>7.3f} {summary.pass_hat_k:>7.3f}"
+        )
     if len(scores) >= 2:
         print(f"{targets[0].label} -> {targets[-1].label}: {compare(scores[0], scores[-1]).line()}")
     print(f"rows written to {out_dir}")

@@ -54,9 +54,14 @@ class EvalSummary:
     pass_hat_k: float
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
-        return {f"{prefix}reward_mean": self.avg_reward, f"{prefix}pass_at_1": self.pass_at_1,
-                f"{prefix}pass_at_k": self.pass_at_k, f"{prefix}pass_hat_k": self.pass_hat_k,
-                f"{prefix}k": float(self.k), f"{prefix}num_prompts": float(self.num_prompts)}
+        return {
+            f"{prefix}reward_mean": self.avg_reward,
+            f"{prefix}pass_at_1": self.pass_at_1,
+            f"{prefix}pass_at_k": self.pass_at_k,
+            f"{prefix}pass_hat_k": self.pass_hat_k,
+            f"{prefix}k": float(self.k),
+            f"{prefix}num_prompts": float(self.num_prompts),
+        }
 
 
 def summarize(rewards: Mapping[str, Sequence[float]], *, k: int, threshold: float) -> EvalSummary:
@@ -112,19 +117,23 @@ class PairedComparison:
         return self.after - self.before
 
     def line(self) -> str:
-        return (f"{self.before:.3f} -> {self.after:.3f} ({self.diff:+.3f}, 95% CI [{self.ci_low:+.3f}, {self.ci_high:+.3f}], "
-                f"{self.test} p={self.p_value:.2g}, {self.num_pairs} pairs: {self.num_up} up, {self.num_down} down)")
+        return (
+            f"{self.before:.3f} -> {self.after:.3f} ({self.diff:+.3f}, 95% CI [{self.ci_low:+.3f}, {self.ci_high:+.3f}], "
+            f"{self.test} p={self.p_value:.2g}, {self.num_pairs} pairs: {self.num_up} up, {self.num_down} down)"
+        )
 
 
-def compare(before: Mapping[str, float], after: Mapping[str, float], *, seed: int = 0,
-            num_resamples: int = 10_000) -> PairedComparison:
+def compare(
+    before: Mapping[str, float], after: Mapping[str, float], *, seed: int = 0, num_resamples: int = 10_000
+) -> PairedComparison:
     """Paired test of two evaluations keyed by pair id (prompt, or seed/prompt), values a per-pair score
     (the prompt's mean reward). Exact McNemar when every score is 0 or 1, otherwise a sign-flip
     permutation test (exact up to 16 non-zero pairs, else `num_resamples` random flips)."""
     keys = sorted(set(before) & set(after))
     if len(keys) != len(before) or len(keys) != len(after):
-        raise ValueError(f"paired evaluations must hold the same pairs: {len(before)} before, {len(after)} after, "
-                         f"{len(keys)} shared")
+        raise ValueError(
+            f"paired evaluations must hold the same pairs: {len(before)} before, {len(after)} after, {len(keys)} shared"
+        )
     if not keys:
         raise ValueError("no pairs to compare")
     diffs = [after[k] - before[k] for k in keys]
@@ -136,9 +145,17 @@ def compare(before: Mapping[str, float], after: Mapping[str, float], *, seed: in
     else:
         p, test = sign_flip_p(diffs, rng, num_resamples), "sign-flip permutation"
     low, high = bootstrap_ci(diffs, rng, num_resamples)
-    return PairedComparison(num_pairs=len(keys), before=_mean(before[k] for k in keys),
-                            after=_mean(after[k] for k in keys), ci_low=low, ci_high=high, p_value=p, test=test,
-                            num_up=up, num_down=down)
+    return PairedComparison(
+        num_pairs=len(keys),
+        before=_mean(before[k] for k in keys),
+        after=_mean(after[k] for k in keys),
+        ci_low=low,
+        ci_high=high,
+        p_value=p,
+        test=test,
+        num_up=up,
+        num_down=down,
+    )
 
 
 def sign_flip_p(diffs: Sequence[float], rng: random.Random, num_resamples: int) -> float:
@@ -148,15 +165,18 @@ def sign_flip_p(diffs: Sequence[float], rng: random.Random, num_resamples: int) 
         return 1.0
     observed = abs(sum(nonzero)) - 1e-12
     if len(nonzero) <= 16:  # every one of the 2^n sign patterns
-        hits = sum(abs(sum(d if (mask >> i) & 1 else -d for i, d in enumerate(nonzero))) >= observed
-                   for mask in range(2 ** len(nonzero)))
+        hits = sum(
+            abs(sum(d if (mask >> i) & 1 else -d for i, d in enumerate(nonzero))) >= observed
+            for mask in range(2 ** len(nonzero))
+        )
         return hits / 2 ** len(nonzero)
     hits = sum(abs(sum(d if rng.random() < 0.5 else -d for d in nonzero)) >= observed for _ in range(num_resamples))
     return (hits + 1) / (num_resamples + 1)
 
 
-def bootstrap_ci(diffs: Sequence[float], rng: random.Random, num_resamples: int,
-                 level: float = 0.95) -> tuple[float, float]:
+def bootstrap_ci(
+    diffs: Sequence[float], rng: random.Random, num_resamples: int, level: float = 0.95
+) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean of `diffs` (pairs resampled whole)."""
     n = len(diffs)
     means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(num_resamples))

@@ -14,7 +14,6 @@ workers counted.
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -105,15 +104,18 @@ async def check_failures(system: System, *, final: bool = False) -> None:
     for worker in system.workers:
         try:
             system.failures.observe(await worker.outcomes())
-        except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+        except (TimeoutError, ray.exceptions.RayActorError):
             continue
     window = system.failures
-    if window.tripped or (final and too_many_failed(window.num_finished, window.num_failed, window=1,
-                                                    max_fraction=window.max_fraction)):
+    if window.tripped or (
+        final and too_many_failed(window.num_finished, window.num_failed, window=1, max_fraction=window.max_fraction)
+    ):
         raise TooManyFailedTrajectories(system.failures.message(system.state.learner_step))
 
 
 def no_steps_message(total_steps: int) -> str:
     """Why `streamrl train` exits non-zero after a run that trained nothing."""
-    return (f"the run ended at learner step 0 of {total_steps}: the prompts ran out before one batch was complete "
-            "(failed trajectories and filtered groups are not trained); see RUN_DIR/logs")
+    return (
+        f"the run ended at learner step 0 of {total_steps}: the prompts ran out before one batch was complete "
+        "(failed trajectories and filtered groups are not trained); see RUN_DIR/logs"
+    )

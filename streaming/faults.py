@@ -95,7 +95,7 @@ def _fire(point: str) -> float:
         return 0.0
     _hits[point] = _hits.get(point, 0) + 1
     action, nth, periodic = _armed[point]
-    if (_hits[point] % nth if periodic else _hits[point] != nth):
+    if _hits[point] % nth if periodic else _hits[point] != nth:
         return 0.0
     nth = _hits[point]
     logger.warning("fault injected at %s: %s (pass %d)", point, action, nth)

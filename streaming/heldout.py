@@ -75,8 +75,9 @@ def eval_config(cfg: StreamRLConfig) -> StreamRLConfig:
     return cfg.model_copy(update={"rollout": rollout})
 
 
-async def run_heldout(cfg: StreamRLConfig, model_path: str, engines: list[Any], records: list[PromptRecord],
-                      *, timeout_s: float) -> list[Trajectory]:
+async def run_heldout(
+    cfg: StreamRLConfig, model_path: str, engines: list[Any], records: list[PromptRecord], *, timeout_s: float
+) -> list[Trajectory]:
     """`eval.k` trajectories per record at the eval temperature on `engines` (`InferenceEngine`s), in
     this process; the finished and failed trajectories, in no particular order."""
     from streamrl.streaming.eval import rollouts_on
@@ -97,8 +98,9 @@ def per_prompt_rewards(trajectories: list[Trajectory], records: list[PromptRecor
     return {r.group_id: (rewards.get(r.group_id, []) + [0.0] * k)[:k] for r in records}
 
 
-def heldout_metrics(trajectories: list[Trajectory], records: list[PromptRecord], *, k: int, threshold: float,
-                    seconds: float) -> tuple[EvalSummary, dict[str, float]]:
+def heldout_metrics(
+    trajectories: list[Trajectory], records: list[PromptRecord], *, k: int, threshold: float, seconds: float
+) -> tuple[EvalSummary, dict[str, float]]:
     """The summary and the `eval/*` metrics of one evaluation."""
     summary = summarize(per_prompt_rewards(trajectories, records, k), k=k, threshold=threshold)
     finished = [t for t in trajectories if t.status is TrajectoryStatus.FINISHED]
@@ -112,14 +114,24 @@ def heldout_metrics(trajectories: list[Trajectory], records: list[PromptRecord],
 
 def check_pinned(trajectories: list[Trajectory], policy_version: int) -> None:
     """Every sampled token of an evaluation comes from its one policy version (else it is a bug)."""
-    mixed = [t.trajectory_id for t in trajectories
-             if any(v != policy_version for v, m in zip(t.policy_versions, t.response_mask) if m)]
+    mixed = [
+        t.trajectory_id
+        for t in trajectories
+        if any(v != policy_version for v, m in zip(t.policy_versions, t.response_mask) if m)
+    ]
     if mixed:
         raise AssertionError(f"evaluation of v{policy_version} holds tokens of other versions: {mixed[:5]}")
 
 
-def write_rows(path: Path, trajectories: list[Trajectory], *, served_step: int, policy_version: int,
-               started_elapsed_s: float, seconds: float) -> Path:
+def write_rows(
+    path: Path,
+    trajectories: list[Trajectory],
+    *,
+    served_step: int,
+    policy_version: int,
+    started_elapsed_s: float,
+    seconds: float,
+) -> Path:
     """One row per held-out trajectory (parquet, written atomically)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -127,23 +139,25 @@ def write_rows(path: Path, trajectories: list[Trajectory], *, served_step: int, 
     from streamrl.rollout.atomic import atomic_write
 
     ordered = sorted(trajectories, key=lambda t: (prompt_id(t), t.sample_index))
-    table = pa.table({
-        "policy_version": pa.array([policy_version] * len(ordered), pa.int64()),
-        "served_step": pa.array([served_step] * len(ordered), pa.int64()),
-        "prompt_id": pa.array([prompt_id(t) for t in ordered], pa.string()),
-        "sample_index": pa.array([t.sample_index for t in ordered], pa.int32()),
-        "reward": pa.array([t.reward for t in ordered], pa.float64()),
-        "status": pa.array([str(t.status) for t in ordered], pa.string()),
-        "finish_reason": pa.array([str(t.finish_reason) for t in ordered], pa.string()),
-        "prompt_ids": pa.array([t.prompt_ids for t in ordered], pa.list_(pa.int32())),
-        "response_ids": pa.array([t.response_ids for t in ordered], pa.list_(pa.int32())),
-        "response_mask": pa.array([t.response_mask for t in ordered], pa.list_(pa.int8())),
-        "num_tool_calls": pa.array([t.num_tool_calls for t in ordered], pa.int32()),
-        "generate_s": pa.array([t.generate_s for t in ordered], pa.float64()),
-        "finished_at": pa.array([t.finished_at for t in ordered], pa.float64()),
-        "run_elapsed_s": pa.array([started_elapsed_s] * len(ordered), pa.float64()),  # when the evaluation began
-        "eval_seconds": pa.array([seconds] * len(ordered), pa.float64()),
-    })
+    table = pa.table(
+        {
+            "policy_version": pa.array([policy_version] * len(ordered), pa.int64()),
+            "served_step": pa.array([served_step] * len(ordered), pa.int64()),
+            "prompt_id": pa.array([prompt_id(t) for t in ordered], pa.string()),
+            "sample_index": pa.array([t.sample_index for t in ordered], pa.int32()),
+            "reward": pa.array([t.reward for t in ordered], pa.float64()),
+            "status": pa.array([str(t.status) for t in ordered], pa.string()),
+            "finish_reason": pa.array([str(t.finish_reason) for t in ordered], pa.string()),
+            "prompt_ids": pa.array([t.prompt_ids for t in ordered], pa.list_(pa.int32())),
+            "response_ids": pa.array([t.response_ids for t in ordered], pa.list_(pa.int32())),
+            "response_mask": pa.array([t.response_mask for t in ordered], pa.list_(pa.int8())),
+            "num_tool_calls": pa.array([t.num_tool_calls for t in ordered], pa.int32()),
+            "generate_s": pa.array([t.generate_s for t in ordered], pa.float64()),
+            "finished_at": pa.array([t.finished_at for t in ordered], pa.float64()),
+            "run_elapsed_s": pa.array([started_elapsed_s] * len(ordered), pa.float64()),  # when the evaluation began
+            "eval_seconds": pa.array([seconds] * len(ordered), pa.float64()),
+        }
+    )
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,7 +172,7 @@ def evaluated_steps(run_dir: Path) -> dict[int, Path]:
     """Served step -> its evaluation file, of every complete evaluation in RUN_DIR/eval/."""
     out = {}
     for path in sorted((Path(run_dir) / EVAL_DIR).glob("step_*-v*.parquet")):
-        out[int(path.name[len("step_"):].split("-")[0])] = path
+        out[int(path.name[len("step_") :].split("-")[0])] = path
     return out
 
 
@@ -198,8 +212,9 @@ class Evaluator:
             return False
         assert self._task is None or self._task.done(), "an evaluation is running: hold() before the next publish"
         self.done_steps.add(state.served_step)  # claimed: an abandoned one is not retried on other weights
-        self._task = asyncio.create_task(self._evaluate(system, state.served_step, state.policy_version),
-                                         name=f"eval-step-{state.served_step}")
+        self._task = asyncio.create_task(
+            self._evaluate(system, state.served_step, state.policy_version), name=f"eval-step-{state.served_step}"
+        )
         return True
 
     async def hold(self) -> float:
@@ -213,8 +228,11 @@ class Evaluator:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             self.num_abandoned += 1
-            logger.warning("evaluation %s outlived eval.max_hold_s=%.0f s: abandoned so the weight sync can go on",
-                           task.get_name(), self.cfg.eval.max_hold_s)
+            logger.warning(
+                "evaluation %s outlived eval.max_hold_s=%.0f s: abandoned so the weight sync can go on",
+                task.get_name(),
+                self.cfg.eval.max_hold_s,
+            )
             return time.monotonic() - t0
         task.result()  # surfaces a failed evaluation
         return time.monotonic() - t0
@@ -235,22 +253,47 @@ class Evaluator:
         from streamrl.rollout.engine.ray_engine import RayEngineClient
 
         cfg = self.cfg
-        engines = [RayEngineClient(e.handle, name, cfg=cfg.rollout.engine) for i, e in enumerate(system.engines)
-                   if (name := f"engine-{i}") not in system.dropped_engines]  # never one the sync dropped
+        engines = [
+            RayEngineClient(e.handle, name, cfg=cfg.rollout.engine)
+            for i, e in enumerate(system.engines)
+            if (name := f"engine-{i}") not in system.dropped_engines
+        ]  # never one the sync dropped
         started, t0 = system.total_elapsed_s, time.monotonic()
-        trajectories = await run_heldout(cfg, system.model_path, engines, self.records, timeout_s=cfg.trainer.step_timeout_s)
+        trajectories = await run_heldout(
+            cfg, system.model_path, engines, self.records, timeout_s=cfg.trainer.step_timeout_s
+        )
         seconds = time.monotonic() - t0
         check_pinned(trajectories, policy_version)
-        summary, metrics = heldout_metrics(trajectories, self.records, k=cfg.eval.k,
-                                           threshold=cfg.eval.pass_threshold, seconds=seconds)
-        metrics |= {"eval/served_step": float(served_step), "eval/elapsed_s": started,
-                    "eval/num_abandoned": float(self.num_abandoned)}
-        write_rows(eval_file(self.run_dir, served_step, policy_version), trajectories, served_step=served_step,
-                   policy_version=policy_version, started_elapsed_s=started, seconds=seconds)
+        summary, metrics = heldout_metrics(
+            trajectories, self.records, k=cfg.eval.k, threshold=cfg.eval.pass_threshold, seconds=seconds
+        )
+        metrics |= {
+            "eval/served_step": float(served_step),
+            "eval/elapsed_s": started,
+            "eval/num_abandoned": float(self.num_abandoned),
+        }
+        write_rows(
+            eval_file(self.run_dir, served_step, policy_version),
+            trajectories,
+            served_step=served_step,
+            policy_version=policy_version,
+            started_elapsed_s=started,
+            seconds=seconds,
+        )
         system.metrics.log(metrics, learner_step=served_step, policy_version=policy_version, progress=False)
-        passes = f"pass@1 {summary.pass_at_1:.3f}" + (f", pass@{summary.k} {summary.pass_at_k:.3f}" if summary.k > 1 else "")
-        logger.info("held-out reward %.3f (avg@%d; %s) on %d prompts: weights of step %d (v%d), %.0f s",
-                    summary.avg_reward, summary.k, passes, summary.num_prompts, served_step, policy_version, seconds)
+        passes = f"pass@1 {summary.pass_at_1:.3f}" + (
+            f", pass@{summary.k} {summary.pass_at_k:.3f}" if summary.k > 1 else ""
+        )
+        logger.info(
+            "held-out reward %.3f (avg@%d; %s) on %d prompts: weights of step %d (v%d), %.0f s",
+            summary.avg_reward,
+            summary.k,
+            passes,
+            summary.num_prompts,
+            served_step,
+            policy_version,
+            seconds,
+        )
         return metrics
 
 

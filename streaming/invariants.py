@@ -37,9 +37,16 @@ class InvariantReport:
 
     @property
     def ok(self) -> bool:
-        counts = (self.prompts_lost, self.prompts_duplicated, self.consumed_twice, self.bad_batches,
-                  self.stranded or 0, self.untracked or 0, self.version_violations,
-                  self.tool_side_effects_repeated)
+        counts = (
+            self.prompts_lost,
+            self.prompts_duplicated,
+            self.consumed_twice,
+            self.bad_batches,
+            self.stranded or 0,
+            self.untracked or 0,
+            self.version_violations,
+            self.tool_side_effects_repeated,
+        )
         return not any(counts)
 
 
@@ -111,8 +118,11 @@ def check_run(run_dir: str | Path) -> InvariantReport:
         repeated = sorted(k for k, n in per_call.items() if n > 1)
         per_traj = Counter(x["instance_id"] for x in lines)
         finished = latest[latest["status"] == "finished"]
-        over = [(t, per_traj[t], int(n)) for t, n in zip(finished["trajectory_id"], finished["num_tool_calls"])
-                if per_traj[t] > n and not any(k[0] == t for k in repeated)]
+        over = [
+            (t, per_traj[t], int(n))
+            for t, n in zip(finished["trajectory_id"], finished["num_tool_calls"])
+            if per_traj[t] > n and not any(k[0] == t for k in repeated)
+        ]
         report.tool_side_effects_repeated = len(repeated) + len(over)
         report.problems += [f"tool call ran {per_call[k]} times: {k[0]} {k[1]}" for k in repeated]
         report.problems += [f"{t}: {n} ledger lines for {c} tool calls" for t, n, c in over]

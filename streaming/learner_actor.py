@@ -103,7 +103,9 @@ class LearnerActor:
         rewards = np.asarray(padded.rewards, dtype=np.float64)
         metrics["rollout/reward_mean"] = float(rewards.mean())
         metrics["rollout/reward_std"] = float(rewards.std())
-        metrics["rollout/response_len_mean"] = float(np.mean(np.asarray(padded.seq_lens) - np.asarray(padded.prompt_lens)))
+        metrics["rollout/response_len_mean"] = float(
+            np.mean(np.asarray(padded.seq_lens) - np.asarray(padded.prompt_lens))
+        )
         lags = np.asarray(sampled.lags)
         metrics.update(summarize(lags, prefix="staleness/lag_"))
         metrics.update(lag_fractions(lag_histogram(lags, self.cfg.buffer.max_staleness), f"{LAG_FRAC}batch/"))

@@ -131,8 +131,14 @@ class PublishingLearnerWorker(LearnerWorker):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sync_dtype: str | None = None  # the engines' dtype when lower than the learner's fp32
 
-    def connect(self, sync_cfg: WeightSyncConfig, engine_cfg: EngineConfig, engines: list[Any], workers: list[Any],
-                policy_version: int) -> None:
+    def connect(
+        self,
+        sync_cfg: WeightSyncConfig,
+        engine_cfg: EngineConfig,
+        engines: list[Any],
+        workers: list[Any],
+        policy_version: int,
+    ) -> None:
         from streamrl.streaming.weight_publisher import WeightPublisher
 
         self.close_publisher()
@@ -158,7 +164,9 @@ class PublishingLearnerWorker(LearnerWorker):
             published = self._loop.run_until_complete(self.publisher.publish(tensors, target))
         finally:
             del tensors  # the only unsharded copy; free it before training resumes
-        return Published(policy_version=published.policy_version, metrics={**published.metrics, "sync/gather_s": gather_s})
+        return Published(
+            policy_version=published.policy_version, metrics={**published.metrics, "sync/gather_s": gather_s}
+        )
 
     def dropped_engines(self) -> dict[str, str]:
         return {} if self.publisher is None else self.publisher.dropped_engines
@@ -212,6 +220,7 @@ class GroupLearner:
 
     async def train_step(self, padded: Any) -> StepResult:
         import ray
+
         from streamrl.observability.memory import rank_end_of_step
 
         result = (await self._wait(self.group.submit("train_step", ray.put(padded))))[0]
@@ -222,7 +231,11 @@ class GroupLearner:
 
     async def connect(self, engines: list[Any], workers: list[Any], policy_version: int) -> None:
         ref = self.group.rank0.connect.remote(
-            self.cfg.weight_sync, self.cfg.rollout.engine, engines, workers, policy_version,
+            self.cfg.weight_sync,
+            self.cfg.rollout.engine,
+            engines,
+            workers,
+            policy_version,
         )
         await self._wait([ref])
         self.served_version = policy_version

@@ -57,9 +57,17 @@ BUFFER_BYTES_PER_TOKEN = 32  # ids, mask, logprob, version columns, superseded p
 RAY_MEMORY_USAGE_THRESHOLD = 0.95
 
 # SmolLM2-135M-Instruct, as `rollout.models.smollm2.convert_smollm2` writes it (134,515,008 params).
-SMOLLM2_CONFIG = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                      tie_word_embeddings=True)
+SMOLLM2_CONFIG = dict(
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    tie_word_embeddings=True,
+)
 
 
 def vision_params(vision: dict[str, Any], text_hidden: int, scale_factor: int) -> int:
@@ -100,9 +108,12 @@ class ModelDims:
             return dataclasses.replace(dims, vision_params=extra)
         heads = int(c["num_attention_heads"])
         return cls(
-            vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
-            intermediate_size=int(c["intermediate_size"]), num_layers=int(c["num_hidden_layers"]),
-            num_heads=heads, num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            vocab_size=int(c["vocab_size"]),
+            hidden_size=int(c["hidden_size"]),
+            intermediate_size=int(c["intermediate_size"]),
+            num_layers=int(c["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),
             head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False)),
@@ -131,17 +142,27 @@ def model_dims(model: str) -> ModelDims:
         # the tiny tokenizer (its BPE vocabulary + the tool tags) + Idefics3's image tokens
         vocab = TINY_VOCAB + len(TOOL_TAG_TOKENS) + len(tiny_vlm.VISION_TOKENS)
         text = {**tiny_vlm.TEXT_CONFIG, "vocab_size": vocab}
-        return ModelDims.from_hf_config({"text_config": text, "vision_config": tiny_vlm.VISION_CONFIG,
-                                         "scale_factor": tiny_vlm.SCALE_FACTOR, "tie_word_embeddings": True})
+        return ModelDims.from_hf_config(
+            {
+                "text_config": text,
+                "vision_config": tiny_vlm.VISION_CONFIG,
+                "scale_factor": tiny_vlm.SCALE_FACTOR,
+                "tie_word_embeddings": True,
+            }
+        )
     if model == "smollm2":
         return ModelDims.from_hf_config(SMOLLM2_CONFIG)
     path = Path(model).expanduser() / "config.json"
     if not path.exists():
-        raise ValueError(f"model {model!r} is neither a built-in ('tiny', 'tiny-vlm', 'smollm2') nor a HF folder with config.json")
+        raise ValueError(
+            f"model {model!r} is neither a built-in ('tiny', 'tiny-vlm', 'smollm2') nor a HF folder with config.json"
+        )
     try:
         return ModelDims.from_hf_config(json.loads(path.read_text()))
     except KeyError as exc:
-        raise ValueError(f"cannot estimate memory: {path} has no {exc.args[0]!r} (not a decoder-only LM config?)") from None
+        raise ValueError(
+            f"cannot estimate memory: {path} has no {exc.args[0]!r} (not a decoder-only LM config?)"
+        ) from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -178,9 +199,15 @@ class Estimate:
         verdict = "DOES NOT FIT" if not self.fits else "fits, but not in what is free now" if self.tight else "fits"
         rows = [("part", "where", "GiB", "how")]
         rows += [(p.name, "gpu" if p.on_gpu else "host", f"{p.bytes / GiB:.2f}", p.how) for p in self.parts]
-        rows.append(("total (host)", "", f"{self.host_bytes / GiB:.2f}",
-                     f"limit {self.limit_bytes / GiB:.1f} GiB, {self.available_bytes / GiB:.1f} GiB free now "
-                     f"({self.source}): {verdict}"))
+        rows.append(
+            (
+                "total (host)",
+                "",
+                f"{self.host_bytes / GiB:.2f}",
+                f"limit {self.limit_bytes / GiB:.1f} GiB, {self.available_bytes / GiB:.1f} GiB free now "
+                f"({self.source}): {verdict}",
+            )
+        )
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}" for r in rows]
         return "\n".join(["memory estimate", *lines, *self.notes])
@@ -221,19 +248,43 @@ def learner_parts(cfg: StreamRLConfig, dims: ModelDims, *, on_gpu: bool) -> list
     act_bytes = CHECKPOINTED_ACTIVATION_BYTES if lc.gradient_checkpointing else ACTIVATION_BYTES
     per_rank = f" per rank × {ranks}" if ranks > 1 else ""
     parts = [
-        Part(name="learner weights+grads+AdamW", bytes=OPTIMIZER_BYTES_PER_PARAM * params, on_gpu=on_gpu,
-             how=f"{OPTIMIZER_BYTES_PER_PARAM} B/param × {params / 1e6:.1f}M params (fp32)"),
-        Part(name="learner activations", bytes=tokens * dims.hidden_size * dims.num_layers * act_bytes * ranks, on_gpu=on_gpu,
-             knobs=("learner.micro_batch_tokens", "learner.gradient_checkpointing=true"),
-             how=f"{tokens} tokens × {dims.hidden_size} hidden × {dims.num_layers} layers × {act_bytes} B"
-             + (" (checkpointed)" if lc.gradient_checkpointing else "") + per_rank),
-        Part(name="learner logits chunk", bytes=chunk * dims.vocab_size * 4 * LOGITS_COPIES * ranks, on_gpu=on_gpu,
-             knobs=("learner.logits_chunk_tokens",), how=f"{chunk} tokens × {dims.vocab_size} vocab × 4 B × {LOGITS_COPIES}" + per_rank),
-        Part(name="learner process", bytes=LEARNER_PROCESS_BYTES * ranks, how="python + torch + transformers" + per_rank),
+        Part(
+            name="learner weights+grads+AdamW",
+            bytes=OPTIMIZER_BYTES_PER_PARAM * params,
+            on_gpu=on_gpu,
+            how=f"{OPTIMIZER_BYTES_PER_PARAM} B/param × {params / 1e6:.1f}M params (fp32)",
+        ),
+        Part(
+            name="learner activations",
+            bytes=tokens * dims.hidden_size * dims.num_layers * act_bytes * ranks,
+            on_gpu=on_gpu,
+            knobs=("learner.micro_batch_tokens", "learner.gradient_checkpointing=true"),
+            how=f"{tokens} tokens × {dims.hidden_size} hidden × {dims.num_layers} layers × {act_bytes} B"
+            + (" (checkpointed)" if lc.gradient_checkpointing else "")
+            + per_rank,
+        ),
+        Part(
+            name="learner logits chunk",
+            bytes=chunk * dims.vocab_size * 4 * LOGITS_COPIES * ranks,
+            on_gpu=on_gpu,
+            knobs=("learner.logits_chunk_tokens",),
+            how=f"{chunk} tokens × {dims.vocab_size} vocab × 4 B × {LOGITS_COPIES}" + per_rank,
+        ),
+        Part(
+            name="learner process", bytes=LEARNER_PROCESS_BYTES * ranks, how="python + torch + transformers" + per_rank
+        ),
     ]
     if lc.use_reference:
-        parts.insert(1, Part(name="learner reference model", bytes=REFERENCE_BYTES_PER_PARAM * params, on_gpu=on_gpu,
-                             knobs=("learner.use_reference=false",), how=f"{REFERENCE_BYTES_PER_PARAM} B/param frozen copy"))
+        parts.insert(
+            1,
+            Part(
+                name="learner reference model",
+                bytes=REFERENCE_BYTES_PER_PARAM * params,
+                on_gpu=on_gpu,
+                knobs=("learner.use_reference=false",),
+                how=f"{REFERENCE_BYTES_PER_PARAM} B/param frozen copy",
+            ),
+        )
     return parts
 
 
@@ -243,15 +294,32 @@ def rollout_parts(cfg: StreamRLConfig, dims: ModelDims, *, on_gpu: bool) -> list
     r, n = cfg.rollout, cfg.rollout.num_engines
     weight_bytes = 2 if r.engine.dtype in ("bfloat16", "float16") else 4
     return [
-        Part(name=f"engine weights (×{n})", bytes=n * dims.num_params * weight_bytes, on_gpu=on_gpu,
-             knobs=("rollout.num_engines",), how=f"{dims.num_params / 1e6:.1f}M params × {weight_bytes} B ({r.engine.dtype})"),
-        Part(name=f"engine KV cache (×{n})", bytes=0 if on_gpu else n * r.engine.kv_cache_space_gb * GiB, on_gpu=on_gpu,
-             knobs=("rollout.engine.kv_cache_space_gb", "rollout.num_engines"),
-             how="rollout.engine.gpu_memory_utilization" if on_gpu else "rollout.engine.kv_cache_space_gb"),
-        Part(name=f"engine process (×{n})", bytes=n * ENGINE_PROCESS_BYTES, knobs=("rollout.num_engines",),
-             how="vLLM EngineCore beyond weights and KV cache (measured)"),
-        Part(name=f"rollout workers (×{r.num_workers})", bytes=r.num_workers * WORKER_PROCESS_BYTES,
-             knobs=("rollout.num_workers",), how="python + tokenizer + agent loops"),
+        Part(
+            name=f"engine weights (×{n})",
+            bytes=n * dims.num_params * weight_bytes,
+            on_gpu=on_gpu,
+            knobs=("rollout.num_engines",),
+            how=f"{dims.num_params / 1e6:.1f}M params × {weight_bytes} B ({r.engine.dtype})",
+        ),
+        Part(
+            name=f"engine KV cache (×{n})",
+            bytes=0 if on_gpu else n * r.engine.kv_cache_space_gb * GiB,
+            on_gpu=on_gpu,
+            knobs=("rollout.engine.kv_cache_space_gb", "rollout.num_engines"),
+            how="rollout.engine.gpu_memory_utilization" if on_gpu else "rollout.engine.kv_cache_space_gb",
+        ),
+        Part(
+            name=f"engine process (×{n})",
+            bytes=n * ENGINE_PROCESS_BYTES,
+            knobs=("rollout.num_engines",),
+            how="vLLM EngineCore beyond weights and KV cache (measured)",
+        ),
+        Part(
+            name=f"rollout workers (×{r.num_workers})",
+            bytes=r.num_workers * WORKER_PROCESS_BYTES,
+            knobs=("rollout.num_workers",),
+            how="python + tokenizer + agent loops",
+        ),
     ]
 
 
@@ -261,8 +329,11 @@ def estimate_parts(cfg: StreamRLConfig, dims: ModelDims, *, cluster_gpus: float 
     return [
         *learner_parts(cfg, dims, on_gpu=_cuda_device(cfg.learner.device, cluster_gpus)),
         *rollout_parts(cfg, dims, on_gpu=_cuda_device(cfg.rollout.engine.device, cluster_gpus)),
-        Part(name="buffer", bytes=BUFFER_PROCESS_BYTES + (b.max_staleness + 2) * b.batch_size * seq * BUFFER_BYTES_PER_TOKEN,
-             how=f"process + (max_staleness + 2) × batch_size × {seq} tokens × {BUFFER_BYTES_PER_TOKEN} B"),
+        Part(
+            name="buffer",
+            bytes=BUFFER_PROCESS_BYTES + (b.max_staleness + 2) * b.batch_size * seq * BUFFER_BYTES_PER_TOKEN,
+            how=f"process + (max_staleness + 2) × batch_size × {seq} tokens × {BUFFER_BYTES_PER_TOKEN} B",
+        ),
         Part(name="driver", bytes=DRIVER_BYTES, how="this process"),
         Part(name="Ray", bytes=RAY_SYSTEM_BYTES, how="gcs + raylet + object store"),
     ]
@@ -285,7 +356,12 @@ def available_memory() -> tuple[int, int, str, float | None]:
         finally:
             if connect_here:
                 ray.shutdown()
-        return int(total.get("memory", 0)), int(free.get("memory", 0)), f"the Ray cluster at {address}", float(total.get("GPU", 0))
+        return (
+            int(total.get("memory", 0)),
+            int(free.get("memory", 0)),
+            f"the Ray cluster at {address}",
+            float(total.get("GPU", 0)),
+        )
     import psutil
 
     vm = psutil.virtual_memory()
@@ -307,11 +383,18 @@ def check(cfg: StreamRLConfig) -> Estimate:
     est = estimate(cfg)
     if not est.fits:
         raise ValueError(est.refusal())
-    logger.info("memory estimate: %.1f GiB (limit %.1f GiB, %.1f GiB free now); `streamrl train --dry-run` lists the parts",
-                est.host_bytes / GiB, est.limit_bytes / GiB, est.available_bytes / GiB)
+    logger.info(
+        "memory estimate: %.1f GiB (limit %.1f GiB, %.1f GiB free now); `streamrl train --dry-run` lists the parts",
+        est.host_bytes / GiB,
+        est.limit_bytes / GiB,
+        est.available_bytes / GiB,
+    )
     if est.tight:
-        logger.warning("other processes leave only %.1f GiB free of the %.1f GiB this run may need: it may be killed "
-                       "for memory", est.available_bytes / GiB, est.host_bytes / GiB)
+        logger.warning(
+            "other processes leave only %.1f GiB free of the %.1f GiB this run may need: it may be killed for memory",
+            est.available_bytes / GiB,
+            est.host_bytes / GiB,
+        )
     return est
 
 

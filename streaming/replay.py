@@ -38,8 +38,10 @@ def logged_batches(buffer_dir: Path) -> list[tuple[int, pa.Table, np.ndarray]]:
     from streamrl.buffer.cli import logged_steps
 
     table, steps = logged_steps(buffer_dir)
-    return [(step, table.take(np.array([r for r, _ in rows])), np.array([lag for _, lag in rows]))
-            for step, rows in sorted(steps.items())]
+    return [
+        (step, table.take(np.array([r for r, _ in rows])), np.array([lag for _, lag in rows]))
+        for step, rows in sorted(steps.items())
+    ]
 
 
 def _logged_steps(run_dir: Path) -> dict[int, dict[str, Any]]:
@@ -51,7 +53,9 @@ def _logged_steps(run_dir: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
-def replay(run_dir: str | Path, overrides: list[str] | None = None, *, name: str | None = None) -> list[dict[str, float]]:
+def replay(
+    run_dir: str | Path, overrides: list[str] | None = None, *, name: str | None = None
+) -> list[dict[str, float]]:
     """Train a fresh learner on the run's logged batches; returns one record per step."""
     import torch
 
@@ -76,7 +80,9 @@ def replay(run_dir: str | Path, overrides: list[str] | None = None, *, name: str
             record = {"learner_step": step, **metrics, **{f"original/{k}": logged.get(k) for k in COMPARED}}
             records.append(record)
             f.write(json.dumps(record) + "\n")
-            logger.info("replay step %d: loss %.6g (original %s)", step, metrics["learner/loss"], logged.get("learner/loss"))
+            logger.info(
+                "replay step %d: loss %.6g (original %s)", step, metrics["learner/loss"], logged.get("learner/loss")
+            )
     (out_dir / "overrides.json").write_text(json.dumps(list(overrides or [])))
     return records
 
@@ -84,7 +90,8 @@ def replay(run_dir: str | Path, overrides: list[str] | None = None, *, name: str
 def replay_main(run_dir: str, overrides: list[str]) -> int:
     records = replay(run_dir, overrides)
     same = sum(all(r[k] == r[f"original/{k}"] for k in COMPARED) for r in records)
-    print(f"replayed {len(records)} steps of {run_dir}: loss, entropy and grad norm identical to the original "
-          f"at {same} of them"
-          + (" (settings changed by overrides)" if overrides else ""))
+    print(
+        f"replayed {len(records)} steps of {run_dir}: loss, entropy and grad norm identical to the original "
+        f"at {same} of them" + (" (settings changed by overrides)" if overrides else "")
+    )
     return 0

@@ -41,15 +41,29 @@ logger = logging.getLogger(__name__)
 
 # Exact keys, or prefixes ending in "." for a whole section.
 SAFE_ON_RESUME: tuple[str, ...] = (
-    "trainer.total_steps", "trainer.step_timeout_s", "trainer.stall_timeout_s", "trainer.checkpoint_every",
-    "trainer.keep_checkpoints", "trainer.log_samples_every", "trainer.max_failed_fraction", "trainer.failed_window",
+    "trainer.total_steps",
+    "trainer.step_timeout_s",
+    "trainer.stall_timeout_s",
+    "trainer.checkpoint_every",
+    "trainer.keep_checkpoints",
+    "trainer.log_samples_every",
+    "trainer.max_failed_fraction",
+    "trainer.failed_window",
     "wandb.",
-    "eval.every_steps", "eval.max_hold_s",
-    "rollout.engine.kv_cache_space_gb", "rollout.engine.gpu_memory_utilization", "rollout.engine.startup_timeout_s",
-    "rollout.num_engines", "rollout.num_workers", "rollout.max_concurrent_per_worker",
-    "learner.micro_batch_tokens", "learner.logits_chunk_tokens", "learner.gradient_checkpointing",
+    "eval.every_steps",
+    "eval.max_hold_s",
+    "rollout.engine.kv_cache_space_gb",
+    "rollout.engine.gpu_memory_utilization",
+    "rollout.engine.startup_timeout_s",
+    "rollout.num_engines",
+    "rollout.num_workers",
+    "rollout.max_concurrent_per_worker",
+    "learner.micro_batch_tokens",
+    "learner.logits_chunk_tokens",
+    "learner.gradient_checkpointing",
     "learner.max_nonfinite_steps",
-    "buffer.capacity_rows", "buffer.batch_size",
+    "buffer.capacity_rows",
+    "buffer.batch_size",
 )
 
 

@@ -102,18 +102,38 @@ def _engine(cfg: StreamRLConfig, ckpt: Path):
     from streamrl.learner.config import Algo
     from streamrl.learner.engine import TrainingEngine
 
-    lcfg = cfg.learner.model_copy(update={"model": str(ckpt / "hf"), "device": "cpu", "algo": Algo.GRPO,
-                                          "use_reference": False, "gradient_checkpointing": False})
+    lcfg = cfg.learner.model_copy(
+        update={
+            "model": str(ckpt / "hf"),
+            "device": "cpu",
+            "algo": Algo.GRPO,
+            "use_reference": False,
+            "gradient_checkpointing": False,
+        }
+    )
     return TrainingEngine(lcfg)
 
 
-def reweight(run_dir: str | Path, step: int, corrections: list[str] | None = None, *,
-             steps: str | None = None, out: str | Path | None = None) -> tuple[dict[str, Any], Path]:
+def reweight(
+    run_dir: str | Path,
+    step: int,
+    corrections: list[str] | None = None,
+    *,
+    steps: str | None = None,
+    out: str | Path | None = None,
+) -> tuple[dict[str, Any], Path]:
     """Evaluate `corrections` on the logged batches under checkpoint `step`; returns (result, json path)."""
     import torch
 
     from streamrl.buffer.padding import pad_table
-    from streamrl.learner.reweight import ClipSettings, TokenEffect, correction_effect, parse_correction, rho_by, summarize
+    from streamrl.learner.reweight import (
+        ClipSettings,
+        TokenEffect,
+        correction_effect,
+        parse_correction,
+        rho_by,
+        summarize,
+    )
     from streamrl.learner.types import TrainBatch
     from streamrl.streaming.config import StreamRLConfig
     from streamrl.streaming.replay import logged_batches
@@ -133,10 +153,14 @@ def reweight(run_dir: str | Path, step: int, corrections: list[str] | None = Non
         raise ValueError(f"{run_dir}: the buffer records no consumed batches")
     chosen = [b for b in batches if (lo is None or b[0] >= lo) and (hi is None or b[0] <= hi)]
     if not chosen:
-        raise ValueError(f"--steps {steps}: no logged step in range; logged steps are {batches[0][0]}..{batches[-1][0]}")
+        raise ValueError(
+            f"--steps {steps}: no logged step in range; logged steps are {batches[0][0]}..{batches[-1][0]}"
+        )
     label = checkpoint_label(run_dir, ckpt)
     engine = _engine(cfg, ckpt)
-    clip = ClipSettings(clip_low=cfg.learner.clip_low, clip_high=cfg.learner.clip_high, dual_clip_c=cfg.learner.dual_clip_c)
+    clip = ClipSettings(
+        clip_low=cfg.learner.clip_low, clip_high=cfg.learner.clip_high, dual_clip_c=cfg.learner.dual_clip_c
+    )
     effects: dict[str, list[TokenEffect]] = {spec: [] for spec in specs}
     gaps = []
     for learner_step, rows, traj_lags in chosen:
@@ -160,12 +184,20 @@ def reweight(run_dir: str | Path, step: int, corrections: list[str] | None = Non
         "exact_step": step + 1,  # the step whose real π_prox is this checkpoint's weights
         "steps": [b[0] for b in chosen],
         "num_lag_buckets": num_buckets,
-        "advantages": "grpo" if cfg.learner.algo.value == "grpo" else f"grpo (run algo {cfg.learner.algo.value}: approximation)",
+        "advantages": "grpo"
+        if cfg.learner.algo.value == "grpo"
+        else f"grpo (run algo {cfg.learner.algo.value}: approximation)",
         "advantage_nonzero_frac": float((any_effect.advantage != 0).double().mean()),  # 0: no gradient at all
-        "rho_by_lag": {_bucket(k, num_buckets): dataclasses.asdict(v) for k, v in rho_by(any_effect.rho, buckets).items()},
-        "rho_by_version_gap": {str(k): dataclasses.asdict(v) for k, v in rho_by(any_effect.rho, torch.cat(gaps)).items()},
-        "corrections": [{**dataclasses.asdict(summarize(spec, e, num_buckets)), "config": configs[spec].model_dump(mode="json")}
-                        for spec, e in pooled.items()],
+        "rho_by_lag": {
+            _bucket(k, num_buckets): dataclasses.asdict(v) for k, v in rho_by(any_effect.rho, buckets).items()
+        },
+        "rho_by_version_gap": {
+            str(k): dataclasses.asdict(v) for k, v in rho_by(any_effect.rho, torch.cat(gaps)).items()
+        },
+        "corrections": [
+            {**dataclasses.asdict(summarize(spec, e, num_buckets)), "config": configs[spec].model_dump(mode="json")}
+            for spec, e in pooled.items()
+        ],
     }
     out_dir = Path(out) if out else run_dir / "staleness"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -183,22 +215,60 @@ def table(result: dict[str, Any]) -> str:
     """The printed report: ρ by lag and by version gap, then one row per correction."""
     from streamrl.learner.is_metrics import lag_bucket_names
 
-    lines = [f"checkpoint step {result['checkpoint_step']} (policy_version {result['checkpoint_policy_version']}) "
-             f"on steps {result['steps'][0]}..{result['steps'][-1]}; exact π_prox for step {result['exact_step']}"]
+    lines = [
+        f"checkpoint step {result['checkpoint_step']} (policy_version {result['checkpoint_policy_version']}) "
+        f"on steps {result['steps'][0]}..{result['steps'][-1]}; exact π_prox for step {result['exact_step']}"
+    ]
     for title, stats in (("lag", result["rho_by_lag"]), ("version gap", result["rho_by_version_gap"])):
         parts = [f"{k}: n={v['num_tokens']} mean={v['mean']:.3f} kl={v['mismatch_kl']:.2e}" for k, v in stats.items()]
         lines.append(f"ρ = π_prox/π_behav by {title}: " + "; ".join(parts))
-    lines.append(f"action tokens with a non-zero advantage: {result['advantage_nonzero_frac']:.3f}"
-                 + (" (uniform rewards in every group: no policy gradient, loss shares 0)"
-                    if result["advantage_nonzero_frac"] == 0 else ""))
-    shares = [n for n in lag_bucket_names(result["num_lag_buckets"])
-              if any(n in c["loss_share"] for c in result["corrections"])]
-    header = ["correction", "w_mean", "w_max", "trunc", "mask", "seq_mask", "seq_rej", "clip", "ESS", "g_mean",
-              *[f"share_{n.removeprefix('lag_')}" for n in shares]]
-    rows = [[c["correction"], f"{c['weight_mean']:.3f}", f"{c['weight_max']:.3f}",
-             *(f"{c[k]:.3f}" for k in ("truncated_frac", "masked_frac", "seq_masked_frac", "seq_rejected_frac",
-                                       "clip_frac", "ess", "grad_weight_mean")),
-             *(f"{c['loss_share'].get(n, 0.0):.3f}" for n in shares)] for c in result["corrections"]]
+    lines.append(
+        f"action tokens with a non-zero advantage: {result['advantage_nonzero_frac']:.3f}"
+        + (
+            " (uniform rewards in every group: no policy gradient, loss shares 0)"
+            if result["advantage_nonzero_frac"] == 0
+            else ""
+        )
+    )
+    shares = [
+        n
+        for n in lag_bucket_names(result["num_lag_buckets"])
+        if any(n in c["loss_share"] for c in result["corrections"])
+    ]
+    header = [
+        "correction",
+        "w_mean",
+        "w_max",
+        "trunc",
+        "mask",
+        "seq_mask",
+        "seq_rej",
+        "clip",
+        "ESS",
+        "g_mean",
+        *[f"share_{n.removeprefix('lag_')}" for n in shares],
+    ]
+    rows = [
+        [
+            c["correction"],
+            f"{c['weight_mean']:.3f}",
+            f"{c['weight_max']:.3f}",
+            *(
+                f"{c[k]:.3f}"
+                for k in (
+                    "truncated_frac",
+                    "masked_frac",
+                    "seq_masked_frac",
+                    "seq_rejected_frac",
+                    "clip_frac",
+                    "ess",
+                    "grad_weight_mean",
+                )
+            ),
+            *(f"{c['loss_share'].get(n, 0.0):.3f}" for n in shares),
+        ]
+        for c in result["corrections"]
+    ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in [header, *rows]]
     return "\n".join(lines)
@@ -209,10 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="streamrl staleness reweight", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("run_dir")
-    parser.add_argument("--checkpoint", type=int, required=True, metavar="STEP",
-                        help="learner step of a checkpoint in RUN_DIR/checkpoints/")
-    parser.add_argument("--correction", action="append", metavar="SPEC",
-                        help=f"repeatable; default: {' '.join(DEFAULT_CORRECTIONS)}")
+    parser.add_argument(
+        "--checkpoint",
+        type=int,
+        required=True,
+        metavar="STEP",
+        help="learner step of a checkpoint in RUN_DIR/checkpoints/",
+    )
+    parser.add_argument(
+        "--correction", action="append", metavar="SPEC", help=f"repeatable; default: {' '.join(DEFAULT_CORRECTIONS)}"
+    )
     parser.add_argument("--steps", metavar="A:B", help="learner steps to include, inclusive (default: all)")
     parser.add_argument("--out", metavar="DIR", help="output folder (default: RUN_DIR/staleness)")
     return parser

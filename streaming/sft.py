@@ -46,13 +46,15 @@ def assistant_mask(tokenizer: Any, messages: list[dict], tools: list[dict] | Non
             messages[: i + 1], tools=tools, tokenize=False, add_generation_prompt=False
         )
         if is_asst:
-            header = tokenizer.apply_chat_template(messages[:i], tools=tools, tokenize=False, add_generation_prompt=True)
+            header = tokenizer.apply_chat_template(
+                messages[:i], tools=tools, tokenize=False, add_generation_prompt=True
+            )
             if header.startswith(prev_text):
-                piece = tokenizer.encode(header[len(prev_text):], add_special_tokens=False)
+                piece = tokenizer.encode(header[len(prev_text) :], add_special_tokens=False)
                 ids += piece
                 mask += [0] * len(piece)
                 prev_text = header
-        piece = tokenizer.encode(text[len(prev_text):], add_special_tokens=False)
+        piece = tokenizer.encode(text[len(prev_text) :], add_special_tokens=False)
         ids += piece
         mask += [1 if is_asst else 0] * len(piece)
         prev_text = text
@@ -73,7 +75,9 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
     records = make_arithmetic_dataset(cfg.sft.num_examples, seed + 7919, difficulty=cfg.sft.difficulty)
     names = {t["function"]["name"] for t in tools or []}
     tool_name = CODE_INTERPRETER if CODE_INTERPRETER in names else "calculator"  # what the transcripts call
-    transcripts = make_tool_sft_transcripts(records, tool_name=tool_name, tool_fraction=cfg.sft.tool_fraction, seed=seed)
+    transcripts = make_tool_sft_transcripts(
+        records, tool_name=tool_name, tool_fraction=cfg.sft.tool_fraction, seed=seed
+    )
     examples = [assistant_mask(tokenizer, conv, tools) for conv in transcripts]
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr)
     model.train()
@@ -82,7 +86,9 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
         batch = [examples[(step * cfg.sft.batch_size + j) % len(examples)] for j in range(cfg.sft.batch_size)]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch])
-        labels = torch.tensor([[t if m else -100 for t, m in zip(ids, mask)] + [-100] * (width - len(ids)) for ids, mask in batch])
+        labels = torch.tensor(
+            [[t if m else -100 for t, m in zip(ids, mask)] + [-100] * (width - len(ids)) for ids, mask in batch]
+        )
         attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         loss.backward()
@@ -98,7 +104,6 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
 def maybe_warm_up(cfg: Any, model_path: str) -> Path:
     """Return a warmed-up model folder (built once, cached) for `model_path`."""
     from streamrl.rollout.models import cache_root
-
     from streamrl.rollout.tools.config import load_tool_config
 
     # Keyed by what the transcripts render (the tool schemas), not by the tool config's path: a
@@ -140,7 +145,9 @@ def check_prompt_lengths(cfg: Any, model_path: str | Path, *, sample: int = 32) 
 
     agent = cfg.rollout.agent
     tools = load_tool_config(agent.tool_config).schemas() if agent.tool_config else None
-    records = load_records(cfg.data.source, min(cfg.data.num_prompts, sample), cfg.data.seed, cfg.data.difficulty)[:sample]
+    records = load_records(cfg.data.source, min(cfg.data.num_prompts, sample), cfg.data.seed, cfg.data.difficulty)[
+        :sample
+    ]
     encoder = ObservationEncoder(AutoTokenizer.from_pretrained(model_path))
     processor = None
     if cfg.rollout.engine.max_images_per_prompt > 0:
@@ -156,8 +163,14 @@ def check_prompt_lengths(cfg: Any, model_path: str | Path, *, sample: int = 32) 
             "rollout.agent.prompt_length (and rollout.engine.max_model_len with it)"
         )
     if too_long:
-        logger.warning("%d of the first %d prompts are longer than rollout.agent.prompt_length=%d (up to %d tokens): "
-                       "their trajectories will fail", too_long, len(lengths), agent.prompt_length, max(lengths))
+        logger.warning(
+            "%d of the first %d prompts are longer than rollout.agent.prompt_length=%d (up to %d tokens): "
+            "their trajectories will fail",
+            too_long,
+            len(lengths),
+            agent.prompt_length,
+            max(lengths),
+        )
     return lengths
 
 
@@ -187,7 +200,6 @@ def prepare_model(cfg: Any, *, log_file: str | Path | None = None) -> str:
     `sft.enabled`, warmed up (cached). Work happens in a child process whose output goes to
     `log_file` (else this process's console); raises StreamRLError if it fails."""
     from streamrl.observability.logs import is_verbose
-
     from streamrl.rollout.models import ready_model
 
     folder = ready_model(cfg.model)
@@ -203,9 +215,15 @@ def prepare_model(cfg: Any, *, log_file: str | Path | None = None) -> str:
     try:
         rc = _run_child(cmd, log, status=f"preparing the model ({what})")
         if rc != 0:
-            killed = " (SIGKILL: most likely out of memory; sft.batch_size sets the warm-up's)" if rc == -signal.SIGKILL else ""
+            killed = (
+                " (SIGKILL: most likely out of memory; sft.batch_size sets the warm-up's)"
+                if rc == -signal.SIGKILL
+                else ""
+            )
             tail = f"; last lines of {log}:\n{_tail(log)}" if log is not None else " (its output is above)"
-            raise StreamRLError(f"preparing the model ({what}) failed in its child process with exit code {rc}{killed}{tail}")
+            raise StreamRLError(
+                f"preparing the model ({what}) failed in its child process with exit code {rc}{killed}{tail}"
+            )
         return out_path.read_text().strip()
     finally:
         shutil.rmtree(work, ignore_errors=True)

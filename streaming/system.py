@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from streamrl.rollout.atomic import atomic_write, make_dirs
 from streamrl.observability import catalogue
-from streamrl.streaming import faults
 from streamrl.observability.catalogue import Reduction
+from streamrl.rollout.atomic import atomic_write, make_dirs
+from streamrl.streaming import faults
 from streamrl.streaming.checkpoints import delete_checkpoints, drop_old_checkpoints, record_checkpoint
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver_state import DriverState  # noqa: F401  (callers import it from here too)
@@ -33,11 +33,11 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from streamrl.buffer.types import BufferProgress
-    from streamrl.streaming.failures import FailureWindow
-    from streamrl.streaming.heldout import Evaluator
+    from streamrl.observability.metrics import MetricsLogger
     from streamrl.rollout.types import AgentData
     from streamrl.streaming.clients import BufferClient, EngineClient, LearnerClient, WorkerClient
-    from streamrl.observability.metrics import MetricsLogger
+    from streamrl.streaming.failures import FailureWindow
+    from streamrl.streaming.heldout import Evaluator
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,9 @@ class System:
         async with self._submit_lock:
             already = await self.buffer.has_group(group[0].group_id)
             if not already:
-                await self.buffer.append_durable([AgentLoopBase.to_trajectory(d, TrajectoryStatus.PARTIAL) for d in group])
+                await self.buffer.append_durable(
+                    [AgentLoopBase.to_trajectory(d, TrajectoryStatus.PARTIAL) for d in group]
+                )
                 self.state.num_admitted += len(group)
                 faults.hit("admit.after_append")
             self.stream.advance()
@@ -176,7 +178,9 @@ class System:
 
     async def sample_batch(self) -> ray.ObjectRef | None:
         """The next batch (a reference, opaque here: it goes from the buffer to the learner), or None."""
-        return await self.buffer.sample(served_version=self.state.policy_version, learner_step=self.state.learner_step + 1)
+        return await self.buffer.sample(
+            served_version=self.state.policy_version, learner_step=self.state.learner_step + 1
+        )
 
     async def train_step(self, batch_ref: ray.ObjectRef) -> dict[str, float]:
         t0 = time.monotonic()
@@ -254,7 +258,7 @@ class System:
                 await engine.stats()
             except ray.exceptions.RayActorError as exc:
                 dead.append(f"engine-{i}: {type(exc).__name__}")
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue  # busy, not dead
         if dead and len(dead) == len(self.engines):
             raise NoHealthyEngineError(f"no inference engine is alive: {'; '.join(dead)}")
@@ -266,7 +270,7 @@ class System:
             try:
                 await w.num_outstanding()
                 alive.append(w)
-            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+            except (TimeoutError, ray.exceptions.RayActorError):
                 dead.append(w)
                 w.kill()  # a worker too slow to answer must not go on as a zombie
         if dead:
@@ -285,7 +289,7 @@ class System:
         for w in workers:
             try:
                 await w.route(keep_out)
-            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+            except (TimeoutError, ray.exceptions.RayActorError):
                 continue  # dying: the next check replaces it
 
     async def resubmit_orphans(self) -> int:
@@ -300,7 +304,7 @@ class System:
             for w in self.workers:
                 try:
                     running.update(await w.running_ids())
-                except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                except (TimeoutError, ray.exceptions.RayActorError):
                     return 0  # a worker is dying: the next check replaces it first
             resumable = await self.buffer.resumable_ids()
             missing = [tid for tid in resumable if tid not in running]
@@ -330,7 +334,7 @@ class System:
                 try:
                     await w.pause()
                     held.update(await w.running_ids())
-                except (ray.exceptions.RayActorError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, ray.exceptions.RayActorError) as exc:
                     logger.warning("end-of-run accounting (attempt %d): a worker did not answer (%r)", attempt + 1, exc)
                     answered = False
             if answered:
@@ -346,12 +350,19 @@ class System:
             await asyncio.sleep(0.2)
             held = await self._held_ids(held)
             resumable = set(await self.buffer.resumable_ids())
-        report = {"learner_step": self.state.learner_step, "stranded": sorted(resumable - held),
-                  "untracked": sorted(held - resumable), "resumable": sorted(resumable)}
+        report = {
+            "learner_step": self.state.learner_step,
+            "stranded": sorted(resumable - held),
+            "untracked": sorted(held - resumable),
+            "resumable": sorted(resumable),
+        }
         atomic_write(self.run_dir / "accounting.json", json.dumps(report, indent=1), sync=True)
         if report["stranded"] or report["untracked"]:
-            logger.error("I2 violated at the end of the run: %d stranded, %d held without a partial row",
-                         len(report["stranded"]), len(report["untracked"]))
+            logger.error(
+                "I2 violated at the end of the run: %d stranded, %d held without a partial row",
+                len(report["stranded"]),
+                len(report["untracked"]),
+            )
         return report
 
     async def _held_ids(self, previous: set[str]) -> set[str]:
@@ -360,7 +371,7 @@ class System:
         for w in self.workers:
             try:
                 held.update(await w.running_ids())
-            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+            except (TimeoutError, ray.exceptions.RayActorError):
                 return previous
         return held
 
@@ -372,13 +383,19 @@ class System:
             "learner": await self.learner.node_ids(),
             "engines": [await e.node_id() for e in self.engines],
             "rollout_workers": [await w.node_id() for w in self.workers],
-            "nodes": {n["NodeID"]: {"address": n["NodeManagerAddress"], "resources": n["Resources"]}
-                      for n in ray.nodes() if n["Alive"]},
+            "nodes": {
+                n["NodeID"]: {"address": n["NodeManagerAddress"], "resources": n["Resources"]}
+                for n in ray.nodes()
+                if n["Alive"]
+            },
         }
         atomic_write(self.run_dir / "placement.json", json.dumps(placement, indent=1), sync=True)
         if len(placement["nodes"]) > 1:
-            logger.info("placement over %d nodes: %s", len(placement["nodes"]),
-                        {k: v for k, v in placement.items() if k != "nodes"})
+            logger.info(
+                "placement over %d nodes: %s",
+                len(placement["nodes"]),
+                {k: v for k, v in placement.items() if k != "nodes"},
+            )
         return placement
 
     async def shutdown(self) -> None:
@@ -417,7 +434,7 @@ class System:
         for i, engine in enumerate(self.engines):
             try:
                 stats = await engine.stats()
-            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+            except (TimeoutError, ray.exceptions.RayActorError):
                 metrics[f"engine/busy_fraction/engine-{i}"] = 0.0
                 continue
             metrics[f"engine/busy_fraction/engine-{i}"] = stats.busy_fraction
@@ -427,7 +444,6 @@ class System:
         metrics["engine/busy_fraction"] = metrics["engine/busy_s"] / max(metrics["engine/uptime_s"], 1e-9)
         metrics.update(await self.memory_metrics())
         self.metrics.log(metrics, learner_step=self.state.learner_step, policy_version=self.state.policy_version)
-
 
     async def memory_metrics(self) -> dict[str, float]:
         """`memory/<part>_peak_gb` of every part but the learner (which reports its own per step): the
@@ -439,7 +455,7 @@ class System:
         for actor in [*self.engines, *self.workers, self.buffer]:
             try:
                 reported = await actor.memory()
-            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+            except (TimeoutError, ray.exceptions.RayActorError):
                 continue  # gone: the health loop deals with it
             for key, value in reported.items():
                 out[key] = max(out.get(key, 0.0), value)

@@ -31,8 +31,8 @@ RAY_ENV = {"GLOO_SOCKET_IFNAME": "lo", "WANDB_MODE": "offline", "TOKENIZERS_PARA
 
 
 def _init_ray(cfg: StreamRLConfig, run_dir: Path) -> None:
-    from streamrl.streaming.faults import forwarded_env
     from streamrl.observability.logs import connect_options, link_ray_logs, ray_init_options
+    from streamrl.streaming.faults import forwarded_env
 
     if ray.is_initialized():
         return
@@ -54,14 +54,18 @@ def _init_ray(cfg: StreamRLConfig, run_dir: Path) -> None:
 RUN_FILES = ("run_info.json", "driver_state.json", "buffer")  # what a started run leaves in its directory
 
 
-def open_run(config: str | None, overrides: list[str], resume: str | None) -> tuple[StreamRLConfig, Path, DriverState | None]:
+def open_run(
+    config: str | None, overrides: list[str], resume: str | None
+) -> tuple[StreamRLConfig, Path, DriverState | None]:
     if resume:
         from streamrl.streaming.prompts import load_records
         from streamrl.streaming.resume import check_prompts, resume_config
 
         run_dir = Path(resume)
         cfg, info = resume_config(run_dir, overrides)  # refuses overrides that change what is trained on
-        check_prompts(run_dir, info, load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty))
+        check_prompts(
+            run_dir, info, load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
+        )
         state_path = run_dir / "driver_state.json"
         state = DriverState.load(state_path) if state_path.exists() else DriverState()
         use_newest_complete(state)  # a torn newest checkpoint: resume from the one before
@@ -80,15 +84,15 @@ def open_run(config: str | None, overrides: list[str], resume: str | None) -> tu
 
 
 async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> System:
-    from streamrl.buffer.actor import create_buffer_actor
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from streamrl.rollout.engine.ray_engine import RayEngineClient
-    from streamrl.streaming.clients import BufferClient, EngineClient, LearnerClient
-    from streamrl.streaming.learner_actor import LearnerActor, learner_actor_options
+    from streamrl.buffer.actor import create_buffer_actor
     from streamrl.observability.logs import log_dir
     from streamrl.observability.memory import learner_runtime_env
     from streamrl.observability.metrics import MetricsLogger
+    from streamrl.rollout.engine.ray_engine import RayEngineClient
+    from streamrl.streaming.clients import BufferClient, EngineClient, LearnerClient
+    from streamrl.streaming.learner_actor import LearnerActor, learner_actor_options
     from streamrl.streaming.prompts import PromptStream, load_records
     from streamrl.streaming.resume import prompts_sha256
     from streamrl.streaming.sft import prepare_model
@@ -107,16 +111,26 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     state = state or DriverState()
     records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
     if not resuming:  # the prompts' fingerprint: a resume refuses a dataset changed under the run
-        info = {"run_name": run_dir.name, "model_path": model_path, "mode": cfg.trainer.mode,
-                "config": cfg.model_dump(mode="json"), "started_at": time.time(),
-                "prompts_sha256": prompts_sha256(records), "num_prompts": len(records)}
+        info = {
+            "run_name": run_dir.name,
+            "model_path": model_path,
+            "mode": cfg.trainer.mode,
+            "config": cfg.model_dump(mode="json"),
+            "started_at": time.time(),
+            "prompts_sha256": prompts_sha256(records),
+            "num_prompts": len(records),
+        }
         atomic_write(run_dir / "run_info.json", json.dumps(info, indent=2), sync=True)
 
     timeout_s = cfg.trainer.step_timeout_s
     # the buffer's log lives in RUN_DIR: on the driver's node (or a shared filesystem in a cluster)
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    buffer = BufferClient(create_buffer_actor(cfg.buffer, resume_learner_step=state.checkpoint_step if resuming else None,
-                                              scheduling_strategy=here), timeout_s=timeout_s)
+    buffer = BufferClient(
+        create_buffer_actor(
+            cfg.buffer, resume_learner_step=state.checkpoint_step if resuming else None, scheduling_strategy=here
+        ),
+        timeout_s=timeout_s,
+    )
     if resuming:  # versions continue above every label the buffer or the driver has seen (I4)
         state.rewind_to_checkpoint(await buffer.max_policy_version())
         state.save(run_dir / "driver_state.json")
@@ -137,12 +151,23 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
         ),
         timeout_s=timeout_s,
     )
-    stream = PromptStream(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs,
-                          cursor=state.cursor)
+    stream = PromptStream(
+        records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs, cursor=state.cursor
+    )
     metrics = MetricsLogger(run_dir, wandb_cfg=cfg.wandb, console=True, total_steps=cfg.trainer.total_steps)
-    system = System(cfg=cfg, run_dir=run_dir, model_path=model_path, engines=engines, workers=[], buffer=buffer,
-                    learner=learner, stream=stream, metrics=metrics, state=state,
-                    elapsed_base_s=state.elapsed_s)
+    system = System(
+        cfg=cfg,
+        run_dir=run_dir,
+        model_path=model_path,
+        engines=engines,
+        workers=[],
+        buffer=buffer,
+        learner=learner,
+        stream=stream,
+        metrics=metrics,
+        state=state,
+        elapsed_base_s=state.elapsed_s,
+    )
     system.workers = [make_worker(system, f"worker-{i}") for i in range(cfg.rollout.num_workers)]
     startup = cfg.rollout.engine.startup_timeout_s
     await asyncio.gather(*[c.wait_ready() for c in clients])
@@ -195,13 +220,15 @@ def finished_already(cfg: StreamRLConfig, run_dir: Path, state: DriverState | No
 
 
 def train_main(*, config: str | None, overrides: list[str], resume: str | None) -> int:
-    from streamrl.streaming.errors import StreamRLError, explain_failure
     from streamrl.observability.logs import FILE_ONLY, attach_run_log, name_worker_logs, run_summary
+    from streamrl.streaming.errors import StreamRLError, explain_failure
 
     cfg, run_dir, state = open_run(config, overrides, resume)
     if finished_already(cfg, run_dir, state):
-        print(f"{run_dir} already finished at learner step {state.learner_step}/{cfg.trainer.total_steps}; "
-              "nothing to resume (raise trainer.total_steps to train further)")
+        print(
+            f"{run_dir} already finished at learner step {state.learner_step}/{cfg.trainer.total_steps}; "
+            "nothing to resume (raise trainer.total_steps to train further)"
+        )
         return 0
     attach_run_log(run_dir)
     from streamrl.streaming.trust import warn_untrusted_code
@@ -225,8 +252,15 @@ def train_main(*, config: str | None, overrides: list[str], resume: str | None) 
     path = write_report(run_dir)
     from streamrl.streaming.heldout import summary_line
 
-    print(run_summary(run_dir, learner_step=final.learner_step, total_steps=cfg.trainer.total_steps,
-                      elapsed_s=final.elapsed_s, report=path))
+    print(
+        run_summary(
+            run_dir,
+            learner_step=final.learner_step,
+            total_steps=cfg.trainer.total_steps,
+            elapsed_s=final.elapsed_s,
+            report=path,
+        )
+    )
     if (heldout := summary_line(run_dir)) is not None:
         print(heldout)
     if final.learner_step == 0:  # nothing trained is a failure, not a clean end

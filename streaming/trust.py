@@ -78,11 +78,17 @@ def code_references(cfg: StreamRLConfig) -> list[CodeReference]:
             refs.append(CodeReference(where=f"{where} mcp.module", module=mcp["module"]))
         if isinstance(mcp.get("command"), str):
             refs.append(CodeReference(where=f"{where} mcp.command", command=mcp["command"]))
-    interactions = _yaml_entries(agent.interaction_config, "interaction") or _yaml_entries(agent.interaction_config, "interactions")
+    interactions = _yaml_entries(agent.interaction_config, "interaction") or _yaml_entries(
+        agent.interaction_config, "interactions"
+    )
     for i, entry in enumerate(interactions):
         if isinstance(entry.get("class_name"), str):
-            refs.append(CodeReference(where=f"{agent.interaction_config} interaction #{i} class_name",
-                                      module=module_of(entry["class_name"])))
+            refs.append(
+                CodeReference(
+                    where=f"{agent.interaction_config} interaction #{i} class_name",
+                    module=module_of(entry["class_name"]),
+                )
+            )
     return refs
 
 

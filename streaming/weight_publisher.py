@@ -23,6 +23,7 @@ from streamrl.rollout.aio import gather_within
 
 if TYPE_CHECKING:
     import torch
+
     from streamrl.rollout.engine.config import EngineConfig
     from streamrl.weight_sync.config import WeightSyncConfig
 
@@ -119,9 +120,7 @@ class WeightPublisher:
         """Replace the pausable set after a preempted rollout worker was replaced."""
         self.workers.handles = list(handles)
 
-    async def publish(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], target: int
-    ) -> Published:
+    async def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], target: int) -> Published:
         """Move `named_tensors` into every engine as `target` (transactional).
 
         Returns the policy_version served afterwards (`target`, or the old one if the sync failed)

@@ -40,7 +40,13 @@ def tiny_tokenizer(tiny_model_path):
 
 def _cost(item: pytest.Item) -> int:
     """2: an end-to-end run (`slow`); 1: a real engine or Ray cluster; 0: in-process logic."""
-    return 2 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("vllm") or item.get_closest_marker("ray") else 0
+    return (
+        2
+        if item.get_closest_marker("slow")
+        else 1
+        if item.get_closest_marker("vllm") or item.get_closest_marker("ray")
+        else 0
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -18,8 +18,11 @@ BARE = re.compile(rf"^\s*(from|import) ({'|'.join(TOP)})(\.|\s|$)", re.M)
 def test_every_package_folder_is_installed_under_the_namespace():
     cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert cfg["package-dir"] == {"streamrl": "."}
-    folders = {"streamrl." + ".".join(p.parent.relative_to(REPO).parts)
-               for top in TOP for p in (REPO / top).rglob("__init__.py")}
+    folders = {
+        "streamrl." + ".".join(p.parent.relative_to(REPO).parts)
+        for top in TOP
+        for p in (REPO / top).rglob("__init__.py")
+    }
     assert set(cfg["packages"]) == folders
 
 
@@ -30,8 +33,10 @@ def test_no_module_imports_a_bare_top_level_name():
 
 
 def test_the_namespace_imports_outside_the_checkout_and_the_bare_names_do_not(tmp_path):
-    code = ("import importlib.util as u, streamrl.streaming.cli as c; "
-            "print(c.__file__); print([n for n in %r if u.find_spec(n)])" % (TOP,))
+    code = (
+        "import importlib.util as u, streamrl.streaming.cli as c; "
+        "print(c.__file__); print([n for n in %r if u.find_spec(n)])" % (TOP,)
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     cli_file, bare = out.stdout.splitlines()

@@ -116,13 +116,21 @@ def pack_bucket(bucket: BucketMeta, tensors: dict[str, torch.Tensor], device: to
     for meta in bucket.tensors:
         src = tensors[meta.name]
         same = dtype_name(src.dtype) == meta.dtype
-        if list(src.shape) != meta.shape or not (same or (src.is_floating_point() and to_dtype(meta.dtype).is_floating_point)):
+        if list(src.shape) != meta.shape or not (
+            same or (src.is_floating_point() and to_dtype(meta.dtype).is_floating_point)
+        ):
             raise ValueError(f"tensor {meta.name!r} changed shape/dtype between planning and packing")
     if len(bucket.tensors) == 1:
         src = tensors[bucket.tensors[0].name].detach()
         aligned = src.data_ptr() % SLOT_ALIGN == 0
         same = dtype_name(src.dtype) == bucket.dtype
-        if same and aligned and src.is_contiguous() and src.device == torch.device(device) and src.nbytes == bucket.nbytes:
+        if (
+            same
+            and aligned
+            and src.is_contiguous()
+            and src.device == torch.device(device)
+            and src.nbytes == bucket.nbytes
+        ):
             return src.reshape(-1).view(torch.uint8)
     flat = empty_bucket(bucket, device)
     with torch.no_grad():

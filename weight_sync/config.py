@@ -38,7 +38,9 @@ class SyncTimeouts(BaseModel):
     verify: float = Field(default=10.0, gt=0)
     load: float = Field(default=120.0, gt=0)  # commit of the staged weights inside every engine
     resume: float = Field(default=30.0, gt=0)
-    probe: float = Field(default=5.0, gt=0)  # ping: a dropped engine before a sync (rejoin?), all after a failed overlapped staging
+    probe: float = Field(
+        default=5.0, gt=0
+    )  # ping: a dropped engine before a sync (rejoin?), all after a failed overlapped staging
 
 
 class WeightSyncConfig(BaseModel):

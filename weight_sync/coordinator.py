@@ -184,7 +184,12 @@ class WeightSyncCoordinator:
         if result.ok:
             logger.info(
                 "synced policy_version %d: %d bytes, transfer %.3fs load %.3fs, engines paused %.3fs (overlap %s)",
-                target, result.num_bytes, result.transfer_s, result.load_s, result.paused_s, self.config.overlap,
+                target,
+                result.num_bytes,
+                result.transfer_s,
+                result.load_s,
+                result.paused_s,
+                self.config.overlap,
             )
         return result
 
@@ -221,7 +226,10 @@ class WeightSyncCoordinator:
         repaired = sorted(set(failed) - set(again))
         if repaired:
             logger.info("re-commit repaired %s: they serve policy_version %d", repaired, target)
-        return {eid: f"commit of policy_version {target} failed ({failed[eid]}), re-commit too ({why})" for eid, why in again.items()}
+        return {
+            eid: f"commit of policy_version {target} failed ({failed[eid]}), re-commit too ({why})"
+            for eid, why in again.items()
+        }
 
     async def _commit_round(self, engines: Sequence[SyncEngine], target: int, epoch: int) -> dict[str, str]:
         timeout_s = self.config.timeouts.load
@@ -230,7 +238,9 @@ class WeightSyncCoordinator:
             return_exceptions=True,
         )
         return {
-            e.engine_id: _describe(o, timeout_s) for e, o in zip(engines, outcomes, strict=True) if isinstance(o, BaseException)
+            e.engine_id: _describe(o, timeout_s)
+            for e, o in zip(engines, outcomes, strict=True)
+            if isinstance(o, BaseException)
         }
 
     async def _rollback(self, engines: Sequence[SyncEngine]) -> None:
@@ -266,7 +276,9 @@ class WeightSyncCoordinator:
     async def _probe(self, engines: Sequence[SyncEngine], when: str) -> dict[str, str]:
         """One bounded ping per engine; returns {engine_id: why} of those that did not answer."""
         timeout_s = self.config.timeouts.probe
-        outcomes = await asyncio.gather(*(asyncio.wait_for(e.ping(), timeout_s) for e in engines), return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(asyncio.wait_for(e.ping(), timeout_s) for e in engines), return_exceptions=True
+        )
         return {
             e.engine_id: f"no answer to a ping {when}: {_describe(o, timeout_s)}"
             for e, o in zip(engines, outcomes, strict=True)
@@ -277,7 +289,9 @@ class WeightSyncCoordinator:
         self.dropped[engine_id] = why
         logger.error(
             "engine %s leaves the weight-sync set (take it out of routing): %s. "
-            "It rejoins if it answers a ping before a later sync.", engine_id, why,
+            "It rejoins if it answers a ping before a later sync.",
+            engine_id,
+            why,
         )
 
     async def _readmit(self) -> None:
@@ -286,12 +300,15 @@ class WeightSyncCoordinator:
         if not dropped:
             return
         timeout_s = self.config.timeouts.probe
-        outcomes = await asyncio.gather(*(asyncio.wait_for(e.ping(), timeout_s) for e in dropped), return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(asyncio.wait_for(e.ping(), timeout_s) for e in dropped), return_exceptions=True
+        )
         for engine, outcome in zip(dropped, outcomes, strict=True):
             if not isinstance(outcome, BaseException):
                 logger.warning(
                     "engine %s answers again (serving policy_version %s); it rejoins the weight-sync set",
-                    engine.engine_id, outcome,
+                    engine.engine_id,
+                    outcome,
                 )
                 del self.dropped[engine.engine_id]
 

@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING
 from streamrl.rollout.aio import gather_within
 from streamrl.weight_sync.buckets import checksum, pack_bucket, plan_buckets
 from streamrl.weight_sync.config import WeightSyncConfig
-from streamrl.weight_sync.group import WeightGroup, backend_device, create_master_store, rendezvous_address, resolve_backend
+from streamrl.weight_sync.group import (
+    WeightGroup,
+    backend_device,
+    create_master_store,
+    rendezvous_address,
+    resolve_backend,
+)
 from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, finish_staging, rpc_all
 from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncError
 
@@ -53,11 +59,18 @@ class DistributedTransport(WeightTransport):
         return self._group is not None
 
     async def _send(
-        self, engines: Sequence[SyncEngine], tensors: list[tuple[str, torch.Tensor]], policy_version: int, *, timeout_s: float
+        self,
+        engines: Sequence[SyncEngine],
+        tensors: list[tuple[str, torch.Tensor]],
+        policy_version: int,
+        *,
+        timeout_s: float,
     ) -> TransferOutcome:
         backend = resolve_backend(self.config.backend, tensors[0][1].device)
         group = await self._ensure_group(engines, backend)
-        buckets = plan_buckets(tensors, self.config.bucket_bytes, self.config.zero_copy_bytes, self.config.wire_torch_dtype)
+        buckets = plan_buckets(
+            tensors, self.config.bucket_bytes, self.config.zero_copy_bytes, self.config.wire_torch_dtype
+        )
         manifest = SyncManifest(policy_version=policy_version, buckets=buckets)
         started = time.monotonic()
         args = [(manifest.to_json(), self.config.verify_checksum)] * len(engines)
@@ -70,7 +83,9 @@ class DistributedTransport(WeightTransport):
         try:
             _, raw_reports = await gather_within([broadcast, receive], timeout_s)
             if self.config.overlap:
-                raw_reports = await finish_staging(engines, timeout_s=max(1.0, timeout_s - (time.monotonic() - started)))
+                raw_reports = await finish_staging(
+                    engines, timeout_s=max(1.0, timeout_s - (time.monotonic() - started))
+                )
         except TimeoutError as exc:
             raise WeightSyncError("transfer", f"broadcast did not finish within {timeout_s:.1f}s") from exc
         except WeightSyncError:
@@ -104,7 +119,10 @@ class DistributedTransport(WeightTransport):
         while inflight:
             group.wait(inflight.popleft()[0])
         logger.info(
-            "broadcast %d buckets (%d bytes) in %.3fs", len(manifest.buckets), manifest.num_bytes, time.monotonic() - started
+            "broadcast %d buckets (%d bytes) in %.3fs",
+            len(manifest.buckets),
+            manifest.num_bytes,
+            time.monotonic() - started,
         )
 
     async def _ensure_group(self, engines: Sequence[SyncEngine], backend: str) -> WeightGroup:
@@ -150,7 +168,9 @@ class DistributedTransport(WeightTransport):
             joins.cancel()
             learner.cancel()
         self._group, self._members = group, members
-        logger.info("weight group %s formed: %d ranks over %d engines (%s)", group_id, world_size, len(engines), backend)
+        logger.info(
+            "weight group %s formed: %d ranks over %d engines (%s)", group_id, world_size, len(engines), backend
+        )
         return group
 
     async def _form(self, learner, joins, world_size: int, timeout_s: float) -> WeightGroup:

@@ -35,7 +35,12 @@ class FilesystemTransport(WeightTransport):
         return Path(self.config.fs_dir) / f"v{policy_version}"
 
     async def _send(
-        self, engines: Sequence[SyncEngine], tensors: list[tuple[str, torch.Tensor]], policy_version: int, *, timeout_s: float
+        self,
+        engines: Sequence[SyncEngine],
+        tensors: list[tuple[str, torch.Tensor]],
+        policy_version: int,
+        *,
+        timeout_s: float,
     ) -> TransferOutcome:
         try:
             manifest, folder = await asyncio.wait_for(
@@ -44,20 +49,28 @@ class FilesystemTransport(WeightTransport):
         except TimeoutError as exc:
             raise WeightSyncError("transfer", f"writing v{policy_version} took longer than {timeout_s:.1f}s") from exc
         except OSError as exc:
-            raise WeightSyncError("transfer", f"writing v{policy_version} under {self.config.fs_dir} failed: {exc!r}") from exc
+            raise WeightSyncError(
+                "transfer", f"writing v{policy_version} under {self.config.fs_dir} failed: {exc!r}"
+            ) from exc
         args = [(str(folder.resolve()), manifest.to_json(), self.config.verify_checksum)] * len(engines)
         if self.config.overlap:  # engines read in a background thread and keep generating meanwhile
-            await rpc_all(engines, "begin_stage_weights_from_path", timeout_s=timeout_s, phase="transfer", args_per_engine=args)
+            await rpc_all(
+                engines, "begin_stage_weights_from_path", timeout_s=timeout_s, phase="transfer", args_per_engine=args
+            )
             raw = await finish_staging(engines, timeout_s=timeout_s)
         else:
-            raw = await rpc_all(engines, "stage_weights_from_path", timeout_s=timeout_s, phase="transfer", args_per_engine=args)
+            raw = await rpc_all(
+                engines, "stage_weights_from_path", timeout_s=timeout_s, phase="transfer", args_per_engine=args
+            )
         self._prune(keep=policy_version)
         return TransferOutcome(manifest=manifest, reports=[[StageReport.from_dict(r) for r in e] for e in raw])
 
     def _write_version(self, tensors: list[tuple[str, torch.Tensor]], policy_version: int) -> tuple[SyncManifest, Path]:
         from safetensors.torch import save_file
 
-        buckets = plan_buckets(tensors, self.config.bucket_bytes, self.config.zero_copy_bytes, self.config.wire_torch_dtype)
+        buckets = plan_buckets(
+            tensors, self.config.bucket_bytes, self.config.zero_copy_bytes, self.config.wire_torch_dtype
+        )
         manifest = SyncManifest(policy_version=policy_version, buckets=buckets)
         by_name = dict(tensors)
         if self.config.verify_checksum:

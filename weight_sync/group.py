@@ -55,9 +55,7 @@ def create_master_store(master_addr: str, port: int, world_size: int, timeout_s:
     """Rank 0's store; `port=0` lets the OS pick (read it back from `store.port`)."""
     from torch.distributed import TCPStore
 
-    return TCPStore(
-        master_addr, port, world_size, True, timedelta(seconds=timeout_s), wait_for_workers=False
-    )
+    return TCPStore(master_addr, port, world_size, True, timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 class WeightGroup:
@@ -106,7 +104,9 @@ class WeightGroup:
         else:
             raise ValueError(f"unsupported weight-sync backend {backend!r}")
         logger.info("joined weight group %s as rank %d/%d (%s)", group_id, rank, world_size, backend)
-        return cls(store=store, backend_pg=backend_pg, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s)
+        return cls(
+            store=store, backend_pg=backend_pg, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s
+        )
 
     def broadcast_async(self, tensor: torch.Tensor, src: int = 0):
         import torch.distributed as dist

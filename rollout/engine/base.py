@@ -211,13 +211,18 @@ class SyncFence:
             if epoch <= self.resumed_epoch or epoch < self.paused_epoch:
                 logger.warning(
                     "engine %s: ignoring stale pause of sync epoch %d (newest pause %d, resume %d)",
-                    self.engine_id, epoch, self.paused_epoch, self.resumed_epoch,
+                    self.engine_id,
+                    epoch,
+                    self.paused_epoch,
+                    self.resumed_epoch,
                 )
                 return
             self.paused_epoch = epoch
         await pause()
         if epoch is not None and self.resumed_epoch >= self.paused_epoch:
-            logger.warning("engine %s: pause of sync epoch %d landed after its resume; serving again", self.engine_id, epoch)
+            logger.warning(
+                "engine %s: pause of sync epoch %d landed after its resume; serving again", self.engine_id, epoch
+            )
             await undo()
 
     def note_resume(self, epoch: int | None) -> None:

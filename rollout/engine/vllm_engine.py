@@ -132,7 +132,9 @@ class VLLMEngine(InferenceEngine):
             self.processor, self.image_token_id = load_image_processor(self.model_path)
         self._llm: AsyncLLM = AsyncLLM.from_engine_args(build_engine_args(cfg, self.model_path))
         self._requests: dict[str, _InFlight] = {}
-        self.last_commit: dict[str, Any] | None = None  # the worker's timings of the last commit (reload, LM-head refresh)
+        self.last_commit: dict[str, Any] | None = (
+            None  # the worker's timings of the last commit (reload, LM-head refresh)
+        )
         self.counters = EngineCounters()
         self._paused = False
         self._fence = SyncFence(engine_id)
@@ -183,7 +185,9 @@ class VLLMEngine(InferenceEngine):
                 raise ValueError("prompt_ids hold image placeholders but the request carries no images")
             return TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=salt)
         if self.processor is None:
-            raise ValueError(f"engine {self.engine_id} serves text only (max_images_per_prompt=0); got {len(images)} images")
+            raise ValueError(
+                f"engine {self.engine_id} serves text only (max_images_per_prompt=0); got {len(images)} images"
+            )
         if len(images) > self.cfg.max_images_per_prompt:
             raise ValueError(f"{len(images)} images exceed max_images_per_prompt={self.cfg.max_images_per_prompt}")
         assert self.image_token_id is not None
@@ -197,11 +201,15 @@ class VLLMEngine(InferenceEngine):
         collapsed = collapse_image_tokens(self.processor, list(prompt_ids))
         return TokensPrompt(prompt_token_ids=collapsed, multi_modal_data={"image": pils}, cache_salt=salt)
 
-    def _check_prompt_seen(self, request_id: str, prompt_ids: list[int], seen: list[int] | None, num_images: int) -> None:
+    def _check_prompt_seen(
+        self, request_id: str, prompt_ids: list[int], seen: list[int] | None, num_images: int
+    ) -> None:
         """vLLM's prompt (placeholders expanded by vLLM) must be the caller's ids."""
         seen = list(seen or [])
         if len(seen) != len(prompt_ids) or (num_images and seen != list(prompt_ids)):
-            first = next((i for i, (a, b) in enumerate(zip(seen, prompt_ids)) if a != b), min(len(seen), len(prompt_ids)))
+            first = next(
+                (i for i, (a, b) in enumerate(zip(seen, prompt_ids)) if a != b), min(len(seen), len(prompt_ids))
+            )
             raise PromptMismatchError(
                 f"request {request_id} on engine {self.engine_id}: the model saw {len(seen)} prompt tokens, the "
                 f"caller sent {len(prompt_ids)} (with {num_images} images; first difference at position {first}). "
@@ -320,7 +328,9 @@ class VLLMEngine(InferenceEngine):
 
         async def load() -> None:
             try:
-                self.last_commit = (await self.collective_rpc("commit_weights", args=(policy_version,), timeout=timeout_s))[0]
+                self.last_commit = (
+                    await self.collective_rpc("commit_weights", args=(policy_version,), timeout=timeout_s)
+                )[0]
             except BaseException:
                 for request_id in list(self._requests):  # KEEP-frozen requests must not sample on them
                     await self.abort(request_id)

@@ -42,9 +42,7 @@ class MathFeedbackInteraction(BaseInteraction):
         ground_truth = kwargs.get("ground_truth")
         if ground_truth is None:
             raise ValueError(f"interaction {self.name!r} needs `ground_truth` in its start kwargs")
-        return await super().start_interaction(
-            instance_id, ground_truth=str(ground_truth), num_attempts=0, score=0.0
-        )
+        return await super().start_interaction(instance_id, ground_truth=str(ground_truth), num_attempts=0, score=0.0)
 
     async def restore(self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         instance_id = await self.start_interaction(instance_id, **kwargs)

@@ -75,7 +75,9 @@ def image_replacement_ids(processor: Any, vision_inputs: dict[str, torch.Tensor]
     kind = _processor_kind(processor)
     if kind == "idefics3":
         if getattr(processor.image_processor, "do_image_splitting", False):
-            raise ValueError("Idefics3 image splitting is not supported yet; build the processor with do_image_splitting=False")
+            raise ValueError(
+                "Idefics3 image splitting is not supported yet; build the processor with do_image_splitting=False"
+            )
         fake = tok.convert_tokens_to_ids(processor.fake_image_token)
         glob = tok.convert_tokens_to_ids(processor.global_image_tag)
         return [fake, glob] + [processor.image_token_id] * processor.image_seq_len + [fake]
@@ -85,7 +87,9 @@ def image_replacement_ids(processor: Any, vision_inputs: dict[str, torch.Tensor]
     return [processor.image_token_id] * (int(grid.prod()) // merge**2)
 
 
-def expand_image_tokens(processor: Any, ids: list[int], vision_inputs: dict[str, torch.Tensor]) -> tuple[list[int], list[int]]:
+def expand_image_tokens(
+    processor: Any, ids: list[int], vision_inputs: dict[str, torch.Tensor]
+) -> tuple[list[int], list[int]]:
     """Replace each image token of `ids` by its placeholder run; returns (ids, tokens per image)."""
     image_id = processor.image_token_id
     out: list[int] = []
@@ -117,7 +121,9 @@ def collapse_image_tokens(processor: Any, ids: list[int]) -> list[int]:
     return [t for i, t in enumerate(ids) if not (t == image_id and i > 0 and ids[i - 1] == image_id)]
 
 
-def render_image_chat(processor: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> ImageChat:
+def render_image_chat(
+    processor: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+) -> ImageChat:
     """Render `messages` (content parts may be images) into an `ImageChat`."""
     images = collect_images(messages)
     engine_ids = processor.tokenizer.apply_chat_template(
@@ -130,7 +136,11 @@ def render_image_chat(processor: Any, messages: list[dict[str, Any]], *, add_gen
     vision_inputs = image_vision_inputs(processor, images)
     input_ids, counts = expand_image_tokens(processor, engine_ids, vision_inputs)
     return ImageChat(
-        engine_prompt_ids=engine_ids, input_ids=input_ids, images=images, vision_inputs=vision_inputs, num_image_tokens=counts
+        engine_prompt_ids=engine_ids,
+        input_ids=input_ids,
+        images=images,
+        vision_inputs=vision_inputs,
+        num_image_tokens=counts,
     )
 
 

@@ -81,7 +81,10 @@ def vlm_chat_template() -> str:
     body = CHAT_TEMPLATE
     for old, new in (
         ('message.content + "\\n</tool_response>"', 'render_content(message.content) + "\\n</tool_response>"'),
-        ('message.role + "\\n" + message.content + "<|im_end|>', 'message.role + "\\n" + render_content(message.content) + "<|im_end|>'),
+        (
+            'message.role + "\\n" + message.content + "<|im_end|>',
+            'message.role + "\\n" + render_content(message.content) + "<|im_end|>',
+        ),
         ('"<|im_start|>system\\n" + system_text', '"<|im_start|>system\\n" + render_content(system_text)'),
     ):
         assert old in body, f"chat template changed; cannot patch {old!r}"

@@ -195,9 +195,7 @@ def _function_schemas(schemas: Iterable[Mapping[str, Any]] | Mapping[str, Mappin
     return out
 
 
-def validate_call(
-    call: ToolCall, schemas: Iterable[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]]
-) -> ToolCall:
+def validate_call(call: ToolCall, schemas: Iterable[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]]) -> ToolCall:
     """Return `call` (arguments coerced, e.g. 3.0 -> 3 for integers) or a copy with `error` set.
 
     Calls that already carry a parse error are returned unchanged."""

@@ -23,7 +23,14 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from streamrl.rollout.parsers.base import ParsedTurn, ToolParser, call_id_for, load_json, make_error_call, register_parser
+from streamrl.rollout.parsers.base import (
+    ParsedTurn,
+    ToolParser,
+    call_id_for,
+    load_json,
+    make_error_call,
+    register_parser,
+)
 from streamrl.rollout.types import ToolCall
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
@@ -79,7 +86,9 @@ def split_messages(text: str) -> tuple[list[HarmonyMessage], str]:
         else:
             body, terminator, pos = text[body_start : term.start()], term.group(), term.end()
         role, channel, recipient = _parse_header(header)
-        messages.append(HarmonyMessage(role=role, channel=channel, recipient=recipient, body=body, terminator=terminator))
+        messages.append(
+            HarmonyMessage(role=role, channel=channel, recipient=recipient, body=body, terminator=terminator)
+        )
 
 
 def _to_call(msg: HarmonyMessage, index: int) -> ToolCall:
@@ -89,11 +98,17 @@ def _to_call(msg: HarmonyMessage, index: int) -> ToolCall:
     arguments, problem = load_json(body) if body else ({}, None)
     if problem is not None:
         hint = "" if msg.terminator else " (the message was not terminated by <|call|>)"
-        return make_error_call(index, f"arguments of {name!r} are not valid JSON ({problem}){hint}; expected {EXPECTED_SHAPE}", name)
+        return make_error_call(
+            index, f"arguments of {name!r} are not valid JSON ({problem}){hint}; expected {EXPECTED_SHAPE}", name
+        )
     if not isinstance(arguments, dict):
-        return make_error_call(index, f"arguments of {name!r} must be a JSON object, got {type(arguments).__name__}", name)
+        return make_error_call(
+            index, f"arguments of {name!r} must be a JSON object, got {type(arguments).__name__}", name
+        )
     if msg.terminator not in (CALL, None):
-        return make_error_call(index, f"tool call to {name!r} must end with <|call|>, got {msg.terminator}", name, arguments)
+        return make_error_call(
+            index, f"tool call to {name!r} must end with <|call|>, got {msg.terminator}", name, arguments
+        )
     if not name:
         return make_error_call(index, f"tool call has an empty recipient; expected {EXPECTED_SHAPE}")
     return ToolCall(call_id=call_id_for(index), name=name, arguments=arguments)

@@ -12,7 +12,14 @@ import json
 import re
 from collections.abc import Iterable
 
-from streamrl.rollout.parsers.base import ParsedTurn, ToolParser, call_id_for, load_json, make_error_call, register_parser
+from streamrl.rollout.parsers.base import (
+    ParsedTurn,
+    ToolParser,
+    call_id_for,
+    load_json,
+    make_error_call,
+    register_parser,
+)
 from streamrl.rollout.types import ToolCall
 
 OPEN_TAG = "<tool_call>"
@@ -36,12 +43,16 @@ def parse_call_body(body: str, index: int) -> ToolCall:
         return make_error_call(index, f"empty tool call; expected {EXPECTED_SHAPE}")
     obj, problem = load_json(stripped)
     if problem is not None:
-        return make_error_call(index, f"tool call is not valid JSON ({problem}); expected {EXPECTED_SHAPE}", _guess_name(stripped))
+        return make_error_call(
+            index, f"tool call is not valid JSON ({problem}); expected {EXPECTED_SHAPE}", _guess_name(stripped)
+        )
     if not isinstance(obj, dict):
-        return make_error_call(index, f"tool call must be a JSON object, got {type(obj).__name__}; expected {EXPECTED_SHAPE}")
+        return make_error_call(
+            index, f"tool call must be a JSON object, got {type(obj).__name__}; expected {EXPECTED_SHAPE}"
+        )
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
-        return make_error_call(index, f"tool call has no \"name\" string; expected {EXPECTED_SHAPE}")
+        return make_error_call(index, f'tool call has no "name" string; expected {EXPECTED_SHAPE}')
     name = name.strip()
     # "parameters" is a common alias emitted by models trained on other templates.
     arguments = obj.get("arguments", obj.get("parameters", {}))
@@ -50,7 +61,9 @@ def parse_call_body(body: str, index: int) -> ToolCall:
     if isinstance(arguments, str):
         arguments, problem = load_json(arguments) if arguments.strip() else ({}, None)
         if problem is not None:
-            return make_error_call(index, f'"arguments" of {name!r} is a string that is not valid JSON; pass a JSON object', name)
+            return make_error_call(
+                index, f'"arguments" of {name!r} is a string that is not valid JSON; pass a JSON object', name
+            )
     if not isinstance(arguments, dict):
         return make_error_call(
             index, f'"arguments" of {name!r} must be a JSON object, got {type(arguments).__name__}', name

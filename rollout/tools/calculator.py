@@ -113,7 +113,9 @@ class _Evaluator:
         if abs(base) > 1 and exponent > 0:
             digits = exponent * math.log10(abs(base))
             if digits > self.config.max_result_digits:
-                raise CalculatorError(f"result would have about {digits:.0f} digits (limit {self.config.max_result_digits})")
+                raise CalculatorError(
+                    f"result would have about {digits:.0f} digits (limit {self.config.max_result_digits})"
+                )
 
 
 def _describe_forbidden(node: ast.AST) -> str:
@@ -174,9 +176,7 @@ class CalculatorTool(BaseTool):
                     "description": "Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
                     "parameters": {
                         "type": "object",
-                        "properties": {
-                            "expression": {"type": "string", "description": "e.g. 37 + 5 * 12 - (8 / 2)"}
-                        },
+                        "properties": {"expression": {"type": "string", "description": "e.g. 37 + 5 * 12 - (8 / 2)"}},
                         "required": ["expression"],
                     },
                 },

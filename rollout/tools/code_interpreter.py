@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from streamrl.rollout.tools.base import BaseTool, ToolExecution
 from streamrl.rollout.tools.sandbox import (
     Sandbox,
@@ -55,7 +56,7 @@ logger = logging.getLogger(__name__)
 # signal, a limit), whatever its exit status. An earlier cell that raises when replayed (it succeeded
 # once, so something nondeterministic changed) is reported in a note, not fatal: failing every later
 # call of the trajectory would be worse.
-RUNNER = r'''
+RUNNER = r"""
 import ast, json, os, random, resource, signal, sys, time, traceback
 
 class ReplayTimeout(BaseException):
@@ -135,7 +136,7 @@ def main():
     os._exit(0 if ended == "done" else 1)
 
 main()
-'''
+"""
 
 
 class CodeInterpreterConfig(BaseModel):
@@ -249,11 +250,18 @@ class CodeInterpreterTool(BaseTool):
         cells: list[str] = self.instance_state(instance_id)["cells"]
         code = parameters.get("code")
         if not isinstance(code, str) or not code.strip():
-            return ToolExecution(text="Error: `code` must be a non-empty string of Python code", metrics={"sandbox/error": 1.0})
+            return ToolExecution(
+                text="Error: `code` must be a non-empty string of Python code", metrics={"sandbox/error": 1.0}
+            )
         if len(code) > self.config.max_code_chars:
-            return ToolExecution(text=f"Error: code is longer than {self.config.max_code_chars} characters", metrics={"sandbox/error": 1.0})
+            return ToolExecution(
+                text=f"Error: code is longer than {self.config.max_code_chars} characters",
+                metrics={"sandbox/error": 1.0},
+            )
         if len(cells) >= self.config.max_cells:
-            text = f"Error: this interpreter already ran {self.config.max_cells} cells (the limit); no more code can run"
+            text = (
+                f"Error: this interpreter already ran {self.config.max_cells} cells (the limit); no more code can run"
+            )
             return ToolExecution(text=text, metrics={"sandbox/error": 1.0})
         token = secrets.token_hex(16)  # unguessable by the cell: only the runner prints it
         job = {
@@ -274,7 +282,9 @@ class CodeInterpreterTool(BaseTool):
         self.sandbox.close()
 
 
-def render(result: SandboxResult, report: CellReport, config: CodeInterpreterConfig, *, num_replayed: int = 0) -> ToolExecution:
+def render(
+    result: SandboxResult, report: CellReport, config: CodeInterpreterConfig, *, num_replayed: int = 0
+) -> ToolExecution:
     """The observation of one run and its `sandbox/*` metrics."""
     output = report.output
     metrics = {
@@ -300,11 +310,15 @@ def render(result: SandboxResult, report: CellReport, config: CodeInterpreterCon
     return ToolExecution(text=text, metrics=metrics, is_error=True)
 
 
-def _error_line(result: SandboxResult, report: CellReport, config: CodeInterpreterConfig, num_replayed: int) -> str | None:
+def _error_line(
+    result: SandboxResult, report: CellReport, config: CodeInterpreterConfig, num_replayed: int
+) -> str | None:
     if result.setup_error is not None:
         return "the sandbox failed to start (not caused by your code); try again"
     if result.memory_exceeded:
-        return f"the code ran out of memory (limit {config.memory_mb} MB for all its processes together) and was stopped"
+        return (
+            f"the code ran out of memory (limit {config.memory_mb} MB for all its processes together) and was stopped"
+        )
     if not report.replayed and num_replayed:  # stopped before the new cell began: the replay's fault
         if result.timed_out or result.exit_code == 3 or result.signal in (signal.SIGALRM, signal.SIGXCPU):
             return (f"re-running the {num_replayed} earlier cell(s) to restore the state took longer than the "

@@ -55,6 +55,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
 from streamrl.rollout.tools.base import BaseTool
 from streamrl.rollout.tools.executor import DEFAULT_MAX_RESULT_CHARS, ToolRegistry
 from streamrl.rollout.tools.function import FunctionTool
@@ -89,7 +90,9 @@ class ToolEntry(BaseModel):
                 )
             return self
         if self.name is None and self.class_name is None and self.function is None:
-            raise ValueError("a tool entry needs `name` (a built-in tool), `class_name` or `function` (or `mcp`: a server's tools)")
+            raise ValueError(
+                "a tool entry needs `name` (a built-in tool), `class_name` or `function` (or `mcp`: a server's tools)"
+            )
         return self
 
     @property
@@ -158,13 +161,17 @@ def build_tool(entry: ToolEntry) -> BaseTool:
     if entry.function is not None:
         return _build_function_tool(entry)
     if entry.idempotent is not None or entry.instance_id_param is not None:
-        raise ValueError("`idempotent` and `instance_id_param` apply to `function` entries (a tool class declares them)")
+        raise ValueError(
+            "`idempotent` and `instance_id_param` apply to `function` entries (a tool class declares them)"
+        )
     if entry.class_name is not None:
         cls = import_object(entry.class_name)
     elif entry.name in BUILTIN_TOOLS:
         cls = import_object(BUILTIN_TOOLS[entry.name])
     else:
-        raise ValueError(f"unknown built-in tool {entry.name!r}; built-ins: {sorted(BUILTIN_TOOLS)}, or give `class_name` or `function`")
+        raise ValueError(
+            f"unknown built-in tool {entry.name!r}; built-ins: {sorted(BUILTIN_TOOLS)}, or give `class_name` or `function`"
+        )
     if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
         raise ValueError(f"{entry.class_name} is not a subclass of rollout.tools.base.BaseTool")
     tool = cls(config=_native_config(entry), tool_schema=entry.tool_schema)

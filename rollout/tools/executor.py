@@ -133,8 +133,11 @@ class ToolRegistry:
         tools_kwargs = tools_kwargs or {}
         for name in sorted(set(tools_kwargs) - set(self.tools) - self._ignored_kwargs):
             self._ignored_kwargs.add(name)
-            logger.warning("tools_kwargs names tool %r, which is not configured (tools: %s): its kwargs are ignored",
-                           name, self.names)
+            logger.warning(
+                "tools_kwargs names tool %r, which is not configured (tools: %s): its kwargs are ignored",
+                name,
+                self.names,
+            )
         return {name: dict((tools_kwargs.get(name) or {}).get("create_kwargs") or {}) for name in self.tools}
 
     async def create_instances(self, tools_kwargs: Mapping[str, Any] | None = None) -> dict[str, str]:
@@ -184,7 +187,9 @@ class ToolRegistry:
     async def tool_rewards(self, instance_ids: Mapping[str, str]) -> dict[str, float]:
         """{tool_name: calc_reward} for every instance."""
         return {
-            name: float(await self.tools[name].calc_reward(iid)) for name, iid in instance_ids.items() if name in self.tools
+            name: float(await self.tools[name].calc_reward(iid))
+            for name, iid in instance_ids.items()
+            if name in self.tools
         }
 
     # -- execution -----------------------------------------------------------------------------------
@@ -253,7 +258,9 @@ class ToolRegistry:
 
     def _error(self, call: ToolCall, message: str, latency_s: float = 0.0) -> ToolResult:
         self.num_errors += 1
-        return ToolResult(call_id=call.call_id, name=call.name, text=f"Error: {message}", is_error=True, latency_s=latency_s)
+        return ToolResult(
+            call_id=call.call_id, name=call.name, text=f"Error: {message}", is_error=True, latency_s=latency_s
+        )
 
     async def _run_one(
         self, call: ToolCall, instance_ids: dict[str, str], timeout_s: float, images: ImageStore | None
@@ -274,7 +281,9 @@ class ToolRegistry:
         except Exception as exc:  # fault boundary: a broken tool must not kill the trajectory
             self.num_exceptions += 1
             logger.warning("tool %s raised %s: %s", call.name, type(exc).__name__, exc)
-            return self._error(call, f"tool '{call.name}' failed: {type(exc).__name__}: {exc}", time.perf_counter() - start)
+            return self._error(
+                call, f"tool '{call.name}' failed: {type(exc).__name__}: {exc}", time.perf_counter() - start
+            )
         finally:
             _CURRENT_CALL.reset(token)
         admitted = await self._admit_images(call, execution, images)
@@ -290,8 +299,13 @@ class ToolRegistry:
         if is_error:
             self.num_errors += 1
         return ToolResult(
-            call_id=call.call_id, name=call.name, text=text, reward=execution.reward, is_error=is_error,
-            latency_s=latency_s, images=admitted,
+            call_id=call.call_id,
+            name=call.name,
+            text=text,
+            reward=execution.reward,
+            is_error=is_error,
+            latency_s=latency_s,
+            images=admitted,
         )
 
     @staticmethod
@@ -323,12 +337,14 @@ class ToolRegistry:
         out = self._call_counters()
         if toolsets(self.tools.values()):
             mcp = mcp_counters(self.tools.values())
-            out.update({
-                "rollout/tools/num_mcp_restarts": float(mcp.num_restarts),
-                "rollout/tools/num_mcp_connect_failures": float(mcp.num_connect_failures),
-                "rollout/tools/num_mcp_lost_calls": float(mcp.num_lost_calls),
-                "rollout/tools/num_mcp_timeouts": float(mcp.num_timeouts),
-            })
+            out.update(
+                {
+                    "rollout/tools/num_mcp_restarts": float(mcp.num_restarts),
+                    "rollout/tools/num_mcp_connect_failures": float(mcp.num_connect_failures),
+                    "rollout/tools/num_mcp_lost_calls": float(mcp.num_lost_calls),
+                    "rollout/tools/num_mcp_timeouts": float(mcp.num_timeouts),
+                }
+            )
         return out
 
     def close(self) -> None:

@@ -255,7 +255,9 @@ def function_schema(
         raise ValueError(f"{label}: cannot build its tool schema (give `name`?): {exc}") from None
 
 
-def _check_explicit_schema(schema: OpenAIFunctionToolSchema, sig: inspect.Signature, hidden: set[str], label: str) -> None:
+def _check_explicit_schema(
+    schema: OpenAIFunctionToolSchema, sig: inspect.Signature, hidden: set[str], label: str
+) -> None:
     """A hand-written schema must describe the function: it may only name its parameters, and must
     require every parameter without a default (else the model could omit it and every call fails)."""
     params = sig.parameters
@@ -263,9 +265,12 @@ def _check_explicit_schema(schema: OpenAIFunctionToolSchema, sig: inspect.Signat
     declared = schema.function.parameters.properties
     foreign = sorted(k for k in declared if k in hidden or (k not in params and not takes_any))
     if foreign:
-        raise ValueError(f"{label}: tool_schema declares argument(s) {foreign} the function does not take from the model")
+        raise ValueError(
+            f"{label}: tool_schema declares argument(s) {foreign} the function does not take from the model"
+        )
     needed = [
-        p.name for p in params.values()
+        p.name
+        for p in params.values()
         if p.default is p.empty and p.name not in hidden and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     missing = [n for n in needed if n not in schema.function.parameters.required]
@@ -328,7 +333,9 @@ class FunctionTool(BaseTool):
         hidden = set(self.bound) | ({instance_id_param} if instance_id_param else set())
         unknown = sorted(hidden - set(sig.parameters))
         if unknown:
-            raise ValueError(f"{label}: config / instance_id_param name(s) {unknown} are not parameters of the function")
+            raise ValueError(
+                f"{label}: config / instance_id_param name(s) {unknown} are not parameters of the function"
+            )
         if tool_schema is None:
             schema = function_schema(fn, name=name, hidden=hidden)
         else:

@@ -55,7 +55,9 @@ def _inline_refs(node: Any, defs: Mapping[str, Any], depth: int) -> Any:
     if isinstance(ref, str) and ref.rsplit("/", 1)[-1] in defs and depth < 16:  # recursive models stop here
         target = {**defs[ref.rsplit("/", 1)[-1]], **{k: v for k, v in node.items() if k != "$ref"}}
         return _inline_refs(target, defs, depth + 1)
-    return {k: _inline_refs(v, defs, depth) for k, v in node.items() if k not in ("$defs", "definitions", "$ref", "$schema")}
+    return {
+        k: _inline_refs(v, defs, depth) for k, v in node.items() if k not in ("$defs", "definitions", "$ref", "$schema")
+    }
 
 
 def _strip_titles(node: Any) -> Any:

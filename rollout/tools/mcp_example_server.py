@@ -24,7 +24,9 @@ from mcp.server.mcpserver import Image, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
 server = MCPServer(
-    "streamrl-example", instructions="Arithmetic, echo, image and failure-injection tools for tests.", log_level="WARNING"
+    "streamrl-example",
+    instructions="Arithmetic, echo, image and failure-injection tools for tests.",
+    log_level="WARNING",
 )
 
 
@@ -84,7 +86,9 @@ def pid() -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--http", type=int, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT (default: stdio)")
+    parser.add_argument(
+        "--http", type=int, metavar="PORT", help="serve streamable HTTP on 127.0.0.1:PORT (default: stdio)"
+    )
     args = parser.parse_args(argv)
     if args.http is None:
         server.run("stdio")

@@ -103,7 +103,9 @@ class MCPServerConfig(BaseModel):
     def _one_transport(self) -> MCPServerConfig:
         given = [key for key in ("command", "module", "url") if getattr(self, key) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of `command`, `module` (stdio) or `url` (streamable HTTP), got {given or 'none'}")
+            raise ValueError(
+                f"give exactly one of `command`, `module` (stdio) or `url` (streamable HTTP), got {given or 'none'}"
+            )
         if self.url is not None:
             stdio_only = [k for k in ("args", "env", "cwd") if getattr(self, k)]
             if stdio_only:
@@ -235,7 +237,9 @@ class _Link:
             except Exception as exc:  # world: a server that will not start or answer
                 self.counters.num_connect_failures += 1
                 errors.append(_explain(exc))
-                logger.warning("MCP server %s: connection attempt %d failed: %s", self.config.label, attempt + 1, errors[-1])
+                logger.warning(
+                    "MCP server %s: connection attempt %d failed: %s", self.config.label, attempt + 1, errors[-1]
+                )
                 continue
             self.counters.num_restarts += self.counters.num_connects > 0
             self.counters.num_connects += 1
@@ -466,7 +470,9 @@ class MCPTool(BaseTool):
     """One tool of an `MCPToolset`. The server holds whatever state a tool has, so instances are the
     default per-trajectory bookkeeping and `restore` replays nothing."""
 
-    def __init__(self, toolset: MCPToolset, mcp_name: str, schema: OpenAIFunctionToolSchema, *, idempotent: bool) -> None:
+    def __init__(
+        self, toolset: MCPToolset, mcp_name: str, schema: OpenAIFunctionToolSchema, *, idempotent: bool
+    ) -> None:
         super().__init__(config=None, tool_schema=schema)
         self.toolset = toolset
         self.mcp_name = mcp_name

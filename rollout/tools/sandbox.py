@@ -198,7 +198,7 @@ class Sandbox:
 
     @property
     def budget(self) -> str:
-        """"cgroup": memory and processes bounded per sandbox; "rlimit": per process (the fallback)."""
+        """ "cgroup": memory and processes bounded per sandbox; "rlimit": per process (the fallback)."""
         return "cgroup" if self.cgroups is not None else "rlimit"
 
     async def run(self, program: str, stdin: bytes = b"", *, timeout_s: float) -> SandboxResult:
@@ -379,5 +379,3 @@ def _child_source() -> str:
     """The stages' program: the whole of `sandbox_stages.py`."""
     with open(sandbox_stages.__file__, encoding="utf-8") as f:
         return f.read()
-
-

@@ -141,7 +141,9 @@ def _check_read(obs: ToolExecution, h: Harness) -> str | None:
 
 def _check_write(obs: ToolExecution, h: Harness) -> str | None:
     content = h.ro_file.read_text()
-    return None if content == "original\n" and not (h.dir / "planted.txt").exists() else f"host files changed: {content!r}"
+    return (
+        None if content == "original\n" and not (h.dir / "planted.txt").exists() else f"host files changed: {content!r}"
+    )
 
 
 def _check_kill(obs: ToolExecution, h: Harness) -> str | None:

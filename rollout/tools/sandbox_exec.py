@@ -44,8 +44,6 @@ class SandboxResult:
     queued_s: float = 0.0  # waiting for a free sandbox slot (the per-process cap), not in wall_s
 
 
-
-
 class _CappedStream:
     """Keeps the first and last `cap / 2` bytes of a stream, counts the rest, and calls `on_flood` once
     the stream passes `kill_bytes` (it keeps draining, so the writer never blocks on a full pipe)."""
@@ -120,7 +118,9 @@ async def _wait(proc: asyncio.subprocess.Process, stdin: bytes, timeout_s: float
 
     out = _CappedStream(settings.max_output_bytes, settings.kill_output_bytes, kill)
     err = _CappedStream(settings.max_output_bytes, settings.kill_output_bytes, kill)
-    work = asyncio.ensure_future(asyncio.gather(_feed(proc.stdin, stdin), out.drain(proc.stdout), err.drain(proc.stderr), proc.wait()))
+    work = asyncio.ensure_future(
+        asyncio.gather(_feed(proc.stdin, stdin), out.drain(proc.stdout), err.drain(proc.stderr), proc.wait())
+    )
     # The outcome is read from the streams and the exit code, never from `work`: mark its exception as
     # seen, or a call cut off by its event loop closing logs "exception was never retrieved".
     observe_outcome(work)
@@ -144,7 +144,9 @@ async def _wait(proc: asyncio.subprocess.Process, stdin: bytes, timeout_s: float
     return _result(proc.returncode, out, err, timed_out, layer, time.perf_counter() - start)
 
 
-def _result(rc: int | None, out: _CappedStream, err: _CappedStream, timed_out: bool, layer: str, wall_s: float) -> SandboxResult:
+def _result(
+    rc: int | None, out: _CappedStream, err: _CappedStream, timed_out: bool, layer: str, wall_s: float
+) -> SandboxResult:
     stderr = err.text()
     flooded = out.flooded or err.flooded
     setup_error = None

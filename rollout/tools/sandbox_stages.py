@@ -30,7 +30,14 @@ _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE, _MS_RELATIME = 1024
 _MNT_DETACH = 2
 _PIVOT_ROOT_NR = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 _PR_SET_DUMPABLE = 4
-_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 1, 24, 28, 38, 47, 4
+(
+    _PR_SET_PDEATHSIG,
+    _PR_CAPBSET_DROP,
+    _PR_SET_SECUREBITS,
+    _PR_SET_NO_NEW_PRIVS,
+    _PR_CAP_AMBIENT,
+    _PR_CAP_AMBIENT_CLEAR_ALL,
+) = 1, 24, 28, 38, 47, 4
 # NOROOT(+LOCKED): uid 0 gets no capabilities from execve; KEEP_CAPS_LOCKED, NO_SETUID_FIXUP_LOCKED:
 # a uid change keeps clearing them; NO_CAP_AMBIENT_RAISE(+LOCKED): no ambient capabilities.
 _SECUREBITS = 0b1 | 0b10 | 0b1000 | 0b100000 | 0b1000000 | 0b10000000
@@ -51,7 +58,9 @@ class _Libc:
 
     def mount(self, src: str | None, dst: str, fstype: str | None, flags: int, data: str | None = None) -> None:
         enc = lambda s: None if s is None else s.encode()
-        self.call(f"mount {dst}", self.lib.mount(enc(src), enc(dst), enc(fstype), self.ctypes.c_ulong(flags), enc(data)))
+        self.call(
+            f"mount {dst}", self.lib.mount(enc(src), enc(dst), enc(fstype), self.ctypes.c_ulong(flags), enc(data))
+        )
 
 
 def _fail(stage: str, exc: BaseException) -> None:
@@ -149,7 +158,9 @@ def _build_root(spec: dict, libc: _Libc) -> None:
     owner = f",uid={spec['uid']},gid={spec['uid']}" if spec["uid"] is not None else ""
     for path, mode in (("/tmp", "1777"), (WORKSPACE, "0755"), ("/dev/shm", "1777")):
         os.makedirs(root + path, exist_ok=True)
-        libc.mount("tmpfs", root + path, "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode={mode},size={limits['disk_mb']}m{owner}")
+        libc.mount(
+            "tmpfs", root + path, "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode={mode},size={limits['disk_mb']}m{owner}"
+        )
     for mount in spec["mounts"]:
         dst = root + mount.get("at", mount["path"])
         os.makedirs(os.path.dirname(dst), exist_ok=True)
@@ -160,7 +171,12 @@ def _build_root(spec: dict, libc: _Libc) -> None:
     for name in _DEVICES:
         open(f"{root}/dev/{name}", "w").close()
         libc.mount(f"/dev/{name}", f"{root}/dev/{name}", None, _MS_BIND)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, f"{root}/dev/{name}")
     _write_passwd(root, spec["uid"] or 0)
     with open("/proc/sys/user/max_user_namespaces", "w") as f:  # this namespace's own limit: the
@@ -183,7 +199,12 @@ def _bind_readonly(libc: _Libc, src: str, dst: str) -> None:
     for mnt in _mount_points_under(dst):
         flags = os.statvfs(mnt).f_flag
         ms = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
-        for st, msf in ((os.ST_NOEXEC, _MS_NOEXEC), (os.ST_NOATIME, _MS_NOATIME), (os.ST_NODIRATIME, _MS_NODIRATIME), (os.ST_RELATIME, _MS_RELATIME)):
+        for st, msf in (
+            (os.ST_NOEXEC, _MS_NOEXEC),
+            (os.ST_NOATIME, _MS_NOATIME),
+            (os.ST_NODIRATIME, _MS_NODIRATIME),
+            (os.ST_RELATIME, _MS_RELATIME),
+        ):
             ms |= msf if flags & st else 0
         libc.mount(None, mnt, None, ms)
 
@@ -192,7 +213,13 @@ def _mount_points_under(path: str) -> list[str]:
     points = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
-            point = line.split()[4].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+            point = (
+                line.split()[4]
+                .replace("\\040", " ")
+                .replace("\\011", "\t")
+                .replace("\\012", "\n")
+                .replace("\\134", "\\")
+            )
             if point == path or point.startswith(path + "/"):
                 points.append(point)
     return sorted(set(points))
@@ -321,4 +348,6 @@ def _set_limits(limits: dict, *, nproc: bool) -> None:
 
 if __name__ == "__main__":
     _stage, _spec_json = sys.argv[1], sys.argv[2]
-    {"launch": _stage_launch, "setup": _stage_setup, "init": _stage_init, "trampoline": _stage_trampoline}[_stage](json.loads(_spec_json))
+    {"launch": _stage_launch, "setup": _stage_setup, "init": _stage_init, "trampoline": _stage_trampoline}[_stage](
+        json.loads(_spec_json)
+    )

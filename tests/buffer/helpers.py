@@ -25,8 +25,12 @@ def make_traj(
     partial = status is TrajectoryStatus.PARTIAL
     agent_json = None
     if partial:
-        agent_json = AgentData(trajectory_id=tid, group_id=group_id, sample_index=sample_index,
-                               prompt_ids=list(range(100, 100 + num_prompt))).to_json()
+        agent_json = AgentData(
+            trajectory_id=tid,
+            group_id=group_id,
+            sample_index=sample_index,
+            prompt_ids=list(range(100, 100 + num_prompt)),
+        ).to_json()
     return Trajectory(
         trajectory_id=tid,
         group_id=group_id,
@@ -44,6 +48,8 @@ def make_traj(
     )
 
 
-def make_group(group_id: str, n: int, *, rewards: list[float] | None = None, version: int = 0, **kw) -> list[Trajectory]:
+def make_group(
+    group_id: str, n: int, *, rewards: list[float] | None = None, version: int = 0, **kw
+) -> list[Trajectory]:
     rewards = rewards if rewards is not None else [float(i) for i in range(n)]
     return [make_traj(group_id, i, reward=rewards[i], version=version, **kw) for i in range(n)]

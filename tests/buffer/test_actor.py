@@ -24,7 +24,10 @@ def test_append_by_ref_sample_and_recover(ray_cluster, tmp_path):
     batch = ray.get(actor.sample.remote(0, 1), timeout=RAY_TIMEOUT_S)
     assert sorted(batch.trajectory_ids) == ["a/0", "a/1", "b/0", "b/1"]  # two concurrent appends
     assert ray.get(actor.sample.remote(0, 2), timeout=RAY_TIMEOUT_S) is None
-    ray.get(actor.append.remote(ray.put(trajectories_to_batch([make_traj("c", 0, status=TrajectoryStatus.PARTIAL)]))), timeout=RAY_TIMEOUT_S)
+    ray.get(
+        actor.append.remote(ray.put(trajectories_to_batch([make_traj("c", 0, status=TrajectoryStatus.PARTIAL)]))),
+        timeout=RAY_TIMEOUT_S,
+    )
     ray.get(actor.append.remote(make_group("d", 2)), timeout=RAY_TIMEOUT_S)  # a plain list works too
     padded, lags = ray.get(actor.sample_padded.remote(0, 2), timeout=RAY_TIMEOUT_S) or (None, None)
     assert padded is None  # only one complete group (d); c is partial
@@ -44,7 +47,10 @@ def test_append_by_ref_sample_and_recover(ray_cluster, tmp_path):
 def test_backpressure_waits_for_room(ray_cluster):
     ray = ray_cluster
     actor = create_buffer_actor(BufferConfig(batch_size=2, group_size=2, capacity_rows=4))
-    assert ray.get(actor.append.remote(ray.put(trajectories_to_batch(make_group("a", 2) + [make_traj("z", 0)]))), timeout=RAY_TIMEOUT_S)
+    assert ray.get(
+        actor.append.remote(ray.put(trajectories_to_batch(make_group("a", 2) + [make_traj("z", 0)]))),
+        timeout=RAY_TIMEOUT_S,
+    )
     second = ray.put(trajectories_to_batch(make_group("b", 2)))
     assert ray.get(actor.try_append.remote(second), timeout=RAY_TIMEOUT_S) is False
     assert ray.get(actor.append.remote(second, 0.2), timeout=RAY_TIMEOUT_S) is False  # timed out

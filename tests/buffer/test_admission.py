@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from streamrl.buffer.admission import lag_fractions, lag_histogram, rollout_capacity, token_lag, trajectory_lag, within_staleness
+from streamrl.buffer.admission import (
+    lag_fractions,
+    lag_histogram,
+    rollout_capacity,
+    token_lag,
+    trajectory_lag,
+    within_staleness,
+)
 
 
 def test_capacity_at_start_is_one_batch_per_allowed_version():
@@ -24,11 +31,23 @@ def test_capacity_tracks_learner_progress():
 
 def test_capacity_rounds_down_to_whole_groups_and_respects_concurrency():
     # (1 + 2 + 1) * 16 - (40 + 6) = 18 -> groups of 4 -> 16
-    assert rollout_capacity(served_version=2, max_staleness=1, batch_size=16, num_running=6, num_accepted=40, group_size=4) == 16
+    assert (
+        rollout_capacity(served_version=2, max_staleness=1, batch_size=16, num_running=6, num_accepted=40, group_size=4)
+        == 16
+    )
     # concurrency: min(18, 12 - 6 = 6) = 6 -> groups of 4 -> 4
-    assert rollout_capacity(
-        served_version=2, max_staleness=1, batch_size=16, num_running=6, num_accepted=40, group_size=4, max_concurrent=12
-    ) == 4
+    assert (
+        rollout_capacity(
+            served_version=2,
+            max_staleness=1,
+            batch_size=16,
+            num_running=6,
+            num_accepted=40,
+            group_size=4,
+            max_concurrent=12,
+        )
+        == 4
+    )
 
 
 def test_capacity_rejects_bad_input():
@@ -47,7 +66,11 @@ def test_multi_turn_trajectory_lag_uses_oldest_sampled_token():
     assert trajectory_lag(6, 2) == 4
     assert within_staleness(served_version=6, min_policy_version=2, max_staleness=4) is True
     assert within_staleness(served_version=6, min_policy_version=2, max_staleness=3) is False
-    assert within_staleness(served_version=6, min_policy_version=np.array([2, 5, -1]), max_staleness=3).tolist() == [False, True, True]
+    assert within_staleness(served_version=6, min_policy_version=np.array([2, 5, -1]), max_staleness=3).tolist() == [
+        False,
+        True,
+        True,
+    ]
 
 
 def test_lag_histogram_has_overflow_bin_and_ignores_observations():
@@ -57,7 +80,9 @@ def test_lag_histogram_has_overflow_bin_and_ignores_observations():
 def test_lag_fractions_is_the_one_histogram_family():
     hist = lag_histogram(np.array([0, 0, 1, 2, 3, 7, -1]), max_lag=2)
     assert lag_fractions(hist, "staleness/lag_frac/batch/") == {
-        "staleness/lag_frac/batch/0": 2 / 6, "staleness/lag_frac/batch/1": 1 / 6,
-        "staleness/lag_frac/batch/2": 1 / 6, "staleness/lag_frac/batch/over": 2 / 6,
+        "staleness/lag_frac/batch/0": 2 / 6,
+        "staleness/lag_frac/batch/1": 1 / 6,
+        "staleness/lag_frac/batch/2": 1 / 6,
+        "staleness/lag_frac/batch/over": 2 / 6,
     }
     assert set(lag_fractions(lag_histogram(np.array([], dtype=np.int64), max_lag=1), "x/").values()) == {0.0}

@@ -15,7 +15,6 @@ import io
 import json
 import os
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 
@@ -42,8 +41,18 @@ def test_the_recorder_sees_the_system_calls_of_file_objects_and_os_calls(tmp_pat
         (tmp_path / "elsewhere").mkdir()
         rec.mark("done")
     kinds = [op.kind for op in rec.trace.ops]
-    assert kinds == [OpKind.CREATE, OpKind.WRITE, OpKind.FSYNC, OpKind.RENAME, OpKind.FSYNC,  # atomic_write
-                     OpKind.CREATE, OpKind.WRITE, OpKind.TRUNCATE, OpKind.RENAME, OpKind.MKDIR]
+    assert kinds == [
+        OpKind.CREATE,
+        OpKind.WRITE,
+        OpKind.FSYNC,
+        OpKind.RENAME,
+        OpKind.FSYNC,  # atomic_write
+        OpKind.CREATE,
+        OpKind.WRITE,
+        OpKind.TRUNCATE,
+        OpKind.RENAME,
+        OpKind.MKDIR,
+    ]
     write = rec.trace.ops[1]
     assert write.data == b'{"a": 1}' and write.offset == 0
     assert rec.trace.ops[4].ino == rec.trace.root_ino  # the folder fsync after the rename
@@ -70,7 +79,11 @@ def test_a_power_loss_keeps_what_was_fsynced_and_a_kill_keeps_everything(tmp_pat
     states, found = crash_states(trace, max_states=1000)
     trees = [s.tree for s in states]
     assert {"f": b"durable"} in trees and {"f": b""} in trees
-    torn = [t for t in trees if "f" in t and t["f"].startswith(b"durable") and 7 < len(t["f"]) and t["f"] != b"durable-pending"]
+    torn = [
+        t
+        for t in trees
+        if "f" in t and t["f"].startswith(b"durable") and 7 < len(t["f"]) and t["f"] != b"durable-pending"
+    ]
     assert torn, "a torn version of the unsynced write"
     assert len(states) == found
 
@@ -91,18 +104,23 @@ def test_every_crash_state_recovers_every_acknowledged_row_and_a_whole_checkpoin
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("broken, expected", [
-    ("driver state renamed in unsynced", "driver_state.json"),
-    ("buffer checkpoint without fsync", "acknowledged group"),
-    ("checkpoint folder not sealed", "which is not complete"),
-])
+@pytest.mark.parametrize(
+    "broken, expected",
+    [
+        ("driver state renamed in unsynced", "driver_state.json"),
+        ("buffer checkpoint without fsync", "acknowledged group"),
+        ("checkpoint folder not sealed", "which is not complete"),
+    ],
+)
 def test_the_check_catches_broken_durability_protocols(broken, expected):
     def unsynced_save(state, path):
         atomic_write(path, json.dumps(asdict(state)), sync=False)
 
-    workload = {"driver state renamed in unsynced": Workload(save_state=unsynced_save),
-                "buffer checkpoint without fsync": Workload(fsync_buffer=False),
-                "checkpoint folder not sealed": Workload(seal_checkpoints=False)}[broken]
+    workload = {
+        "driver state renamed in unsynced": Workload(save_state=unsynced_save),
+        "buffer checkpoint without fsync": Workload(fsync_buffer=False),
+        "checkpoint folder not sealed": Workload(seal_checkpoints=False),
+    }[broken]
     result = run(max_states=150, workload=workload)
     assert any(expected in p for p in result.problems), result.problems[:5]
 

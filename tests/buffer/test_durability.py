@@ -31,14 +31,18 @@ def _run_child(root: Path, *, until: str, extra: list[str]) -> list[str]:
     """Start the writer child, read its lines until `until` says stop, then SIGKILL it."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.buffer.writer_child", str(root), *extra],
-        cwd=REPO, stdout=subprocess.PIPE, text=True,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     acked: list[str] = []
     try:
         for line in proc.stdout:
             if line.startswith("ACK "):
                 acked.append(line.split()[1])
-            if (until == "MIDWRITE" and line.startswith("MIDWRITE")) or (until != "MIDWRITE" and len(acked) >= int(until)):
+            if (until == "MIDWRITE" and line.startswith("MIDWRITE")) or (
+                until != "MIDWRITE" and len(acked) >= int(until)
+            ):
                 break
     finally:
         os.kill(proc.pid, signal.SIGKILL)

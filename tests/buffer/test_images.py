@@ -56,8 +56,11 @@ def _image_group(group_id: str, per_row: list[list[ImageBlob]]) -> list[Trajecto
 
 def _stored_hashes(root: Path) -> list[str]:
     report = RecoveryReport()
-    return [sha for _, b in read_segments(root, prefix=IMAGES_PREFIX, schema=IMAGE_SCHEMA, report=report)
-            for sha in b.column("sha256").to_pylist()]
+    return [
+        sha
+        for _, b in read_segments(root, prefix=IMAGES_PREFIX, schema=IMAGE_SCHEMA, report=report)
+        for sha in b.column("sha256").to_pylist()
+    ]
 
 
 def _crash(buf: ReplayBuffer) -> None:
@@ -117,7 +120,7 @@ def test_torn_last_image_segment_recovers_like_other_logs(tmp_path):
     buf.append(_image_group("g", [[RED]] * 4), images=[RED])
     buf.append([], images=[GREEN])  # a second frame, referenced by nothing yet
     _crash(buf)
-    (_, path), = segment_paths(tmp_path, IMAGES_PREFIX)
+    ((_, path),) = segment_paths(tmp_path, IMAGES_PREFIX)
     path.write_bytes(path.read_bytes()[:-40])  # the process died while writing GREEN's frame
     again = ReplayBuffer(_cfg(tmp_path))
     report = again.recovery_report

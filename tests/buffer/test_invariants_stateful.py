@@ -47,8 +47,11 @@ class BufferMachine(RuleBasedStateMachine):
         shm = Path("/dev/shm")  # tmpfs where there is one: the log's fsyncs cost nothing there
         self._tmp = tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None)
         self.cfg = BufferConfig(
-            root_dir=str(Path(self._tmp.name) / "buf"), batch_size=BATCH, group_size=G,
-            max_staleness=MAX_STALENESS, min_finished_per_group=1,
+            root_dir=str(Path(self._tmp.name) / "buf"),
+            batch_size=BATCH,
+            group_size=G,
+            max_staleness=MAX_STALENESS,
+            min_finished_per_group=1,
         )
         self.buf = ReplayBuffer(self.cfg)
         self.cursor = 0
@@ -84,11 +87,20 @@ class BufferMachine(RuleBasedStateMachine):
     def progress(self, data, outcome, long):
         tid = data.draw(st.sampled_from(self._running()))
         gid, index = tid.split("/")
-        status = {"park": TrajectoryStatus.PARTIAL, "finish": TrajectoryStatus.FINISHED,
-                  "fail": TrajectoryStatus.FAILED}[outcome]
+        status = {
+            "park": TrajectoryStatus.PARTIAL,
+            "finish": TrajectoryStatus.FINISHED,
+            "fail": TrajectoryStatus.FAILED,
+        }[outcome]
         reward = float(data.draw(st.integers(0, 1)))
-        row = make_traj(gid, int(index), status=status, version=self.start_version[tid],
-                        num_response=40 if long else 4, reward=reward)
+        row = make_traj(
+            gid,
+            int(index),
+            status=status,
+            version=self.start_version[tid],
+            num_response=40 if long else 4,
+            reward=reward,
+        )
         self.buf.append([row])
         self.status[tid] = {"park": "running", "finish": "finished", "fail": "failed"}[outcome]
 
@@ -147,6 +159,8 @@ class BufferMachine(RuleBasedStateMachine):
 
 TestBufferInvariants = BufferMachine.TestCase
 TestBufferInvariants.settings = settings(
-    max_examples=120, stateful_step_count=40, deadline=None,
+    max_examples=120,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )

@@ -20,11 +20,21 @@ NUM_GROUPS = 8
 
 
 def _cfg(root: Path, **kw) -> BufferConfig:
-    return BufferConfig(root_dir=str(root), batch_size=2, group_size=2, coalesce_below_rows=1,
-                        flush_every_rows=10_000, flush_every_ms=3_600_000, segment_max_bytes=6_000, **kw)
+    return BufferConfig(
+        root_dir=str(root),
+        batch_size=2,
+        group_size=2,
+        coalesce_below_rows=1,
+        flush_every_rows=10_000,
+        flush_every_ms=3_600_000,
+        segment_max_bytes=6_000,
+        **kw,
+    )
 
 
-def _run(root: Path, plan: FaultPlan, *, checkpoint_every: int = 0, sample: bool = False) -> tuple[list[str], list[str]]:
+def _run(
+    root: Path, plan: FaultPlan, *, checkpoint_every: int = 0, sample: bool = False
+) -> tuple[list[str], list[str]]:
     """Append groups with durable=True until the buffer fails (the run stops there); returns the
     acknowledged groups and the groups whose consumption was recorded."""
     acked: list[str] = []
@@ -64,7 +74,11 @@ def _recovered(root: Path) -> tuple[set[str], ReplayBuffer]:
     buf = ReplayBuffer(_cfg(root))
     report = buf.recovery_report
     assert not report.corrupt, report.corrupt  # a failed write may leave a torn tail, never a bad frame
-    return {gid for gid, ok in zip([f"g{g}" for g in range(NUM_GROUPS)], buf.has_groups([f"g{g}" for g in range(NUM_GROUPS)])) if ok}, buf
+    return {
+        gid
+        for gid, ok in zip([f"g{g}" for g in range(NUM_GROUPS)], buf.has_groups([f"g{g}" for g in range(NUM_GROUPS)]))
+        if ok
+    }, buf
 
 
 def _check(root: Path, acked: list[str], consumed: list[str], plan: FaultPlan) -> None:

@@ -37,7 +37,9 @@ def test_groups_with_lost_images_are_dropped_before_consumption_is_recorded(tmp_
             assert batch.table.column("group_id").to_pylist() == ["t1", "t1", "t2", "t2"]
             stats = buf.stats()
             assert stats["buffer/groups_dropped"] == 1 and stats["buffer/recovery_problems"] == problems + 1
-            assert any("dropped 1 ready groups (2 trajectories, first img)" in line for line in buf.recovery_report.missing)
+            assert any(
+                "dropped 1 ready groups (2 trajectories, first img)" in line for line in buf.recovery_report.missing
+            )
         else:  # the consumption log did not record img: it is ready again, and dropped again
             assert buf.recovery_report.num_consumption_records == 4  # t1 and t2's
             buf.append(make_group("t3", 2))

@@ -66,7 +66,7 @@ def _rich_trajectory() -> Trajectory:
 
 def test_schema_mirrors_record_field_for_field():
     assert RECORD_FIELD_NAMES == record_field_names()
-    assert RECORD_FIELD_NAMES[-len(IMAGE_FIELD_NAMES):] == IMAGE_FIELD_NAMES  # the image columns come last
+    assert RECORD_FIELD_NAMES[-len(IMAGE_FIELD_NAMES) :] == IMAGE_FIELD_NAMES  # the image columns come last
     assert TRAJECTORY_SCHEMA.names == [*record_field_names(), *(f.name for f in DERIVED_FIELDS)]
     assert TRAJECTORY_SCHEMA.field("image_refs").type == pa.list_(pa.string())
     assert TRAJECTORY_SCHEMA.field("num_image_tokens").type == pa.list_(pa.int32())
@@ -77,7 +77,11 @@ def test_schema_mirrors_record_field_for_field():
 
 
 def test_round_trip_is_identical_for_float32_logprobs():
-    trajs = [make_traj("g", 0, reward=0.1), make_traj("g", 1, status=TrajectoryStatus.PARTIAL), make_traj("h", 0, num_response=0)]
+    trajs = [
+        make_traj("g", 0, reward=0.1),
+        make_traj("g", 1, status=TrajectoryStatus.PARTIAL),
+        make_traj("h", 0, num_response=0),
+    ]
     assert batch_to_trajectories(trajectories_to_batch(trajs)) == trajs
 
 
@@ -104,7 +108,9 @@ def test_derived_columns():
 
 def test_normalize_recomputes_derived_and_rejects_bad_rows():
     batch = trajectories_to_batch([make_traj("g", 0, version=5)])
-    tampered = batch.set_column(batch.schema.get_field_index("min_policy_version"), "min_policy_version", pa.array([0], pa.int32()))
+    tampered = batch.set_column(
+        batch.schema.get_field_index("min_policy_version"), "min_policy_version", pa.array([0], pa.int32())
+    )
     assert normalize_batch(tampered).column("min_policy_version").to_pylist() == [5]
     with pytest.raises(ValueError, match="missing trajectory columns"):
         normalize_batch(batch.drop_columns(["reward"]))

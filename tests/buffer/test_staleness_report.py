@@ -15,8 +15,9 @@ from tests.buffer.helpers import make_traj
 
 def _traj(gid: str, i: int, versions: list[int], reward: float):
     t = make_traj(gid, i, num_response=len(versions), reward=reward)
-    return dataclasses.replace(t, response_mask=[1] * len(versions), policy_versions=versions,
-                               behavior_logprobs=[-0.5] * len(versions))
+    return dataclasses.replace(
+        t, response_mask=[1] * len(versions), policy_versions=versions, behavior_logprobs=[-0.5] * len(versions)
+    )
 
 
 def _buffer(tmp_path):

@@ -15,8 +15,15 @@ from tests.buffer.helpers import make_traj
 def _traj(i: int, versions: list[int], *, interrupts: int, created: float, finished: float):
     t = make_traj("g", i, num_response=len(versions))
     mask = [1] * len(versions)
-    return dataclasses.replace(t, response_mask=mask, policy_versions=versions, behavior_logprobs=[-0.5] * len(versions),
-                               num_interrupts=interrupts, created_at=created, finished_at=finished)
+    return dataclasses.replace(
+        t,
+        response_mask=mask,
+        policy_versions=versions,
+        behavior_logprobs=[-0.5] * len(versions),
+        num_interrupts=interrupts,
+        created_at=created,
+        finished_at=finished,
+    )
 
 
 def test_batch_version_span_interrupts_and_times():

@@ -168,7 +168,12 @@ def test_capacity_uses_accepted_and_in_flight_counts():
 
 def test_padded_batch_layout():
     buf = _buf(batch_size=2, group_size=2)
-    buf.append([make_traj("g", 0, num_prompt=2, num_response=3, version=4), make_traj("g", 1, num_prompt=3, num_response=5, version=5)])
+    buf.append(
+        [
+            make_traj("g", 0, num_prompt=2, num_response=3, version=4),
+            make_traj("g", 1, num_prompt=3, num_response=5, version=5),
+        ]
+    )
     pb: PaddedBatch = buf.sample(served_version=5, learner_step=1).to_padded()
     assert pb.input_ids.shape == (2, 8) and pb.input_ids.dtype == np.int64
     assert pb.input_ids[0].tolist() == [100, 101, 200, 201, 202, 0, 0, 0]
@@ -193,7 +198,9 @@ def test_memory_is_released_and_compacted():
     for s in range(40):
         buf.sample(served_version=0, learner_step=s)
     assert buf.memory_bytes() < full / 2
-    assert [buf.sample(served_version=0, learner_step=100 + s).trajectory_ids[0] for s in range(10)] == [f"g{g}/0" for g in range(40, 50)]
+    assert [buf.sample(served_version=0, learner_step=100 + s).trajectory_ids[0] for s in range(10)] == [
+        f"g{g}/0" for g in range(40, 50)
+    ]
 
 
 def test_a_sample_that_finds_no_batch_writes_nothing_and_one_that_does_flushes_first(tmp_path):

@@ -14,8 +14,13 @@ from tests.buffer.helpers import make_group
 def test_a_group_over_the_token_budget_is_trained_alone():
     # a group of 2 x (3 prompt + 4 response) = 14 tokens; "long" has 2 x (3 + 30) = 66 > 30
     buf = ReplayBuffer(BufferConfig(batch_size=8, group_size=2, max_batch_tokens=30))
-    buf.append(make_group("a", 2) + make_group("long", 2, num_response=30) + make_group("b", 2) + make_group("c", 2)
-               + make_group("d", 2))
+    buf.append(
+        make_group("a", 2)
+        + make_group("long", 2, num_response=30)
+        + make_group("b", 2)
+        + make_group("c", 2)
+        + make_group("d", 2)
+    )
     assert buf.stats()["buffer/groups_over_token_budget"] == 1
     got = []
     step = 1
@@ -30,6 +35,12 @@ def test_a_group_over_the_token_budget_is_trained_alone():
 
 def test_select_prefix_gives_an_oversized_first_group_alone():
     order = np.array([1, 0])
-    chosen = select_prefix(order, num_trajectories=np.array([2, 2]), num_tokens=np.array([10, 50]),
-                           max_groups=4, max_trajectories=8, token_budget=30)
+    chosen = select_prefix(
+        order,
+        num_trajectories=np.array([2, 2]),
+        num_tokens=np.array([10, 50]),
+        max_groups=4,
+        max_trajectories=8,
+        token_budget=30,
+    )
     assert chosen.tolist() == [1]

@@ -32,8 +32,9 @@ def test_io_segments_are_seeded_and_each_arms_one_hard_fault_of_every_kind():
 def _real_log_failure(tmp_path: Path) -> str:
     """The message the buffer prints when its log's first write fails (the real writer and plan)."""
     plan = iofaults.FaultPlan((iofaults.Fault(kind=iofaults.FaultKind.EIO, at=0, log="traj"),))
-    writer = SegmentWriter(tmp_path, prefix="traj", schema=pa.schema([("x", pa.int64())]),
-                           segment_max_bytes=1 << 20, io=plan)
+    writer = SegmentWriter(
+        tmp_path, prefix="traj", schema=pa.schema([("x", pa.int64())]), segment_max_bytes=1 << 20, io=plan
+    )
     with pytest.raises(LogFailedError) as failed:
         writer.open()
     writer.close()
@@ -53,7 +54,8 @@ def test_a_segment_stopped_by_an_io_fault_is_recognised_and_counted(tmp_path, mo
         if len(calls) == 1:
             (run_dir / "logs" / "BufferActor-1.log").write_text(
                 "WARNING streamrl.buffer.iofaults: I/O fault injected: write call #0 on log traj: short\n"
-                "WARNING streamrl.buffer.iofaults: I/O fault injected: write call #3 on log traj: torn\n")
+                "WARNING streamrl.buffer.iofaults: I/O fault injected: write call #3 on log traj: torn\n"
+            )
             log.write_text(f"Traceback ...\n{failure}\nRuntimeError: admission loop failed\n")
             return 1, 1.0, False
         return 0, 1.0, False
@@ -110,8 +112,14 @@ def test_a_hostile_reward_fails_its_trajectory_on_the_real_scoring_path(hostilit
     with pytest.raises(RewardError, match="did not return" if hostility == "hang" else f"is {hostility}"):
         asyncio.run(call_reward_fn(fn, inp, timeout_s=0.2))
     normal = _text_in_bucket(5, 10)
-    assert asyncio.run(call_reward_fn(fn, RewardInput(response_text=normal, final_answer_text=normal,
-                                                      ground_truth=normal[7:-1]), timeout_s=5)) == 1.0
+    assert (
+        asyncio.run(
+            call_reward_fn(
+                fn, RewardInput(response_text=normal, final_answer_text=normal, ground_truth=normal[7:-1]), timeout_s=5
+            )
+        )
+        == 1.0
+    )
 
 
 def test_the_hostile_calculator_prints_escapes_that_safe_text_shows(tmp_path):
@@ -133,8 +141,11 @@ def test_the_all_fail_report_reads_the_real_stop_message():
     from streamrl.streaming.failures import FailureWindow, TooManyFailedTrajectories
 
     window = FailureWindow(window=16, max_fraction=0.9)
-    window.observe(RolloutOutcomes(worker_id="w", num_finished=0, num_failed=16,
-                                   failure_reasons={"RewardError: the reward ... is nan": 16}))
+    window.observe(
+        RolloutOutcomes(
+            worker_id="w", num_finished=0, num_failed=16, failure_reasons={"RewardError: the reward ... is nan": 16}
+        )
+    )
     assert window.tripped
     assert issubclass(TooManyFailedTrajectories, Exception)
     output = f"...\nstreamrl: error: {window.message(0)}\n"  # how `streamrl train` prints it
@@ -156,17 +167,41 @@ def test_by_kind_sums_every_family_and_reads_the_fuzz_settings():
     inv = {"prompts_lost": 0, "stranded": 0, "untracked": 0}
     data = {
         "results": [
-            {"fault_counts": {"admit.after_append kill_job": 1, "worker.sink raise": 3, "buffer.append delay4": 2},
-             "faults_injected": 7, "segments": [], "invariants": inv, "hangs": 0},
+            {
+                "fault_counts": {"admit.after_append kill_job": 1, "worker.sink raise": 3, "buffer.append delay4": 2},
+                "faults_injected": 7,
+                "segments": [],
+                "invariants": inv,
+                "hangs": 0,
+            },
             {"faults_injected": 2, "segments": [{"rc": -9}, {"rc": 0}], "invariants": inv, "hangs": 0},
         ],
-        "fault_families": [{"results": [
-            {"name": "io", "io_faults_injected": 30, "io_hard_faults": 5, "io_short_writes": 25, "invariants": inv},
-            {"name": "hostile", "hostile_callbacks": 12, "invariants": {**inv, "prompts_lost": 1}},
-            {"name": "image_bomb", "hostile_callbacks": 3},
-        ]}, {"results": [  # another seed's runs: summed too
-            {"name": "io", "io_faults_injected": 10, "io_hard_faults": 4, "io_short_writes": 6, "invariants": inv},
-        ]}],
+        "fault_families": [
+            {
+                "results": [
+                    {
+                        "name": "io",
+                        "io_faults_injected": 30,
+                        "io_hard_faults": 5,
+                        "io_short_writes": 25,
+                        "invariants": inv,
+                    },
+                    {"name": "hostile", "hostile_callbacks": 12, "invariants": {**inv, "prompts_lost": 1}},
+                    {"name": "image_bomb", "hostile_callbacks": 3},
+                ]
+            },
+            {
+                "results": [  # another seed's runs: summed too
+                    {
+                        "name": "io",
+                        "io_faults_injected": 10,
+                        "io_hard_faults": 4,
+                        "io_short_writes": 6,
+                        "invariants": inv,
+                    },
+                ]
+            },
+        ],
     }
     kinds = chaos_families.by_kind(data, {"num_states_checked": 2000, "num_crash_points_checked": 5}, fuzz)
     assert kinds["kills"] == 1 + 1 + 1  # a kill_job, a runner SIGKILL (7 - 6 fired), a SIGKILLed segment

@@ -37,13 +37,25 @@ def template(tmp_path_factory) -> Path:
     return root
 
 
-DAMAGE = st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(["flip", "truncate", "zero", "delete", "append"]),
-                            st.integers(0, 10**6), st.integers(1, 255)), min_size=1, max_size=3)
+DAMAGE = st.lists(
+    st.tuples(
+        st.integers(0, 10**6),
+        st.sampled_from(["flip", "truncate", "zero", "delete", "append"]),
+        st.integers(0, 10**6),
+        st.integers(1, 255),
+    ),
+    min_size=1,
+    max_size=3,
+)
 
 
 @pytest.mark.timeout(240)
-@settings(max_examples=60, deadline=10_000, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=60,
+    deadline=10_000,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(damage=DAMAGE)
 @example(damage=[(0, "delete", 0, 1)])  # consumed-000001.arrow gone, its .idx left: finding (1)
 def test_corrupted_logs_recover_a_well_formed_subset(tmp_path, template, damage):
@@ -62,7 +74,7 @@ def test_corrupted_logs_recover_a_well_formed_subset(tmp_path, template, damage)
         elif kind == "truncate":
             del data[at:]
         elif kind == "zero":
-            data[at: at + mask] = bytes(len(data[at: at + mask]))
+            data[at : at + mask] = bytes(len(data[at : at + mask]))
         elif kind == "append":
             data += bytes([mask]) * (pos % 64)
         if kind == "delete":
@@ -81,7 +93,10 @@ def test_corrupted_logs_recover_a_well_formed_subset(tmp_path, template, damage)
                 assert present[traj.group_id]
                 original = make_group(traj.group_id, 2, num_response=24)[traj.sample_index]
                 assert (traj.response_ids, traj.reward, traj.behavior_logprobs) == (
-                    original.response_ids, original.reward, original.behavior_logprobs)
+                    original.response_ids,
+                    original.reward,
+                    original.behavior_logprobs,
+                )
     finally:
         buf.close()
 

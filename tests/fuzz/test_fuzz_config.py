@@ -26,13 +26,40 @@ def _field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 KEYS = _field_paths(StreamRLConfig)
-KEY = st.one_of(st.sampled_from(KEYS), st.sampled_from(KEYS).map(lambda k: k + ".x"),
-                st.text(st.characters(codec="ascii", exclude_characters="="), max_size=20))
+KEY = st.one_of(
+    st.sampled_from(KEYS),
+    st.sampled_from(KEYS).map(lambda k: k + ".x"),
+    st.text(st.characters(codec="ascii", exclude_characters="="), max_size=20),
+)
 # TOML literals of every type, edge values and malformed ones (a bare word is taken as a string).
 VALUE = st.one_of(
-    st.sampled_from(["0", "-1", "1", "true", "false", "nan", "inf", "-inf", "1e309", "0.0", '""', "[]", "{}",
-                     "[1, 2]", '["a"]', "{a = 1}", "1" * 5000, "[[[[", "{a=", '"unterminated', "null", "None"]),
-    st.integers(-2**70, 2**70).map(str),
+    st.sampled_from(
+        [
+            "0",
+            "-1",
+            "1",
+            "true",
+            "false",
+            "nan",
+            "inf",
+            "-inf",
+            "1e309",
+            "0.0",
+            '""',
+            "[]",
+            "{}",
+            "[1, 2]",
+            '["a"]',
+            "{a = 1}",
+            "1" * 5000,
+            "[[[[",
+            "{a=",
+            '"unterminated',
+            "null",
+            "None",
+        ]
+    ),
+    st.integers(-(2**70), 2**70).map(str),
     st.floats(allow_nan=True).map(repr),
     st.text(max_size=20),
 )
@@ -66,28 +93,48 @@ def _toml_value(value) -> str:
     return repr(value)
 
 
-SCALAR = st.one_of(st.integers(-10**6, 10**6), st.floats(allow_nan=False, allow_infinity=False),
-                   st.booleans(), st.text(st.characters(codec="ascii", categories=["L", "N"]), max_size=10))
+SCALAR = st.one_of(
+    st.integers(-(10**6), 10**6),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.booleans(),
+    st.text(st.characters(codec="ascii", categories=["L", "N"]), max_size=10),
+)
 SECTION = st.sampled_from([k for k in KEYS if "." not in k])
 DOCUMENT = st.dictionaries(
-    SECTION, st.dictionaries(st.one_of(st.sampled_from(KEYS).map(lambda k: k.rsplit(".", 1)[-1]),
-                                       st.from_regex(r"[a-z_]{1,12}", fullmatch=True)),
-                             st.one_of(SCALAR, st.lists(SCALAR, max_size=3)), max_size=5), max_size=4)
+    SECTION,
+    st.dictionaries(
+        st.one_of(
+            st.sampled_from(KEYS).map(lambda k: k.rsplit(".", 1)[-1]), st.from_regex(r"[a-z_]{1,12}", fullmatch=True)
+        ),
+        st.one_of(SCALAR, st.lists(SCALAR, max_size=3)),
+        max_size=5,
+    ),
+    max_size=4,
+)
 
 
 @pytest.mark.timeout(180)
-@settings(max_examples=200, deadline=5000, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(doc=DOCUMENT, noise=st.one_of(st.just(""), st.text(max_size=30), st.binary(max_size=30).map(lambda b: b.decode("latin-1"))))
+@settings(
+    max_examples=200, deadline=5000, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    doc=DOCUMENT,
+    noise=st.one_of(st.just(""), st.text(max_size=30), st.binary(max_size=30).map(lambda b: b.decode("latin-1"))),
+)
 def test_random_toml_files_give_a_config_or_a_value_error(tmp_path, doc, noise):
-    text = "".join(f"[{section}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in table.items())
-                   for section, table in doc.items())
+    text = "".join(
+        f"[{section}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in table.items())
+        for section, table in doc.items()
+    )
     path = tmp_path / "run.toml"
     path.write_bytes((text + noise).encode("utf-8", "surrogatepass"))
     _load(path, [])
 
 
 @pytest.mark.timeout(60)
-@settings(max_examples=100, deadline=5000, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100, deadline=5000, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.binary(max_size=200))
 def test_random_bytes_as_a_config_file_give_a_value_error(tmp_path, data):
     path = tmp_path / "run.toml"

@@ -17,8 +17,9 @@ def _png(width: int, height: int, mode: str) -> bytes:
     from PIL import Image
 
     image = Image.new(mode, (width, height))
-    image.putdata([(x * 7 + 3) % 256 if mode == "L" else ((x * 7) % 256, x % 256, 255 - x % 256)
-                   for x in range(width * height)])
+    image.putdata(
+        [(x * 7 + 3) % 256 if mode == "L" else ((x * 7) % 256, x % 256, 255 - x % 256) for x in range(width * height)]
+    )
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
@@ -47,8 +48,11 @@ def test_random_bytes_are_an_image_or_a_value_error(data):
 
 @pytest.mark.timeout(120)
 @settings(max_examples=300, deadline=5000, derandomize=True)
-@given(image=st.sampled_from([PNG, GRAY]), cut=st.integers(0, 10**5),
-       flips=st.lists(st.tuples(st.integers(0, 10**5), st.integers(1, 255)), max_size=3))
+@given(
+    image=st.sampled_from([PNG, GRAY]),
+    cut=st.integers(0, 10**5),
+    flips=st.lists(st.tuples(st.integers(0, 10**5), st.integers(1, 255)), max_size=3),
+)
 def test_truncated_or_corrupted_pngs_are_an_image_or_a_value_error(image, cut, flips):
     data = bytearray(image[: cut % (len(image) + 1)])
     for pos, mask in flips:
@@ -59,9 +63,15 @@ def test_truncated_or_corrupted_pngs_are_an_image_or_a_value_error(image, cut, f
 
 @pytest.mark.timeout(60)
 @settings(max_examples=150, deadline=5000, derandomize=True)
-@given(source=st.one_of(st.text(max_size=60), st.binary(max_size=60).map(lambda b: base64.b64encode(b).decode()),
-                        st.binary(max_size=60).map(lambda b: "data:image/png;base64," + base64.b64encode(b).decode()),
-                        st.integers(), st.none()))
+@given(
+    source=st.one_of(
+        st.text(max_size=60),
+        st.binary(max_size=60).map(lambda b: base64.b64encode(b).decode()),
+        st.binary(max_size=60).map(lambda b: "data:image/png;base64," + base64.b64encode(b).decode()),
+        st.integers(),
+        st.none(),
+    )
+)
 def test_random_image_sources_are_bytes_or_a_value_error(source):
     try:
         data = load_image_source(source)

@@ -105,8 +105,16 @@ def test_chunked_under_bf16_autocast(tiny_model_path):
 
 
 def _engine(**kw) -> TrainingEngine:
-    base = dict(model="tiny", device="cpu", lr=1e-3, micro_batch_tokens=64, seed=3, algo="ppo",
-                entropy_coef=0.01, correction={"mode": "decoupled", "prox": "recompute"})
+    base = dict(
+        model="tiny",
+        device="cpu",
+        lr=1e-3,
+        micro_batch_tokens=64,
+        seed=3,
+        algo="ppo",
+        entropy_coef=0.01,
+        correction={"mode": "decoupled", "prox": "recompute"},
+    )
     return TrainingEngine(LearnerConfig(**(base | kw)))
 
 
@@ -140,8 +148,15 @@ def test_fused_head_gradients_are_exact(with_entropy, entropy_grad):
     targets = torch.randint(0, 11, (7,), generator=g)
 
     def fn(s, w):
-        logp, entropy = chunked_head_logprobs(s, w, targets, chunk_tokens=3, temperature=0.7,
-                                              with_entropy=with_entropy, entropy_requires_grad=entropy_grad)
+        logp, entropy = chunked_head_logprobs(
+            s,
+            w,
+            targets,
+            chunk_tokens=3,
+            temperature=0.7,
+            with_entropy=with_entropy,
+            entropy_requires_grad=entropy_grad,
+        )
         return (logp, entropy) if entropy_grad else logp
 
     assert torch.autograd.gradcheck(fn, (src, weight), eps=1e-6, atol=1e-6)

@@ -102,7 +102,9 @@ def test_decoupled_weight_with_lag_dependent_caps():
     assert torch.equal(terms.ratio_scale, torch.ones(1, 4)) and torch.allclose(terms.anchor_logp, prox)
 
 
-@pytest.mark.parametrize(("level", "expected"), [("token", [2.0, 2.0, 1.0]), ("sequence", [4.0] * 3), ("geometric", [2 ** (2 / 3)] * 3)])
+@pytest.mark.parametrize(
+    ("level", "expected"), [("token", [2.0, 2.0, 1.0]), ("sequence", [4.0] * 3), ("geometric", [2 ** (2 / 3)] * 3)]
+)
 def test_sequence_and_geometric_levels(level, expected):
     prox, behav, lag, mask = _one_row([LN2, LN2, 0.0])
     terms = staleness_correction(prox, behav, lag, mask, CorrectionConfig(mode="decoupled", level=level, cap=10.0))
@@ -113,9 +115,13 @@ def test_masked_token_and_sequence_and_lag_bounds():
     prox, behav, lag, mask = _one_row([math.log(0.4), 0.0, LN3])
     tok = staleness_correction(prox, behav, lag, mask, CorrectionConfig(mode="masked", mask_low=0.5, mask_high=2.0))
     assert tok.keep.tolist() == [[False, True, False]]
-    seq = staleness_correction(prox, behav, lag, mask, CorrectionConfig(mode="masked", level="sequence", mask_low=0.5, mask_high=2.0))
+    seq = staleness_correction(
+        prox, behav, lag, mask, CorrectionConfig(mode="masked", level="sequence", mask_low=0.5, mask_high=2.0)
+    )
     assert seq.keep.tolist() == [[True, True, True]]  # ρ_seq = 0.4·1·3 = 1.2 is inside
-    geo = staleness_correction(prox, behav, lag, mask, CorrectionConfig(mode="masked", level="geometric", mask_low=0.5, mask_high=1.05))
+    geo = staleness_correction(
+        prox, behav, lag, mask, CorrectionConfig(mode="masked", level="geometric", mask_low=0.5, mask_high=1.05)
+    )
     assert geo.keep.tolist() == [[False, False, False]]  # 1.2^(1/3) = 1.063 > 1.05
     prox, behav, lag, mask = _one_row([LN2, LN2], lags=[0, 1])
     by_lag = CorrectionConfig(mode="masked", mask_bounds_by_lag=[(0.5, 3.0), (0.9, 1.5)])

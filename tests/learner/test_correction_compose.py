@@ -71,7 +71,6 @@ def _legacy_correction(
     )
 
 
-
 def _case(seed: int):
     g = torch.Generator().manual_seed(seed)
     behav = -torch.rand(4, 7, generator=g) * 3
@@ -146,22 +145,28 @@ def test_verl_token_tis_with_geometric_sequence_rejection():
     behav = torch.full((2, 3), -1.0)
     prox = behav + torch.tensor([[LN2, LN2, 0.0], [-LN2, 0.0, 0.0]])
     lag, mask = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)
-    cfg = CorrectionConfig(mode="decoupled", cap=1.5, rejection="bounds", rejection_level="geometric",
-                           mask_low=0.75, mask_high=1.5)
+    cfg = CorrectionConfig(
+        mode="decoupled", cap=1.5, rejection="bounds", rejection_level="geometric", mask_low=0.75, mask_high=1.5
+    )
     terms = staleness_correction(prox, behav, lag, mask, cfg)
     assert terms.keep.tolist() == [[False] * 3, [True] * 3]  # 1.587 > 1.5 drops the whole first sequence
     assert torch.allclose(terms.is_weight, torch.tensor([[1.5, 1.5, 1.0], [0.5, 1.0, 1.0]]))  # token-level TIS
-    seq = staleness_correction(prox, behav, lag, mask, cfg.model_copy(update={"rejection_level": "sequence",
-                                                                                   "mask_high": 5.0}))
+    seq = staleness_correction(
+        prox, behav, lag, mask, cfg.model_copy(update={"rejection_level": "sequence", "mask_high": 5.0})
+    )
     assert seq.keep.tolist() == [[True] * 3, [False] * 3]  # ρ_seq = 4 inside, 0.5 below 0.75
 
 
 def test_full_weight_is_untruncated_and_weight_at_ratio_moves_it_inside_the_clip():
     prox, behav, lag, mask = _one_row([LN3, -LN2])
     full = staleness_correction(prox, behav, lag, mask, CorrectionConfig(weight="full", cap=1.0))
-    assert torch.allclose(full.is_weight, torch.tensor([[3.0, 0.5]])) and torch.equal(full.ratio_scale, torch.ones(1, 2))
+    assert torch.allclose(full.is_weight, torch.tensor([[3.0, 0.5]])) and torch.equal(
+        full.ratio_scale, torch.ones(1, 2)
+    )
     inside = staleness_correction(prox, behav, lag, mask, CorrectionConfig(weight="full", weight_at="ratio"))
-    assert torch.allclose(inside.ratio_scale, torch.tensor([[3.0, 0.5]])) and torch.equal(inside.is_weight, torch.ones(1, 2))
+    assert torch.allclose(inside.ratio_scale, torch.tensor([[3.0, 0.5]])) and torch.equal(
+        inside.is_weight, torch.ones(1, 2)
+    )
 
 
 def test_gspo_sequence_ratio_is_the_geometric_mean_and_moves_every_token():
@@ -169,15 +174,20 @@ def test_gspo_sequence_ratio_is_the_geometric_mean_and_moves_every_token():
     mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0]])
     delta = torch.tensor([[5.0, LN2, LN2, -LN2], [0.0, LN3, 0.0, 7.0]])  # non-action tokens must not count
     logp = (behav + delta).requires_grad_(True)
-    terms = staleness_correction(behav, behav, torch.zeros(2, 4, dtype=torch.long), mask,
-                                 CorrectionConfig(mode="decoupled", ratio_level="geometric"))
+    terms = staleness_correction(
+        behav,
+        behav,
+        torch.zeros(2, 4, dtype=torch.long),
+        mask,
+        CorrectionConfig(mode="decoupled", ratio_level="geometric"),
+    )
     ratio = policy_ratio(logp, terms)
-    expected = torch.tensor([[2 ** (1 / 3)] * 4, [3 ** 0.5] * 4]) * mask  # 0 off action tokens, as per token
+    expected = torch.tensor([[2 ** (1 / 3)] * 4, [3**0.5] * 4]) * mask  # 0 off action tokens, as per token
     assert torch.allclose(ratio, expected, rtol=1e-6)
     (ratio * mask).sum().backward()
     assert torch.all(logp.grad[mask == 0] == 0) and torch.all(logp.grad[mask == 1] > 0)
     # d/dlogp_t of Σ_tokens r_seq = n_tokens · r_seq / n_tokens = r_seq for every action token
-    assert torch.allclose(logp.grad[mask == 1], torch.tensor([2 ** (1 / 3)] * 3 + [3 ** 0.5] * 2), rtol=1e-6)
+    assert torch.allclose(logp.grad[mask == 1], torch.tensor([2 ** (1 / 3)] * 3 + [3**0.5] * 2), rtol=1e-6)
 
 
 def test_needs_prox_follows_the_recipe():

@@ -29,8 +29,12 @@ def _batch(versions=(0, 0, 0, 0), garbage: bool = False, seed: int = 0):
         seqs.append((prompt, resp, mask))
         behav.append((-6.0 - torch.rand(6, generator=g)).tolist())
     pb = padded_batch(
-        seqs, rewards=[1.0, 0.0, 0.5, 2.0], group_index=[0, 0, 1, 1], behavior_logprobs=behav,
-        policy_versions=list(versions), turn_scores=[[], [0.5], [], [0.1, 0.2]],
+        seqs,
+        rewards=[1.0, 0.0, 0.5, 2.0],
+        group_index=[0, 0, 1, 1],
+        behavior_logprobs=behav,
+        policy_versions=list(versions),
+        turn_scores=[[], [0.5], [], [0.1, 0.2]],
     )
     if garbage:  # values at mask-0 positions must be ignored entirely
         off = pb.loss_mask == 0
@@ -50,9 +54,20 @@ def test_train_step_metrics_and_policy_version(algo):
     engine.train_step(_batch())
     metrics = engine.train_step(_batch(versions=(0, 1, 0, 1), seed=1))  # lags 1 and 0
     assert engine.policy_version == 2 and metrics["learner/policy_version"] == 2.0
-    for key in ["learner/loss", "learner/pg_loss", "learner/grad_norm", "learner/tokens_per_s",
-                "is/ratio_mean", "is/ratio_p99", "is/clip_frac", "is/mask_frac", "is/mismatch_kl",
-                "is/ratio_mean/lag_0", "is/ratio_mean/lag_1", "is/token_frac/lag_1"]:
+    for key in [
+        "learner/loss",
+        "learner/pg_loss",
+        "learner/grad_norm",
+        "learner/tokens_per_s",
+        "is/ratio_mean",
+        "is/ratio_p99",
+        "is/clip_frac",
+        "is/mask_frac",
+        "is/mismatch_kl",
+        "is/ratio_mean/lag_0",
+        "is/ratio_mean/lag_1",
+        "is/token_frac/lag_1",
+    ]:
         assert key in metrics, key
     assert metrics["is/token_frac/lag_1"] == pytest.approx(10 / 18)  # rows 0, 2: 5 action tokens each
     if algo == "ppo":

@@ -20,8 +20,17 @@ def test_two_rank_fsdp_group_matches_single_process(ray_cluster, tmp_path):
     from streamrl.learner.group import LearnerGroup
 
     # chunked LM head and activation checkpointing on: both must compose with FSDP2's hooks
-    cfg = LearnerConfig(model="tiny", device="cpu", algo="ppo", lr=1e-3, micro_batch_tokens=24, seed=3,
-                        correction={"mode": "decoupled"}, logits_chunk_tokens=7, gradient_checkpointing=True)
+    cfg = LearnerConfig(
+        model="tiny",
+        device="cpu",
+        algo="ppo",
+        lr=1e-3,
+        micro_batch_tokens=24,
+        seed=3,
+        correction={"mode": "decoupled"},
+        logits_chunk_tokens=7,
+        gradient_checkpointing=True,
+    )
     single = TrainingEngine(cfg)
     group = LearnerGroup(cfg, num_workers=2, num_cpus_per_worker=1)
     try:

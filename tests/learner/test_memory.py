@@ -51,8 +51,16 @@ def test_group_learner_reports_its_fullest_rank(ray_cluster):
     from streamrl.streaming.config import StreamRLConfig
     from streamrl.streaming.learner_backends import GroupLearner
 
-    cfg = StreamRLConfig(model="tiny", learner={"device": "cpu", "num_workers": 2, "num_cpus_per_worker": 1,
-                                                "micro_batch_tokens": 24, "logits_chunk_tokens": 7})
+    cfg = StreamRLConfig(
+        model="tiny",
+        learner={
+            "device": "cpu",
+            "num_workers": 2,
+            "num_cpus_per_worker": 1,
+            "micro_batch_tokens": 24,
+            "logits_chunk_tokens": 7,
+        },
+    )
     learner = GroupLearner(cfg, None)
     try:
         env = learner.group.run_on_all(lambda engine: __import__("os").environ.get("MALLOC_ARENA_MAX"))
@@ -71,8 +79,14 @@ def test_part_peak_counts_child_processes():
 
     own = memory.peak_rss_gb()
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys; b = bytearray(400 * 1024**2); sys.stdout.write('ok\\n'); sys.stdout.flush(); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys; b = bytearray(400 * 1024**2); sys.stdout.write('ok\\n'); sys.stdout.flush(); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert child.stdout.readline() == "ok\n"  # the 400 MiB are resident now

@@ -28,8 +28,26 @@ def one_thread():
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("sweep")
-    main(["--lags", *map(str, LAGS), "--corrections", "decoupled", "--seeds", "0", "--steps", str(STEPS),
-          "--workers", "1", "--threads", "1", "--out", str(out / "sweep.json"), "--figure", str(out / "sweep.png")])
+    main(
+        [
+            "--lags",
+            *map(str, LAGS),
+            "--corrections",
+            "decoupled",
+            "--seeds",
+            "0",
+            "--steps",
+            str(STEPS),
+            "--workers",
+            "1",
+            "--threads",
+            "1",
+            "--out",
+            str(out / "sweep.json"),
+            "--figure",
+            str(out / "sweep.png"),
+        ]
+    )
     assert (out / "sweep.png").stat().st_size > 0
     return json.loads((out / "sweep.json").read_text())
 

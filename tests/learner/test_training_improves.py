@@ -76,8 +76,15 @@ def _batch(engine, lm, snapshots, rng: random.Random, gen: torch.Generator):
 def test_grpo_decoupled_improves_reward_under_staleness():
     torch.manual_seed(0)
     cfg = LearnerConfig(
-        model="tiny", device="cpu", algo="grpo", lr=4e-3, grad_clip=1.0, micro_batch_tokens=512,
-        num_minibatches=2, correction={"mode": "decoupled", "prox": "recompute", "cap": 2.0}, seed=0,
+        model="tiny",
+        device="cpu",
+        algo="grpo",
+        lr=4e-3,
+        grad_clip=1.0,
+        micro_batch_tokens=512,
+        num_minibatches=2,
+        correction={"mode": "decoupled", "prox": "recompute", "cap": 2.0},
+        seed=0,
     )
     engine = TrainingEngine(cfg)
     lm = copy.deepcopy(engine.policy.lm).eval()

@@ -230,8 +230,13 @@ def test_policy_logprobs_match_vllm(vlm_path, processor, policy):
     img = _image((220, 40, 40))
     chat = render_image_chat(processor, _chat([img]))
     llm = LLM(
-        model=str(vlm_path), dtype="float32", max_model_len=512, max_num_seqs=2,
-        enforce_eager=True, limit_mm_per_prompt={"image": 1}, seed=0,
+        model=str(vlm_path),
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=2,
+        enforce_eager=True,
+        limit_mm_per_prompt={"image": 1},
+        seed=0,
     )
     try:
         params = SamplingParams(max_tokens=8, temperature=1.0, logprobs=0, seed=0, ignore_eos=True)

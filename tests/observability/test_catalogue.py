@@ -18,9 +18,18 @@ PACKAGES = ("streaming", "observability", "rollout", "buffer", "learner", "weigh
 NAMESPACES = "rollout|learner|buffer|staleness|engine|sync|memory|is|length|time|metrics|invariants"
 # A complete key in a plain string literal (f-strings and prefixes such as "memory/" are not keys).
 KEY_LITERAL = re.compile(rf'(?<![fFrRbB\w])"((?:{NAMESPACES})/[\w/.+-]*[a-zA-Z0-9+])"')
-SAMPLES = {"is_stat": "ratio_p90", "bucket": "lag_2plus", "lag_scope": "tokens", "lag_k": "over", "lag_stat": "p99",
-           "phase": "over_age", "length_kind": "dropped_over_age", "tokens": "512", "part": "rollout_worker",
-           "engine": "engine-3"}
+SAMPLES = {
+    "is_stat": "ratio_p90",
+    "bucket": "lag_2plus",
+    "lag_scope": "tokens",
+    "lag_k": "over",
+    "lag_stat": "p99",
+    "phase": "over_age",
+    "length_kind": "dropped_over_age",
+    "tokens": "512",
+    "part": "rollout_worker",
+    "engine": "engine-3",
+}
 
 
 def _sample(pattern: str) -> str:
@@ -38,7 +47,13 @@ def test_every_declaration_matches_its_keys_and_no_other_declaration_does():
     assert catalogue.lookup("memory/learner_gpu_peak_gb").key == "memory/{part}_gpu_peak_gb"
     assert catalogue.lookup("memory/learner_peak_gb").key == "memory/{part}_peak_gb"
     assert catalogue.lookup("buffer/groups_over_token_budget").reduction is Reduction.TOTAL
-    for bad in ("rollout/nope", "is/ratio_mean/lag_x", "memory/gpu_peak_gb", "staleness/lag_frac/batch/", "staleness/lag_hist/0"):
+    for bad in (
+        "rollout/nope",
+        "is/ratio_mean/lag_x",
+        "memory/gpu_peak_gb",
+        "staleness/lag_frac/batch/",
+        "staleness/lag_hist/0",
+    ):
         with pytest.raises(KeyError, match="not declared"):
             catalogue.lookup(bad)
         assert catalogue.reduction(bad) is None
@@ -60,33 +75,61 @@ def test_reader_keys_come_from_the_catalogue():
     from streamrl.observability import metrics
 
     assert (metrics.REWARD_KEY, metrics.LAG_KEY, metrics.ENGINE_BUSY_KEY) == (
-        catalogue.REWARD, catalogue.LAG, catalogue.ENGINE_BUSY)
-    for key in (catalogue.REWARD, catalogue.LAG, catalogue.ENGINE_BUSY, catalogue.ROLLOUT_TOKENS_PER_S,
-                catalogue.LEARNER_TOKENS_PER_S, catalogue.WANDB_ERRORS, *catalogue.RESERVED):
+        catalogue.REWARD,
+        catalogue.LAG,
+        catalogue.ENGINE_BUSY,
+    )
+    for key in (
+        catalogue.REWARD,
+        catalogue.LAG,
+        catalogue.ENGINE_BUSY,
+        catalogue.ROLLOUT_TOKENS_PER_S,
+        catalogue.LEARNER_TOKENS_PER_S,
+        catalogue.WANDB_ERRORS,
+        *catalogue.RESERVED,
+    ):
         catalogue.lookup(key)
 
 
 def test_counters_are_the_worker_keys_the_driver_turns_into_increments():
     from streamrl.rollout.worker import RolloutWorker  # noqa: F401  (the keys below are what RolloutWorker.metrics writes)
 
-    for key in ("rollout/num_finished", "rollout/reward_sum", "rollout/turns_sum", "rollout/num_generated_tokens",
-                "rollout/tools/num_calls", "rollout/num_engine_failures"):
+    for key in (
+        "rollout/num_finished",
+        "rollout/reward_sum",
+        "rollout/turns_sum",
+        "rollout/num_generated_tokens",
+        "rollout/tools/num_calls",
+        "rollout/num_engine_failures",
+    ):
         assert catalogue.reduction(key) is Reduction.COUNT, key
     for key in ("rollout/num_running", "rollout/num_held", "rollout/num_in_flight"):
         assert catalogue.reduction(key) is Reduction.LAST, key
 
 
 def test_rollout_interval_metrics():
-    increments = {"rollout/num_generated_tokens": 300.0, "rollout/num_finished": 4.0, "rollout/reward_sum": 3.0,
-                  "rollout/turns_sum": 10.0, "rollout/tool_calls_sum": 6.0, "rollout/num_tool_calls": 8.0,
-                  "rollout/num_tool_errors": 2.0, "rollout/tools/num_executed": 5.0,
-                  "rollout/tools/latency_sum_s": 1.0}
+    increments = {
+        "rollout/num_generated_tokens": 300.0,
+        "rollout/num_finished": 4.0,
+        "rollout/reward_sum": 3.0,
+        "rollout/turns_sum": 10.0,
+        "rollout/tool_calls_sum": 6.0,
+        "rollout/num_tool_calls": 8.0,
+        "rollout/num_tool_errors": 2.0,
+        "rollout/tools/num_executed": 5.0,
+        "rollout/tools/latency_sum_s": 1.0,
+    }
     assert rollout_interval_metrics(increments, 10.0) == {
-        "rollout/tokens_per_s": 30.0, "rollout/finished_reward_mean": 0.75, "rollout/num_turns_mean": 2.5,
-        "rollout/tool_calls_mean": 1.5, "rollout/tool_error_rate": 0.25, "rollout/tools/mean_latency_s": 0.2,
+        "rollout/tokens_per_s": 30.0,
+        "rollout/finished_reward_mean": 0.75,
+        "rollout/num_turns_mean": 2.5,
+        "rollout/tool_calls_mean": 1.5,
+        "rollout/tool_error_rate": 0.25,
+        "rollout/tools/mean_latency_s": 0.2,
     }
     # An interval with nothing finished and no tool call logs a rate of 0, and no mean of nothing.
     assert rollout_interval_metrics({"rollout/num_finished": 0.0, "rollout/num_tool_calls": 0.0}, 5.0) == {
-        "rollout/tokens_per_s": 0.0}
+        "rollout/tokens_per_s": 0.0
+    }
     for key in rollout_interval_metrics(increments, 1.0):
         catalogue.lookup(key)

@@ -9,7 +9,6 @@ import math
 import numpy as np
 import pytest
 
-from streamrl.rollout.types import FinishReason, Trajectory, TrajectoryStatus
 from streamrl.observability.logs import format_duration
 from streamrl.observability.metrics import (
     WANDB_ERRORS_KEY,
@@ -25,6 +24,7 @@ from streamrl.observability.metrics import (
     resolve_wandb_mode,
     summarize,
 )
+from streamrl.rollout.types import FinishReason, Trajectory, TrajectoryStatus
 
 
 def _lines(path):
@@ -53,9 +53,19 @@ def test_log_span_sample_round_trip(tmp_path):
     RunInfo(run_name="r1", model_path="/m", mode="async", started_at=1000.0).save(tmp_path)
     with MetricsLogger(tmp_path, wandb_cfg=None, console=False) as ml:
         assert ml.started_at == 1000.0 and ml.run_name == "r1"
-        ml.log({"rollout/reward_mean": 0.5, "learner/loss": np.float32(1.25), "learner/grad_norm": float("nan"),
-                "rollout/num_finished": 8, "sync/ok": True,
-                "rollout/tool_error_rate": None, "buffer/occupancy": np.array([0.75])}, learner_step=3, policy_version=3)
+        ml.log(
+            {
+                "rollout/reward_mean": 0.5,
+                "learner/loss": np.float32(1.25),
+                "learner/grad_norm": float("nan"),
+                "rollout/num_finished": 8,
+                "sync/ok": True,
+                "rollout/tool_error_rate": None,
+                "buffer/occupancy": np.array([0.75]),
+            },
+            learner_step=3,
+            policy_version=3,
+        )
         ml.span(SpanKind.GENERATE, "engine-0", 1.0, 2.5)
         ml.span("train", "learner", 2.0, 2.0)
         with ml.timed("sync", "learner"):
@@ -96,8 +106,14 @@ def test_resume_appends_and_fences_a_torn_line(tmp_path):
 
 @pytest.mark.parametrize(
     "bad",
-    [{"loss": 1.0}, {"learner/": 1.0}, {"learner_step": 1}, {"learner/loss": "high"}, {"learner/loss": [1, 2]},
-     {"learner/loss": np.array([1.0, 2.0])}],
+    [
+        {"loss": 1.0},
+        {"learner/": 1.0},
+        {"learner_step": 1},
+        {"learner/loss": "high"},
+        {"learner/loss": [1, 2]},
+        {"learner/loss": np.array([1.0, 2.0])},
+    ],
 )
 def test_bad_metrics_raise(bad):
     with pytest.raises(ValueError):
@@ -185,12 +201,23 @@ def test_console_progress_line(tmp_path, caplog):
     """Off a terminal (CI, pipes) every step prints one concise line; the ETA shows from the second step."""
     with caplog.at_level("INFO", logger="streamrl.observability.metrics"):
         with MetricsLogger(tmp_path, wandb_cfg=None, console=True, total_steps=10) as ml:
-            ml.log({"rollout/reward_mean": 0.25, "staleness/lag_mean": 1.5, "engine/busy_fraction/engine-0": 0.9,
-                    "engine/busy_fraction/engine-1": 1.0, "rollout/tokens_per_s": 1234.0}, learner_step=2, policy_version=2)
+            ml.log(
+                {
+                    "rollout/reward_mean": 0.25,
+                    "staleness/lag_mean": 1.5,
+                    "engine/busy_fraction/engine-0": 0.9,
+                    "engine/busy_fraction/engine-1": 1.0,
+                    "rollout/tokens_per_s": 1234.0,
+                },
+                learner_step=2,
+                policy_version=2,
+            )
             ml.log({"learner/loss": 1.0}, learner_step=3, policy_version=3)
     lines = [r.getMessage() for r in caplog.records if r.name == "streamrl.observability.metrics"]
     assert lines[0] == "step 2/10 · reward 0.250 · lag 1.50 · busy 95% · 1.2k tok/s · v2 · 0:00 elapsed"
-    assert lines[1].startswith("step 3/10 · reward 0.250 · lag 1.50 · busy 95% · 1.2k tok/s · v3 · 0:00 elapsed · eta 0:0")
+    assert lines[1].startswith(
+        "step 3/10 · reward 0.250 · lag 1.50 · busy 95% · 1.2k tok/s · v3 · 0:00 elapsed · eta 0:0"
+    )
 
 
 def test_eta_and_durations():

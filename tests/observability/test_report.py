@@ -11,12 +11,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from streamrl.rollout.types import Trajectory
 from streamrl.buffer.admission import lag_fractions, lag_histogram
 from streamrl.observability.metrics import MetricsLogger, RunInfo, summarize
 from streamrl.observability.report import load_run, write_report
 from streamrl.observability.report_figures import busy_fractions, per_step, resume_points, union_length
 from streamrl.observability.report_viewer import FastTokenizerFile, decode_pieces, load_tokenizer, pick_samples
+from streamrl.rollout.types import Trajectory
 
 CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call><|im_end|>'
 OBS_TEXT = "\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
@@ -33,31 +33,62 @@ def _trajectory(tok, tid: str, *, versions: tuple[int, int]) -> Trajectory:
     mask = [1] * len(call) + [0] * len(obs) + [1] * len(answer)
     pv = [versions[0]] * half + [versions[1]] * (len(call) - half) + [-1] * len(obs) + [versions[1]] * len(answer)
     return Trajectory(
-        trajectory_id=tid, group_id="g1", sample_index=0, agent_name="tool_agent",
+        trajectory_id=tid,
+        group_id="g1",
+        sample_index=0,
+        agent_name="tool_agent",
         prompt_ids=list(prompt if isinstance(prompt, list) else prompt["input_ids"]),
-        response_ids=ids, response_mask=mask,
-        behavior_logprobs=[-0.1 if m else 0.0 for m in mask], policy_versions=pv,
-        reward=1.0, num_turns=3, num_tool_calls=1, num_interrupts=1,
+        response_ids=ids,
+        response_mask=mask,
+        behavior_logprobs=[-0.1 if m else 0.0 for m in mask],
+        policy_versions=pv,
+        reward=1.0,
+        num_turns=3,
+        num_tool_calls=1,
+        num_interrupts=1,
     )
 
 
 def _write_run(run_dir, tok, model_path, *, num_steps: int = 6) -> None:
-    RunInfo(run_name="synthetic", model_path=str(model_path), mode="async", config={"lr": 1e-5}, started_at=START).save(run_dir)
+    RunInfo(run_name="synthetic", model_path=str(model_path), mode="async", config={"lr": 1e-5}, started_at=START).save(
+        run_dir
+    )
     with MetricsLogger(run_dir, wandb_cfg=None, console=False, started_at=START) as ml:
         for step in range(1, num_steps + 1):
             hist = lag_histogram(np.array([0] * step + [1] * 3 + [2] + [5]), max_lag=2)
-            ml.log({
-                "rollout/reward_mean": 0.1 * step, "rollout/tokens_per_s": 200.0, "rollout/num_finished": 8,
-                "rollout/num_partial": 2, "rollout/num_resumed": 1, "rollout/response_len_mean": 30 + step,
-                "buffer/occupancy": 0.5, "learner/loss": 1.0 / step, "learner/grad_norm": 0.5,
-                "learner/idle_ratio": 0.1, "engine/busy_fraction": 0.97, "engine/busy_fraction/engine-0": 0.97,
-                "is/ratio_mean": 1.0, "is/ratio_mean/lag_0": 1.0, "is/ratio_mean/lag_1": 0.9, "is/clip_frac/lag_1": 0.2,
-                "sync/pause_s": 0.1, "sync/transfer_s": 0.3, "sync/resume_s": 0.05, "sync/total_s": 0.45,
-                "custom/thing": step, "memory/learner_peak_gb": 2.0 + step / 10, "memory/learner_rss_gb": 1.5,
-                "memory/engine_peak_gb": 4.25, "memory/driver_peak_gb": 0.5,
-                **lag_fractions(hist, "staleness/lag_frac/batch/"),
-                **summarize([0, 1, step], prefix="staleness/lag_"),
-            }, learner_step=step, policy_version=step)
+            ml.log(
+                {
+                    "rollout/reward_mean": 0.1 * step,
+                    "rollout/tokens_per_s": 200.0,
+                    "rollout/num_finished": 8,
+                    "rollout/num_partial": 2,
+                    "rollout/num_resumed": 1,
+                    "rollout/response_len_mean": 30 + step,
+                    "buffer/occupancy": 0.5,
+                    "learner/loss": 1.0 / step,
+                    "learner/grad_norm": 0.5,
+                    "learner/idle_ratio": 0.1,
+                    "engine/busy_fraction": 0.97,
+                    "engine/busy_fraction/engine-0": 0.97,
+                    "is/ratio_mean": 1.0,
+                    "is/ratio_mean/lag_0": 1.0,
+                    "is/ratio_mean/lag_1": 0.9,
+                    "is/clip_frac/lag_1": 0.2,
+                    "sync/pause_s": 0.1,
+                    "sync/transfer_s": 0.3,
+                    "sync/resume_s": 0.05,
+                    "sync/total_s": 0.45,
+                    "custom/thing": step,
+                    "memory/learner_peak_gb": 2.0 + step / 10,
+                    "memory/learner_rss_gb": 1.5,
+                    "memory/engine_peak_gb": 4.25,
+                    "memory/driver_peak_gb": 0.5,
+                    **lag_fractions(hist, "staleness/lag_frac/batch/"),
+                    **summarize([0, 1, step], prefix="staleness/lag_"),
+                },
+                learner_step=step,
+                policy_version=step,
+            )
             ml.span("generate", "engine-0", step - 1.0, step - 0.1)
             ml.span("generate", "engine-0", step - 0.8, step - 0.05)  # overlapping requests
             ml.span("tool", "engine-0", step - 0.1, step)
@@ -89,7 +120,9 @@ def test_report_from_synthetic_run(tmp_path, tiny_model_path, tiny_tokenizer):
     assert 'class="tok v4 call"' in html and 'class="tok v4 special"' in html  # tool call and <|im_end|>
     assert "policy_version 3 · lag 2" in html  # sampled at v3, consumed at learner step 5
     assert "calculator" in html and "Incomplete run data" not in html
-    summary = dict(re.findall(r"<tr><td>([^<]+)</td><td>([^<]*)</td></tr>", html.split('id="summary"')[1].split("<h2")[0]))
+    summary = dict(
+        re.findall(r"<tr><td>([^<]+)</td><td>([^<]*)</td></tr>", html.split('id="summary"')[1].split("<h2")[0])
+    )
     assert summary["learner steps"] == "6" and summary["trajectories finished"] == "48"
     assert summary["initial reward (mean of first 3 steps)"] == "0.200"
     assert summary["final reward (mean of last 3 steps)"] == "0.500"
@@ -137,12 +170,14 @@ def test_resume_duplicates_average_per_step(tmp_path):
 def test_interval_helpers():
     assert union_length([(0, 2), (1, 3), (5, 6)]) == 4
     assert union_length([]) == 0
-    spans = pd.DataFrame([
-        {"kind": "generate", "who": "engine-0", "start": 0.0, "end": 6.0},
-        {"kind": "generate", "who": "engine-0", "start": 4.0, "end": 8.0},
-        {"kind": "idle", "who": "learner", "start": 0.0, "end": 5.0},
-        {"kind": "train", "who": "learner", "start": 5.0, "end": 10.0},
-    ])
+    spans = pd.DataFrame(
+        [
+            {"kind": "generate", "who": "engine-0", "start": 0.0, "end": 6.0},
+            {"kind": "generate", "who": "engine-0", "start": 4.0, "end": 8.0},
+            {"kind": "idle", "who": "learner", "start": 0.0, "end": 5.0},
+            {"kind": "train", "who": "learner", "start": 5.0, "end": 10.0},
+        ]
+    )
     assert busy_fractions(spans) == {"engine-0": 0.8, "learner": 0.5}
 
 

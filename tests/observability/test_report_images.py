@@ -19,7 +19,6 @@ from streamrl.buffer.types import ImageBlob
 from streamrl.observability.report import write_report
 from streamrl.observability.report_viewer import ImageTokens, image_spans
 from streamrl.rollout.images import ImageStore, encode_png
-
 from tests.observability.report_images_helpers import (
     OBS_TEXT,
     encode,
@@ -33,7 +32,9 @@ from tests.observability.report_images_helpers import (
 pytestmark = pytest.mark.timeout(60)
 
 FIXTURE = Path(__file__).with_name("data") / "report_text_only.html"
-CHIP_RE = re.compile(r'<span class="imgchip( missing)?" title="([^"]*)">(?:<img src="data:image/png;base64,([^"]+)" alt="">)?([^<]*)</span>')
+CHIP_RE = re.compile(
+    r'<span class="imgchip( missing)?" title="([^"]*)">(?:<img src="data:image/png;base64,([^"]+)" alt="">)?([^<]*)</span>'
+)
 
 
 def _blob(color: tuple[int, int, int], size: tuple[int, int]) -> ImageBlob:
@@ -48,7 +49,11 @@ LOST = _blob((9, 9, 9), (8, 8))  # referenced by a sample, never written to the 
 
 
 def _prompt(*images: tuple[ImageBlob, int]) -> str:
-    return "<|im_start|>user\n" + "".join(image_text(n) for _, n in images) + "What colour?<|im_end|>\n<|im_start|>assistant\n"
+    return (
+        "<|im_start|>user\n"
+        + "".join(image_text(n) for _, n in images)
+        + "What colour?<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def _obs_with_image(num_tokens: int) -> str:
@@ -59,13 +64,33 @@ def _image_run(tmp_path: Path, **report_kw) -> tuple[str, dict[str, list]]:
     """Four samples: a prompt image + an observation image; two adjacent prompt images; a prompt image
     whose bytes never reached the buffer; a row with one placeholder run but two image_refs."""
     model = write_model_folder(tmp_path / "model", vlm=True)
-    with_obs = trajectory(model, "t-obs", prompt=_prompt((RED, 4)), obs=_obs_with_image(3),
-                          image_refs=[RED.sha256, GREEN.sha256], num_image_tokens=[4, 3])
-    adjacent = trajectory(model, "t-two", prompt=_prompt((GREEN, 4), (BLUE, 2)), sample_index=1,
-                          image_refs=[GREEN.sha256, BLUE.sha256], num_image_tokens=[4, 2])
-    lost = trajectory(model, "t-lost", prompt=_prompt((LOST, 4)), group_id="g2", image_refs=[LOST.sha256], num_image_tokens=[4])
-    bad = trajectory(model, "t-bad", prompt=_prompt((BLUE, 4)), group_id="g3",
-                     image_refs=[BLUE.sha256, RED.sha256], num_image_tokens=[4, 4])
+    with_obs = trajectory(
+        model,
+        "t-obs",
+        prompt=_prompt((RED, 4)),
+        obs=_obs_with_image(3),
+        image_refs=[RED.sha256, GREEN.sha256],
+        num_image_tokens=[4, 3],
+    )
+    adjacent = trajectory(
+        model,
+        "t-two",
+        prompt=_prompt((GREEN, 4), (BLUE, 2)),
+        sample_index=1,
+        image_refs=[GREEN.sha256, BLUE.sha256],
+        num_image_tokens=[4, 2],
+    )
+    lost = trajectory(
+        model, "t-lost", prompt=_prompt((LOST, 4)), group_id="g2", image_refs=[LOST.sha256], num_image_tokens=[4]
+    )
+    bad = trajectory(
+        model,
+        "t-bad",
+        prompt=_prompt((BLUE, 4)),
+        group_id="g3",
+        image_refs=[BLUE.sha256, RED.sha256],
+        num_image_tokens=[4, 4],
+    )
     run = tmp_path / "run"
     buf = ReplayBuffer(BufferConfig(root_dir=str(run / "buffer"), batch_size=2, group_size=2))
     buf.append([with_obs, adjacent], images=[RED, GREEN, BLUE])  # the buffer's own write path
@@ -85,9 +110,17 @@ def test_each_image_is_one_chip_with_a_capped_thumbnail(tmp_path):
     page, chips = _image_run(tmp_path)
     (red, green), (green2, blue) = chips["t-obs"], chips["t-two"]
     assert [c[3] for c in (red, green, green2, blue)] == [
-        "[image 200×100, 4 tokens]", "[image 20×30, 3 tokens]", "[image 20×30, 4 tokens]", "[image 64×64, 2 tokens]"]
+        "[image 200×100, 4 tokens]",
+        "[image 20×30, 3 tokens]",
+        "[image 20×30, 4 tokens]",
+        "[image 64×64, 2 tokens]",
+    ]
     assert not any(c[0] for c in (red, green, green2, blue))  # none marked missing
-    for chip, size, colour in ((red, (128, 64), (255, 0, 0)), (green, (20, 30), (0, 255, 0)), (blue, (64, 64), (0, 0, 255))):
+    for chip, size, colour in (
+        (red, (128, 64), (255, 0, 0)),
+        (green, (20, 30), (0, 255, 0)),
+        (blue, (64, 64), (0, 0, 255)),
+    ):
         thumb = _decode(chip[2])
         assert thumb.size == size  # longest side capped at 128, small images kept as they are
         assert thumb.getpixel((thumb.width // 2, thumb.height // 2)) == colour
@@ -100,8 +133,11 @@ def test_observation_image_sits_inside_its_observation_span(tmp_path):
     page, _ = _image_run(tmp_path)
     section = page.split("<summary>t-obs")[1].split('<details class="traj"')[0]
     tokens = section.split('<div class="tokens">')[1]
-    obs = re.findall(r'<span class="tok obs" title="observation \(mask 0\) #(\d+)–#(\d+)">(.*?)</span>(?=<span class="(?:tok|vchg))',
-                     tokens, re.DOTALL)
+    obs = re.findall(
+        r'<span class="tok obs" title="observation \(mask 0\) #(\d+)–#(\d+)">(.*?)</span>(?=<span class="(?:tok|vchg))',
+        tokens,
+        re.DOTALL,
+    )
     assert len(obs) == 1  # one observation span, the chip inside it
     first, last, inner = obs[0]
     assert "seen &lt;3 " in inner and "[image 20×30, 3 tokens]" in inner and "&lt;/tool_response&gt;" in inner
@@ -110,7 +146,11 @@ def test_observation_image_sits_inside_its_observation_span(tmp_path):
     prompt = section.split('<div class="prompt">')[1].split("</div>")[0]
     assert "[image 200×100, 4 tokens]" in prompt and "What colour?" in prompt
     # mask / version colouring unchanged: sampled tokens keep their version classes and the change marker
-    assert '<span class="vchg">v0→v1</span>' in tokens and 'class="tok v0 call"' in tokens and 'class="tok v1 special"' in tokens
+    assert (
+        '<span class="vchg">v0→v1</span>' in tokens
+        and 'class="tok v0 call"' in tokens
+        and 'class="tok v1 special"' in tokens
+    )
     # the call / observation table shows the chip label, not <image>×N
     assert "<pre>seen &lt;3 [image 20×30, 3 tokens]</pre>" in section
 
@@ -154,6 +194,8 @@ def test_image_spans_take_wrappers_and_split_them_between_adjacent_images():
 def test_image_refs_with_a_text_model_are_a_problem_not_a_crash(tmp_path):
     vlm = write_model_folder(tmp_path / "vlm", vlm=True)  # ids with image tokens ...
     row = trajectory(vlm, "t-img", prompt=_prompt((RED, 4)), image_refs=[RED.sha256], num_image_tokens=[4])
-    run = write_run(tmp_path / "run", write_model_folder(tmp_path / "text", vlm=False), [row])  # ... decoded by a text model
+    run = write_run(
+        tmp_path / "run", write_model_folder(tmp_path / "text", vlm=False), [row]
+    )  # ... decoded by a text model
     page = write_report(run).read_text()
     assert "1 sampled trajectories reference images but model" in page and "imgchip" not in page

@@ -36,8 +36,15 @@ def test_the_rollout_view_shows_escapes_instead_of_running_them():
     pieces = {1: "prompt ", 2: f"model says {OSC52}", 3: f"tool says {CLEAR}{C1_CSI}"}
     tokenizer = SimpleNamespace(decode=lambda ids: "".join(pieces[i] for i in ids))
     traj = SimpleNamespace(
-        prompt_ids=[1], response_ids=[2, 3], response_mask=[1, 0], policy_versions=[0, 0], reward=1.0,
-        num_turns=1, num_tool_calls=1, status="finished", finish_reason="stop",
+        prompt_ids=[1],
+        response_ids=[2, 3],
+        response_mask=[1, 0],
+        policy_versions=[0, 0],
+        reward=1.0,
+        num_turns=1,
+        num_tool_calls=1,
+        status="finished",
+        finish_reason="stop",
     )
     out = _render(console_text(traj, tokenizer))
     assert "\x1b]52" not in out and "\x1b[2J" not in out and "\x1b[H" not in out and "\x9b" not in out

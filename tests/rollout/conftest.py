@@ -46,8 +46,13 @@ async def vlm_engine(vlm_path):
     from streamrl.rollout.engine.vllm_engine import VLLMEngine
 
     cfg = EngineConfig(
-        model="tiny-vlm", device="cpu", max_model_len=512, max_num_seqs=4, kv_cache_space_gb=1,
-        max_images_per_prompt=2, in_process=True,
+        model="tiny-vlm",
+        device="cpu",
+        max_model_len=512,
+        max_num_seqs=4,
+        kv_cache_space_gb=1,
+        max_images_per_prompt=2,
+        in_process=True,
     )
     engine = VLLMEngine(cfg, "vlm-rollout")
     yield engine

@@ -83,8 +83,14 @@ def test_atomic_dir_sync_seals_the_folder_and_fsyncs_files_then_seal_then_folder
     final = atomic_dir(tmp_path / "ckpt", write, sync=True)
     names = [os.path.relpath(p, tmp_path) for p in synced]
     tmp_name = names[0].split("/")[0]  # the temporary sibling the files were written into
-    assert names == [f"{tmp_name}/hf/model.safetensors", f"{tmp_name}/optimizer.pt", f"{tmp_name}/{SEAL}",
-                     f"{tmp_name}/hf", tmp_name, "."]
+    assert names == [
+        f"{tmp_name}/hf/model.safetensors",
+        f"{tmp_name}/optimizer.pt",
+        f"{tmp_name}/{SEAL}",
+        f"{tmp_name}/hf",
+        tmp_name,
+        ".",
+    ]
     assert unsealed_reason(final) is None
     (final / "hf" / "model.safetensors").write_bytes(b"w" * 99)
     assert "99 bytes" in unsealed_reason(final)
@@ -98,4 +104,6 @@ def test_atomic_write_sync_fsyncs_the_file_and_its_folder(tmp_path, monkeypatch)
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
     atomic_write(tmp_path / "driver_state.json", "{}", sync=True)
-    assert len(synced) == 2 and synced[0].startswith(str(tmp_path / ".driver_state.json.")) and synced[1] == str(tmp_path)
+    assert (
+        len(synced) == 2 and synced[0].startswith(str(tmp_path / ".driver_state.json.")) and synced[1] == str(tmp_path)
+    )

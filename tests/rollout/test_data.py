@@ -33,15 +33,25 @@ def test_flat_jsonl_with_ids_and_defaults(tmp_path):
     path = _write_jsonl(
         tmp_path / "p.jsonl",
         [
-            {"id": 7, "messages": MSGS, "ground_truth": 4, "agent_name": "single_turn",
-             "tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": "4"}}}},
+            {
+                "id": 7,
+                "messages": MSGS,
+                "ground_truth": 4,
+                "agent_name": "single_turn",
+                "tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": "4"}}},
+            },
             {"id": "b", "messages": [{"role": "user", "content": "hi"}], "ground_truth": 2.0},
         ],
     )
     first, second = load_prompts(path)
     assert (first.group_id, first.agent_name, first.ground_truth, first.data_index) == ("7", "single_turn", "4", 0)
     assert first.messages == MSGS and first.tools_kwargs == {"calculator": {"create_kwargs": {"ground_truth": "4"}}}
-    assert (second.group_id, second.agent_name, second.ground_truth, second.tools_kwargs) == ("b", "tool_agent", "2", {})
+    assert (second.group_id, second.agent_name, second.ground_truth, second.tools_kwargs) == (
+        "b",
+        "tool_agent",
+        "2",
+        {},
+    )
 
 
 def test_verl_parquet_layout(tmp_path):
@@ -177,7 +187,10 @@ def test_sft_transcripts_are_gold_and_parse_back():
         assert call["function"]["name"] == "calculator" and chat[3]["tool_call_id"] == call["id"]
         assert chat[3]["content"] == record.ground_truth
         final = chat[4]["content"]
-        assert math_answer(RewardInput(response_text=final, final_answer_text=final, ground_truth=record.ground_truth)) == 1.0
+        assert (
+            math_answer(RewardInput(response_text=final, final_answer_text=final, ground_truth=record.ground_truth))
+            == 1.0
+        )
         # The assistant turn as the template renders it is exactly what the hermes parser reads back.
         text = _render(chat)
         turn_text = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]

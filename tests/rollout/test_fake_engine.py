@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from pydantic import ValidationError
 
 from streamrl.rollout.engine import EngineConfig, FakeEngine, PauseMode, SamplingParams, fake_logprob

@@ -8,9 +8,10 @@ import threading
 import time
 from enum import Enum, IntEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import pytest
+
 from streamrl.rollout.tools import ToolRegistry, load_tool_config
 from streamrl.rollout.tools.base import ToolExecution
 from streamrl.rollout.tools.examples import lookup_constant, word_count
@@ -30,7 +31,10 @@ def _params(properties: dict, required: list[str]) -> dict:
 
 
 def _tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": _params(properties, required)}}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": _params(properties, required)},
+    }
 
 
 # -- functions used by the tests (module level: the YAML tests import them by path) --------------------
@@ -57,7 +61,7 @@ def kitchen_sink(
     blob: dict,
     mode: Literal["fast", "slow"] = "fast",
     color: Color | None = None,
-    level: Optional[Level] = None,
+    level: Level | None = None,
     maybe: int | None = None,
     either: int | str = 0,
     note: Annotated[str, "a note from Annotated"] = "",
@@ -265,7 +269,9 @@ async def test_arguments_arrive_as_annotated_enum_members_and_floats():
 
 async def test_bound_config_and_instance_id_parameter():
     tool = FunctionTool(remember, bound={"prefix": "p:"}, instance_id_param="trajectory_id", idempotent=True)
-    assert tool.schema.to_openai() == _tool("remember", "Key a value by trajectory.", {"key": {"type": "string"}}, ["key"])
+    assert tool.schema.to_openai() == _tool(
+        "remember", "Key a value by trajectory.", {"key": {"type": "string"}}, ["key"]
+    )
     assert tool.idempotent and not FunctionTool(remember).idempotent
     assert (await tool.execute("traj-7", {"key": "k"})).text == "p:traj-7/k"
     # The model cannot set hidden parameters, even by calling execute directly.
@@ -468,8 +474,10 @@ def test_bad_bound_and_explicit_schemas_fail_at_build_time():
 @pytest.mark.parametrize(
     ("entry", "needle"),
     [
-        ({"function": f"{HERE}:shout", "class_name": "streamrl.rollout.tools.calculator.CalculatorTool"},
-         "tool #0 (streamrl.rollout.tools.calculator.CalculatorTool): give either `class_name`"),
+        (
+            {"function": f"{HERE}:shout", "class_name": "streamrl.rollout.tools.calculator.CalculatorTool"},
+            "tool #0 (streamrl.rollout.tools.calculator.CalculatorTool): give either `class_name`",
+        ),
         ({"function": "streamrl.rollout.tools.examples:CONSTANTS"}, "is a dict, not a function"),
         ({"function": "streamrl.rollout.tools.calculator:CalculatorTool"}, "is a class, not a function"),
         ({"function": "no_such_pkg.mod:fn"}, "tool #0 (no_such_pkg.mod:fn): cannot import module 'no_such_pkg.mod'"),
@@ -477,7 +485,10 @@ def test_bad_bound_and_explicit_schemas_fail_at_build_time():
         ({"function": f"{HERE}:no_hint"}, "tool #0 (tests.rollout.test_function_tools:no_hint): tests.rollout"),
         ({"function": f"{HERE}:shout", "config": {"type": "mcp"}}, "only 'native'"),
         ({"function": f"{HERE}:shout", "config": {"volume": 11}}, "['volume'] are not parameters"),
-        ({"name": "calculator", "idempotent": True}, "tool #0 (calculator): `idempotent` and `instance_id_param` apply"),
+        (
+            {"name": "calculator", "idempotent": True},
+            "tool #0 (calculator): `idempotent` and `instance_id_param` apply",
+        ),
         ({"config": {}}, "needs `name` (a built-in tool), `class_name` or `function`"),
         ({"function": f"{HERE}:shout", "idempotnet": True}, "idempotnet"),
     ],

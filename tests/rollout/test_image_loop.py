@@ -38,14 +38,16 @@ def _script(processor, prompt_len: list[int]):
 
 
 def _ctx(processor, engine, store: ImageStore | None, fetch=None) -> AgentContext:
-    return vlm_context(processor, engine, store, fetch_images=fetch, prompt_length=256, response_length=200,
-                       max_tokens_per_turn=200)
+    return vlm_context(
+        processor, engine, store, fetch_images=fetch, prompt_length=256, response_length=200, max_tokens_per_turn=200
+    )
 
 
 def _data(source, tid: str = "g/0") -> AgentData:
     content = [{"type": "image", "image": source}, {"type": "text", "text": "what is this?"}]
-    return AgentData(trajectory_id=tid, group_id="g", agent_name="single_turn_agent",
-                     messages=[{"role": "user", "content": content}])
+    return AgentData(
+        trajectory_id=tid, group_id="g", agent_name="single_turn_agent", messages=[{"role": "user", "content": content}]
+    )
 
 
 def test_image_sources_path_data_url_base64(tmp_path):
@@ -69,8 +71,10 @@ async def test_image_prompt_becomes_expanded_ids_images_and_row_columns(processo
     img = _image()
     png = encode_png(img)
     (tmp_path / "a.png").write_bytes(png)
-    expected = render_image_chat(processor, [{"role": "user", "content": [
-        {"type": "image", "image": img}, {"type": "text", "text": "what is this?"}]}])
+    expected = render_image_chat(
+        processor,
+        [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "what is this?"}]}],
+    )
     prompt_len = [len(expected.input_ids)]
     script, target = _script(processor, prompt_len)
     engine = FakeEngine(script=script, image_token_id=processor.image_token_id)
@@ -88,7 +92,8 @@ async def test_image_prompt_becomes_expanded_ids_images_and_row_columns(processo
     assert [i.data for i in sent] == [png]
     # A base64 source of the same bytes is the same image (content addressed).
     again = await SingleTurnAgentLoop(_ctx(processor, FakeEngine(script=script), store)).run(
-        _data(base64.b64encode(png).decode(), "g/1"))
+        _data(base64.b64encode(png).decode(), "g/1")
+    )
     assert again.image_refs == traj.image_refs and again.prompt_ids == traj.prompt_ids
 
 
@@ -98,8 +103,10 @@ async def test_resume_in_a_fresh_worker_fetches_the_images_and_sends_them_again(
     img = _image((200, 30, 90))
     png = encode_png(img)
     src = ImageStore()
-    chat = render_image_chat(processor, [{"role": "user", "content": [
-        {"type": "image", "image": img}, {"type": "text", "text": "what is this?"}]}])
+    chat = render_image_chat(
+        processor,
+        [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "what is this?"}]}],
+    )
     script, target = _script(processor, [len(chat.input_ids)])
     engine = FakeEngine(script=script, token_delay_s=0.005, image_token_id=processor.image_token_id)
     ctx = _ctx(processor, engine, src)
@@ -130,7 +137,9 @@ async def test_resume_in_a_fresh_worker_fetches_the_images_and_sends_them_again(
 
     # Without an image source the missing bytes are an error, never a generate without its image.
     with pytest.raises(KeyError, match="not in the worker's store"):
-        await SingleTurnAgentLoop(_ctx(processor, engine, ImageStore())).run(AgentData.from_json(parked.agent_data_json))
+        await SingleTurnAgentLoop(_ctx(processor, engine, ImageStore())).run(
+            AgentData.from_json(parked.agent_data_json)
+        )
 
 
 async def test_image_prompt_needs_a_vlm_policy(processor):

@@ -73,8 +73,11 @@ def test_the_worker_pins_the_images_of_every_trajectory_it_holds():
     store = ImageStore()
     refs = [store.put(d) for d in _pngs(3)]
     running = AgentData(trajectory_id="g/0", group_id="g", images=[refs[0]])
-    admitted = AgentData(trajectory_id="g/1", group_id="g", messages=[
-        {"role": "user", "content": [{"type": "image", "image_ref": refs[1].sha256}]}])
+    admitted = AgentData(
+        trajectory_id="g/1",
+        group_id="g",
+        messages=[{"role": "user", "content": [{"type": "image", "image_ref": refs[1].sha256}]}],
+    )
     held = AgentData(trajectory_id="h/0", group_id="h", images=[refs[2]])
     worker._states = {running.trajectory_id: running, admitted.trajectory_id: admitted}
     worker._held = [held]

@@ -62,8 +62,12 @@ def test_dataset_is_deterministic_and_its_ground_truth_is_the_drawn_count():
 def test_the_text_reward_grades_the_requested_answer():
     record = make_dots_dataset(1, seed=0)[0]
     right, wrong = f"\\boxed{{{record.ground_truth}}}", f"\\boxed{{{int(record.ground_truth) % 9 + 1}}}"
-    assert math_answer(RewardInput(response_text=right, final_answer_text=right, ground_truth=record.ground_truth)) == 1.0
-    assert math_answer(RewardInput(response_text=wrong, final_answer_text=wrong, ground_truth=record.ground_truth)) == 0.0
+    assert (
+        math_answer(RewardInput(response_text=right, final_answer_text=right, ground_truth=record.ground_truth)) == 1.0
+    )
+    assert (
+        math_answer(RewardInput(response_text=wrong, final_answer_text=wrong, ground_truth=record.ground_truth)) == 0.0
+    )
 
 
 def test_the_data_source_name_loads_it():

@@ -41,7 +41,10 @@ def test_agent_data_with_images_round_trips_json():
         trajectory_id="t",
         group_id="g",
         messages=[
-            {"role": "user", "content": [{"type": "image", "image_ref": refs[0].sha256}, {"type": "text", "text": "hi"}]}
+            {
+                "role": "user",
+                "content": [{"type": "image", "image_ref": refs[0].sha256}, {"type": "text", "text": "hi"}],
+            }
         ],
         prompt_ids=[1, WRAP, IMG, IMG, WRAP, 2],
         images=refs,
@@ -70,10 +73,16 @@ def test_trajectory_row_carries_image_refs_and_placeholder_counts():
 
     store = ImageStore()
     red, green = store.put(png((255, 0, 0))), store.put(png((0, 255, 0)))
-    data = AgentData(trajectory_id="t", group_id="g", prompt_ids=[1, WRAP, IMG, IMG, WRAP, 2],
-                     response_ids=[3, WRAP, IMG, IMG, IMG, WRAP], response_mask=[1, 0, 0, 0, 0, 0],
-                     behavior_logprobs=[-0.5, 0, 0, 0, 0, 0], policy_versions=[0, -1, -1, -1, -1, -1],
-                     images=[red, green])
+    data = AgentData(
+        trajectory_id="t",
+        group_id="g",
+        prompt_ids=[1, WRAP, IMG, IMG, WRAP, 2],
+        response_ids=[3, WRAP, IMG, IMG, IMG, WRAP],
+        response_mask=[1, 0, 0, 0, 0, 0],
+        behavior_logprobs=[-0.5, 0, 0, 0, 0, 0],
+        policy_versions=[0, -1, -1, -1, -1, -1],
+        images=[red, green],
+    )
     row = AgentLoopBase.to_trajectory(data, TrajectoryStatus.FINISHED, image_token_id=IMG)
     assert (row.image_refs, row.num_image_tokens) == ([red.sha256, green.sha256], [2, 3])
     assert image_run_lengths([IMG, 1, IMG, IMG, IMG], IMG) == [1, 3] and image_run_lengths([1, 2], IMG) == []

@@ -39,8 +39,11 @@ async def test_each_trajectory_keeps_its_own_number_of_replies_across_a_restore(
             replies += 1
             if replies == 1 and not done:  # the process dies: a fresh one restores from the messages
                 env2 = LatencyEnvironment(config)
-                messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-                            {"role": "user", "content": "obs 1"}]
+                messages = [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a"},
+                    {"role": "user", "content": "obs 1"},
+                ]
                 await env2.restore(trajectory, messages)
                 env = env2
         assert replies == expected

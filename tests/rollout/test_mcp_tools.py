@@ -23,6 +23,7 @@ import mcp_types
 import pytest
 
 from streamrl.rollout.tools import ToolRegistry, load_tool_config
+from streamrl.rollout.tools.base import ToolExecution
 from streamrl.rollout.tools.mcp_toolset import (
     MCPCounters,
     MCPTool,
@@ -35,7 +36,6 @@ from streamrl.rollout.tools.mcp_toolset import (
     result_text,
     toolsets,
 )
-from streamrl.rollout.tools.base import ToolExecution
 from streamrl.rollout.types import ToolCall
 
 SERVER = "streamrl.rollout.tools.mcp_example_server"
@@ -196,7 +196,10 @@ async def test_calls_waiting_for_a_restart_share_it_and_giving_up_does_not_abort
     results = await _run(registry, *[_call(i, "add", a=i, b=1) for i in range(4)])
     assert [r.text for r in results] == ["1", "2", "3", "4"]
     counters = mcp_counters(registry.tools.values())
-    assert (counters.num_restarts, counters.num_connect_failures) == (before.num_restarts + 1, before.num_connect_failures)
+    assert (counters.num_restarts, counters.num_connect_failures) == (
+        before.num_restarts + 1,
+        before.num_connect_failures,
+    )
 
 
 async def test_an_unreachable_server_is_an_error_observation_and_counted():
@@ -230,7 +233,10 @@ async def test_example_yaml_filters_renames_and_declares_idempotent_tools():
 @pytest.mark.parametrize(
     ("entry", "needle"),
     [
-        ({"mcp": {"url": "http://example.com:8000/mcp"}}, "is not on this machine (127.0.0.1 / localhost); set `allow_remote: true`"),
+        (
+            {"mcp": {"url": "http://example.com:8000/mcp"}},
+            "is not on this machine (127.0.0.1 / localhost); set `allow_remote: true`",
+        ),
         ({"mcp": {"url": "http://10.0.0.5/mcp"}}, "allow_remote"),
         ({"mcp": {"url": "ftp://127.0.0.1/mcp"}}, "is not an http(s) URL"),
         ({"mcp": {"command": "x", "url": "http://127.0.0.1:1/mcp"}}, "exactly one of `command`, `module`"),
@@ -288,7 +294,13 @@ def test_input_schemas_become_openai_parameters():
     schema = {
         "type": "object",
         "title": "searchArguments",
-        "$defs": {"Filter": {"title": "Filter", "type": "object", "properties": {"title": {"title": "Title", "type": "string"}}}},
+        "$defs": {
+            "Filter": {
+                "title": "Filter",
+                "type": "object",
+                "properties": {"title": {"title": "Title", "type": "string"}},
+            }
+        },
         "properties": {
             "query": {"title": "Query", "type": "string", "description": "what to look for", "minLength": 1},
             "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None, "title": "Limit"},
@@ -325,13 +337,19 @@ def test_results_become_one_observation():
     )
     assert result_text(mcp_types.CallToolResult(content=[], structured_content={"n": 1})) == '{"n": 1}'
     assert result_text(mcp_types.CallToolResult(content=[text], is_error=True)) == "Error: line one"
-    assert result_text(mcp_types.CallToolResult(content=[], is_error=True)).startswith("Error: the tool reported an error")
+    assert result_text(mcp_types.CallToolResult(content=[], is_error=True)).startswith(
+        "Error: the tool reported an error"
+    )
 
 
 def test_image_parts_become_images_of_the_execution_and_errors_keep_only_text():
     text = mcp_types.TextContent(type="text", text="line one")
-    red = mcp_types.ImageContent(type="image", data=base64.b64encode(_solid_png(2, 2, "red")).decode(), mime_type="image/png")
-    blue = mcp_types.ImageContent(type="image", data=base64.b64encode(_solid_png(1, 3, "blue")).decode(), mime_type="image/png")
+    red = mcp_types.ImageContent(
+        type="image", data=base64.b64encode(_solid_png(2, 2, "red")).decode(), mime_type="image/png"
+    )
+    blue = mcp_types.ImageContent(
+        type="image", data=base64.b64encode(_solid_png(1, 3, "blue")).decode(), mime_type="image/png"
+    )
     audio = mcp_types.AudioContent(type="audio", data="aGVsbG8=", mime_type="audio/wav")
     after = mcp_types.TextContent(type="text", text="line two")
     execution = result_execution(mcp_types.CallToolResult(content=[text, red, audio, after, blue]))
@@ -340,7 +358,9 @@ def test_image_parts_become_images_of_the_execution_and_errors_keep_only_text():
     only = result_execution(mcp_types.CallToolResult(content=[red], structured_content={"n": 1}))
     assert (only.text, len(only.images)) == ("", 1)
     failed = mcp_types.CallToolResult(content=[text, red], is_error=True)
-    assert result_execution(failed) == ToolExecution(text=f"Error: line one\n[image image/png, {len(_solid_png(2, 2, 'red'))} bytes]")
+    assert result_execution(failed) == ToolExecution(
+        text=f"Error: line one\n[image image/png, {len(_solid_png(2, 2, 'red'))} bytes]"
+    )
     # Without an image part: exactly the text observation of before, nothing else.
     for result in (
         mcp_types.CallToolResult(content=[text, audio, after]),
@@ -373,9 +393,15 @@ async def test_a_server_image_reaches_the_execution_and_the_image_store(registry
 
     store = ImageStore()
     shown, refused, bad = await registry.execute_calls(
-        [_call(0, "solid_color", width=5, height=3, color="#10a0f0"), _call(1, "solid_color", width=5, height=3, color="red"),
-         _call(2, "solid_color", width=0, height=3, color="red")],
-        {}, timeout_s=10, max_parallel=8, images=store,
+        [
+            _call(0, "solid_color", width=5, height=3, color="#10a0f0"),
+            _call(1, "solid_color", width=5, height=3, color="red"),
+            _call(2, "solid_color", width=0, height=3, color="red"),
+        ],
+        {},
+        timeout_s=10,
+        max_parallel=8,
+        images=store,
     )
     assert not shown.is_error and [r.sha256 for r in shown.images] == [image_sha256(expected)]
     assert store.get(shown.images[0].sha256) == expected and (shown.images[0].width, shown.images[0].height) == (5, 3)
@@ -402,7 +428,9 @@ async def test_an_mcp_image_joins_the_trajectory_through_the_agent_loop(registry
     from tests.rollout.test_agent_loop import turn_script
     from tests.rollout.vlm_context import vlm_context
 
-    call = '<tool_call>\n{"name": "solid_color", "arguments": {"width": 56, "height": 56, "color": "red"}}\n</tool_call>'
+    call = (
+        '<tool_call>\n{"name": "solid_color", "arguments": {"width": 56, "height": 56, "color": "red"}}\n</tool_call>'
+    )
     script, _ = turn_script(processor.tokenizer, [call, "It is red."])
     engine = FakeEngine(script=script, image_token_id=processor.image_token_id)
     vlm = policy == "vlm"
@@ -417,13 +445,17 @@ async def test_an_mcp_image_joins_the_trajectory_through_the_agent_loop(registry
     png = _solid_png(56, 56, "red")
     if vlm:
         assert [r.sha256 for r in data.images] == traj.image_refs == [image_sha256(png)]
-        assert tool_msg["content"] == [{"type": "image", "image_ref": image_sha256(png)},
-                                       {"type": "text", "text": "a 56x56 PNG filled with red"}]
+        assert tool_msg["content"] == [
+            {"type": "image", "image_ref": image_sha256(png)},
+            {"type": "text", "text": "a 56x56 PNG filled with red"},
+        ]
         assert traj.num_image_tokens == [processor.image_seq_len] and traj.num_tool_errors == 0
         assert [[i.data for i in images] for _, images in engine.images_seen] == [[], [png]]
     else:
         assert data.images == [] and traj.image_refs == [] and traj.num_tool_errors == 1
-        assert tool_msg["content"].startswith("Error: tool 'solid_color' returned 1 image(s) but the policy reads text only")
+        assert tool_msg["content"].startswith(
+            "Error: tool 'solid_color' returned 1 image(s) but the policy reads text only"
+        )
 
 
 # -- streamable HTTP ---------------------------------------------------------------------------------

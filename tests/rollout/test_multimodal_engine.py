@@ -139,7 +139,9 @@ async def test_interrupt_and_resume_with_image_keeps_every_token(vlm_engine, pro
     assert resumed.images == data.images and resumed.response_ids == first.token_ids
     prompt = resumed.prompt_ids + resumed.response_ids
     rest = await vlm_engine.generate(
-        "traj-img-b", prompt, SamplingParams(max_tokens=300 - len(resumed.response_ids), temperature=1.0, seed=6),
+        "traj-img-b",
+        prompt,
+        SamplingParams(max_tokens=300 - len(resumed.response_ids), temperature=1.0, seed=6),
         images=store.inputs(resumed.images),
     )
     assert rest.num_prompt_tokens == len(prompt)
@@ -248,4 +250,6 @@ async def test_weight_sync_by_learner_names_serves_the_new_vlm(vlm_engine, proce
     assert diff < LOGPROB_ATOL, (out.logprobs, hf_new)
     assert max_diff(hf_old, hf_new) > 10 * max(diff, 1e-6)  # the old weights would not match
     back = await vlm_engine.generate("sync-vlm-back", chat.input_ids, sampling, images=[image])
-    assert max_diff(back.logprobs, hf_logprobs(hf_vlm, chat.input_ids, chat.vision_inputs, back.token_ids)) < LOGPROB_ATOL
+    assert (
+        max_diff(back.logprobs, hf_logprobs(hf_vlm, chat.input_ids, chat.vision_inputs, back.token_ids)) < LOGPROB_ATOL
+    )

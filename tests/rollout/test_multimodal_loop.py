@@ -46,21 +46,28 @@ def _ctx(processor, engine, store: ImageStore, fetch=None) -> AgentContext:
 def _row(path: str, tid: str) -> AgentData:
     """A prompt row as the dataset brings it: the image as a local path."""
     content = [{"type": "image", "image": path}, {"type": "text", "text": "describe it"}]
-    return AgentData(trajectory_id=tid, group_id=tid, agent_name="single_turn_agent",
-                     messages=[{"role": "user", "content": content}])
+    return AgentData(
+        trajectory_id=tid, group_id=tid, agent_name="single_turn_agent", messages=[{"role": "user", "content": content}]
+    )
 
 
 def _hf_reference(processor, png: bytes):
     """The HF view of the same prompt and pixels (`render_image_chat` on the decoded bytes)."""
     from streamrl.rollout.models.multimodal import render_image_chat
 
-    return render_image_chat(processor, [{"role": "user", "content": [
-        {"type": "image", "image": decode_image(png)}, {"type": "text", "text": "describe it"}]}])
+    return render_image_chat(
+        processor,
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": decode_image(png)}, {"type": "text", "text": "describe it"}],
+            }
+        ],
+    )
 
 
 def _buffer(tmp_path) -> ReplayBuffer:
     return ReplayBuffer(BufferConfig(root_dir=str(tmp_path / "buffer"), batch_size=1, group_size=1))
-
 
 
 async def park_then_sync(ctx, task: asyncio.Task, engine, version: int):
@@ -88,7 +95,10 @@ async def test_image_prompt_runs_to_a_buffer_row_and_a_padded_batch(vlm_engine, 
     assert traj.status is TrajectoryStatus.FINISHED and len(traj.response_ids) > 0
     assert traj.prompt_ids == ref.input_ids  # vLLM saw these ids (else PromptMismatchError)
     assert traj.image_refs == [data.images[0].sha256] and traj.num_image_tokens == ref.num_image_tokens == [4]
-    assert max_diff(traj.behavior_logprobs, hf_logprobs(hf_vlm, ref.input_ids, ref.vision_inputs, traj.response_ids)) < LOGPROB_ATOL
+    assert (
+        max_diff(traj.behavior_logprobs, hf_logprobs(hf_vlm, ref.input_ids, ref.vision_inputs, traj.response_ids))
+        < LOGPROB_ATOL
+    )
 
     buffer = _buffer(tmp_path)
     buffer.append([traj], images=image_blobs(store, traj))
@@ -98,7 +108,9 @@ async def test_image_prompt_runs_to_a_buffer_row_and_a_padded_batch(vlm_engine, 
     assert row[: len(traj.prompt_ids)] == traj.prompt_ids
 
 
-async def test_parked_image_trajectory_resumes_from_the_buffer_with_every_token(vlm_engine, processor, hf_vlm, tmp_path):
+async def test_parked_image_trajectory_resumes_from_the_buffer_with_every_token(
+    vlm_engine, processor, hf_vlm, tmp_path
+):
     png = encode_png(_image((40, 160, 220)))
     (tmp_path / "img.png").write_bytes(png)
     store = ImageStore()

@@ -117,7 +117,7 @@ def test_harmony_analysis_calls_and_final():
         "<|channel|>analysis<|message|>Need to multiply.<|end|>"
         "<|start|>assistant<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>"
         '{"expression": "12*34"}<|call|>'
-        "<|start|>assistant to=functions.lookup<|channel|>commentary json<|message|>{\"q\": \"x\"}<|call|>"
+        '<|start|>assistant to=functions.lookup<|channel|>commentary json<|message|>{"q": "x"}<|call|>'
         "<|start|>assistant<|channel|>final<|message|>It is \\boxed{408}.<|return|>"
     )
     turn = get_parser("gpt-oss").parse(text)
@@ -131,10 +131,14 @@ def test_harmony_analysis_calls_and_final():
 
 def test_harmony_malformed_and_cut_off_calls():
     parser = get_parser("harmony")
-    bad = parser.parse('<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": <|call|>')
+    bad = parser.parse(
+        '<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": <|call|>'
+    )
     assert bad.tool_calls[0].name == "calculator" and "not valid JSON" in bad.tool_calls[0].error
     # <|call|> is a stop token decoders drop: a complete JSON body without it is still a call.
-    cut = parser.parse('<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": "1+2"}')
+    cut = parser.parse(
+        '<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": "1+2"}'
+    )
     assert cut.tool_calls[0].error is None and cut.tool_calls[0].arguments == {"expression": "1+2"}
     ended = parser.parse('<|channel|>commentary to=functions.calculator<|message|>{"expression": "1"}<|end|>')
     assert "<|call|>" in ended.tool_calls[0].error
@@ -145,7 +149,9 @@ def test_harmony_malformed_and_cut_off_calls():
 def test_harmony_plain_text_and_commentary_fallback():
     parser = get_parser("gpt-oss")
     assert parser.parse("just text <|return|>").content == "just text"
-    turn = parser.parse("<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>commentary<|message|>preamble<|end|>")
+    turn = parser.parse(
+        "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>commentary<|message|>preamble<|end|>"
+    )
     assert turn.content == "preamble" and turn.tool_calls == []
 
 
@@ -157,8 +163,28 @@ def test_unknown_parser_name():
 # -- fuzzing -----------------------------------------------------------------------------------------
 
 _TOKENS = st.sampled_from(
-    ["<tool_call>", "</tool_call>", "<|start|>", "<|channel|>", "<|message|>", "<|call|>", "<|end|>", "<|return|>",
-     "<|constrain|>", "to=functions.", "commentary", "final", '{"name": ', '"arguments": ', "{", "}", "[", '"', ":", ","]
+    [
+        "<tool_call>",
+        "</tool_call>",
+        "<|start|>",
+        "<|channel|>",
+        "<|message|>",
+        "<|call|>",
+        "<|end|>",
+        "<|return|>",
+        "<|constrain|>",
+        "to=functions.",
+        "commentary",
+        "final",
+        '{"name": ',
+        '"arguments": ',
+        "{",
+        "}",
+        "[",
+        '"',
+        ":",
+        ",",
+    ]
 )
 _FUZZ_TEXT = st.lists(st.one_of(_TOKENS, st.text(max_size=8)), max_size=30).map("".join)
 
@@ -208,7 +234,9 @@ def _call(name: str, **arguments) -> ToolCall:
 
 
 def test_validate_accepts_good_calls_and_coerces_integral_floats():
-    ok = validate_call(_call("search", query="q", k=3.0, score=1, exact=True, tags=["a"], filters={"year": 2020}), [RICH_SCHEMA])
+    ok = validate_call(
+        _call("search", query="q", k=3.0, score=1, exact=True, tags=["a"], filters={"year": 2020}), [RICH_SCHEMA]
+    )
     assert ok.error is None and ok.arguments["k"] == 3 and isinstance(ok.arguments["k"], int)
     assert validate_call(_call("calculator", expression="1+1"), {"calculator": CALC_SCHEMA}).error is None
 

@@ -26,7 +26,14 @@ from streamrl.rollout.images import ImageStore, decode_image, encode_png
 from streamrl.rollout.interactions.base import BaseInteraction, num_replies
 from streamrl.rollout.tools import ToolRegistry
 from streamrl.rollout.tools.base import BaseTool, ToolExecution
-from streamrl.rollout.types import AgentData, AgentState, FinishReason, ToolCallStatus, TrajectoryStatus, image_run_lengths
+from streamrl.rollout.types import (
+    AgentData,
+    AgentState,
+    FinishReason,
+    ToolCallStatus,
+    TrajectoryStatus,
+    image_run_lengths,
+)
 from tests.rollout.test_agent_loop import turn_script
 from tests.rollout.vlm_context import vlm_context
 
@@ -57,7 +64,13 @@ class SnapTool(BaseTool):
     """Returns `images` (any accepted source) with a text; `world` records each execution."""
 
     def __init__(self, images: list, *, name: str = "snap", delay_s: float = 0.0, world: list | None = None) -> None:
-        schema = {"function": {"name": name, "description": "Take a picture.", "parameters": {"type": "object", "properties": {}}}}
+        schema = {
+            "function": {
+                "name": name,
+                "description": "Take a picture.",
+                "parameters": {"type": "object", "properties": {}},
+            }
+        }
         super().__init__(tool_schema=schema)
         self.images, self.delay_s, self.world = images, delay_s, world if world is not None else []
 
@@ -76,22 +89,40 @@ class PictureInteraction(BaseInteraction):
 
     async def generate_response(self, instance_id, messages, **kwargs):
         if num_replies(messages) == 0:
-            return False, [{"type": "text", "text": "look at this:"}, {"type": "image", "image": self.config["image"]}], 0.0, {}
+            return (
+                False,
+                [{"type": "text", "text": "look at this:"}, {"type": "image", "image": self.config["image"]}],
+                0.0,
+                {},
+            )
         return True, "done", 1.0, {}
 
 
 def _ctx(processor, engine, store, tools=(), *, fetch=None, max_images=None, image=None, **cfg) -> AgentContext:
     interactions = {"picture": PictureInteraction({"name": "picture", "image": image})} if image is not None else {}
-    return vlm_context(processor, engine, store, tools=ToolRegistry(tools) if tools else None, fetch_images=fetch,
-                       max_images=max_images, interactions=interactions, **cfg)
+    return vlm_context(
+        processor,
+        engine,
+        store,
+        tools=ToolRegistry(tools) if tools else None,
+        fetch_images=fetch,
+        max_images=max_images,
+        interactions=interactions,
+        **cfg,
+    )
 
 
 def _data(prompt_png: bytes | None, tid: str = "r/0", interaction: bool = False) -> AgentData:
     content: list[dict] = [{"type": "text", "text": "What is 12 times 7?"}]
     if prompt_png is not None:
         content.insert(0, {"type": "image", "image": base64.b64encode(prompt_png).decode()})
-    return AgentData(trajectory_id=tid, group_id="r", messages=[{"role": "user", "content": content}],
-                     ground_truth="84", interaction_name="picture" if interaction else None)
+    return AgentData(
+        trajectory_id=tid,
+        group_id="r",
+        messages=[{"role": "user", "content": content}],
+        ground_truth="84",
+        interaction_name="picture" if interaction else None,
+    )
 
 
 def _hf_ids(processor, ids: list[int], pngs: list[bytes]) -> list[int]:
@@ -132,8 +163,14 @@ async def test_tool_and_interaction_images_join_the_trajectory_in_placeholder_or
     assert all(m == 0 for t, m in zip(traj.response_ids, traj.response_mask) if t == processor.image_token_id)
     # Messages hold only refs; the tool's record names its image; the snapshot is lossless.
     tool_msg = next(m for m in data.messages if m["role"] == "tool")
-    assert tool_msg["content"] == [{"type": "image", "image_ref": shas[1]}, {"type": "text", "text": "picture from snap"}]
-    assert data.messages[-2]["content"] == [{"type": "text", "text": "look at this:"}, {"type": "image", "image_ref": shas[2]}]
+    assert tool_msg["content"] == [
+        {"type": "image", "image_ref": shas[1]},
+        {"type": "text", "text": "picture from snap"},
+    ]
+    assert data.messages[-2]["content"] == [
+        {"type": "text", "text": "look at this:"},
+        {"type": "image", "image_ref": shas[2]},
+    ]
     assert data.tool_journal[0].result.images == [data.images[1]]
     assert AgentData.from_json(data.to_json()) == data
 
@@ -159,10 +196,17 @@ async def test_executor_admits_all_sources_or_none():
     bad = SnapTool([I, T[:80]], name="bad")  # the second is a truncated PNG: header fine, pixels not
     registry = ToolRegistry([ok, bad])
     [good, broken] = await registry.execute_calls(
-        [ToolCall(call_id="a", name="snap"), ToolCall(call_id="b", name="bad")], {}, timeout_s=5, max_parallel=2, images=store
+        [ToolCall(call_id="a", name="snap"), ToolCall(call_id="b", name="bad")],
+        {},
+        timeout_s=5,
+        max_parallel=2,
+        images=store,
     )
-    assert [r.sha256 for r in good.images] == [store.put(T).sha256, store.put(encode_png(_image((1, 2, 3)))).sha256,
-                                                store.put(I).sha256] and not good.is_error
+    assert [r.sha256 for r in good.images] == [
+        store.put(T).sha256,
+        store.put(encode_png(_image((1, 2, 3)))).sha256,
+        store.put(I).sha256,
+    ] and not good.is_error
     assert broken.is_error and broken.images == [] and "unreadable image (#2 of 2)" in broken.text
     assert broken.text.endswith("picture from bad") and registry.num_errors == 1
 
@@ -292,7 +336,6 @@ async def test_crash_replay_admits_no_image_twice_and_keeps_call_order(processor
     crashed.check_aligned(image_token_id=processor.image_token_id)
 
 
-
 class FirstTurnCalls:
     """A parser stub for the random-weight model, which never writes a tool call itself: its first
     turn calls `snap`, later turns call nothing. Shared by the worker that parks and the one that resumes."""
@@ -314,16 +357,18 @@ class FirstTurnCalls:
 async def test_real_engine_tool_image_parked_and_resumed_from_the_buffer(vlm_engine, processor, hf_vlm, tmp_path):
     from streamrl.buffer.config import BufferConfig
     from streamrl.buffer.store import ReplayBuffer
-    from tests.rollout.test_multimodal_loop import park_then_sync
     from streamrl.rollout.models.multimodal import image_vision_inputs
     from streamrl.streaming.rollout_actor import image_blobs
     from tests.rollout.test_multimodal_engine import hf_logprobs, max_diff
+    from tests.rollout.test_multimodal_loop import park_then_sync
 
     (tmp_path / "tool.png").write_bytes(T)
     parser, store = FirstTurnCalls(), ImageStore()
     # A fixed sampling seed: the random-weight model's turns are then the same on every run (an eos in
     # the first tokens after the tool image would leave nothing to interrupt).
-    limits = dict(max_images=2, response_length=300, max_tokens_per_turn=40, max_assistant_turns=2, sampling={"seed": 1})
+    limits = dict(
+        max_images=2, response_length=300, max_tokens_per_turn=40, max_assistant_turns=2, sampling={"seed": 1}
+    )
     ctx = _ctx(processor, vlm_engine, store, [SnapTool([str(tmp_path / "tool.png")])], **limits)
     ctx.parser = parser
     data = _data(P, "mm-tool")
@@ -366,7 +411,9 @@ async def test_real_engine_tool_image_parked_and_resumed_from_the_buffer(vlm_eng
     assert final.num_interrupts == 1 and final.num_tool_calls == 1 and len(fresh) == 2
     assert final.response_ids[:k] == parked.response_ids and len(final.response_ids) > k  # nothing lost
     sampled = [v for v in final.policy_versions if v >= 0]
-    assert set(sampled[: sum(parked.response_mask)]) == {version0} and set(sampled[sum(parked.response_mask) :]) == {version0 + 1}
+    assert set(sampled[: sum(parked.response_mask)]) == {version0} and set(sampled[sum(parked.response_mask) :]) == {
+        version0 + 1
+    }
     assert final.image_refs == shas and final.num_image_tokens == [4, 4]
     # Every sampled token (before the tool image, after it, after the interruption) was sampled with
     # both images in front of the same positions as the HF forward on the same pixels.
@@ -375,8 +422,13 @@ async def test_real_engine_tool_image_parked_and_resumed_from_the_buffer(vlm_eng
     mask = final.response_mask
     for positions in (range(turn2, k), range(k, len(mask))):  # after the tool image: before / after the resume
         sampled_here = [i for i in positions if mask[i]]
-        assert sampled_here and max_diff([final.behavior_logprobs[i] for i in sampled_here], [hf[i] for i in sampled_here]) < 1e-4
-    assert max_diff([lp for lp, m in zip(final.behavior_logprobs, mask) if m], [h for h, m in zip(hf, mask) if m]) < 1e-4
+        assert (
+            sampled_here
+            and max_diff([final.behavior_logprobs[i] for i in sampled_here], [hf[i] for i in sampled_here]) < 1e-4
+        )
+    assert (
+        max_diff([lp for lp, m in zip(final.behavior_logprobs, mask) if m], [h for h, m in zip(hf, mask) if m]) < 1e-4
+    )
 
     buffer.append([final], images=image_blobs(fresh, final))  # supersedes the partial row
     padded = buffer.sample(served_version=version0 + 1, learner_step=1).to_padded()

@@ -19,7 +19,9 @@ from streamrl.rollout.rewards import (
 )
 
 
-def _inp(final: str, truth: str | None = "97", *, calls: int = 0, errors: int = 0, response: str | None = None) -> RewardInput:
+def _inp(
+    final: str, truth: str | None = "97", *, calls: int = 0, errors: int = 0, response: str | None = None
+) -> RewardInput:
     return RewardInput(
         response_text=final if response is None else response,
         final_answer_text=final,
@@ -55,9 +57,21 @@ def test_last_boxed_handles_nested_braces():
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("1,234", 1234.0), ("3/4", 0.75), ("\\frac{1}{8}", 0.125), ("\\dfrac{3}{2}", 1.5), ("$12.50", 12.5),
-     ("42 apples", 42.0), ("\\text{42}", 42.0), ("-7.", -7.0), ("50\\%", 50.0), ("1e3", 1000.0),
-     ("apples", None), ("1/0", None), ("inf", None)],
+    [
+        ("1,234", 1234.0),
+        ("3/4", 0.75),
+        ("\\frac{1}{8}", 0.125),
+        ("\\dfrac{3}{2}", 1.5),
+        ("$12.50", 12.5),
+        ("42 apples", 42.0),
+        ("\\text{42}", 42.0),
+        ("-7.", -7.0),
+        ("50\\%", 50.0),
+        ("1e3", 1000.0),
+        ("apples", None),
+        ("1/0", None),
+        ("inf", None),
+    ],
 )
 def test_parse_number(text, value):
     assert parse_number(text) == value

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
 from streamrl.rollout.tools import load_tool_config
 from streamrl.rollout.tools.code_interpreter import (
     RUNNER,
@@ -279,7 +280,9 @@ async def test_bad_arguments_and_cell_limit_are_error_observations():
 
 
 async def test_replays_are_deterministic(tool):
-    first, second = await _run(tool, "import random\nv = random.random()\nprint(v, hash('abc'))", "print(v, hash('abc'))")
+    first, second = await _run(
+        tool, "import random\nv = random.random()\nprint(v, hash('abc'))", "print(v, hash('abc'))"
+    )
     assert first == second
 
 
@@ -328,7 +331,9 @@ async def test_metrics_are_namespaced(tool):
     await tool.release(instance)
     assert failed.text.startswith("Error: the code raised an exception") and "ValueError: bad input" in failed.text
     assert failed.metrics["sandbox/error"] == 1.0 and failed.metrics["sandbox/exit_code"] == 1.0
-    assert ok.metrics["sandbox/error"] == 0.0 and ok.metrics["sandbox/timeout"] == 0.0 and ok.metrics["sandbox/wall_s"] > 0
+    assert (
+        ok.metrics["sandbox/error"] == 0.0 and ok.metrics["sandbox/timeout"] == 0.0 and ok.metrics["sandbox/wall_s"] > 0
+    )
     assert all(key.startswith("sandbox/") for key in failed.metrics)
 
 
@@ -344,7 +349,9 @@ async def test_the_sandbox_sees_a_minimal_read_only_world(tool):
         "for path in ('/usr/x', '/etc/x', '/x', '/tmp/x', '/workspace/x'):\n"
         "    try:\n        open(path, 'w').close()\n        writable[path] = True\n"
         "    except OSError:\n        writable[path] = False\n"
-        "print(json.dumps({'root': os.listdir('/'), 'project': os.path.exists(" + repr(str(project / "pyproject.toml")) + "),\n"
+        "print(json.dumps({'root': os.listdir('/'), 'project': os.path.exists("
+        + repr(str(project / "pyproject.toml"))
+        + "),\n"
         "    'home': os.path.exists('/home'), 'nics': [n for _, n in socket.if_nameindex()],\n"
         "    'pids': [p for p in os.listdir('/proc') if p.isdigit()], 'writable': writable,\n"
         "    'caps': [l.split()[1] for l in open('/proc/self/status') if l.startswith(('CapEff', 'CapBnd', 'NoNewPrivs'))]}))",
@@ -387,7 +394,9 @@ async def test_the_checks_can_fail_without_isolation(escape_harness):
     outcomes = {n: await run_attempt(tool, by_name[n], escape_harness) for n in
                 ("network_connect_host", "read_outside_workdir", "write_outside_workdir", "read_env_secret", "memory_bomb")}  # fmt: skip
     assert not outcomes["network_connect_host"].blocked and "connection" in outcomes["network_connect_host"].how
-    assert not outcomes["read_outside_workdir"].blocked and escape_harness.secret in outcomes["read_outside_workdir"].how
+    assert (
+        not outcomes["read_outside_workdir"].blocked and escape_harness.secret in outcomes["read_outside_workdir"].how
+    )
     assert not outcomes["write_outside_workdir"].blocked
     assert outcomes["read_env_secret"].blocked and outcomes["memory_bomb"].blocked
 
@@ -450,7 +459,13 @@ async def test_bwrap_layer_blocks_the_core_attempts(escape_harness):
     tool = CodeInterpreterTool(escape_tool_config(escape_harness, isolation="bwrap", bwrap_path=BWRAP))
     assert tool.layer == "bwrap"
     for attempt in ATTEMPTS:
-        if attempt.name in ("network_connect_host", "read_outside_workdir", "read_env_secret", "kill_parent", "fork_bomb"):
+        if attempt.name in (
+            "network_connect_host",
+            "read_outside_workdir",
+            "read_env_secret",
+            "kill_parent",
+            "fork_bomb",
+        ):
             outcome = await run_attempt(tool, attempt, escape_harness)
             assert outcome.blocked, f"{attempt.name} escaped under bwrap: {outcome.how}"
     assert (await _run(tool, "x = 2", "x ** 10"))[1] == "1024\n"

@@ -16,13 +16,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+
 from streamrl.rollout.tools import sandbox_reaper
 from streamrl.rollout.tools.code_interpreter import CodeInterpreterTool
 from streamrl.rollout.tools.sandbox import DEFAULT_MAX_CONCURRENT, SLOTS, Sandbox, SandboxLimits, SandboxSettings
-
 from tests.rollout.test_sandbox import (  # noqa: F401 (_adopt_orphans: the module's subreaper fixture)
     FAST,
     NAMESPACED,

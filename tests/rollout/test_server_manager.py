@@ -210,9 +210,7 @@ async def test_sticky_routing_over_two_ray_vllm_engines(ray_cluster, tiny_model_
         for turn in range(1, 3):
             for key, (out, _) in zip(prompts, first, strict=True):
                 prompts[key] = prompts[key] + out.token_ids
-            first = await asyncio.gather(
-                *(manager.generate(k, f"{k}-{turn}", p, greedy) for k, p in prompts.items())
-            )
+            first = await asyncio.gather(*(manager.generate(k, f"{k}-{turn}", p, greedy) for k, p in prompts.items()))
             assert {k: e for k, (_, e) in zip(prompts, first, strict=True)} == homes
         # Abort while a generate is in flight inside the actor.
         task = asyncio.create_task(

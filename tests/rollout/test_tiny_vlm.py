@@ -39,8 +39,13 @@ def vlm_llm(vlm_path):
     from vllm import LLM
 
     llm = LLM(
-        model=str(vlm_path), dtype="float32", max_model_len=512, max_num_seqs=2,
-        enforce_eager=True, limit_mm_per_prompt={"image": 2}, seed=0,
+        model=str(vlm_path),
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=2,
+        enforce_eager=True,
+        limit_mm_per_prompt={"image": 2},
+        seed=0,
     )
     yield llm
     del llm
@@ -84,8 +89,14 @@ def test_render_matches_hf_processor(processor):
 
     imgs = [_image((200, 30, 30)), _image((30, 30, 200))]
     messages = [
-        {"role": "user", "content": [{"type": "image", "image": imgs[0]}, {"type": "text", "text": "and"},
-                                     {"type": "image", "image": imgs[1]}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": imgs[0]},
+                {"type": "text", "text": "and"},
+                {"type": "image", "image": imgs[1]},
+            ],
+        },
         {"role": "assistant", "content": "two"},
         {"role": "tool", "content": "plain text response"},
     ]

@@ -63,13 +63,18 @@ def release_hung():
 async def test_hung_sync_tools_block_neither_a_healthy_tool_nor_image_admission(release_hung):
     loop = asyncio.get_running_loop()
     default_pool = min(32, (__import__("os").cpu_count() or 1) + 4)  # the loop's default executor
-    registry = ToolRegistry([FunctionTool(hang, max_threads=default_pool + 2), FunctionTool(healthy), FunctionTool(picture)])
+    registry = ToolRegistry(
+        [FunctionTool(hang, max_threads=default_pool + 2), FunctionTool(healthy), FunctionTool(picture)]
+    )
     hung = [ToolCall(call_id=f"h{i}", name="hang", arguments={}) for i in range(default_pool + 2)]
     results = await registry.run_calls(hung, {}, timeout_s=0.3)
     assert all(r.is_error and "timed out" in r.text for r in results)
 
     start = time.perf_counter()
-    calls = [ToolCall(call_id="ok", name="healthy", arguments={}), ToolCall(call_id="img", name="picture", arguments={})]
+    calls = [
+        ToolCall(call_id="ok", name="healthy", arguments={}),
+        ToolCall(call_id="img", name="picture", arguments={}),
+    ]
     ok, img = await asyncio.wait_for(registry.run_calls(calls, {}, timeout_s=5, images=ImageStore()), 10)
     assert ok.text == "fine" and not ok.is_error
     assert img.text == "red" and len(img.images) == 1 and not img.is_error
@@ -150,7 +155,9 @@ async def test_a_tool_returning_a_bomb_gets_an_error_observation(bomb):
 
     registry = ToolRegistry([FunctionTool(returns_bomb)])
     store = ImageStore()
-    [result] = await registry.run_calls([ToolCall(call_id="b", name="returns_bomb", arguments={})], {}, timeout_s=10, images=store)
+    [result] = await registry.run_calls(
+        [ToolCall(call_id="b", name="returns_bomb", arguments={})], {}, timeout_s=10, images=store
+    )
     assert result.is_error and "over the limit" in result.text and result.images == [] and len(store) == 0
 
 

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.rollout.tools import CalculatorTool, SleepTool, ToolRegistry, evaluate_expression, format_number, load_tool_config
+from streamrl.rollout.tools import (
+    CalculatorTool,
+    SleepTool,
+    ToolRegistry,
+    evaluate_expression,
+    format_number,
+    load_tool_config,
+)
 from streamrl.rollout.tools.base import BaseTool, ToolExecution
 from streamrl.rollout.tools.calculator import CalculatorConfig, CalculatorError
 from streamrl.rollout.tools.schema import OpenAIFunctionToolSchema
@@ -205,7 +212,9 @@ async def test_execute_calls_runs_concurrently():
     registry = ToolRegistry([SleepTool(config={"latency_s": 0.2})])
     ids = await registry.create_instances()
     start = time.perf_counter()
-    results = await registry.execute_calls([_call(i, "sleep", text=str(i)) for i in range(4)], ids, timeout_s=2, max_parallel=4)
+    results = await registry.execute_calls(
+        [_call(i, "sleep", text=str(i)) for i in range(4)], ids, timeout_s=2, max_parallel=4
+    )
     assert time.perf_counter() - start < 0.6
     assert [r.text for r in results] == ["0", "1", "2", "3"]
 
@@ -236,7 +245,10 @@ async def test_sessions_live_until_closed_and_restore_from_completed_calls():
     registry = ToolRegistry([CalculatorTool(), replaying])
     journal = [
         ToolJournalEntry(
-            call_id="a", name="replaying", status=ToolCallStatus.DONE, result=ToolResult(call_id="a", name="replaying", text="1")
+            call_id="a",
+            name="replaying",
+            status=ToolCallStatus.DONE,
+            result=ToolResult(call_id="a", name="replaying", text="1"),
         ),
         ToolJournalEntry(call_id="b", name="replaying"),  # in doubt: not replayed
     ]
@@ -269,10 +281,13 @@ async def test_registry_rejects_bad_construction_and_kwargs(caplog):
     for _ in range(2):  # kwargs of a tool not configured are ignored (as in verl), with one warning
         assert set(await registry.create_instances({"search": {"create_kwargs": {"k": 1}}})) == {"calculator"}
     assert [r.getMessage() for r in caplog.records].count(
-        "tools_kwargs names tool 'search', which is not configured (tools: ['calculator']): its kwargs are ignored") == 1
+        "tools_kwargs names tool 'search', which is not configured (tools: ['calculator']): its kwargs are ignored"
+    ) == 1
     ids = await registry.create_instances({"calculator": {"create_kwargs": {"ground_truth": "7"}}})
     assert registry.get("calculator").instance_state(ids["calculator"]) == {"ground_truth": "7"}
-    (long,) = await registry.execute_calls([_call(0, "calculator", expression="10**9")], ids, timeout_s=1, max_parallel=1)
+    (long,) = await registry.execute_calls(
+        [_call(0, "calculator", expression="10**9")], ids, timeout_s=1, max_parallel=1
+    )
     assert long.text == "1000\n[truncated: 10 characters]"
     with pytest.raises(ValueError, match="positive"):
         await registry.execute_calls([], ids, timeout_s=0, max_parallel=1)
@@ -317,8 +332,17 @@ def test_load_our_format_with_rename_and_custom_class(tmp_path):
         ({"tools": [{"class_name": "verl.tools.gsm8k_tool.Gsm8kTool"}]}, "cannot import module"),
         ({"tools": [{"class_name": "streamrl.rollout.types.ToolCall"}]}, "not a subclass"),
         ({"tools": [{"name": "calculator", "config": {"type": "mcp"}}]}, "only 'native'"),
-        ({"tools": [{"class_name": "streamrl.rollout.tools.calculator.CalculatorTool", "tool_schema": {"type": "function"}}]},
-         "function"),
+        (
+            {
+                "tools": [
+                    {
+                        "class_name": "streamrl.rollout.tools.calculator.CalculatorTool",
+                        "tool_schema": {"type": "function"},
+                    }
+                ]
+            },
+            "function",
+        ),
         ({"toolz": []}, "toolz"),
     ],
 )
@@ -352,12 +376,17 @@ def test_ledger_calculator_records_every_execution_under_its_call_id(tmp_path):
     reg = _ledger_registry(tmp_path)
     assert not reg.is_idempotent("calculator")  # so the agent loop journals and snapshots its calls
     assert reg.schemas() == load_tool_config("configs/tools/calculator.yaml").schemas()  # the model sees a calculator
-    calls = [ToolCall(call_id=f"t1_call_{i}", name="calculator", arguments={"expression": f"{i} + 1"}) for i in range(3)]
+    calls = [
+        ToolCall(call_id=f"t1_call_{i}", name="calculator", arguments={"expression": f"{i} + 1"}) for i in range(3)
+    ]
     results = asyncio.run(reg.run_calls(calls, {"calculator": "traj-a"}, timeout_s=5))
     assert [r.text for r in results] == ["1", "2", "3"]
     lines = read_ledger(tmp_path / "ledger.jsonl")
     assert sorted((x["instance_id"], x["call_id"], x["arguments"]["expression"]) for x in lines) == [
-        ("traj-a", "t1_call_0", "0 + 1"), ("traj-a", "t1_call_1", "1 + 1"), ("traj-a", "t1_call_2", "2 + 1")]
+        ("traj-a", "t1_call_0", "0 + 1"),
+        ("traj-a", "t1_call_1", "1 + 1"),
+        ("traj-a", "t1_call_2", "2 + 1"),
+    ]
     assert current_call() is None
 
 

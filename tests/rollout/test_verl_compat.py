@@ -200,7 +200,9 @@ def _decoded(url: str) -> bytes:
 def geo3k_rows(picture) -> list[dict]:
     return [
         geo3k_row(0, f"<image>Find x. {GEO3K_INSTRUCTION}", [{"bytes": RED, "path": None}]),
-        geo3k_row(1, "Compare <image> and <image>.", [{"bytes": GREEN, "path": "green.jpg"}, {"bytes": None, "path": picture}]),
+        geo3k_row(
+            1, "Compare <image> and <image>.", [{"bytes": GREEN, "path": "green.jpg"}, {"bytes": None, "path": picture}]
+        ),
         geo3k_row(2, "No picture here.", []),  # a text row in an image dataset: unchanged
     ]
 
@@ -282,10 +284,18 @@ async def test_a_verl_image_row_is_admitted_by_the_agent_loop(processor, tmp_pat
     (tmp_path / "blue.png").write_bytes(blue)
     pq.write_table(verl_table(geo3k_rows(str(tmp_path / "blue.png"))), tmp_path / "geo3k.parquet")
     record = replace(load_prompts(tmp_path / "geo3k.parquet")[1], agent_name="single_turn_agent")
-    chat = [{"role": "user", "content": [
-        {"type": "text", "text": "Compare "}, {"type": "image", "image": decode_image(GREEN)},
-        {"type": "text", "text": " and "}, {"type": "image", "image": Image.open(tmp_path / "blue.png")},
-        {"type": "text", "text": "."}]}]
+    chat = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Compare "},
+                {"type": "image", "image": decode_image(GREEN)},
+                {"type": "text", "text": " and "},
+                {"type": "image", "image": Image.open(tmp_path / "blue.png")},
+                {"type": "text", "text": "."},
+            ],
+        }
+    ]
     expected = render_image_chat(processor, chat)
     target = processor.tokenizer.encode(" two squares", add_special_tokens=False)
     engine = FakeEngine(script=lambda prompt_ids: target, image_token_id=processor.image_token_id)
@@ -305,20 +315,35 @@ async def test_a_verl_image_row_is_admitted_by_the_agent_loop(processor, tmp_pat
 @pytest.mark.parametrize(
     ("content", "images", "needle"),
     [
-        ("<image><image>Find x.", [{"bytes": RED, "path": None}],
-         "row 0: the string contents of 'prompt' have 2 '<image>' placeholder(s) but field 'images' holds 1 image(s)"),
+        (
+            "<image><image>Find x.",
+            [{"bytes": RED, "path": None}],
+            "row 0: the string contents of 'prompt' have 2 '<image>' placeholder(s) but field 'images' holds 1 image(s)",
+        ),
         ("Find x.", [{"bytes": RED, "path": None}], "have 0 '<image>' placeholder(s) but field 'images' holds 1"),
         ([{"type": "text", "text": "Find x."}], [{"bytes": RED, "path": None}], "have 0 '<image>' placeholder(s)"),
-        (None, [{"bytes": RED, "path": None}], "row 0: prompt[0] has no string 'content' (nor a list of text / image parts)"),
+        (
+            None,
+            [{"bytes": RED, "path": None}],
+            "row 0: prompt[0] has no string 'content' (nor a list of text / image parts)",
+        ),
         ({"text": "<image>"}, [{"bytes": RED, "path": None}], "row 0: prompt[0] has no string 'content'"),
         ("<image>", [{"bytes": b"GIF89a broken", "path": None}], "row 0: images[0]: not an image (13 bytes)"),
-        ("<image>", [{"bytes": None, "path": "/no/such/picture.png"}], "row 0: images[0]: image file '/no/such/picture.png' does not exist"),
+        (
+            "<image>",
+            [{"bytes": None, "path": "/no/such/picture.png"}],
+            "row 0: images[0]: image file '/no/such/picture.png' does not exist",
+        ),
         ("<image>", [{"bytes": None, "path": None}], "row 0: images[0]: an image entry needs 'bytes' or a 'path'"),
         ("<image>", ["https://example.com/a.png"], "row 0: images[0]: image 'https://example.com/a.png' is a URL"),
         ("<image>", ["data:image/png,raw"], "row 0: images[0]: image data URL must be base64"),
         ("<image>", [7], "row 0: images[0]: unsupported image entry int"),
         ("<image>", {"bytes": RED}, "row 0: field 'images' must be a list of images, got dict"),
-        ("<image><video>", [{"bytes": RED, "path": None}], "row 0: a message has a '<video>' placeholder; video is not supported"),
+        (
+            "<image><video>",
+            [{"bytes": RED, "path": None}],
+            "row 0: a message has a '<video>' placeholder; video is not supported",
+        ),
     ],
 )
 def test_bad_verl_image_rows_raise_value_errors_naming_the_row(content, images, needle):
@@ -329,7 +354,9 @@ def test_bad_verl_image_rows_raise_value_errors_naming_the_row(content, images, 
 
 def test_video_rows_are_refused_not_dropped():
     row = {**geo3k_row(0, "<video>What happens?", None), "videos": [{"video": "clip.mp4"}]}
-    with pytest.raises(ValueError, match=r"bad.parquet row 0: field 'videos' holds 1 video\(s\); video is not supported"):
+    with pytest.raises(
+        ValueError, match=r"bad.parquet row 0: field 'videos' holds 1 video\(s\); video is not supported"
+    ):
         records_from_rows([row], "bad.parquet")
     assert records_from_rows([{**geo3k_row(0, "text", None), "videos": []}])[0].messages[0]["content"] == "text"
 
@@ -341,8 +368,14 @@ SEEN: list[dict] = []
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     """A verl-style scorer: strict `#### answer` match; a dict result for the "detailed" source."""
-    SEEN.append({"data_source": data_source, "solution_str": solution_str, "ground_truth": ground_truth,
-                 "extra_info": extra_info})
+    SEEN.append(
+        {
+            "data_source": data_source,
+            "solution_str": solution_str,
+            "ground_truth": ground_truth,
+            "extra_info": extra_info,
+        }
+    )
     answer = solution_str.rsplit("####", 1)[-1].strip() if "####" in solution_str else None
     score = 1.0 if answer == ground_truth else 0.0
     if data_source == "detailed":
@@ -407,8 +440,13 @@ def test_verl_dict_results_raw_ground_truth_and_partial_signatures():
     assert verl_score({"score": 1, "acc": True, "pred": "4", "n": np.int64(3)}) == VerlScore(
         score=1.0, extras={"acc": 1.0, "n": 3.0}
     )
-    raw = RewardInput(response_text="x", final_answer_text="x", ground_truth='{"target": ["x"]}',
-                      raw_ground_truth={"target": ["x"]}, extra_info={"k": 1})
+    raw = RewardInput(
+        response_text="x",
+        final_answer_text="x",
+        ground_truth='{"target": ["x"]}',
+        raw_ground_truth={"target": ["x"]},
+        extra_info={"k": 1},
+    )
     verl_reward_fn(compute_score)(raw)
     assert SEEN[-1]["ground_truth"] == {"target": ["x"]}  # the value as stored, like verl passes it
     assert get_reward_fn(f"{HERE}:compute_score_without_extra_info")(inp) == 1.0
@@ -472,5 +510,11 @@ async def test_a_verl_row_reaches_the_verl_scorer_through_the_agent_loop(tmp_pat
     ctx.reward_fn = get_reward_fn(f"{HERE}:compute_score")
     traj = await ToolAgentLoop(ctx).run(data)
     assert traj.reward == 1.0
-    assert SEEN == [{"data_source": "openai/gsm8k", "solution_str": "48 + 24 = 72\n#### 72",
-                     "ground_truth": "72", "extra_info": record.extra_info}]
+    assert SEEN == [
+        {
+            "data_source": "openai/gsm8k",
+            "solution_str": "48 + 24 = 72\n#### 72",
+            "ground_truth": "72",
+            "extra_info": record.extra_info,
+        }
+    ]

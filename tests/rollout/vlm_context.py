@@ -11,7 +11,10 @@ from streamrl.rollout.images import ImageStore
 from streamrl.rollout.parsers import get_parser
 from streamrl.rollout.server_manager import ServerManager
 
-def vlm_context(processor: Any, engine: Any, store: ImageStore | None, *, text_only: bool = False, **fields: Any) -> AgentContext:
+
+def vlm_context(
+    processor: Any, engine: Any, store: ImageStore | None, *, text_only: bool = False, **fields: Any
+) -> AgentContext:
     """A hermes-parsing context on `engine`: a VLM policy with `store`, or (`text_only`) the same
     tokenizer without processor or store. `fields` are `AgentConfig` keys (lengths default to 512 / 600 /
     120) or other `AgentContext` fields (tools, interactions, fetch_images, max_images)."""

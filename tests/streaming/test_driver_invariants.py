@@ -14,8 +14,14 @@ from streamrl.streaming.system import DriverState
 
 
 def test_resume_without_newer_labels_keeps_the_checkpoint_label():
-    state = DriverState(learner_step=5, policy_version=4, checkpoint="c", checkpoint_step=4,
-                        checkpoint_policy_version=4, version_high_water=4)
+    state = DriverState(
+        learner_step=5,
+        policy_version=4,
+        checkpoint="c",
+        checkpoint_step=4,
+        checkpoint_policy_version=4,
+        version_high_water=4,
+    )
     state.rewind_to_checkpoint(max_version_seen=4)
     assert (state.learner_step, state.policy_version, state.served_step) == (4, 4, 4)
 
@@ -23,8 +29,14 @@ def test_resume_without_newer_labels_keeps_the_checkpoint_label():
 def test_resume_labels_the_checkpoint_above_every_version_used_before():
     """sync_every=1, checkpoint at step 4, killed at step 7: versions 5..7 were served before the
     kill, so the checkpoint's weights (step 4) must not be called 4 again nor 5..7."""
-    state = DriverState(learner_step=7, policy_version=7, checkpoint="c", checkpoint_step=4,
-                        checkpoint_policy_version=4, version_high_water=7)
+    state = DriverState(
+        learner_step=7,
+        policy_version=7,
+        checkpoint="c",
+        checkpoint_step=4,
+        checkpoint_policy_version=4,
+        version_high_water=7,
+    )
     state.rewind_to_checkpoint(max_version_seen=7)
     assert state.learner_step == 4 and state.policy_version == 8 and state.served_step == 4
     # The next learner step is labelled 9: label = step + offset, never reused.
@@ -58,8 +70,11 @@ def _fake_system(*, in_flight: int, rows, exhausted: bool, stall_timeout_s: floa
         return None
 
     sys = SimpleNamespace(
-        cfg=SimpleNamespace(trainer=SimpleNamespace(stall_timeout_s=stall_timeout_s, total_steps=10, failed_window=64,
-                                                    max_failed_fraction=0.9)),
+        cfg=SimpleNamespace(
+            trainer=SimpleNamespace(
+                stall_timeout_s=stall_timeout_s, total_steps=10, failed_window=64, max_failed_fraction=0.9
+            )
+        ),
         state=SimpleNamespace(cursor=7, learner_step=3, policy_version=3),
         buffer=SimpleNamespace(progress=progress, wait_progress=wait_progress),
         sample_batch=no_batch,
@@ -101,7 +116,7 @@ def _engines_system(*answers):
             if answer == "dead":
                 raise ray.exceptions.RayActorError()
             if answer == "slow":
-                raise asyncio.TimeoutError()
+                raise TimeoutError()
             return SimpleNamespace(busy_fraction=0.5)
 
         return SimpleNamespace(stats=stats)

@@ -16,12 +16,12 @@ import ray
 
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.buffer.types import BufferProgress
+from streamrl.observability.metrics import MetricsLogger
 from streamrl.rollout.engine.base import EngineStats
 from streamrl.rollout.types import AgentData, FinishReason, RolloutOutcomes, Trajectory, TrajectoryStatus
 from streamrl.streaming.config import load_config
 from streamrl.streaming.driver import run_async, run_sync
 from streamrl.streaming.learner_actor import Trained
-from streamrl.observability.metrics import MetricsLogger
 from streamrl.streaming.prompts import PromptStream, load_records
 from streamrl.streaming.system import DriverState, System
 from streamrl.streaming.weight_publisher import Published
@@ -62,8 +62,9 @@ class FakeBuffer:
         return batch
 
     async def progress(self) -> BufferProgress:
-        return BufferProgress(in_flight=self.rb.num_in_flight, rows_appended=self.rb.num_rows_appended,
-                              changes=self.rb.num_changes)
+        return BufferProgress(
+            in_flight=self.rb.num_in_flight, rows_appended=self.rb.num_rows_appended, changes=self.rb.num_changes
+        )
 
     async def wait_progress(self, after: int, timeout_s: float) -> BufferProgress:
         deadline = time.monotonic() + timeout_s
@@ -162,9 +163,15 @@ class FakeWorker:
         await self.unpaused.wait()
         version = self.served.version
         row = Trajectory(
-            trajectory_id=data.trajectory_id, group_id=data.group_id, sample_index=data.sample_index,
-            agent_name=data.agent_name, prompt_ids=[1, 2, 3], response_ids=[5, 6, 7], response_mask=[1, 1, 1],
-            behavior_logprobs=[-0.5] * 3, policy_versions=[version] * 3,
+            trajectory_id=data.trajectory_id,
+            group_id=data.group_id,
+            sample_index=data.sample_index,
+            agent_name=data.agent_name,
+            prompt_ids=[1, 2, 3],
+            response_ids=[5, 6, 7],
+            response_mask=[1, 1, 1],
+            behavior_logprobs=[-0.5] * 3,
+            policy_versions=[version] * 3,
             reward=0.0 if data.group_id in self.uniform else float(data.sample_index % 2),
             status=TrajectoryStatus.FAILED if self.fail_with else TrajectoryStatus.FINISHED,
             finish_reason=FinishReason.ERROR if self.fail_with else FinishReason.STOP,
@@ -204,8 +211,12 @@ class FakeWorker:
     async def outcomes(self) -> RolloutOutcomes:
         self._alive()
         reasons = {self.fail_with: self.num_failed} if self.num_failed else {}
-        return RolloutOutcomes(worker_id=self.worker_id, num_finished=self.num_finished,
-                               num_failed=self.num_failed, failure_reasons=reasons)
+        return RolloutOutcomes(
+            worker_id=self.worker_id,
+            num_finished=self.num_finished,
+            num_failed=self.num_failed,
+            failure_reasons=reasons,
+        )
 
     async def shutdown(self) -> None:
         for task in self.tasks.values():
@@ -224,20 +235,38 @@ class FakeEngine:
     served: Served
 
     async def stats(self) -> EngineStats:
-        return EngineStats(engine_id="engine-0", policy_version=self.served.version, num_running=0, busy_s=1.0,
-                           uptime_s=2.0, num_generated_tokens=0, num_prompt_tokens=0, num_aborted=0)
+        return EngineStats(
+            engine_id="engine-0",
+            policy_version=self.served.version,
+            num_running=0,
+            busy_s=1.0,
+            uptime_s=2.0,
+            num_generated_tokens=0,
+            num_prompt_tokens=0,
+            num_aborted=0,
+        )
 
     async def memory(self) -> dict[str, float]:
         return {"memory/engine_peak_gb": 0.0}
 
 
 def _system(tmp_path: Path, *overrides: str, num_workers: int = 2) -> tuple[System, FakeBuffer, FakeLearner]:
-    cfg = load_config(None, [
-        "trainer.total_steps=8", "trainer.checkpoint_every=3", "trainer.stall_timeout_s=600",
-        "buffer.group_size=2", "buffer.batch_size=4", "buffer.max_staleness=1",
-        "rollout.max_concurrent_per_worker=8", "data.num_prompts=64", "wandb.enabled=false",
-        f"rollout.num_workers={num_workers}", *overrides,
-    ])
+    cfg = load_config(
+        None,
+        [
+            "trainer.total_steps=8",
+            "trainer.checkpoint_every=3",
+            "trainer.stall_timeout_s=600",
+            "buffer.group_size=2",
+            "buffer.batch_size=4",
+            "buffer.max_staleness=1",
+            "rollout.max_concurrent_per_worker=8",
+            "data.num_prompts=64",
+            "wandb.enabled=false",
+            f"rollout.num_workers={num_workers}",
+            *overrides,
+        ],
+    )
     served = Served()
     buffer = FakeBuffer(cfg.buffer)
     learner = FakeLearner(served)
@@ -250,9 +279,17 @@ def _system(tmp_path: Path, *overrides: str, num_workers: int = 2) -> tuple[Syst
 
     records = load_records("arithmetic", cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
     system = System(
-        cfg=cfg, run_dir=tmp_path, model_path="fake", engines=[FakeEngine(served)], workers=[],
-        buffer=buffer, learner=learner, stream=PromptStream(records, seed=0, shuffle=False, num_epochs=1),
-        metrics=MetricsLogger(tmp_path, wandb_cfg=None, console=False), state=DriverState(), new_worker=new_worker,
+        cfg=cfg,
+        run_dir=tmp_path,
+        model_path="fake",
+        engines=[FakeEngine(served)],
+        workers=[],
+        buffer=buffer,
+        learner=learner,
+        stream=PromptStream(records, seed=0, shuffle=False, num_epochs=1),
+        metrics=MetricsLogger(tmp_path, wandb_cfg=None, console=False),
+        state=DriverState(),
+        new_worker=new_worker,
     )
     system.workers = [new_worker(system, f"worker-{i}") for i in range(num_workers)]
     system.created_workers = created
@@ -400,8 +437,9 @@ async def test_sync_loop_replaces_groups_the_filter_drops(tmp_path):
     """On-policy with DAPO filtering: the sync loop admits only one batch's groups; when some come back
     with all-equal rewards (dropped) it admits more until a batch is ready, instead of waiting for the
     stall timeout. Every batch is still on-policy and no dropped group is trained."""
-    system, buffer, learner = _system(tmp_path, "trainer.mode=sync", "trainer.total_steps=4",
-                                      "buffer.filter_uniform_reward_groups=true")
+    system, buffer, learner = _system(
+        tmp_path, "trainer.mode=sync", "trainer.total_steps=4", "buffer.filter_uniform_reward_groups=true"
+    )
     uniform = {f"{r.group_id}@e0" for r in system.stream.records[0:12:3]}  # prompts 0, 3, 6, 9
     for worker in system.workers:
         worker.uniform = uniform
@@ -450,9 +488,14 @@ async def test_end_of_run_accounting_waits_for_a_trajectory_still_being_scored(t
 async def test_sync_generation_rounds_train_on_policy_and_never_overlap_a_step(tmp_path):
     """verl's gen_batch_size: each round admits 4 groups (a batch holds 2), waits for the whole
     round, trains; the leftovers are evicted as stale (max_staleness = 0), never trained later."""
-    system, buffer, learner = _system(tmp_path, "trainer.mode=sync", "trainer.total_steps=4",
-                                      "trainer.sync_generation_groups=4", "buffer.max_staleness=0",
-                                      "buffer.over_age=evict")
+    system, buffer, learner = _system(
+        tmp_path,
+        "trainer.mode=sync",
+        "trainer.total_steps=4",
+        "trainer.sync_generation_groups=4",
+        "buffer.max_staleness=0",
+        "buffer.over_age=evict",
+    )
     in_flight_at_step: list[int] = []
     train_step = learner.train_step
 
@@ -475,8 +518,24 @@ async def test_sync_generation_rounds_train_on_policy_and_never_overlap_a_step(t
 
 def test_sync_generation_rounds_larger_than_a_batch_need_max_staleness_0():
     with pytest.raises(ValueError, match="set buffer.max_staleness = 0"):
-        load_config(None, ["trainer.mode=sync", "buffer.group_size=2", "buffer.batch_size=4",
-                           "trainer.sync_generation_groups=4", "buffer.max_staleness=0"])
+        load_config(
+            None,
+            [
+                "trainer.mode=sync",
+                "buffer.group_size=2",
+                "buffer.batch_size=4",
+                "trainer.sync_generation_groups=4",
+                "buffer.max_staleness=0",
+            ],
+        )
     with pytest.raises(ValueError, match="set buffer.max_staleness = 0"):
-        load_config(None, ["trainer.mode=sync", "buffer.group_size=2", "buffer.batch_size=4",
-                           "trainer.sync_generation_groups=4", "buffer.max_staleness=1"])
+        load_config(
+            None,
+            [
+                "trainer.mode=sync",
+                "buffer.group_size=2",
+                "buffer.batch_size=4",
+                "trainer.sync_generation_groups=4",
+                "buffer.max_staleness=1",
+            ],
+        )

@@ -87,8 +87,14 @@ def _check_metric_lines(run_dir: Path, state: dict) -> None:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [m for m in lines if "eval/reward_mean" in m]
     assert [(m["learner_step"], m["eval/num_prompts"], m["eval/num_failed"]) for m in evals] == [
-        (0, 4, 0), (2, 4, 0), (4, 4, 0), (6, 4, 0)]
-    assert evals[-1]["policy_version"] == state["policy_version"] and all(0 <= m["eval/reward_mean"] <= 1 for m in evals)
+        (0, 4, 0),
+        (2, 4, 0),
+        (4, 4, 0),
+        (6, 4, 0),
+    ]
+    assert evals[-1]["policy_version"] == state["policy_version"] and all(
+        0 <= m["eval/reward_mean"] <= 1 for m in evals
+    )
     files = sorted((run_dir / "eval").glob("step_*.parquet"))
     assert [f.name.split("-")[0] for f in files] == ["step_000000", "step_000002", "step_000004", "step_000006"]
     assert "held-out reward (first → last evaluation)" in (run_dir / "report.html").read_text()
@@ -115,8 +121,10 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
     overrides = [
         f"trainer.run_root={tmp_path}",
         "trainer.run_name=e2e",
-        f"trainer.total_steps={total_steps}", "trainer.checkpoint_every=2",
-        "eval.num_prompts=4", "eval.every_steps=2",
+        f"trainer.total_steps={total_steps}",
+        "trainer.checkpoint_every=2",
+        "eval.num_prompts=4",
+        "eval.every_steps=2",
     ]
     run_dir = tmp_path / "e2e"
     log = tmp_path / "train.log"
@@ -181,8 +189,13 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
     # offline service outlives the run and may still flush its own files: they are not the run's.)
     owned = lambda p: p.is_file() and not {"logs", "wandb"} & set(p.relative_to(run_dir).parts)  # noqa: E731
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if owned(p)}
-    again = subprocess.run([sys.executable, "-m", "streamrl.streaming.cli", "train", "--resume", str(run_dir)],
-                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [sys.executable, "-m", "streamrl.streaming.cli", "train", "--resume", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 0 and "already finished at learner step 6/6" in again.stdout, again
     after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if owned(p)}
     assert after == before

@@ -21,8 +21,12 @@ def _run(tmp_path, steps: list[int]):
 def test_targets_are_the_base_latest_all_or_named_steps_each_once(tmp_path):
     run = _run(tmp_path, [2, 4, 6])
     assert [t.label for t in run_targets(run, [])] == ["base", "step_000006"]
-    assert [t.label for t in run_targets(run, ["all", "4", "base"])] == ["step_000002", "step_000004", "step_000006",
-                                                                         "base"]
+    assert [t.label for t in run_targets(run, ["all", "4", "base"])] == [
+        "step_000002",
+        "step_000004",
+        "step_000006",
+        "base",
+    ]
     assert run_targets(run, ["base"])[0].model_path == "/models/base"
     assert run_targets(run, ["2"])[0].model_path == str(run / "checkpoints/step_000002/hf")
     with pytest.raises(ValueError, match="one of the steps \\[2, 4, 6\\]"):

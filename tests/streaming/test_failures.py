@@ -20,8 +20,12 @@ REASON = "ValueError: prompt of N tokens exceeds agent.prompt_length=N"
 
 
 def _outcomes(worker_id: str, finished: int, failed: int, reasons: dict[str, int] | None = None) -> RolloutOutcomes:
-    return RolloutOutcomes(worker_id=worker_id, num_finished=finished, num_failed=failed,
-                           failure_reasons=reasons if reasons is not None else ({REASON: failed} if failed else {}))
+    return RolloutOutcomes(
+        worker_id=worker_id,
+        num_finished=finished,
+        num_failed=failed,
+        failure_reasons=reasons if reasons is not None else ({REASON: failed} if failed else {}),
+    )
 
 
 def test_too_many_failed_needs_a_full_window_and_more_than_the_share():

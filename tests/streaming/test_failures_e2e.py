@@ -21,10 +21,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 def test_a_reward_that_always_raises_stops_the_run_with_the_reason(tmp_path, tiny_model_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.pop("RAY_ADDRESS", None)
-    args = ["--config", "configs/tiny.toml", f"trainer.run_root={tmp_path}", "trainer.run_name=r",
-            "rollout.agent.reward_fn=math:sqrt", "trainer.failed_window=16", "trainer.stall_timeout_s=300"]
-    proc = subprocess.run([sys.executable, "-m", "streamrl.streaming.cli", "train", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=540)
+    args = [
+        "--config",
+        "configs/tiny.toml",
+        f"trainer.run_root={tmp_path}",
+        "trainer.run_name=r",
+        "rollout.agent.reward_fn=math:sqrt",
+        "trainer.failed_window=16",
+        "trainer.stall_timeout_s=300",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamrl.streaming.cli", "train", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     assert "trainer.max_failed_fraction" in out and "TypeError: must be real number" in out, out[-4000:]

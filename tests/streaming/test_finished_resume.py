@@ -59,5 +59,8 @@ def test_a_new_run_never_opens_a_directory_that_holds_a_run(tmp_path, left, caps
     (run_dir / left).mkdir() if left == "buffer" else (run_dir / left).write_text("{}")
     before = sorted(p.name for p in run_dir.iterdir())
     assert main(["train", "--config", "configs/tiny.toml", *overrides]) == 2
-    assert f"{run_dir} already holds a run ({left}): continue it with `streamrl train --resume {run_dir}`" in capsys.readouterr().err
+    assert (
+        f"{run_dir} already holds a run ({left}): continue it with `streamrl train --resume {run_dir}`"
+        in capsys.readouterr().err
+    )
     assert sorted(p.name for p in run_dir.iterdir()) == before

@@ -24,17 +24,30 @@ def test_wire_dtype_follows_the_engine_unless_set():
     tiny = REPO / "configs/tiny.toml"
     assert load_config(tiny).weight_sync.wire_dtype == "float32"  # the engine's default dtype
     assert load_config(tiny, ["rollout.engine.dtype=auto"]).weight_sync.wire_dtype == "auto"
-    assert load_config(tiny, ["rollout.engine.dtype=bfloat16", "weight_sync.wire_dtype=float32"]).weight_sync.wire_dtype == "float32"
+    assert (
+        load_config(tiny, ["rollout.engine.dtype=bfloat16", "weight_sync.wire_dtype=float32"]).weight_sync.wire_dtype
+        == "float32"
+    )
 
 
-SHARED = ["rollout.engine.device=cuda", "rollout.engine.num_gpus=0.5", "learner.device=cuda", "learner.num_gpus_per_worker=0.5"]
+SHARED = [
+    "rollout.engine.device=cuda",
+    "rollout.engine.num_gpus=0.5",
+    "learner.device=cuda",
+    "learner.num_gpus_per_worker=0.5",
+]
 
 
 def test_auto_backend_is_gloo_when_a_gpu_is_shared():
-    """"Duplicate GPU detected : rank 0 and rank 1 both on CUDA device" (NCCL 2.28.9, H100): `auto`
+    """ "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device" (NCCL 2.28.9, H100): `auto`
     would pick NCCL for the learner's CUDA tensors at the first sync, so it is resolved here."""
     assert load_config(REPO / "configs/tiny.toml", SHARED).weight_sync.backend == "gloo"
-    whole = ["rollout.engine.device=cuda", "rollout.engine.num_gpus=1", "learner.device=cuda", "learner.num_gpus_per_worker=1"]
+    whole = [
+        "rollout.engine.device=cuda",
+        "rollout.engine.num_gpus=1",
+        "learner.device=cuda",
+        "learner.num_gpus_per_worker=1",
+    ]
     assert load_config(REPO / "configs/tiny.toml", whole).weight_sync.backend == "auto"
 
 

@@ -40,8 +40,15 @@ def _cfg(*overrides: str):
 def _rows(path, answers: list[str], tag: str) -> str:
     with open(path, "w") as f:
         for i, answer in enumerate(answers):
-            f.write(json.dumps({"prompt": [{"role": "user", "content": f"{tag} question {i}?"}],
-                                "reward_model": {"ground_truth": answer}}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": [{"role": "user", "content": f"{tag} question {i}?"}],
+                        "reward_model": {"ground_truth": answer},
+                    }
+                )
+                + "\n"
+            )
     return str(path)
 
 
@@ -89,20 +96,36 @@ def test_eval_config_samples_at_the_eval_temperature_and_changes_nothing_else():
 
 
 def _traj(status: TrajectoryStatus, reward: float, n: int, group_id: str = "g", version: int = 0) -> Trajectory:
-    return Trajectory(trajectory_id="t", group_id=group_id, sample_index=0, agent_name="tool_agent", prompt_ids=[1], response_ids=[5] * n, response_mask=[1] * n,
-                      behavior_logprobs=[-0.1] * n, policy_versions=[version] * n, reward=reward, status=status)
+    return Trajectory(
+        trajectory_id="t",
+        group_id=group_id,
+        sample_index=0,
+        agent_name="tool_agent",
+        prompt_ids=[1],
+        response_ids=[5] * n,
+        response_mask=[1] * n,
+        behavior_logprobs=[-0.1] * n,
+        policy_versions=[version] * n,
+        reward=reward,
+        status=status,
+    )
 
 
 def test_a_failed_or_missing_sample_scores_zero():
     records = [PromptRecord(group_id=f"eval/p{i}", messages=[{"role": "user", "content": str(i)}]) for i in range(4)]
-    trajs = [_traj(TrajectoryStatus.FINISHED, 1.0, 4, "eval/p0@e0"), _traj(TrajectoryStatus.FINISHED, 0.0, 2, "eval/p1@e0"),
-             _traj(TrajectoryStatus.FAILED, 1.0, 0, "eval/p2@e0")]  # p3 never came back
+    trajs = [
+        _traj(TrajectoryStatus.FINISHED, 1.0, 4, "eval/p0@e0"),
+        _traj(TrajectoryStatus.FINISHED, 0.0, 2, "eval/p1@e0"),
+        _traj(TrajectoryStatus.FAILED, 1.0, 0, "eval/p2@e0"),
+    ]  # p3 never came back
     summary, metrics = heldout_metrics(trajs, records, k=1, threshold=1.0, seconds=2.0)
     assert summary.avg_reward == 0.25 and summary.pass_at_1 == 0.25
     assert metrics["eval/num_failed"] == 2.0 and metrics["eval/response_length_mean"] == 3.0
 
 
-async def test_every_held_out_prompt_runs_once_through_the_agent_loop_and_is_scored(tmp_path, tiny_tokenizer, tiny_model_path):
+async def test_every_held_out_prompt_runs_once_through_the_agent_loop_and_is_scored(
+    tmp_path, tiny_tokenizer, tiny_model_path
+):
     """On a scripted engine that always answers \\boxed{42}: exactly the prompts whose ground truth is
     42 score, each prompt ran once, and no trajectory carries a training group id."""
     answers = ["42", "7", "42", "9", "42"]
@@ -234,8 +257,14 @@ def test_tokens_of_another_version_in_an_evaluation_are_a_bug():
 def test_the_summary_line_compares_the_first_and_last_evaluation(tmp_path):
     for step, version, rewards in [(0, 0, [0.0, 0.0, 1.0]), (3, 3, [1.0, 1.0, 1.0])]:
         trajs = [_traj(TrajectoryStatus.FINISHED, r, 2, f"eval/p{i}@e0", version) for i, r in enumerate(rewards)]
-        write_rows(eval_file(tmp_path, step, version), trajs, served_step=step, policy_version=version,
-                   started_elapsed_s=0.0, seconds=1.0)
+        write_rows(
+            eval_file(tmp_path, step, version),
+            trajs,
+            served_step=step,
+            policy_version=version,
+            started_elapsed_s=0.0,
+            seconds=1.0,
+        )
     first, last, result = first_last_comparison(tmp_path)
     assert (first, last, result.num_up, result.num_down, result.test) == (0, 3, 2, 0, "mcnemar-exact")
     assert result.p_value == pytest.approx(0.5)  # 2 of 2 discordant pairs up: 2 x 1/4

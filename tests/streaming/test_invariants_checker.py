@@ -17,11 +17,22 @@ F = TrajectoryStatus.FAILED
 
 
 def _cfg() -> StreamRLConfig:
-    return StreamRLConfig.model_validate({"model": "tiny", "data": {"num_prompts": 8}, "buffer": {"batch_size": 8, "group_size": 4}})
+    return StreamRLConfig.model_validate(
+        {"model": "tiny", "data": {"num_prompts": 8}, "buffer": {"batch_size": 8, "group_size": 4}}
+    )
 
 
-def _run(tmp_path, *, failed: tuple[str, int] | None = None, sample_batch: int = 8, steps: int = 1,
-         cursor: int = 2, admitted: int = 2, tool_calls: int = 0, ledger: list[tuple[int, int, str]] | None = None):
+def _run(
+    tmp_path,
+    *,
+    failed: tuple[str, int] | None = None,
+    sample_batch: int = 8,
+    steps: int = 1,
+    cursor: int = 2,
+    admitted: int = 2,
+    tool_calls: int = 0,
+    ledger: list[tuple[int, int, str]] | None = None,
+):
     """A run whose buffer holds the groups of the first `admitted` prompts (4 each; the config's
     batch is 8), sampled `steps` times with batches of `sample_batch`, and whose saved cursor says
     `cursor` prompts were admitted. Every trajectory made `tool_calls` calls; `ledger` lines are
@@ -32,8 +43,10 @@ def _run(tmp_path, *, failed: tuple[str, int] | None = None, sample_batch: int =
     buf = ReplayBuffer(buf_cfg)
     gids = first_group_ids(cfg.data, admitted)
     for gid in gids:
-        rows = [make_traj(gid, i, reward=float(i), status=F if (gid, i) == failed else TrajectoryStatus.FINISHED)
-                for i in range(4)]
+        rows = [
+            make_traj(gid, i, reward=float(i), status=F if (gid, i) == failed else TrajectoryStatus.FINISHED)
+            for i in range(4)
+        ]
         for r in rows:
             r.num_tool_calls = tool_calls
         buf.append(rows)
@@ -42,9 +55,13 @@ def _run(tmp_path, *, failed: tuple[str, int] | None = None, sample_batch: int =
         assert batch is not None
     buf.close()
     (run_dir / "run_info.json").write_text(json.dumps({"config": cfg.model_dump(mode="json")}))
-    (run_dir / "driver_state.json").write_text(json.dumps({"learner_step": steps, "cursor": cursor, "policy_version": steps}))
+    (run_dir / "driver_state.json").write_text(
+        json.dumps({"learner_step": steps, "cursor": cursor, "policy_version": steps})
+    )
     if ledger is not None:
-        lines = [json.dumps({"instance_id": f"{gids[g]}/{i}", "call_id": c, "arguments": {}, "pid": 1}) for g, i, c in ledger]
+        lines = [
+            json.dumps({"instance_id": f"{gids[g]}/{i}", "call_id": c, "arguments": {}, "pid": 1}) for g, i, c in ledger
+        ]
         (run_dir / "tool_ledger.jsonl").write_text("".join(line + "\n" for line in lines) + '{"torn')
     return check_run(run_dir)
 

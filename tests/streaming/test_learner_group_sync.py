@@ -94,15 +94,26 @@ def _sampled_batch(policy_version: int):
             n = 10 + 3 * i
             rows.append(
                 Trajectory(
-                    trajectory_id=f"g{g}/{i}", group_id=f"g{g}", sample_index=i, agent_name="tool_agent",
-                    prompt_ids=rng.integers(3, 600, 12).tolist(), response_ids=rng.integers(3, 600, n).tolist(),
-                    response_mask=[1] * n, behavior_logprobs=[-6.0] * n, policy_versions=[policy_version] * n,
+                    trajectory_id=f"g{g}/{i}",
+                    group_id=f"g{g}",
+                    sample_index=i,
+                    agent_name="tool_agent",
+                    prompt_ids=rng.integers(3, 600, 12).tolist(),
+                    response_ids=rng.integers(3, 600, n).tolist(),
+                    response_mask=[1] * n,
+                    behavior_logprobs=[-6.0] * n,
+                    policy_versions=[policy_version] * n,
                     reward=float(i == g),
                 )
             )
     table = pa.Table.from_batches([trajectories_to_batch(rows)])
-    return SampledBatch(table=table, trajectory_ids=[t.trajectory_id for t in rows], learner_step=policy_version + 1,
-                        served_version=policy_version, lags=np.zeros(len(rows), dtype=np.int64))
+    return SampledBatch(
+        table=table,
+        trajectory_ids=[t.trajectory_id for t in rows],
+        learner_step=policy_version + 1,
+        served_version=policy_version,
+        lags=np.zeros(len(rows), dtype=np.int64),
+    )
 
 
 @torch.no_grad()

@@ -49,9 +49,22 @@ def test_the_pinned_held_out_reward_rises_far_beyond_seed_noise(tmp_path):
     log = tmp_path / "train.log"
     with open(log, "wb") as out:
         proc = subprocess.run(
-            [sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", "configs/learning_tiny.toml",
-             f"trainer.run_root={tmp_path}", "trainer.run_name=learn", "wandb.enabled=false"],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=400,
+            [
+                sys.executable,
+                "-m",
+                "streamrl.streaming.cli",
+                "train",
+                "--config",
+                "configs/learning_tiny.toml",
+                f"trainer.run_root={tmp_path}",
+                "trainer.run_name=learn",
+                "wandb.enabled=false",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=400,
         )
     assert proc.returncode == 0, log.read_text()[-4000:]
     run_dir = tmp_path / "learn"
@@ -75,9 +88,24 @@ def test_the_pinned_held_out_reward_rises_far_beyond_seed_noise(tmp_path):
 
     # `streamrl eval` re-evaluates the run offline: the base model and the last checkpoint, same metrics
     out = subprocess.run(
-        [sys.executable, "-m", "streamrl.streaming.cli", "eval", str(run_dir), "--checkpoint", "base",
-         "--checkpoint", "latest", "eval.num_prompts=16", "eval.k=2"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "streamrl.streaming.cli",
+            "eval",
+            str(run_dir),
+            "--checkpoint",
+            "base",
+            "--checkpoint",
+            "latest",
+            "eval.num_prompts=16",
+            "eval.k=2",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     offline = {p.stem: pq.read_table(p).to_pylist() for p in (run_dir / "eval_offline").glob("*.parquet")}

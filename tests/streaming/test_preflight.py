@@ -35,7 +35,9 @@ def _host_gib(parts) -> float:
 @pytest.fixture
 def machine_24g(monkeypatch):
     """A 24 GiB machine with 16 GiB free, whatever this one has."""
-    monkeypatch.setattr(preflight, "available_memory", lambda: (int(22.8 * GiB), 16 * GiB, "this machine (24.0 GiB RAM)", None))
+    monkeypatch.setattr(
+        preflight, "available_memory", lambda: (int(22.8 * GiB), 16 * GiB, "this machine (24.0 GiB RAM)", None)
+    )
 
 
 def test_param_count_from_config_dims_matches_the_weights(tiny_model_path):
@@ -68,8 +70,12 @@ def test_estimates_for_the_shipped_configs_are_plausible():
     # 640 tokens of SmolLM2, fp32, checkpointed (the default): measured step peak minus the resident set
     # after a step ≈ 0.37-0.45 GiB (bench/results/learner_peak.json); without checkpointing ≈ 1.1-1.4 GB
     assert 0.3 * GiB < by_name["learner activations"] < 1 * GiB
-    no_gc = {p.name: p.bytes for p in estimate_parts(_cfg("configs/default.toml", "learner.gradient_checkpointing=false"),
-                                                      model_dims("smollm2"))}
+    no_gc = {
+        p.name: p.bytes
+        for p in estimate_parts(
+            _cfg("configs/default.toml", "learner.gradient_checkpointing=false"), model_dims("smollm2")
+        )
+    }
     assert 0.7 * GiB < no_gc["learner activations"] < 2 * GiB
     assert 4 < _host_gib(tiny) < 8  # mostly fixed process costs: the model is 0.1M params
     assert 9 < _host_gib(default) < 14  # measured node peak of `make run`: 11.1 GB (README, Measured)
@@ -79,17 +85,30 @@ def test_estimates_for_the_shipped_configs_are_plausible():
 def test_knobs_move_the_estimate():
     plain = ("learner.gradient_checkpointing=false", "learner.logits_chunk_tokens=512")  # the default before session 9
     base = _host_gib(estimate_parts(_cfg("configs/default.toml", *plain), model_dims("smollm2")))
-    for override in ("learner.gradient_checkpointing=true", "learner.micro_batch_tokens=320", "learner.logits_chunk_tokens=256"):
-        assert _host_gib(estimate_parts(_cfg("configs/default.toml", *plain, override), model_dims("smollm2"))) < base, override
+    for override in (
+        "learner.gradient_checkpointing=true",
+        "learner.micro_batch_tokens=320",
+        "learner.logits_chunk_tokens=256",
+    ):
+        assert (
+            _host_gib(estimate_parts(_cfg("configs/default.toml", *plain, override), model_dims("smollm2"))) < base
+        ), override
     more = estimate_parts(_cfg("configs/default.toml", *plain, "rollout.num_engines=2"), model_dims("smollm2"))
     assert _host_gib(more) == pytest.approx(base + 2 + 134_515_008 * 4 / GiB + 1.7, abs=0.01)
 
 
 def test_cuda_parts_leave_host_ram():
-    parts = estimate_parts(_cfg("configs/default.toml", "rollout.engine.device=cuda", "rollout.engine.num_gpus=1",
-                                "learner.device=cuda"), model_dims("smollm2"))
+    parts = estimate_parts(
+        _cfg("configs/default.toml", "rollout.engine.device=cuda", "rollout.engine.num_gpus=1", "learner.device=cuda"),
+        model_dims("smollm2"),
+    )
     on_gpu = {p.name for p in parts if p.on_gpu}
-    assert {"learner weights+grads+AdamW", "learner activations", "engine weights (×1)", "engine KV cache (×1)"} <= on_gpu
+    assert {
+        "learner weights+grads+AdamW",
+        "learner activations",
+        "engine weights (×1)",
+        "engine KV cache (×1)",
+    } <= on_gpu
     assert "engine process (×1)" not in on_gpu and "driver" not in on_gpu
 
 
@@ -133,16 +152,22 @@ def test_explain_failure_names_the_part_its_peak_and_the_resume_command(tmp_path
     run_dir = tmp_path / "runs" / "default-1"
     text = explain_failure(_wrapped(OutOfMemoryError(OOM_TEXT)), run_dir)
     assert text is not None and "\n" not in text
-    assert text.startswith("the learner (LearnerActor, pid 4242, peak 9.87GB) was killed for lack of memory "
-                           "with the node at 22.31GB of 23.49GB; shrink it with learner.micro_batch_tokens")
+    assert text.startswith(
+        "the learner (LearnerActor, pid 4242, peak 9.87GB) was killed for lack of memory "
+        "with the node at 22.31GB of 23.49GB; shrink it with learner.micro_batch_tokens"
+    )
     assert text.endswith(f"continue the run with: streamrl train --resume {run_dir}")
 
 
 def test_explain_failure_reads_an_actor_death_for_memory(tmp_path):
-    died = RayActorError(actor_id="ab", error_msg=(
-        "The actor died unexpectedly before finishing this task.\n\tclass_name: EngineActor\n\tactor_id: ab\n\tpid: 77\n"
-        "The actor is dead because its worker process has died. Worker exit type: NODE_OUT_OF_MEMORY Worker exit detail: "
-        + OOM_TEXT.replace("LearnerActor.train_step", "EngineActor.generate").replace("pid=4242", "pid=77")))
+    died = RayActorError(
+        actor_id="ab",
+        error_msg=(
+            "The actor died unexpectedly before finishing this task.\n\tclass_name: EngineActor\n\tactor_id: ab\n\tpid: 77\n"
+            "The actor is dead because its worker process has died. Worker exit type: NODE_OUT_OF_MEMORY Worker exit detail: "
+            + OOM_TEXT.replace("LearnerActor.train_step", "EngineActor.generate").replace("pid=4242", "pid=77")
+        ),
+    )
     loop_error = RuntimeError("admission loop failed")
     loop_error.__cause__ = ExceptionGroup("tasks", [ValueError("unrelated"), died])
     text = explain_failure(loop_error, tmp_path)
@@ -163,11 +188,14 @@ def test_explain_failure_names_every_worker_one_kill_took(tmp_path):
     assert message is not None and message.startswith(
         "the inference engine (EngineActor, pid 27063, peak 2.10GB) and the replay buffer (BufferActor, pid 27064, "
         "peak 0.04GB) were killed for lack of memory with the node at 6.42GB of 23.54GB; shrink it with "
-        "rollout.engine.kv_cache_space_gb, rollout.num_engines, ")
+        "rollout.engine.kv_cache_space_gb, rollout.num_engines, "
+    )
 
 
 def test_explain_failure_leaves_other_failures_alone(tmp_path):
-    preempted = RayActorError(actor_id="cd", error_msg="The actor died unexpectedly: SIGKILL\n\tclass_name: RolloutWorkerActor")
+    preempted = RayActorError(
+        actor_id="cd", error_msg="The actor died unexpectedly: SIGKILL\n\tclass_name: RolloutWorkerActor"
+    )
     assert explain_failure(_wrapped(preempted), tmp_path) is None
     assert explain_failure(_wrapped(ValueError("out of memory?")), tmp_path) is None  # not a Ray kill
     unknown = explain_failure(OutOfMemoryError("Task was killed due to the node running low on memory."), tmp_path)
@@ -215,10 +243,13 @@ def test_explain_failure_for_every_engine_gone(tmp_path):
     from streamrl.rollout.engine.base import NoHealthyEngineError
 
     run_dir = tmp_path / "runs" / "r"
-    text = explain_failure(_wrapped(NoHealthyEngineError("no inference engine is alive: engine-0: ActorDiedError")),
-                           run_dir)
-    assert text == (f"the run stopped because no inference engine is left (no inference engine is alive: engine-0: "
-                    f"ActorDiedError); see {run_dir}/logs, then continue the run with: streamrl train --resume {run_dir}")
+    text = explain_failure(
+        _wrapped(NoHealthyEngineError("no inference engine is alive: engine-0: ActorDiedError")), run_dir
+    )
+    assert text == (
+        f"the run stopped because no inference engine is left (no inference engine is alive: engine-0: "
+        f"ActorDiedError); see {run_dir}/logs, then continue the run with: streamrl train --resume {run_dir}"
+    )
     assert explain_failure(_wrapped(ValueError("something else")), run_dir) is None
 
 
@@ -229,8 +260,11 @@ def test_prompts_that_cannot_fit_stop_the_run_before_it_starts(tiny_model_path, 
     them (chat template + tool schemas)."""
     from streamrl.streaming.sft import check_prompt_lengths
 
-    base = ["rollout.agent.tool_config=configs/tools/code_interpreter.yaml", "data.difficulty=easy",
-            "rollout.engine.max_model_len=2048"]
+    base = [
+        "rollout.agent.tool_config=configs/tools/code_interpreter.yaml",
+        "data.difficulty=easy",
+        "rollout.engine.max_model_len=2048",
+    ]
     lengths = check_prompt_lengths(_cfg("configs/tiny.toml", *base, "rollout.agent.prompt_length=896"), tiny_model_path)
     assert len(lengths) == 32 and max(lengths) <= 896 and min(lengths) > 512
     with pytest.raises(ValueError, match=r"every prompt checked \(32\) is longer than rollout.agent.prompt_length=512"):
@@ -274,11 +308,16 @@ def test_image_prompts_are_measured_with_their_placeholder_runs():
     processor = AutoProcessor.from_pretrained(folder)
     record = load_records("dots", 1, 0)[0]
     parts = [{"type": "image"} if p["type"] == "image" else p for p in record.messages[0]["content"]]
-    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
-                                                   add_generation_prompt=True)
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+    )
     image = decode_image(load_image_source(record.messages[0]["content"][0]["image"]))
     expected = len(processor(text=[text], images=[[image]], add_special_tokens=False)["input_ids"][0])
-    lengths = check_prompt_lengths(_cfg("configs/vlm_tiny.toml", f"rollout.agent.prompt_length={expected}"), folder, sample=4)
+    lengths = check_prompt_lengths(
+        _cfg("configs/vlm_tiny.toml", f"rollout.agent.prompt_length={expected}"), folder, sample=4
+    )
     assert lengths == [expected] * 4
     with pytest.raises(ValueError, match=r"every prompt checked \(4\) is longer"):
-        check_prompt_lengths(_cfg("configs/vlm_tiny.toml", f"rollout.agent.prompt_length={expected - 1}"), folder, sample=4)
+        check_prompt_lengths(
+            _cfg("configs/vlm_tiny.toml", f"rollout.agent.prompt_length={expected - 1}"), folder, sample=4
+        )

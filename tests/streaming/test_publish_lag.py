@@ -36,7 +36,7 @@ class RecordingCoordinator:
         self.dropped: dict[str, str] = {}
 
     async def sync(self, named_tensors, target: int) -> SyncResult:
-        (name, tensor), = list(named_tensors)
+        ((name, tensor),) = list(named_tensors)
         self.sent.append((target, float(tensor[0])))
         self.policy_version = target
         return SyncResult(ok=True, policy_version=target, engine_ids=["engine-0"])
@@ -47,8 +47,9 @@ class RecordingCoordinator:
 
 @pytest.mark.parametrize("lag", [0, 1, 3])
 async def test_the_publisher_serves_exactly_lag_versions_behind(lag):
-    publisher = WeightPublisher(WeightSyncConfig(publish_lag=lag), EngineConfig(), engines=[object()], workers=[],
-                                policy_version=0)
+    publisher = WeightPublisher(
+        WeightSyncConfig(publish_lag=lag), EngineConfig(), engines=[object()], workers=[], policy_version=0
+    )
     publisher.coordinator = RecordingCoordinator()
     served = []
     for step in range(1, 7):
@@ -59,7 +60,7 @@ async def test_the_publisher_serves_exactly_lag_versions_behind(lag):
 
 
 def test_a_fixed_lag_needs_the_synchronous_trainer():
-    with pytest.raises(ValueError, match="publish_lag=2 .* needs trainer.mode = \"sync\""):
+    with pytest.raises(ValueError, match='publish_lag=2 .* needs trainer.mode = "sync"'):
         load_config(None, ["weight_sync.publish_lag=2"])
     with pytest.raises(ValueError, match="sync_every 2"):
         load_config(None, ["weight_sync.publish_lag=2", "trainer.mode=sync", "trainer.sync_every=2"])

@@ -176,8 +176,10 @@ def test_ray_options_send_actor_output_to_run_logs_unless_verbose(tmp_path):
     setup_console(verbose=False)
     quiet = ray_init_options(tmp_path, {"A": "1"})
     assert quiet["log_to_driver"] is False
-    assert quiet["runtime_env"] == {"env_vars": {"A": "1", LOG_DIR_ENV: str((tmp_path / "logs").resolve())},
-                                    "worker_process_setup_hook": WORKER_SETUP_HOOK}
+    assert quiet["runtime_env"] == {
+        "env_vars": {"A": "1", LOG_DIR_ENV: str((tmp_path / "logs").resolve())},
+        "worker_process_setup_hook": WORKER_SETUP_HOOK,
+    }
     setup_console(verbose=True)
     assert ray_init_options(tmp_path, {"A": "1"}) == {"log_to_driver": True, "runtime_env": {"env_vars": {"A": "1"}}}
     setup_console(verbose=False)

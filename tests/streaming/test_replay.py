@@ -11,8 +11,8 @@ import json
 import pytest
 
 from streamrl.buffer.store import ReplayBuffer
-from streamrl.streaming.config import load_config
 from streamrl.observability.metrics import MetricsLogger
+from streamrl.streaming.config import load_config
 from streamrl.streaming.replay import COMPARED, logged_batches, replay
 from tests.buffer.helpers import make_traj
 from tests.conftest import REPO
@@ -22,19 +22,30 @@ def _group(gid: str, version: int, rewards: list[float], seed: int):
     rows = []
     for i, reward in enumerate(rewards):
         t = make_traj(gid, i, num_response=6 + (seed + i) % 5, reward=reward, version=version)
-        rows.append(dataclasses.replace(t, response_ids=[(17 * seed + 31 * i + 7 * k) % 500 + 50
-                                                         for k in range(len(t.response_ids))]))
+        rows.append(
+            dataclasses.replace(
+                t, response_ids=[(17 * seed + 31 * i + 7 * k) % 500 + 50 for k in range(len(t.response_ids))]
+            )
+        )
     return rows
 
 
 def _run_config(run_dir, tiny_model_path):
-    cfg = load_config(REPO / "configs/tiny.toml", [f"model={tiny_model_path}", "buffer.batch_size=4",
-                                                    "buffer.group_size=2", "learner.lr=1e-3",
-                                                    "learner.correction.prox=loglinear"])  # lag-dependent: labels matter
+    cfg = load_config(
+        REPO / "configs/tiny.toml",
+        [
+            f"model={tiny_model_path}",
+            "buffer.batch_size=4",
+            "buffer.group_size=2",
+            "learner.lr=1e-3",
+            "learner.correction.prox=loglinear",
+        ],
+    )  # lag-dependent: labels matter
     cfg.learner.model = str(tiny_model_path)
     cfg.buffer.root_dir = str(run_dir / "buffer")
-    (run_dir / "run_info.json").write_text(json.dumps({"model_path": str(tiny_model_path),
-                                                       "config": cfg.model_dump(mode="json")}))
+    (run_dir / "run_info.json").write_text(
+        json.dumps({"model_path": str(tiny_model_path), "config": cfg.model_dump(mode="json")})
+    )
     return cfg
 
 

@@ -21,8 +21,13 @@ def _run_dir(tmp_path: Path, *overrides: str) -> Path:
     records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
     run_dir = tmp_path / "run"
     run_dir.mkdir(parents=True)
-    info = {"run_name": "run", "model_path": "tiny", "config": cfg.model_dump(mode="json"),
-            "prompts_sha256": prompts_sha256(records), "num_prompts": len(records)}
+    info = {
+        "run_name": "run",
+        "model_path": "tiny",
+        "config": cfg.model_dump(mode="json"),
+        "prompts_sha256": prompts_sha256(records),
+        "num_prompts": len(records),
+    }
     (run_dir / "run_info.json").write_text(json.dumps(info))
     return run_dir
 
@@ -36,9 +41,20 @@ def test_overrides_that_change_the_prompts_or_the_groups_are_refused_in_one_erro
     assert "trainer.total_steps" not in message.split("Start a new run")[0]  # allowed: not listed as refused
 
 
-@pytest.mark.parametrize("override", ["data.shuffle=false", "data.num_prompts=32", "model=smollm2", "trainer.mode=sync",
-                                      "learner.lr=0.5", "buffer.max_staleness=0", "eval.k=4", "eval.num_prompts=8",
-                                      "rollout.agent.reward_fn=exact_match"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "data.shuffle=false",
+        "data.num_prompts=32",
+        "model=smollm2",
+        "trainer.mode=sync",
+        "learner.lr=0.5",
+        "buffer.max_staleness=0",
+        "eval.k=4",
+        "eval.num_prompts=8",
+        "rollout.agent.reward_fn=exact_match",
+    ],
+)
 def test_each_override_that_changes_what_is_trained_is_refused(tmp_path, override):
     with pytest.raises(ValueError, match="cannot change"):
         open_run(None, [override], str(_run_dir(tmp_path)))
@@ -46,9 +62,17 @@ def test_each_override_that_changes_what_is_trained_is_refused(tmp_path, overrid
 
 def test_allowed_overrides_and_unchanged_values_resume(tmp_path):
     run_dir = _run_dir(tmp_path)
-    allowed = ["trainer.total_steps=12", "trainer.stall_timeout_s=60", "wandb.enabled=false", "eval.every_steps=2",
-               "buffer.batch_size=16", "rollout.engine.kv_cache_space_gb=2", "learner.micro_batch_tokens=2048",
-               "data.seed=0", "buffer.group_size=4"]  # the last two: the values the run already has
+    allowed = [
+        "trainer.total_steps=12",
+        "trainer.stall_timeout_s=60",
+        "wandb.enabled=false",
+        "eval.every_steps=2",
+        "buffer.batch_size=16",
+        "rollout.engine.kv_cache_space_gb=2",
+        "learner.micro_batch_tokens=2048",
+        "data.seed=0",
+        "buffer.group_size=4",
+    ]  # the last two: the values the run already has
     cfg, run, state = open_run(None, allowed, str(run_dir))
     assert (cfg.trainer.total_steps, cfg.buffer.batch_size, cfg.buffer.group_size) == (12, 16, 4) and run == run_dir
     assert all(safe_on_resume(k.split("=")[0]) for k in allowed[:7]) and not safe_on_resume("wandbx.enabled")
@@ -65,7 +89,9 @@ def test_a_dry_run_refuses_the_same_overrides(tmp_path):
 
 def test_a_dataset_changed_under_the_run_is_refused(tmp_path):
     data = tmp_path / "prompts.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"what is {i} + {i}?"}], "ground_truth": str(2 * i)} for i in range(8)]
+    rows = [
+        {"messages": [{"role": "user", "content": f"what is {i} + {i}?"}], "ground_truth": str(2 * i)} for i in range(8)
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = _run_dir(tmp_path, f"data.source={data}")
     open_run(None, [], str(run_dir))  # unchanged: resumes

@@ -34,9 +34,14 @@ def _behaviour_logprobs(engine, traj) -> list[float]:
     n, p = len(ids), len(traj.prompt_ids)
     loss_mask = np.array([[0] * p + list(traj.response_mask)], dtype=np.float32)
     padded = types.SimpleNamespace(
-        input_ids=np.array([ids]), attention_mask=np.ones((1, n), dtype=np.int64), loss_mask=loss_mask,
-        behavior_logprobs=np.zeros((1, n), dtype=np.float32), policy_versions=np.where(loss_mask > 0, 0, -1),
-        seq_lens=np.array([n]), rewards=np.zeros(1, dtype=np.float32), group_index=np.zeros(1, dtype=np.int64),
+        input_ids=np.array([ids]),
+        attention_mask=np.ones((1, n), dtype=np.int64),
+        loss_mask=loss_mask,
+        behavior_logprobs=np.zeros((1, n), dtype=np.float32),
+        policy_versions=np.where(loss_mask > 0, 0, -1),
+        seq_lens=np.array([n]),
+        rewards=np.zeros(1, dtype=np.float32),
+        group_index=np.zeros(1, dtype=np.int64),
     )
     logp = engine.compute_logprobs(padded)[0, p:].tolist()
     return [lp if m else 0.0 for lp, m in zip(logp, traj.response_mask)]
@@ -46,8 +51,12 @@ def _group(engine, gid: str, version: int, seed: int):
     rows = []
     for i, reward in enumerate([1.0, 0.0] if seed % 2 else [0.0, 1.0]):
         t = make_traj(gid, i, num_response=6 + (seed + i) % 5, reward=reward, version=version)
-        t = dataclasses.replace(t, response_ids=[(17 * seed + 31 * i + 7 * k) % 500 + 50 for k in range(len(t.response_ids))],
-                                created_at=float(seed), finished_at=seed + 0.5)  # the buffer samples oldest first
+        t = dataclasses.replace(
+            t,
+            response_ids=[(17 * seed + 31 * i + 7 * k) % 500 + 50 for k in range(len(t.response_ids))],
+            created_at=float(seed),
+            finished_at=seed + 0.5,
+        )  # the buffer samples oldest first
         rows.append(dataclasses.replace(t, behavior_logprobs=_behaviour_logprobs(engine, t)))
     return rows
 
@@ -57,11 +66,15 @@ def run_dir(tmp_path_factory, tiny_model_path):
     from streamrl.learner.engine import TrainingEngine
 
     run = tmp_path_factory.mktemp("reweight_run")
-    cfg = load_config(REPO / "configs/tiny.toml", [f"model={tiny_model_path}", "buffer.batch_size=4",
-                                                    "buffer.group_size=2", "learner.lr=1e-2"])
+    cfg = load_config(
+        REPO / "configs/tiny.toml",
+        [f"model={tiny_model_path}", "buffer.batch_size=4", "buffer.group_size=2", "learner.lr=1e-2"],
+    )
     cfg.learner.model = str(tiny_model_path)
     cfg.buffer.root_dir = str(run / "buffer")
-    (run / "run_info.json").write_text(json.dumps({"model_path": str(tiny_model_path), "config": cfg.model_dump(mode="json")}))
+    (run / "run_info.json").write_text(
+        json.dumps({"model_path": str(tiny_model_path), "config": cfg.model_dump(mode="json")})
+    )
     buf = ReplayBuffer(cfg.buffer)
     engine = TrainingEngine(cfg.learner)
     buf.append([t for k, g in enumerate("abcd") for t in _group(engine, g, 0, k)])
@@ -107,8 +120,19 @@ def test_the_checkpoint_that_sampled_a_batch_gives_it_weight_one(run_dir, tmp_pa
 
 @pytest.mark.timeout(300)
 def test_cli_table_and_clear_errors(run_dir, tmp_path, capsys):
-    argv = ["staleness", "reweight", str(run_dir), "--checkpoint", "1", "--out", str(tmp_path),
-            "--correction", "none", "--correction", "decoupled:rejection=bounds"]
+    argv = [
+        "staleness",
+        "reweight",
+        str(run_dir),
+        "--checkpoint",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--correction",
+        "none",
+        "--correction",
+        "decoupled:rejection=bounds",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "ESS" in out and "decoupled:rejection=bounds" in out and (tmp_path / "reweight.txt").exists()

@@ -37,12 +37,26 @@ def test_vlm_config_gives_the_loops_a_processor_and_an_image_store():
 def test_image_blobs_carry_each_referenced_image_once():
     store = ImageStore()
     red, green = store.put(_png((255, 0, 0))), store.put(_png((0, 255, 0), (5, 9)))
-    row = Trajectory(trajectory_id="t", group_id="g", sample_index=0, agent_name="single_turn_agent",
-                     prompt_ids=[1], response_ids=[], response_mask=[], behavior_logprobs=[], policy_versions=[])
+    row = Trajectory(
+        trajectory_id="t",
+        group_id="g",
+        sample_index=0,
+        agent_name="single_turn_agent",
+        prompt_ids=[1],
+        response_ids=[],
+        response_mask=[],
+        behavior_logprobs=[],
+        policy_versions=[],
+    )
     assert image_blobs(store, row) is None  # a text row: the append call is exactly as before
     row = dataclasses.replace(row, image_refs=[green.sha256, red.sha256, green.sha256], num_image_tokens=[4, 4, 4])
     blobs = image_blobs(store, row)
     assert [b.sha256 for b in blobs] == [green.sha256, red.sha256]
-    assert (blobs[0].width, blobs[0].height, blobs[0].mime, blobs[0].data) == (5, 9, "image/png", store.get(green.sha256))
+    assert (blobs[0].width, blobs[0].height, blobs[0].mime, blobs[0].data) == (
+        5,
+        9,
+        "image/png",
+        store.get(green.sha256),
+    )
     with pytest.raises(KeyError):
         image_blobs(ImageStore(), row)  # bytes the worker does not hold are a bug here, never skipped

@@ -47,14 +47,25 @@ def test_the_shipped_configs_name_only_streamrl_code(caplog):
 def test_code_from_outside_is_warned_once(tmp_path, caplog, monkeypatch):
     monkeypatch.chdir(REPO)
     tools = tmp_path / "tools.yaml"
-    tools.write_text("tools:\n  - class_name: json.JSONDecoder\n  - name: calculator\n"
-                     "  - mcp: {command: npx, args: [server]}\n")
+    tools.write_text(
+        "tools:\n  - class_name: json.JSONDecoder\n  - name: calculator\n  - mcp: {command: npx, args: [server]}\n"
+    )
     interactions = tmp_path / "interactions.yaml"
     interactions.write_text("interaction:\n  - name: x\n    class_name: collections:Counter\n")
-    cfg = load_config(None, ["rollout.agent.reward_fn=os:system", f"rollout.agent.tool_config={tools}",
-                             f"rollout.agent.interaction_config={interactions}"])
-    assert [r.where.split(" ")[-1] for r in code_references(cfg)] == ["rollout.agent.reward_fn", "class_name",
-                                                                       "mcp.command", "class_name"]
+    cfg = load_config(
+        None,
+        [
+            "rollout.agent.reward_fn=os:system",
+            f"rollout.agent.tool_config={tools}",
+            f"rollout.agent.interaction_config={interactions}",
+        ],
+    )
+    assert [r.where.split(" ")[-1] for r in code_references(cfg)] == [
+        "rollout.agent.reward_fn",
+        "class_name",
+        "mcp.command",
+        "class_name",
+    ]
     with caplog.at_level(logging.WARNING, logger="streamrl.streaming.trust"):
         first = warn_untrusted_code(cfg)
         again = warn_untrusted_code(cfg)

@@ -38,18 +38,32 @@ TOTAL_STEPS = 3
 # the random model mostly answers wrong, and a group with equal rewards has zero GRPO advantages, so
 # without it a step may leave every weight as it was and the per-version log-prob check would prove
 # nothing about the sync. No wandb files.
-OVERRIDES = ["trainer.run_name=vlm", f"trainer.total_steps={TOTAL_STEPS}", "buffer.max_staleness=0",
-             "data.num_prompts=8", "learner.entropy_coef=0.01", "wandb.enabled=false"]
+OVERRIDES = [
+    "trainer.run_name=vlm",
+    f"trainer.total_steps={TOTAL_STEPS}",
+    "buffer.max_staleness=0",
+    "data.num_prompts=8",
+    "learner.entropy_coef=0.01",
+    "wandb.enabled=false",
+]
 LOGPROB_ATOL = 1e-4  # fp32 engine vs HF forward (observed ~5e-7 in tests/rollout/test_tiny_vlm.py)
-CHIP_RE = re.compile(r'<span class="imgchip( missing)?" title="([^"]*)">(?:<img src="data:image/png;base64,([^"]+)" alt="">)?([^<]*)</span>')
+CHIP_RE = re.compile(
+    r'<span class="imgchip( missing)?" title="([^"]*)">(?:<img src="data:image/png;base64,([^"]+)" alt="">)?([^<]*)</span>'
+)
 
 
 def _train(args: list[str], log: Path, timeout_s: float) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.pop("RAY_ADDRESS", None)
     with open(log, "ab") as out:
-        return subprocess.run([sys.executable, "-m", "streamrl.streaming.cli", "train", *args], cwd=REPO, env=env,
-                              stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        return subprocess.run(
+            [sys.executable, "-m", "streamrl.streaming.cli", "train", *args],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+        ).returncode
 
 
 def _image_log(buffer_dir: Path) -> dict[str, bytes]:
@@ -78,10 +92,12 @@ def _hf_inputs(processor, record):
     from streamrl.rollout.images import decode_image
 
     parts = [{"type": "image"} if p["type"] == "image" else p for p in record.messages[0]["content"]]
-    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
-                                                   add_generation_prompt=True)
-    return processor(text=[text], images=[[decode_image(_record_png(record))]], add_special_tokens=False,
-                     return_tensors="pt")
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+    )
+    return processor(
+        text=[text], images=[[decode_image(_record_png(record))]], add_special_tokens=False, return_tensors="pt"
+    )
 
 
 def _token_logprobs(model, inputs, response_ids: list[int]) -> list[float]:
@@ -91,8 +107,13 @@ def _token_logprobs(model, inputs, response_ids: list[int]) -> list[float]:
     prompt = inputs["input_ids"][0].tolist()
     ids = torch.tensor([prompt + response_ids])
     with torch.no_grad():
-        logits = model(input_ids=ids, pixel_values=inputs["pixel_values"],
-                       pixel_attention_mask=inputs["pixel_attention_mask"]).logits[0].float()
+        logits = (
+            model(
+                input_ids=ids, pixel_values=inputs["pixel_values"], pixel_attention_mask=inputs["pixel_attention_mask"]
+            )
+            .logits[0]
+            .float()
+        )
     lps = torch.log_softmax(logits, dim=-1)
     n = len(prompt)
     return lps[torch.arange(n - 1, n + len(response_ids) - 1), torch.tensor(response_ids)].tolist()
@@ -118,8 +139,9 @@ def _check_weights_moved(policies: dict) -> None:
     assert versions == list(range(len(versions))) and len(versions) >= 2, versions
     for old, new in zip(versions, versions[1:]):
         before = dict(policies[old][0].named_parameters())
-        changed = {name.split(".")[1] for name, p in policies[new][0].named_parameters()
-                   if not torch.equal(p, before[name])}
+        changed = {
+            name.split(".")[1] for name, p in policies[new][0].named_parameters() if not torch.equal(p, before[name])
+        }
         assert {"vision_model", "connector", "text_model"} <= changed, (old, new, changed)
 
 
@@ -215,8 +237,9 @@ def test_vlm_train_resumes_from_its_checkpoint(vlm_run):
     trains on image rows whose bytes are in the log. (Runs after the test above: it changes the run.)"""
     run_dir, log, overrides = vlm_run
     _, records = _records(overrides)
-    assert _train(["--resume", str(run_dir), f"trainer.total_steps={TOTAL_STEPS + 1}"], log, 300) == 0, \
-        log.read_text()[-6000:]
+    assert _train(["--resume", str(run_dir), f"trainer.total_steps={TOTAL_STEPS + 1}"], log, 300) == 0, log.read_text()[
+        -6000:
+    ]
     assert f"resumed run at learner step {TOTAL_STEPS}" in log.read_text()
     state = json.loads((run_dir / "driver_state.json").read_text())
     assert (state["learner_step"], state["checkpoint_step"]) == (TOTAL_STEPS + 1, TOTAL_STEPS + 1)

@@ -58,7 +58,9 @@ class ThreadEngine(FakeEngine):
         self.worker = DictWorker()
         self.events = events if events is not None else []
 
-    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, timeout=None) -> list[Any]:
+    async def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict | None = None, timeout=None
+    ) -> list[Any]:
         return [await asyncio.to_thread(getattr(self.worker, method), *args, **(kwargs or {}))]
 
     async def pause(self, mode: PauseMode = PauseMode.ABORT, **kwargs) -> None:
@@ -77,7 +79,9 @@ class ThreadEngine(FakeEngine):
 class NeverJoinsEngine(ThreadEngine):
     """A dead peer: answers cheap RPCs but never joins the weight group."""
 
-    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, timeout=None) -> list[Any]:
+    async def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict | None = None, timeout=None
+    ) -> list[Any]:
         if method == "init_weight_group":
             await asyncio.sleep(3600)
         return await super().collective_rpc(method, args, kwargs, timeout)
@@ -105,7 +109,9 @@ class DyingEngine(ThreadEngine):
                 await asyncio.sleep(3600)
             raise ActorDiedError(f"the actor of engine {self.engine_id} died")
 
-    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, timeout=None) -> list[Any]:
+    async def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict | None = None, timeout=None
+    ) -> list[Any]:
         await self._gone()
         return await super().collective_rpc(method, args, kwargs, timeout)
 

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.weight_sync.fakes import toy_weights
 from streamrl.weight_sync.buckets import checksum, pack_bucket, plan_buckets, unpack_bucket
 from streamrl.weight_sync.types import SLOT_ALIGN, SyncManifest
+from tests.weight_sync.fakes import toy_weights
 
 
 def test_buckets_group_by_dtype_and_respect_size_bound():

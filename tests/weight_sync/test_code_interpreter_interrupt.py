@@ -20,8 +20,14 @@ from tests.weight_sync.fakes import PauseWhen
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-SFT = ["sft.enabled=true", "sft.num_steps=120", "sft.lr=5e-3", "sft.batch_size=8", "sft.num_examples=128",
-       "sft.difficulty=easy"]
+SFT = [
+    "sft.enabled=true",
+    "sft.num_steps=120",
+    "sft.lr=5e-3",
+    "sft.batch_size=8",
+    "sft.num_examples=128",
+    "sft.difficulty=easy",
+]
 CELL_DELAY_S = 1.5  # every cell takes at least this long, so a sync lands while cells run
 
 
@@ -84,7 +90,9 @@ async def test_sync_mid_cell_runs_every_cell_once_and_resumes(vllm_engine, tiny_
     worker = RolloutWorker(ctx, sink, max_concurrent=16)
     in_tool = lambda: {tid for tid, d in worker._states.items() if d.state is AgentState.PROCESSING_TOOLS}  # noqa: E731
     in_tool_at_sync: set[str] = set()  # the pause lands while a cell runs (the model called the interpreter)
-    gate = PauseWhen(worker, ready=lambda: bool(in_tool()), at_pause=lambda: in_tool_at_sync.update(in_tool()), timeout_s=25.0)
+    gate = PauseWhen(
+        worker, ready=lambda: bool(in_tool()), at_pause=lambda: in_tool_at_sync.update(in_tool()), timeout_s=25.0
+    )
     coordinator = WeightSyncCoordinator(WeightSyncConfig(), [vllm_engine], workers=gate)
     for record in make_arithmetic_dataset(8, seed=3, difficulty="easy"):
         for data in make_group(record, 0, 1, None):
@@ -113,6 +121,8 @@ async def test_sync_mid_cell_runs_every_cell_once_and_resumes(vllm_engine, tiny_
         f.validate()
         sampled = [v for v, m in zip(f.policy_versions, f.response_mask) if m]
         assert sampled == sorted(sampled) and set(sampled) <= {v0 + 1, v0 + 2}
-        change = next((i for i, (v, m) in enumerate(zip(f.policy_versions, f.response_mask)) if m and v == v0 + 2), None)
+        change = next(
+            (i for i, (v, m) in enumerate(zip(f.policy_versions, f.response_mask)) if m and v == v0 + 2), None
+        )
         if change is not None:
             assert f.response_mask[change - 1] == 0, "the new version must start right after the tool's observation"

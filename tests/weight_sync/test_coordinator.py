@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from streamrl.rollout.engine.base import PauseMode
-from tests.weight_sync.fakes import NeverJoinsEngine, RecordingWorkers, ThreadEngine, toy_weights
 from streamrl.weight_sync.config import SyncTimeouts, TransportKind, WeightSyncConfig
 from streamrl.weight_sync.coordinator import WeightSyncCoordinator
 from streamrl.weight_sync.distributed import DistributedTransport
+from tests.weight_sync.fakes import NeverJoinsEngine, RecordingWorkers, ThreadEngine, toy_weights
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,7 +100,9 @@ async def test_peer_that_never_joins_fails_within_the_timeout_then_retry_succeed
     events: list[tuple[str, str]] = []
     alive = ThreadEngine("alive", events)
     config = _config()
-    coordinator = WeightSyncCoordinator(config, [alive, NeverJoinsEngine("dead", events)], workers=RecordingWorkers(events))
+    coordinator = WeightSyncCoordinator(
+        config, [alive, NeverJoinsEngine("dead", events)], workers=RecordingWorkers(events)
+    )
     started = time.monotonic()
     result = await coordinator.sync(toy_weights(1))
     elapsed = time.monotonic() - started
@@ -118,9 +120,7 @@ async def test_peer_that_never_joins_fails_within_the_timeout_then_retry_succeed
 async def test_keep_mode_leaves_rollout_workers_alone():
     events: list[tuple[str, str]] = []
     engine = ThreadEngine("e0", events)
-    coordinator = WeightSyncCoordinator(
-        _config(pause_mode=PauseMode.KEEP), [engine], workers=RecordingWorkers(events)
-    )
+    coordinator = WeightSyncCoordinator(_config(pause_mode=PauseMode.KEEP), [engine], workers=RecordingWorkers(events))
     assert (await coordinator.sync(toy_weights(1))).ok
     assert [e for _, e in events] == ["pause:keep", "version:1", "resume"]
     await coordinator.close()

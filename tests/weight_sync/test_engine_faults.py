@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from streamrl.rollout.engine.base import NoHealthyEngineError, PauseMode, SamplingParams
-from tests.weight_sync.fakes import ActorLike, DyingEngine, RecordingWorkers, ThreadEngine, toy_weights
 from streamrl.weight_sync.config import SyncTimeouts, WeightSyncConfig
 from streamrl.weight_sync.coordinator import WeightSyncCoordinator
+from tests.weight_sync.fakes import ActorLike, DyingEngine, RecordingWorkers, ThreadEngine, toy_weights
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,7 +37,9 @@ def _serves(engine: ThreadEngine, weights) -> bool:
 
 
 async def _generates(engine, timeout_s: float = 5.0) -> list[int]:
-    out = await asyncio.wait_for(engine.generate(f"probe-{time.monotonic_ns()}", [1, 2], SamplingParams(max_tokens=3)), timeout_s)
+    out = await asyncio.wait_for(
+        engine.generate(f"probe-{time.monotonic_ns()}", [1, 2], SamplingParams(max_tokens=3)), timeout_s
+    )
     return out.policy_versions
 
 
@@ -182,7 +184,9 @@ async def test_dead_engine_leaves_the_sync_set_and_the_run_goes_on(hang, overlap
     await coordinator.close()
 
 
-@pytest.mark.parametrize(("overlap", "why"), [(True, "no answer to a ping after a failed transfer"), (False, "resume failed")])
+@pytest.mark.parametrize(
+    ("overlap", "why"), [(True, "no answer to a ping after a failed transfer"), (False, "resume failed")]
+)
 async def test_no_engine_left_raises_a_clear_error(overlap, why):
     engines = [DyingEngine("e0"), DyingEngine("e1", hang=True)]
     coordinator = WeightSyncCoordinator(_config(overlap=overlap), engines)

@@ -89,7 +89,9 @@ async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engi
     gate = PauseWhen(
         worker,
         ready=lambda: len(mid_turn()) >= 2 and any(d.state is AgentState.INTERACTING for d in worker._states.values()),
-        at_pause=lambda: in_env_at_sync.update(t for t, d in worker._states.items() if d.state is AgentState.INTERACTING),
+        at_pause=lambda: in_env_at_sync.update(
+            t for t, d in worker._states.items() if d.state is AgentState.INTERACTING
+        ),
     )
     coordinator = WeightSyncCoordinator(WeightSyncConfig(), [vllm_engine], workers=gate)
     v0 = vllm_engine.policy_version
@@ -132,7 +134,9 @@ async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engi
     # The environment ran exactly once per environment turn of every trajectory, interrupted or not:
     # each call is either an observation in the token stream or the reply that ended the episode.
     for f in final.values():
-        num_observations = sum(1 for i, m in enumerate(f.response_mask) if m == 0 and (i == 0 or f.response_mask[i - 1]))
+        num_observations = sum(
+            1 for i, m in enumerate(f.response_mask) if m == 0 and (i == 0 or f.response_mask[i - 1])
+        )
         num_env_turns = num_observations + (f.finish_reason is FinishReason.INTERACTION_DONE)
         assert env_calls[f.trajectory_id] == num_env_turns == len(f.turn_scores), (f.trajectory_id, env_calls)
     mid_gen = [p for p in partial if p.response_mask[-1] == 1]
@@ -145,6 +149,8 @@ async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engi
         f.validate()
         sampled = [v for v, m in zip(f.policy_versions, f.response_mask) if m]
         assert sampled == sorted(sampled) and set(sampled) <= {v0, v0 + 1}
-        change = next((i for i, (v, m) in enumerate(zip(f.policy_versions, f.response_mask)) if m and v == v0 + 1), None)
+        change = next(
+            (i for i, (v, m) in enumerate(zip(f.policy_versions, f.response_mask)) if m and v == v0 + 1), None
+        )
         if change is not None:  # None: the environment's reply ended the episode
             assert f.response_mask[change - 1] == 0, "the new version must start right after an observation"

@@ -51,7 +51,9 @@ async def test_overlap_receives_while_serving_and_pauses_only_for_the_commit(ove
     config = _config(overlap=overlap, transport=transport, fs_dir=str(tmp_path))
     slow = DistributedTransport(config, corrupt_hook=lambda i, flat: time.sleep(SLOW_BUCKET_S))
     coordinator = WeightSyncCoordinator(
-        config, engines, workers=RecordingWorkers(events),
+        config,
+        engines,
+        workers=RecordingWorkers(events),
         transport=slow if transport is TransportKind.DISTRIBUTED else None,
     )
     weights = toy_weights(1)
@@ -110,7 +112,9 @@ async def test_peer_that_never_joins_pauses_nothing_with_overlap_and_resumes_wit
     events: list[tuple[str, str]] = []
     alive = ThreadEngine("alive", events)
     config = _config(overlap=overlap, timeouts=SyncTimeouts(transfer=2.0, load=5.0, pause=2.0, resume=2.0, verify=2.0))
-    coordinator = WeightSyncCoordinator(config, [alive, NeverJoinsEngine("dead", events)], workers=RecordingWorkers(events))
+    coordinator = WeightSyncCoordinator(
+        config, [alive, NeverJoinsEngine("dead", events)], workers=RecordingWorkers(events)
+    )
     result = await coordinator.sync(toy_weights(1))
     assert not result.ok and result.failed_phase == "transfer"
     assert alive.policy_version == 0 and alive.worker.num_loads == 0

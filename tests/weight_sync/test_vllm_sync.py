@@ -15,11 +15,11 @@ import pytest_asyncio
 import torch
 
 from streamrl.rollout.engine.base import PauseMode, SamplingParams
-from tests.weight_sync.fakes import NeverJoinsEngine
 from streamrl.weight_sync.config import SyncTimeouts, TransportKind, WeightSyncConfig
 from streamrl.weight_sync.coordinator import WeightSyncCoordinator
 from streamrl.weight_sync.distributed import DistributedTransport
 from streamrl.weight_sync.worker_extension import WORKER_EXTENSION_CLS
+from tests.weight_sync.fakes import NeverJoinsEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -41,7 +41,9 @@ async def engines(tiny_model_path):
         worker_extension_cls=WORKER_EXTENSION_CLS,
     )
     started = [VLLMEngine(cfg, f"ws-{i}") for i in range(2)]
-    await asyncio.gather(*(e.generate("warmup", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0)) for e in started))
+    await asyncio.gather(
+        *(e.generate("warmup", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0)) for e in started)
+    )
     yield started
     for engine in started:
         await engine.shutdown()
@@ -85,7 +87,9 @@ def hf_greedy(hf_model, weights, prompt: list[int], num_tokens: int) -> list[int
 
 
 async def served_greedy(engine, tag: str, num_tokens: int = NUM_GREEDY) -> list[int]:
-    out = await engine.generate(f"greedy-{tag}-{time.monotonic_ns()}", PROMPT, SamplingParams(max_tokens=num_tokens, temperature=0.0))
+    out = await engine.generate(
+        f"greedy-{tag}-{time.monotonic_ns()}", PROMPT, SamplingParams(max_tokens=num_tokens, temperature=0.0)
+    )
     assert set(out.policy_versions) == {engine.policy_version}
     return out.token_ids
 
@@ -165,7 +169,9 @@ async def test_bf16_wire_gives_the_engine_exactly_the_bf16_rounded_weights(engin
     rounded = [(n, t.to(torch.bfloat16).to(torch.float32)) for n, t in weights]
 
     async def served_checksums(wire_dtype: str, sent) -> tuple[list[int], int]:
-        coordinator = WeightSyncCoordinator(config(transport=transport, fs_dir=str(tmp_path), wire_dtype=wire_dtype), engines)
+        coordinator = WeightSyncCoordinator(
+            config(transport=transport, fs_dir=str(tmp_path), wire_dtype=wire_dtype), engines
+        )
         result = await coordinator.sync(sent)
         assert result.ok, result.error
         await coordinator.close()
@@ -195,7 +201,9 @@ class AbortingWorkers:
 
 
 async def _start_long_request(engine, request_id: str, max_tokens: int) -> asyncio.Task:
-    task = asyncio.ensure_future(engine.generate(request_id, PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+    task = asyncio.ensure_future(
+        engine.generate(request_id, PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    )
     await asyncio.sleep(0.3)
     assert not task.done(), "request finished before the sync; raise max_tokens"
     return task
