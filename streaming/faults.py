@@ -1,7 +1,7 @@
 """Named fault-injection points for the chaos suite; inert unless `STREAMRL_FAULTS` is set.
 
 A point is a line like `faults.hit("admit.after_append")` at a place where a crash or an error
-matters for the invariants (see README, "The async invariants"). The environment variable arms some
+matters for the invariants (docs/invariants.md, "The async invariants"). The environment variable arms some
 of them, per process:
 
     STREAMRL_FAULTS="admit.after_append=kill_job@3,worker.sink=raise@2"

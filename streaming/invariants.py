@@ -1,4 +1,4 @@
-"""Check a finished run against the async invariants (README, "The async invariants") from what is
+"""Check a finished run against the async invariants (docs/invariants.md, "The async invariants") from what is
 durable only: the buffer's log and the files of the run directory. The chaos suite runs it after
 every scenario; `python -m streamrl.streaming.invariants RUN_DIR` prints the report.
 

@@ -1,4 +1,4 @@
-"""Moving learner weights into running vLLM engines, transactionally (README, "The interrupt protocol").
+"""Moving learner weights into running vLLM engines, transactionally (docs/architecture.md, "The interrupt protocol").
 
 - `WeightSyncConfig` (config.py): transport, backend, bucket size, per-phase timeouts, pause mode,
   overlap (stage while serving).

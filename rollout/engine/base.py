@@ -178,7 +178,7 @@ class StaleSyncEpochError(RuntimeError):
 
 
 class SyncFence:
-    """One engine's side of the weight-sync fencing (README, "The interrupt protocol", step 4).
+    """One engine's side of the weight-sync fencing (docs/architecture.md, "The interrupt protocol", step 4).
 
     Every `pause`, `commit_weights` and `resume` of one sync carries that sync's epoch (a fencing token
     that increases from sync to sync). A remote call that timed out at its caller still runs on the
