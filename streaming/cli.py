@@ -165,13 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_argv(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as `main` reads it: `eval` also takes overrides after its options."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command == "eval":  # overrides after the options
+    if extra and args.command == "eval":
         args.args += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_argv(argv)
     from streamrl.observability.logs import setup_console
     from streamrl.streaming.errors import StreamRLError
 

@@ -1,6 +1,7 @@
-"""The commands README.md shows are the commands that work: every `streamrl ...` line of its CLI
-block parses, and `buffer stats`, `buffer export --parquet`, `report` and `train --dry-run` run on a
-small buffer / run directory built here (no Ray, no engine)."""
+"""The commands README.md and docs/ show are the commands that work: every `streamrl ...` line of a
+code block parses, every `make X` is a Makefile target, every `python -m X` of ours exists, and
+`buffer stats`, `buffer export --parquet`, `report` and `train --dry-run` run on a small buffer / run
+directory built here (no Ray, no engine)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,20 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from streamrl.streaming.cli import build_parser, main
+from streamrl.streaming.cli import main, parse_argv
 
 REPO = Path(__file__).resolve().parents[2]
 # What the README's optional groups stand for when filled in (others are used as written).
 FILL = {"key=value ...": "trainer.total_steps=2 learner.lr=1e-5", "--num-prompts N": "--num-prompts 4"}
+
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def code_blocks(path: Path) -> list[str]:
+    """The lines of every fenced code block of a markdown file."""
+    parts = path.read_text().split("```")
+    return [line for block in parts[1::2] for line in block.splitlines()]
 
 
 def readme_cli_lines() -> list[str]:
@@ -25,6 +35,32 @@ def readme_cli_lines() -> list[str]:
     section = text.split("\n## CLI", 1)[1]
     block = section.split("```", 2)[1]
     return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip().startswith("streamrl ")]
+
+
+def doc_cli_lines() -> list[str]:
+    """Every `streamrl ...` line of a code block in the README and in docs/, comments stripped."""
+    lines = {
+        line.split("#", 1)[0].strip()
+        for path in DOCS
+        for line in code_blocks(path)
+        if line.strip().startswith("streamrl ")
+    }
+    return sorted(lines)
+
+
+def doc_make_targets() -> set[str]:
+    """`make X` named in code (blocks and inline spans) in the README and docs/."""
+    found = set()
+    for path in DOCS:
+        text = path.read_text()
+        code = " ".join(code_blocks(path)) + " " + " ".join(re.findall(r"`([^`\n]+)`", text))
+        found |= set(re.findall(r"\bmake ([a-z][a-z-]*)", code))
+    return found
+
+
+def doc_python_modules() -> set[str]:
+    """`python -m X` named in the README and docs/ (X a module of this repository)."""
+    return {m for path in DOCS for m in re.findall(r"python -m ((?:bench|streamrl)[\w.]*)", path.read_text())}
 
 
 def variants(line: str) -> list[str]:
@@ -52,6 +88,23 @@ def _restore_logging():
     ray_logger.propagate = saved[3]
 
 
+def test_documented_make_targets_exist():
+    makefile = (REPO / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][a-z-]*):", makefile, flags=re.M))
+    named = doc_make_targets()
+    assert {"run", "test", "lint", "bench", "chaos"} <= named
+    assert named <= targets, sorted(named - targets)
+
+
+def test_documented_python_modules_exist():
+    import importlib.util
+
+    modules = doc_python_modules()
+    assert "bench.fresh_run" in modules
+    missing = sorted(m for m in modules if importlib.util.find_spec(m) is None)
+    assert missing == []
+
+
 def test_readme_cli_block_is_found():
     lines = readme_cli_lines()
     commands = {tuple(shlex.split(line)[1:3]) for line in lines}
@@ -60,12 +113,11 @@ def test_readme_cli_block_is_found():
     assert any(line.startswith("streamrl train --resume") for line in lines)
 
 
-@pytest.mark.parametrize("line", readme_cli_lines())
-def test_every_readme_command_parses(line):
-    parser = build_parser()
+@pytest.mark.parametrize("line", doc_cli_lines())
+def test_every_documented_command_parses(line):
     for text in variants(line):
         argv = shlex.split(text)[1:]
-        args = parser.parse_args(argv)
+        args = parse_argv(argv)
         assert callable(args.func), text
         assert args.command == argv[0], text
         if argv[0] == "buffer":
