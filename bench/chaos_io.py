@@ -1,6 +1,6 @@
 """The chaos bench's I/O-fault family: a real tiny run whose buffer log meets ENOSPC, EIO, a torn
 write or a failing fsync (`buffer/iofaults.py`, armed per segment through `STREAMRL_IO_FAULTS`, which
-`streaming.faults.forwarded_env` hands to the buffer's actor).
+`core.faults.forwarded_env` hands to the buffer's actor).
 
 Each faulted segment breaks one seeded call of one log for good: the log fails hard by design, so the
 run must stop with a clear error (`LogFailedError`, "restart the run with --resume"); the next

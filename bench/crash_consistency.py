@@ -40,7 +40,7 @@ from bench.crashsim_record import Recorder, Trace
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.schema import batch_to_trajectories
 from streamrl.buffer.store import ReplayBuffer
-from streamrl.rollout.atomic import atomic_dir, make_dirs
+from streamrl.core.atomic import atomic_dir, make_dirs
 from streamrl.rollout.types import FinishReason, Trajectory
 from streamrl.streaming.checkpoints import (
     delete_checkpoints,

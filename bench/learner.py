@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO)
     import torch
 
-    from streamrl.rollout.models import resolve_model
+    from streamrl.models import resolve_model
 
     model, note = args.model, None
     try:

@@ -83,7 +83,7 @@ def make_engine(model: str, dtype: str):
 
 def timed_step(engine, batch) -> tuple[float, float]:
     """(seconds, GB the step's peak resident memory rose above the resident memory before it)."""
-    from streamrl.observability.memory import peak_rss_gb, reset_peak_rss, rss_gb
+    from streamrl.core.memory import peak_rss_gb, reset_peak_rss, rss_gb
 
     reset_peak_rss()
     before = rss_gb()

@@ -16,7 +16,7 @@ only that variant:
   size plus `learner.gradient_checkpointing`; allocator settings and trim on in all three;
 - growth (with `--steps N > 0`): N steps on batches of varying lengths, RSS after each step, once
   as before issue 9 (no chunking, no activation checkpointing, no allocator settings, no trim) and
-  once as the learner runs now (the run file + `--override`s, `observability.memory.learner_runtime_env()`
+  once as the learner runs now (the run file + `--override`s, `core.memory.learner_runtime_env()`
   in the environment, `trim_allocator()` after each step); `--growth-variants after` runs only the
   latter.
 
@@ -95,7 +95,7 @@ def _state_gb(engine: Any) -> dict[str, float]:
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """One variant in this process: build the engine, run `steps` train steps, measure RSS."""
     from streamrl.learner.engine import TrainingEngine
-    from streamrl.observability.memory import peak_rss_gb, reset_peak_rss, rss_gb, trim_allocator
+    from streamrl.core.memory import peak_rss_gb, reset_peak_rss, rss_gb, trim_allocator
     from streamrl.streaming.config import load_config
 
     cfg = load_config(spec["config"], [*spec["overrides"], f"learner.logits_chunk_tokens={spec['chunk']}"])
@@ -132,7 +132,7 @@ def _spawn(
     spec: dict[str, Any], *, allocator_env: bool, timeout_s: float, env_overrides: dict[str, str] | None = None
 ) -> dict[str, Any]:
     """Run `worker(spec)` in a fresh interpreter; glibc reads MALLOC_* only at process start."""
-    from streamrl.observability.memory import learner_runtime_env
+    from streamrl.core.memory import learner_runtime_env
 
     env = {k: v for k, v in os.environ.items() if k not in _MALLOC_VARS}
     runtime = learner_runtime_env() | (env_overrides or {})

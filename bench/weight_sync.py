@@ -438,7 +438,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from streamrl.rollout.models import resolve_model
+    from streamrl.models import resolve_model
 
     started = time.monotonic()
     notes = []

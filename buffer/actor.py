@@ -94,7 +94,7 @@ class BufferActor:
         """Append rows, awaiting room under backpressure (None = wait as long as it takes); False if
         they were not accepted within `timeout_s`. `durable=True`: True only once they are in the log.
         `images`: bytes of the images the rows reference (see `ReplayBuffer.append`)."""
-        from streamrl.streaming.faults import ahit
+        from streamrl.core.faults import ahit
 
         await ahit("buffer.append")
         self._check_flusher()
@@ -205,8 +205,8 @@ class BufferActor:
         return ray.get_runtime_context().get_node_id()
 
     async def memory(self) -> dict[str, float]:
-        """`memory/buffer_peak_gb`: this part's peak since it started (`observability.memory.part_memory`)."""
-        from streamrl.observability.memory import part_memory
+        """`memory/buffer_peak_gb`: this part's peak since it started (`core.memory.part_memory`)."""
+        from streamrl.core.memory import part_memory
 
         return part_memory("buffer")
 

@@ -40,12 +40,6 @@ length bucket (`length_bucket`).
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
-
-from streamrl.rollout.types import OBSERVATION_VERSION
-
 
 def rollout_capacity(
     *,
@@ -73,50 +67,6 @@ def rollout_capacity(
     if max_concurrent is not None:
         capacity = min(capacity, max_concurrent - num_running)
     return max(0, capacity // group_size * group_size)
-
-
-def token_lag(served_version: int, policy_versions: Any) -> Any:
-    """Per-token lag, same shape as `policy_versions`; -1 where the token was not sampled (version -1).
-
-    The one definition of token lag: numpy arrays (and lists) give int64 numpy, torch tensors give a
-    tensor of their dtype on their device. The buffer uses it at consume time against the served
-    version; the learner's loss uses it against its own version (`learner.step_inputs`)."""
-    if hasattr(policy_versions, "masked_fill"):  # a torch tensor (this module does not import torch)
-        return (served_version - policy_versions).masked_fill(policy_versions < 0, OBSERVATION_VERSION)
-    pv = np.asarray(policy_versions)
-    return np.where(pv >= 0, served_version - pv, OBSERVATION_VERSION).astype(np.int64)
-
-
-def trajectory_lag(served_version: int, min_policy_version: int | np.ndarray) -> int | np.ndarray:
-    """Lag of whole trajectories from their oldest sampled token; 0 for rows without sampled tokens."""
-    mpv = np.asarray(min_policy_version)
-    lag = np.where(mpv >= 0, served_version - mpv, 0)
-    return int(lag) if lag.ndim == 0 else lag
-
-
-def within_staleness(
-    *, served_version: int, min_policy_version: int | np.ndarray, max_staleness: int
-) -> bool | np.ndarray:
-    """True where a trajectory may still be consumed: lag(oldest sampled token) <= max_staleness."""
-    ok = np.asarray(trajectory_lag(served_version, min_policy_version)) <= max_staleness
-    return bool(ok) if ok.ndim == 0 else ok
-
-
-def lag_histogram(lags: np.ndarray, max_lag: int) -> np.ndarray:
-    """Counts of lags 0..max_lag with a final overflow bin (> max_lag); negative lags (observation
-    tokens, -1) are ignored. Shape [max_lag + 2]."""
-    lags = np.asarray(lags)
-    lags = lags[lags >= 0]
-    return np.bincount(np.minimum(lags, max_lag + 1), minlength=max_lag + 2)[: max_lag + 2]
-
-
-def lag_fractions(hist: np.ndarray, prefix: str) -> dict[str, float]:
-    """A `lag_histogram` as metrics, the one lag-histogram family every part logs:
-    `{prefix}<k>` for lags 0..max_lag and `{prefix}over` for the overflow bin; each the bin's share
-    of the total (all 0.0 while nothing was counted). E.g. `staleness/lag_frac/batch/1`."""
-    total = max(int(np.sum(hist)), 1)
-    last = len(hist) - 1
-    return {f"{prefix}{'over' if k == last else k}": int(n) / total for k, n in enumerate(np.asarray(hist).tolist())}
 
 
 def length_bucket(num_tokens: int) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from streamrl.buffer.admission import lag_histogram
+from streamrl.core.versions import lag_histogram
 from streamrl.buffer.groups import kept_rows
 from streamrl.buffer.log import read_segments
 from streamrl.buffer.manifest import (

@@ -48,7 +48,7 @@ import pyarrow as pa
 
 from streamrl.buffer import iofaults
 from streamrl.buffer.types import RecoveryReport
-from streamrl.rollout.atomic import fsync_dir
+from streamrl.core.atomic import fsync_dir
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 import pyarrow as pa
 
 from streamrl.buffer.schema import SCHEMA_VERSION
-from streamrl.rollout.atomic import atomic_write
+from streamrl.core.atomic import atomic_write
 
 logger = logging.getLogger(__name__)
 

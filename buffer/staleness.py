@@ -23,7 +23,9 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
-from streamrl.buffer.admission import length_bucket, token_lag
+from streamrl.buffer.admission import length_bucket
+
+from streamrl.core.versions import token_lag
 from streamrl.buffer.cli import latest_rows, read_dir
 
 

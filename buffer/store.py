@@ -35,7 +35,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from streamrl.buffer.admission import length_bucket, rollout_capacity, trajectory_lag
+from streamrl.buffer.admission import length_bucket, rollout_capacity
+
+from streamrl.core.versions import trajectory_lag
 from streamrl.buffer.config import BufferConfig, OverAgePolicy
 from streamrl.buffer.durable import BufferDir
 from streamrl.buffer.groups import GroupPhase, GroupState, GroupTable, RowColumns

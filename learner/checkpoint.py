@@ -8,7 +8,7 @@ Checkpoint layout (`save_checkpoint(dir)`):
     dir/scheduler.pt         LambdaLR state
     dir/rng.pt               torch CPU/CUDA, python, numpy and the engine's shuffle generator
     dir/state.json           policy_version, num_optimizer_steps, the learner config
-    dir/SEALED.json          written last: every other file and its size (`rollout.atomic.seal_dir`)
+    dir/SEALED.json          written last: every other file and its size (`core.atomic.seal_dir`)
 
 Weights are fp32 safetensors and the optimiser state is saved as is, so on CPU a resumed engine
 takes bit-identical steps. Under FSDP rank 0 gathers full state dicts and writes; loading
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from streamrl.learner.sharded import full_tensor
-from streamrl.rollout.atomic import atomic_dir
+from streamrl.core.atomic import atomic_dir
 
 if TYPE_CHECKING:
     from streamrl.learner.types import TrainState

@@ -191,7 +191,7 @@ class LearnerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = "tiny"  # HF folder, or a built-in name resolved by rollout.models.resolve_model
+    model: str = "tiny"  # HF folder, or a built-in name resolved by models.resolve_model
     algo: Algo = Algo.GRPO
     device: str = Field(default="auto", pattern="^(auto|cpu|cuda)$")
     dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16)$")  # autocast compute dtype

@@ -84,7 +84,7 @@ class TrainingEngine:
     def __init__(self, cfg: LearnerConfig, *, shard: Callable[[torch.nn.Module], None] | None = None) -> None:
         from transformers import AutoTokenizer
 
-        from streamrl.rollout.models import resolve_model
+        from streamrl.models import resolve_model
 
         self.cfg = cfg
         dist = torch.distributed
@@ -202,7 +202,7 @@ class TrainingEngine:
 
     def step(self, batch: Any) -> StepResult:
         """One PPO/GRPO step on a buffer batch: the new policy_version, `learner/*` and `is/*` metrics
-        (observability/catalogue.py) and whether every optimiser step was skipped as non-finite."""
+        (core/catalogue.py) and whether every optimiser step was skipped as non-finite."""
         start = time.perf_counter()
         cfg = self.cfg
         full = self.to_train_batch(batch)

@@ -176,7 +176,7 @@ class LearnerGroup:
     ) -> None:
         import ray
 
-        from streamrl.rollout.models import resolve_model
+        from streamrl.models import resolve_model
 
         overrides = {
             "num_workers": num_workers,

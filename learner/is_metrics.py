@@ -3,7 +3,7 @@
 The engine collects one `TokenStats` per micro-batch forward (flattened over action tokens) and
 reduces them once per step with `correction_metrics`. Names: `is/<stat>` and `is/<stat>/lag_<k>`
 (k < num_lag_buckets) or `is/<stat>/lag_<K>plus`; `is/token_frac/lag_<k>` is the share of the step's
-action tokens at each token lag (lag itself is reported by the buffer: observability/catalogue.py).
+action tokens at each token lag (lag itself is reported by the buffer: core/catalogue.py).
 
     is/ratio_*       ρ = π_prox/π_behav  (mean, max, min, p50, p90, p99)
     is/policy_ratio_mean  r·s, the ratio the PPO clip saw

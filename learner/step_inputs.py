@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from streamrl.buffer.admission import token_lag
+from streamrl.core.versions import token_lag
 from streamrl.learner.advantages import (
     broadcast_sequence_advantages,
     grpo_advantages,
@@ -66,7 +66,7 @@ class StepInputs:
 
 
 def token_lags(batch: TrainBatch, policy_version: int) -> torch.Tensor:
-    """Lag of every action token against the learner's version (`buffer.admission.token_lag`, the
+    """Lag of every action token against the learner's version (`core.versions.token_lag`, the
     one definition), 0 off the loss mask; ValueError for tokens newer than the learner."""
     valid = batch.loss_mask != 0
     lag = torch.where(valid, token_lag(policy_version, batch.policy_versions), torch.zeros_like(batch.policy_versions))

@@ -75,9 +75,9 @@ def decode_image(image: bytes | Image | Any) -> Image:
 def image_vision_inputs(processor: Any, images: Sequence[bytes | Image]) -> RowImages | None:
     """One row's images (bytes or PIL, prompt order) → its `RowImages` (None for no image).
 
-    The processor call is `rollout.models.multimodal.image_vision_inputs`, the same rule the rollout
+    The processor call is `models.multimodal.image_vision_inputs`, the same rule the rollout
     side renders prompts with, so the learner's pixels equal the ones vLLM was given."""
-    from streamrl.rollout.models.multimodal import image_vision_inputs as processor_tensors
+    from streamrl.models.multimodal import image_vision_inputs as processor_tensors
 
     if not images:
         return None
@@ -92,8 +92,8 @@ def batch_vision_inputs(
     """`image_vision_inputs` for every row, checking each row's placeholder count: a row whose
     `input_ids` hold a different number of image tokens than its images expand to is a data bug
     (the model would scatter image features into the wrong positions), so it raises ValueError."""
-    from streamrl.rollout.models.multimodal import image_replacement_ids
-    from streamrl.rollout.models.multimodal import image_vision_inputs as processor_tensors
+    from streamrl.models.multimodal import image_replacement_ids
+    from streamrl.models.multimodal import image_vision_inputs as processor_tensors
 
     if len(images) != input_ids.shape[0]:
         raise ValueError(f"images for {len(images)} rows, batch has {input_ids.shape[0]}")

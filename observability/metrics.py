@@ -39,10 +39,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
 from rich.text import Text
 
-from streamrl.observability import catalogue
+from streamrl.core import catalogue
 from streamrl.observability.logs import PROGRESS_EXTRA, format_duration
 from streamrl.observability.logs import console as shared_console
-from streamrl.rollout.atomic import atomic_write
+from streamrl.core.atomic import atomic_write
 
 if TYPE_CHECKING:
     from streamrl.rollout.types import Trajectory
@@ -56,7 +56,7 @@ RUN_INFO_FILE = "run_info.json"
 WANDB_ID_FILE = "wandb_run_id"
 RESERVED_KEYS = catalogue.RESERVED
 
-# Keys the progress line and the report summary read (declared in observability/catalogue.py).
+# Keys the progress line and the report summary read (declared in core/catalogue.py).
 REWARD_KEY = catalogue.REWARD
 LAG_KEY = catalogue.LAG
 ENGINE_BUSY_KEY = catalogue.ENGINE_BUSY

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from streamrl.observability import catalogue
+from streamrl.core import catalogue
 from streamrl.observability.metrics import (
     ENGINE_BUSY_KEY,
     METRICS_FILE,

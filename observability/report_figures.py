@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from streamrl.observability import catalogue
+from streamrl.core import catalogue
 from streamrl.observability.metrics import ENGINE_BUSY_KEY, REWARD_KEY, SpanKind
 
 if TYPE_CHECKING:

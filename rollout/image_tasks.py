@@ -6,7 +6,7 @@ rows carry images in, see `rollout/agent_loop/image_prompt.py`) followed by the 
 format is the one `math_answer` grades (`\\boxed{N}`, else the last number), so the text-only reward
 scores it and the ground truth is the count.
 
-The image is `IMAGE_SIZE` square, the tiny VLM's tile size (`rollout/models/tiny_vlm.py`): the
+The image is `IMAGE_SIZE` square, the tiny VLM's tile size (`models/tiny_vlm.py`): the
 processor neither resizes nor splits it, so every image costs the same placeholder run. Dots are
 placed on a grid of cells, one dot per cell, so they never overlap and the count is what is drawn.
 Deterministic in (num_prompts, seed): the same seed gives the same bytes, so the same image hashes.

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from streamrl.rollout.atomic import atomic_write
+from streamrl.core.atomic import atomic_write
 from streamrl.rollout.engine.base import ImageInput
 from streamrl.rollout.types import ImageRef
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamrl.rollout.registry import Registry
+from streamrl.core.registry import Registry
 from streamrl.rollout.tools.config import import_object
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, Field
 
-OBSERVATION_VERSION = -1  # policy_version of tokens not sampled by the policy (mask 0)
+from streamrl.core.versions import OBSERVATION_VERSION
 
 
 class AgentState(StrEnum):

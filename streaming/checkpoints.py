@@ -6,7 +6,7 @@ points the state's `checkpoint*` fields at it. The state is saved before anythin
 oldest records past `trainer.keep_checkpoints` leave the state first, their folders after, so a crash
 in between leaves at worst a folder nobody references, never a reference to a deleted folder.
 
-A resume starts from the newest recorded checkpoint that is complete (`rollout.atomic.unsealed_reason`
+A resume starts from the newest recorded checkpoint that is complete (`core.atomic.unsealed_reason`
 finds its seal and every file at its size). A torn newer one (a lost machine, a damaged disk) is
 skipped: the state then points at the older checkpoint's step and version offset, and since the
 buffer rolls its consumption back to the state's `checkpoint_step`, the learner's weights, the
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from streamrl.rollout.atomic import unsealed_reason
+from streamrl.core.atomic import unsealed_reason
 
 if TYPE_CHECKING:
     from streamrl.streaming.driver_state import DriverState

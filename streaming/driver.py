@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 
-from streamrl.streaming import faults
+from streamrl.core import faults
 from streamrl.streaming.failures import check_failures
 from streamrl.streaming.system import System
 

@@ -9,7 +9,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from streamrl.rollout.atomic import atomic_write
+from streamrl.core.atomic import atomic_write
+from streamrl.core.versions import PolicyVersion
 from streamrl.streaming.checkpoints import CheckpointRecord
 
 
@@ -40,7 +41,7 @@ class DriverState:
         saved high-water mark and `max_version_seen` in the recovered buffer), so no label names two
         different weights and versions never decrease inside a resumed trajectory."""
         self.learner_step = self.checkpoint_step
-        checkpoint_label = self.checkpoint_step + self.checkpoint_version_offset  # its weights' label
+        checkpoint_label = PolicyVersion(self.checkpoint_step, self.checkpoint_version_offset).label
         self.version_high_water = max(self.version_high_water, max_version_seen, self.policy_version)
         if self.version_high_water <= checkpoint_label:  # no label beyond the checkpoint was used
             self.policy_version = checkpoint_label
@@ -53,7 +54,7 @@ class DriverState:
     @property
     def served_step(self) -> int:
         """Learner step of the weights the engines serve (admission counts in steps, not labels)."""
-        return self.policy_version - self.version_offset
+        return PolicyVersion.of_label(self.policy_version, self.version_offset).step
 
     def save(self, path: Path) -> None:
         atomic_write(path, json.dumps(asdict(self)), sync=True)

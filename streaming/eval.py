@@ -88,7 +88,7 @@ async def rollouts_on(
 async def run_rollouts(cfg: Any, records: list, *, group_size: int) -> list[Trajectory]:
     """Run `group_size` trajectories per record on one local engine; returns finished trajectories."""
     from streamrl.rollout.engine import make_engine
-    from streamrl.rollout.models import resolve_model
+    from streamrl.models import resolve_model
 
     engine = make_engine(cfg.rollout.engine.model_copy(update={"placement": "local"}), "engine-0")
     try:
@@ -101,7 +101,7 @@ def rollout_main(*, config: str | None, overrides: list[str], num_prompts: int, 
     from rich.console import Console
     from transformers import AutoTokenizer
 
-    from streamrl.rollout.models import resolve_model
+    from streamrl.models import resolve_model
     from streamrl.streaming.config import load_config
     from streamrl.streaming.prompts import load_records
 

@@ -136,7 +136,7 @@ def write_rows(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from streamrl.rollout.atomic import atomic_write
+    from streamrl.core.atomic import atomic_write
 
     ordered = sorted(trajectories, key=lambda t: (prompt_id(t), t.sample_index))
     table = pa.table(

@@ -86,9 +86,9 @@ class LearnerActor:
         the learner's `memory/learner_peak_gb` / `memory/learner_rss_gb`) and a few trajectories to log."""
         import numpy as np
 
-        from streamrl.buffer.admission import lag_fractions, lag_histogram
+        from streamrl.core.versions import lag_fractions, lag_histogram
         from streamrl.buffer.schema import batch_to_trajectories
-        from streamrl.observability.catalogue import LAG_FRAC
+        from streamrl.core.catalogue import LAG_FRAC
         from streamrl.observability.metrics import summarize
 
         t0 = time.monotonic()

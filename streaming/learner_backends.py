@@ -15,7 +15,7 @@ every sync phase by `weight_sync.timeouts`, and every await here by `trainer.ste
 
 Both expose the same async methods; LearnerActor picks one at construction. After every train step
 each learner process trims its allocator and reports `memory/learner_peak_gb` and
-`memory/learner_rss_gb` (`observability/memory.py`; a group reports its fullest rank).
+`memory/learner_rss_gb` (`core/memory.py`; a group reports its fullest rank).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from streamrl.learner.group import LearnerWorker
 from streamrl.learner.types import StepResult
-from streamrl.rollout.aio import gather_within
+from streamrl.core.aio import gather_within
 from streamrl.streaming.weight_publisher import Published
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class LocalLearner:
         return str(self.engine.model_path)
 
     async def train_step(self, padded: Any) -> StepResult:
-        from streamrl.observability.memory import end_of_step
+        from streamrl.core.memory import end_of_step
 
         result = self.engine.step(padded)
         return replace(result, metrics=result.metrics | end_of_step(str(self.engine.device)))
@@ -89,7 +89,7 @@ class LocalLearner:
         self.publisher.set_workers(workers)
 
     async def publish(self) -> Published:
-        from streamrl.observability.memory import trim_allocator
+        from streamrl.core.memory import trim_allocator
 
         assert self.publisher is not None, "connect() first"
         try:
@@ -195,7 +195,7 @@ class GroupLearner:
 
         self.cfg = cfg
         self.timeout_s = cfg.trainer.step_timeout_s
-        from streamrl.observability.memory import MALLOC_ENV
+        from streamrl.core.memory import MALLOC_ENV
 
         self.group = LearnerGroup(
             cfg.learner, timeout_s=self.timeout_s, rank0_cls=PublishingLearnerWorker, env_vars=MALLOC_ENV
@@ -221,7 +221,7 @@ class GroupLearner:
     async def train_step(self, padded: Any) -> StepResult:
         import ray
 
-        from streamrl.observability.memory import rank_end_of_step
+        from streamrl.core.memory import rank_end_of_step
 
         result = (await self._wait(self.group.submit("train_step", ray.put(padded))))[0]
         self.group.policy_version = result.policy_version

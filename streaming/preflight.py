@@ -56,7 +56,7 @@ BUFFER_BYTES_PER_TOKEN = 32  # ids, mask, logprob, version columns, superseded p
 # the environment variable RAY_memory_usage_threshold changes it for Ray and for this estimate alike).
 RAY_MEMORY_USAGE_THRESHOLD = 0.95
 
-# SmolLM2-135M-Instruct, as `rollout.models.smollm2.convert_smollm2` writes it (134,515,008 params).
+# SmolLM2-135M-Instruct, as `models.smollm2.convert_smollm2` writes it (134,515,008 params).
 SMOLLM2_CONFIG = dict(
     model_type="llama",
     vocab_size=49152,
@@ -131,13 +131,13 @@ class ModelDims:
 
 def model_dims(model: str) -> ModelDims:
     """Dims of a built-in model name or a HF folder, without loading (or building) weights."""
-    from streamrl.rollout.models.tiny import TINY_CONFIG, TINY_VOCAB
+    from streamrl.models.tiny import TINY_CONFIG, TINY_VOCAB
 
     if model == "tiny":
         return ModelDims.from_hf_config({"model_type": "qwen2", "vocab_size": TINY_VOCAB, **TINY_CONFIG})
     if model == "tiny-vlm":
-        from streamrl.rollout.models import tiny_vlm
-        from streamrl.rollout.models.template import TOOL_TAG_TOKENS
+        from streamrl.models import tiny_vlm
+        from streamrl.models.template import TOOL_TAG_TOKENS
 
         # the tiny tokenizer (its BPE vocabulary + the tool tags) + Idefics3's image tokens
         vocab = TINY_VOCAB + len(TOOL_TAG_TOKENS) + len(tiny_vlm.VISION_TOKENS)

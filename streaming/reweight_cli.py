@@ -21,6 +21,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from streamrl.core.versions import PolicyVersion
 from streamrl.learner.config import CorrectionMode
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def checkpoint_label(run_dir: Path, ckpt: Path) -> int:
     if state_path.exists():
         state = json.loads(state_path.read_text())
         if state.get("checkpoint") and Path(state["checkpoint"]).name == ckpt.name:
-            return step + int(state.get("checkpoint_version_offset", 0))
+            return PolicyVersion(step, int(state.get("checkpoint_version_offset", 0))).label
     return step
 
 

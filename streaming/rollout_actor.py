@@ -91,7 +91,7 @@ class RolloutWorkerActor:
         ctx.snapshot = self._snapshot  # I5: tool intents are durable before the tools run
         ctx.fetch_images = self._fetch_images
         if ctx.tools is not None:
-            from streamrl.streaming.faults import hit
+            from streamrl.core.faults import hit
 
             ctx.tools.on_executed = lambda call: hit("tool.after_run")
         self.server = server
@@ -110,7 +110,7 @@ class RolloutWorkerActor:
         """Append one row; False when the buffer stayed full for `append_timeout_s` (the worker
         retries). A finished row waits for room; partial rows are always accepted at once."""
         from streamrl.buffer.schema import trajectories_to_batch
-        from streamrl.streaming.faults import hit
+        from streamrl.core.faults import hit
 
         hit("worker.sink")
         ref = ray.put(trajectories_to_batch([traj]))
@@ -138,7 +138,7 @@ class RolloutWorkerActor:
         )
         if not ok:
             raise RuntimeError(f"tool-intent snapshot of {data.trajectory_id} was not made durable")
-        from streamrl.streaming.faults import hit
+        from streamrl.core.faults import hit
 
         hit("tool.before_run")
 
@@ -169,8 +169,8 @@ class RolloutWorkerActor:
         return ray.get_runtime_context().get_node_id()
 
     async def memory(self) -> dict[str, float]:
-        """`memory/rollout_worker_peak_gb`: this part's peak since it started (`observability.memory.part_memory`)."""
-        from streamrl.observability.memory import part_memory
+        """`memory/rollout_worker_peak_gb`: this part's peak since it started (`core.memory.part_memory`)."""
+        from streamrl.core.memory import part_memory
 
         return part_memory("rollout_worker")
 

@@ -26,7 +26,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from streamrl.rollout.atomic import build_once
+from streamrl.core.atomic import build_once
 from streamrl.streaming.errors import StreamRLError
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
 
 def maybe_warm_up(cfg: Any, model_path: str) -> Path:
     """Return a warmed-up model folder (built once, cached) for `model_path`."""
-    from streamrl.rollout.models import cache_root
+    from streamrl.models import cache_root
     from streamrl.rollout.tools.config import load_tool_config
 
     # Keyed by what the transcripts render (the tool schemas), not by the tool config's path: a
@@ -124,7 +124,7 @@ def maybe_warm_up(cfg: Any, model_path: str) -> Path:
 
 
 def _prepare_in_process(cfg: Any) -> Path:
-    from streamrl.rollout.models import resolve_model
+    from streamrl.models import resolve_model
 
     path = resolve_model(cfg.model)
     path = maybe_warm_up(cfg, str(path)) if cfg.sft.enabled else path
@@ -200,7 +200,7 @@ def prepare_model(cfg: Any, *, log_file: str | Path | None = None) -> str:
     `sft.enabled`, warmed up (cached). Work happens in a child process whose output goes to
     `log_file` (else this process's console); raises StreamRLError if it fails."""
     from streamrl.observability.logs import is_verbose
-    from streamrl.rollout.models import ready_model
+    from streamrl.models import ready_model
 
     folder = ready_model(cfg.model)
     if not cfg.sft.enabled and folder is not None:

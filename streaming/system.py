@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from streamrl.observability import catalogue
-from streamrl.observability.catalogue import Reduction
-from streamrl.rollout.atomic import atomic_write, make_dirs
-from streamrl.streaming import faults
+from streamrl.core import catalogue
+from streamrl.core.catalogue import Reduction
+from streamrl.core.atomic import atomic_write, make_dirs
+from streamrl.core import faults
 from streamrl.streaming.checkpoints import delete_checkpoints, drop_old_checkpoints, record_checkpoint
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver_state import DriverState  # noqa: F401  (callers import it from here too)
@@ -449,7 +449,7 @@ class System:
         """`memory/<part>_peak_gb` of every part but the learner (which reports its own per step): the
         fullest engine and rollout worker, the buffer, and this driver process (its own RSS peak only:
         a local Ray cluster's processes are its children)."""
-        from streamrl.observability.memory import peak_rss_gb
+        from streamrl.core.memory import peak_rss_gb
 
         out = {"memory/driver_peak_gb": peak_rss_gb()}
         for actor in [*self.engines, *self.workers, self.buffer]:

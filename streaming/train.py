@@ -19,7 +19,7 @@ from pathlib import Path
 
 import ray
 
-from streamrl.rollout.atomic import atomic_write
+from streamrl.core.atomic import atomic_write
 from streamrl.streaming.checkpoints import use_newest_complete
 from streamrl.streaming.config import StreamRLConfig, load_config
 from streamrl.streaming.system import DriverState, System, make_worker
@@ -32,7 +32,7 @@ RAY_ENV = {"GLOO_SOCKET_IFNAME": "lo", "WANDB_MODE": "offline", "TOKENIZERS_PARA
 
 def _init_ray(cfg: StreamRLConfig, run_dir: Path) -> None:
     from streamrl.observability.logs import connect_options, link_ray_logs, ray_init_options
-    from streamrl.streaming.faults import forwarded_env
+    from streamrl.core.faults import forwarded_env
 
     if ray.is_initialized():
         return
@@ -88,7 +88,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
 
     from streamrl.buffer.actor import create_buffer_actor
     from streamrl.observability.logs import log_dir
-    from streamrl.observability.memory import learner_runtime_env
+    from streamrl.core.memory import learner_runtime_env
     from streamrl.observability.metrics import MetricsLogger
     from streamrl.rollout.engine.ray_engine import RayEngineClient
     from streamrl.streaming.clients import BufferClient, EngineClient, LearnerClient

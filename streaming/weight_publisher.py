@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from streamrl.rollout.aio import gather_within
+from streamrl.core.aio import gather_within
 
 if TYPE_CHECKING:
     import torch

@@ -26,7 +26,7 @@ pytest_plugins = ["tests.fixtures.vllm", "tests.fixtures.ray_cluster"]
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
-    from streamrl.rollout.models import resolve_model
+    from streamrl.models import resolve_model
 
     return resolve_model("tiny")
 

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from streamrl.rollout.aio import gather_within
+from streamrl.core.aio import gather_within
 from streamrl.weight_sync.buckets import checksum, pack_bucket, plan_buckets
 from streamrl.weight_sync.config import WeightSyncConfig
 from streamrl.weight_sync.group import (

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from streamrl.rollout.atomic import atomic_dir
+from streamrl.core.atomic import atomic_dir
 from streamrl.weight_sync.buckets import checksum, pack_bucket, plan_buckets, wire_dtype_of
 from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, finish_staging, rpc_all
 from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncError

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from streamrl.rollout.aio import gather_within
+from streamrl.core.aio import gather_within
 from streamrl.weight_sync.config import TransportKind, WeightSyncConfig
 from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncError
 

@@ -38,7 +38,7 @@ from streamrl.rollout.agent_loop.observation import ObservationEncoder
 from streamrl.rollout.agent_loop.scoring import call_reward_fn, finite, reward_input
 from streamrl.rollout.config import AgentConfig
 from streamrl.rollout.engine.base import SamplingParams
-from streamrl.rollout.registry import Registry
+from streamrl.core.registry import Registry
 from streamrl.rollout.types import (
     AgentData,
     AgentState,

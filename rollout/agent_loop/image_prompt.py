@@ -11,7 +11,7 @@ PENDING and `AgentData.images` lists the refs in placeholder order.
 The prompt is rendered with the model's own chat template (`ObservationEncoder.encode_prompt`,
 exactly as for text, so tools and the generation prompt behave the same), which emits one image
 token per image part; each is then expanded to the model's placeholder run by the processor's rule
-(`rollout.models.multimodal.expand_image_tokens`): the ids the model sees, which vLLM reports back
+(`models.multimodal.expand_image_tokens`): the ids the model sees, which vLLM reports back
 and the learner uses. A chat without image parts never comes here (text prompts are unchanged).
 `template_messages` and `expand_images` are shared with observations that carry images (tool and
 interaction responses, `image_observation.py` and `AgentLoopBase.append_observation`).
@@ -96,7 +96,7 @@ def expand_images(processor: Any, ids: list[int], images: list[bytes]) -> list[i
     placeholder run (the processor's rule). The count must match: text that itself renders the image
     token (a literal "<image>" in a message) would otherwise shift every later image."""
     from streamrl.rollout.images import decode_image
-    from streamrl.rollout.models.multimodal import expand_image_tokens, image_vision_inputs
+    from streamrl.models.multimodal import expand_image_tokens, image_vision_inputs
 
     found = sum(t == processor.image_token_id for t in ids)
     if found != len(images):

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field("tiny", description="'tiny', 'smollm2' or a HF folder; see rollout.models.resolve_model")
+    model: str = Field("tiny", description="'tiny', 'smollm2' or a HF folder; see models.resolve_model")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # fp32 by default: behaviour logprobs must match the learner's recomputation closely.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"

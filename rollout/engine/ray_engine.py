@@ -79,7 +79,7 @@ class EngineActor:
     async def generate(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, images: list[ImageInput] | None = None
     ) -> GenerationOutput:
-        from streamrl.streaming.faults import hit
+        from streamrl.core.faults import hit
 
         hit("engine.generate")
         engine = await self._ready()
@@ -99,7 +99,7 @@ class EngineActor:
             _remember(self._early_aborts, request_id)
 
     async def pause(self, mode: str = PauseMode.ABORT, epoch: int | None = None) -> None:
-        from streamrl.streaming.faults import hit
+        from streamrl.core.faults import hit
 
         hit("sync.pause")
         await (await self._ready()).pause(PauseMode(mode), epoch=epoch)
@@ -108,7 +108,7 @@ class EngineActor:
         await (await self._ready()).resume(epoch=epoch)
 
     async def commit_weights(self, policy_version: int, epoch: int, timeout_s: float | None = None) -> None:
-        from streamrl.streaming.faults import hit
+        from streamrl.core.faults import hit
 
         hit("sync.commit")
         await (await self._ready()).commit_weights(policy_version, epoch=epoch, timeout_s=timeout_s)
@@ -140,8 +140,8 @@ class EngineActor:
         return ray.get_runtime_context().get_node_id()
 
     async def memory(self) -> dict[str, float]:
-        """`memory/engine_peak_gb`: this part's peak since it started (`observability.memory.part_memory`)."""
-        from streamrl.observability.memory import part_memory
+        """`memory/engine_peak_gb`: this part's peak since it started (`core.memory.part_memory`)."""
+        from streamrl.core.memory import part_memory
 
         return part_memory("engine")
 

@@ -48,7 +48,7 @@ from streamrl.rollout.engine.base import (
 )
 from streamrl.rollout.engine.config import EngineConfig
 from streamrl.rollout.images import decode_image
-from streamrl.rollout.models.multimodal import collapse_image_tokens
+from streamrl.models.multimodal import collapse_image_tokens
 from streamrl.rollout.types import count_image_runs
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ class VLLMEngine(InferenceEngine):
     def __init__(self, cfg: EngineConfig, engine_id: str, *, policy_version: int = 0) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from streamrl.rollout.models import resolve_model
+        from streamrl.models import resolve_model
 
         self.cfg = cfg
         self.engine_id = engine_id

@@ -31,7 +31,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from streamrl.rollout.instances import InstanceStore
-from streamrl.rollout.registry import Registry
+from streamrl.core.registry import Registry
 from streamrl.rollout.tools.config import import_object
 
 

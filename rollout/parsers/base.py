@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from streamrl.rollout.registry import Registry
+from streamrl.core.registry import Registry
 from streamrl.rollout.types import ToolCall
 
 

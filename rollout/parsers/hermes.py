@@ -1,6 +1,6 @@
 """Hermes tool-call format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
 
-This is the format of our ChatML tool template (rollout/models/chatml_tools.jinja) and of Qwen2.5 /
+This is the format of our ChatML tool template (models/chatml_tools.jinja) and of Qwen2.5 /
 Hermes models. Everything outside the blocks is the turn's `content`. Malformed blocks (bad JSON, no
 name, non-object arguments, a `<tool_call>` never closed) become error calls whose message tells the
 model what the expected shape is.

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from streamrl.rollout.aio import observe_outcome
+from streamrl.core.aio import observe_outcome
 from streamrl.rollout.tools.sandbox_reaper import SandboxRegistry
 from streamrl.rollout.tools.sandbox_stages import _MARKER, SETUP_FAILED, SIGNAL_BASE
 

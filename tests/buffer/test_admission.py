@@ -5,14 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from streamrl.buffer.admission import (
-    lag_fractions,
-    lag_histogram,
-    rollout_capacity,
-    token_lag,
-    trajectory_lag,
-    within_staleness,
-)
+from streamrl.buffer.admission import rollout_capacity
+from streamrl.core.versions import lag_fractions, lag_histogram, token_lag, trajectory_lag, within_staleness
 
 
 def test_capacity_at_start_is_one_batch_per_allowed_version():

@@ -23,7 +23,7 @@ from bench.crashsim import FsModel, crash_states
 from bench.crashsim_record import OpKind, Recorder
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.store import ReplayBuffer
-from streamrl.rollout.atomic import atomic_dir, atomic_write
+from streamrl.core.atomic import atomic_dir, atomic_write
 from tests.buffer.helpers import make_group
 
 NUM_STATES = int(os.environ.get("STREAMRL_CRASH_STATES", "500"))

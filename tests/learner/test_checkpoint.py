@@ -10,7 +10,7 @@ import torch
 
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.engine import TrainingEngine
-from streamrl.rollout.atomic import SEAL, unsealed_reason
+from streamrl.core.atomic import SEAL, unsealed_reason
 from tests.learner.test_engine import _batch
 
 pytestmark = pytest.mark.timeout(120)

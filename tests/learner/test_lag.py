@@ -1,4 +1,4 @@
-"""Lag is defined once (`buffer.admission.token_lag`): the buffer (numpy, at consume time) and the
+"""Lag is defined once (`core.versions.token_lag`): the buffer (numpy, at consume time) and the
 learner's loss (torch, against its own version) compute the same numbers from it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from streamrl.buffer.admission import token_lag
+from streamrl.core.versions import token_lag
 from streamrl.learner.step_inputs import token_lags
 
 

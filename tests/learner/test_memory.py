@@ -1,4 +1,4 @@
-"""Learner memory reporting (`observability/memory.py`) and the `memory/*` metrics of a train step."""
+"""Learner memory reporting (`core/memory.py`) and the `memory/*` metrics of a train step."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from streamrl.observability import memory
+from streamrl.core import memory
 from tests.learner.test_engine import _batch
 
 pytestmark = pytest.mark.timeout(120)

@@ -46,7 +46,7 @@ def _chat(imgs, text: str = "what is this?") -> list[dict]:
 
 @pytest.fixture(scope="module")
 def vlm_path():
-    from streamrl.rollout.models.tiny_vlm import resolve_tiny_vlm
+    from streamrl.models.tiny_vlm import resolve_tiny_vlm
 
     return resolve_tiny_vlm()
 
@@ -80,7 +80,7 @@ def test_policy_logprobs_equal_hf_and_depend_on_the_pixels(vlm_path, processor, 
     from transformers import AutoModelForImageTextToText
 
     from streamrl.learner.vision import image_vision_inputs
-    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.models.multimodal import render_image_chat
 
     hf = AutoModelForImageTextToText.from_pretrained(vlm_path, dtype=torch.float32).eval()
     img = _image((220, 40, 40))
@@ -112,7 +112,7 @@ def test_policy_logprobs_equal_hf_and_depend_on_the_pixels(vlm_path, processor, 
 def _image_batch(processor, *, seed: int = 0):
     """Four rows of two GRPO groups: two images / one image / no image / one (wide) image; prompts
     and responses of different lengths so token-budget packing reorders and splits them."""
-    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.models.multimodal import render_image_chat
 
     g = torch.Generator().manual_seed(seed)
     row_images = [
@@ -225,7 +225,7 @@ def test_policy_logprobs_match_vllm(vlm_path, processor, policy):
     from vllm import LLM, SamplingParams
 
     from streamrl.learner.vision import image_vision_inputs
-    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.models.multimodal import render_image_chat
 
     img = _image((220, 40, 40))
     chat = render_image_chat(processor, _chat([img]))

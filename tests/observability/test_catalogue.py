@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.observability import catalogue
-from streamrl.observability.catalogue import PLACEHOLDERS, Reduction
+from streamrl.core import catalogue
+from streamrl.core.catalogue import PLACEHOLDERS, Reduction
 from streamrl.streaming.system import rollout_interval_metrics
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from streamrl.buffer.admission import lag_fractions, lag_histogram
+from streamrl.core.versions import lag_fractions, lag_histogram
 from streamrl.observability.metrics import MetricsLogger, RunInfo, summarize
 from streamrl.observability.report import load_run, write_report
 from streamrl.observability.report_figures import busy_fractions, per_step, resume_points, union_length

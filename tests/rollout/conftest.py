@@ -15,7 +15,7 @@ import pytest_asyncio
 
 @pytest.fixture(scope="package")
 def vlm_path():
-    from streamrl.rollout.models import resolve_model
+    from streamrl.models import resolve_model
 
     return resolve_model("tiny-vlm")
 

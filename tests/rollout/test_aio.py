@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from streamrl.rollout.aio import gather_within
+from streamrl.core.aio import gather_within
 
 
 async def _value(v, delay_s=0.0):

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from streamrl.rollout.atomic import atomic_dir, atomic_write, build_once
+from streamrl.core.atomic import atomic_dir, atomic_write, build_once
 
 
 @pytest.mark.parametrize("sync", [False, True])
@@ -69,7 +69,7 @@ def test_atomic_dir_sync_seals_the_folder_and_fsyncs_files_then_seal_then_folder
     folders' entries, then the rename in the parent. A folder with a file gone or cut is not sealed."""
     import os
 
-    from streamrl.rollout.atomic import SEAL, unsealed_reason
+    from streamrl.core.atomic import SEAL, unsealed_reason
 
     synced: list[str] = []
     real_fsync = os.fsync

@@ -16,7 +16,7 @@ from streamrl.rollout.data import (
     make_tool_sft_transcripts,
     messages_hash,
 )
-from streamrl.rollout.models.template import CHAT_TEMPLATE
+from streamrl.models.template import CHAT_TEMPLATE
 from streamrl.rollout.parsers import get_parser
 from streamrl.rollout.rewards import RewardInput, math_answer
 from streamrl.rollout.tools import evaluate_expression, format_number

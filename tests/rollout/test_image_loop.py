@@ -66,7 +66,7 @@ def test_image_sources_path_data_url_base64(tmp_path):
 
 
 async def test_image_prompt_becomes_expanded_ids_images_and_row_columns(processor, tmp_path):
-    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.models.multimodal import render_image_chat
 
     img = _image()
     png = encode_png(img)
@@ -98,7 +98,7 @@ async def test_image_prompt_becomes_expanded_ids_images_and_row_columns(processo
 
 
 async def test_resume_in_a_fresh_worker_fetches_the_images_and_sends_them_again(processor):
-    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.models.multimodal import render_image_chat
 
     img = _image((200, 30, 90))
     png = encode_png(img)

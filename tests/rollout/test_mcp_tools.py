@@ -174,7 +174,7 @@ async def test_a_crash_fails_that_call_and_the_next_call_restarts_the_server(reg
     assert new_pid != old_pid and _wait_gone(old_pid)
     counters = mcp_counters(registry.tools.values())
     assert (counters.num_restarts, counters.num_lost_calls) == (before.num_restarts + 1, before.num_lost_calls + 1)
-    metrics = registry.metrics()  # what the run logs (keys declared in observability/catalogue.py)
+    metrics = registry.metrics()  # what the run logs (keys declared in core/catalogue.py)
     assert metrics["rollout/tools/num_mcp_restarts"] == counters.num_restarts
     assert metrics["rollout/tools/num_mcp_lost_calls"] == counters.num_lost_calls
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from streamrl.rollout.models import resolve_model
-from streamrl.rollout.models.template import CHAT_TEMPLATE
+from streamrl.models import resolve_model
+from streamrl.models.template import CHAT_TEMPLATE
 
 # First call converts the GGUF (~30 s on 2 cores); later sessions hit the cache ($STREAMRL_CACHE).
 pytestmark = pytest.mark.timeout(300)

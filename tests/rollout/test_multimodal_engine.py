@@ -63,7 +63,7 @@ async def wait_streamed(engine, request_id: str, num_tokens: int, timeout_s: flo
 
 
 async def test_engine_generates_from_image_prompt(vlm_engine, processor, hf_vlm):
-    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.models.multimodal import render_image_chat
 
     img = _image((220, 40, 40))
     chat = render_image_chat(processor, _chat(img))
@@ -84,7 +84,7 @@ async def test_engine_generates_from_image_prompt(vlm_engine, processor, hf_vlm)
 
 
 async def test_bad_image_requests_fail_loudly(vlm_engine, processor):
-    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.models.multimodal import render_image_chat
 
     img = _image((30, 30, 200))
     chat = render_image_chat(processor, _chat(img))
@@ -112,7 +112,7 @@ async def test_interrupt_and_resume_with_image_keeps_every_token(vlm_engine, pro
     """Interrupt protocol on an image trajectory: pause(ABORT) mid-generation keeps the streamed
     tokens; the state goes through JSON (as a `partial` row would); the resume re-submits the expanded
     ids + streamed tokens with the same image (bytes looked up by hash) under the next policy_version."""
-    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.models.multimodal import render_image_chat
 
     img = _image((40, 160, 220))
     chat = render_image_chat(processor, _chat(img, "describe it"))
@@ -160,7 +160,7 @@ async def test_interrupt_and_resume_with_image_keeps_every_token(vlm_engine, pro
 
 async def test_prefix_cache_keys_include_the_image(vlm_engine, processor):
     """A re-prefill with the same image reuses the KV; the same ids with another image must not."""
-    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.models.multimodal import render_image_chat
 
     text = "a longer question so that the prompt spans several KV blocks " * 3
     chat = render_image_chat(processor, _chat(_image((90, 90, 20)), text))
@@ -184,7 +184,7 @@ async def test_weight_change_drops_cached_vision_embeddings(vlm_engine, processo
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.models.multimodal import render_image_chat
 
     img = _image((120, 60, 200))
     chat = render_image_chat(processor, _chat(img))
@@ -220,7 +220,7 @@ async def test_weight_sync_by_learner_names_serves_the_new_vlm(vlm_engine, proce
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.models.multimodal import render_image_chat
     from streamrl.weight_sync import WeightSyncConfig, WeightSyncCoordinator
 
     new = AutoModelForImageTextToText.from_pretrained(vlm_path, dtype="float32").eval()

@@ -53,7 +53,7 @@ def _row(path: str, tid: str) -> AgentData:
 
 def _hf_reference(processor, png: bytes):
     """The HF view of the same prompt and pixels (`render_image_chat` on the decoded bytes)."""
-    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.models.multimodal import render_image_chat
 
     return render_image_chat(
         processor,

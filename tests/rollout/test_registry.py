@@ -7,7 +7,7 @@ import pytest
 from streamrl.rollout.agent_loop.base import LOOPS
 from streamrl.rollout.interactions.base import INTERACTIONS
 from streamrl.rollout.parsers.base import PARSERS
-from streamrl.rollout.registry import Registry
+from streamrl.core.registry import Registry
 from streamrl.rollout.rewards import REWARDS
 
 

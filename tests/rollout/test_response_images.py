@@ -128,7 +128,7 @@ def _data(prompt_png: bytes | None, tid: str = "r/0", interaction: bool = False)
 def _hf_ids(processor, ids: list[int], pngs: list[bytes]) -> list[int]:
     """The HF processor's own expansion of the same sequence: collapse each placeholder run back to
     one `<image>`, decode to text and let the processor expand it with the decoded images."""
-    from streamrl.rollout.models.multimodal import collapse_image_tokens
+    from streamrl.models.multimodal import collapse_image_tokens
 
     text = processor.tokenizer.decode(collapse_image_tokens(processor, ids))
     out = processor(text=[text], images=[[decode_image(b) for b in pngs]], add_special_tokens=False)
@@ -357,7 +357,7 @@ class FirstTurnCalls:
 async def test_real_engine_tool_image_parked_and_resumed_from_the_buffer(vlm_engine, processor, hf_vlm, tmp_path):
     from streamrl.buffer.config import BufferConfig
     from streamrl.buffer.store import ReplayBuffer
-    from streamrl.rollout.models.multimodal import image_vision_inputs
+    from streamrl.models.multimodal import image_vision_inputs
     from streamrl.streaming.rollout_actor import image_blobs
     from tests.rollout.test_multimodal_engine import hf_logprobs, max_diff
     from tests.rollout.test_multimodal_loop import park_then_sync

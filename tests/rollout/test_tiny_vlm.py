@@ -67,7 +67,7 @@ def hf_logprobs(model, chat, response_ids: list[int]) -> list[float]:
 def test_build_is_cached_and_loads_offline(vlm_path, monkeypatch):
     from transformers import AutoConfig, AutoProcessor
 
-    from streamrl.rollout.models.tiny_vlm import IMAGE_SEQ_LEN, IMAGE_TOKEN, resolve_tiny_vlm
+    from streamrl.models.tiny_vlm import IMAGE_SEQ_LEN, IMAGE_TOKEN, resolve_tiny_vlm
 
     mtime = (vlm_path / "model.safetensors").stat().st_mtime_ns
     assert resolve_tiny_vlm() == vlm_path
@@ -84,8 +84,8 @@ def test_build_is_cached_and_loads_offline(vlm_path, monkeypatch):
 def test_render_matches_hf_processor(processor):
     import torch
 
-    from streamrl.rollout.models.multimodal import collapse_image_tokens, render_image_chat
-    from streamrl.rollout.models.tiny_vlm import IMAGE_SEQ_LEN
+    from streamrl.models.multimodal import collapse_image_tokens, render_image_chat
+    from streamrl.models.tiny_vlm import IMAGE_SEQ_LEN
 
     imgs = [_image((200, 30, 30)), _image((30, 30, 200))]
     messages = [
@@ -114,7 +114,7 @@ def test_render_matches_hf_processor(processor):
 def test_vllm_generates_from_image_and_matches_hf(processor, hf_vlm, vlm_llm):
     from vllm import SamplingParams
 
-    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.models.multimodal import render_image_chat
 
     chat = render_image_chat(processor, _chat(_image((220, 40, 40))))
     params = SamplingParams(max_tokens=8, temperature=1.0, logprobs=0, seed=0, ignore_eos=True)

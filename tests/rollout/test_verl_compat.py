@@ -275,7 +275,7 @@ async def test_a_verl_image_row_is_admitted_by_the_agent_loop(processor, tmp_pat
     from streamrl.rollout.agent_loop import SingleTurnAgentLoop
     from streamrl.rollout.engine.fake import FakeEngine
     from streamrl.rollout.images import ImageStore, decode_image, image_sha256
-    from streamrl.rollout.models.multimodal import render_image_chat
+    from streamrl.models.multimodal import render_image_chat
     from streamrl.rollout.types import TrajectoryStatus
     from streamrl.streaming.prompts import make_group
     from tests.rollout.vlm_context import vlm_context

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.rollout.atomic import atomic_dir
+from streamrl.core.atomic import atomic_dir
 from streamrl.streaming.checkpoints import CheckpointRecord, record_checkpoint, use_newest_complete
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver import run_async

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.observability import catalogue
+from streamrl.core import catalogue
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from streamrl.streaming import faults
+from streamrl.core import faults
 
 
 @pytest.fixture
@@ -87,11 +87,11 @@ def test_kill_job_from_a_process_in_its_own_group_kills_the_drivers_group(tmp_pa
     import sys
 
     actor = (
-        "import os; os.setpgid(0, 0); from streamrl.streaming import faults; "  # like a Ray worker: a group of its own
+        "import os; os.setpgid(0, 0); from streamrl.core import faults; "  # like a Ray worker: a group of its own
         "faults.hit('tool.after_run'); open(os.environ['OUT'] + '.survived', 'w')"
     )
     driver = (
-        "import os, subprocess, sys, time; from streamrl.streaming import faults; "
+        "import os, subprocess, sys, time; from streamrl.core import faults; "
         "env = dict(os.environ, **faults.forwarded_env()); "
         f"subprocess.Popen([sys.executable, '-c', {actor!r}], env=env).wait(); "
         "time.sleep(30); open(os.environ['OUT'] + '.driver_survived', 'w')"

@@ -280,7 +280,7 @@ def test_vlm_param_count_covers_the_vision_tower():
     vision tower and connector, equal to the stored weights for the built-in name and for the folder."""
     import safetensors
 
-    from streamrl.rollout.models import resolve_model
+    from streamrl.models import resolve_model
 
     folder = resolve_model("tiny-vlm")
     with safetensors.safe_open(str(folder / "model.safetensors"), "np") as f:
@@ -300,7 +300,7 @@ def test_image_prompts_are_measured_with_their_placeholder_runs():
     from transformers import AutoProcessor
 
     from streamrl.rollout.images import decode_image, load_image_source
-    from streamrl.rollout.models import resolve_model
+    from streamrl.models import resolve_model
     from streamrl.streaming.prompts import load_records
     from streamrl.streaming.sft import check_prompt_lengths
 

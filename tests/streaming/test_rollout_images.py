@@ -23,7 +23,7 @@ def _png(rgb, size=(8, 6)) -> bytes:
 
 
 def test_vlm_config_gives_the_loops_a_processor_and_an_image_store():
-    from streamrl.rollout.models import resolve_model
+    from streamrl.models import resolve_model
 
     path = str(resolve_model("tiny-vlm"))
     vlm = build_agent_context(load_config(None, ["rollout.engine.max_images_per_prompt=2"]), path, server=None)

@@ -17,7 +17,7 @@ import json
 import logging
 from pathlib import Path
 
-from streamrl.rollout.models.template import CHAT_TEMPLATE
+from streamrl.models.template import CHAT_TEMPLATE
 
 logger = logging.getLogger(__name__)
 

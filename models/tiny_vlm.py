@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from streamrl.rollout.models.template import CHAT_TEMPLATE
+from streamrl.models.template import CHAT_TEMPLATE
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +103,8 @@ def build_tiny_vlm(out_dir: str | Path, seed: int = 0) -> Path:
         Idefics3Processor,
     )
 
-    from streamrl.rollout.models import resolve_model
-    from streamrl.rollout.models.tiny import save_built
+    from streamrl.models import resolve_model
+    from streamrl.models.tiny import save_built
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,6 +144,6 @@ def resolve_tiny_vlm() -> Path:
     """The cached tiny VLM folder, built on first use (same cache and lock as `resolve_model`).
 
     `resolve_model("tiny-vlm")` routes here."""
-    from streamrl.rollout.models import _cached_build
+    from streamrl.models import _cached_build
 
     return _cached_build("tiny-vlm", build_tiny_vlm)

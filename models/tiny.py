@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from streamrl.rollout.models.template import CHAT_TEMPLATE, SPECIAL_TOKENS, TOOL_TAG_TOKENS
+from streamrl.models.template import CHAT_TEMPLATE, SPECIAL_TOKENS, TOOL_TAG_TOKENS
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from streamrl.rollout.atomic import build_once
+from streamrl.core.atomic import build_once
 
 BUILDER_VERSION = "1"
 
@@ -43,15 +43,15 @@ def resolve_model(name_or_path: str) -> Path:
     if ready is not None:
         return ready
     if name_or_path == "tiny":
-        from streamrl.rollout.models.tiny import build_tiny_model
+        from streamrl.models.tiny import build_tiny_model
 
         return _cached_build(BUILT_IN["tiny"], build_tiny_model)
-    if name_or_path == "tiny-vlm":  # a random-weight Idefics3 (rollout/models/tiny_vlm.py, docs/multimodal.md)
-        from streamrl.rollout.models.tiny_vlm import resolve_tiny_vlm
+    if name_or_path == "tiny-vlm":  # a random-weight Idefics3 (models/tiny_vlm.py, docs/multimodal.md)
+        from streamrl.models.tiny_vlm import resolve_tiny_vlm
 
         return resolve_tiny_vlm()
     if name_or_path == "smollm2":
-        from streamrl.rollout.models.smollm2 import convert_smollm2
+        from streamrl.models.smollm2 import convert_smollm2
 
         return _cached_build(BUILT_IN["smollm2"], convert_smollm2)
     raise ValueError(

@@ -68,7 +68,7 @@ PLACEHOLDERS = {
     "is_stat": "|".join(IS_STATS),
     "bucket": r"lag_\d+(?:plus)?",  # learner.is_metrics.lag_bucket_names
     "lag_scope": "batch|tokens|trajectories",  # the trained batch's trajectories; run so far: tokens, trajectories
-    "lag_k": r"\d+|over",  # buffer.admission.lag_histogram bins: 0..max_staleness, then "over"
+    "lag_k": r"\d+|over",  # core.versions.lag_histogram bins: 0..max_staleness, then "over"
     "lag_stat": "mean|std|min|max|p50|p90|p99",  # streaming.metrics.summarize
     "phase": "|".join(GROUP_PHASES),
     "length_kind": "generated|trained|dropped_over_age",
@@ -246,7 +246,7 @@ METRICS: tuple[Metric, ...] = (
         "staleness/lag_frac/{lag_scope}/{lag_k}",
         "fraction",
         R.FRACTION,
-        "share at this lag (buffer.admission.lag_fractions) of: the trained batch's trajectories (batch), "
+        "share at this lag (core.versions.lag_fractions) of: the trained batch's trajectories (batch), "
         "all tokens consumed so far (tokens), all trajectories consumed so far (trajectories)",
     ),
     # ---- the learner (learner.engine.TrainingEngine.train_step, learner.is_metrics)
@@ -428,7 +428,7 @@ def reduction(key: str) -> Reduction | None:
 def lookup(key: str) -> Metric:
     found = matches(key)
     if len(found) != 1:
-        raise KeyError(f"{key!r} is {'not declared' if not found else 'declared twice'} in observability/catalogue.py")
+        raise KeyError(f"{key!r} is {'not declared' if not found else 'declared twice'} in core/catalogue.py")
     return found[0]
 
 
