@@ -181,7 +181,7 @@ METRICS: tuple[Metric, ...] = (
         when="a trajectory finished in the interval",
     ),
     M("rollout/tool_error_rate", "fraction", R.MEAN, "rollout/num_tool_errors / rollout/num_tool_calls", when=TOOLS),
-    # ---- the trained batch (streaming.learner_actor.LearnerActor.train_step)
+    # ---- the trained batch (streaming.actors.learner.LearnerActor.train_step)
     M("rollout/reward_mean", "reward", R.MEAN, "mean reward of the trained batch"),
     # ---- held-out evaluation (streaming.heldout): its own lines, at step 0, every eval.every_steps and the last
     M(

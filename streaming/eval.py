@@ -58,8 +58,8 @@ async def rollouts_on(
     (`InferenceEngine`s), in this process; the finished and failed trajectories, in no particular order."""
     from streamrl.rollout.server_manager import ServerManager
     from streamrl.rollout.worker import RolloutWorker
+    from streamrl.streaming.actors.worker import build_agent_context
     from streamrl.streaming.prompts import make_group
-    from streamrl.streaming.rollout_actor import build_agent_context
 
     results: list[Trajectory] = []
 
@@ -87,10 +87,10 @@ async def rollouts_on(
 
 async def run_rollouts(cfg: Any, records: list, *, group_size: int) -> list[Trajectory]:
     """Run `group_size` trajectories per record on one local engine; returns finished trajectories."""
-    from streamrl.rollout.engine import make_engine
     from streamrl.models import resolve_model
+    from streamrl.rollout.engine import make_engine
 
-    engine = make_engine(cfg.rollout.engine.model_copy(update={"placement": "local"}), "engine-0")
+    engine = make_engine(cfg.rollout.engine, "engine-0")
     try:
         return await rollouts_on([engine], cfg, str(resolve_model(cfg.model)), records, group_size=group_size)
     finally:

@@ -65,7 +65,7 @@ async def evaluate_model(cfg, target: Target, records) -> tuple[EvalSummary, Pat
     from streamrl.streaming.heldout import heldout_metrics, run_heldout
 
     engine = make_engine(
-        cfg.rollout.engine.model_copy(update={"placement": "local", "model": target.model_path}), "engine-0"
+        cfg.rollout.engine.model_copy(update={"model": target.model_path}), "engine-0"
     )
     try:
         t0 = time.monotonic()

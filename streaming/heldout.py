@@ -250,7 +250,7 @@ class Evaluator:
             await asyncio.gather(task, return_exceptions=True)
 
     async def _evaluate(self, system: System, served_step: int, policy_version: int) -> dict[str, float]:
-        from streamrl.rollout.engine.ray_engine import RayEngineClient
+        from streamrl.streaming.actors.engine import RayEngineClient
 
         cfg = self.cfg
         engines = [

@@ -199,8 +199,8 @@ def prepare_model(cfg: Any, *, log_file: str | Path | None = None) -> str:
     """The model folder a run starts from: `cfg.model` built or converted (cached) and, with
     `sft.enabled`, warmed up (cached). Work happens in a child process whose output goes to
     `log_file` (else this process's console); raises StreamRLError if it fails."""
-    from streamrl.observability.logs import is_verbose
     from streamrl.models import ready_model
+    from streamrl.observability.logs import is_verbose
 
     folder = ready_model(cfg.model)
     if not cfg.sft.enabled and folder is not None:

@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from streamrl.core import catalogue
-from streamrl.core.catalogue import Reduction
+from streamrl.core import catalogue, faults
 from streamrl.core.atomic import atomic_write, make_dirs
-from streamrl.core import faults
+from streamrl.core.catalogue import Reduction
 from streamrl.streaming.checkpoints import delete_checkpoints, drop_old_checkpoints, record_checkpoint
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver_state import DriverState  # noqa: F401  (callers import it from here too)
@@ -35,7 +34,7 @@ if TYPE_CHECKING:
     from streamrl.buffer.types import BufferProgress
     from streamrl.observability.metrics import MetricsLogger
     from streamrl.rollout.types import AgentData
-    from streamrl.streaming.clients import BufferClient, EngineClient, LearnerClient, WorkerClient
+    from streamrl.streaming.actors.clients import BufferClient, EngineClient, LearnerClient, WorkerClient
     from streamrl.streaming.failures import FailureWindow
     from streamrl.streaming.heldout import Evaluator
 
@@ -479,8 +478,8 @@ def rollout_interval_metrics(metrics: dict[str, float], interval_s: float) -> di
 
 def make_worker(system: System, worker_id: str) -> WorkerClient:
     """A new RolloutWorkerActor over the system's engines and buffer."""
-    from streamrl.streaming.clients import WorkerClient
-    from streamrl.streaming.rollout_actor import RolloutWorkerActor
+    from streamrl.streaming.actors.clients import WorkerClient
+    from streamrl.streaming.actors.worker import RolloutWorkerActor
 
     handle = RolloutWorkerActor.options(num_cpus=0.25, name=None).remote(
         worker_id, system.cfg, system.model_path, [e.handle for e in system.engines], system.buffer.handle

@@ -31,8 +31,8 @@ RAY_ENV = {"GLOO_SOCKET_IFNAME": "lo", "WANDB_MODE": "offline", "TOKENIZERS_PARA
 
 
 def _init_ray(cfg: StreamRLConfig, run_dir: Path) -> None:
-    from streamrl.observability.logs import connect_options, link_ray_logs, ray_init_options
     from streamrl.core.faults import forwarded_env
+    from streamrl.observability.logs import connect_options, link_ray_logs, ray_init_options
 
     if ray.is_initialized():
         return
@@ -86,13 +86,13 @@ def open_run(
 async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> System:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from streamrl.buffer.actor import create_buffer_actor
-    from streamrl.observability.logs import log_dir
     from streamrl.core.memory import learner_runtime_env
+    from streamrl.observability.logs import log_dir
     from streamrl.observability.metrics import MetricsLogger
-    from streamrl.rollout.engine.ray_engine import RayEngineClient
-    from streamrl.streaming.clients import BufferClient, EngineClient, LearnerClient
-    from streamrl.streaming.learner_actor import LearnerActor, learner_actor_options
+    from streamrl.streaming.actors.buffer import create_buffer_actor
+    from streamrl.streaming.actors.clients import BufferClient, EngineClient, LearnerClient
+    from streamrl.streaming.actors.engine import RayEngineClient
+    from streamrl.streaming.actors.learner import LearnerActor, learner_actor_options
     from streamrl.streaming.prompts import PromptStream, load_records
     from streamrl.streaming.resume import prompts_sha256
     from streamrl.streaming.sft import prepare_model

@@ -1,8 +1,9 @@
 """Inference engines behind one interface (`InferenceEngine`), and the factory that builds them.
 
-`make_engine(cfg, engine_id)` returns a `VLLMEngine` in this process (`placement="local"`) or a
-`RayEngineClient` whose `EngineActor` hosts the engine elsewhere (`placement="ray"`). Heavy modules
-(vLLM, Ray) are imported only when an engine is built.
+`make_engine(cfg, engine_id)` returns a `VLLMEngine` in this process (`streamrl rollout`, `streamrl
+eval`, tests). A training run hosts each engine in a Ray actor instead (`streaming.actors.engine`:
+`EngineActor` and its client `RayEngineClient`, the same interface). vLLM is imported only when an
+engine is built.
 """
 
 from __future__ import annotations
@@ -23,12 +24,10 @@ from streamrl.rollout.engine.config import EngineConfig
 from streamrl.rollout.engine.fake import FakeEngine, fake_logprob
 
 if TYPE_CHECKING:
-    from streamrl.rollout.engine.ray_engine import EngineActor, RayEngineClient
     from streamrl.rollout.engine.vllm_engine import VLLMEngine
 
 __all__ = [
     "BusyClock",
-    "EngineActor",
     "EngineConfig",
     "EngineStats",
     "FakeEngine",
@@ -37,7 +36,6 @@ __all__ = [
     "InferenceEngine",
     "PauseMode",
     "PromptMismatchError",
-    "RayEngineClient",
     "SamplingParams",
     "VLLMEngine",
     "fake_logprob",
@@ -46,25 +44,16 @@ __all__ = [
 
 
 def make_engine(cfg: EngineConfig, engine_id: str, *, policy_version: int = 0) -> InferenceEngine:
-    """Build one engine as configured. Local: blocks until vLLM is up (~15 s on CPU). Ray: returns at
-    once; the first call waits for the actor's engine (bounded by `cfg.startup_timeout_s`)."""
-    if cfg.placement == "ray":
-        from streamrl.rollout.engine.ray_engine import RayEngineClient
-
-        return RayEngineClient.launch(cfg, engine_id, policy_version=policy_version)
+    """Build one engine in this process; blocks until vLLM is up (~15 s on CPU)."""
     from streamrl.rollout.engine.vllm_engine import VLLMEngine
 
     return VLLMEngine(cfg, engine_id, policy_version=policy_version)
 
 
 def __getattr__(name: str) -> object:
-    # Lazy exports: importing rollout.engine must not import vLLM or Ray.
+    # Lazy export: importing rollout.engine must not import vLLM.
     if name == "VLLMEngine":
         from streamrl.rollout.engine.vllm_engine import VLLMEngine
 
         return VLLMEngine
-    if name in ("EngineActor", "RayEngineClient"):
-        from streamrl.rollout.engine import ray_engine
-
-        return getattr(ray_engine, name)
     raise AttributeError(f"module 'rollout.engine' has no attribute {name!r}")

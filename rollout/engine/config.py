@@ -8,13 +8,23 @@ GPU-only knobs are both present and the irrelevant ones are ignored on the other
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_placement(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "placement" in data:
+            raise ValueError(
+                "rollout.engine.placement was removed: `streamrl train` always hosts its engines in Ray actors "
+                "and `streamrl rollout` / `streamrl eval` build theirs in their own process; delete the key"
+            )
+        return data
 
     model: str = Field("tiny", description="'tiny', 'smollm2' or a HF folder; see models.resolve_model")
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -46,9 +56,8 @@ class EngineConfig(BaseModel):
     # processes (VLLM_ENABLE_V1_MULTIPROCESSING=0). Needed on CPU and for tests; TP>1 needs False.
     in_process: bool = True
 
-    # Where the engine lives: "local" = this process; "ray" = an `EngineActor` reached through
-    # `RayEngineClient`, scheduled with the resources below.
-    placement: Literal["local", "ray"] = "local"
+    # A training run hosts the engine in a Ray actor (`streaming.actors.engine`) scheduled with these;
+    # `streamrl rollout` and `streamrl eval` build it in their own process.
     num_cpus: float = Field(1.0, ge=0.0, description="Ray scheduling count for the engine actor")
     num_gpus: float = Field(0.0, ge=0.0, description="Ray GPUs for the engine actor (= tensor_parallel_size on GPU)")
     resources: dict[str, float] = Field(

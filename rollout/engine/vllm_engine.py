@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from streamrl.models.multimodal import collapse_image_tokens
 from streamrl.rollout.engine.base import (
     EngineCounters,
     EngineStats,
@@ -48,7 +49,6 @@ from streamrl.rollout.engine.base import (
 )
 from streamrl.rollout.engine.config import EngineConfig
 from streamrl.rollout.images import decode_image
-from streamrl.models.multimodal import collapse_image_tokens
 from streamrl.rollout.types import count_image_runs
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamrl.buffer.actor import create_buffer_actor
+from streamrl.streaming.actors.buffer import create_buffer_actor
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.schema import trajectories_to_batch
 from streamrl.rollout.types import TrajectoryStatus

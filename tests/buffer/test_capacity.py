@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from streamrl.buffer.actor import BufferActor
+from streamrl.streaming.actors.buffer import BufferActor
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.schema import trajectories_to_batch
 from streamrl.buffer.store import ReplayBuffer

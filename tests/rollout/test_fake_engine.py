@@ -186,7 +186,7 @@ async def test_default_script_is_deterministic_and_stats_count():
 
 def test_engine_config_validation():
     cfg = EngineConfig()
-    assert cfg.model == "tiny" and cfg.placement == "local" and cfg.in_process
+    assert cfg.model == "tiny" and cfg.in_process
     assert EngineConfig(device="cpu").resolved_device() == "cpu"
     with pytest.raises(ValidationError, match="extra"):
         EngineConfig(modle="tiny")

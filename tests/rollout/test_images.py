@@ -196,9 +196,9 @@ class _StubActor:
 
 
 async def test_ray_client_and_actor_pass_images_through():
-    from streamrl.rollout.engine.ray_engine import EngineActor, RayEngineClient
+    from streamrl.streaming.actors.engine import EngineActor, RayEngineClient
 
-    cfg = EngineConfig(placement="ray", device="cpu", call_timeout_s=10.0, startup_timeout_s=10.0)
+    cfg = EngineConfig(device="cpu", call_timeout_s=10.0, startup_timeout_s=10.0)
     actor = EngineActor(cfg, "ray-0")
     fake = FakeEngine("ray-0", script=[[3, 4]], image_token_id=IMG)
     fake.device = "cpu"

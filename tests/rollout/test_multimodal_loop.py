@@ -23,7 +23,7 @@ from streamrl.rollout.engine.base import PauseMode
 from streamrl.rollout.images import ImageStore, decode_image, encode_png
 from streamrl.rollout.server_manager import ServerManager
 from streamrl.rollout.types import AgentData, AgentState, TrajectoryStatus
-from streamrl.streaming.rollout_actor import image_blobs
+from streamrl.streaming.actors.worker import image_blobs
 from tests.rollout.test_multimodal_engine import _image, hf_logprobs, max_diff
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]

@@ -358,7 +358,7 @@ async def test_real_engine_tool_image_parked_and_resumed_from_the_buffer(vlm_eng
     from streamrl.buffer.config import BufferConfig
     from streamrl.buffer.store import ReplayBuffer
     from streamrl.models.multimodal import image_vision_inputs
-    from streamrl.streaming.rollout_actor import image_blobs
+    from streamrl.streaming.actors.worker import image_blobs
     from tests.rollout.test_multimodal_engine import hf_logprobs, max_diff
     from tests.rollout.test_multimodal_loop import park_then_sync
 

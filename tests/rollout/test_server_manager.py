@@ -186,19 +186,18 @@ def test_constructor_validation():
 @pytest.mark.ray
 @pytest.mark.timeout(400)
 async def test_sticky_routing_over_two_ray_vllm_engines(ray_cluster, tiny_model_path):
-    from streamrl.rollout.engine import make_engine
+    from streamrl.streaming.actors.engine import RayEngineClient
 
     cfg = EngineConfig(
         model=str(tiny_model_path),
         device="cpu",
         max_model_len=2048,
         max_num_seqs=8,
-        placement="ray",
         num_cpus=1,
         startup_timeout_s=300,
         call_timeout_s=300,
     )
-    engines = [make_engine(cfg, f"ray-{i}") for i in range(2)]
+    engines = [RayEngineClient.launch(cfg, f"ray-{i}") for i in range(2)]
     manager = ServerManager(engines)
     try:
         assert await asyncio.gather(*(e.wait_ready() for e in engines)) == ["cpu", "cpu"]

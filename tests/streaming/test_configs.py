@@ -37,7 +37,7 @@ def test_run_file_validates(path):
 def test_gpu_run_files_give_engines_and_learner_disjoint_gpus(name, engine_gpus, learner_gpus):
     cfg = load_config(REPO / "configs" / name)
     engine = cfg.rollout.engine
-    assert engine.device == "cuda" and engine.dtype == "bfloat16" and engine.placement == "ray"
+    assert engine.device == "cuda" and engine.dtype == "bfloat16"
     assert engine.num_gpus == engine.tensor_parallel_size
     assert cfg.rollout.num_engines * engine.num_gpus == engine_gpus
     where = placement(cfg.learner)
@@ -71,7 +71,7 @@ def test_bad_learner_placement_is_one_clear_error(overrides, message):
 
 
 def test_learner_actor_options_follow_num_workers():
-    from streamrl.streaming.learner_actor import learner_actor_options
+    from streamrl.streaming.actors.learner import learner_actor_options
 
     single = load_config(None, ["learner.device=cpu", "learner.num_cpus_per_worker=2"])
     assert learner_actor_options(single) == {"num_cpus": 2.0, "num_gpus": 0.0}

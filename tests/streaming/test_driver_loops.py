@@ -1,4 +1,4 @@
-"""The driver's loops in-process, on fakes of the actor clients (`streaming/clients.py`), in about a
+"""The driver's loops in-process, on fakes of the actor clients (`streaming/actors/clients.py`), in about a
 second: admission, learner and health loops over a real `ReplayBuffer`, a real `PromptStream`, a
 real `MetricsLogger` and real driver state; the workers, learner and engines are fakes with the
 clients' methods. The real-actor versions of these runs are test_e2e.py and test_preemption.py."""
@@ -21,10 +21,10 @@ from streamrl.rollout.engine.base import EngineStats
 from streamrl.rollout.types import AgentData, FinishReason, RolloutOutcomes, Trajectory, TrajectoryStatus
 from streamrl.streaming.config import load_config
 from streamrl.streaming.driver import run_async, run_sync
-from streamrl.streaming.learner_actor import Trained
+from streamrl.streaming.actors.learner import Trained
 from streamrl.streaming.prompts import PromptStream, load_records
 from streamrl.streaming.system import DriverState, System
-from streamrl.streaming.weight_publisher import Published
+from streamrl.weight_sync.publisher import Published
 
 TIMEOUT_S = 60
 

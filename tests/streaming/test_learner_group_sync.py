@@ -71,7 +71,7 @@ def _config(model_path, *, num_workers: int):
             "trainer": {"step_timeout_s": CALL_TIMEOUT_S},
             "rollout": {
                 "agent": {"prompt_length": 256, "response_length": 256, "max_tokens_per_turn": 64},
-                "engine": {"placement": "ray", "max_model_len": 512, "max_num_seqs": 8},
+                "engine": {"max_model_len": 512, "max_num_seqs": 8},
             },
             # a large step so one update visibly changes the greedy continuation
             "learner": {"num_workers": num_workers, "device": "cpu", "num_cpus_per_worker": 1, "lr": 1e-2, "seed": 1},
@@ -167,8 +167,8 @@ async def _train_publish_check(learner, client, tmp_path, *, version: int) -> li
 async def test_single_and_two_rank_learners_publish_what_they_save(ray_cluster, tiny_model_path, tmp_path):
     """num_workers = 1 trains and publishes v1; then a num_workers = 2 group takes two steps and
     publishes v2 through its rank 0 — the same LearnerActor interface."""
-    from streamrl.rollout.engine.ray_engine import RayEngineClient
-    from streamrl.streaming.learner_actor import LearnerActor, learner_actor_options
+    from streamrl.streaming.actors.engine import RayEngineClient
+    from streamrl.streaming.actors.learner import LearnerActor, learner_actor_options
 
     single_cfg, group_cfg = _config(tiny_model_path, num_workers=1), _config(tiny_model_path, num_workers=2)
     assert learner_actor_options(single_cfg) == {"num_cpus": 1.0, "num_gpus": 0.0}

@@ -14,8 +14,8 @@ from streamrl.learner.types import StepResult
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver import run_async
 from streamrl.streaming.errors import NonFiniteTrainingError, explain_failure
-from streamrl.streaming.learner_actor import LearnerActor, Trained
-from streamrl.streaming.weight_publisher import Published
+from streamrl.streaming.actors.learner import LearnerActor, Trained
+from streamrl.weight_sync.publisher import Published
 from tests.buffer.helpers import make_group
 from tests.streaming.test_driver_loops import TIMEOUT_S, _system
 
@@ -47,7 +47,7 @@ def _sampled_batch():
 
 
 async def test_the_learner_actor_publishes_nothing_after_skipped_steps(monkeypatch):
-    from streamrl.streaming import learner_backends
+    from streamrl.streaming.actors import learner_backends
 
     monkeypatch.setattr(learner_backends, "LocalLearner", SkippingBackend)
     actor = LearnerActor.__ray_actor_class__(StreamRLConfig())  # the actor's class, in this process

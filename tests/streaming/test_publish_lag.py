@@ -3,13 +3,14 @@ versions ago, labelled with their own version, so a synchronous run trains every
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from streamrl.rollout.engine.config import EngineConfig
 from streamrl.streaming.config import load_config
-from streamrl.streaming.weight_publisher import LaggedWeights, WeightPublisher
 from streamrl.weight_sync.config import WeightSyncConfig
+from streamrl.weight_sync.publisher import LaggedWeights, WeightPublisher
 from streamrl.weight_sync.types import SyncResult
 
 
@@ -48,7 +49,7 @@ class RecordingCoordinator:
 @pytest.mark.parametrize("lag", [0, 1, 3])
 async def test_the_publisher_serves_exactly_lag_versions_behind(lag):
     publisher = WeightPublisher(
-        WeightSyncConfig(publish_lag=lag), EngineConfig(), engines=[object()], workers=[], policy_version=0
+        WeightSyncConfig(publish_lag=lag), clients=[SimpleNamespace(engine_id="engine-0")], workers=[]
     )
     publisher.coordinator = RecordingCoordinator()
     served = []

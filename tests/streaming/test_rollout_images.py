@@ -11,7 +11,7 @@ import pytest
 from streamrl.rollout.images import ImageStore, encode_png
 from streamrl.rollout.types import Trajectory
 from streamrl.streaming.config import load_config
-from streamrl.streaming.rollout_actor import build_agent_context, image_blobs
+from streamrl.streaming.actors.worker import build_agent_context, image_blobs
 
 pytestmark = pytest.mark.timeout(120)
 

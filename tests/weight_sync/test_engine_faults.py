@@ -200,13 +200,10 @@ async def test_no_engine_left_raises_a_clear_error(overlap, why):
 
 
 async def test_publisher_goes_on_without_a_dead_engine_then_raises_when_none_is_left(monkeypatch):
-    from streamrl.rollout.engine import ray_engine
-    from streamrl.rollout.engine.config import EngineConfig
-    from streamrl.streaming.weight_publisher import WeightPublisher
+    from streamrl.weight_sync.publisher import WeightPublisher
 
     engines = [DyingEngine("engine-0"), DyingEngine("engine-1")]
-    monkeypatch.setattr(ray_engine, "RayEngineClient", lambda handle, engine_id, **kwargs: handle)
-    publisher = WeightPublisher(_config(pause_mode=PauseMode.KEEP), EngineConfig(), engines, [], policy_version=0)
+    publisher = WeightPublisher(_config(pause_mode=PauseMode.KEEP), engines, [])
     assert (await publisher.publish(toy_weights(1), 1)).policy_version == 1
     engines[1].die()
     published = await publisher.publish(toy_weights(2), 2)

@@ -264,3 +264,9 @@ class RayEngineClient(InferenceEngine):
         except Exception as exc:  # fault boundary: the actor may already be dead; kill it anyway
             logger.warning("engine %s shutdown failed: %s", self.engine_id, exc)
         ray.kill(self.actor, no_restart=True)
+
+
+def engine_clients(handles: list[Any], cfg: EngineConfig, policy_version: int = 0) -> list[RayEngineClient]:
+    """One client per engine actor, named `engine-{i}` in the order of `handles` (the name the sync,
+    the routing and the rollout workers all use)."""
+    return [RayEngineClient(h, f"engine-{i}", cfg=cfg, policy_version=policy_version) for i, h in enumerate(handles)]

@@ -2,10 +2,10 @@
 and return the records of that part's `types.py` (never JSON strings, never control values inside
 metric dicts), each call bounded by a timeout.
 
-    BufferClient   -> buffer.actor.BufferActor          (admission rows, batches, recovery, stats)
-    LearnerClient  -> streaming.learner_actor.LearnerActor (train step, publish, checkpoint)
-    WorkerClient   -> streaming.rollout_actor.RolloutWorkerActor (submit, pause, routing)
-    EngineClient   -> rollout.engine.ray_engine.EngineActor (liveness, stats, memory)
+    BufferClient   -> streaming.actors.buffer.BufferActor          (admission rows, batches, recovery, stats)
+    LearnerClient  -> streaming.actors.learner.LearnerActor (train step, publish, checkpoint)
+    WorkerClient   -> streaming.actors.worker.RolloutWorkerActor (submit, pause, routing)
+    EngineClient   -> streaming.actors.engine.EngineActor (liveness, stats, memory)
 
 `System` holds these, never raw handles, so the driver's loops run in-process against fakes with
 the same methods (tests/streaming/test_driver_loops.py). A dead actor raises
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from streamrl.buffer.types import BufferProgress
     from streamrl.rollout.engine.base import EngineStats
     from streamrl.rollout.types import AgentData, RolloutOutcomes, Trajectory
-    from streamrl.streaming.learner_actor import Trained
-    from streamrl.streaming.weight_publisher import Published
+    from streamrl.streaming.actors.learner import Trained
+    from streamrl.weight_sync.publisher import Published
 
 
 class ActorClient:

@@ -3,7 +3,7 @@ checkpoints — whatever runs behind it.
 
 The driver hands it buffer batches by object ref (`train_step`), asks it to publish weights
 (`publish`: pause the rollout workers, move the weights into every engine, verify, resume) and to
-checkpoint. Behind it (`streaming/learner_backends.py`): with `learner.num_workers = 1` the training
+checkpoint. Behind it (`streaming/actors/learner_backends.py`): with `learner.num_workers = 1` the training
 engine and the weight publisher live in this actor's process; with `num_workers > 1` it only
 coordinates an FSDP2 `LearnerGroup` of Ray actors whose rank 0 publishes. The interface does not
 change. Create it with `LearnerActor.options(**learner_actor_options(cfg))`: the actor reserves the
@@ -21,7 +21,7 @@ import ray
 
 from streamrl.rollout.types import Trajectory
 from streamrl.streaming.config import StreamRLConfig
-from streamrl.streaming.weight_publisher import Published
+from streamrl.weight_sync.publisher import Published
 
 if TYPE_CHECKING:
     from streamrl.buffer.types import SampledBatch
@@ -55,7 +55,7 @@ def learner_actor_options(cfg: StreamRLConfig) -> dict[str, float]:
 @ray.remote
 class LearnerActor:
     def __init__(self, cfg: StreamRLConfig, init_checkpoint: str | None = None) -> None:
-        from streamrl.streaming.learner_backends import GroupLearner, LocalLearner
+        from streamrl.streaming.actors.learner_backends import GroupLearner, LocalLearner
 
         logging.basicConfig(level=logging.INFO)
         self.cfg = cfg
@@ -86,9 +86,9 @@ class LearnerActor:
         the learner's `memory/learner_peak_gb` / `memory/learner_rss_gb`) and a few trajectories to log."""
         import numpy as np
 
-        from streamrl.core.versions import lag_fractions, lag_histogram
         from streamrl.buffer.schema import batch_to_trajectories
         from streamrl.core.catalogue import LAG_FRAC
+        from streamrl.core.versions import lag_fractions, lag_histogram
         from streamrl.observability.metrics import summarize
 
         t0 = time.monotonic()

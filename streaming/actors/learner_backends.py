@@ -27,17 +27,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from streamrl.core.aio import gather_within
 from streamrl.learner.group import LearnerWorker
 from streamrl.learner.types import StepResult
-from streamrl.core.aio import gather_within
-from streamrl.streaming.weight_publisher import Published
+from streamrl.weight_sync.publisher import Published
 
 if TYPE_CHECKING:
     from streamrl.learner.config import LearnerConfig
     from streamrl.rollout.engine.config import EngineConfig
     from streamrl.streaming.config import StreamRLConfig
-    from streamrl.streaming.weight_publisher import WeightPublisher
     from streamrl.weight_sync.config import WeightSyncConfig
+    from streamrl.weight_sync.publisher import WeightPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +79,12 @@ class LocalLearner:
         return replace(result, metrics=result.metrics | end_of_step(str(self.engine.device)))
 
     async def connect(self, engines: list[Any], workers: list[Any], policy_version: int) -> None:
-        from streamrl.streaming.weight_publisher import WeightPublisher
+        from streamrl.streaming.actors.engine import engine_clients
+        from streamrl.weight_sync.publisher import WeightPublisher
 
         cfg = self.cfg
-        self.publisher = WeightPublisher(cfg.weight_sync, cfg.rollout.engine, engines, workers, policy_version)
+        clients = engine_clients(engines, cfg.rollout.engine, policy_version)
+        self.publisher = WeightPublisher(cfg.weight_sync, clients, workers)
 
     async def set_workers(self, workers: list[Any]) -> None:
         assert self.publisher is not None, "connect() first"
@@ -139,11 +141,12 @@ class PublishingLearnerWorker(LearnerWorker):
         workers: list[Any],
         policy_version: int,
     ) -> None:
-        from streamrl.streaming.weight_publisher import WeightPublisher
+        from streamrl.streaming.actors.engine import engine_clients
+        from streamrl.weight_sync.publisher import WeightPublisher
 
         self.close_publisher()
         self._loop = asyncio.new_event_loop()
-        self.publisher = WeightPublisher(sync_cfg, engine_cfg, engines, workers, policy_version)
+        self.publisher = WeightPublisher(sync_cfg, engine_clients(engines, engine_cfg, policy_version), workers)
         self._sync_dtype = engine_cfg.dtype if engine_cfg.dtype in _LOW_PRECISION else None
 
     def set_workers(self, workers: list[Any]) -> None:

@@ -79,14 +79,13 @@ def image_blobs(store: Any, traj: Any) -> list | None:
 class RolloutWorkerActor:
     def __init__(self, worker_id: str, cfg: StreamRLConfig, model_path: str, engines: list, buffer: Any) -> None:
         from streamrl.rollout.engine.base import PauseMode
-        from streamrl.rollout.engine.ray_engine import RayEngineClient
         from streamrl.rollout.server_manager import ServerManager
         from streamrl.rollout.worker import RolloutWorker
+        from streamrl.streaming.actors.engine import engine_clients
 
         logging.basicConfig(level=logging.INFO)
         self.buffer = buffer
-        clients = [RayEngineClient(h, f"engine-{i}", cfg=cfg.rollout.engine) for i, h in enumerate(engines)]
-        server = ServerManager(clients, max_sticky_keys=cfg.rollout.sticky_lru_size)
+        server = ServerManager(engine_clients(engines, cfg.rollout.engine), max_sticky_keys=cfg.rollout.sticky_lru_size)
         ctx = build_agent_context(cfg, model_path, server)
         ctx.snapshot = self._snapshot  # I5: tool intents are durable before the tools run
         ctx.fetch_images = self._fetch_images

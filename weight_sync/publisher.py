@@ -1,10 +1,10 @@
 """`WeightPublisher`: the learner end of weight sync, in the process that holds the full tensors.
 
-It owns what must outlive one sync: a `WeightSyncCoordinator` over the engine actors (as
-`RayEngineClient`s; the transport's group is reused while the engine set is unchanged), the
+It owns what must outlive one sync: a `WeightSyncCoordinator` over the engines (the clients of
+the engine actors it is given; the transport's group is reused while the engine set is unchanged), the
 rollout-worker handles it pauses and resumes, and the policy_version the engines serve. It lives
 in the single-process `LearnerActor`, or — with an FSDP learner group — in learner rank 0
-(`streaming/learner_backends.py`), because the transport's rank 0 must be where the gathered
+(`streaming/actors/learner_backends.py`), because the transport's rank 0 must be where the gathered
 tensors are. Failure semantics are the coordinator's: a failed sync returns the old version, which
 keeps serving, and is retried at the next publish; a dead engine leaves the sync set (named in
 `dropped_engines`, for the driver to take out of routing) and the run goes on with the others;
@@ -24,7 +24,7 @@ from streamrl.core.aio import gather_within
 if TYPE_CHECKING:
     import torch
 
-    from streamrl.rollout.engine.config import EngineConfig
+    from streamrl.rollout.engine.base import InferenceEngine
     from streamrl.weight_sync.config import WeightSyncConfig
 
 logger = logging.getLogger(__name__)
@@ -88,22 +88,12 @@ class LaggedWeights:
 class WeightPublisher:
     """Publishes named tensors as a policy_version to every engine; see the module docstring."""
 
-    def __init__(
-        self,
-        cfg: WeightSyncConfig,
-        engine_cfg: EngineConfig,
-        engines: list[Any],
-        workers: list[Any],
-        policy_version: int,
-    ) -> None:
-        from streamrl.rollout.engine.ray_engine import RayEngineClient
+    def __init__(self, cfg: WeightSyncConfig, clients: list[InferenceEngine], workers: list[Any]) -> None:
+        """`clients`: the engines, as engine clients named `engine-{i}` that know the served version
+        (`streaming.actors.engine.engine_clients`); `workers`: the rollout-worker handles it pauses."""
         from streamrl.weight_sync.coordinator import WeightSyncCoordinator
 
         self.workers = RemoteWorkers(workers, cfg.timeouts.pause)
-        clients = [
-            RayEngineClient(h, f"engine-{i}", cfg=engine_cfg, policy_version=policy_version)
-            for i, h in enumerate(engines)
-        ]
         self.coordinator = WeightSyncCoordinator(cfg, clients, workers=self.workers)
         self.lagged = LaggedWeights(cfg.publish_lag) if cfg.publish_lag else None
 
