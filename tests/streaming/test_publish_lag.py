@@ -49,7 +49,7 @@ class RecordingCoordinator:
 @pytest.mark.parametrize("lag", [0, 1, 3])
 async def test_the_publisher_serves_exactly_lag_versions_behind(lag):
     publisher = WeightPublisher(
-        WeightSyncConfig(publish_lag=lag), clients=[SimpleNamespace(engine_id="engine-0")], workers=[]
+        WeightSyncConfig(publish_lag=lag), clients=[SimpleNamespace(engine_id="engine-0", policy_version=0)], workers=[]
     )
     publisher.coordinator = RecordingCoordinator()
     served = []
