@@ -487,8 +487,4 @@ def make_worker(system: System, worker_id: str) -> WorkerClient:
     return WorkerClient(handle, timeout_s=system.timeout_s)
 
 
-def group_of(trajectory_id: str) -> str:
-    return trajectory_id.rsplit("/", 1)[0]
-
-
 __all__ = ["DriverState", "System", "group_id_for", "load_records", "make_worker"]

@@ -7,11 +7,11 @@ Rollout workers append record batches through the object store, not pickled row 
 
 Ray resolves the ref to a zero-copy view of the object store; the actor copies it into its own heap
 before keeping it (a long-lived reference would pin object-store memory). The learner calls
-`sample` / `sample_padded`.
+`sample`.
 
 Backpressure (when `capacity_rows` live rows are held): `append` *awaits* until samples or
 evictions make room, up to `timeout_s`, and returns False if the rows were not accepted in time
-(the caller keeps them and retries); `try_append` never waits. Only rows that add live rows wait: a
+(the caller keeps them and retries); a timeout of 0 never waits. Only rows that add live rows wait: a
 finished row replacing its trajectory's partial row needs no room (refusing it would deadlock a full
 buffer whose rows are all in-flight work). Partial rows are always accepted at once: they are parked
 in-flight work that admission already counted (`capacity` keeps admission within `capacity_rows`),
@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.schema import normalize_batch, trajectories_to_batch
 from streamrl.buffer.store import ReplayBuffer
-from streamrl.buffer.types import BufferProgress, ImageBlob, PaddedBatch, SampledBatch
+from streamrl.buffer.types import BufferProgress, ImageBlob, SampledBatch
 from streamrl.rollout.types import Trajectory, TrajectoryStatus
 
 if TYPE_CHECKING:
@@ -111,19 +111,6 @@ class BufferActor:
         await self._notify_changed()
         return True
 
-    async def try_append(
-        self, data: pa.RecordBatch | pa.Table | list[Trajectory], images: list[ImageBlob] | None = None
-    ) -> bool:
-        """Append only if there is room now (partial rows always); never waits."""
-        self._check_flusher()
-        batch = self._as_batch(data)
-        if self._all_partial(batch) or self._fits(batch):
-            self.buffer.append(batch, images=images)
-            await self._notify_changed()
-            return True
-        self.num_backpressure_timeouts += 1
-        return False
-
     def _fits(self, batch: pa.RecordBatch) -> bool:
         return self.buffer.has_room(self.buffer.num_new_rows(batch))
 
@@ -148,11 +135,6 @@ class BufferActor:
         `num_returns=2`, the caller learns whether there is a batch without fetching it."""
         out = await self.sample(served_version, learner_step)
         return (0 if out is None else out.table.num_rows), out
-
-    async def sample_padded(self, served_version: int, learner_step: int) -> tuple[PaddedBatch, np.ndarray] | None:
-        """The padded learner batch and per-row lags, or None."""
-        out = await self.sample(served_version, learner_step)
-        return None if out is None else (out.to_padded(), out.lags)
 
     async def resumable(self, trajectory_ids: list[str] | None = None) -> list[Trajectory]:
         return self.buffer.resumable(trajectory_ids)

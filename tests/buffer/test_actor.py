@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from streamrl.streaming.actors.buffer import create_buffer_actor
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.schema import trajectories_to_batch
 from streamrl.rollout.types import TrajectoryStatus
+from streamrl.streaming.actors.buffer import create_buffer_actor
 from tests.buffer.helpers import make_group, make_traj
 from tests.fixtures.ray_cluster import RAY_TIMEOUT_S
 
@@ -29,8 +29,7 @@ def test_append_by_ref_sample_and_recover(ray_cluster, tmp_path):
         timeout=RAY_TIMEOUT_S,
     )
     ray.get(actor.append.remote(make_group("d", 2)), timeout=RAY_TIMEOUT_S)  # a plain list works too
-    padded, lags = ray.get(actor.sample_padded.remote(0, 2), timeout=RAY_TIMEOUT_S) or (None, None)
-    assert padded is None  # only one complete group (d); c is partial
+    assert ray.get(actor.sample.remote(0, 2), timeout=RAY_TIMEOUT_S) is None  # one complete group (d); c is partial
     stats = ray.get(actor.stats.remote(), timeout=RAY_TIMEOUT_S)
     assert stats["buffer/trajectories_consumed"] == 4 and stats["buffer/partial_trajectories"] == 1
     ray.get(actor.close.remote(), timeout=RAY_TIMEOUT_S)
@@ -52,17 +51,17 @@ def test_backpressure_waits_for_room(ray_cluster):
         timeout=RAY_TIMEOUT_S,
     )
     second = ray.put(trajectories_to_batch(make_group("b", 2)))
-    assert ray.get(actor.try_append.remote(second), timeout=RAY_TIMEOUT_S) is False
+    assert ray.get(actor.append.remote(second, 0.0), timeout=RAY_TIMEOUT_S) is False  # no room now
     assert ray.get(actor.append.remote(second, 0.2), timeout=RAY_TIMEOUT_S) is False  # timed out
     partial = trajectories_to_batch([make_traj("p", 0, status=TrajectoryStatus.PARTIAL)])
-    assert ray.get(actor.try_append.remote(partial), timeout=RAY_TIMEOUT_S) is True  # partial rows never wait
+    assert ray.get(actor.append.remote(partial, 0.0), timeout=RAY_TIMEOUT_S) is True  # partial rows never wait
     waiting = actor.append.remote(second, 30.0)
     ready, _ = ray.wait([waiting], timeout=0.5)
     assert not ready  # blocked on capacity
     assert ray.get(actor.sample.remote(0, 1), timeout=RAY_TIMEOUT_S).trajectory_ids == ["a/0", "a/1"]
     assert ray.get(waiting, timeout=RAY_TIMEOUT_S) is True  # unblocked by the sample (2 live rows left)
     stats = ray.get(actor.stats.remote(), timeout=RAY_TIMEOUT_S)
-    assert stats["buffer/backpressure_waits"] == 2 and stats["buffer/backpressure_timeouts"] == 2
+    assert stats["buffer/backpressure_waits"] == 3 and stats["buffer/backpressure_timeouts"] == 2
     ray.kill(actor)
 
 
