@@ -21,7 +21,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from streamrl.core.versions import lag_histogram
 from streamrl.buffer.groups import kept_rows
 from streamrl.buffer.log import read_segments
 from streamrl.buffer.manifest import (
@@ -33,6 +32,7 @@ from streamrl.buffer.manifest import (
 )
 from streamrl.buffer.schema import LEGACY_SCHEMAS, TRAJECTORY_SCHEMA, normalize_batch
 from streamrl.buffer.types import RecoveryReport
+from streamrl.core.versions import lag_histogram
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -24,9 +24,9 @@ import numpy as np
 import pyarrow.compute as pc
 
 from streamrl.buffer.admission import length_bucket
-
-from streamrl.core.versions import token_lag
 from streamrl.buffer.cli import latest_rows, read_dir
+from streamrl.core.run_dir import RunDir
+from streamrl.core.versions import token_lag
 
 
 def _counts(values) -> dict[str, int]:
@@ -129,9 +129,9 @@ def render_html(result: dict[str, Any]) -> str:
 def write_report(run_dir: str | Path) -> tuple[Path, Path, dict[str, Any]]:
     """RUN_DIR/staleness.json and .html from RUN_DIR/buffer (or RUN_DIR itself if it is a buffer)."""
     run_dir = Path(run_dir)
-    buffer_dir = run_dir / "buffer" if (run_dir / "buffer").is_dir() else run_dir
+    buffer_dir = RunDir(run_dir).buffer if RunDir(run_dir).buffer.is_dir() else run_dir
     result = analyze(buffer_dir)
-    json_path, html_path = run_dir / "staleness.json", run_dir / "staleness.html"
+    json_path, html_path = RunDir(run_dir).staleness_json, RunDir(run_dir).staleness_html
     json_path.write_text(json.dumps(result, indent=1) + "\n")
     html_path.write_text(render_html(result))
     return json_path, html_path, result

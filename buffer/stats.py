@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from streamrl.core.versions import lag_fractions, lag_histogram, token_lag
 from streamrl.core.catalogue import LAG_FRAC
+from streamrl.core.versions import lag_fractions, lag_histogram, token_lag
 
 
 class BufferStats:

@@ -36,8 +36,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from streamrl.buffer.admission import length_bucket, rollout_capacity
-
-from streamrl.core.versions import trajectory_lag
 from streamrl.buffer.config import BufferConfig, OverAgePolicy
 from streamrl.buffer.durable import BufferDir
 from streamrl.buffer.groups import GroupPhase, GroupState, GroupTable, RowColumns
@@ -54,6 +52,7 @@ from streamrl.buffer.schema import (
 )
 from streamrl.buffer.stats import BufferStats
 from streamrl.buffer.types import ImageBlob, RecoveryReport, SampledBatch
+from streamrl.core.versions import trajectory_lag
 from streamrl.rollout.types import Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)

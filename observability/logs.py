@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from streamrl.core.run_dir import RunDir
 from streamrl.observability.safe_text import SafeFormatter
 
 if TYPE_CHECKING:
@@ -218,7 +219,7 @@ def run_summary(
 ) -> str:
     """The lines `streamrl train` ends with: how far it got and where everything is."""
     run_dir = Path(run_dir)
-    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    checkpoints = RunDir(run_dir).checkpoint_dirs()
     lines = [
         f"run {'finished' if learner_step >= total_steps else 'stopped'} at learner step {learner_step}/{total_steps} "
         f"after {format_duration(elapsed_s)}",

@@ -40,9 +40,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.text import Text
 
 from streamrl.core import catalogue
+from streamrl.core.atomic import atomic_write
 from streamrl.observability.logs import PROGRESS_EXTRA, format_duration
 from streamrl.observability.logs import console as shared_console
-from streamrl.core.atomic import atomic_write
 
 if TYPE_CHECKING:
     from streamrl.rollout.types import Trajectory

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streamrl.core import catalogue
+from streamrl.core.run_dir import RunDir
 from streamrl.observability.metrics import (
     ENGINE_BUSY_KEY,
     METRICS_FILE,
@@ -207,7 +208,7 @@ def buffer_dir(data: RunData) -> Path:
     """Where the run's buffer (and its image log) lives: the config's `buffer.root_dir`, else RUN_DIR/buffer."""
     buffer_cfg = (data.info.get("config") or {}).get("buffer") if isinstance(data.info.get("config"), dict) else None
     root = buffer_cfg.get("root_dir") if isinstance(buffer_cfg, dict) else None
-    return Path(root) if isinstance(root, str) and root else data.run_dir / "buffer"
+    return Path(root) if isinstance(root, str) and root else RunDir(data.run_dir).buffer
 
 
 def write_report(

@@ -14,12 +14,12 @@ prompt by prompt (eval_stats.compare).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamrl.core.run_dir import RunDir, read_json
 from streamrl.streaming.eval_stats import EvalSummary, compare
 
 logger = logging.getLogger(__name__)
@@ -36,11 +36,9 @@ class Target:
 
 def run_targets(run_dir: Path, which: list[str]) -> list[Target]:
     """The models to evaluate: `base` (the run's starting model), `latest`, `all` or step numbers."""
-    info = json.loads((run_dir / "run_info.json").read_text())
+    info = read_json(RunDir(run_dir).run_info)
     checkpoints = {
-        int(p.name.split("_")[1]): p / "hf"
-        for p in sorted((run_dir / "checkpoints").glob("step_*"))
-        if (p / "hf").is_dir()
+        int(p.name.split("_")[1]): p / "hf" for p in RunDir(run_dir).checkpoint_dirs() if (p / "hf").is_dir()
     }
     out: list[Target] = []
     for item in which or ["base", "latest"]:
@@ -64,9 +62,7 @@ async def evaluate_model(cfg, target: Target, records) -> tuple[EvalSummary, Pat
     from streamrl.rollout.engine import make_engine
     from streamrl.streaming.heldout import heldout_metrics, run_heldout
 
-    engine = make_engine(
-        cfg.rollout.engine.model_copy(update={"model": target.model_path}), "engine-0"
-    )
+    engine = make_engine(cfg.rollout.engine.model_copy(update={"model": target.model_path}), "engine-0")
     try:
         t0 = time.monotonic()
         trajectories = await run_heldout(
@@ -91,13 +87,11 @@ def eval_main(
         raise ValueError("streamrl eval takes a RUN_DIR or --config, not both")
     if run_dir is not None:
         root = Path(run_dir)
-        if not (root / "run_info.json").exists():
+        if not RunDir(root).run_info.exists():
             raise ValueError(f"{root} is not a streamrl run directory (no run_info.json)")
-        cfg = StreamRLConfig.model_validate(
-            apply_overrides(json.loads((root / "run_info.json").read_text())["config"], overrides)
-        )
+        cfg = StreamRLConfig.model_validate(apply_overrides(read_json(RunDir(root).run_info)["config"], overrides))
         targets = run_targets(root, checkpoints)
-        out_dir = Path(out) if out else root / "eval_offline"
+        out_dir = Path(out) if out else RunDir(root).eval_offline
     else:
         from streamrl.streaming.sft import prepare_model
 

@@ -18,6 +18,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from streamrl.core.run_dir import RunDir, read_json
+
 
 @dataclass(kw_only=True)
 class InvariantReport:
@@ -56,10 +58,10 @@ def check_run(run_dir: str | Path) -> InvariantReport:
     from streamrl.streaming.prompts import first_group_ids
 
     run_dir = Path(run_dir)
-    cfg = StreamRLConfig.model_validate(json.loads((run_dir / "run_info.json").read_text())["config"])
-    state = json.loads((run_dir / "driver_state.json").read_text())
+    cfg = StreamRLConfig.model_validate(read_json(RunDir(run_dir).run_info)["config"])
+    state = read_json(RunDir(run_dir).driver_state)
     report = InvariantReport(run_dir=str(run_dir), learner_step=state["learner_step"], cursor=state["cursor"])
-    frame = load_frame(run_dir / "buffer")
+    frame = load_frame(RunDir(run_dir).buffer)
     latest = frame[frame["is_latest"]]
 
     # I1: the groups are exactly the first `cursor` prompts, each with group_size trajectories.
@@ -91,7 +93,7 @@ def check_run(run_dir: str | Path) -> InvariantReport:
         report.bad_batches = len(bad)
 
     # I2: what the end-of-run accounting saw (absent when the last segment was killed).
-    accounting = run_dir / "accounting.json"
+    accounting = RunDir(run_dir).accounting
     if accounting.exists():
         acc = json.loads(accounting.read_text())
         report.stranded, report.untracked = len(acc["stranded"]), len(acc["untracked"])
@@ -106,7 +108,7 @@ def check_run(run_dir: str | Path) -> InvariantReport:
             report.problems.append(f"versions of {tid}: {sampled[:8]}... (high-water {high})")
 
     # I5: each tool call's side effect at most once, across pauses, worker deaths and job restarts.
-    ledger = run_dir / "tool_ledger.jsonl"
+    ledger = RunDir(run_dir).tool_ledger
     if ledger.exists():
         from collections import Counter
 

@@ -32,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from streamrl.core.run_dir import RunDir
 from streamrl.streaming.config import StreamRLConfig, apply_overrides
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 def resume_config(run_dir: str | Path, overrides: list[str]) -> tuple[StreamRLConfig, dict[str, Any]]:
     """The config a resume of `run_dir` runs with (its saved one plus `overrides`) and its run_info.
     Raises ValueError naming every override that would change what the run trains on."""
-    info_path = Path(run_dir) / "run_info.json"
+    info_path = RunDir(run_dir).run_info
     if not info_path.exists():
         raise ValueError(f"{run_dir} is not a streamrl run directory (no run_info.json)")
     info = json.loads(info_path.read_text())

@@ -21,6 +21,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from streamrl.core.run_dir import RunDir, read_json
 from streamrl.core.versions import PolicyVersion
 from streamrl.learner.config import CorrectionMode
 
@@ -37,7 +38,7 @@ DEFAULT_CORRECTIONS = tuple(m.value for m in CorrectionMode)
 
 def checkpoint_dirs(run_dir: Path) -> dict[int, Path]:
     """Learner step -> complete checkpoint directory (`checkpoints/step_NNNNNN` with state.json)."""
-    root = run_dir / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     found = {}
     for d in sorted(root.glob("step_*")) if root.is_dir() else []:
         if (d / "state.json").exists() and d.name.removeprefix("step_").isdigit():
@@ -57,7 +58,7 @@ def checkpoint_label(run_dir: Path, ckpt: Path) -> int:
     """Version label of the checkpoint's weights: its learner step + the run's version offset at the
     time (0 unless a resume relabelled versions; known from driver_state.json for the latest one)."""
     step = int(json.loads((ckpt / "state.json").read_text())["policy_version"])
-    state_path = run_dir / "driver_state.json"
+    state_path = RunDir(run_dir).driver_state
     if state_path.exists():
         state = json.loads(state_path.read_text())
         if state.get("checkpoint") and Path(state["checkpoint"]).name == ckpt.name:
@@ -140,16 +141,16 @@ def reweight(
     from streamrl.streaming.replay import logged_batches
 
     run_dir = Path(run_dir)
-    if not (run_dir / "run_info.json").exists():
+    if not RunDir(run_dir).run_info.exists():
         raise ValueError(f"{run_dir} is not a streamrl run directory (no run_info.json)")
-    if not (run_dir / "buffer").is_dir():
+    if not RunDir(run_dir).buffer.is_dir():
         raise ValueError(f"{run_dir} has no buffer directory ({run_dir / 'buffer'}); nothing was logged")
     ckpt = find_checkpoint(run_dir, step)
-    cfg = StreamRLConfig.model_validate(json.loads((run_dir / "run_info.json").read_text())["config"])
+    cfg = StreamRLConfig.model_validate(read_json(RunDir(run_dir).run_info)["config"])
     specs = list(corrections or DEFAULT_CORRECTIONS)
     configs = {spec: parse_correction(spec, cfg.learner.correction) for spec in specs}
     lo, hi = parse_steps(steps)
-    batches = logged_batches(run_dir / "buffer")
+    batches = logged_batches(RunDir(run_dir).buffer)
     if not batches:
         raise ValueError(f"{run_dir}: the buffer records no consumed batches")
     chosen = [b for b in batches if (lo is None or b[0] >= lo) and (hi is None or b[0] <= hi)]
@@ -200,7 +201,7 @@ def reweight(
             for spec, e in pooled.items()
         ],
     }
-    out_dir = Path(out) if out else run_dir / "staleness"
+    out_dir = Path(out) if out else RunDir(run_dir).staleness
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "reweight.json"
     path.write_text(json.dumps(result, indent=2))

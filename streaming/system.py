@@ -9,7 +9,6 @@ and the learner on disjoint devices when they exist.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from streamrl.core import catalogue, faults
-from streamrl.core.atomic import atomic_write, make_dirs
+from streamrl.core.atomic import make_dirs
 from streamrl.core.catalogue import Reduction
+from streamrl.core.run_dir import RunDir, write_json
 from streamrl.streaming.checkpoints import delete_checkpoints, drop_old_checkpoints, record_checkpoint
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver_state import DriverState  # noqa: F401  (callers import it from here too)
@@ -139,7 +139,7 @@ class System:
                 faults.hit("admit.after_append")
             self.stream.advance()
             self.state.cursor = self.stream.cursor
-            self.state.save(self.run_dir / "driver_state.json")
+            self.state.save(RunDir(self.run_dir).driver_state)
             if already:  # admitted before a crash, after the last saved cursor: resumed from the buffer
                 return True
             faults.hit("admit.before_submit")
@@ -157,7 +157,7 @@ class System:
             skipped += 1
         if skipped:
             self.state.cursor = self.stream.cursor
-            self.state.save(self.run_dir / "driver_state.json")
+            self.state.save(RunDir(self.run_dir).driver_state)
         return skipped
 
     async def _submit(self, items: list[AgentData]) -> None:
@@ -200,7 +200,7 @@ class System:
         metrics["sync/num_engines_excluded"] = float(len(self.dropped_engines))
         if self.state.policy_version > self.state.version_high_water:
             self.state.version_high_water = self.state.policy_version
-            self.state.save(self.run_dir / "driver_state.json")
+            self.state.save(RunDir(self.run_dir).driver_state)
         async with self._published:
             self._published.notify_all()
         self.metrics.span("sync", "engines", t0 - self.started, time.monotonic() - self.started)
@@ -210,14 +210,14 @@ class System:
 
     async def checkpoint(self) -> Path:
         """Learner (HF weights + optimizer state), buffer (fsync), then the driver state pointer."""
-        step_dir = self.run_dir / "checkpoints" / f"step_{self.state.learner_step:06d}"
+        step_dir = RunDir(self.run_dir).checkpoint(self.state.learner_step)
         make_dirs(step_dir.parent, sync=True)  # durable: the saved state will name a folder inside it
         await self.learner.save_checkpoint(str(step_dir))
         await self.buffer.checkpoint()
         record_checkpoint(self.state, step_dir)
         dropped = drop_old_checkpoints(self.state, self.cfg.trainer.keep_checkpoints)
         self.state.elapsed_s = self.total_elapsed_s
-        self.state.save(self.run_dir / "driver_state.json")
+        self.state.save(RunDir(self.run_dir).driver_state)
         delete_checkpoints(dropped)  # only once the saved state no longer names them
         return step_dir
 
@@ -355,7 +355,7 @@ class System:
             "untracked": sorted(held - resumable),
             "resumable": sorted(resumable),
         }
-        atomic_write(self.run_dir / "accounting.json", json.dumps(report, indent=1), sync=True)
+        write_json(RunDir(self.run_dir).accounting, report)
         if report["stranded"] or report["untracked"]:
             logger.error(
                 "I2 violated at the end of the run: %d stranded, %d held without a partial row",
@@ -388,7 +388,7 @@ class System:
                 if n["Alive"]
             },
         }
-        atomic_write(self.run_dir / "placement.json", json.dumps(placement, indent=1), sync=True)
+        write_json(RunDir(self.run_dir).placement, placement)
         if len(placement["nodes"]) > 1:
             logger.info(
                 "placement over %d nodes: %s",

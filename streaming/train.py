@@ -19,7 +19,7 @@ from pathlib import Path
 
 import ray
 
-from streamrl.core.atomic import atomic_write
+from streamrl.core.run_dir import RunDir, read_json, write_json
 from streamrl.streaming.checkpoints import use_newest_complete
 from streamrl.streaming.config import StreamRLConfig, load_config
 from streamrl.streaming.system import DriverState, System, make_worker
@@ -66,7 +66,7 @@ def open_run(
         check_prompts(
             run_dir, info, load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
         )
-        state_path = run_dir / "driver_state.json"
+        state_path = RunDir(run_dir).driver_state
         state = DriverState.load(state_path) if state_path.exists() else DriverState()
         use_newest_complete(state)  # a torn newest checkpoint: resume from the one before
         return cfg, run_dir, state
@@ -100,14 +100,14 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     resuming = state is not None
     from_ckpt = resuming and state.checkpoint is not None
     if resuming:
-        model_path = json.loads((run_dir / "run_info.json").read_text())["model_path"]
+        model_path = read_json(RunDir(run_dir).run_info)["model_path"]
     else:  # conversion and SFT warm-up run in a child process: the driver never holds a model
         model_path = prepare_model(cfg, log_file=log_dir(run_dir) / "prepare_model.log")
     cfg = cfg.model_copy(deep=True)
     cfg.model = model_path
     cfg.learner.model = model_path
     cfg.rollout.engine.model = model_path
-    cfg.buffer.root_dir = str(run_dir / "buffer")
+    cfg.buffer.root_dir = str(RunDir(run_dir).buffer)
     state = state or DriverState()
     records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
     if not resuming:  # the prompts' fingerprint: a resume refuses a dataset changed under the run
@@ -120,7 +120,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
             "prompts_sha256": prompts_sha256(records),
             "num_prompts": len(records),
         }
-        atomic_write(run_dir / "run_info.json", json.dumps(info, indent=2), sync=True)
+        write_json(RunDir(run_dir).run_info, info, indent=2)
 
     timeout_s = cfg.trainer.step_timeout_s
     # the buffer's log lives in RUN_DIR: on the driver's node (or a shared filesystem in a cluster)
@@ -133,7 +133,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     )
     if resuming:  # versions continue above every label the buffer or the driver has seen (I4)
         state.rewind_to_checkpoint(await buffer.max_policy_version())
-        state.save(run_dir / "driver_state.json")
+        state.save(RunDir(run_dir).driver_state)
     engine_path = str(Path(state.checkpoint) / "hf") if from_ckpt else model_path
     engine_cfg = cfg.rollout.engine.model_copy(update={"model": engine_path})
     start_version = state.policy_version
@@ -210,7 +210,7 @@ def finished_already(cfg: StreamRLConfig, run_dir: Path, state: DriverState | No
     with a larger `trainer.total_steps` goes on training."""
     if state is None or state.learner_step < cfg.trainer.total_steps or state.checkpoint_step < state.learner_step:
         return False
-    accounting = run_dir / "accounting.json"
+    accounting = RunDir(run_dir).accounting
     if not accounting.exists():
         return False
     try:
