@@ -48,7 +48,7 @@ from streamrl.streaming.checkpoints import (
     record_checkpoint,
     use_newest_complete,
 )
-from streamrl.streaming.system import DriverState
+from streamrl.streaming.driver_state import DriverState
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ((1, ("g01", "g02")), (2, ("g03", "g04")), (3, ("g05",)), (4, ("g06", "g07")))

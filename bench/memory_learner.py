@@ -94,8 +94,8 @@ def _state_gb(engine: Any) -> dict[str, float]:
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """One variant in this process: build the engine, run `steps` train steps, measure RSS."""
-    from streamrl.learner.engine import TrainingEngine
     from streamrl.core.memory import peak_rss_gb, reset_peak_rss, rss_gb, trim_allocator
+    from streamrl.learner.engine import TrainingEngine
     from streamrl.streaming.config import load_config
 
     cfg = load_config(spec["config"], [*spec["overrides"], f"learner.logits_chunk_tokens={spec['chunk']}"])

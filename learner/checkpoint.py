@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from streamrl.learner.sharded import full_tensor
 from streamrl.core.atomic import atomic_dir
+from streamrl.learner.sharded import full_tensor
 
 if TYPE_CHECKING:
     from streamrl.learner.types import TrainState

@@ -29,8 +29,8 @@ import traceback
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 
-from streamrl.rollout.agent_loop import AgentContext, get_agent_loop_cls
 from streamrl.core.aio import gather_within
+from streamrl.rollout.agent_loop import AgentContext, get_agent_loop_cls
 from streamrl.rollout.engine.base import PauseMode
 from streamrl.rollout.types import AgentData, AgentState, FinishReason, RolloutOutcomes, Trajectory, TrajectoryStatus
 

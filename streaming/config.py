@@ -27,7 +27,7 @@ class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # "arithmetic" = generated arithmetic word problems (the embedded default); "dots" = generated
-    # count-the-dots image prompts for a VLM (rollout/image_tasks.py; needs
+    # count-the-dots image prompts for a VLM (rollout/data/dots.py; needs
     # rollout.engine.max_images_per_prompt >= 1); else a parquet/jsonl path.
     source: str = "arithmetic"
     num_prompts: int = Field(256, gt=0)  # for generated sources (arithmetic, dots)

@@ -102,8 +102,8 @@ def rollout_main(*, config: str | None, overrides: list[str], num_prompts: int, 
     from transformers import AutoTokenizer
 
     from streamrl.models import resolve_model
+    from streamrl.rollout.data import load_records
     from streamrl.streaming.config import load_config
-    from streamrl.streaming.prompts import load_records
 
     cfg = load_config(config, overrides)
     records = load_records(cfg.data.source, max(num_prompts, 1), cfg.data.seed, cfg.data.difficulty)[:num_prompts]

@@ -79,9 +79,9 @@ async def evaluate_model(cfg, target: Target, records) -> tuple[EvalSummary, Pat
 def eval_main(
     *, run_dir: str | None, config: str | None, overrides: list[str], checkpoints: list[str], out: str | None
 ) -> int:
+    from streamrl.rollout.data import load_records
     from streamrl.streaming.config import StreamRLConfig, apply_overrides, load_config
     from streamrl.streaming.heldout import heldout_records, per_prompt_rewards, write_rows
-    from streamrl.streaming.prompts import load_records
 
     if (run_dir is None) == (config is None):
         raise ValueError("streamrl eval takes a RUN_DIR or --config, not both")

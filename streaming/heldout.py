@@ -49,8 +49,8 @@ EVAL_DIR = "eval"  # RUN_DIR/eval/step_<served step>-v<policy_version>.parquet
 def heldout_records(cfg: StreamRLConfig, training: list[PromptRecord]) -> list[PromptRecord]:
     """The held-out prompts: `eval.num_prompts` of `eval.source` (or a draw of the generated training
     source with another seed) that the training stream does not hold, group ids prefixed `eval/`."""
-    from streamrl.rollout.data import messages_hash
-    from streamrl.streaming.prompts import load_records
+    from streamrl.rollout.data import load_records
+    from streamrl.rollout.data.loaders import messages_hash
 
     data, n = cfg.data, cfg.eval.num_prompts
     if cfg.eval.source is not None:

@@ -1,4 +1,4 @@
-"""The prompt stream: a deterministic, resumable order over the dataset, and admission records.
+"""The prompt stream: a deterministic, resumable order over a dataset (`rollout.data`), and admission records.
 
 `cursor` counts prompts handed out; it is the data position saved in every checkpoint. Trajectory ids
 are deterministic (`<group>@e<epoch>/<sample>`), so admitting the same prompt twice after a crash is
@@ -16,18 +16,6 @@ from streamrl.rollout.types import AgentData, PromptRecord
 
 if TYPE_CHECKING:
     from streamrl.streaming.config import DataConfig
-
-
-def load_records(source: str, num_prompts: int, seed: int, difficulty: str = "medium") -> list[PromptRecord]:
-    from streamrl.rollout.data import load_prompts, make_arithmetic_dataset
-
-    if source == "arithmetic":
-        return make_arithmetic_dataset(num_prompts, seed, difficulty=difficulty)
-    if source == "dots":  # image prompts for a VLM policy (rollout/image_tasks.py)
-        from streamrl.rollout.image_tasks import make_dots_dataset
-
-        return make_dots_dataset(num_prompts, seed)
-    return load_prompts(source)
 
 
 class PromptStream:
@@ -59,6 +47,8 @@ class PromptStream:
 def first_group_ids(data: DataConfig, cursor: int) -> list[str]:
     """The group ids of a run's first `cursor` prompts, in stream order (what admission handed out
     before its cursor reached `cursor`): the invariant checker's and the tests' expectation."""
+    from streamrl.rollout.data import load_records
+
     records = load_records(data.source, data.num_prompts, data.seed, data.difficulty)
     stream = PromptStream(records, seed=data.seed, shuffle=data.shuffle, num_epochs=data.num_epochs)
     groups = []

@@ -65,7 +65,7 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from streamrl.rollout.data import CODE_INTERPRETER, make_arithmetic_dataset, make_tool_sft_transcripts
+    from streamrl.rollout.data.loaders import CODE_INTERPRETER, make_arithmetic_dataset, make_tool_sft_transcripts
     from streamrl.rollout.tools.config import load_tool_config
 
     torch.manual_seed(seed)
@@ -140,8 +140,8 @@ def check_prompt_lengths(cfg: Any, model_path: str | Path, *, sample: int = 32) 
     from transformers import AutoTokenizer
 
     from streamrl.rollout.agent_loop.observation import ObservationEncoder
+    from streamrl.rollout.data import load_records
     from streamrl.rollout.tools.config import load_tool_config
-    from streamrl.streaming.prompts import load_records
 
     agent = cfg.rollout.agent
     tools = load_tool_config(agent.tool_config).schemas() if agent.tool_config else None

@@ -23,10 +23,10 @@ from streamrl.core.catalogue import Reduction
 from streamrl.core.run_dir import RunDir, write_json
 from streamrl.streaming.checkpoints import delete_checkpoints, drop_old_checkpoints, record_checkpoint
 from streamrl.streaming.config import StreamRLConfig
-from streamrl.streaming.driver_state import DriverState  # noqa: F401  (callers import it from here too)
+from streamrl.streaming.driver_state import DriverState
 from streamrl.streaming.errors import check_nonfinite_steps
 from streamrl.streaming.failures import check_failures
-from streamrl.streaming.prompts import PromptStream, group_id_for, load_records, make_group
+from streamrl.streaming.prompts import PromptStream, group_id_for, make_group
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -487,4 +487,4 @@ def make_worker(system: System, worker_id: str) -> WorkerClient:
     return WorkerClient(handle, timeout_s=system.timeout_s)
 
 
-__all__ = ["DriverState", "System", "group_id_for", "load_records", "make_worker"]
+__all__ = ["System", "make_worker"]

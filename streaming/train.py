@@ -22,7 +22,8 @@ import ray
 from streamrl.core.run_dir import RunDir, read_json, write_json
 from streamrl.streaming.checkpoints import use_newest_complete
 from streamrl.streaming.config import StreamRLConfig, load_config
-from streamrl.streaming.system import DriverState, System, make_worker
+from streamrl.streaming.driver_state import DriverState
+from streamrl.streaming.system import System, make_worker
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def open_run(
     config: str | None, overrides: list[str], resume: str | None
 ) -> tuple[StreamRLConfig, Path, DriverState | None]:
     if resume:
-        from streamrl.streaming.prompts import load_records
+        from streamrl.rollout.data import load_records
         from streamrl.streaming.resume import check_prompts, resume_config
 
         run_dir = Path(resume)
@@ -89,11 +90,12 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     from streamrl.core.memory import learner_runtime_env
     from streamrl.observability.logs import log_dir
     from streamrl.observability.metrics import MetricsLogger
+    from streamrl.rollout.data import load_records
     from streamrl.streaming.actors.buffer import create_buffer_actor
     from streamrl.streaming.actors.clients import BufferClient, EngineClient, LearnerClient
     from streamrl.streaming.actors.engine import RayEngineClient
     from streamrl.streaming.actors.learner import LearnerActor, learner_actor_options
-    from streamrl.streaming.prompts import PromptStream, load_records
+    from streamrl.streaming.prompts import PromptStream
     from streamrl.streaming.resume import prompts_sha256
     from streamrl.streaming.sft import prepare_model
 

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from streamrl.core.registry import Registry
 from streamrl.rollout.agent_loop.image_prompt import (
     admit_images,
     encode_image_prompt,
@@ -38,7 +39,6 @@ from streamrl.rollout.agent_loop.observation import ObservationEncoder
 from streamrl.rollout.agent_loop.scoring import call_reward_fn, finite, reward_input
 from streamrl.rollout.config import AgentConfig
 from streamrl.rollout.engine.base import SamplingParams
-from streamrl.core.registry import Registry
 from streamrl.rollout.types import (
     AgentData,
     AgentState,

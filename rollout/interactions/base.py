@@ -30,8 +30,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from streamrl.rollout.instances import InstanceStore
 from streamrl.core.registry import Registry
+from streamrl.rollout.instances import InstanceStore
 from streamrl.rollout.tools.config import import_object
 
 

@@ -8,11 +8,11 @@ import asyncio
 
 import pytest
 
-from streamrl.streaming.actors.buffer import BufferActor
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.schema import trajectories_to_batch
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.rollout.types import TrajectoryStatus
+from streamrl.streaming.actors.buffer import BufferActor
 from tests.buffer.helpers import make_traj
 
 P = TrajectoryStatus.PARTIAL

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streamrl.rollout.data import load_prompts, records_from_rows
+from streamrl.rollout.data.loaders import load_prompts, records_from_rows
 from streamrl.rollout.types import PromptRecord
 
 JSON = st.recursive(

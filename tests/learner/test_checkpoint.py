@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from streamrl.core.atomic import SEAL, unsealed_reason
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.engine import TrainingEngine
-from streamrl.core.atomic import SEAL, unsealed_reason
 from tests.learner.test_engine import _batch
 
 pytestmark = pytest.mark.timeout(120)

@@ -35,8 +35,8 @@ def test_learner_runtime_env():
 
 
 def test_local_learner_reports_memory_per_step():
-    from streamrl.streaming.config import StreamRLConfig
     from streamrl.streaming.actors.learner_backends import LocalLearner
+    from streamrl.streaming.config import StreamRLConfig
 
     cfg = StreamRLConfig(model="tiny", learner={"device": "cpu", "micro_batch_tokens": 64, "logits_chunk_tokens": 16})
     learner = LocalLearner(cfg, None)
@@ -48,8 +48,8 @@ def test_local_learner_reports_memory_per_step():
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_group_learner_reports_its_fullest_rank(ray_cluster):
-    from streamrl.streaming.config import StreamRLConfig
     from streamrl.streaming.actors.learner_backends import GroupLearner
+    from streamrl.streaming.config import StreamRLConfig
 
     cfg = StreamRLConfig(
         model="tiny",

@@ -8,7 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from streamrl.rollout.data import (
+from streamrl.models.template import CHAT_TEMPLATE
+from streamrl.rollout.data.loaders import (
     ARITHMETIC_SYSTEM_PROMPT,
     expression_for,
     load_prompts,
@@ -16,7 +17,6 @@ from streamrl.rollout.data import (
     make_tool_sft_transcripts,
     messages_hash,
 )
-from streamrl.models.template import CHAT_TEMPLATE
 from streamrl.rollout.parsers import get_parser
 from streamrl.rollout.rewards import RewardInput, math_answer
 from streamrl.rollout.tools import evaluate_expression, format_number

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from streamrl.rollout.image_tasks import IMAGE_SIZE, MAX_DOTS, draw_dots, make_dots_dataset
+from streamrl.rollout.data.dots import IMAGE_SIZE, MAX_DOTS, draw_dots, make_dots_dataset
 from streamrl.rollout.images import load_image_source
 from streamrl.rollout.rewards import RewardInput, math_answer
 
@@ -71,6 +71,6 @@ def test_the_text_reward_grades_the_requested_answer():
 
 
 def test_the_data_source_name_loads_it():
-    from streamrl.streaming.prompts import load_records
+    from streamrl.rollout.data import load_records
 
     assert [r.messages for r in load_records("dots", 4, 7)] == [r.messages for r in make_dots_dataset(4, 7)]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from streamrl.core.registry import Registry
 from streamrl.rollout.agent_loop.base import LOOPS
 from streamrl.rollout.interactions.base import INTERACTIONS
 from streamrl.rollout.parsers.base import PARSERS
-from streamrl.core.registry import Registry
 from streamrl.rollout.rewards import REWARDS
 
 

@@ -18,7 +18,7 @@ import time
 import pytest
 from PIL import Image
 
-from streamrl.rollout.data_images import with_images
+from streamrl.rollout.data.images import with_images
 from streamrl.rollout.images import (
     DEFAULT_MAX_IMAGE_PIXELS,
     ImageStore,

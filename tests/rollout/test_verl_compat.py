@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from streamrl.rollout.data import load_prompts, messages_hash, records_from_rows
+from streamrl.rollout.data.loaders import load_prompts, messages_hash, records_from_rows
 from streamrl.rollout.rewards import (
     RewardInput,
     VerlScore,
@@ -272,10 +272,10 @@ async def test_a_verl_image_row_is_admitted_by_the_agent_loop(processor, tmp_pat
 
     from PIL import Image
 
+    from streamrl.models.multimodal import render_image_chat
     from streamrl.rollout.agent_loop import SingleTurnAgentLoop
     from streamrl.rollout.engine.fake import FakeEngine
     from streamrl.rollout.images import ImageStore, decode_image, image_sha256
-    from streamrl.models.multimodal import render_image_chat
     from streamrl.rollout.types import TrajectoryStatus
     from streamrl.streaming.prompts import make_group
     from tests.rollout.vlm_context import vlm_context

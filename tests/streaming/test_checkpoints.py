@@ -14,7 +14,7 @@ from streamrl.core.atomic import atomic_dir
 from streamrl.streaming.checkpoints import CheckpointRecord, record_checkpoint, use_newest_complete
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver import run_async
-from streamrl.streaming.system import DriverState
+from streamrl.streaming.driver_state import DriverState
 from streamrl.streaming.train import finished_already, open_run
 from tests.streaming.test_driver_loops import TIMEOUT_S, _system
 

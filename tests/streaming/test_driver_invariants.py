@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from streamrl.streaming.driver import Stalled, wait_for_batch
-from streamrl.streaming.system import DriverState
+from streamrl.streaming.driver_state import DriverState
 
 
 def test_resume_without_newer_labels_keeps_the_checkpoint_label():

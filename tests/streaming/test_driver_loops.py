@@ -17,13 +17,15 @@ import ray
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.buffer.types import BufferProgress
 from streamrl.observability.metrics import MetricsLogger
+from streamrl.rollout.data import load_records
 from streamrl.rollout.engine.base import EngineStats
 from streamrl.rollout.types import AgentData, FinishReason, RolloutOutcomes, Trajectory, TrajectoryStatus
+from streamrl.streaming.actors.learner import Trained
 from streamrl.streaming.config import load_config
 from streamrl.streaming.driver import run_async, run_sync
-from streamrl.streaming.actors.learner import Trained
-from streamrl.streaming.prompts import PromptStream, load_records
-from streamrl.streaming.system import DriverState, System
+from streamrl.streaming.driver_state import DriverState
+from streamrl.streaming.prompts import PromptStream
+from streamrl.streaming.system import System
 from streamrl.weight_sync.publisher import Published
 
 TIMEOUT_S = 60

@@ -116,7 +116,7 @@ def test_a_run_that_trained_nothing_exits_non_zero(tmp_path, monkeypatch, capsys
     loudly): the report is still written, and the exit status says it failed."""
     from streamrl.observability import report
     from streamrl.streaming import train
-    from streamrl.streaming.system import DriverState
+    from streamrl.streaming.driver_state import DriverState
 
     async def trained_nothing(cfg, run_dir, state):
         return DriverState()

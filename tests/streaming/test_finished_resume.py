@@ -7,7 +7,7 @@ import json
 import pytest
 
 from streamrl.streaming.config import StreamRLConfig
-from streamrl.streaming.system import DriverState
+from streamrl.streaming.driver_state import DriverState
 from streamrl.streaming.train import finished_already
 
 

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from streamrl.rollout.data import messages_hash
+from streamrl.rollout.data import load_records
+from streamrl.rollout.data.loaders import messages_hash
 from streamrl.rollout.engine.fake import FakeEngine
 from streamrl.rollout.types import PromptRecord, Trajectory, TrajectoryStatus
 from streamrl.streaming.config import load_config
@@ -27,7 +28,6 @@ from streamrl.streaming.heldout import (
     summary_line,
     write_rows,
 )
-from streamrl.streaming.prompts import load_records
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(120)

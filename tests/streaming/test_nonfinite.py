@@ -11,10 +11,10 @@ import pytest
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.learner.types import StepResult
+from streamrl.streaming.actors.learner import LearnerActor, Trained
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver import run_async
 from streamrl.streaming.errors import NonFiniteTrainingError, explain_failure
-from streamrl.streaming.actors.learner import LearnerActor, Trained
 from streamrl.weight_sync.publisher import Published
 from tests.buffer.helpers import make_group
 from tests.streaming.test_driver_loops import TIMEOUT_S, _system

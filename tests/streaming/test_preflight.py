@@ -299,9 +299,9 @@ def test_image_prompts_are_measured_with_their_placeholder_runs():
     processor's expansion), not the one `<image>` token the chat template renders."""
     from transformers import AutoProcessor
 
-    from streamrl.rollout.images import decode_image, load_image_source
     from streamrl.models import resolve_model
-    from streamrl.streaming.prompts import load_records
+    from streamrl.rollout.data import load_records
+    from streamrl.rollout.images import decode_image, load_image_source
     from streamrl.streaming.sft import check_prompt_lengths
 
     folder = resolve_model("tiny-vlm")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from streamrl.rollout.data import load_records
 from streamrl.streaming.config import load_config
-from streamrl.streaming.prompts import load_records
 from streamrl.streaming.resume import SAFE_ON_RESUME, prompts_sha256, resume_config, safe_on_resume
 from streamrl.streaming.train import open_run
 

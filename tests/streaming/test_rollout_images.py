@@ -10,8 +10,8 @@ import pytest
 
 from streamrl.rollout.images import ImageStore, encode_png
 from streamrl.rollout.types import Trajectory
-from streamrl.streaming.config import load_config
 from streamrl.streaming.actors.worker import build_agent_context, image_blobs
+from streamrl.streaming.config import load_config
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -79,7 +79,7 @@ def test_streamrl_train_warns_before_it_starts(tmp_path, monkeypatch, caplog):
     """The wiring: `train_main` names the code before any part starts (a resumed run's saved config too)."""
     from streamrl.observability import report
     from streamrl.streaming import train
-    from streamrl.streaming.system import DriverState
+    from streamrl.streaming.driver_state import DriverState
 
     async def one_step(cfg, run_dir, state):
         return DriverState(learner_step=1)

@@ -199,8 +199,8 @@ def vlm_run(tmp_path_factory) -> tuple[Path, Path, list[str]]:
 
 
 def _records(overrides: list[str]) -> tuple[object, dict]:
+    from streamrl.rollout.data import load_records
     from streamrl.streaming.config import load_config
-    from streamrl.streaming.prompts import load_records
 
     cfg = load_config(REPO / CONFIG, overrides)
     return cfg, {r.group_id: r for r in load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed)}

@@ -41,7 +41,7 @@ def _weights(path) -> list[tuple[str, torch.Tensor]]:
 async def test_sync_mid_cell_runs_every_cell_once_and_resumes(vllm_engine, tiny_tokenizer, tiny_model_path):
     from streamrl.rollout.agent_loop import AgentContext
     from streamrl.rollout.agent_loop.observation import ObservationEncoder
-    from streamrl.rollout.data import make_arithmetic_dataset
+    from streamrl.rollout.data.loaders import make_arithmetic_dataset
     from streamrl.rollout.parsers import get_parser
     from streamrl.rollout.rewards import get_reward_fn
     from streamrl.rollout.server_manager import ServerManager

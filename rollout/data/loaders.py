@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from streamrl.rollout.data_images import with_images
+from streamrl.rollout.data.images import with_images
 from streamrl.rollout.rewards import answers_match
 from streamrl.rollout.tools.calculator import evaluate_expression, format_number
 from streamrl.rollout.types import PromptRecord

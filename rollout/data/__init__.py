@@ -1,0 +1,22 @@
+"""Datasets: where prompts come from.
+
+`load_records(source, ...)` is the one entry point: the generated arithmetic word problems
+(`loaders.make_arithmetic_dataset`), the generated dot-counting images for a VLM (`dots`), or a
+parquet / jsonl file in verl's layout (`loaders.load_prompts`; image rows in `images`). The SFT
+warm-up's tool transcripts are generated in `loaders` too.
+"""
+
+from __future__ import annotations
+
+from streamrl.rollout.data.loaders import load_prompts, make_arithmetic_dataset
+from streamrl.rollout.types import PromptRecord
+
+
+def load_records(source: str, num_prompts: int, seed: int, difficulty: str = "medium") -> list[PromptRecord]:
+    if source == "arithmetic":
+        return make_arithmetic_dataset(num_prompts, seed, difficulty=difficulty)
+    if source == "dots":  # image prompts for a VLM policy (rollout/data/dots.py)
+        from streamrl.rollout.data.dots import make_dots_dataset
+
+        return make_dots_dataset(num_prompts, seed)
+    return load_prompts(source)
