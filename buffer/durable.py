@@ -96,7 +96,7 @@ class BufferDir:
         ):
             seen[name] += 1
             if not batch.schema.equals(TRAJECTORY_SCHEMA):
-                batch = normalize_batch(batch)  # an older schema version: adds the empty image columns
+                batch = normalize_batch(batch)  # an older schema version: adds attempt 0 / empty image columns
             self.report.num_rows += batch.num_rows
             yield batch
         self._old_segments[TRAJ_PREFIX] = [{"name": n, "num_frames": k} for n, k in seen.items()]
