@@ -148,6 +148,17 @@ class BufferDir:
         ):
             self.write_manifest(sync=False)
 
+    def sync_rows(self) -> None:
+        """fsync the image log, then the row log (rows reference images): a durable append that must
+        survive a power loss. A failed fsync fails the directory for good (`buffer.log`)."""
+        for log in (self.images, self.traj):
+            if log is not None:
+                try:
+                    log.sync()
+                except LogFailedError as e:
+                    self.fail(e)
+                    raise
+
     def sync(self, *, fsync: bool) -> None:
         """Checkpoint: fsync the logs (images first: rows reference them) when `fsync`, write the manifest."""
         if fsync:

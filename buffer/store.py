@@ -114,9 +114,10 @@ class ReplayBuffer:
         (flushed to the OS) before the rows go anywhere. Raises ValueError, changing nothing, if a
         referenced image is neither stored nor supplied or a blob's bytes do not match its hash.
 
-        `durable=True` returns only once the rows are in the log (they survive a process kill): use it
-        when the caller acknowledges something on the strength of these rows (admission saves its
-        prompt cursor; a tool journal entry lets a side effect run)."""
+        `durable=True` returns only once the rows are in the log (they survive a process kill) and, with
+        `fsync_durable_appends`, fsynced (they survive a power loss): use it when the caller
+        acknowledges something on the strength of these rows (admission saves its prompt cursor; a
+        tool journal entry lets a side effect run)."""
         self._raise_if_failed()
         batch = trajectories_to_batch(data) if isinstance(data, list) else normalize_batch(data)
         blobs = list(images or ())
@@ -137,6 +138,8 @@ class ReplayBuffer:
             self._submit(batch)
         if durable:
             self.flush()
+            if self._dir is not None and self.cfg.fsync_durable_appends:
+                self._dir.sync_rows()
         else:
             self.poll()
 
