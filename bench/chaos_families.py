@@ -2,9 +2,10 @@
 
     python -m bench.chaos --families io,hostile,all_fail [--seeds 1] [--first-seed 0] [--keep DIR]
 
-runs the I/O-fault family (`bench/chaos_io.py`) and the hostile-callback families
-(`bench/chaos_hostile.py`: hostile rewards and tools, a run whose every trajectory fails) and appends one entry to `fault_families` in bench/results/chaos.json
-(earlier entries and the kill suite's results are kept). `by_kind` is then rebuilt from everything
+runs the I/O-fault family (`bench/chaos_io.py`: buffer logs, checkpoints, run files) and the
+hostile-callback families (`bench/chaos_hostile.py`: hostile rewards and tools, a run whose every
+trajectory fails) and appends one entry to `fault_families` in bench/results/chaos.json (earlier
+entries and the kill suite's results are kept). `by_kind` is then rebuilt from everything
 the file and its neighbours hold: kills and other armed faults (the kill suite's results), I/O faults
 and hostile callbacks (every `fault_families` entry: each holds its own runs, e.g. another seed via
 `--first-seed`), power-loss states checked (`bench/results/crash_consistency.json`) and fuzz cases
@@ -37,11 +38,14 @@ LOSS_KEYS = (
 
 def run_io(seed: int, root: Path, timeout_s: float) -> dict:
     from bench.chaos import run_scenario
-    from bench.chaos_io import injected_faults, io_segments, summarize_io
+    from bench.chaos_io import hard_faults_by_target, injected_faults, io_segments, summarize_io
 
     result = run_scenario("io", seed, [], root, timeout_s=timeout_s, io_faults=io_segments(seed))
-    counts = injected_faults(root / f"io-s{seed}")
-    return {**asdict(result), **summarize_io(counts, result.segments)}
+    run_dir = root / f"io-s{seed}"
+    return {
+        **asdict(result),
+        **summarize_io(injected_faults(run_dir), result.segments, hard_faults_by_target(run_dir)),
+    }
 
 
 def run_hostile(seed: int, root: Path, timeout_s: float) -> list[dict]:
@@ -104,7 +108,7 @@ def recheck(out_path: Path, runs: Path) -> dict:
     """Recount the newest `fault_families` entry from its kept run directories (`--keep`) with this
     checkout's counters and checker; the counts the run wrote are kept as `at_run`."""
     from bench.chaos_hostile import all_fail_report, hostile_report
-    from bench.chaos_io import injected_faults, summarize_io
+    from bench.chaos_io import hard_faults_by_target, injected_faults, summarize_io
     from streamrl.streaming.invariants import check_run
 
     data = json.loads(out_path.read_text())
@@ -115,7 +119,7 @@ def recheck(out_path: Path, runs: Path) -> dict:
             continue
         fresh = {"invariants": asdict(check_run(run_dir))}
         if r["name"] == "io":
-            fresh |= summarize_io(injected_faults(run_dir), r["segments"])
+            fresh |= summarize_io(injected_faults(run_dir), r["segments"], hard_faults_by_target(run_dir))
         elif r["name"] == "hostile":
             fresh |= hostile_report(run_dir, runs / f"{r['name']}-s{r['seed']}.log")
         elif r["name"] == "all_fail":
@@ -196,6 +200,13 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int]) -> dict:
         "io_faults_by_kind": dict(
             sorted(sum((Counter(r.get("io_faults_by_kind", {})) for r in io), Counter()).items())
         ),
+        # hard faults on buffer logs, checkpoints and run files (entries from before targets: buffer)
+        "io_hard_faults_by_target": dict(
+            sum(
+                (Counter(r.get("io_hard_faults_by_target") or {"buffer": r["io_hard_faults"]}) for r in io),
+                Counter(),
+            )
+        ),
         "power_loss_states_checked": (crash or {}).get("num_states_checked", 0),
         "power_loss_crash_points_checked": (crash or {}).get("num_crash_points_checked", 0),
         "fuzz_cases": sum(fuzz.values()),
@@ -235,12 +246,12 @@ def main(
     if unknown:
         raise ValueError(f"unknown families {sorted(unknown)}; known: {list(FAMILIES)}")
     t0 = time.monotonic()
-    head = lambda: subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        cwd=REPO,  # noqa: E731
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+
+    def head() -> str:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+
     commit_at_start = head()
     results: list[dict] = []
     for seed in range(first_seed, first_seed + seeds):

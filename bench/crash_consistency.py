@@ -6,7 +6,8 @@ with the real recovery code and check what it promised.
 
 The workload (`record_workload`) is the durable part of a short run, in `System.checkpoint`'s order:
 a buffer log (`ReplayBuffer` on `RUN_DIR/buffer`, small segments so they roll) gets groups appended
-with `durable=True`, a batch sampled per step, and at each step a sealed learner checkpoint folder
+with `durable=True`, each followed by the admission cursor saved in `driver_state.json`, a batch
+sampled per step, and at each step a sealed learner checkpoint folder
 (`atomic_dir(sync=True)`), `ReplayBuffer.checkpoint()`, the checkpoint recorded in the `DriverState`
 (oldest dropped past `keep_checkpoints=2`), `DriverState.save` and the dropped folder deleted; halfway
 the buffer is closed and reopened with `resume_learner_step` (a clean restart), and the run ends with
@@ -16,9 +17,11 @@ as `streamrl train --resume` does and reports each broken promise:
 - `driver_state.json` is the state of the last save that returned, or of the one in progress;
 - the state's newest checkpoint is complete (its files byte for byte): `use_newest_complete` neither
   resumes a torn checkpoint nor has to fall back from one the saved state names;
+- every prompt below the saved admission cursor has its group in the recovered log (I1: a resume
+  never skips an admitted prompt whose rows a power loss dropped);
 - the buffer recovers without raising and holds every group acknowledged before the crash: after a
-  power loss those of a returned `checkpoint()` / `close()`, after a killed process also those of a
-  returned `append(durable=True)`; every group whose consumption the resumed checkpoint covers is never
+  power loss those of a returned `append(durable=True)` (fsynced: `buffer.fsync_durable_appends`),
+  `checkpoint()` or `close()`, after a killed process also every flushed one; every group whose consumption the resumed checkpoint covers is never
   handed out again, every other acknowledged group is, with its rows intact.
 """
 
@@ -102,7 +105,7 @@ def _write_checkpoint(step: int) -> Callable[[Path], None]:
     return write
 
 
-def buffer_config(run: Path, *, fsync: bool = True) -> BufferConfig:
+def buffer_config(run: Path, *, fsync: bool = True, fsync_durable: bool = True) -> BufferConfig:
     return BufferConfig(
         root_dir=str(run / "buffer"),
         batch_size=2,
@@ -111,6 +114,7 @@ def buffer_config(run: Path, *, fsync: bool = True) -> BufferConfig:
         flush_every_ms=1e9,
         segment_max_bytes=6000,
         fsync_on_checkpoint=fsync,
+        fsync_durable_appends=fsync_durable,
     )
 
 
@@ -121,6 +125,7 @@ class Workload:
     save_state: Callable[[DriverState, Path], None] = DriverState.save
     seal_checkpoints: bool = True
     fsync_buffer: bool = True
+    fsync_durable_appends: bool = True
 
 
 def record_workload(root: Path, workload: Workload = Workload()) -> Trace:
@@ -129,15 +134,19 @@ def record_workload(root: Path, workload: Workload = Workload()) -> Trace:
     run.mkdir(parents=True)
     state_path = run / "driver_state.json"
     with Recorder(root) as rec:
-        cfg = buffer_config(run, fsync=workload.fsync_buffer)
+        cfg = buffer_config(run, fsync=workload.fsync_buffer, fsync_durable=workload.fsync_durable_appends)
         buf = ReplayBuffer(cfg)
         state, appended = DriverState(), []
         _save(rec, workload, state, state_path)
         for step, groups in STEPS:
-            for gid in groups:
+            for gid in groups:  # admission: the group's rows durably, then the cursor (System.admit_next_group)
                 buf.append(trajectories(gid), durable=True)
                 appended.append(gid)
                 rec.mark("flushed", gid)
+                if workload.fsync_durable_appends:  # a durable append is fsynced: it survives a power loss
+                    rec.mark("synced", [gid])
+                state.cursor = len(appended)
+                _save(rec, workload, state, state_path)
             batch = buf.sample(served_version=0, learner_step=step)
             rec.mark("consumed", (step, sorted(set(batch.table.column("group_id").to_pylist()))))
             step_dir = run / "checkpoints" / f"step_{step:06d}"
@@ -155,6 +164,10 @@ def record_workload(root: Path, workload: Workload = Workload()) -> Trace:
                 buf = ReplayBuffer(cfg, resume_learner_step=step)
         buf.append(trajectories(LAST_GROUP), durable=True)
         rec.mark("flushed", LAST_GROUP)
+        if workload.fsync_durable_appends:
+            rec.mark("synced", [LAST_GROUP])
+        state.cursor += 1
+        _save(rec, workload, state, state_path)
         buf.close()
         rec.mark("synced", appended + [LAST_GROUP])
     return rec.trace
@@ -218,6 +231,11 @@ def check_state(root: Path, state: CrashState, trace: Trace) -> list[str]:
         problems += _check_checkpoint(Path(driver.checkpoint), driver.checkpoint_step)
     groups, recovery_problems = _recover_buffer(run, driver.checkpoint_step)
     problems += recovery_problems
+    if groups is not None:  # I1: every prompt below the saved cursor is in the log (admitted once, never lost)
+        admitted = [gid for _, step_groups in STEPS for gid in step_groups] + [LAST_GROUP]
+        lost = [gid for gid in admitted[: driver.cursor] if gid not in groups]
+        if lost:
+            problems.append(f"the saved cursor {driver.cursor} is past admitted groups the log lost: {lost}")
     for point in state.points:
         acked = _Acked.at(trace, point.at)
         if found not in acked.states:

@@ -5,8 +5,8 @@
 
 `load_table` / `load_dataset` / `load_frame` give the same rows to notebooks. Beside the
 `TRAJECTORY_SCHEMA` columns each row has `segment`, `log_index` (write order), `is_latest` (the row
-the buffer kept of its trajectory: its first finished or failed row, else its last partial row;
-`buffer.groups.kept_rows`) and `num_consumed` / `last_consume_step`
+the buffer kept of its trajectory: of the rows of its newest attempt so far, its first finished or
+failed row, else its last partial row; `buffer.groups.kept_rows`) and `num_consumed` / `last_consume_step`
 (consumption that survived rollbacks). Reading never modifies the directory; problems found in it
 (torn tails, checksum failures) are listed by `stats`.
 """
@@ -52,7 +52,7 @@ def logged_steps(buffer_dir: str | Path) -> tuple[pa.Table, dict[int, list[tuple
     buffer kept (a late duplicate it ignored is never the one trained), rollbacks applied."""
     table, cons, _ = _read_logs(buffer_dir)
     tids = table.column("trajectory_id").to_pylist()
-    kept = {tids[i]: i for i in kept_rows(tids, table.column("status").to_pylist())}
+    kept = {tids[i]: i for i in _kept(table).tolist()}
     return table, {step: [(kept[tid], lag) for tid, lag in uses] for step, uses in consumption_by_step(cons).items()}
 
 
@@ -77,9 +77,8 @@ def _read_logs(buffer_dir: str | Path) -> tuple[pa.Table, list[pa.RecordBatch], 
 
 
 def _kept(table: pa.Table) -> np.ndarray:
-    return np.array(
-        kept_rows(table.column("trajectory_id").to_pylist(), table.column("status").to_pylist()), dtype=np.int64
-    )
+    columns = ("trajectory_id", "status", "attempt")
+    return np.array(kept_rows(*(table.column(c).to_pylist() for c in columns)), dtype=np.int64)
 
 
 def latest_rows(table: pa.Table) -> pa.Table:
@@ -136,9 +135,8 @@ def stats(buffer_dir: str | Path) -> str:
     lines = [f"buffer {buffer_dir}", *report.lines()]
     latest = latest_rows(table)
     status_counts = dict(zip(*np.unique(latest.column("status").to_numpy(zero_copy_only=False), return_counts=True)))
-    lines.append(
-        f"rows logged: {table.num_rows}, trajectories: {latest.num_rows}, groups: {len(pc.unique(latest.column('group_id')))}"
-    )
+    num_groups = len(pc.unique(latest.column("group_id")))
+    lines.append(f"rows logged: {table.num_rows}, trajectories: {latest.num_rows}, groups: {num_groups}")
     lines.append("latest status: " + (", ".join(f"{k}={v}" for k, v in sorted(status_counts.items())) or "none"))
     lags = np.array([lag for uses in history.values() for _, lag in uses], dtype=np.int64)
     lines.append(f"consumed: {len(history)} trajectories, {len(lags)} uses")

@@ -7,7 +7,10 @@ a group larger than the budget is trained in a batch of its own (counted, `buffe
 
 Durability: rows are flushed to the log (written to the OS, survive a process kill) every
 `flush_every_rows` rows or `flush_every_ms` milliseconds, whichever comes first; `checkpoint()` also
-fsyncs (survives a machine crash) when `fsync_on_checkpoint`. `root_dir = None` keeps everything in
+fsyncs (survives a machine crash) when `fsync_on_checkpoint`. An append with `durable=True` (admission's
+PENDING rows before the cursor is saved, a tool's journalled intent before the tool runs) is flushed
+and, with `fsync_durable_appends`, fsynced before it returns: what those callers acknowledge survives
+a power loss too, not only a process kill (one fsync per admitted group or journalled tool call). `root_dir = None` keeps everything in
 memory only.
 
 Capacity: `capacity_rows` bounds the live rows. Appends that add rows wait for room (replacing a
@@ -58,6 +61,7 @@ class BufferConfig(BaseModel):
     flush_every_rows: int = Field(default=256, gt=0)
     flush_every_ms: float = Field(default=1000.0, gt=0)
     fsync_on_checkpoint: bool = True
+    fsync_durable_appends: bool = True
     segment_max_bytes: int = Field(default=256 * 1024 * 1024, gt=0)  # roll to a new segment file after
     coalesce_below_rows: int = Field(default=64, ge=1)  # merge small appended batches at flush
     compact_below_live_fraction: float = Field(default=0.75, gt=0, le=1)  # rewrite chunks below this

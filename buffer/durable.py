@@ -96,7 +96,7 @@ class BufferDir:
         ):
             seen[name] += 1
             if not batch.schema.equals(TRAJECTORY_SCHEMA):
-                batch = normalize_batch(batch)  # an older schema version: adds the empty image columns
+                batch = normalize_batch(batch)  # an older schema version: adds attempt 0 / empty image columns
             self.report.num_rows += batch.num_rows
             yield batch
         self._old_segments[TRAJ_PREFIX] = [{"name": n, "num_frames": k} for n, k in seen.items()]
@@ -147,6 +147,17 @@ class BufferDir:
             or self.images.num_segments_written != self._manifest_image_segments
         ):
             self.write_manifest(sync=False)
+
+    def sync_rows(self) -> None:
+        """fsync the image log, then the row log (rows reference images): a durable append that must
+        survive a power loss. A failed fsync fails the directory for good (`buffer.log`)."""
+        for log in (self.images, self.traj):
+            if log is not None:
+                try:
+                    log.sync()
+                except LogFailedError as e:
+                    self.fail(e)
+                    raise
 
     def sync(self, *, fsync: bool) -> None:
         """Checkpoint: fsync the logs (images first: rows reference them) when `fsync`, write the manifest."""

@@ -10,12 +10,16 @@ A group (the `group_size` samples of one `group_id`) moves through phases:
       +--all finished rewards equal and DAPO filter on--> FILTERED
 
 While OPEN, a later row of a trajectory supersedes an earlier *partial* row (partial -> partial ->
-finished). A trajectory's first terminal row (finished or failed) is final: a later row for it is
-refused and counted as late, whether a duplicate finish or a stale partial row of a worker the driver
-already gave up on, whose late append would otherwise turn a finished trajectory back into a resumable
-one (partial rows of two attempts are not ordered: that needs an attempt number in the row). Once a
-group has left OPEN, further rows for it are late duplicates and are ignored (counted), which is what
-makes consumption exactly-once. `kept_rows` applies the same rule to a log read back. This module holds no Arrow data: it tells the caller which
+finished). Rows are fenced by their `attempt` (0 for the first submission, +1 each time the driver
+hands the trajectory to another worker after its holder died, recorded durably in a partial row
+before the new holder gets it): a row whose attempt is lower than the trajectory's current one (the
+highest of its accepted rows) is refused and counted as stale (`num_stale_attempt_rows`), whatever
+its status: a dead worker's late append can neither replace the state the resubmitted attempt resumes
+from nor finish the trajectory in its place. Among rows of the current attempt or a newer one, the
+first terminal row (finished or failed) is final: a later row for it is refused and counted as late,
+whether a duplicate finish or a stale partial row. Once a group has left OPEN, further rows for it are
+late duplicates and are ignored (counted), which is what makes consumption exactly-once. `kept_rows`
+applies the same rules to a log read back. This module holds no Arrow data: it tells the caller which
 row ids died so the row store can free them.
 """
 
@@ -53,6 +57,7 @@ class TrajState:
     num_tokens: int  # prompt + response
     reward: float
     min_policy_version: int
+    attempt: int = 0  # the trajectory's current attempt: rows of a lower one are refused
     consume_steps: list[int] = field(default_factory=list)  # learner steps that consumed it
 
 
@@ -83,19 +88,25 @@ class RowColumns:
     num_tokens: list[int]  # [num_rows] prompt + response
     rewards: list[float]  # [num_rows]
     min_policy_versions: list[int]  # [num_rows]
+    attempts: list[int] | None = None  # [num_rows]; None: all 0
 
 
-def kept_rows(trajectory_ids: list[str], statuses: list[str]) -> list[int]:
+def kept_rows(trajectory_ids: list[str], statuses: list[str], attempts: list[int] | None = None) -> list[int]:
     """Indices (ascending) of the row the buffer keeps of each trajectory in a log's rows, given in
-    log order: its first finished or failed row, else its last (partial) row."""
+    log order: rows of an attempt older than the trajectory's newest so far are skipped; of the
+    others, its first finished or failed row, else its last (partial) row."""
     kept: dict[str, int] = {}
     final: set[str] = set()
+    current: dict[str, int] = {}
     partial = TrajectoryStatus.PARTIAL.value
     for i, (tid, status) in enumerate(zip(trajectory_ids, statuses)):
-        if tid not in final:
-            kept[tid] = i
-            if status != partial:
-                final.add(tid)
+        attempt = attempts[i] if attempts is not None else 0
+        if tid in final or attempt < current.get(tid, 0):
+            continue
+        current[tid] = attempt
+        kept[tid] = i
+        if status != partial:
+            final.add(tid)
     return sorted(kept.values())
 
 
@@ -113,6 +124,7 @@ class GroupTable:
         self.preloaded_steps: dict[str, list[int]] = {}  # recovery: consumption history by trajectory
         self.counts = {phase: 0 for phase in GroupPhase}
         self.num_late_rows = 0
+        self.num_stale_attempt_rows = 0  # rows refused for an attempt older than their trajectory's current one
         self.num_partial = 0
         self.num_accepted = 0  # finished trajectories kept for training (READY or CONSUMED groups)
         self.num_in_flight = 0  # members of OPEN groups, finished or not: admitted, not yet accepted
@@ -157,6 +169,7 @@ class GroupTable:
         dead: list[int] = []
         groups, trajectories, preloaded = self.groups, self.trajectories, self.preloaded_steps
         group_size, partial = self.group_size, TrajectoryStatus.PARTIAL
+        attempts = rows.attempts if rows.attempts is not None else [0] * len(rows.trajectory_ids)
         columns = zip(
             rows.trajectory_ids,
             rows.group_ids,
@@ -165,8 +178,11 @@ class GroupTable:
             rows.num_tokens,
             rows.rewards,
             rows.min_policy_versions,
+            attempts,
         )
-        for row, (tid, gid, status, sample_index, num_tokens, reward, min_pv) in enumerate(columns, rows.first_row):
+        for row, (tid, gid, status, sample_index, num_tokens, reward, min_pv, attempt) in enumerate(
+            columns, rows.first_row
+        ):
             group = trajectories.get(tid) or groups.get(gid)
             if group is None:
                 group = groups[gid] = GroupState(group_id=gid)
@@ -177,6 +193,18 @@ class GroupTable:
                 dead.append(row)
                 continue
             old = group.members.get(tid)
+            if old is not None and attempt < old.attempt:
+                self.num_stale_attempt_rows += 1
+                logger.warning(
+                    "refusing %s row of trajectory %s: its attempt %d is older than the current attempt %d "
+                    "(a worker the driver already replaced)",
+                    status,
+                    tid,
+                    attempt,
+                    old.attempt,
+                )
+                dead.append(row)
+                continue
             if old is not None and old.status is not partial:
                 self.num_late_rows += 1
                 logger.warning("ignoring %s row of trajectory %s: its %s row is final", status, tid, old.status)
@@ -202,6 +230,7 @@ class GroupTable:
                 num_tokens=num_tokens,
                 reward=reward,
                 min_policy_version=min_pv,
+                attempt=attempt,
                 consume_steps=preloaded.pop(tid, steps) if preloaded else steps,
             )
             trajectories[tid] = group

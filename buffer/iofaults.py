@@ -1,17 +1,36 @@
-"""Seeded I/O fault injection for the buffer's log writers: ENOSPC, EIO, torn and short writes, failing fsync.
+"""Seeded I/O fault injection: ENOSPC, EIO, torn and short writes, failing fsync, on the buffer's logs,
+the learner's checkpoints and the run files.
 
-Every `SegmentWriter` (`buffer/log.py`) writes and fsyncs through one `PlainIO` object: by default it
-calls `os.write` / `os.fsync`; a `FaultPlan` does the same except at the calls it was told to break,
-or that it draws from its seed. Tests install a plan for a block (`with install(plan): ...`); the chaos
-bench arms one per process through the environment, read by the first writer that opens:
+Every write that must survive a crash goes through one `PlainIO` object: by default it calls
+`os.write` / `os.fsync`; a `FaultPlan` does the same except at the calls it was told to break, or
+that it draws from its seed. Each call names its target (`log`):
 
-    STREAMRL_IO_FAULTS="seed=7,rate=0.02,kinds=torn+eio+fsync_eio,logs=traj+consumed,max=1"
+- `traj`, `consumed`, `images`: the buffer's logs (every `SegmentWriter`, `buffer/log.py`);
+- `ckpt/<file>`: a learner checkpoint's files, by path inside the checkpoint (`ckpt/optimizer.pt`,
+  `ckpt/scheduler.pt`, `ckpt/rng.pt`, `ckpt/value_head.pt`, `ckpt/state.json`, the seal
+  `ckpt/SEALED.json`; the HF weights, config and tokenizer `ckpt/hf/...`, written by the
+  safetensors/transformers writers, reach the plan at the seal's fsync of each file, not per write);
+- `run/<file name>`: every `core.atomic.atomic_write` (`run/driver_state.json`, `run/run_info.json`,
+  `run/accounting.json`, `run/placement.json`, the buffer's manifest, held-out results, ...).
 
-(`rate`: chance that a write or fsync call breaks; `kinds`, `logs`: which faults, on which logs
-(`traj`, `consumed`, `images`), all when omitted; `max`: faults per process, default 1) or, for an exact
-point, `STREAMRL_IO_FAULTS="at=traj:write:12:torn"` (the 13th write call on a `traj` log tears).
-A plan counts write and fsync calls per log, so a point names the same call in every run of the same
-workload. Each injected fault is logged as a warning and kept in `FaultPlan.injected`.
+A `logs` filter names targets or their prefix (`ckpt` is every checkpoint file, `run` every run file).
+What each writer does with a fault is its module's business: the buffer log fails for good
+(`buffer/log.py`); a checkpoint is never sealed and the run stops (`learner/checkpoint.py`,
+`core/atomic.py`); a run file keeps its previous content and the write raises
+`core.atomic.WriteFailedError`, which stops the run (`streaming/checkpoints.py`).
+
+Tests install a plan for a block (`with install(plan): ...`); the chaos bench arms one per process
+through the environment, read by the first write that needs it:
+
+    STREAMRL_IO_FAULTS="seed=7,rate=0.02,kinds=torn+eio+fsync_eio,logs=traj+consumed+ckpt,max=1"
+
+(`rate`: chance that a write or fsync call breaks; `kinds`, `logs`: which faults, on which targets,
+all when omitted; `max`: faults per process, default 1) or, for an exact point,
+`STREAMRL_IO_FAULTS="at=traj:write:12:torn"` (the 13th write call on a `traj` log tears;
+`at=ckpt/SEALED.json:write:0:torn` tears this process's first checkpoint seal,
+`at=run/driver_state.json:fsync:3:fsync_eio` fails the 4th fsync of the driver state).
+A plan counts write and fsync calls per target, so a point names the same call in every run of the
+same workload. Each injected fault is logged as a warning and kept in `FaultPlan.injected`.
 """
 
 from __future__ import annotations
@@ -47,7 +66,7 @@ class FaultKind(StrEnum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Fault:
-    """Break call number `at` (0-based, counted per log and per op) of `kind.op` on log `log`."""
+    """Break call number `at` (0-based, counted per target and per op) of `kind.op` on target `log`."""
 
     kind: FaultKind
     at: int
@@ -56,7 +75,7 @@ class Fault:
 
 
 class PlainIO:
-    """`os.write` / `os.fsync`; `log` (the writer's prefix) only matters to a `FaultPlan`."""
+    """`os.write` / `os.fsync`; `log` (the target: module doc) only matters to a `FaultPlan`."""
 
     def write(self, fd: int, data: memoryview, *, log: str) -> int:
         return os.write(fd, data)
@@ -91,12 +110,7 @@ class FaultPlan(PlainIO):
             n = self.calls[log, op]
             self.calls[log, op] += 1
             fault = self.faults.get((log, op, n))
-            if (
-                fault is None
-                and self.rate
-                and len(self.injected) < self.max_faults
-                and (self.logs is None or log in self.logs)
-            ):
+            if fault is None and self.rate and len(self.injected) < self.max_faults and selected(log, self.logs):
                 kinds = [k for k in self.kinds if k.op == op]
                 if kinds and self._rng.random() < self.rate:
                     fault = Fault(
@@ -126,6 +140,20 @@ class FaultPlan(PlainIO):
         if self._draw(log, "fsync") is not None:
             raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} (injected fsync failure)")
         os.fsync(fd)
+
+
+def selected(log: str, logs: tuple[str, ...] | None) -> bool:
+    """Whether the target `log` is one of `logs` or under one of them (`ckpt` covers `ckpt/rng.pt`)."""
+    return logs is None or any(log == name or log.startswith(f"{name}/") for name in logs)
+
+
+def write_all(io: PlainIO, fd: int, data: bytes | memoryview, *, log: str) -> int:
+    """Write all of `data` through `io`, finishing short writes; returns its length."""
+    view = memoryview(data).cast("B")
+    total = len(view)
+    while len(view):
+        view = view[io.write(fd, view, log=log) :]
+    return total
 
 
 PLAIN_IO = PlainIO()
@@ -160,13 +188,13 @@ def parse(spec: str) -> FaultPlan:
         )
     except ValueError as e:
         raise ValueError(
-            f"bad {ENV}={spec!r} ({e}); e.g. 'seed=7,rate=0.02,kinds=torn+eio,logs=traj,max=1' or "
-            f"'at=traj:write:12:torn'; kinds {[k.value for k in FaultKind]}"
+            f"bad {ENV}={spec!r} ({e}); e.g. 'seed=7,rate=0.02,kinds=torn+eio,logs=traj+ckpt,max=1' or "
+            f"'at=traj:write:12:torn' or 'at=run/driver_state.json:write:3:eio'; kinds {[k.value for k in FaultKind]}"
         ) from None
 
 
 def active() -> PlainIO:
-    """The I/O a new log writer uses: the installed plan, else the one `STREAMRL_IO_FAULTS` arms
+    """The I/O a new log writer, checkpoint or run file uses: the installed plan, else the one `STREAMRL_IO_FAULTS` arms
     (parsed once per process), else plain `os` calls."""
     global _from_env
     if _installed is not None:
@@ -176,13 +204,14 @@ def active() -> PlainIO:
         return PLAIN_IO
     if _from_env is None:
         _from_env = parse(spec)
-        logger.warning("buffer log I/O faults armed: %s=%s", ENV, spec)
+        logger.warning("I/O faults armed: %s=%s", ENV, spec)
     return _from_env
 
 
 @contextmanager
 def install(plan: PlainIO) -> Iterator[PlainIO]:
-    """Log writers opened inside the block use `plan` (for their whole life)."""
+    """Log writers opened inside the block use `plan` (for their whole life), and so do the
+    checkpoint and run-file writes made inside it."""
     global _installed
     previous, _installed = _installed, plan
     try:

@@ -11,8 +11,14 @@ image, placeholder order) and `num_image_tokens` (placeholder tokens of each ima
 `[num_images]` and empty for text-only rows. The encoded bytes are not in the row: they live in the
 buffer's image log (`buffer/images.py`). They are the last two fields of `rollout.types.Trajectory`.
 
-Schema versions: "1" had no image columns. A segment written under "1" is read with
-`TRAJECTORY_SCHEMA_V1` (`LEGACY_SCHEMAS`) and `normalize_batch` adds empty image columns.
+`attempt` (int32, the last field before the image columns) is the row's fencing number: 0 for a
+trajectory's first submission, +1 each time the driver resubmits it after its worker died. The buffer
+refuses rows of an attempt older than the newest it holds for their trajectory (`buffer.groups`).
+
+Schema versions: "1" had no image columns, "2" no `attempt` column. A segment written under either is
+read with its schema (`LEGACY_SCHEMAS`) and `normalize_batch` adds what is missing: empty image
+columns, and attempt 0 (before attempts existed every row was its trajectory's first attempt, as far
+as anything recorded says).
 
 Four derived columns follow the record's fields (`DERIVED_FIELDS`): prompt/response token counts and
 the min/max policy_version of the row. They are always recomputed here from the list columns
@@ -45,7 +51,7 @@ import pyarrow.compute as pc
 
 from streamrl.rollout.types import OBSERVATION_VERSION, FinishReason, Trajectory, TrajectoryStatus
 
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"
 
 # name -> (arrow type, numpy dtype of the list values) for the per-token and per-turn list columns.
 _LIST_COLUMNS: dict[str, tuple[pa.DataType, type]] = {
@@ -80,6 +86,7 @@ RECORD_FIELDS: list[pa.Field] = [
     pa.field("created_at", pa.float64(), nullable=False),
     pa.field("finished_at", pa.float64(), nullable=False),
     pa.field("agent_data_json", pa.string(), nullable=True),  # partial rows only
+    pa.field("attempt", pa.int32(), nullable=False),  # fencing number (see the module docstring)
 ]
 DERIVED_FIELDS: list[pa.Field] = [
     pa.field("num_prompt_tokens", pa.int32(), nullable=False),
@@ -95,8 +102,10 @@ IMAGE_FIELD_NAMES = tuple(f.name for f in IMAGE_FIELDS)
 TRAJECTORY_SCHEMA = pa.schema(
     RECORD_FIELDS + IMAGE_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": SCHEMA_VERSION}
 )
-TRAJECTORY_SCHEMA_V1 = pa.schema(RECORD_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": "1"})
-LEGACY_SCHEMAS = (TRAJECTORY_SCHEMA_V1,)  # older on-disk schemas recovery still reads
+_RECORD_FIELDS_V2 = [f for f in RECORD_FIELDS if f.name != "attempt"]
+TRAJECTORY_SCHEMA_V2 = pa.schema(_RECORD_FIELDS_V2 + IMAGE_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": "2"})
+TRAJECTORY_SCHEMA_V1 = pa.schema(_RECORD_FIELDS_V2 + DERIVED_FIELDS, metadata={"streamrl.schema": "1"})
+LEGACY_SCHEMAS = (TRAJECTORY_SCHEMA_V2, TRAJECTORY_SCHEMA_V1)  # older on-disk schemas recovery still reads
 _BASE_FIELD_NAMES = tuple(f.name for f in RECORD_FIELDS)
 RECORD_FIELD_NAMES = _BASE_FIELD_NAMES + IMAGE_FIELD_NAMES
 VALIDATED_KEY = b"streamrl.validated"  # schema metadata: crc32 (hex) of the stamped bytes
@@ -110,6 +119,7 @@ _STAMPED_BUFFERS: dict[str, tuple[int, ...]] = {
     "policy_versions": (1, 3),
     "status": (1, 2),
     "finish_reason": (1, 2),
+    "attempt": (1,),
     "image_refs": (1,),
     "num_image_tokens": (1, 3),
     **{f.name: (1,) for f in DERIVED_FIELDS},
@@ -214,7 +224,7 @@ def normalize_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
         data = data.combine_chunks().to_batches()[0] if data.num_rows else _empty_batch()
     if is_validated(data):
         return data
-    data = _with_image_columns(data)
+    data = _with_added_columns(data)
     missing = [n for n in RECORD_FIELD_NAMES if n not in data.schema.names]
     if missing:
         raise ValueError(f"batch is missing trajectory columns {missing}; build it with trajectories_to_batch")
@@ -232,6 +242,8 @@ def normalize_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
     cols = dict(zip(RECORD_FIELD_NAMES, arrays))
     _check_enums(cols)
     _check_images(cols)
+    if len(cols["attempt"]) and pc.min(cols["attempt"]).as_py() < 0:
+        raise ValueError("column 'attempt' must be >= 0 (0 for a trajectory's first submission)")
     ids = cols["trajectory_id"]
     lengths = [list_lengths(cols[n]) for n in TOKEN_LIST_COLUMNS]
     bad = np.flatnonzero(np.any(np.stack(lengths) != lengths[0], axis=0)) if len(ids) else []
@@ -271,8 +283,11 @@ def normalize_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
     return batch.replace_schema_metadata({**TRAJECTORY_SCHEMA.metadata, VALIDATED_KEY: stamp})
 
 
-def _with_image_columns(data: pa.RecordBatch) -> pa.RecordBatch:
-    """A batch without image columns (schema "1" on disk, a producer predating images) gets empty ones."""
+def _with_added_columns(data: pa.RecordBatch) -> pa.RecordBatch:
+    """Columns added since schema "1" that an older batch lacks (a legacy segment on disk, a producer
+    predating them): `attempt` 0 and empty image columns."""
+    if "attempt" not in data.schema.names:
+        data = data.append_column(TRAJECTORY_SCHEMA.field("attempt"), pa.array(np.zeros(data.num_rows, np.int32)))
     for f in IMAGE_FIELDS:
         if f.name not in data.schema.names:
             empty = pa.ListArray.from_arrays(

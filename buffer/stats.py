@@ -79,6 +79,7 @@ class BufferStats:
             "buffer/over_age_trained": c["over_age_trained"],
             "buffer/groups_over_token_budget": c["groups_over_token_budget"],
             "buffer/late_rows_ignored": g.num_late_rows,
+            "buffer/stale_attempt_rows": g.num_stale_attempt_rows,
             "buffer/flushes": c["flushes"],
             "buffer/memory_bytes": memory_bytes,
             "buffer/chunks": chunks,

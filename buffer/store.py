@@ -2,23 +2,25 @@
 
 Data flow: `append` normalizes rows into `TRAJECTORY_SCHEMA` (a batch stamped as validated by its
 producer is only re-checksummed), keeps the record batch in the row store (no copy), updates group
-bookkeeping (supersession, completion, DAPO filter) and hands the batch to the log's background
-writer thread at once; batches smaller than `coalesce_below_rows` are held and coalesced into one
-chunk / one frame first. Frames reach the log in append order. Every `flush_every_rows` rows /
-`flush_every_ms` ms (checked on every call; the Ray actor also polls) `flush` waits until every
-appended row is written: that is when rows are acknowledged as durable, exactly as without the
-thread; writing them earlier only overlaps the I/O with the next appends. `sample` picks whole READY
-groups within the staleness bound, writes their consumption to the consumption log *before*
-returning them, and frees their rows once used `reuse` times. Constructing a buffer on an existing
-`root_dir` recovers it (and starts a fresh log segment): the consumption log is replayed first, then
-every verified trajectory frame, so nothing consumed is handed out again and nothing unconsumed is
-skipped. If the learner restarts from an older checkpoint, pass
+bookkeeping (supersession fenced by each row's `attempt`, completion, DAPO filter) and hands the
+batch to the log's background writer thread at once; batches smaller than `coalesce_below_rows` are
+held and coalesced into one chunk / one frame first. Frames reach the log in append order. Every
+`flush_every_rows` rows / `flush_every_ms` ms (checked on every call; the Ray actor also polls)
+`flush` waits until every appended row is written: that is when rows are acknowledged as durable,
+exactly as without the thread; writing them earlier only overlaps the I/O with the next appends.
+`sample` picks whole READY groups within the staleness bound, writes their consumption to the
+consumption log *before* returning them, and frees their rows once used `reuse` times. Constructing
+a buffer on an existing `root_dir` recovers it (and starts a fresh log segment): the consumption log
+is replayed first, then every verified trajectory frame, so nothing consumed is handed out again and
+nothing unconsumed is skipped. If the learner restarts from an older checkpoint, pass
 `resume_learner_step` and consumption recorded after that step is rolled back (durably). The
-directory itself (lock, logs, manifest, a failed write's sticky error) is `buffer.durable.BufferDir`.
+directory itself (lock, logs, manifest, a failed write's sticky error) is
+`buffer.durable.BufferDir`.
 
 Images: rows reference images by sha256 (`image_refs`); their bytes come with the `append` call and
 go to the write-once image log (`buffer/images.py`) before the rows go anywhere; `sample` attaches
-them (`SampledBatch.images`). Trajectory segments of schema "1" recover with empty image columns.
+them (`SampledBatch.images`). Trajectory segments of schema "1" recover with empty image columns,
+those of "1" and "2" with attempt 0 (`buffer.schema`).
 
 Not thread-safe: one caller at a time (the Ray actor serializes calls).
 """
@@ -113,9 +115,10 @@ class ReplayBuffer:
         (flushed to the OS) before the rows go anywhere. Raises ValueError, changing nothing, if a
         referenced image is neither stored nor supplied or a blob's bytes do not match its hash.
 
-        `durable=True` returns only once the rows are in the log (they survive a process kill): use it
-        when the caller acknowledges something on the strength of these rows (admission saves its
-        prompt cursor; a tool journal entry lets a side effect run)."""
+        `durable=True` returns only once the rows are in the log (they survive a process kill) and, with
+        `fsync_durable_appends`, fsynced (they survive a power loss): use it when the caller
+        acknowledges something on the strength of these rows (admission saves its prompt cursor; a
+        tool journal entry lets a side effect run)."""
         self._raise_if_failed()
         batch = trajectories_to_batch(data) if isinstance(data, list) else normalize_batch(data)
         blobs = list(images or ())
@@ -136,6 +139,8 @@ class ReplayBuffer:
             self._submit(batch)
         if durable:
             self.flush()
+            if self._dir is not None and self.cfg.fsync_durable_appends:
+                self._dir.sync_rows()
         else:
             self.poll()
 
@@ -167,6 +172,7 @@ class ReplayBuffer:
                 num_tokens=tokens.tolist(),
                 rewards=batch.column("reward").to_numpy().tolist(),
                 min_policy_versions=batch.column("min_policy_version").to_numpy().tolist(),
+                attempts=batch.column("attempt").to_numpy().tolist(),
             )
         )
         if dead:
@@ -400,7 +406,8 @@ class ReplayBuffer:
     # ---------------------------------------------------------------- queries
     def resumable(self, trajectory_ids: list[str] | None = None) -> list[Trajectory]:
         """Trajectories whose latest row is partial (to be resumed from their AgentData), all or
-        those of `trajectory_ids` that still are."""
+        those of `trajectory_ids` that still are. Each is the partial row of its current attempt
+        (`Trajectory.attempt`; a row of an older attempt is never kept)."""
         rows = self._groups.resumable_rows(trajectory_ids)
         return batch_to_trajectories(self._rows.take(np.array(rows, dtype=np.int64))) if rows else []
 

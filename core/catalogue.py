@@ -302,6 +302,7 @@ METRICS: tuple[Metric, ...] = (
     M("buffer/over_age_trained", "groups", R.TOTAL, "over-age groups trained with the lag-aware correction"),
     M("buffer/groups_over_token_budget", "groups", R.TOTAL, "groups larger than max_batch_tokens"),
     M("buffer/late_rows_ignored", "rows", R.TOTAL, "rows of already-closed trajectories ignored"),
+    M("buffer/stale_attempt_rows", "rows", R.TOTAL, "rows refused: attempt older than their trajectory's current one"),
     M("buffer/flushes", "flushes", R.TOTAL, "log flushes"),
     M("buffer/backpressure_waits", "appends", R.TOTAL, "appends that waited for room (capacity_rows)"),
     M("buffer/backpressure_timeouts", "appends", R.TOTAL, "appends refused after waiting append_timeout_s"),

@@ -15,6 +15,23 @@ takes bit-identical steps. Under FSDP rank 0 gathers full state dicts and writes
 broadcasts from rank 0. A checkpoint is sealed (fsynced, then its manifest) before it is renamed
 into place: it survives a lost machine whole, or is recognisably torn.
 
+A failed write stops the run, it never leaves a checkpoint a resume would take. Every file of ours
+(`*.pt`, `state.json`, the seal) is written and fsynced through the I/O plan (`buffer.iofaults`, as
+`ckpt/<file>`, so the chaos bench and the tests can break any of them at a seeded call); the HF
+folder is written by transformers/safetensors and reaches the plan at the seal's fsync of each file.
+When any write or fsync fails (ENOSPC, EIO, a torn or unfinished write, a failing fsync), `atomic_dir`
+removes the partial folder, renames nothing into place and writes no seal, and `save_checkpoint`
+raises `CheckpointWriteError` (an `OSError`: the errno, the file, the way out). The driver has not
+recorded the checkpoint yet (`System.checkpoint` records it only once this returns), so the saved
+driver state still names the previous complete checkpoints; the run stops, and `--resume` starts
+from the newest complete one (`streaming.checkpoints.use_newest_complete`), the buffer rolling its
+consumption back to that step: no acknowledged row is lost, the steps after it are retrained.
+Stopping, rather than skipping the checkpoint and training on: a disk that returns ENOSPC or EIO, or
+fails an fsync (whose dirty pages the kernel may have dropped), holds the buffer log too, which
+fails for good on the same faults; a skipped checkpoint would silently widen what a later crash
+retrains, and nothing written after a failed fsync can be trusted without the operator's look.
+A failed rewrite of a step that already has a checkpoint (after a resume) keeps the old one whole.
+
 Every `.pt` file holds tensors and plain Python values only (the RNG states are converted to them)
 and is read with `torch.load(weights_only=True)`: loading a tampered checkpoint fails instead of
 running the code a pickle can carry.
@@ -31,13 +48,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from streamrl.core.atomic import atomic_dir
+from streamrl.core.atomic import WriteFailedError, atomic_dir, open_for_write, write_file
 from streamrl.learner.sharded import full_tensor
 
 if TYPE_CHECKING:
     from streamrl.learner.types import TrainState
 
 logger = logging.getLogger(__name__)
+
+LOG = "ckpt"  # the checkpoint files' I/O-plan target prefix: `ckpt/optimizer.pt`, `ckpt/SEALED.json`, ...
+
+
+class CheckpointWriteError(WriteFailedError):
+    """A checkpoint could not be written: nothing of it was sealed or renamed into place (module doc)."""
 
 
 def _full_lm_state(ts: TrainState) -> dict[str, torch.Tensor] | None:
@@ -88,21 +111,35 @@ def save_checkpoint(ts: TrainState, directory: Path) -> Path:
         def write(tmp: Path) -> None:
             _write_hf(ts, tmp / "hf", lm_state)
             if head_state is not None:
-                torch.save(head_state, tmp / "value_head.pt")
-            torch.save(optim_state, tmp / "optimizer.pt")
-            torch.save(ts.scheduler.state_dict(), tmp / "scheduler.pt")
-            torch.save(_rng_state(ts), tmp / "rng.pt")
+                _save_pt(head_state, tmp / "value_head.pt")
+            _save_pt(optim_state, tmp / "optimizer.pt")
+            _save_pt(ts.scheduler.state_dict(), tmp / "scheduler.pt")
+            _save_pt(_rng_state(ts), tmp / "rng.pt")
             state = {
                 "policy_version": ts.policy_version,
                 "num_optimizer_steps": ts.num_optimizer_steps,
                 "config": ts.cfg.model_dump(mode="json"),
             }
-            (tmp / "state.json").write_text(json.dumps(state, indent=2))
+            write_file(tmp / "state.json", json.dumps(state, indent=2), log=f"{LOG}/state.json")
 
-        atomic_dir(directory, write, sync=True)
+        try:
+            atomic_dir(directory, write, sync=True, log=LOG)
+        except WriteFailedError as e:
+            raise CheckpointWriteError(
+                e.errno,
+                f"saving the checkpoint of policy_version={ts.policy_version} failed: {e.strerror}. The run stops "
+                f"here; free or fix the disk, then restart the run with --resume (it starts from the newest "
+                f"complete checkpoint; no acknowledged row is lost)",
+            ) from e
         logger.info("saved checkpoint policy_version=%d to %s", ts.policy_version, directory)
     _barrier(ts)
     return directory
+
+
+def _save_pt(obj: object, path: Path) -> None:
+    """`torch.save` through the I/O plan (target `ckpt/<name>`): streamed, not buffered in memory."""
+    with open_for_write(path, log=f"{LOG}/{path.name}") as f:
+        torch.save(obj, f)
 
 
 def _rng_state(ts: TrainState) -> dict:

@@ -193,6 +193,10 @@ class AgentData(BaseModel):
     generate_s: float = 0.0
     tool_s: float = 0.0
     created_at: float = 0.0
+    # Fencing number: 0 for the first submission, +1 each time the driver hands the trajectory to a
+    # worker again after its previous holder died (`System.resubmit_orphans`). Every row carries it;
+    # the buffer refuses rows of an attempt older than the newest it holds (`buffer.groups`).
+    attempt: int = Field(default=0, ge=0)
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -237,8 +241,8 @@ class AgentData(BaseModel):
 class Trajectory:
     """One trajectory as it leaves the agent loop (`AgentLoopOutput`); a buffer row.
 
-    Status `partial` carries `agent_data_json`; a later row with the same `trajectory_id`
-    supersedes it. Rewards are final for `finished` rows only.
+    Status `partial` carries `agent_data_json`; a later row with the same `trajectory_id` and an
+    `attempt` no older supersedes it. Rewards are final for `finished` rows only.
     """
 
     trajectory_id: str
@@ -264,6 +268,7 @@ class Trajectory:
     created_at: float = 0.0
     finished_at: float = 0.0
     agent_data_json: str | None = None  # resumable AgentData (partial rows)
+    attempt: int = 0  # `AgentData.attempt` of the worker that wrote the row (fencing; older ones are refused)
     image_refs: list[str] = field(default_factory=list)  # [num_images] sha256 hex, placeholder order
     num_image_tokens: list[int] = field(default_factory=list)  # [num_images] placeholder tokens of each
 

@@ -12,6 +12,19 @@ skipped: the state then points at the older checkpoint's step and version offset
 buffer rolls its consumption back to the state's `checkpoint_step`, the learner's weights, the
 labels and the buffer stay consistent. With no complete checkpoint the run restarts from the
 initial model (step 0).
+
+I/O failures (ENOSPC, EIO, a torn write, a failing fsync: real, or injected by `buffer.iofaults` at
+seeded points) stop the run with a clear error and lose nothing a resume needs:
+- a checkpoint write that fails raises `learner.checkpoint.CheckpointWriteError` (errno and file):
+  nothing is sealed or renamed into place, and it is never recorded (recording comes after the save
+  returns), so the saved state names only complete checkpoints and `--resume` starts from the newest;
+- a `driver_state.json` save that fails raises `core.atomic.WriteFailedError` (errno and file) and
+  leaves the previous file intact (write, fsync, then rename): `--resume` loads it. Its cursor may lag
+  the buffer log, which is the truth for rows: `System.reconcile_cursor` skips the prompts whose rows
+  are durable, and the buffer rolls consumption back to the state's `checkpoint_step`, so no
+  acknowledged row is lost or admitted twice. A failure of that save inside `System.checkpoint` (after
+  the record, before the deletes) deletes no old checkpoint: deletes wait for a save that returned.
+The other run files (`run_info.json`, `accounting.json`, `placement.json`, ...) fail the same way.
 """
 
 from __future__ import annotations

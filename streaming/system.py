@@ -9,6 +9,7 @@ and the learner on disjoint devices when they exist.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
     from streamrl.buffer.types import BufferProgress
     from streamrl.observability.metrics import MetricsLogger
-    from streamrl.rollout.types import AgentData
+    from streamrl.rollout.types import AgentData, Trajectory
     from streamrl.streaming.actors.clients import BufferClient, EngineClient, LearnerClient, WorkerClient
     from streamrl.streaming.failures import FailureWindow
     from streamrl.streaming.heldout import Evaluator
@@ -297,7 +298,13 @@ class System:
         Serialized with admission (see `_submit_lock`); workers are asked before the buffer, and a
         worker reports a trajectory from submission until its final row is appended, so a
         trajectory in flight is never mistaken for an orphan. A worker dying meanwhile is left to
-        the next health check."""
+        the next health check.
+
+        Each resubmission is a new attempt (fencing): the trajectory's partial row is appended again,
+        durably, with `attempt` one higher *before* any worker gets it, so the buffer (and a buffer
+        recovered from its log) refuses whatever the previous holder still appends late. The workers
+        get the rows as the buffer then holds them: a trajectory a late row finished meanwhile is
+        not resubmitted (its new-attempt row was refused as late)."""
         async with self._submit_lock:
             running: set[str] = set()
             for w in self.workers:
@@ -309,10 +316,25 @@ class System:
             missing = [tid for tid in resumable if tid not in running]
             if not missing:
                 return 0
-            orphans = [t.agent_data() for t in await self.buffer.resumable(missing)]
+            rows = [next_attempt(t) for t in await self.buffer.resumable(missing)]
+            if not rows:
+                return 0
+            try:
+                await self.buffer.append_durable(rows)
+            except ValueError as exc:  # images whose bytes the log lost (a torn image segment)
+                logger.warning("recording the next attempts without their image columns: %s", exc)
+                rows = [dataclasses.replace(t, image_refs=[], num_image_tokens=[]) for t in rows]
+                await self.buffer.append_durable(rows)  # the worker then fails them, as before
+            attempts = {t.trajectory_id: t.attempt for t in rows}
+            current = await self.buffer.resumable([t.trajectory_id for t in rows])
+            orphans = [t.agent_data() for t in current if t.attempt == attempts[t.trajectory_id]]
             if orphans:
                 self.num_stranded_checks += 1
-                logger.info("resubmitting %d trajectories no worker runs", len(orphans))
+                logger.info(
+                    "resubmitting %d trajectories no worker runs (attempts %s)",
+                    len(orphans),
+                    sorted({d.attempt for d in orphans}),
+                )
             for data in orphans:
                 await self._submit([data])
             return len(orphans)
@@ -485,6 +507,15 @@ def make_worker(system: System, worker_id: str) -> WorkerClient:
         worker_id, system.cfg, system.model_path, [e.handle for e in system.engines], system.buffer.handle
     )
     return WorkerClient(handle, timeout_s=system.timeout_s)
+
+
+def next_attempt(row: Trajectory) -> Trajectory:
+    """`row` (a partial row) as the next attempt of its trajectory: the same row, `attempt` + 1 in the
+    column and in its AgentData (which the new holder's rows copy, `AgentLoopBase.to_trajectory`)."""
+    data = row.agent_data()
+    attempt = max(row.attempt, data.attempt) + 1
+    data.attempt = attempt
+    return dataclasses.replace(row, attempt=attempt, agent_data_json=data.to_json())
 
 
 __all__ = ["System", "make_worker"]

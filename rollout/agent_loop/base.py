@@ -353,6 +353,7 @@ class AgentLoopBase(abc.ABC):
             created_at=data.created_at,
             finished_at=time.time(),
             agent_data_json=data.to_json() if partial else None,
+            attempt=data.attempt,
             image_refs=image_refs,
             num_image_tokens=num_image_tokens,
         )

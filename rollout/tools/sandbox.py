@@ -27,12 +27,17 @@ What each layer adds (see `bench/sandbox.py` for the escape attempts each one st
   per-process limits above are the documented fallback); at most `max_concurrent` sandboxes of this
   process run at once (`SLOTS`), the others wait;
 - what the program sees of itself: /proc is mounted with hidepid, so init (non-dumpable) and its
-  command line are hidden; a virtual environment appears at `VENV_MOUNT`, not at its host path.
+  command line are hidden; a virtual environment appears at `VENV_MOUNT`, not at its host path; the
+  hostname is `HOSTNAME`. The unshare layer also runs the program in a user namespace of its own,
+  nested in the sandbox's, whose uid map names only the program's uid (not root, not the trainer's
+  uid), in a cgroup namespace (/proc/self/cgroup shows "/"), and shows `MASKED_PROC` (the kernel's
+  command line and config, the boot id, ...) empty. What stays visible, and why: docs/security.md.
 
 The chain of processes (every stage is this file, run as `python -I -S -c <source> <stage> <spec>`,
 which is why it imports only the standard library at module level):
 
-    parent ──► launch ──► unshare ──► setup: pid 1 (mounts, pivot_root) = init ──fork──► trampoline ──execve──► program
+    parent ──► launch ──► unshare ──► setup: pid 1 (mounts, pivot_root) = init ──fork──► (nested user
+                                                                namespace) trampoline ──execve──► program
     parent ──► launch ──execve──► bwrap ──► init ──fork──► trampoline ──execve──► program
     parent ──► launch = trampoline ──execve──► program                         (isolation = "none")
 
@@ -40,6 +45,8 @@ Init (pid 1 of the sandbox) drops privileges, forks the program and exits with i
 128 + the signal that killed it. When the trainer runs as root, `launch` first enters a user
 namespace whose uid map (written from outside, which needs root) holds both root and the sandbox
 uid, so the setup can still read a root-only interpreter path while the program runs unprivileged.
+In the unshare layer init forks the program's process into a user namespace of its own, nested in
+that one, and maps only the program's uid there (`sandbox_stages._fork_nested`).
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ from streamrl.rollout.tools.sandbox_exec import (  # noqa: F401 (re-exported)
     _execute,
     _killpg,
 )
-from streamrl.rollout.tools.sandbox_stages import WORKSPACE
+from streamrl.rollout.tools.sandbox_stages import HOSTNAME, WORKSPACE
 from streamrl.rollout.tools.slots import Slots
 
 logger = logging.getLogger(__name__)
@@ -351,6 +358,7 @@ def _bwrap_argv(bwrap: str, spec: dict, stage: list[str]) -> list[str]:
     else:
         argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     argv += ["--as-pid-1", "--die-with-parent", "--proc", "/proc", "--dev", "/dev"]  # init is pid 1
+    argv += ["--hostname", HOSTNAME]  # both variants unshare the uts namespace
     size = str(spec["limits"]["disk_mb"] << 20)
     for path in ("/tmp", WORKSPACE):  # before the binds: an interpreter under /tmp stays visible
         argv += ["--perms", "1777", "--size", size, "--tmpfs", path]

@@ -15,6 +15,7 @@ one loop, the memory bomb allocates at most 1 GiB, the output bomb writes 64 MiB
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.rollout.tools.base import ToolExecution
+from streamrl.rollout.tools.sandbox_stages import HOSTNAME
 
 SECRET_ENV = "STREAMRL_FAKE_API_KEY"
 PROJECT_FILE = Path(__file__).resolve().parents[2] / "pyproject.toml"  # a real file of the repository
@@ -95,7 +97,7 @@ class Harness:
         return {
             "port": self.port, "secret_file": str(self.secret_file), "project_file": str(PROJECT_FILE),
             "ro_file": str(self.ro_file), "sentinel": self.sentinel.pid if self.sentinel else -1,
-            "harness": os.getpid(), "env": SECRET_ENV,
+            "harness": os.getpid(), "env": SECRET_ENV, "uid": os.getuid(), "gid": os.getgid(), "hostname": HOSTNAME,
         }  # fmt: skip
 
 
@@ -168,8 +170,56 @@ def _check_error(*evidence: str) -> Callable[[ToolExecution, Harness], str | Non
 
 
 def _check_privileges(obs: ToolExecution, h: Harness) -> str | None:
-    failed = [what for what in ("mount: ", "unshare(user): ", "PermissionError(1") if what in obs.text]
+    # setuid(0) fails with EPERM, or with EINVAL where uid 0 does not exist (the unshare layer's nested
+    # user namespace maps only the program's uid)
+    refused = {"mount": ("mount: ",), "unshare": ("unshare(user): ",), "setuid": ("PermissionError(1", "OSError(22")}
+    failed = [what for what, evidence in refused.items() if any(e in obs.text for e in evidence)]
     return None if len(failed) == 3 else f"only {failed} failed: {obs.text[:200]!r}"
+
+
+def _host_ids() -> dict[str, int]:
+    return {"uid_map": os.getuid(), "gid_map": os.getgid()}
+
+
+def _check_id_maps(obs: ToolExecution, h: Harness) -> str | None:
+    """The printed "uid_map <inside> <outside> <count>" lines must not cover the trainer's own ids."""
+    ids = _host_ids()
+    for line in obs.text.splitlines():
+        fields = line.split()
+        if len(fields) == 4 and fields[0] in ids and all(f.isdigit() for f in fields[1:]):
+            outside, count = int(fields[2]), int(fields[3])
+            if outside <= ids[fields[0]] < outside + count:
+                return f"{fields[0]} maps to the trainer's id {ids[fields[0]]}: {line.strip()!r}"
+    return None
+
+
+def _check_cgroup(obs: ToolExecution, h: Harness) -> str | None:
+    shown = [line[len("cgroup ") :] for line in obs.text.splitlines() if line.startswith("cgroup ")]
+    host = [line for line in shown if line.split(":", 2)[-1] != "/"]
+    return f"cgroup paths of the host: {host}" if host else None
+
+
+def _host_fact(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+def _check_kernel_facts(obs: ToolExecution, h: Harness) -> str | None:
+    try:
+        config = hashlib.sha256(Path("/proc/config.gz").read_bytes()).hexdigest()
+    except OSError:  # a kernel without it
+        config = ""
+    return _leaked(obs.text, _host_fact("/proc/cmdline")[:64], config)  # a prefix: the output cap cuts the middle
+
+
+def _check_boot_id(obs: ToolExecution, h: Harness) -> str | None:
+    return _leaked(obs.text, _host_fact("/proc/sys/kernel/random/boot_id"))
+
+
+def _check_hostname(obs: ToolExecution, h: Harness) -> str | None:
+    return _leaked(obs.text, f"hostname={socket.gethostname()}\n")
 
 
 def _check_output(obs: ToolExecution, h: Harness) -> str | None:
@@ -204,7 +254,8 @@ ATTEMPTS: list[EscapeAttempt] = [
         layer="mount namespace (read-only bind)",
         code=(
             "import os\nerrors = []\n"
-            "for path, mode in (({ro_file!r}, 'a'), (os.path.join(os.path.dirname({secret_file!r}), 'planted.txt'), 'w')):\n"
+            "planted = os.path.join(os.path.dirname({secret_file!r}), 'planted.txt')\n"
+            "for path, mode in (({ro_file!r}, 'a'), (planted, 'w')):\n"
             "    try:\n        open(path, mode).write('pwned')\n"
             "    except OSError as e:\n        errors.append(repr(e))\n"
             "if errors:\n    raise PermissionError(errors)"
@@ -229,7 +280,8 @@ ATTEMPTS: list[EscapeAttempt] = [
             "for pid in (os.getppid(), {sentinel}):\n"
             "    try:\n        os.kill(pid, signal.SIGKILL)\n"
             "    except OSError as e:\n        errors.append((pid, repr(e)))\n"
-            "try:\n    os.killpg({sentinel}, signal.SIGKILL)\nexcept OSError as e:\n    errors.append(('group', repr(e)))\n"
+            "try:\n    os.killpg({sentinel}, signal.SIGKILL)\n"
+            "except OSError as e:\n    errors.append(('group', repr(e)))\n"
             "try:\n    os.kill({harness}, 0)\n    print('HARNESS VISIBLE')\n"
             "except OSError as e:\n    errors.append(('harness', repr(e)))\n"
             "if errors:\n    raise ProcessLookupError(errors)"
@@ -286,13 +338,73 @@ ATTEMPTS: list[EscapeAttempt] = [
         layer="user namespace (no capabilities)",
         code=(
             "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nerrors = []\n"
-            "if libc.mount(b'none', b'/usr', b'tmpfs', 0, None) != 0:\n    errors.append('mount: ' + os.strerror(ctypes.get_errno()))\n"
-            "if libc.unshare(0x10000000) != 0:\n    errors.append('unshare(user): ' + os.strerror(ctypes.get_errno()))\n"
+            "if libc.mount(b'none', b'/usr', b'tmpfs', 0, None) != 0:\n"
+            "    errors.append('mount: ' + os.strerror(ctypes.get_errno()))\n"
+            "if libc.unshare(0x10000000) != 0:\n"
+            "    errors.append('unshare(user): ' + os.strerror(ctypes.get_errno()))\n"
             "try:\n    os.setuid(0)\nexcept OSError as e:\n    errors.append(repr(e))\n"
             "if errors:\n    raise PermissionError(errors)"
         ),
         check=_check_privileges,
         namespaced_only=True,
+    ),
+    # What /proc tells about the host. Each program prints what it read, and raises when it learned
+    # nothing (the verdict is still taken outside, against the trainer's own ids, cgroups and files).
+    EscapeAttempt(
+        name="proc_id_maps_show_trainer",
+        layer="nested user namespace (uid map of the program's uid only)",
+        code=(
+            "found = []\n"
+            "for name, mine in (('uid_map', {uid}), ('gid_map', {gid})):\n"
+            "    for line in open('/proc/self/' + name):\n"
+            "        print(name, line.strip())\n"
+            "        inside, outside, count = map(int, line.split())\n"
+            "        if outside <= mine < outside + count:\n"
+            "            found.append(name)\n"
+            "if not found:\n    raise LookupError('the id maps do not name the trainer ids')"
+        ),
+        check=_check_id_maps,
+    ),
+    EscapeAttempt(
+        name="proc_cgroup_shows_host_paths",
+        layer="cgroup namespace",
+        code=(
+            "lines = open('/proc/self/cgroup').read().splitlines()\n"
+            "for line in lines:\n    print('cgroup', line)\n"
+            "if all(line.split(':', 2)[-1] == '/' for line in lines):\n"
+            "    raise LookupError('every cgroup path is /')"
+        ),
+        check=_check_cgroup,
+    ),
+    EscapeAttempt(
+        name="proc_kernel_cmdline_and_config",
+        layer="masked /proc files",
+        code=(
+            "import hashlib\nfound = []\n"
+            "cmdline = open('/proc/cmdline').read().strip()\nprint('cmdline', cmdline)\n"
+            "try:\n    config = open('/proc/config.gz', 'rb').read()\nexcept OSError:\n    config = b''\n"
+            "print('config.gz', len(config), hashlib.sha256(config).hexdigest())\n"
+            "if not cmdline and not config:\n    raise LookupError('/proc/cmdline and /proc/config.gz are empty')"
+        ),
+        check=_check_kernel_facts,
+    ),
+    EscapeAttempt(
+        name="proc_boot_id",
+        layer="masked /proc files",
+        code=(
+            "boot_id = open('/proc/sys/kernel/random/boot_id').read().strip()\nprint('boot_id', boot_id)\n"
+            "if not boot_id:\n    raise LookupError('the boot id is empty')"
+        ),
+        check=_check_boot_id,
+    ),
+    EscapeAttempt(
+        name="host_hostname",
+        layer="uts namespace (hostname set)",
+        code=(
+            "import socket\nname = socket.gethostname()\nprint(f'hostname={{name}}')\n"
+            "if name == {hostname!r}:\n    raise LookupError('the hostname is the sandbox one')"
+        ),
+        check=_check_hostname,
     ),
 ]
 

@@ -23,6 +23,15 @@ SETUP_FAILED = 125  # exit status of a stage that could not build the sandbox (r
 SIGNAL_BASE = 128  # a namespaced sandbox exits 128 + N when its program was killed by signal N
 _MARKER = "streamrl-sandbox:"  # prefix of the stages' own error messages on stderr
 _DEVICES = ("null", "zero", "full", "random", "urandom")
+HOSTNAME = "sandbox"  # the unshare and bwrap layers' hostname (their own uts namespace): not the host's
+# Global /proc entries the unshare layer shows empty: host facts no program needs (the kernel's command
+# line, which names the boot infrastructure, its build config, the boot id that identifies this boot of
+# the host), and the entries container runtimes mask by default. Those missing on a kernel are skipped.
+MASKED_PROC = (
+    "cmdline", "config.gz", "sys/kernel/random/boot_id",
+    "acpi", "asound", "interrupts", "kcore", "keys", "latency_stats", "sched_debug", "scsi", "timer_list",
+    "timer_stats",
+)  # fmt: skip
 
 _CLONE_NEWUSER = 0x10000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 1, 2, 4, 8, 32
@@ -57,7 +66,9 @@ class _Libc:
         return rc
 
     def mount(self, src: str | None, dst: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-        enc = lambda s: None if s is None else s.encode()
+        def enc(text: str | None) -> bytes | None:
+            return None if text is None else text.encode()
+
         self.call(
             f"mount {dst}", self.lib.mount(enc(src), enc(dst), enc(fstype), self.ctypes.c_ulong(flags), enc(data))
         )
@@ -91,7 +102,8 @@ def _stage_launch(spec: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if spec["layer"] == "none":
         _stage_trampoline(spec)
-    flags = ["--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
+    # --cgroup: the program's /proc/self/cgroup shows "/", not the host's cgroup paths
+    flags = ["--mount", "--net", "--pid", "--ipc", "--uts", "--cgroup", "--fork", "--kill-child"]
     tail = ["--", os.path.realpath(sys.executable), "-I", "-S", "-c", _stage_source(), "setup", json.dumps(spec)]
     try:
         if spec["layer"] == "bwrap":
@@ -143,15 +155,18 @@ def _enter_user_namespace(uid: int) -> None:
 def _stage_setup(spec: dict) -> None:
     """Pid 1 of the new namespaces: build the new root, pivot into it, then act as init."""
     try:
-        _build_root(spec, _Libc())
+        proc_fd = _build_root(spec, _Libc())
     except OSError as exc:
         _fail("setup", exc)
-    _stage_init(spec)
+    _stage_init(spec, proc_fd)
 
 
-def _build_root(spec: dict, libc: _Libc) -> None:
+def _build_root(spec: dict, libc: _Libc) -> int:
+    """Build the new root and pivot into it; return a handle on a writable view of its /proc (the
+    program's is read-only), with which init writes the program's user namespace maps."""
     root, limits = spec["root"], spec["limits"]
     libc.mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+    libc.call("sethostname", libc.lib.sethostname(HOSTNAME.encode(), len(HOSTNAME)))
     libc.mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=4m")
     # The private tmpfs folders first, the read-only binds after: an interpreter that lives under
     # /tmp (a venv in a checkout there) is then bound on top of the private /tmp, not hidden by it.
@@ -179,13 +194,37 @@ def _build_root(spec: dict, libc: _Libc) -> None:
     ):
         os.symlink(target, f"{root}/dev/{name}")
     _write_passwd(root, spec["uid"] or 0)
-    with open("/proc/sys/user/max_user_namespaces", "w") as f:  # this namespace's own limit: the
-        f.write("0")  # program cannot nest a user namespace (kernel attack surface) to regain capabilities
-    os.makedirs(root + "/proc", exist_ok=True)  # hidepid: the program sees only its own processes, not
-    # init (non-dumpable, see `_stage_init`), whose command line holds the spec with the host's paths
-    libc.mount("proc", root + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY, "hidepid=2")
+    proc_fd = _mount_proc(libc, root)
     _pivot_root(libc, root)
     libc.mount(None, "/", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+    return proc_fd
+
+
+def _mount_proc(libc: _Libc, root: str) -> int:
+    """Mount the sandbox's /proc read-only, with hidepid: the program sees only its own processes, not
+    init (non-dumpable, see `_stage_init`), whose command line holds the spec with the host's paths;
+    and with `MASKED_PROC` empty. Return a handle on a writable, detached mount of the same proc."""
+    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    staging = root + "/.proc"
+    os.makedirs(root + "/proc", exist_ok=True)
+    os.mkdir(staging)
+    libc.mount("proc", staging, "proc", flags, "hidepid=2")
+    proc_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    libc.mount(staging, root + "/proc", None, _MS_BIND)
+    libc.mount(None, root + "/proc", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | flags)
+    libc.call(f"umount {staging}", libc.lib.umount2(staging.encode(), _MNT_DETACH))  # `proc_fd` keeps it
+    os.rmdir(staging)
+    empty = root + "/.masked"
+    open(empty, "w").close()
+    for name in MASKED_PROC:
+        target = f"{root}/proc/{name}"
+        if os.path.isdir(target):
+            libc.mount("tmpfs", target, "tmpfs", _MS_RDONLY | flags, "mode=0555,size=4k")
+        elif os.path.exists(target):
+            libc.mount(empty, target, None, _MS_BIND)
+            libc.mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | flags)
+    os.unlink(empty)  # the binds keep the (empty) file
+    return proc_fd
 
 
 def _bind_readonly(libc: _Libc, src: str, dst: str) -> None:
@@ -250,24 +289,87 @@ def _pivot_root(libc: _Libc, root: str) -> None:
     os.rmdir("/.oldroot")
 
 
-def _stage_init(spec: dict) -> None:
+def _stage_init(spec: dict, proc_fd: int | None = None) -> None:
     """Pid 1 of the sandbox: drop privileges, fork the program, reap, exit like it. The namespace
     dies with it, taking every process the program left behind. It stays in the parent's process
-    group, so the parent's kill of the group reaches it whatever the program does with sessions."""
+    group, so the parent's kill of the group reaches it whatever the program does with sessions.
+
+    With `proc_fd` (the unshare layer) the program runs in a user namespace of its own, nested in the
+    sandbox's (`_fork_nested`): its /proc/self/uid_map then shows its own uid only, not that the
+    sandbox's maps root (the trainer's uid)."""
+    nested = None
     try:
+        if proc_fd is not None:
+            nested = _fork_nested(spec, proc_fd)
         _drop_privileges(spec["uid"])
         _die_with_parent()  # a uid change cleared the death signal unshare/bwrap had set
         libc = _Libc()  # not dumpable: hidden from the program by /proc's hidepid
         libc.call("prctl(PR_SET_DUMPABLE)", libc.lib.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0))
+        if nested is not None:  # only now, init unprivileged and hidden, may the program start
+            pid, go_w = nested
+            os.write(go_w, b"1")
+            os.close(go_w)
     except OSError as exc:
         _fail("init", exc)
-    pid = os.fork()
-    if pid == 0:
-        _stage_trampoline(spec)
+    if nested is None:
+        pid = os.fork()
+        if pid == 0:
+            _stage_trampoline(spec)
     while True:
         reaped, status = os.waitpid(-1, 0)
         if reaped == pid:
             _exit_like(status)
+
+
+def _fork_nested(spec: dict, proc_fd: int) -> tuple[int, int]:
+    """Fork the program's process, which takes the program's uid and enters a new user namespace;
+    init (still privileged) maps that uid to itself there — one line, so the program's uid map names
+    neither root nor the trainer's uid — then sets the sandbox's user-namespace limit to 0 (the program
+    nests none of its own: kernel attack surface). Return the pid and the pipe end that lets it go on
+    (dropping its capabilities in its namespace, then exec)."""
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for fd in (ready_r, go_w, proc_fd):
+                os.close(fd)
+            _die_with_parent()
+            if spec["uid"] is not None:  # the namespace is owned by the sandbox uid, not by root
+                os.setgroups([])
+                os.setresgid(spec["uid"], spec["uid"], spec["uid"])
+                os.setresuid(spec["uid"], spec["uid"], spec["uid"])
+                _die_with_parent()  # cleared by the uid change
+            libc = _Libc()
+            libc.call("unshare(CLONE_NEWUSER)", libc.lib.unshare(_CLONE_NEWUSER))
+            os.write(ready_w, b"1")
+            os.close(ready_w)
+            if os.read(go_r, 1) != b"1":
+                raise OSError("init did not set up the program's user namespace")
+            os.close(go_r)
+            _drop_privileges(spec["uid"], groups=False)  # all capabilities in the new namespace: drop them
+        except OSError as exc:
+            _fail("trampoline", exc)
+        _stage_trampoline(spec)
+    os.close(ready_w)
+    os.close(go_r)
+    if os.read(ready_r, 1) != b"1":
+        raise OSError("the program's process did not enter its user namespace")
+    os.close(ready_r)
+    ids = spec["uid"] if spec["uid"] is not None else 0
+    for name in ("uid_map", "gid_map"):
+        _write_at(proc_fd, f"{pid}/{name}", f"{ids} {ids} 1\n")
+    _write_at(proc_fd, "sys/user/max_user_namespaces", "0")  # counts the nested one: none can follow
+    os.close(proc_fd)
+    return pid, go_w
+
+
+def _write_at(dir_fd: int, path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def _die_with_parent() -> None:
@@ -275,9 +377,11 @@ def _die_with_parent() -> None:
     libc.call("prctl(PR_SET_PDEATHSIG)", libc.lib.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0))  # SIGKILL
 
 
-def _drop_privileges(uid: int | None) -> None:
+def _drop_privileges(uid: int | None, *, groups: bool = True) -> None:
     """No capabilities now or after execve, no way to gain any (no_new_privs), and the sandbox uid
-    when one is mapped (the trainer runs as root). Checked at the end from /proc: fail closed."""
+    when one is mapped (the trainer runs as root). Checked at the end from /proc: fail closed.
+    `groups=False`: the supplementary groups were cleared already (before entering a user namespace
+    where setgroups may not be allowed)."""
     libc = _Libc()
     prctl = libc.lib.prctl
     prctl(_PR_SET_SECUREBITS, _SECUREBITS, 0, 0, 0)  # needs CAP_SETPCAP; under bwrap it is already gone
@@ -286,7 +390,8 @@ def _drop_privileges(uid: int | None) -> None:
             break
     prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
     if uid is not None:
-        os.setgroups([])
+        if groups:
+            os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
     _capset_zero(libc)

@@ -108,8 +108,9 @@ def test_every_crash_state_recovers_every_acknowledged_row_and_a_whole_checkpoin
     "broken, expected",
     [
         ("driver state renamed in unsynced", "driver_state.json"),
-        ("buffer checkpoint without fsync", "acknowledged group"),
+        ("buffer checkpoint without fsync", "was handed out again"),
         ("checkpoint folder not sealed", "which is not complete"),
+        ("durable appends only flushed", "past admitted groups the log lost"),
     ],
 )
 def test_the_check_catches_broken_durability_protocols(broken, expected):
@@ -120,6 +121,7 @@ def test_the_check_catches_broken_durability_protocols(broken, expected):
         "driver state renamed in unsynced": Workload(save_state=unsynced_save),
         "buffer checkpoint without fsync": Workload(fsync_buffer=False),
         "checkpoint folder not sealed": Workload(seal_checkpoints=False),
+        "durable appends only flushed": Workload(fsync_durable_appends=False),
     }[broken]
     result = run(max_states=150, workload=workload)
     assert any(expected in p for p in result.problems), result.problems[:5]

@@ -54,6 +54,14 @@ NAMESPACED = PROBE.layer in ("bwrap", "unshare")
 needs_namespaces = pytest.mark.skipif(not NAMESPACED, reason=f"no sandbox isolation on this machine: {PROBE.tried}")
 BWRAP = os.environ.get("STREAMRL_TEST_BWRAP") or shutil.which("bwrap")
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+# the attempts that read host facts from /proc (and the hostname): blocked by the unshare layer
+HOST_FACTS = (
+    "proc_id_maps_show_trainer",
+    "proc_cgroup_shows_host_paths",
+    "proc_kernel_cmdline_and_config",
+    "proc_boot_id",
+    "host_hostname",
+)
 FAST = {"timeout_s": 3.0, "replay_timeout_s": 3.0, "cpu_s": 2, "memory_mb": 512, "max_output_bytes": 1024}
 
 
@@ -215,7 +223,8 @@ async def test_output_starting_with_error_is_still_a_successful_cell(tool):
     registry = load_tool_config({"tools": [{"class_name": "streamrl.rollout.tools.code_interpreter:CodeInterpreterTool",
                                             "config": FAST}]})  # fmt: skip
     ids = await registry.create_instances()
-    calls = [ToolCall(call_id="a", name="code_interpreter", arguments={"code": "print('Error: none, all fine')\ny = 5"}),
+    calls = [ToolCall(call_id="a", name="code_interpreter",
+                      arguments={"code": "print('Error: none, all fine')\ny = 5"}),
              ToolCall(call_id="b", name="code_interpreter", arguments={"code": "print(y)"})]  # fmt: skip
     first, second = [(await registry.run_calls([c], ids, timeout_s=30))[0] for c in calls]
     await registry.release_instances(ids)
@@ -243,8 +252,10 @@ async def test_a_slow_replay_is_blamed_on_the_replay_not_on_the_new_cell():
         await slow.release(instance)
     assert not first.is_error and not second.is_error, (first.text, second.text)
     assert 0.8 < second.metrics["sandbox/replay_s"] < 1.5
-    assert third.is_error and third.text.startswith("Error: re-running the 2 earlier cell(s) to restore the state took "
-                                                    "longer than the 1 s replay limit; your code did not run")  # fmt: skip
+    assert third.is_error and third.text.startswith(
+        "Error: re-running the 2 earlier cell(s) to restore the state took "
+        "longer than the 1 s replay limit; your code did not run"
+    )
     assert "time limit" not in third.text and "never" not in third.text
 
 
@@ -310,7 +321,8 @@ async def test_runs_through_the_yaml_config_and_the_registry():
     assert registry.names == ["code_interpreter"] and registry.is_idempotent("code_interpreter")
     assert registry.schemas()[0]["function"]["parameters"]["required"] == ["code"]
     calls = [ToolCall(call_id="a", name="code_interpreter", arguments={"code": "print(6 * 7)"}),
-             ToolCall(call_id="b", name="code_interpreter", arguments={"code": "import os; os.environ['HOME_X']"})]  # fmt: skip
+             ToolCall(call_id="b", name="code_interpreter",
+                      arguments={"code": "import os; os.environ['HOME_X']"})]  # fmt: skip
     ids = await registry.create_instances()
     results = await registry.run_calls(calls, ids, timeout_s=30)
     await registry.release_instances(ids)
@@ -354,7 +366,8 @@ async def test_the_sandbox_sees_a_minimal_read_only_world(tool):
         + "),\n"
         "    'home': os.path.exists('/home'), 'nics': [n for _, n in socket.if_nameindex()],\n"
         "    'pids': [p for p in os.listdir('/proc') if p.isdigit()], 'writable': writable,\n"
-        "    'caps': [l.split()[1] for l in open('/proc/self/status') if l.startswith(('CapEff', 'CapBnd', 'NoNewPrivs'))]}))",
+        "    'caps': [l.split()[1] for l in open('/proc/self/status')\n"
+        "             if l.startswith(('CapEff', 'CapBnd', 'NoNewPrivs'))]}))",
     )
     seen = json.loads(out)
     assert {"usr", "workspace", "tmp", "proc", "dev"} <= set(seen["root"]) and "var" not in seen["root"]
@@ -387,18 +400,22 @@ def escape_tool(escape_harness):
 
 
 async def test_the_checks_can_fail_without_isolation(escape_harness):
-    """Control: with isolation "none" the file, network and write attempts do get out (so the checks
-    above are real); the cleared environment and the rlimits still hold."""
+    """Control: with isolation "none" the file, network, write and /proc attempts do get out (so the
+    checks above are real); the cleared environment and the rlimits still hold."""
     tool = CodeInterpreterTool(escape_tool_config(escape_harness, isolation="none"))
     by_name = {a.name: a for a in ATTEMPTS}
-    outcomes = {n: await run_attempt(tool, by_name[n], escape_harness) for n in
-                ("network_connect_host", "read_outside_workdir", "write_outside_workdir", "read_env_secret", "memory_bomb")}  # fmt: skip
+    names = ("network_connect_host", "read_outside_workdir", "write_outside_workdir", "read_env_secret",
+             "memory_bomb", *HOST_FACTS)  # fmt: skip
+    outcomes = {n: await run_attempt(tool, by_name[n], escape_harness) for n in names}
     assert not outcomes["network_connect_host"].blocked and "connection" in outcomes["network_connect_host"].how
     assert (
         not outcomes["read_outside_workdir"].blocked and escape_harness.secret in outcomes["read_outside_workdir"].how
     )
     assert not outcomes["write_outside_workdir"].blocked
     assert outcomes["read_env_secret"].blocked and outcomes["memory_bomb"].blocked
+    # the trainer's own id maps, hostname and boot id are always there; the kernel's command line
+    # almost always (the attempt also reads /proc/config.gz); cgroup paths where it is not in "/"
+    assert [n for n in HOST_FACTS if outcomes[n].blocked] in ([], ["proc_cgroup_shows_host_paths"])
 
 
 @needs_namespaces

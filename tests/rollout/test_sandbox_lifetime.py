@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,9 +23,11 @@ import pytest
 from streamrl.rollout.tools import sandbox_reaper
 from streamrl.rollout.tools.code_interpreter import CodeInterpreterTool
 from streamrl.rollout.tools.sandbox import DEFAULT_MAX_CONCURRENT, SLOTS, Sandbox, SandboxLimits, SandboxSettings
+from streamrl.rollout.tools.sandbox_stages import HOSTNAME, MASKED_PROC
 from tests.rollout.test_sandbox import (  # noqa: F401 (_adopt_orphans: the module's subreaper fixture)
     FAST,
     NAMESPACED,
+    PROBE,
     _adopt_orphans,
     _pids_with,
     _run,
@@ -154,7 +157,10 @@ async def test_without_a_cgroup_the_documented_fallback_limits_each_process():
     result = await sandbox.run(ALLOCATE.format(sizes=[150, 150, 150, 400]), timeout_s=60)
     assert result.stdout == "[0, 0, 0, 7]\n", result  # three under the limit each, together over it; one over it alone
     if NAMESPACED:
-        forks = "import os, time\nn = 0\ntry:\n    while n < 50:\n        if os.fork() == 0:\n            time.sleep(5)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)"
+        forks = (
+            "import os, time\nn = 0\ntry:\n    while n < 50:\n        if os.fork() == 0:\n"
+            "            time.sleep(5)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)"
+        )
         result = await sandbox.run(forks, timeout_s=60)
         assert int(result.stdout) < 8
 
@@ -171,12 +177,58 @@ async def test_the_sandbox_proc_shows_neither_host_paths_nor_the_trainer():
         f"import json, os, sys\nneedles = {needles!r}\ncmdlines = {{}}\n"
         "for pid in sorted(p for p in os.listdir('/proc') if p.isdigit()):\n"
         "    cmdlines[pid] = open(f'/proc/{pid}/cmdline', 'rb').read().decode(errors='replace')\n"
-        "print(json.dumps({'pids': list(cmdlines), 'me': os.getpid(), 'found': [n for n in needles if any(n in c for c in cmdlines.values())],\n"
-        "    'argv0': cmdlines[str(os.getpid())].split(chr(0))[0], 'executable': sys.executable, 'prefix': sys.prefix,\n"
-        "    'env': sorted(os.environ)}))",
+        "found = [n for n in needles if any(n in c for c in cmdlines.values())]\n"
+        "print(json.dumps({'pids': list(cmdlines), 'me': os.getpid(), 'found': found,\n"
+        "    'argv0': cmdlines[str(os.getpid())].split(chr(0))[0], 'executable': sys.executable,\n"
+        "    'prefix': sys.prefix, 'env': sorted(os.environ)}))",
     )
     seen = json.loads(out)
     assert seen["pids"] == [str(seen["me"])]  # only the program itself: init (pid 1) is hidden
     assert seen["found"] == []  # no command line names the host's venv, /root or the stages' spec
     assert seen["argv0"] == seen["executable"] == "/opt/venv/bin/python" and seen["prefix"] == "/opt/venv"
     assert not [k for k in seen["env"] if "STREAMRL" in k or "VIRTUAL_ENV" in k or k == "PYTHONPATH"]
+
+
+PROC_VIEW = """
+import json, os, socket
+def read(path):
+    try:
+        return sorted(os.listdir(path)) if os.path.isdir(path) else open(path, errors="replace").read()
+    except OSError as exc:
+        return type(exc).__name__
+mountinfo = [line.split() for line in open("/proc/self/mountinfo")]
+print(json.dumps({
+    "files": {p: read(p) for p in ["/proc/self/" + n for n in ("uid_map", "gid_map", "cgroup", "mounts",
+              "mountstats", "maps", "environ", "cmdline")] + ["/proc/" + n for n in MASKED]},
+    "mountinfo": [(f[3], f[4]) for f in mountinfo], "exe": os.readlink("/proc/self/exe"),
+    "hostname": socket.gethostname(), "fds": len(os.listdir("/proc/self/fd")), "cpus": os.cpu_count(),
+    "meminfo": read("/proc/meminfo")[:9],
+}))
+"""
+
+
+@pytest.mark.skipif(PROBE.layer != "unshare", reason=f"the unshare layer is not this machine's: {PROBE.tried}")
+async def test_the_unshare_layer_proc_shows_no_host_facts_but_those_docs_security_lists():
+    """Found by the audit (issue 29, finding 19): a cell read its uid map (root: the trainer runs as root),
+    its cgroup paths, the kernel's command line, the boot id and the hostname. docs/security.md lists what
+    stays visible; of the host's venv path, only mountinfo's root column of the /opt/venv mount."""
+    host_venv = os.path.realpath(sys.prefix)
+    masked = [n for n in MASKED_PROC if os.path.exists(f"/proc/{n}")]
+    tool = CodeInterpreterTool({**FAST, "max_output_bytes": 256 << 10})
+    [out] = await _run(tool, f"MASKED = {masked!r}\n" + PROC_VIEW)
+    seen = json.loads(out)
+    files = seen.pop("files")
+    for name, mine in (("uid_map", os.getuid()), ("gid_map", os.getgid())):
+        lines = [list(map(int, line.split())) for line in files[f"/proc/self/{name}"].splitlines()]
+        assert len(lines) == 1, lines  # one line: the program's own id, mapped to itself
+        [[inside, outside, count]] = lines
+        assert count == 1 and inside == outside and outside != mine, lines
+    assert {line.split(":", 2)[2] for line in files["/proc/self/cgroup"].splitlines()} == {"/"}
+    assert {n: files[f"/proc/{n}"] for n in masked} == {n: [] if os.path.isdir(f"/proc/{n}") else "" for n in masked}
+    assert seen["hostname"] == HOSTNAME != socket.gethostname()
+    assert [p for p, text in files.items() if host_venv in text] == []
+    assert host_venv not in seen["exe"] and all(host_venv not in point for _, point in seen["mountinfo"])
+    assert {point for root, point in seen["mountinfo"] if host_venv in root} == {"/opt/venv"}  # documented
+    # what programs and libraries need still works: their maps, fds, cpu count, memory
+    assert "/proc/self/maps" in files and "[stack]" in files["/proc/self/maps"]
+    assert seen["fds"] >= 3 and seen["cpus"] >= 1 and seen["meminfo"] == "MemTotal:"

@@ -177,6 +177,7 @@ class FakeWorker:
             reward=0.0 if data.group_id in self.uniform else float(data.sample_index % 2),
             status=TrajectoryStatus.FAILED if self.fail_with else TrajectoryStatus.FINISHED,
             finish_reason=FinishReason.ERROR if self.fail_with else FinishReason.STOP,
+            attempt=data.attempt,  # as `AgentLoopBase.to_trajectory` does
         )
         await self.buffer.append([row])
         if self.fail_with:
