@@ -133,7 +133,7 @@ def _ledger_tools(root: Path, run_dir: Path, run_name: str) -> list[str]:
 
 
 RUNNER_FAULT = "sigkill_after="
-IO_FAULTS_ENV = "STREAMRL_IO_FAULTS"  # buffer.iofaults.ENV
+IO_FAULTS_ENV = "STREAMRL_IO_FAULTS"  # core.iofaults.ENV
 _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Trajectories|Interrupt)\b[^\n]*: ")
 
 

@@ -1,5 +1,5 @@
 """The chaos bench's I/O-fault family: a real tiny run whose buffer log, learner checkpoints and run
-files meet ENOSPC, EIO, a torn write or a failing fsync (`buffer/iofaults.py`, armed per segment
+files meet ENOSPC, EIO, a torn write or a failing fsync (`core/iofaults.py`, armed per segment
 through `STREAMRL_IO_FAULTS`, which `core.faults.forwarded_env` hands to every actor: the buffer's
 writes its logs, the learner's its checkpoints, the driver its `driver_state.json`).
 
@@ -70,7 +70,7 @@ def io_segments(seed: int, num_segments: int | None = None) -> list[str]:
 
 
 def target(log: str) -> str:
-    """What an injected fault's target (`buffer.iofaults` module doc) belongs to."""
+    """What an injected fault's target (`core.iofaults` module doc) belongs to."""
     if log.startswith("ckpt/"):
         return "checkpoint"
     if log.startswith("run/"):

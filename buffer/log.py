@@ -10,7 +10,7 @@ Layout of one log (`<prefix>` is `traj`, `consumed` or `images`) inside a buffer
 Write order per frame: frame bytes, then index entry, each with `os.write` (looping over short
 writes; unbuffered, so written means handed to the OS). A frame counts as written ("flushed": it
 survives a kill -9 of the process) once its index entry is complete; `sync()` fsyncs both files
-(survives a machine crash). Writes and fsyncs go through `buffer.iofaults` (plain `os` calls unless a
+(survives a machine crash). Writes and fsyncs go through `core.iofaults` (plain `os` calls unless a
 fault plan is armed). `submit` hands a frame to the writer's one background thread (serializing,
 checksumming and writing release the GIL, so they overlap the caller's bookkeeping); frames are
 written in submit order and a frame is written only once its future is done. A writer never reopens
@@ -46,8 +46,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from streamrl.buffer import iofaults
 from streamrl.buffer.types import RecoveryReport
+from streamrl.core import iofaults
 from streamrl.core.atomic import fsync_dir
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ manifest of its files and sizes (`SEAL`) is written last and fsynced, then the f
 folder is complete iff `unsealed_reason` finds the manifest and every file it lists at its size.
 `build_once` is the cached-folder variant (model and SFT caches): built once under a file lock.
 
-Writes and fsyncs go through `buffer.iofaults` (plain `os` calls unless a fault plan is armed):
+Writes and fsyncs go through `core.iofaults` (plain `os` calls unless a fault plan is armed):
 `atomic_write` as the target `run/<file name>`, a sealed folder's files as `<log>/<path inside it>`
 (`ckpt/optimizer.pt`, `ckpt/SEALED.json`: `atomic_dir(log=...)`), files a `write` callback opens with
 `open_for_write`. When a write, an fsync or the rename fails (ENOSPC, EIO, a short write whose retry
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-from streamrl.buffer import iofaults
+from streamrl.core import iofaults
 
 
 class WriteFailedError(OSError):
@@ -52,7 +52,7 @@ def _failed(cause: OSError, path: Path, what: str, kept: str) -> WriteFailedErro
 
 class PlannedFile:
     """A new file (created or truncated) written and fsynced through the active I/O plan
-    (`buffer.iofaults`) as the target `log`: short writes are finished, failures raised. Works as
+    (`core.iofaults`) as the target `log`: short writes are finished, failures raised. Works as
     a binary file object for writers that take one (`torch.save`).
 
     A writer that catches the OSError of a `write` and raises its own error (torch turns it into a

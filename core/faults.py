@@ -15,7 +15,7 @@ only: an actor dies, Ray reports it dead; a replacement actor counts its own pas
 `delay<seconds>` (e.g. `buffer.append=delay5%3`: every 3rd append takes 5 s longer; a slow disk or a
 busy buffer). Async code passes through `await ahit(point)`, which sleeps without blocking its loop.
 Ray actors see the same variable (`streaming.train` forwards it), and the buffer log's I/O fault
-plan, `STREAMRL_IO_FAULTS` (`buffer/iofaults.py`), which is read where the log is written: in the
+plan, `STREAMRL_IO_FAULTS` (`core/iofaults.py`), which is read where the log is written: in the
 buffer's actor.
 """
 
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 ENV = "STREAMRL_FAULTS"
 LEDGER_ENV = "STREAMRL_FAULT_LEDGER"
 JOB_ENV = "STREAMRL_FAULT_JOB_PGID"  # the driver's process group, for a kill_job inside a Ray actor
-IO_ENV = "STREAMRL_IO_FAULTS"  # buffer.iofaults.ENV (not imported: buffer imports this module)
+IO_ENV = "STREAMRL_IO_FAULTS"  # core.iofaults.ENV (not imported: buffer imports this module)
 
 POINTS = {
     "admit.after_append": "driver: a group's rows are durable, the cursor is not saved yet",

@@ -16,7 +16,7 @@ broadcasts from rank 0. A checkpoint is sealed (fsynced, then its manifest) befo
 into place: it survives a lost machine whole, or is recognisably torn.
 
 A failed write stops the run, it never leaves a checkpoint a resume would take. Every file of ours
-(`*.pt`, `state.json`, the seal) is written and fsynced through the I/O plan (`buffer.iofaults`, as
+(`*.pt`, `state.json`, the seal) is written and fsynced through the I/O plan (`core.iofaults`, as
 `ckpt/<file>`, so the chaos bench and the tests can break any of them at a seeded call); the HF
 folder is written by transformers/safetensors and reaches the plan at the seal's fsync of each file.
 When any write or fsync fails (ENOSPC, EIO, a torn or unfinished write, a failing fsync), `atomic_dir`

@@ -13,7 +13,7 @@ buffer rolls its consumption back to the state's `checkpoint_step`, the learner'
 labels and the buffer stay consistent. With no complete checkpoint the run restarts from the
 initial model (step 0).
 
-I/O failures (ENOSPC, EIO, a torn write, a failing fsync: real, or injected by `buffer.iofaults` at
+I/O failures (ENOSPC, EIO, a torn write, a failing fsync: real, or injected by `core.iofaults` at
 seeded points) stop the run with a clear error and lose nothing a resume needs:
 - a checkpoint write that fails raises `learner.checkpoint.CheckpointWriteError` (errno and file):
   nothing is sealed or renamed into place, and it is never recorded (recording comes after the save

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.buffer import iofaults
 from streamrl.buffer.config import BufferConfig
-from streamrl.buffer.iofaults import Fault, FaultKind, FaultPlan
 from streamrl.buffer.log import LogFailedError
 from streamrl.buffer.store import ReplayBuffer
+from streamrl.core import iofaults
+from streamrl.core.iofaults import Fault, FaultKind, FaultPlan
 from tests.buffer.helpers import make_group
 
 NUM_GROUPS = 8

@@ -14,8 +14,8 @@ import pyarrow as pa
 import pytest
 
 from bench import chaos, chaos_families, chaos_hostile, chaos_io, hostile
-from streamrl.buffer import iofaults
 from streamrl.buffer.log import LogFailedError, SegmentWriter
+from streamrl.core import iofaults
 
 
 def test_io_segments_are_seeded_and_each_arms_one_hard_fault_of_every_kind():
@@ -53,8 +53,8 @@ def test_a_segment_stopped_by_an_io_fault_is_recognised_and_counted(tmp_path, mo
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         if len(calls) == 1:
             (run_dir / "logs" / "BufferActor-1.log").write_text(
-                "WARNING streamrl.buffer.iofaults: I/O fault injected: write call #0 on log traj: short\n"
-                "WARNING streamrl.buffer.iofaults: I/O fault injected: write call #3 on log traj: torn\n"
+                "WARNING streamrl.core.iofaults: I/O fault injected: write call #0 on log traj: short\n"
+                "WARNING streamrl.core.iofaults: I/O fault injected: write call #3 on log traj: torn\n"
             )
             log.write_text(f"Traceback ...\n{failure}\nRuntimeError: admission loop failed\n")
             return 1, 1.0, False

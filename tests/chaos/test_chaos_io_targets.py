@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from bench import chaos_families, chaos_io
-from streamrl.buffer import iofaults
+from streamrl.core import iofaults
 from streamrl.core.atomic import WriteFailedError, unsealed_reason
 from streamrl.learner.checkpoint import CheckpointWriteError, save_checkpoint
 from streamrl.streaming.system import DriverState
@@ -74,16 +74,16 @@ def test_hard_faults_are_counted_by_target(tmp_path):
     run_dir = tmp_path / "io-s0"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "logs" / "driver.log").write_text(
-        "WARNING streamrl.buffer.iofaults: I/O fault injected: write call #0 on log run/driver_state.json: short\n"
-        "WARNING streamrl.buffer.iofaults: I/O fault injected: write call #4 on log run/driver_state.json: eio\n"
+        "WARNING streamrl.core.iofaults: I/O fault injected: write call #0 on log run/driver_state.json: short\n"
+        "WARNING streamrl.core.iofaults: I/O fault injected: write call #4 on log run/driver_state.json: eio\n"
     )
     (run_dir / "logs" / "LearnerActor-1.log").write_text(
-        "WARNING streamrl.buffer.iofaults: I/O fault injected: write call #0 on log ckpt/SEALED.json: torn\n"
-        "WARNING streamrl.buffer.iofaults: I/O fault injected: fsync call #0 on log ckpt/hf/model.safetensors: "
+        "WARNING streamrl.core.iofaults: I/O fault injected: write call #0 on log ckpt/SEALED.json: torn\n"
+        "WARNING streamrl.core.iofaults: I/O fault injected: fsync call #0 on log ckpt/hf/model.safetensors: "
         "fsync_eio\n"
     )
     (run_dir / "logs" / "BufferActor-1.log").write_text(
-        "WARNING streamrl.buffer.iofaults: I/O fault injected: write call #3 on log traj: enospc\n"
+        "WARNING streamrl.core.iofaults: I/O fault injected: write call #3 on log traj: enospc\n"
     )
     counts = chaos_io.injected_faults(run_dir)
     assert counts == Counter(short=1, eio=1, torn=1, fsync_eio=1, enospc=1)

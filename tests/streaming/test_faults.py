@@ -107,7 +107,7 @@ def test_kill_job_from_a_process_in_its_own_group_kills_the_drivers_group(tmp_pa
 def test_forwarded_env_carries_the_buffer_io_fault_plan_alone_or_with_fault_points(monkeypatch, tmp_path):
     """STREAMRL_IO_FAULTS is read by the buffer log's writers, which run in the buffer's Ray actor: it
     must reach the actors even when no STREAMRL_FAULTS point is armed."""
-    from streamrl.buffer import iofaults
+    from streamrl.core import iofaults
 
     assert faults.IO_ENV == iofaults.ENV
     for name in (faults.ENV, faults.LEDGER_ENV, faults.JOB_ENV, faults.IO_ENV):

@@ -1,4 +1,4 @@
-"""I/O faults (ENOSPC, EIO, torn and short writes, a failing fsync; `buffer/iofaults.py`) on a learner
+"""I/O faults (ENOSPC, EIO, torn and short writes, a failing fsync; `core/iofaults.py`) on a learner
 checkpoint and on `driver_state.json`, at exact points of the real write paths (`learner.checkpoint`,
 `core.atomic`): the error names the file and the errno, no torn or unsealed checkpoint is ever what a
 resume selects (`use_newest_complete`), the previous state file stays intact and loadable, and a real
@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from streamrl.buffer import iofaults
-from streamrl.buffer.iofaults import Fault, FaultKind, FaultPlan
+from streamrl.core import iofaults
 from streamrl.core.atomic import SEAL, WriteFailedError, unsealed_reason
+from streamrl.core.iofaults import Fault, FaultKind, FaultPlan
 from streamrl.learner.checkpoint import CheckpointWriteError, load_checkpoint, save_checkpoint
 from streamrl.streaming.checkpoints import record_checkpoint, use_newest_complete
 from streamrl.streaming.driver import run_async
