@@ -117,4 +117,7 @@ class BaseTool(abc.ABC):
         self._instances.drop(instance_id)
 
     def close(self) -> None:
-        """Stop what the tool runs in the background (the worker's shutdown); blocking, idempotent."""
+        """Stop what the tool runs in the background (the worker's shutdown); blocking, idempotent.
+
+        The default runs nothing in the background, so there is nothing to stop."""
+        return None
