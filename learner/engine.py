@@ -305,6 +305,7 @@ class TrainingEngine:
                 loss = loss + cfg.kl_coef * kl
                 contrib["kl"] = kl.item()
             if out.values is not None:
+                assert inputs.old_values is not None and inputs.returns is not None  # PPO: both come with the values
                 vl, v_clipped = value_loss(out.values, sl(inputs.old_values), sl(inputs.returns), clip=cfg.value_clip)
                 vf = aggregate(vl, mask, LossAggMode.TOKEN_MEAN, num_tokens=num_tokens)
                 loss = loss + cfg.vf_coef * vf

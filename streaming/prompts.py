@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 from streamrl.rollout.types import AgentData, PromptRecord
 
 if TYPE_CHECKING:
+    from streamrl.rollout.data import Difficulty
     from streamrl.streaming.config import DataConfig
 
 
-def load_records(source: str, num_prompts: int, seed: int, difficulty: str = "medium") -> list[PromptRecord]:
+def load_records(source: str, num_prompts: int, seed: int, difficulty: Difficulty = "medium") -> list[PromptRecord]:
     from streamrl.rollout.data import load_prompts, make_arithmetic_dataset
 
     if source == "arithmetic":
@@ -63,7 +64,9 @@ def first_group_ids(data: DataConfig, cursor: int) -> list[str]:
     stream = PromptStream(records, seed=data.seed, shuffle=data.shuffle, num_epochs=data.num_epochs)
     groups = []
     for _ in range(cursor):
-        record, epoch = stream.peek()
+        peeked = stream.peek()
+        assert peeked is not None, f"cursor {cursor} is past the end of the prompt stream"
+        record, epoch = peeked
         groups.append(group_id_for(record, epoch))
         stream.advance()
     return groups

@@ -207,11 +207,13 @@ class ToolRegistry:
             elif call.error is not None:
                 self.num_parse_errors += 1
                 out.append(self._error(call, call.error))
-            elif (checked := validate_call(call, self._schemas)).error is not None:
-                self.num_validation_errors += 1
-                out.append(self._error(call, checked.error))
             else:
-                out.append(checked)
+                checked = validate_call(call, self._schemas)
+                if checked.error is not None:
+                    self.num_validation_errors += 1
+                    out.append(self._error(call, checked.error))
+                else:
+                    out.append(checked)
         self.num_calls += len(calls)
         return out
 
