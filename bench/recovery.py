@@ -8,8 +8,9 @@ response tokens), and the learner samples every complete batch (64 trajectories)
 holds a consumption record per step. Then it times `ReplayBuffer(cfg)` on that directory (recovery
 replays the consumption log and every trajectory frame, verifying checksums), median of
 `--repeats`, each in a fresh process after a warm-up open of an empty directory, and records the
-log's size on disk, the rows and frames recovered, and the resident memory the reopened buffer holds. Recovery reads the whole log, so time and memory are expected to
-grow linearly with N; this measures the slope, it changes nothing in `buffer/`.
+log's size on disk, the rows and frames recovered, and the resident memory the reopened buffer
+holds. Recovery reads the whole log, so time and memory are expected to grow linearly with N; this measures the slope,
+it changes nothing in `buffer/`.
 """
 
 from __future__ import annotations

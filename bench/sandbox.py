@@ -71,7 +71,8 @@ async def run_catalogue(tool: CodeInterpreterTool, harness: Harness, *, namespac
         outcome = await run_attempt(tool, attempt, harness)
         outcomes.append(outcome)
         print(
-            f"{tool.layer:8s} {outcome.name:32s} blocked={outcome.blocked!s:5s} {outcome.wall_s:5.2f}s  {outcome.layer}",
+            f"{tool.layer:8s} {outcome.name:32s} blocked={outcome.blocked!s:5s} "
+            f"{outcome.wall_s:5.2f}s  {outcome.layer}",
             flush=True,
         )
     return {

@@ -120,6 +120,45 @@ def synthetic_state_dict(num_params: int) -> list[tuple[str, Any]]:
     return out
 
 
+def _broadcast_all(group: Any, named: list[tuple[str, Any]]) -> None:
+    """The raw baseline: every tensor broadcast as is, one call each."""
+    for _, t in named:
+        group.broadcast(t.contiguous(), src=0)
+
+
+class _AbortOneWorkers:
+    """The agent loop's part, reduced to one request: pause aborts it and parks its output."""
+
+    def __init__(self, engine: Any, request_id: str, task: asyncio.Future, parked: dict[str, Any]) -> None:
+        self.engine, self.request_id, self.task, self.parked = engine, request_id, task, parked
+
+    async def pause(self, epoch: int | None = None) -> None:
+        await self.engine.abort(self.request_id)
+        self.parked["out"] = await self.task
+
+    async def resume(self, epoch: int | None = None) -> None: ...
+
+
+def _num_streamed(engine: Any, ids: list[str]) -> int:
+    return sum(engine.num_streamed_tokens(r) for r in ids)
+
+
+class _AbortAllWorkers:
+    """The agent loops' part for `ids`: pause aborts them all at once; `at` records when things happened."""
+
+    def __init__(self, engine: Any, ids: list[str], tasks: list[asyncio.Future], at: dict[str, Any]) -> None:
+        self.engine, self.ids, self.tasks, self.at = engine, ids, tasks, at
+
+    async def pause(self, epoch: int | None = None) -> None:
+        self.at["tokens"], self.at["t"] = _num_streamed(self.engine, self.ids), time.monotonic()
+        await asyncio.gather(*(self.engine.abort(r) for r in self.ids))  # as the loops do, at once
+        self.at["outputs"] = await asyncio.gather(*self.tasks)
+        self.at["stopped"] = time.monotonic()  # the engine's last step ended: from here it idles
+
+    async def resume(self, epoch: int | None = None) -> None:
+        self.at["resumed"] = time.monotonic()
+
+
 async def bench_transport(named: list[tuple[str, Any]], label: str, repeats: int, verify: bool) -> dict[str, Any]:
     from streamrl.weight_sync.config import WeightSyncConfig
     from streamrl.weight_sync.distributed import DistributedTransport
@@ -141,7 +180,7 @@ async def bench_transport(named: list[tuple[str, Any]], label: str, repeats: int
             group = transport._group
             t0 = time.monotonic()
             recv = asyncio.ensure_future(receiver.collective_rpc("raw_receive", (specs,)))
-            await asyncio.to_thread(lambda: [group.broadcast(t.contiguous(), src=0) for _, t in named])
+            await asyncio.to_thread(_broadcast_all, group, named)
             await recv
             raw_s.append(time.monotonic() - t0)
         num_bytes = sum(t.nbytes for _, t in named)
@@ -226,16 +265,9 @@ async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]
                 engine.generate(f"req-{mode}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
             )
             await asyncio.sleep(1.0)
-            parked = {}
-
-            class Workers:  # the agent loop's part, reduced to one request
-                async def pause(self, epoch: int | None = None) -> None:
-                    await engine.abort(f"req-{mode}")
-                    parked["out"] = await task
-
-                async def resume(self, epoch: int | None = None) -> None: ...
-
-            coordinator = WeightSyncCoordinator(WeightSyncConfig(pause_mode=mode), [engine], workers=Workers())
+            parked: dict[str, Any] = {}
+            workers = _AbortOneWorkers(engine, f"req-{mode}", task, parked)
+            coordinator = WeightSyncCoordinator(WeightSyncConfig(pause_mode=mode), [engine], workers=workers)
             result = await coordinator.sync(weights)
             assert result.ok, result.error
             row: dict[str, Any] = {**result.metrics(), "pause_to_resume_wall_s": result.total_s}
@@ -365,26 +397,14 @@ async def bench_overlap(model_name: str, model_path: Path, repeats: int, num_req
                     asyncio.ensure_future(engine.generate(r, prompt, SamplingParams(max_tokens=960, temperature=0.0)))
                     for r in ids
                 ]
-                streamed = lambda: sum(engine.num_streamed_tokens(r) for r in ids)  # noqa: E731
                 await asyncio.sleep(1.0)
-                before_tokens, before_t = streamed(), time.monotonic()
+                before_tokens, before_t = _num_streamed(engine, ids), time.monotonic()
                 await asyncio.sleep(1.0)  # the generation rate without a sync
-                rate_before = (streamed() - before_tokens) / (time.monotonic() - before_t)
+                rate_before = (_num_streamed(engine, ids) - before_tokens) / (time.monotonic() - before_t)
                 at: dict[str, Any] = {}
-
-                class Workers:
-                    async def pause(self, epoch: int | None = None) -> None:
-                        at["tokens"], at["t"] = streamed(), time.monotonic()
-                        await asyncio.gather(*(engine.abort(r) for r in ids))  # as the loops do, at once
-                        at["outputs"] = await asyncio.gather(*tasks)
-                        at["stopped"] = time.monotonic()  # the engine's last step ended: from here it idles
-
-                    async def resume(self, epoch: int | None = None) -> None:
-                        at["resumed"] = time.monotonic()
-
                 config.overlap = overlap
-                coordinator.workers = Workers()
-                start_tokens, start_t = streamed(), time.monotonic()
+                coordinator.workers = _AbortAllWorkers(engine, ids, tasks, at)
+                start_tokens, start_t = _num_streamed(engine, ids), time.monotonic()
                 result = await coordinator.sync(weights)
                 assert result.ok, result.error
                 runs.append(

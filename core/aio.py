@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 
@@ -14,7 +14,9 @@ def observe_outcome(future: asyncio.Future) -> None:
     future.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
-async def gather_within(aws: list[Awaitable[Any]], timeout_s: float, *, return_exceptions: bool = False) -> list[Any]:
+async def gather_within(
+    aws: Sequence[Awaitable[Any]], timeout_s: float, *, return_exceptions: bool = False
+) -> list[Any]:
     """`asyncio.gather(*aws)` with a deadline: TimeoutError after `timeout_s`, the awaitables cancelled.
     A caller cancelled while it waits cancels them too, and leaves no unread exception behind."""
     gathered = asyncio.gather(*aws, return_exceptions=return_exceptions)

@@ -275,7 +275,7 @@ class TrainingEngine:
                 continue
             mb = tb.select(idx)
             width = mb.input_ids.shape[1]
-            sl = lambda x: x[idx, :width]  # noqa: E731 — slice a [B, T] step tensor like `mb`
+            sl = _row_slicer(idx, width)  # slices a [B, T] step tensor like `mb`
             out = self.forward(self.policy, mb, with_entropy=True)
             mask = mb.loss_mask
             lag = sl(inputs.lag)
@@ -305,6 +305,7 @@ class TrainingEngine:
                 loss = loss + cfg.kl_coef * kl
                 contrib["kl"] = kl.item()
             if out.values is not None:
+                assert inputs.old_values is not None and inputs.returns is not None  # PPO: both come with the values
                 vl, v_clipped = value_loss(out.values, sl(inputs.old_values), sl(inputs.returns), clip=cfg.value_clip)
                 vf = aggregate(vl, mask, LossAggMode.TOKEN_MEAN, num_tokens=num_tokens)
                 loss = loss + cfg.vf_coef * vf
@@ -390,6 +391,11 @@ class TrainingEngine:
 
     def load_checkpoint(self, directory: str | Path) -> None:
         self.policy_version, self.num_optimizer_steps = ckpt.load_checkpoint(self.train_state(), Path(directory))
+
+
+def _row_slicer(idx: torch.Tensor, width: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Rows `idx`, the first `width` columns: a [B, T] step tensor cut like one micro-batch."""
+    return lambda x: x[idx, :width]
 
 
 def _slice_terms(terms: CorrectionTerms, sl: Callable[[torch.Tensor], torch.Tensor]) -> CorrectionTerms:

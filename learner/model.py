@@ -36,6 +36,8 @@ from streamrl.learner.losses import token_logprobs_and_entropy
 from streamrl.learner.vision import collate_images, is_vision_config
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from streamrl.learner.vision import RowImages
 
 logger = logging.getLogger(__name__)
@@ -52,7 +54,7 @@ class PolicyModel(nn.Module):
     """HF causal LM or image-text-to-text model `lm` + optional `value_head` (Linear(hidden, 1),
     zero-initialised)."""
 
-    def __init__(self, lm: nn.Module, *, with_value_head: bool, logits_chunk_tokens: int = 0) -> None:
+    def __init__(self, lm: PreTrainedModel, *, with_value_head: bool, logits_chunk_tokens: int = 0) -> None:
         super().__init__()
         self.lm = lm
         self.logits_chunk_tokens = logits_chunk_tokens  # 0: one [B, T, V] logits tensor (no chunking)
@@ -79,6 +81,8 @@ class PolicyModel(nn.Module):
         hidden = self.hidden_states(input_ids, attention_mask, images)
         # the head is called as a module (per chunk) so FSDP2 hooks see it and its weight is unsharded
         head = self.lm.get_output_embeddings()
+        if head is None:  # as calling None would, but saying what is missing
+            raise TypeError(f"{type(self.lm).__name__} has no output embeddings (LM head) to score tokens with")
         score = dict(temperature=temperature, with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad)
         if self.logits_chunk_tokens > 0:
             logp, entropy = chunked_token_logprobs_and_entropy(
@@ -198,7 +202,7 @@ def is_vision_model(path: Path) -> bool:
     return is_vision_config(AutoConfig.from_pretrained(path))
 
 
-def load_lm(path: Path, device: torch.device, *, gradient_checkpointing: bool = False) -> nn.Module:
+def load_lm(path: Path, device: torch.device, *, gradient_checkpointing: bool = False) -> PreTrainedModel:
     """Load a HF folder as a float32 causal LM, or image-text-to-text model when its config has a
     vision tower (master weights stay fp32; autocast handles bf16)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText

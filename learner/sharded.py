@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
-def _dim0_sharded(param: torch.Tensor) -> bool:
+
+def _dim0_sharded(param: torch.Tensor | None) -> TypeGuard[DTensor]:
     from torch.distributed.tensor import DTensor, Shard
 
     return (
@@ -59,14 +63,15 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
     params = [p for p in params if p.grad is not None]
     if not any(isinstance(p, DTensor) for p in params):
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    if not all(_dim0_sharded(p) and _dim0_sharded(p.grad) for p in params):
+    shards = [(p, p.grad) for p in params if _dim0_sharded(p) and _dim0_sharded(p.grad)]
+    if len(shards) < len(params):  # some parameter or gradient is not sharded on dim 0
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    grads = [p.grad.to_local() for p in params]
+    grads = [g.to_local() for _, g in shards]
     local = torch.zeros((), dtype=torch.float64, device=grads[0].device)
     for g in grads:
         local += g.detach().double().pow(2).sum()
-    dist.all_reduce(local, group=params[0].device_mesh.get_group())  # the shards partition each tensor
+    dist.all_reduce(local, group=shards[0][0].device_mesh.get_group())  # the shards partition each tensor
     norm = float(local.sqrt())
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:

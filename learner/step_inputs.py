@@ -35,13 +35,14 @@ class ForwardRunner(Protocol):
     protocol so this module does not import the engine that imports it."""
 
     cfg: LearnerConfig
-    device: torch.device
     policy: PolicyModel
     reference: PolicyModel | None
     policy_version: int
     rank: int
     world_size: int
 
+    @property
+    def device(self) -> torch.device: ...  # read-only (torch's stub types `device` as a descriptor)
     @property
     def is_distributed(self) -> bool: ...
     def micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]: ...
@@ -85,7 +86,9 @@ def sequence_returns(batch: TrainBatch, use_turn_scores: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _start_of_step_pass(engine: ForwardRunner, tb: TrainBatch, *, prox: bool, values: bool, ref: bool):
+def _start_of_step_pass(
+    engine: ForwardRunner, tb: TrainBatch, *, prox: bool, values: bool, ref: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # prox_logp, old_values, ref_logp
     shape = tb.input_ids.shape
     prox_logp = torch.zeros(shape, device=engine.device) if prox else None
     old_values = torch.zeros(shape, device=engine.device) if values else None
@@ -105,6 +108,7 @@ def _start_of_step_pass(engine: ForwardRunner, tb: TrainBatch, *, prox: bool, va
             if old_values is not None:
                 old_values[idx, :width] = out.values.float()
         if ref_logp is not None:
+            assert engine.reference is not None  # `ref`: there is a reference model
             ref_logp[idx, :width] = engine.forward(engine.reference, mb).logp.float()
     return prox_logp, old_values, ref_logp
 
@@ -132,11 +136,13 @@ def build_step_inputs(engine: ForwardRunner, full: TrainBatch) -> StepInputs:
         advantages = broadcast_sequence_advantages(seq_adv[rows], tb.loss_mask)
     else:
         token_rewards = token_level_rewards(tb.loss_mask, tb.rewards, tb.turn_scores if cfg.use_turn_scores else None)
+        assert old_values is not None  # PPO (not GRPO): the start-of-step pass ran the value head
         advantages, returns = masked_gae(token_rewards, old_values, tb.loss_mask, gamma=cfg.gamma, lam=cfg.lam)
         if cfg.whiten_advantages:
             advantages = masked_whiten(advantages, tb.loss_mask, all_reduce=engine.all_reduce)
     terms = None
     if recompute:
+        assert prox_logp is not None  # the start-of-step pass recomputed it
         terms = staleness_correction(prox_logp, tb.behavior_logprobs, lag, tb.loss_mask, cfg.correction)
     valid = tb.loss_mask != 0
     adv_valid = advantages[valid]

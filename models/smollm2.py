@@ -16,8 +16,12 @@ import importlib.util
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from streamrl.models.template import CHAT_TEMPLATE
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +52,12 @@ def convert_smollm2(out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    tokenizer = cast(
+        "PreTrainedTokenizerBase",
+        AutoTokenizer.from_pretrained(
+            src.parent, gguf_file=src.name
+        ),  # transformers types it as possibly None (its backends import conditionally)
+    )
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     if eos_id is None or eos_id == tokenizer.unk_token_id or pad_id is None:

@@ -38,7 +38,7 @@ def _corpus(seed: int, num_lines: int = 400) -> list[str]:
         "answer compute calculator result tool call number please use first then equals minus plus "
         "times divided by final you are helpful assistant user system tools function name arguments"
     ).split()
-    lines = []
+    lines: list[str] = []
     for _ in range(num_lines):
         a, b = rng.randint(0, 999), rng.randint(0, 999)
         op = rng.choice("+-*/")
@@ -81,7 +81,8 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     hf_tok.save_pretrained(out)
 
     torch.manual_seed(seed)
-    config = Qwen2Config(
+    # a dict: the config dataclass takes keys its typed fields do not list (torch_dtype, head_dim)
+    fields: dict[str, Any] = dict(
         vocab_size=len(hf_tok),
         bos_token_id=hf_tok.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=hf_tok.eos_token_id,
@@ -89,6 +90,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
         torch_dtype="float32",
         **TINY_CONFIG,
     )
+    config = Qwen2Config(**fields)
     return save_built(Qwen2ForCausalLM(config), out, hf_tok.eos_token_id, "tiny model")
 
 

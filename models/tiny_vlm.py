@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from streamrl.models.template import CHAT_TEMPLATE
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +112,9 @@ def build_tiny_vlm(out_dir: str | Path, seed: int = 0) -> Path:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(resolve_model("tiny"))
+    tok = cast(
+        "PreTrainedTokenizerBase", AutoTokenizer.from_pretrained(resolve_model("tiny"))
+    )  # transformers types it as possibly None (its backends import conditionally)
     tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)}, replace_extra_special_tokens=False)
     tok.chat_template = vlm_chat_template()
     image_processor = Idefics3ImageProcessorPil(
@@ -122,6 +128,8 @@ def build_tiny_vlm(out_dir: str | Path, seed: int = 0) -> Path:
     processor.save_pretrained(out)
 
     torch.manual_seed(seed)
+    image_token_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+    assert isinstance(image_token_id, int)  # one token in, one id out
     config = Idefics3Config(
         text_config=dict(
             vocab_size=len(tok),
@@ -131,7 +139,7 @@ def build_tiny_vlm(out_dir: str | Path, seed: int = 0) -> Path:
             **TEXT_CONFIG,
         ),
         vision_config=VISION_CONFIG,
-        image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_token_id=image_token_id,
         scale_factor=SCALE_FACTOR,
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=True,

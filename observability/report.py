@@ -180,7 +180,8 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
         ("learner idle ratio (mean)", fmt_number(_col_mean(df, "learner/idle_ratio"), ".1%")),
         (
             "lag at consume (mean / max)",
-            f"{fmt_number(_col_mean(df, 'staleness/lag_mean'), '.2f')} / {fmt_number(df['staleness/lag_max'].max() if 'staleness/lag_max' in df else None, '.0f')}",
+            f"{fmt_number(_col_mean(df, 'staleness/lag_mean'), '.2f')} / "
+            f"{fmt_number(df['staleness/lag_max'].max() if 'staleness/lag_max' in df else None, '.0f')}",
         ),
         (
             "weight syncs (count, mean total s)",

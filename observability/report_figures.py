@@ -55,16 +55,17 @@ class FigureBlock:
 
 def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     """Total length covered by possibly overlapping [start, end] intervals."""
-    total, cur_start, cur_end = 0.0, None, None
+    total = 0.0
+    piece: tuple[float, float] | None = None  # the current piece of the union: (start, end)
     for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
+        if piece is None or start > piece[1]:
+            if piece is not None:
+                total += piece[1] - piece[0]
+            piece = (start, end)
         else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
+            piece = (piece[0], max(piece[1], end))
+    if piece is not None:
+        total += piece[1] - piece[0]
     return total
 
 

@@ -214,7 +214,7 @@ class ViewerImages:
         """The template's chip: label, hover title, thumbnail data URL ("" if none), missing flag."""
         self.num_chips += 1
         stored = self.stored.get(sha256) if sha256 else None
-        if stored is None:
+        if sha256 is None or stored is None:
             why = (
                 "image_refs do not match the placeholder runs"
                 if sha256 is None
@@ -406,7 +406,7 @@ def render_trajectory(
         pieces = [f"⟨{i}⟩" for i in ids[:shown]]
         prompt = " ".join(str(i) for i in row.get("prompt_ids", []))
     num_prompt = len(prompt_ids)
-    response_chips: dict[int, tuple[int, dict[str, Any]]] = {}  # response start -> (end, chip)
+    response_chips: dict[int, tuple[int, dict[str, Any] | None]] = {}  # response start -> (end, chip)
     for (a, b, _), chip in zip(spans, chips):
         if b > num_prompt:
             start = max(a - num_prompt, 0)

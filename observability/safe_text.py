@@ -46,7 +46,7 @@ def _safe_text_class() -> type:
         class SafeText(Text):
             """A rich `Text` whose appended strings have their control characters escaped."""
 
-            def append(self, text: Any, style: Any = None) -> SafeText:
+            def append(self, text: Any, style: Any = None) -> Text:
                 return super().append(safe_text(text) if isinstance(text, str) else text, style)
 
         _CLASS.append(SafeText)

@@ -146,6 +146,7 @@ class RolloutWorker:
                 self._states.pop(tid, None)
         self._count(traj)
         if traj.status is TrajectoryStatus.PARTIAL:
+            assert traj.agent_data_json is not None, "a partial trajectory carries its agent data"
             self._park(AgentData.from_json(traj.agent_data_json))
 
     async def _deliver(self, traj: Trajectory, max_errors: int = 5) -> None:

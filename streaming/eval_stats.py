@@ -118,7 +118,8 @@ class PairedComparison:
 
     def line(self) -> str:
         return (
-            f"{self.before:.3f} -> {self.after:.3f} ({self.diff:+.3f}, 95% CI [{self.ci_low:+.3f}, {self.ci_high:+.3f}], "
+            f"{self.before:.3f} -> {self.after:.3f} ({self.diff:+.3f}, "
+            f"95% CI [{self.ci_low:+.3f}, {self.ci_high:+.3f}], "
             f"{self.test} p={self.p_value:.2g}, {self.num_pairs} pairs: {self.num_up} up, {self.num_down} down)"
         )
 

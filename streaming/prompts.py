@@ -53,7 +53,9 @@ def first_group_ids(data: DataConfig, cursor: int) -> list[str]:
     stream = PromptStream(records, seed=data.seed, shuffle=data.shuffle, num_epochs=data.num_epochs)
     groups = []
     for _ in range(cursor):
-        record, epoch = stream.peek()
+        peeked = stream.peek()
+        assert peeked is not None, f"cursor {cursor} is past the end of the prompt stream"
+        record, epoch = peeked
         groups.append(group_id_for(record, epoch))
         stream.advance()
     return groups

@@ -54,9 +54,7 @@ def _logged_steps(run_dir: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
-def replay(
-    run_dir: str | Path, overrides: list[str] | None = None, *, name: str | None = None
-) -> list[dict[str, float]]:
+def replay(run_dir: str | Path, overrides: list[str] | None = None, *, name: str | None = None) -> list[dict[str, Any]]:
     """Train a fresh learner on the run's logged batches; returns one record per step."""
     import torch
 

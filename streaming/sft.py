@@ -24,10 +24,13 @@ import sys
 import tempfile
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from streamrl.core.atomic import build_once
 from streamrl.streaming.errors import StreamRLError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,9 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
     from streamrl.rollout.tools.config import load_tool_config
 
     torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = cast(
+        "PreTrainedTokenizerBase", AutoTokenizer.from_pretrained(model_path)
+    )  # transformers types it as possibly None (its backends import conditionally)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     tools = load_tool_config(cfg.rollout.agent.tool_config).schemas() if cfg.rollout.agent.tool_config else None
     records = make_arithmetic_dataset(cfg.sft.num_examples, seed + 7919, difficulty=cfg.sft.difficulty)

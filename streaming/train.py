@@ -136,7 +136,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     if resuming:  # versions continue above every label the buffer or the driver has seen (I4)
         state.rewind_to_checkpoint(await buffer.max_policy_version())
         state.save(RunDir(run_dir).driver_state)
-    engine_path = str(Path(state.checkpoint) / "hf") if from_ckpt else model_path
+    engine_path = str(Path(state.checkpoint) / "hf") if from_ckpt and state.checkpoint is not None else model_path
     engine_cfg = cfg.rollout.engine.model_copy(update={"model": engine_path})
     start_version = state.policy_version
     clients = [
@@ -147,12 +147,9 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     # Ray pins OMP_NUM_THREADS to an actor's num_cpus (1); the learner's matmuls want every core;
     # glibc's allocator is configured so the learner's resident set stays flat across steps.
     learner_env = {"env_vars": learner_runtime_env()}
-    learner = LearnerClient(
-        LearnerActor.options(**learner_actor_options(cfg), runtime_env=learner_env).remote(
-            cfg, state.checkpoint if from_ckpt else None
-        ),
-        timeout_s=timeout_s,
-    )
+    # @ray.remote makes LearnerActor an ActorClass; pyrefly types the decorated name as the plain class
+    actor = LearnerActor.options(**learner_actor_options(cfg), runtime_env=learner_env)  # pyrefly: ignore[missing-attribute]
+    learner = LearnerClient(actor.remote(cfg, state.checkpoint if from_ckpt else None), timeout_s=timeout_s)
     stream = PromptStream(
         records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs, cursor=state.cursor
     )
@@ -226,7 +223,7 @@ def train_main(*, config: str | None, overrides: list[str], resume: str | None) 
     from streamrl.streaming.errors import StreamRLError, explain_failure
 
     cfg, run_dir, state = open_run(config, overrides, resume)
-    if finished_already(cfg, run_dir, state):
+    if state is not None and finished_already(cfg, run_dir, state):
         print(
             f"{run_dir} already finished at learner step {state.learner_step}/{cfg.trainer.total_steps}; "
             "nothing to resume (raise trainer.total_steps to train further)"

@@ -123,7 +123,10 @@ def warn_untrusted_code(cfg: StreamRLConfig) -> list[str]:
         why = outside_roots(ref)
         if why is None:
             continue
-        line = f"{ref.where} {why}: outside streamrl and {Path.cwd()} (configs and run directories are trusted input, docs/security.md)"
+        line = (
+            f"{ref.where} {why}: outside streamrl and {Path.cwd()} "
+            "(configs and run directories are trusted input, docs/security.md)"
+        )
         lines.append(line)
         key = (ref.where, ref.module or ref.command or "")
         if key not in _warned:

@@ -36,7 +36,7 @@ def test_no_module_imports_a_bare_top_level_name():
 def test_the_namespace_imports_outside_the_checkout_and_the_bare_names_do_not(tmp_path):
     code = (
         "import importlib.util as u, streamrl.streaming.cli as c; "
-        "print(c.__file__); print([n for n in %r if u.find_spec(n)])" % (TOP,)
+        f"print(c.__file__); print([n for n in {TOP!r} if u.find_spec(n)])"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -182,12 +182,15 @@ class ToolAgentLoop(AgentLoopBase):
         # From here to the state change there is no await: results, journal, observation and its
         # images land together (only `to_run` results carry images, in call order).
         results = cap_tool_images(results, len(data.images), self.ctx.max_images)
+        new: dict[str, ToolResult] = {}  # call id -> result, for the calls run and the calls lost
         for entry, result in zip(to_run, results):
             entry.status, entry.result = ToolCallStatus.DONE, result
+            new[entry.call_id] = result
         for entry in lost:
-            entry.status, entry.result = ToolCallStatus.INTERRUPTED, tools.interrupted(entry.call())
+            result = tools.interrupted(entry.call())
+            entry.status, entry.result = ToolCallStatus.INTERRUPTED, result
+            new[entry.call_id] = result
             self.ctx.counters.num_tool_calls_interrupted += 1
-        new = {e.call_id: e.result for e in [*to_run, *lost]}
         data.tool_results.extend(new[c.call_id] for c in calls if c.call_id in new)
         by_id = {r.call_id: r for r in data.tool_results}
         ordered = [by_id[c.call_id] for c in calls]

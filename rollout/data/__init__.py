@@ -8,11 +8,11 @@ warm-up's tool transcripts are generated in `loaders` too.
 
 from __future__ import annotations
 
-from streamrl.rollout.data.loaders import load_prompts, make_arithmetic_dataset
+from streamrl.rollout.data.loaders import Difficulty, load_prompts, make_arithmetic_dataset
 from streamrl.rollout.types import PromptRecord
 
 
-def load_records(source: str, num_prompts: int, seed: int, difficulty: str = "medium") -> list[PromptRecord]:
+def load_records(source: str, num_prompts: int, seed: int, difficulty: Difficulty = "medium") -> list[PromptRecord]:
     if source == "arithmetic":
         return make_arithmetic_dataset(num_prompts, seed, difficulty=difficulty)
     if source == "dots":  # image prompts for a VLM policy (rollout/data/dots.py)

@@ -33,7 +33,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from streamrl.models.multimodal import collapse_image_tokens
 from streamrl.rollout.engine.base import (
@@ -53,7 +53,9 @@ from streamrl.rollout.types import count_image_runs
 
 if TYPE_CHECKING:
     from vllm.inputs import TokensPrompt
+    from vllm.v1.engine import PauseMode as VLLMPauseMode
     from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.core_client import AsyncMPClient
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +251,7 @@ class VLLMEngine(InferenceEngine):
                 new_lps = completion.logprobs or []
                 assert len(new_lps) == len(new_ids), "vLLM returned tokens without logprobs"
                 for tok, lp in zip(new_ids, new_lps, strict=True):
+                    assert lp is not None, "vLLM returned a token without logprobs"
                     state.token_ids.append(tok)
                     logprobs.append(float(lp[tok].logprob))
                     versions.append(version)
@@ -299,6 +302,7 @@ class VLLMEngine(InferenceEngine):
         """ABORT: end every in-flight request (each returns its partial tokens). KEEP: freeze them in
         place with their KV; they continue after `resume`, under whatever weights are loaded then."""
         mode = PauseMode(mode)
+        vllm_mode = cast("VLLMPauseMode", mode.value)  # vLLM's names for the same modes
 
         async def pause_now() -> None:
             if mode is PauseMode.ABORT:
@@ -308,9 +312,11 @@ class VLLMEngine(InferenceEngine):
                 # The rollout workers parked every loop first: no output is left to process, so the
                 # scheduler pause alone (AsyncLLM.pause_generation adds a fixed 20 ms sleep for
                 # in-flight outputs, idle engine time at every sync).
-                await self._llm.engine_core.pause_scheduler_async(mode=str(mode), clear_cache=False)
+                # vLLM's tracing decorator on make_async_mp_client hides that it returns an AsyncMPClient
+                core = cast("AsyncMPClient", self._llm.engine_core)
+                await core.pause_scheduler_async(mode=vllm_mode, clear_cache=False)
             else:
-                await self._llm.pause_generation(mode=str(mode), clear_cache=False)
+                await self._llm.pause_generation(mode=vllm_mode, clear_cache=False)
             self._paused = True
 
         await self._fence.pause(epoch, pause_now, self._resume_now)

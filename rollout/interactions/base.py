@@ -39,6 +39,9 @@ class BaseInteraction(abc.ABC):
     """Subclasses set `config_model` to validate `config` (verl passes the raw dict plus `name`)."""
 
     config_model: type[BaseModel] | None = None
+    # the `config_model` instance, or the raw dict without one; a subclass declares its model's type
+    # (`config: MyConfig`), which `Any` here lets it narrow
+    config: Any
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         raw = dict(config or {})

@@ -38,6 +38,7 @@ class LatencyEnvConfig(BaseModel):
 @register_interaction("latency_env")
 class LatencyEnvironment(BaseInteraction):
     config_model = LatencyEnvConfig
+    config: LatencyEnvConfig
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config)

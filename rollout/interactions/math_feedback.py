@@ -37,6 +37,7 @@ def last_assistant_text(messages: list[dict[str, Any]]) -> str:
 @register_interaction("math_feedback")
 class MathFeedbackInteraction(BaseInteraction):
     config_model = MathFeedbackConfig
+    config: MathFeedbackConfig
 
     async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
         ground_truth = kwargs.get("ground_truth")

@@ -139,7 +139,8 @@ class HarmonyToolParser(ToolParser):
         for call in calls:
             args = json.dumps(call.arguments, ensure_ascii=False)
             parts.append(
-                f"{START}assistant{CHANNEL}commentary to={FUNCTIONS_PREFIX}{call.name} {CONSTRAIN}json{MESSAGE}{args}{CALL}"
+                f"{START}assistant{CHANNEL}commentary to={FUNCTIONS_PREFIX}{call.name} "
+                f"{CONSTRAIN}json{MESSAGE}{args}{CALL}"
             )
         if content:
             parts.append(f"{START}assistant{CHANNEL}final{MESSAGE}{content}{RETURN}")

@@ -58,9 +58,13 @@ class EmptyToolConfig(BaseModel):
 
 class BaseTool(abc.ABC):
     config_model: ClassVar[type[BaseModel]] = EmptyToolConfig
+    # the `config_model` instance (or the model instance passed in); a subclass declares its model's
+    # type (`config: MyConfig`), which `Any` here lets it narrow
+    config: Any
     # True when running a call twice has the effect of running it once (pure functions, lookups):
     # a call interrupted by a worker's death is then re-run on resume instead of reported as lost.
-    idempotent: ClassVar[bool] = False
+    # A class default that a tool built per entry (function, MCP) sets on itself.
+    idempotent: bool = False
 
     def __init__(
         self,
@@ -117,4 +121,7 @@ class BaseTool(abc.ABC):
         self._instances.drop(instance_id)
 
     def close(self) -> None:
-        """Stop what the tool runs in the background (the worker's shutdown); blocking, idempotent."""
+        """Stop what the tool runs in the background (the worker's shutdown); blocking, idempotent.
+
+        The default runs nothing in the background, so there is nothing to stop."""
+        return None

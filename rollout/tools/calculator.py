@@ -17,7 +17,7 @@ import math
 import operator
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -132,7 +132,7 @@ def _describe_forbidden(node: ast.AST) -> str:
     return f"{type(node).__name__} is not allowed; use only numbers and + - * / // % ** ( )"
 
 
-def evaluate_expression(expression: str, config: CalculatorConfig | None = None) -> Number:
+def evaluate_expression(expression: object, config: CalculatorConfig | None = None) -> Number:
     """Evaluate a whitelisted arithmetic expression; raises `CalculatorError` with a readable reason."""
     config = config or CalculatorConfig()
     if not isinstance(expression, str):
@@ -162,8 +162,12 @@ def format_number(value: Number) -> str:
     return f"{value:.12g}"
 
 
-class CalculatorTool(BaseTool):
+ConfigT = TypeVar("ConfigT", bound=CalculatorConfig)  # a subclass's config model (the ledger's adds a path)
+
+
+class CalculatorTool(BaseTool, Generic[ConfigT]):
     config_model = CalculatorConfig
+    config: ConfigT
     idempotent = True  # a pure function of its arguments
 
     @classmethod

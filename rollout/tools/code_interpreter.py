@@ -200,6 +200,7 @@ def read_report(stdout: str, token: str) -> CellReport:
 
 class CodeInterpreterTool(BaseTool):
     config_model = CodeInterpreterConfig
+    config: CodeInterpreterConfig
     idempotent = True  # no effect outside a throwaway sandbox; re-derivable from the journal
 
     def __init__(self, config: Any = None, tool_schema: Any = None) -> None:

@@ -170,7 +170,8 @@ def build_tool(entry: ToolEntry) -> BaseTool:
         cls = import_object(BUILTIN_TOOLS[entry.name])
     else:
         raise ValueError(
-            f"unknown built-in tool {entry.name!r}; built-ins: {sorted(BUILTIN_TOOLS)}, or give `class_name` or `function`"
+            f"unknown built-in tool {entry.name!r}; built-ins: {sorted(BUILTIN_TOOLS)}, "
+            "or give `class_name` or `function`"
         )
     if not (isinstance(cls, type) and issubclass(cls, BaseTool)):
         raise ValueError(f"{entry.class_name} is not a subclass of rollout.tools.base.BaseTool")

@@ -207,11 +207,13 @@ class ToolRegistry:
             elif call.error is not None:
                 self.num_parse_errors += 1
                 out.append(self._error(call, call.error))
-            elif (checked := validate_call(call, self._schemas)).error is not None:
-                self.num_validation_errors += 1
-                out.append(self._error(call, checked.error))
             else:
-                out.append(checked)
+                checked = validate_call(call, self._schemas)
+                if checked.error is not None:
+                    self.num_validation_errors += 1
+                    out.append(self._error(call, checked.error))
+                else:
+                    out.append(checked)
         self.num_calls += len(calls)
         return out
 
@@ -324,7 +326,10 @@ class ToolRegistry:
                 read = _IMAGE_THREADS.run(read_response_image, source, max_pixels=store.max_pixels)
                 blobs.append(await asyncio.wait_for(read, IMAGE_ADMIT_TIMEOUT_S))
             except TimeoutError:
-                return f"tool '{call.name}' returned an image (#{i + 1} of {n}) that took more than {IMAGE_ADMIT_TIMEOUT_S:g} s to read; no image was shown"
+                return (
+                    f"tool '{call.name}' returned an image (#{i + 1} of {n}) that took more than "
+                    f"{IMAGE_ADMIT_TIMEOUT_S:g} s to read; no image was shown"
+                )
             except (ValueError, TypeError) as exc:
                 return f"tool '{call.name}' returned an unreadable image (#{i + 1} of {n}): {exc}; no image was shown"
         return [store.put(blob) for blob in blobs]

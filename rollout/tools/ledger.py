@@ -33,8 +33,9 @@ class LedgerConfig(CalculatorConfig):
     ledger_path: str
 
 
-class LedgerCalculator(CalculatorTool):
+class LedgerCalculator(CalculatorTool[LedgerConfig]):
     config_model = LedgerConfig
+    config: LedgerConfig
     idempotent = False  # every run appends a line: running a call twice is visible
 
     async def execute(self, instance_id: str, parameters: dict[str, Any]) -> ToolExecution:

@@ -17,7 +17,7 @@ import base64
 import binascii
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from streamrl.rollout.tools.base import ToolExecution
 from streamrl.rollout.tools.schema import OpenAIFunctionToolSchema
@@ -132,7 +132,7 @@ def result_execution(result: mcp_types.CallToolResult) -> ToolExecution:
     return ToolExecution(text=text, images=[f"data:{part.mime_type};base64,{part.data}" for part in images])
 
 
-def _is_image(part: Any) -> bool:
+def _is_image(part: Any) -> TypeGuard[mcp_types.ImageContent]:
     return getattr(part, "type", None) == "image"
 
 

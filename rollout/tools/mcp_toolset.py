@@ -21,8 +21,9 @@ Failures are observations, never exceptions into the agent loop: an `isError` re
 "Error: <text>" (without its images), a timeout, an unreachable server or a connection lost mid-call
 as an "Error: ..." text saying what happened. When the server process dies or the connection breaks, the next call
 reconnects (restarts a stdio server) with bounded attempts and exponential backoff, counted in the
-toolset's `MCPCounters` (`mcp_counters` sums them over a registry's toolsets). A call that was in flight when the connection broke is not re-sent: it may have had its
-effect. Tools are not idempotent unless the entry says so (`idempotent: true`, or a list of names).
+toolset's `MCPCounters` (`mcp_counters` sums them over a registry's toolsets). A call that was in
+flight when the connection broke is not re-sent: it may have had its effect. Tools are not
+idempotent unless the entry says so (`idempotent: true`, or a list of names).
 
 `close()` (or garbage collection of the toolset, or interpreter exit) ends the connection: the SDK
 closes a stdio server's stdin, then terminates its process group, so no child outlives the worker.

@@ -29,6 +29,7 @@ class SleepToolConfig(BaseModel):
 
 class SleepTool(BaseTool):
     config_model = SleepToolConfig
+    config: SleepToolConfig
     idempotent = True  # an echo: no side effect, only latency
 
     def __init__(self, config: dict[str, Any] | BaseModel | None = None, tool_schema: Any = None) -> None:

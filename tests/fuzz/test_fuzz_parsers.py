@@ -103,6 +103,9 @@ def test_a_call_with_a_huge_integer_is_an_error_call_not_an_exception(parser_nam
     digits = "1" * 5000
     text = {
         "hermes": f'<tool_call>{{"name": "calc", "arguments": {{"n": {digits}}}}}</tool_call>',
-        "gpt-oss": f'<|start|>assistant<|channel|>commentary to=functions.calc <|constrain|>json<|message|>{{"n": {digits}}}<|call|>',
+        "gpt-oss": (
+            "<|start|>assistant<|channel|>commentary to=functions.calc "
+            f'<|constrain|>json<|message|>{{"n": {digits}}}<|call|>'
+        ),
     }
     _check(get_parser(parser_name).parse(text[parser_name]))

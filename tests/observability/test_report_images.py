@@ -33,7 +33,8 @@ pytestmark = pytest.mark.timeout(60)
 
 FIXTURE = Path(__file__).with_name("data") / "report_text_only.html"
 CHIP_RE = re.compile(
-    r'<span class="imgchip( missing)?" title="([^"]*)">(?:<img src="data:image/png;base64,([^"]+)" alt="">)?([^<]*)</span>'
+    r'<span class="imgchip( missing)?" title="([^"]*)">'
+    r'(?:<img src="data:image/png;base64,([^"]+)" alt="">)?([^<]*)</span>'
 )
 
 

@@ -57,7 +57,7 @@ def _png(rgb) -> bytes:
     return encode_png(_image(rgb))
 
 
-P, T, I = _png((220, 40, 40)), _png((40, 220, 40)), _png((40, 40, 220))  # prompt, tool, interaction
+P, T, E = _png((220, 40, 40)), _png((40, 220, 40)), _png((40, 40, 220))  # prompt, tool, environment (interaction)
 
 
 class SnapTool(BaseTool):
@@ -141,7 +141,7 @@ def _sent(engine) -> list[list[bytes]]:
 
 async def test_tool_and_interaction_images_join_the_trajectory_in_placeholder_order(processor, tmp_path):
     (tmp_path / "tool.png").write_bytes(T)
-    data_url = "data:image/png;base64," + base64.b64encode(I).decode()
+    data_url = "data:image/png;base64," + base64.b64encode(E).decode()
     script, _ = turn_script(processor.tokenizer, [SNAP, PLAIN, ANSWER])
     engine = FakeEngine(script=script, image_token_id=processor.image_token_id)
     store = ImageStore()
@@ -151,12 +151,12 @@ async def test_tool_and_interaction_images_join_the_trajectory_in_placeholder_or
 
     traj.validate()
     assert traj.status is TrajectoryStatus.FINISHED and traj.finish_reason is FinishReason.INTERACTION_DONE
-    shas = [store.put(b).sha256 for b in (P, T, I)]
-    assert [r.sha256 for r in data.images] == traj.image_refs == shas  # prompt, tool, interaction
+    shas = [store.put(b).sha256 for b in (P, T, E)]
+    assert [r.sha256 for r in data.images] == traj.image_refs == shas  # prompt, tool, environment (interaction)
     assert traj.num_image_tokens == [processor.image_seq_len] * 3
-    assert _sent(engine) == [[P], [P, T], [P, T, I]]  # every generate sends all images so far
+    assert _sent(engine) == [[P], [P, T], [P, T, E]]  # every generate sends all images so far
     all_ids = traj.prompt_ids + traj.response_ids
-    assert all_ids == _hf_ids(processor, all_ids, [P, T, I])
+    assert all_ids == _hf_ids(processor, all_ids, [P, T, E])
     runs = image_run_lengths(traj.response_ids, processor.image_token_id)
     first = traj.response_ids.index(processor.image_token_id)
     assert runs == [4, 4] and traj.response_mask[first] == 0 and traj.behavior_logprobs[first] == 0.0
@@ -192,8 +192,8 @@ async def test_executor_admits_all_sources_or_none():
     from streamrl.rollout.types import ToolCall
 
     store = ImageStore()
-    ok = SnapTool([T, _image((1, 2, 3)), "data:image/png;base64," + base64.b64encode(I).decode()])
-    bad = SnapTool([I, T[:80]], name="bad")  # the second is a truncated PNG: header fine, pixels not
+    ok = SnapTool([T, _image((1, 2, 3)), "data:image/png;base64," + base64.b64encode(E).decode()])
+    bad = SnapTool([E, T[:80]], name="bad")  # the second is a truncated PNG: header fine, pixels not
     registry = ToolRegistry([ok, bad])
     [good, broken] = await registry.execute_calls(
         [ToolCall(call_id="a", name="snap"), ToolCall(call_id="b", name="bad")],
@@ -205,7 +205,7 @@ async def test_executor_admits_all_sources_or_none():
     assert [r.sha256 for r in good.images] == [
         store.put(T).sha256,
         store.put(encode_png(_image((1, 2, 3)))).sha256,
-        store.put(I).sha256,
+        store.put(E).sha256,
     ] and not good.is_error
     assert broken.is_error and broken.images == [] and "unreadable image (#2 of 2)" in broken.text
     assert broken.text.endswith("picture from bad") and registry.num_errors == 1
@@ -243,9 +243,9 @@ async def test_unshowable_interaction_images_become_error_observations(processor
     script, _ = turn_script(processor.tokenizer, [PLAIN, ANSWER])
     engine = FakeEngine(script=script, image_token_id=processor.image_token_id)
     image, max_images, needle = {
-        "text_only": (I, None, "the policy reads text only"),
+        "text_only": (E, None, "the policy reads text only"),
         "corrupt": ("not base64 and not a file", None, "unreadable image (#1 of 1)"),
-        "over_limit": (I, 1, "already holds 1 of at most 1 images"),
+        "over_limit": (E, 1, "already holds 1 of at most 1 images"),
     }[case]
     ctx = _ctx(processor, engine, ImageStore(), max_images=max_images, image=image)
     if case == "text_only":
@@ -307,7 +307,7 @@ async def test_crash_replay_admits_no_image_twice_and_keeps_call_order(processor
     store = ImageStore()
 
     def tools():  # the slow tool is called first but finishes last: images still follow call order
-        return [IdempotentSnapTool([I], name="slow_snap", delay_s=0.1, world=world), SnapTool([T], world=world)]
+        return [IdempotentSnapTool([E], name="slow_snap", delay_s=0.1, world=world), SnapTool([T], world=world)]
 
     ctx = _ctx(processor, engine, store, tools())
     snapshots: list[str] = []
@@ -317,8 +317,8 @@ async def test_crash_replay_admits_no_image_twice_and_keeps_call_order(processor
 
     ctx.snapshot = snapshot
     full = await ToolAgentLoop(ctx).run(_data(P))
-    shas = {name: store.put(b).sha256 for name, b in (("P", P), ("T", T), ("I", I))}
-    assert full.image_refs == [shas["P"], shas["I"], shas["T"]] and world == ["slow_snap", "snap"]
+    shas = {name: store.put(b).sha256 for name, b in (("P", P), ("T", T), ("E", E))}
+    assert full.image_refs == [shas["P"], shas["E"], shas["T"]] and world == ["slow_snap", "snap"]
 
     # The worker died while both calls ran: resume from the durable snapshot (both calls INTENT) in a
     # fresh process. The idempotent call runs again, the other is answered "interrupted", no image twice.
@@ -331,7 +331,7 @@ async def test_crash_replay_admits_no_image_twice_and_keeps_call_order(processor
     resumed = await ToolAgentLoop(_ctx(processor, engine, ImageStore(), tools(), fetch=fetch)).run(crashed)
     assert resumed.status is TrajectoryStatus.FINISHED and world == ["slow_snap", "snap", "slow_snap"]
     assert [e.status for e in crashed.tool_journal] == [ToolCallStatus.DONE, ToolCallStatus.INTERRUPTED]
-    assert resumed.image_refs == [shas["P"], shas["I"]] and resumed.num_image_tokens == [4, 4]
+    assert resumed.image_refs == [shas["P"], shas["E"]] and resumed.num_image_tokens == [4, 4]
     assert [r.sha256 for r in crashed.images] == resumed.image_refs
     crashed.check_aligned(image_token_id=processor.image_token_id)
 

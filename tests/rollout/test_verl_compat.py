@@ -318,7 +318,8 @@ async def test_a_verl_image_row_is_admitted_by_the_agent_loop(processor, tmp_pat
         (
             "<image><image>Find x.",
             [{"bytes": RED, "path": None}],
-            "row 0: the string contents of 'prompt' have 2 '<image>' placeholder(s) but field 'images' holds 1 image(s)",
+            "row 0: the string contents of 'prompt' have 2 '<image>' placeholder(s) "
+            "but field 'images' holds 1 image(s)",
         ),
         ("Find x.", [{"bytes": RED, "path": None}], "have 0 '<image>' placeholder(s) but field 'images' holds 1"),
         ([{"type": "text", "text": "Find x."}], [{"bytes": RED, "path": None}], "have 0 '<image>' placeholder(s)"),

@@ -71,7 +71,7 @@ def test_the_pinned_held_out_reward_rises_far_beyond_seed_noise(tmp_path):
     tables = _eval_tables(run_dir)
     assert sorted(tables) == [0, 10, 20, 25], sorted(tables)  # the schedule: start, every 10 steps, the end
     versions = []
-    for step, rows in tables.items():
+    for rows in tables.values():
         assert len(rows) == 64 * 4 and len({(r["prompt_id"], r["sample_index"]) for r in rows}) == 64 * 4
         assert len({r["policy_version"] for r in rows}) == 1  # one pinned version per evaluation
         versions.append(rows[0]["policy_version"])

@@ -163,8 +163,10 @@ def test_explain_failure_reads_an_actor_death_for_memory(tmp_path):
     died = RayActorError(
         actor_id="ab",
         error_msg=(
-            "The actor died unexpectedly before finishing this task.\n\tclass_name: EngineActor\n\tactor_id: ab\n\tpid: 77\n"
-            "The actor is dead because its worker process has died. Worker exit type: NODE_OUT_OF_MEMORY Worker exit detail: "
+            "The actor died unexpectedly before finishing this task.\n"
+            "\tclass_name: EngineActor\n\tactor_id: ab\n\tpid: 77\n"
+            "The actor is dead because its worker process has died. "
+            "Worker exit type: NODE_OUT_OF_MEMORY Worker exit detail: "
             + OOM_TEXT.replace("LearnerActor.train_step", "EngineActor.generate").replace("pid=4242", "pid=77")
         ),
     )

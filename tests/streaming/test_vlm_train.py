@@ -48,7 +48,8 @@ OVERRIDES = [
 ]
 LOGPROB_ATOL = 1e-4  # fp32 engine vs HF forward (observed ~5e-7 in tests/rollout/test_tiny_vlm.py)
 CHIP_RE = re.compile(
-    r'<span class="imgchip( missing)?" title="([^"]*)">(?:<img src="data:image/png;base64,([^"]+)" alt="">)?([^<]*)</span>'
+    r'<span class="imgchip( missing)?" title="([^"]*)">'
+    r'(?:<img src="data:image/png;base64,([^"]+)" alt="">)?([^<]*)</span>'
 )
 
 
