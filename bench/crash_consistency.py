@@ -21,8 +21,9 @@ as `streamrl train --resume` does and reports each broken promise:
   never skips an admitted prompt whose rows a power loss dropped);
 - the buffer recovers without raising and holds every group acknowledged before the crash: after a
   power loss those of a returned `append(durable=True)` (fsynced: `buffer.fsync_durable_appends`),
-  `checkpoint()` or `close()`, after a killed process also every flushed one; every group whose consumption the resumed checkpoint covers is never
-  handed out again, every other acknowledged group is, with its rows intact.
+  `checkpoint()` or `close()`, after a killed process also every flushed one; every group whose
+  consumption the resumed checkpoint covers is never handed out again, every other acknowledged
+  group is, with its rows intact.
 """
 
 from __future__ import annotations

@@ -93,7 +93,10 @@ class ImageLog:
 
     def report_unresolved(self, report: RecoveryReport) -> None:
         if self._unresolved:
-            msg = f"{len(self._unresolved)} images referenced by recovered rows are not in the image log; their groups are dropped when sampled"
+            msg = (
+                f"{len(self._unresolved)} images referenced by recovered rows are not in the image log; "
+                "their groups are dropped when sampled"
+            )
             report.missing.append(msg)
             logger.warning("buffer recovery: %s", msg)
 

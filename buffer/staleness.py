@@ -110,12 +110,14 @@ def render_html(result: dict[str, Any]) -> str:
         _bars("Versions spanned per finished trajectory", result["version_span"], "versions"),
         _bars("Interruptions per finished trajectory", result["interruptions"], "interruptions"),
         "<h2>Length bias</h2>"
-        f"<p>generated mean {length['generated_mean_tokens']:.1f} tokens, trained mean {length['trained_mean_tokens']:.1f}"
+        f"<p>generated mean {length['generated_mean_tokens']:.1f} tokens, "
+        f"trained mean {length['trained_mean_tokens']:.1f}"
         + (f", ratio {ratio:.3f} (1.0 = no bias)" if ratio is not None else "")
         + "</p>",
         _bars("Generated, by response-length bucket", length["generated_by_bucket"], "≤ tokens"),
         _bars("Trained, by response-length bucket", length["trained_by_bucket"], "≤ tokens"),
-        f"<h2>Reward by trajectory lag</h2><table><tr><th>lag</th><th>uses</th><th>mean reward</th></tr>{reward_rows}</table>",
+        "<h2>Reward by trajectory lag</h2>"
+        f"<table><tr><th>lag</th><th>uses</th><th>mean reward</th></tr>{reward_rows}</table>",
     ]
     if result["log_problems"]:
         parts.append(
@@ -142,13 +144,14 @@ def summary(result: dict[str, Any]) -> str:
     ratio = length["trained_over_generated"]
     return "\n".join(
         [
-            f"{result['finished_trajectories']} finished trajectories, {result['consumed_trajectories']} trained ({result['uses']} uses)",
+            f"{result['finished_trajectories']} finished trajectories, "
+            f"{result['consumed_trajectories']} trained ({result['uses']} uses)",
             "trajectory lag at consume: "
             + " ".join(f"{k}:{v}" for k, v in result["trajectory_lag_at_consume"].items()),
             "token lag at consume:      " + " ".join(f"{k}:{v}" for k, v in result["token_lag_at_consume"].items()),
             "versions spanned:          " + " ".join(f"{k}:{v}" for k, v in result["version_span"].items()),
-            f"length: generated mean {length['generated_mean_tokens']:.1f}, trained mean {length['trained_mean_tokens']:.1f}"
-            + (f", ratio {ratio:.3f}" if ratio is not None else ""),
+            f"length: generated mean {length['generated_mean_tokens']:.1f}, "
+            f"trained mean {length['trained_mean_tokens']:.1f}" + (f", ratio {ratio:.3f}" if ratio is not None else ""),
             "reward by trajectory lag:  "
             + " ".join(f"{k}:{v['mean']:.3f} (n={v['uses']})" for k, v in result["reward_by_trajectory_lag"].items()),
         ]

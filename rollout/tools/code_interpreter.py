@@ -91,7 +91,10 @@ def replay(cells, env, wall_s, notes):
         try:
             run_cell(cell, f"<cell {i + 1}>", env)
         except Exception as exc:  # it succeeded once: nondeterminism; keep going with what it left
-            notes.append(f"Note: replaying cell {i + 1} raised {type(exc).__name__}: {exc}; some of its state may be missing")
+            notes.append(
+                f"Note: replaying cell {i + 1} raised {type(exc).__name__}: {exc}; "
+                "some of its state may be missing"
+            )
     signal.alarm(0)
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
 
@@ -324,7 +327,10 @@ def _error_line(
         if result.timed_out or result.exit_code == 3 or result.signal in (signal.SIGALRM, signal.SIGXCPU):
             return (f"re-running the {num_replayed} earlier cell(s) to restore the state took longer than the "
                     f"{config.replay_timeout_s:g} s replay limit; your code did not run")  # fmt: skip
-        return f"the interpreter stopped while restoring the state of the earlier cells ({_ended(result)}); your code did not run"
+        return (
+            f"the interpreter stopped while restoring the state of the earlier cells ({_ended(result)}); "
+            "your code did not run"
+        )
     if report.ended == "done" and result.exit_code == 0:
         return None
     if result.timed_out or result.signal == signal.SIGALRM:
