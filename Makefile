@@ -61,12 +61,12 @@ learn-bench: install
 	$(PY) -m bench.learning
 
 # >= 50 seeded faults on the real system, checked against the invariants: bench/results/chaos.json;
-# then I/O faults (buffer log, checkpoints, run files) and hostile reward/tool callbacks, then
-# 2,000 power-loss states of the run directory (make test checks 500), and the summary by kind of fault
+# 2,000 power-loss states of the run directory (make test checks 500), then I/O faults (buffer log,
+# checkpoints, run files) and hostile reward/tool callbacks, and the summary by kind of fault
 chaos: install
+	$(PY) -m bench.crash_consistency --states 2000
 	$(PY) -m bench.chaos --seeds 2
 	$(PY) -m bench.chaos --families io,hostile,all_fail --seeds 1
-	$(PY) -m bench.crash_consistency --states 2000
 
 # what a newcomer sees: clone, install and `make run` from scratch: bench/results/fresh_run.json
 fresh-run: install
