@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from streamrl.buffer import arrow_compute as pc
 from streamrl.buffer.groups import kept_rows
 from streamrl.buffer.log import read_segments
 from streamrl.buffer.manifest import (

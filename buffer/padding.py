@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from streamrl.buffer import arrow_compute as pc
 from streamrl.buffer.schema import list_row_starts
 from streamrl.buffer.types import PaddedBatch
 from streamrl.rollout.types import OBSERVATION_VERSION

@@ -47,8 +47,8 @@ import zlib
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from streamrl.buffer import arrow_compute as pc
 from streamrl.rollout.types import OBSERVATION_VERSION, FinishReason, Trajectory, TrajectoryStatus
 
 SCHEMA_VERSION = "3"

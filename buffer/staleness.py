@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.compute as pc
 
+from streamrl.buffer import arrow_compute as pc
 from streamrl.buffer.admission import length_bucket
 from streamrl.buffer.cli import latest_rows, read_dir
 from streamrl.core.run_dir import RunDir
