@@ -10,8 +10,8 @@ Durability: rows are flushed to the log (written to the OS, survive a process ki
 fsyncs (survives a machine crash) when `fsync_on_checkpoint`. An append with `durable=True` (admission's
 PENDING rows before the cursor is saved, a tool's journalled intent before the tool runs) is flushed
 and, with `fsync_durable_appends`, fsynced before it returns: what those callers acknowledge survives
-a power loss too, not only a process kill (one fsync per admitted group or journalled tool call). `root_dir = None` keeps everything in
-memory only.
+a power loss too, not only a process kill (one fsync per admitted group or journalled tool call).
+`root_dir = None` keeps everything in memory only.
 
 Capacity: `capacity_rows` bounds the live rows. Appends that add rows wait for room (replacing a
 partial row never does), and admission (`ReplayBuffer.capacity`) starts no group that does not fit,
@@ -76,14 +76,14 @@ class BufferConfig(BaseModel):
         if self.min_finished_per_group > self.group_size:
             raise ValueError("min_finished_per_group cannot exceed group_size")
         if self.capacity_rows is not None:
-            self._check_capacity()
+            self._check_capacity(self.capacity_rows)
         return self
 
-    def _check_capacity(self) -> None:
+    def _check_capacity(self, capacity_rows: int) -> None:
         need = self.batch_size + self.group_size
-        if self.capacity_rows < need:
+        if capacity_rows < need:
             raise ValueError(
-                f"buffer.capacity_rows ({self.capacity_rows}) must be at least buffer.batch_size + "
+                f"buffer.capacity_rows ({capacity_rows}) must be at least buffer.batch_size + "
                 f"buffer.group_size ({self.batch_size} + {self.group_size} = {need}): one batch waiting to be "
                 "sampled plus one group in flight; below that the buffer fills with rows that never make a "
                 "batch and admission stops for good"

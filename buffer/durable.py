@@ -120,11 +120,18 @@ class BufferDir:
                 (logger.info if report.clean else logger.warning)("buffer recovery: %s", line)
 
     # ---------------------------------------------------------------- writing
+    def _writers(self) -> tuple[SegmentWriter, SegmentWriter]:
+        """The trajectory and consumption writers, which `start` opens before anything is written."""
+        assert self.traj is not None and self.cons is not None, "BufferDir.start() was not called"
+        return self.traj, self.cons
+
     def submit(self, frame: pa.RecordBatch) -> Future[None]:
-        return self.traj.submit(frame)
+        traj, _ = self._writers()
+        return traj.submit(frame)
 
     def write_consumption(self, records: pa.RecordBatch) -> None:
-        self.cons.write(records)
+        _, cons = self._writers()
+        cons.write(records)
 
     def fail(self, error: BaseException) -> None:
         self.error = self.error or error
@@ -142,8 +149,9 @@ class BufferDir:
 
     def flushed(self) -> None:
         """After a flush: rewrite the manifest if a log rolled to a new segment."""
+        traj, _ = self._writers()
         if (
-            len(self.traj.segments) != self._manifest_segments
+            len(traj.segments) != self._manifest_segments
             or self.images.num_segments_written != self._manifest_image_segments
         ):
             self.write_manifest(sync=False)
@@ -162,7 +170,8 @@ class BufferDir:
     def sync(self, *, fsync: bool) -> None:
         """Checkpoint: fsync the logs (images first: rows reference them) when `fsync`, write the manifest."""
         if fsync:
-            for log in (self.images, self.traj, self.cons):
+            traj, cons = self._writers()
+            for log in (self.images, traj, cons):
                 log.sync()
         self.write_manifest(sync=fsync)
 

@@ -130,7 +130,7 @@ class ImageLog:
             new[blob.sha256] = blob
         if not new:
             return 0
-        if self._root is not None:
+        if (root := self._root) is not None:
             blobs = list(new.values())
             frame = pa.RecordBatch.from_arrays(
                 [
@@ -142,7 +142,7 @@ class ImageLog:
                 ],
                 schema=IMAGE_SCHEMA,
             )
-            self._writer_open().write(frame)  # in this thread: flushed before the caller goes on
+            self._writer_open(root).write(frame)  # in this thread: flushed before the caller goes on
         for sha, blob in new.items():
             self._data[sha] = blob.data
         return len(new)
@@ -159,10 +159,10 @@ class ImageLog:
             return None
         return [[self.get(r) for r in row] for row in refs]
 
-    def _writer_open(self) -> SegmentWriter:
+    def _writer_open(self, root: Path) -> SegmentWriter:
         if self._writer is None:
             self._writer = SegmentWriter(
-                self._root, prefix=IMAGES_PREFIX, schema=IMAGE_SCHEMA, segment_max_bytes=self._segment_max_bytes
+                root, prefix=IMAGES_PREFIX, schema=IMAGE_SCHEMA, segment_max_bytes=self._segment_max_bytes
             )
         return self._writer
 

@@ -128,9 +128,9 @@ class SegmentWriter:
     def open(self) -> None:
         """Start a segment (file creation, directory fsync) and the writer thread now rather than at
         the first write."""
-        self._ensure_thread()
+        thread = self._ensure_thread()
         if self._data is None:
-            self._thread.submit(self._guarded, "opening a segment", self._open_segment).result()
+            thread.submit(self._guarded, "opening a segment", self._open_segment).result()
 
     def write(self, batch: pa.RecordBatch) -> None:
         """Write one frame and flush it to the OS; LogFailedError if this or an earlier write failed."""
@@ -157,11 +157,12 @@ class SegmentWriter:
     def _write_frame(self, batch: pa.RecordBatch) -> None:
         if self._data is None:
             self._open_segment()
+        data, idx = self._open_files()
         frame = batch.serialize()
         crc = zlib.crc32(frame)
-        self._write_all(self._data, frame)
+        self._write_all(data, frame)
         entry = _ENTRY.pack(_MAGIC, self._offset, frame.size, crc, batch.num_rows)
-        self._write_all(self._idx, entry + struct.pack("<I", zlib.crc32(entry)))
+        self._write_all(idx, entry + struct.pack("<I", zlib.crc32(entry)))
         self._offset += frame.size
         info = self.segments[-1]
         info.num_frames += 1
@@ -170,6 +171,12 @@ class SegmentWriter:
         if self._offset >= self.segment_max_bytes:
             self._seal()
 
+    def _open_files(self) -> tuple[int, int]:
+        """The open segment's .arrow and .idx descriptors. Only a failed open leaves one of them
+        unset, and a failed writer writes nothing more."""
+        assert self._data is not None and self._idx is not None, "no open segment"
+        return self._data, self._idx
+
     def _write_all(self, fd: int, data: bytes | pa.Buffer) -> None:
         view = memoryview(data)
         while len(view):
@@ -177,12 +184,12 @@ class SegmentWriter:
 
     def submit(self, batch: pa.RecordBatch) -> Future[None]:
         """Queue one frame for the background writer thread; its future is done once `write` is."""
-        self._ensure_thread()
-        return self._thread.submit(self.write, batch)
+        return self._ensure_thread().submit(self.write, batch)
 
-    def _ensure_thread(self) -> None:
+    def _ensure_thread(self) -> ThreadPoolExecutor:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"streamrl-log-{self.prefix}")
+        return self._thread
 
     def sync(self) -> None:
         """fsync both files of the open segment; a failure fails the writer (never retried)."""
@@ -194,10 +201,11 @@ class SegmentWriter:
                 self._io.fsync(fd, log=self.prefix)
 
     def _seal(self) -> None:
-        self._write_all(self._data, _EOS)
+        data, idx = self._open_files()
+        self._write_all(data, _EOS)
         self._sync()
-        os.close(self._data)
-        os.close(self._idx)
+        os.close(data)
+        os.close(idx)
         self._data = self._idx = None
         self.segments[-1].sealed = True
         self.segments[-1].num_bytes += len(_EOS)
@@ -287,7 +295,8 @@ def _read_segment(
             if zlib.crc32(frame) != crc:
                 _problem(
                     report.corrupt,
-                    f"{where}: checksum mismatch (stored {crc:#010x}, computed {zlib.crc32(frame):#010x}); frame skipped",
+                    f"{where}: checksum mismatch (stored {crc:#010x}, computed {zlib.crc32(frame):#010x}); "
+                    "frame skipped",
                 )
                 continue
             try:

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from streamrl.buffer import arrow_compute as pc
 from streamrl.buffer.admission import length_bucket, rollout_capacity
 from streamrl.buffer.config import BufferConfig, OverAgePolicy
 from streamrl.buffer.durable import BufferDir
@@ -93,7 +93,7 @@ class ReplayBuffer:
             self._dir = BufferDir(root, images=self._images, segment_max_bytes=cfg.segment_max_bytes)
             self.recovery_report = self._dir.report
             try:
-                self._recover(resume_learner_step)
+                self._recover(self._dir, resume_learner_step)
             except BaseException:  # e.g. a failed log write: release the directory for the next try
                 self._dir.release()
                 raise
@@ -178,13 +178,12 @@ class ReplayBuffer:
         if dead:
             self._rows.kill(dead)
         if self.cfg.max_batch_tokens is not None:
-            self._count_oversized(set(gids))
+            self._count_oversized(set(gids), self.cfg.max_batch_tokens)
         return cid
 
-    def _count_oversized(self, group_ids: set[str]) -> None:
+    def _count_oversized(self, group_ids: set[str], budget: int) -> None:
         """Groups that became ready larger than the token budget: counted and trained alone, never
         dropped (`buffer.sampling`)."""
-        budget = self.cfg.max_batch_tokens
         ready = self._groups.ready
         for group in [ready[gid] for gid in group_ids if gid in ready and ready[gid].num_tokens > budget]:
             logger.warning(
@@ -228,6 +227,7 @@ class ReplayBuffer:
         inflight, self._inflight = self._inflight, []
         errors = [e for e in (f.exception() for f in inflight) if e is not None]
         if errors:
+            assert self._dir is not None, "only a durable buffer has log writes in flight"
             self._dir.fail(errors[0])
             self._dir.raise_if_failed()
         if self._dir is not None:
@@ -477,15 +477,15 @@ class ReplayBuffer:
         )
 
     # ---------------------------------------------------------------- recovery
-    def _recover(self, resume_learner_step: int | None) -> None:
+    def _recover(self, directory: BufferDir, resume_learner_step: int | None) -> None:
         """Replay the directory: consumption first (so nothing consumed is handed out again), then
         every verified trajectory frame; then start this process's segments."""
         report = self.recovery_report
-        history = self._dir.consumption(resume_learner_step)
+        history = directory.consumption(resume_learner_step)
         self._counts["trajectories_consumed"] = sum(len(uses) for uses in history.values())
         self._groups.preloaded_steps = {tid: [step for step, _ in uses] for tid, uses in history.items()}
-        self._dir.recover_images()
-        for batch in self._dir.trajectories():
+        directory.recover_images()
+        for batch in directory.trajectories():
             self._images.note_refs(image_refs_of(batch))
             self._ingest(batch)
         orphans = len(self._groups.preloaded_steps)
@@ -495,7 +495,7 @@ class ReplayBuffer:
             logger.warning("buffer recovery: %s", msg)
         self._groups.preloaded_steps = {}
         self._images.report_unresolved(report)
-        self._dir.start(resume_learner_step)
+        directory.start(resume_learner_step)
 
 
 __all__ = ["ReplayBuffer", "SampledBatch", "GroupState"]

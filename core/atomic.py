@@ -64,9 +64,13 @@ class PlannedFile:
         self.error: OSError | None = None
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
 
+    def _open_fd(self) -> int:
+        assert self._fd is not None, f"{self.path} is closed"
+        return self._fd
+
     def write(self, data: bytes | bytearray | memoryview) -> int:
         try:
-            return iofaults.write_all(self._io, self._fd, data, log=self.log)
+            return iofaults.write_all(self._io, self._open_fd(), data, log=self.log)
         except OSError as e:
             raise self._fail(e) from e
 
@@ -75,7 +79,7 @@ class PlannedFile:
 
     def fsync(self) -> None:
         try:
-            self._io.fsync(self._fd, log=self.log)
+            self._io.fsync(self._open_fd(), log=self.log)
         except OSError as e:
             raise self._fail(e) from e
 

@@ -147,7 +147,7 @@ def selected(log: str, logs: tuple[str, ...] | None) -> bool:
     return logs is None or any(log == name or log.startswith(f"{name}/") for name in logs)
 
 
-def write_all(io: PlainIO, fd: int, data: bytes | memoryview, *, log: str) -> int:
+def write_all(io: PlainIO, fd: int, data: bytes | bytearray | memoryview, *, log: str) -> int:
     """Write all of `data` through `io`, finishing short writes; returns its length."""
     view = memoryview(data).cast("B")
     total = len(view)

@@ -12,7 +12,7 @@ taken against its oldest sampled token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -48,6 +48,10 @@ def token_lag(served_version: int, policy_versions: Any) -> Any:
     return np.where(pv >= 0, served_version - pv, OBSERVATION_VERSION).astype(np.int64)
 
 
+@overload
+def trajectory_lag(served_version: int, min_policy_version: int) -> int: ...
+@overload
+def trajectory_lag(served_version: int, min_policy_version: np.ndarray) -> np.ndarray: ...
 def trajectory_lag(served_version: int, min_policy_version: int | np.ndarray) -> int | np.ndarray:
     """Lag of whole trajectories from their oldest sampled token; 0 for rows without sampled tokens."""
     mpv = np.asarray(min_policy_version)

@@ -118,8 +118,10 @@ async def _wait(proc: asyncio.subprocess.Process, stdin: bytes, timeout_s: float
 
     out = _CappedStream(settings.max_output_bytes, settings.kill_output_bytes, kill)
     err = _CappedStream(settings.max_output_bytes, settings.kill_output_bytes, kill)
+    to_stdin, from_stdout, from_stderr = proc.stdin, proc.stdout, proc.stderr
+    assert to_stdin is not None and from_stdout is not None and from_stderr is not None, "started with pipes"
     work = asyncio.ensure_future(
-        asyncio.gather(_feed(proc.stdin, stdin), out.drain(proc.stdout), err.drain(proc.stderr), proc.wait())
+        asyncio.gather(_feed(to_stdin, stdin), out.drain(from_stdout), err.drain(from_stderr), proc.wait())
     )
     # The outcome is read from the streams and the exit code, never from `work`: mark its exception as
     # seen, or a call cut off by its event loop closing logs "exception was never retrieved".

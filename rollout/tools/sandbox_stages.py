@@ -13,6 +13,10 @@ import os
 import resource
 import sys
 
+TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: the stages import nothing more (module docstring)
+if TYPE_CHECKING:
+    from typing import NoReturn
+
 # -- the child side: stages ------------------------------------------------------------------------
 # Everything from here to the end is the stages' program (`_child_source`): standard library only,
 # and only json/os/resource/sys at module level, so each stage starts in milliseconds; a module a
@@ -74,7 +78,7 @@ class _Libc:
         )
 
 
-def _fail(stage: str, exc: BaseException) -> None:
+def _fail(stage: str, exc: BaseException) -> NoReturn:
     os.write(2, f"{_MARKER} {stage}: {exc}\n".encode())
     os._exit(SETUP_FAILED)
 
@@ -306,7 +310,7 @@ def _stage_init(spec: dict, proc_fd: int | None = None) -> None:
         libc = _Libc()  # not dumpable: hidden from the program by /proc's hidepid
         libc.call("prctl(PR_SET_DUMPABLE)", libc.lib.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0))
         if nested is not None:  # only now, init unprivileged and hidden, may the program start
-            pid, go_w = nested
+            go_w = nested[1]
             os.write(go_w, b"1")
             os.close(go_w)
     except OSError as exc:
@@ -315,6 +319,8 @@ def _stage_init(spec: dict, proc_fd: int | None = None) -> None:
         pid = os.fork()
         if pid == 0:
             _stage_trampoline(spec)
+    else:
+        pid = nested[0]
     while True:
         reaped, status = os.waitpid(-1, 0)
         if reaped == pid:
