@@ -43,7 +43,7 @@ import json
 import logging
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -70,7 +70,14 @@ def _full_lm_state(ts: TrainState) -> dict[str, torch.Tensor] | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(ts.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k.removeprefix("lm."): v for k, v in sd.items() if k.startswith("lm.")} if ts.rank == 0 else None
+    if ts.rank != 0:
+        return None
+    state: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if k.startswith("lm."):
+            assert isinstance(v, torch.Tensor), f"{k}: a full model state dict holds tensors, not {type(v).__name__}"
+            state[k.removeprefix("lm.")] = v
+    return state
 
 
 def _write_hf(ts: TrainState, out: Path, state: dict[str, torch.Tensor] | None) -> None:
@@ -139,7 +146,8 @@ def save_checkpoint(ts: TrainState, directory: Path) -> Path:
 def _save_pt(obj: object, path: Path) -> None:
     """`torch.save` through the I/O plan (target `ckpt/<name>`): streamed, not buffered in memory."""
     with open_for_write(path, log=f"{LOG}/{path.name}") as f:
-        torch.save(obj, f)
+        # torch.save calls only write() and flush() of a file object; its annotation asks for IO[bytes]
+        torch.save(obj, cast(IO[bytes], f))
 
 
 def _rng_state(ts: TrainState) -> dict:
@@ -201,11 +209,12 @@ def load_checkpoint(ts: TrainState, directory: Path) -> tuple[int, int]:
     if ts.is_distributed:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
+            ValueType,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
 
-        full = {f"lm.{k}": v for k, v in lm_state.items()}
+        full: dict[str, ValueType] = {f"lm.{k}": v for k, v in lm_state.items()}
         if head_state is not None:
             full.update({f"value_head.{k}": v for k, v in head_state.items()})
         opts = StateDictOptions(full_state_dict=True, strict=False)

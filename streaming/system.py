@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import ray
 
@@ -40,6 +40,15 @@ if TYPE_CHECKING:
     from streamrl.streaming.heldout import Evaluator
 
 logger = logging.getLogger(__name__)
+
+
+class Accounting(TypedDict):
+    """RUN_DIR/accounting.json: I2 at the end of a run (`System.write_accounting`)."""
+
+    learner_step: int
+    stranded: list[str]  # resumable in the buffer, held by no worker
+    untracked: list[str]  # held by a worker, without a partial row in the buffer
+    resumable: list[str]
 
 
 @dataclass(kw_only=True)
@@ -339,7 +348,7 @@ class System:
                 await self._submit([data])
             return len(orphans)
 
-    async def write_accounting(self, attempts: int = 3) -> dict[str, list[str]]:
+    async def write_accounting(self, attempts: int = 3) -> Accounting:
         """I2 at the end of a run: park every worker, then the buffer's resumable trajectories must be
         exactly the ones the workers hold. Writes RUN_DIR/accounting.json (the chaos checker reads it).
 
@@ -371,7 +380,7 @@ class System:
             await asyncio.sleep(0.2)
             held = await self._held_ids(held)
             resumable = set(await self.buffer.resumable_ids())
-        report = {
+        report: Accounting = {
             "learner_step": self.state.learner_step,
             "stranded": sorted(resumable - held),
             "untracked": sorted(held - resumable),
@@ -503,7 +512,8 @@ def make_worker(system: System, worker_id: str) -> WorkerClient:
     from streamrl.streaming.actors.clients import WorkerClient
     from streamrl.streaming.actors.worker import RolloutWorkerActor
 
-    handle = RolloutWorkerActor.options(num_cpus=0.25, name=None).remote(
+    # @ray.remote makes RolloutWorkerActor an ActorClass; pyrefly types the decorated name as the plain class
+    handle = RolloutWorkerActor.options(num_cpus=0.25, name=None).remote(  # pyrefly: ignore[missing-attribute]
         worker_id, system.cfg, system.model_path, [e.handle for e in system.engines], system.buffer.handle
     )
     return WorkerClient(handle, timeout_s=system.timeout_s)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,8 +24,8 @@ from streamrl.core.aio import gather_within
 if TYPE_CHECKING:
     import torch
 
-    from streamrl.rollout.engine.base import InferenceEngine
     from streamrl.weight_sync.config import WeightSyncConfig
+    from streamrl.weight_sync.transport import SyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class LaggedWeights:
 class WeightPublisher:
     """Publishes named tensors as a policy_version to every engine; see the module docstring."""
 
-    def __init__(self, cfg: WeightSyncConfig, clients: list[InferenceEngine], workers: list[Any]) -> None:
+    def __init__(self, cfg: WeightSyncConfig, clients: Sequence[SyncEngine], workers: list[Any]) -> None:
         """`clients`: the engines, as engine clients named `engine-{i}` that know the served version
         (`streaming.actors.engine.engine_clients`); `workers`: the rollout-worker handles it pauses."""
         from streamrl.weight_sync.coordinator import WeightSyncCoordinator

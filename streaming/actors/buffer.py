@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from streamrl.buffer import arrow_compute as pc
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.schema import normalize_batch, trajectories_to_batch
 from streamrl.buffer.store import ReplayBuffer
@@ -209,4 +209,7 @@ def create_buffer_actor(
 
     options.setdefault("num_cpus", 0)
     options.setdefault("max_concurrency", 64)
-    return ray.remote(BufferActor).options(**options).remote(cfg, resume_learner_step)
+    handle = ray.remote(BufferActor).options(**options).remote(cfg, resume_learner_step)
+    # Ray types `remote()` as "a handle or the class itself" (so that method calls type-check); it is a handle
+    assert isinstance(handle, ray.actor.ActorHandle)
+    return handle
