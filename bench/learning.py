@@ -39,6 +39,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/learning_smollm2.toml"
 SYNC_OVERRIDES = ["trainer.sync_generation_groups=8", "buffer.max_staleness=0", "buffer.over_age=evict"]
+# The same 32 trajectories in flight as sync's round: AReaL's capacity (max_staleness + 1) x batch_size
+# = 8 x 4 (with max_staleness 2 async keeps only 3 groups in flight, and the DAPO filter, which drops
+# most groups at the start, starves the learner: the first measurement, `async_staleness2` in the JSON).
+ASYNC_OVERRIDES = ["buffer.max_staleness=7"]
 
 
 def train(
@@ -69,6 +73,12 @@ def train(
             stderr=subprocess.STDOUT,
         ).returncode
     return root / name, time.monotonic() - t0, rc
+
+
+def finished_wall_s(run_dir: Path) -> float:
+    """A finished run's wall time from its own record: the run's elapsed time at its last metrics line."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return float(json.loads(lines[-1])["elapsed_s"]) if lines else 0.0
 
 
 def curve(run_dir: Path) -> list[dict[str, Any]]:
@@ -197,6 +207,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=SYNC_OVERRIDES,
         help="config overrides for the sync runs only (default: verl-style generation rounds)",
     )
+    parser.add_argument(
+        "--async-overrides",
+        nargs="*",
+        default=ASYNC_OVERRIDES,
+        help="config overrides for the async runs only (default: as many trajectories in flight as sync)",
+    )
+    parser.add_argument(
+        "--reuse-finished",
+        action="store_true",
+        help="with --keep: a <mode>-s<seed> run already finished there is read, not trained again",
+    )
     parser.add_argument("--out", default=str(REPO / "bench/results/learning.json"))
     parser.add_argument("--plot", default=None, help="default: the --out path with .png")
     parser.add_argument("--keep", default=None, help="keep the run directories in this folder")
@@ -220,12 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     for seed in args.seeds:
         for mode in args.modes:  # interleaved, so a slow spell of the machine touches both modes alike
-            if args.from_runs:
-                run_dir, wall, rc = Path(args.from_runs) / f"{mode}-s{seed}", 0.0, 0
+            done_dir = Path(args.from_runs or args.keep or root) / f"{mode}-s{seed}"
+            if args.from_runs or (args.reuse_finished and (done_dir / "accounting.json").exists()):
+                run_dir, wall, rc = done_dir, finished_wall_s(done_dir), 0
                 if not (run_dir / "accounting.json").exists():
                     continue  # not finished: left out
             else:
-                overrides = args.overrides + (args.sync_overrides if mode == "sync" else [])
+                overrides = args.overrides + (args.sync_overrides if mode == "sync" else args.async_overrides)
                 run_dir, wall, rc = train(
                     args.config, mode, seed, root, args.steps, args.eval_every, overrides, root / "train.log"
                 )
@@ -239,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": args.config,
         "overrides": args.overrides,
         "sync_overrides": args.sync_overrides,
+        "async_overrides": args.async_overrides,
         "steps": args.steps,
         "eval_every": args.eval_every,
         "seeds": args.seeds,
