@@ -102,7 +102,8 @@ def batch_size(config: str) -> int:
 def write_env_config(root: Path, env: dict, seed: int) -> Path:
     path = root / f"latency_env_seed{seed}.yaml"
     lines = "".join(f"      {k}: {v}\n" for k, v in {**env, "seed": seed}.items())
-    path.write_text(f"interaction:\n  - name: latency_env\n    config:\n{lines}")
+    cls = "streamrl.workloads.interactions.latency_env.LatencyEnvironment"
+    path.write_text(f"interaction:\n  - name: latency_env\n    class_name: {cls}\n    config:\n{lines}")
     return path
 
 

@@ -126,7 +126,7 @@ def _ledger_tools(root: Path, run_dir: Path, run_name: str) -> list[str]:
     calculator's name, its ledger in the run directory."""
     path = root / f"{run_name}.tools.yaml"
     path.write_text(
-        "tools:\n  - name: calculator\n    class_name: streamrl.rollout.tools.ledger:LedgerCalculator\n"
+        "tools:\n  - name: calculator\n    class_name: streamrl.workloads.tools.ledger:LedgerCalculator\n"
         f"    config: {{ledger_path: {json.dumps(str(run_dir / TOOL_LEDGER))}}}\n"
     )
     return [f"rollout.agent.tool_config={path}"]

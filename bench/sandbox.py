@@ -2,7 +2,7 @@
 
     python -m bench.sandbox [--isolation auto] [--bwrap PATH] [--out bench/results/sandbox.json]
 
-Runs every attempt of `rollout/tools/sandbox_escapes.py` (network, files outside the workdir, env
+Runs every attempt of `workloads/tools/sandbox_escapes.py` (network, files outside the workdir, env
 secrets, killing the parent, fork/memory/output/disk bombs, infinite loops, regaining privileges)
 through `CodeInterpreterTool.execute` with the layer the start-up probe picks, and records for each
 whether it was blocked (judged from outside the sandbox where the effect is observable there), the
@@ -29,7 +29,7 @@ from typing import Any
 
 from bench.machine import machine
 from streamrl.rollout.tools.code_interpreter import CodeInterpreterTool
-from streamrl.rollout.tools.sandbox_escapes import (
+from streamrl.workloads.tools.sandbox_escapes import (
     ATTEMPTS,
     Harness,
     escape_tool_config,

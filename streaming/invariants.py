@@ -112,7 +112,7 @@ def check_run(run_dir: str | Path) -> InvariantReport:
     if ledger.exists():
         from collections import Counter
 
-        from streamrl.rollout.tools.ledger import read_ledger
+        from streamrl.workloads.tools.ledger import read_ledger
 
         lines = read_ledger(ledger)
         report.tool_calls_executed = len(lines)

@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TOP = ("buffer", "core", "learner", "models", "observability", "rollout", "streaming", "weight_sync")
+TOP = ("buffer", "core", "learner", "models", "observability", "rollout", "streaming", "weight_sync", "workloads")
 BARE = re.compile(rf"^\s*(from|import) ({'|'.join(TOP)})(\.|\s|$)", re.M)
 
 
@@ -49,11 +49,19 @@ def test_the_namespace_imports_outside_the_checkout_and_the_bare_names_do_not(tm
 # Layers, bottom first: a package imports only itself and the packages before it. `core` is the
 # ground floor (primitives every package may use); `streaming` (the driver, the CLI, the Ray actors)
 # is the top and may import everything.
-LAYERS = ("core", "models", "rollout", "buffer", "learner", "weight_sync", "observability", "streaming")
+LAYERS = ("core", "models", "rollout", "workloads", "buffer", "learner", "weight_sync", "observability", "streaming")
 # What a library package may use of another library package: its interface, not a primitive that
 # happens to live there (primitives belong in `core`). `streaming` is not listed: it wires everything.
 INTERFACES = {
     ("rollout", "models"): {"models", "models.multimodal"},  # resolve_model, templates, image processing
+    ("workloads", "rollout"): {  # example tools and environments: the tool and interaction interfaces
+        "rollout.interactions.base",
+        "rollout.tools.base",
+        "rollout.tools.calculator",
+        "rollout.tools.executor",
+        "rollout.tools.sandbox.stages",
+        "rollout.tools.schema",
+    },
     ("buffer", "rollout"): {"rollout.types"},  # the records the buffer stores
     ("learner", "models"): {"models", "models.multimodal"},
     ("weight_sync", "rollout"): {"rollout.engine.base", "rollout.engine.vllm_compat"},  # the engines it updates

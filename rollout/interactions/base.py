@@ -91,7 +91,7 @@ def register_interaction(name: str) -> Callable[[type[BaseInteraction]], type[Ba
 
 
 def _builtin(name: str) -> type[BaseInteraction]:
-    from streamrl.rollout.interactions import latency_env, math_feedback  # noqa: F401 (registers the built-ins)
+    from streamrl.rollout.interactions import math_feedback  # noqa: F401 (registers the built-in)
 
     return INTERACTIONS.get(name, hint=", or give `class_name`")
 

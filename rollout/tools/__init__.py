@@ -7,13 +7,11 @@ from streamrl.rollout.tools.calculator import CalculatorTool, evaluate_expressio
 from streamrl.rollout.tools.config import load_tool_config
 from streamrl.rollout.tools.executor import ToolRegistry
 from streamrl.rollout.tools.schema import OpenAIFunctionToolSchema
-from streamrl.rollout.tools.sleep_tool import SleepTool
 
 __all__ = [
     "BaseTool",
     "CalculatorTool",
     "OpenAIFunctionToolSchema",
-    "SleepTool",
     "ToolExecution",
     "ToolRegistry",
     "evaluate_expression",

@@ -20,7 +20,7 @@ an interrupted call may be re-run, and `instance_id_param` names a parameter tha
 trajectory id:
 
     tools:
-      - function: streamrl.rollout.tools.examples:word_count
+      - function: streamrl.workloads.tools.examples:word_count
         idempotent: true
       - function: my_pkg.search:search
         name: web_search
@@ -33,7 +33,7 @@ built, and its `tools/list` gives the schemas. Everything about the server goes 
 
     tools:
       - mcp:
-          module: streamrl.rollout.tools.mcp_example_server
+          module: streamrl.workloads.tools.mcp_example_server
           include: [add, echo]        # or exclude: [...]; default: every tool the server lists
           prefix: "demo_"             # the model sees demo_add, demo_echo
           idempotent: [add]           # or true for all; default false
@@ -59,11 +59,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from streamrl.rollout.tools.base import BaseTool
 from streamrl.rollout.tools.executor import DEFAULT_MAX_RESULT_CHARS, ToolRegistry
 from streamrl.rollout.tools.function import FunctionTool
-from streamrl.rollout.tools.mcp_toolset import MCPServerConfig, MCPToolset, close_toolsets  # the SDK loads lazily
+from streamrl.rollout.tools.mcp import MCPServerConfig, MCPToolset, close_toolsets  # the SDK loads lazily
 
 BUILTIN_TOOLS: dict[str, str] = {
     "calculator": "streamrl.rollout.tools.calculator:CalculatorTool",
-    "sleep": "streamrl.rollout.tools.sleep_tool:SleepTool",
+    "sleep": "streamrl.workloads.tools.sleep_tool:SleepTool",
 }
 
 

@@ -337,7 +337,7 @@ class ToolRegistry:
     def metrics(self) -> dict[str, float]:
         """Cumulative counters, namespaced for the run's metrics stream (with an MCP toolset, its
         connection counters too)."""
-        from streamrl.rollout.tools.mcp_toolset import mcp_counters, toolsets
+        from streamrl.rollout.tools.mcp import mcp_counters, toolsets
 
         out = self._call_counters()
         if toolsets(self.tools.values()):
@@ -354,7 +354,7 @@ class ToolRegistry:
 
     def close(self) -> None:
         """Stop what the tools started (MCP servers, running sandboxes); the worker's shutdown calls it."""
-        from streamrl.rollout.tools.mcp_toolset import close_toolsets
+        from streamrl.rollout.tools.mcp import close_toolsets
 
         for tool in self.tools.values():
             tool.close()

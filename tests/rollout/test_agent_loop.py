@@ -270,7 +270,15 @@ async def test_turn_cut_by_per_turn_budget_still_reaches_the_environment(tiny_to
     ctx = make_ctx(tok, FakeEngine(script=script))
     ctx.tools = None
     ctx.interactions = load_interaction_config(
-        {"interaction": [{"name": "latency_env", "config": {"latency_s": 0.0, "num_turns": 2}}]}
+        {
+            "interaction": [
+                {
+                    "name": "latency_env",
+                    "class_name": "streamrl.workloads.interactions.latency_env.LatencyEnvironment",
+                    "config": {"latency_s": 0.0, "num_turns": 2},
+                }
+            ]
+        }
     )
     data = new_data()
     data.interaction_name = "latency_env"

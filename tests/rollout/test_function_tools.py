@@ -14,13 +14,13 @@ import pytest
 
 from streamrl.rollout.tools import ToolRegistry, load_tool_config
 from streamrl.rollout.tools.base import ToolExecution
-from streamrl.rollout.tools.examples import lookup_constant, word_count
 from streamrl.rollout.tools.function import (
     FunctionTool,
     function_schema,
     parse_docstring,
 )
 from streamrl.rollout.types import ToolCall
+from streamrl.workloads.tools.examples import lookup_constant, word_count
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tools"
 HERE = "tests.rollout.test_function_tools"
@@ -478,7 +478,7 @@ def test_bad_bound_and_explicit_schemas_fail_at_build_time():
             {"function": f"{HERE}:shout", "class_name": "streamrl.rollout.tools.calculator.CalculatorTool"},
             "tool #0 (streamrl.rollout.tools.calculator.CalculatorTool): give either `class_name`",
         ),
-        ({"function": "streamrl.rollout.tools.examples:CONSTANTS"}, "is a dict, not a function"),
+        ({"function": "streamrl.workloads.tools.examples:CONSTANTS"}, "is a dict, not a function"),
         ({"function": "streamrl.rollout.tools.calculator:CalculatorTool"}, "is a class, not a function"),
         ({"function": "no_such_pkg.mod:fn"}, "tool #0 (no_such_pkg.mod:fn): cannot import module 'no_such_pkg.mod'"),
         ({"function": f"{HERE}:no_such_fn"}, f"module '{HERE}' has no attribute 'no_such_fn'"),

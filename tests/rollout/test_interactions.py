@@ -8,7 +8,7 @@ import pytest
 
 from streamrl.rollout.interactions import BaseInteraction, MathFeedbackInteraction, load_interaction_config
 from streamrl.rollout.interactions.base import num_replies
-from streamrl.rollout.interactions.latency_env import LatencyEnvironment
+from streamrl.workloads.interactions.latency_env import LatencyEnvironment
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "interactions" / "math_feedback.yaml"
 

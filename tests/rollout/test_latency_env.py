@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from streamrl.rollout.interactions.latency_env import LatencyEnvironment
+from streamrl.workloads.interactions.latency_env import LatencyEnvironment
 
 
 def test_lognormal_latency_has_the_configured_median_and_tail():

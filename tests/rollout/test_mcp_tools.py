@@ -1,4 +1,4 @@
-"""MCP toolsets against the real SDK and the example server (rollout/tools/mcp_example_server.py):
+"""MCP toolsets against the real SDK and the example server (workloads/tools/mcp_example_server.py):
 listing and exact schemas, calls through the registry's fault boundary, error results, timeouts,
 restart after a crash, streamable HTTP, config errors, that no server process outlives close, and
 image results: the server's PNG bytes reach the `ToolExecution`, the worker's image store and, through
@@ -24,7 +24,7 @@ import pytest
 
 from streamrl.rollout.tools import ToolRegistry, load_tool_config
 from streamrl.rollout.tools.base import ToolExecution
-from streamrl.rollout.tools.mcp_toolset import (
+from streamrl.rollout.tools.mcp import (
     MCPCounters,
     MCPTool,
     MCPToolset,
@@ -38,7 +38,7 @@ from streamrl.rollout.tools.mcp_toolset import (
 )
 from streamrl.rollout.types import ToolCall
 
-SERVER = "streamrl.rollout.tools.mcp_example_server"
+SERVER = "streamrl.workloads.tools.mcp_example_server"
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tools"
 pytestmark = pytest.mark.timeout(60)
 
@@ -280,7 +280,7 @@ def test_a_name_clash_closes_the_servers_already_started():
     before = _toolset_threads()
     entries = [
         {"mcp": {"module": SERVER, "include": ["echo"]}},
-        {"function": "streamrl.rollout.tools.examples:word_count", "name": "echo"},
+        {"function": "streamrl.workloads.tools.examples:word_count", "name": "echo"},
     ]
     with pytest.raises(ValueError, match="two tools are named 'echo'"):
         load_tool_config({"tools": entries})
@@ -535,7 +535,7 @@ async def test_a_garbage_collected_toolset_stops_its_server():
 
 MCP_PARENT = """
 import sys, time
-from streamrl.rollout.tools.mcp_toolset import MCPToolset
+from streamrl.rollout.tools.mcp import MCPToolset
 toolset = MCPToolset({"command": "sh", "args": ["-c", sys.argv[1]]})
 toolset.tools()
 print("listed", flush=True)

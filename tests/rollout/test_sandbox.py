@@ -1,5 +1,5 @@
 """The code-interpreter sandbox: fail-closed probe, limits, capped output, stateful cells, restore from
-the journal, and the escape catalogue (rollout/tools/sandbox_escapes.py), each attempt blocked.
+the journal, and the escape catalogue (workloads/tools/sandbox_escapes.py), each attempt blocked.
 
 The namespace tests are skipped, with the probe's reasons, only on a machine where neither bwrap nor
 unprivileged user namespaces work. A bwrap binary outside PATH can be tested with STREAMRL_TEST_BWRAP.
@@ -35,17 +35,17 @@ from streamrl.rollout.tools.sandbox import (
     _execute,
     probe,
 )
-from streamrl.rollout.tools.sandbox_escapes import (
-    ATTEMPTS,
-    Harness,
-    escape_tool_config,
-    run_attempt,
-)
 from streamrl.rollout.types import (
     ToolCall,
     ToolCallStatus,
     ToolJournalEntry,
     ToolResult,
+)
+from streamrl.workloads.tools.sandbox_escapes import (
+    ATTEMPTS,
+    Harness,
+    escape_tool_config,
+    run_attempt,
 )
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tools"

@@ -20,10 +20,10 @@ import time
 
 import pytest
 
-from streamrl.rollout.tools import sandbox_reaper
 from streamrl.rollout.tools.code_interpreter import CodeInterpreterTool
 from streamrl.rollout.tools.sandbox import DEFAULT_MAX_CONCURRENT, SLOTS, Sandbox, SandboxLimits, SandboxSettings
-from streamrl.rollout.tools.sandbox_stages import HOSTNAME, MASKED_PROC
+from streamrl.rollout.tools.sandbox import reaper as sandbox_reaper
+from streamrl.rollout.tools.sandbox.stages import HOSTNAME, MASKED_PROC
 from tests.rollout.test_sandbox import (  # noqa: F401 (_adopt_orphans: the module's subreaper fixture)
     FAST,
     NAMESPACED,

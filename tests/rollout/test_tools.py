@@ -10,7 +10,6 @@ import pytest
 
 from streamrl.rollout.tools import (
     CalculatorTool,
-    SleepTool,
     ToolRegistry,
     evaluate_expression,
     format_number,
@@ -20,6 +19,7 @@ from streamrl.rollout.tools.base import BaseTool, ToolExecution
 from streamrl.rollout.tools.calculator import CalculatorConfig, CalculatorError
 from streamrl.rollout.tools.schema import OpenAIFunctionToolSchema
 from streamrl.rollout.types import ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
+from streamrl.workloads.tools.sleep_tool import SleepTool
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tools"
 
@@ -363,7 +363,7 @@ def test_schema_requires_declared_required_arguments():
 def _ledger_registry(tmp_path: Path) -> ToolRegistry:
     yaml_path = tmp_path / "tools.yaml"
     yaml_path.write_text(
-        "tools:\n  - name: calculator\n    class_name: streamrl.rollout.tools.ledger:LedgerCalculator\n"
+        "tools:\n  - name: calculator\n    class_name: streamrl.workloads.tools.ledger:LedgerCalculator\n"
         f"    config: {{ledger_path: '{tmp_path / 'ledger.jsonl'}'}}\n"
     )
     return load_tool_config(yaml_path)
@@ -371,7 +371,7 @@ def _ledger_registry(tmp_path: Path) -> ToolRegistry:
 
 def test_ledger_calculator_records_every_execution_under_its_call_id(tmp_path):
     from streamrl.rollout.tools.executor import current_call
-    from streamrl.rollout.tools.ledger import read_ledger
+    from streamrl.workloads.tools.ledger import read_ledger
 
     reg = _ledger_registry(tmp_path)
     assert not reg.is_idempotent("calculator")  # so the agent loop journals and snapshots its calls
@@ -391,7 +391,7 @@ def test_ledger_calculator_records_every_execution_under_its_call_id(tmp_path):
 
 
 def test_on_executed_fires_after_the_side_effect_and_before_the_result(tmp_path):
-    from streamrl.rollout.tools.ledger import read_ledger
+    from streamrl.workloads.tools.ledger import read_ledger
 
     reg = _ledger_registry(tmp_path)
     seen = []

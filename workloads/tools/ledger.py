@@ -13,7 +13,7 @@ the calculator calls it:
 
     tools:
       - name: calculator
-        class_name: streamrl.rollout.tools.ledger:LedgerCalculator
+        class_name: streamrl.workloads.tools.ledger:LedgerCalculator
         config: {ledger_path: /abs/path/tool_ledger.jsonl}
 """
 

@@ -7,8 +7,8 @@ look like to the client) it has the failure modes a client must survive: `fail` 
 answers `isError`), `crash` kills the server process mid-call (the client must report that call and
 reconnect for the next one), and `slow` sleeps (timeouts). `pid` tells a test which process served it.
 
-    python -m streamrl.rollout.tools.mcp_example_server              # stdio (what `command:` runs)
-    python -m streamrl.rollout.tools.mcp_example_server --http 8765  # streamable HTTP on 127.0.0.1
+    python -m streamrl.workloads.tools.mcp_example_server              # stdio (what `command:` runs)
+    python -m streamrl.workloads.tools.mcp_example_server --http 8765  # streamable HTTP on 127.0.0.1
 
 The HTTP transport binds 127.0.0.1 only: these tools are for a trainer on the same machine.
 """

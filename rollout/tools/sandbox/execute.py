@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from streamrl.core.aio import observe_outcome
-from streamrl.rollout.tools.sandbox_reaper import SandboxRegistry
-from streamrl.rollout.tools.sandbox_stages import _MARKER, SETUP_FAILED, SIGNAL_BASE
+from streamrl.rollout.tools.sandbox.reaper import SandboxRegistry
+from streamrl.rollout.tools.sandbox.stages import _MARKER, SETUP_FAILED, SIGNAL_BASE
 
 if TYPE_CHECKING:
     from streamrl.rollout.tools.sandbox import SandboxSettings

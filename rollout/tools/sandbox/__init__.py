@@ -64,15 +64,17 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from streamrl.rollout.tools import sandbox_cgroup, sandbox_reaper, sandbox_stages
-from streamrl.rollout.tools.sandbox_exec import (  # noqa: F401 (re-exported)
+from streamrl.rollout.tools.sandbox import cgroup as sandbox_cgroup
+from streamrl.rollout.tools.sandbox import reaper as sandbox_reaper
+from streamrl.rollout.tools.sandbox import stages as sandbox_stages
+from streamrl.rollout.tools.sandbox.execute import (  # noqa: F401 (re-exported)
     SAFE_PATH,
     SandboxResult,
     _CappedStream,
     _execute,
     _killpg,
 )
-from streamrl.rollout.tools.sandbox_stages import HOSTNAME, WORKSPACE
+from streamrl.rollout.tools.sandbox.stages import HOSTNAME, WORKSPACE
 from streamrl.rollout.tools.slots import Slots
 
 logger = logging.getLogger(__name__)

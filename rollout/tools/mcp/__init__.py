@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from streamrl.rollout.tools.base import BaseTool, ToolExecution
-from streamrl.rollout.tools.mcp_convert import (  # noqa: F401 (re-exported)
+from streamrl.rollout.tools.mcp.convert import (  # noqa: F401 (re-exported)
     openai_parameters,
     result_execution,
     result_text,

@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from streamrl.rollout.tools import sandbox_cgroup
+from streamrl.rollout.tools.sandbox import cgroup as sandbox_cgroup
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.rollout.tools.base import ToolExecution
-from streamrl.rollout.tools.sandbox_stages import HOSTNAME
+from streamrl.rollout.tools.sandbox.stages import HOSTNAME
 
 SECRET_ENV = "STREAMRL_FAKE_API_KEY"
 PROJECT_FILE = Path(__file__).resolve().parents[2] / "pyproject.toml"  # a real file of the repository

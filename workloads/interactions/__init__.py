@@ -1,0 +1,1 @@
+"""Example interactions for tests and benchmarks."""

@@ -1,0 +1,1 @@
+"""Example tools for tests, benchmarks and demos."""
