@@ -40,6 +40,8 @@ from streamrl.rollout.gateway.session import Session, call_key
 
 logger = logging.getLogger(__name__)
 
+STOP_GRACE_S = 2.0  # `stop` lets calls in flight finish this long, then cancels them
+
 
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn inside a process that owns its signals (a Ray actor, a test): it must not take them."""
@@ -70,7 +72,14 @@ class GatewayServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.cfg.host, self.cfg.port))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, lifespan="off", access_log=False, log_level="warning", timeout_keep_alive=30)
+        config = uvicorn.Config(
+            self.app,
+            lifespan="off",
+            access_log=False,
+            log_level="warning",
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=STOP_GRACE_S,
+        )
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="gateway-server")
         while not self._server.started:
@@ -81,9 +90,16 @@ class GatewayServer:
         logger.info("gateway listening on http://%s:%d", self.cfg.host, self.port)
 
     async def stop(self) -> None:
+        """Stop listening; calls still in flight after `STOP_GRACE_S` are cancelled (their clients see
+        the connection drop and may retry against the trajectory's next attempt)."""
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
-            await self._task
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), STOP_GRACE_S + 3.0)
+            except TimeoutError:
+                self._server.force_exit = True
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
             self._server = self._task = None
 
     def base_url(self, session: Session) -> str:

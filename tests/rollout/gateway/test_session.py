@@ -133,3 +133,25 @@ async def test_a_weight_sync_mid_call_parks_in_place_and_the_call_completes(make
     assert data.behavior_logprobs == [fake_logprob(len(data.prompt_ids) + i, t) for i, t in enumerate(target)]
     assert gw.session.state.num_interrupts == 1 and len(engine.requests_seen) == 2
     assert engine.requests_seen[1][1] == data.prompt_ids + target[:k]  # resumed from prompt + tokens so far
+
+
+async def test_a_non_canonical_sample_is_kept_and_the_next_turn_extends_it(make_gateway, tiny_tokenizer):
+    """The engine may sample a tokenization the tokenizer would never produce; re-encoding the history
+    would change it. The session matches the conversation by messages, keeps the engine's ids, and
+    templates only the new user turn."""
+    tok = tiny_tokenizer
+    text = "The answer is 84."
+    odd = [i for ch in text for i in tok.encode(ch, add_special_tokens=False)] + [tok.eos_token_id]
+    assert odd[:-1] != tok.encode(text, add_special_tokens=False)  # really not what re-encoding gives
+    again = tok.encode("Yes.", add_special_tokens=False) + [tok.eos_token_id]
+    gw = await make_gateway(script=[odd, again])
+    client = gw.openai()
+    first = await client.chat.completions.create(model="p", messages=USER)
+    assert first.choices[0].message.content == text
+    follow = [*USER, {"role": "assistant", "content": text}, {"role": "user", "content": "Sure?"}]
+    await client.chat.completions.create(model="p", messages=follow)
+    gw.session.finish()
+    assert gw.session.state.num_forks == 0
+    assert sampled_runs(gw.data) == [odd, again]
+    obs = gw.ctx.encoder.encode_new_messages([{"role": "user", "content": "Sure?"}])
+    assert gw.data.response_ids == odd + obs + again
