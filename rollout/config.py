@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from streamrl.rollout.engine.config import EngineConfig
+from streamrl.rollout.gateway.config import GatewayConfig
 
 
 class SamplingConfig(BaseModel):
@@ -42,6 +43,7 @@ class AgentConfig(BaseModel):
     # fails its trajectory (rollout/agent_loop/scoring.py).
     reward_timeout_s: float = Field(30.0, gt=0)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    gateway: GatewayConfig | None = None  # the `gateway` agent loop's server and user program (docs/gateway.md)
 
 
 class RolloutConfig(BaseModel):

@@ -197,6 +197,9 @@ class AgentData(BaseModel):
     # worker again after its previous holder died (`System.resubmit_orphans`). Every row carries it;
     # the buffer refuses rows of an attempt older than the newest it holds (`buffer.groups`).
     attempt: int = Field(default=0, ge=0)
+    # A gateway session's state (`rollout.gateway.session.GatewayState` as JSON: journal of answered
+    # calls, forked segments, pending choices); None for every other agent loop.
+    gateway: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return self.model_dump_json()

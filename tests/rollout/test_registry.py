@@ -31,7 +31,7 @@ def test_the_four_registries_are_registries():
     from streamrl.rollout.parsers import get_parser
 
     get_parser("hermes")  # registers the parsers
-    assert LOOPS.names() == ["single_turn_agent", "tool_agent"]
+    assert LOOPS.names() == ["gateway", "single_turn_agent", "tool_agent"]
     assert {"hermes", "gpt-oss", "harmony"} <= set(PARSERS.names())
     assert {"math_answer"} <= set(REWARDS.names())
     assert all(isinstance(r, Registry) for r in (LOOPS, PARSERS, INTERACTIONS, REWARDS))

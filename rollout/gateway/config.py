@@ -1,0 +1,46 @@
+"""The gateway's configuration (`rollout.agent.gateway`): where it listens, what it accepts, and which user
+program the `gateway` agent loop runs per sample.
+
+Pure data (pydantic, no web framework imported): `rollout/config.py` embeds it in `AgentConfig`, and a
+run's config file spells it under `[rollout.agent.gateway]`. Nothing here survives a crash or needs to:
+the config is re-read from the run's config on resume.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class GatewayConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # --- the server (one per rollout worker process, shared by its gateway loops) ---
+    host: str = "127.0.0.1"  # loopback by default: the agent runs next to the worker
+    port: int = Field(0, ge=0, le=65535)  # 0: an ephemeral port, chosen at start
+    api_key: str | None = None  # the per-run bearer token; None: a random one per server start
+    model_name: str = "policy"  # what `GET /v1/models` lists; requests may name any model
+    max_request_bytes: int = Field(4 * 1024 * 1024, gt=0)  # larger bodies get 413
+    max_choices: int = Field(8, gt=0)  # the largest `n` a request may ask for
+    # False: the run's `rollout.agent.sampling` applies and a request's temperature / top_p / top_k are
+    # ignored, so behaviour log-probs are those of the distribution the learner corrects against.
+    honor_request_sampling: bool = False
+
+    # --- the user program (exactly one of `program` and `command`) ---
+    # `package.module:function`, an async (or sync) `run(base_url, api_key, sample) -> reward | None`.
+    program: str | None = None
+    # A command line run per sample with STREAMRL_BASE_URL / OPENAI_BASE_URL / OPENAI_API_KEY /
+    # ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY / STREAMRL_SAMPLE (JSON) in its environment; its reward is
+    # the last stdout line when that parses as a number, else the reward function's.
+    command: list[str] | None = None
+    timeout_s: float = Field(600.0, gt=0)  # a program still running after this fails its trajectory
+    # Make every answered call durable (`AgentContext.snapshot`, a flushed partial row) before its
+    # response is sent. Off: retries are still answered from the journal within this process.
+    durable_journal: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> GatewayConfig:
+        if self.program is not None and self.command is not None:
+            raise ValueError("rollout.agent.gateway: set `program` or `command`, not both")
+        if self.command is not None and not self.command:
+            raise ValueError("rollout.agent.gateway.command must name a program")
+        return self

@@ -1,0 +1,195 @@
+"""`GatewayAgentLoop` (agent name `gateway`): trains an existing agent program unchanged.
+
+Per sample the loop opens a gateway session for the trajectory, runs the configured user program
+against the session's base URL and bearer token, and when the program returns turns the session's
+token record into the trajectory (`session.py`). The program is either
+
+- `rollout.agent.gateway.program = "package.module:run"`: `run(base_url, api_key, sample)`, async (run
+  on the worker's event loop, cancelled at the timeout) or sync (run in a thread; a sync program past
+  its timeout fails the trajectory but its thread runs on), returning the reward or None; or
+- `rollout.agent.gateway.command = [...]`: a child process (its own process group, killed at the
+  timeout) with the URLs, the token and the sample (JSON) in its environment; the last line of its
+  stdout is the reward when it parses as a number.
+
+The reward is the program's, or when it gives none the configured reward function's on the final
+conversation (the session's messages, the final answer included). A program that raises fails the
+trajectory, unless a call of it was refused for the context budget: then the trajectory finishes with
+finish reason `length` and the reward function scores it.
+
+A weight sync never parks this loop: its state is INTERACTING while the program runs (the worker's
+pause only waits for its engine requests, which park in place inside the session), so the program
+keeps running and its calls only take longer. On a crash the program dies with the worker; the
+trajectory resumes from its last durable snapshot (every answered call, when `durable_journal`) in a
+new attempt: the program runs again from the start, and its calls that repeat journaled ones are
+answered from the journal (`Session.lookup`) instead of being sampled again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import os
+import signal
+from typing import Any
+
+from streamrl.rollout.agent_loop.base import AgentLoopBase, register
+from streamrl.rollout.agent_loop.scoring import finite
+from streamrl.rollout.gateway.config import GatewayConfig
+from streamrl.rollout.gateway.session import Session
+from streamrl.rollout.types import AgentData, AgentState, FinishReason
+
+logger = logging.getLogger(__name__)
+
+_SERVERS: dict[int, tuple[Any, Any]] = {}  # id(AgentContext) -> (context, GatewayServer)
+_LOCK: asyncio.Lock | None = None
+
+
+async def gateway_server(ctx: Any, cfg: GatewayConfig) -> Any:
+    """The worker's gateway server (started on first use, on the running event loop)."""
+    global _LOCK
+    from streamrl.rollout.gateway.server import GatewayServer
+
+    if _LOCK is None:
+        _LOCK = asyncio.Lock()
+    async with _LOCK:
+        entry = _SERVERS.get(id(ctx))
+        if entry is not None and entry[0] is ctx:
+            return entry[1]
+        server = GatewayServer(cfg)
+        await server.start()
+        _SERVERS[id(ctx)] = (ctx, server)
+        return server
+
+
+async def close_gateway(ctx: Any) -> None:
+    """Stop the context's gateway server (worker shutdown, tests)."""
+    entry = _SERVERS.pop(id(ctx), None)
+    if entry is not None:
+        await entry[1].stop()
+
+
+def sample_of(data: AgentData, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the program is given about its sample (JSON-able)."""
+    return {
+        "trajectory_id": data.trajectory_id,
+        "group_id": data.group_id,
+        "sample_index": data.sample_index,
+        "attempt": data.attempt,
+        "messages": messages,
+        "ground_truth": data.ground_truth,
+        "data_source": data.data_source,
+        "raw_ground_truth": data.raw_ground_truth,
+        "extra_info": data.extra_info,
+        "tools_kwargs": data.tools_kwargs,
+    }
+
+
+class ProgramError(RuntimeError):
+    """The user program failed (raised, exited non-zero, or ran past its timeout)."""
+
+
+async def run_program(cfg: GatewayConfig, base_url: str, api_key: str, sample: dict[str, Any]) -> float | None:
+    """Run the configured program once; returns its reward (None: none given)."""
+    if cfg.command is not None:
+        return await _run_command(cfg, base_url, api_key, sample)
+    if cfg.program is None:
+        raise ValueError("rollout.agent.gateway needs a `program` or a `command` for the gateway agent loop")
+    from streamrl.rollout.tools.config import import_object
+
+    fn = import_object(cfg.program)
+    if inspect.iscoroutinefunction(fn):
+        coro = fn(base_url, api_key, sample)
+    else:
+        coro = asyncio.to_thread(fn, base_url, api_key, sample)
+    try:
+        result = await asyncio.wait_for(coro, cfg.timeout_s)
+    except TimeoutError:
+        raise ProgramError(f"program {cfg.program} did not return within {cfg.timeout_s:g} s") from None
+    return None if result is None else finite(f"the reward of program {cfg.program}", result)
+
+
+async def _run_command(cfg: GatewayConfig, base_url: str, api_key: str, sample: dict[str, Any]) -> float | None:
+    assert cfg.command is not None
+    root = base_url.removesuffix("/v1")
+    env = os.environ | {
+        "STREAMRL_BASE_URL": base_url,
+        "STREAMRL_API_KEY": api_key,
+        "OPENAI_BASE_URL": base_url,
+        "OPENAI_API_KEY": api_key,
+        "ANTHROPIC_BASE_URL": root,
+        "ANTHROPIC_API_KEY": api_key,
+        "STREAMRL_SAMPLE": json.dumps(sample),
+    }
+    proc = await asyncio.create_subprocess_exec(
+        *cfg.command,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), cfg.timeout_s)
+    except TimeoutError:
+        raise ProgramError(f"command {cfg.command[0]} did not exit within {cfg.timeout_s:g} s") from None
+    finally:
+        if proc.returncode is None:  # timed out or cancelled: the program's whole process group goes
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    if proc.returncode != 0:
+        tail = err.decode(errors="replace")[-500:]
+        raise ProgramError(f"command {cfg.command[0]} exited with {proc.returncode}: {tail}")
+    lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
+    try:
+        value = float(lines[-1]) if lines else None
+    except ValueError:
+        return None
+    return None if value is None else finite(f"the reward of command {cfg.command[0]}", value)
+
+
+@register("gateway")
+class GatewayAgentLoop(AgentLoopBase):
+    async def _run(self, data: AgentData) -> None:
+        cfg = self.ctx.cfg.gateway
+        if cfg is None:
+            raise ValueError("the gateway agent loop needs rollout.agent.gateway (a program or a command)")
+        server = await gateway_server(self.ctx, cfg)
+        session = Session(self.ctx, data, cfg, honor_sampling=cfg.honor_request_sampling)
+        state = session.state
+        if data.state is AgentState.PENDING:
+            state.sample_messages = list(data.messages)
+        else:  # a resume in another attempt: the program starts over, the journal answers its repeats
+            state.num_restarts += 1
+            state.attempt = data.attempt
+        data.state = AgentState.INTERACTING
+        session.save()
+        server.add(session)
+        finish = FinishReason.STOP
+        try:
+            reward = await run_program(
+                cfg, server.base_url(session), server.api_key, sample_of(data, state.sample_messages)
+            )
+        except Exception as exc:
+            if session.failed is not None:
+                raise session.failed from exc
+            if not state.length_exceeded:
+                raise
+            logger.info("trajectory %s: program ended after a refused over-long call: %r", data.trajectory_id, exc)
+            reward, finish = None, FinishReason.LENGTH
+        finally:
+            server.remove(session)
+        if session.failed is not None:
+            raise session.failed
+        async with session.lock:
+            session.finish()
+        if not data.prompt_ids:
+            raise ProgramError(f"program of trajectory {data.trajectory_id} made no model call")
+        if finish is FinishReason.STOP and data.response_ids and data.response_mask[-1] == 1:
+            last = data.response_ids[-1]
+            finish = FinishReason.STOP if last == self.ctx.tokenizer.eos_token_id else FinishReason.LENGTH
+        self.terminate(data, finish)
+        data.reward = reward if reward is not None else await self.finalize(data)

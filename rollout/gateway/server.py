@@ -1,0 +1,219 @@
+"""The gateway's HTTP server: OpenAI- and Anthropic-compatible endpoints in front of the rollout
+worker's sessions.
+
+Owns the FastAPI app, the uvicorn server it runs on (a task on the worker's own event loop, so the
+handlers call the sessions, the engines and the cancel Event directly; no thread, no Ray), the per-run
+bearer token, the request size limit and the table of live sessions. Routes, per session and attempt:
+
+    GET  /s/{session}/{attempt}/v1/models
+    POST /s/{session}/{attempt}/v1/chat/completions    (OpenAI; stream=true answers server-sent events)
+    POST /s/{session}/{attempt}/v1/messages            (Anthropic; stream=true likewise)
+
+Errors come in the calling API's own error body, with the status codes the official clients act on:
+400 (bad request), 401 (token), 404 (no such session), 410 (an attempt the session has moved past),
+413 (body too large) are final, and `x-should-retry: false` says so; 500 and 503 are retried.
+
+A crash takes the server with the worker: its sessions' state is in their trajectories (last durable
+snapshot), and the resumed trajectories get a new server, port and attempt in another worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import secrets
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from streamrl.rollout.gateway import protocol
+from streamrl.rollout.gateway.config import GatewayConfig
+from streamrl.rollout.gateway.protocol import GatewayError
+from streamrl.rollout.gateway.session import Session, call_key
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 2.0  # `stop` lets calls in flight finish this long, then cancels them
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside a process that owns its signals (a Ray actor, a test): it must not take them."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class GatewayServer:
+    """One per rollout worker process; `start` on the worker's event loop, `add`/`remove` sessions."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.api_key = cfg.api_key or secrets.token_urlsafe(24)
+        self.sessions: dict[str, Session] = {}
+        self.port: int | None = None
+        self.num_requests = 0
+        self.num_errors = 0
+        self._server: _EmbeddedServer | None = None
+        self._task: asyncio.Task | None = None
+        self.app = build_app(self)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.cfg.host, self.cfg.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app,
+            lifespan="off",
+            access_log=False,
+            log_level="warning",
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=STOP_GRACE_S,
+        )
+        self._server = _EmbeddedServer(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="gateway-server")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("the gateway server stopped while starting")
+            await asyncio.sleep(0.01)
+        logger.info("gateway listening on http://%s:%d", self.cfg.host, self.port)
+
+    async def stop(self) -> None:
+        """Stop listening; calls still in flight after `STOP_GRACE_S` are cancelled (their clients see
+        the connection drop and may retry against the trajectory's next attempt)."""
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), STOP_GRACE_S + 3.0)
+            except TimeoutError:
+                self._server.force_exit = True
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+            self._server = self._task = None
+
+    def base_url(self, session: Session) -> str:
+        """The OpenAI-style base URL of a session (ends in /v1; Anthropic clients take it without)."""
+        return f"http://{self.cfg.host}:{self.port}/s/{session.session_id}/{session.attempt}/v1"
+
+    def add(self, session: Session) -> None:
+        self.sessions[session.session_id] = session
+
+    def remove(self, session: Session) -> None:
+        if self.sessions.get(session.session_id) is session:
+            del self.sessions[session.session_id]
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "rollout/gateway/num_sessions": float(len(self.sessions)),
+            "rollout/gateway/num_requests": float(self.num_requests),
+            "rollout/gateway/num_errors": float(self.num_errors),
+        }
+
+    # ---- request handling ---------------------------------------------------------------------
+
+    def authorize(self, request: Request) -> None:
+        auth = request.headers.get("authorization", "")
+        token = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        if not token or not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            raise GatewayError(401, "invalid or missing API key (the gateway's bearer token)", code="invalid_api_key")
+
+    def session(self, session_id: str, attempt: int) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise GatewayError(404, f"no live session {session_id!r}", code="session_not_found")
+        if attempt != session.attempt:
+            raise GatewayError(
+                410 if attempt < session.attempt else 404,
+                f"attempt {attempt} of session {session_id!r} is not served here (current attempt {session.attempt})",
+                code="stale_attempt",
+            )
+        return session
+
+    async def body(self, request: Request) -> Any:
+        limit = self.cfg.max_request_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise GatewayError(413, f"request body of {length} bytes exceeds the limit of {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise GatewayError(413, f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except ValueError as exc:
+            raise protocol.bad_request(f"the body is not valid JSON: {exc}") from None
+
+    async def chat(self, api: str, request: Request, session_id: str, attempt: int) -> Response:
+        self.num_requests += 1
+        stream, include_usage = False, False
+        try:
+            self.authorize(request)
+            session = self.session(session_id, attempt)
+            body = await self.body(request)
+            if api == "anthropic":
+                call = protocol.parse_anthropic(body)
+            else:
+                call = protocol.parse_openai(body, max_choices=self.cfg.max_choices)
+            stream, include_usage = call.stream, call.include_usage
+            key, body_sha = call_key(session.session_id, session.attempt, request.url.path.rsplit("/v1/", 1)[-1], body)
+            response = await session.complete(call, key, body_sha)
+        except GatewayError as err:
+            return self.error(api, err)
+        except Exception as exc:  # a bug or a broken engine: the client may retry
+            logger.exception("gateway call failed")
+            return self.error(api, GatewayError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        if not stream:
+            return JSONResponse(response)
+        events = (
+            protocol.anthropic_events(response)
+            if api == "anthropic"
+            else protocol.openai_events(response, include_usage=include_usage)
+        )
+
+        async def send() -> Any:
+            for event in events:
+                yield event
+
+        return StreamingResponse(send(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    def error(self, api: str, err: GatewayError) -> JSONResponse:
+        self.num_errors += 1
+        retry = "true" if err.status in protocol.RETRYABLE else "false"
+        return JSONResponse(protocol.error_body(api, err), status_code=err.status, headers={"x-should-retry": retry})
+
+
+def build_app(gateway: GatewayServer) -> FastAPI:
+    app = FastAPI(title="streamrl gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/s/{session_id}/{attempt}/v1/models")
+    async def models(request: Request, session_id: str, attempt: int) -> Response:
+        try:
+            gateway.authorize(request)
+            gateway.session(session_id, attempt)
+        except GatewayError as err:
+            return gateway.error("openai", err)
+        model = {"id": gateway.cfg.model_name, "object": "model", "created": 0, "owned_by": "streamrl"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    @app.post("/s/{session_id}/{attempt}/v1/chat/completions")
+    async def chat_completions(request: Request, session_id: str, attempt: int) -> Response:
+        return await gateway.chat("openai", request, session_id, attempt)
+
+    @app.post("/s/{session_id}/{attempt}/v1/messages")
+    async def messages(request: Request, session_id: str, attempt: int) -> Response:
+        return await gateway.chat("anthropic", request, session_id, attempt)
+
+    return app
