@@ -24,6 +24,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import secrets
 import socket
 from collections.abc import Iterator
@@ -78,7 +79,7 @@ class GatewayServer:
             access_log=False,
             log_level="warning",
             timeout_keep_alive=30,
-            timeout_graceful_shutdown=STOP_GRACE_S,
+            timeout_graceful_shutdown=math.ceil(STOP_GRACE_S),  # uvicorn takes whole seconds
         )
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="gateway-server")
