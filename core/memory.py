@@ -30,7 +30,6 @@ import ctypes.util
 import logging
 import os
 import sys
-from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -161,11 +160,6 @@ def part_memory(part: str) -> dict[str, float]:
     if gpu is not None:
         out[f"memory/{part}_gpu_peak_gb"] = gpu
     return out
-
-
-def rank_end_of_step(engine: Any) -> dict[str, float]:
-    """`end_of_step` on one rank of a learner group (`LearnerWorker.run(rank_end_of_step)`)."""
-    return end_of_step(str(engine.device))
 
 
 def trim_allocator() -> bool:

@@ -23,10 +23,13 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.types import StepResult
+
+if TYPE_CHECKING:
+    from streamrl.learner.engine import TrainingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +150,20 @@ class LearnerWorker:
     def save_hf(self, directory: str) -> None:
         self.engine.save_hf(directory)
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return fn(self.engine, *args)
+    def end_of_step_memory(self) -> dict[str, float]:
+        """This rank's peak memory of the step just trained (`core.memory.end_of_step`)."""
+        from streamrl.core.memory import end_of_step
+
+        return end_of_step(str(self.engine.device))
+
+    def inspect(self, fn: Callable[[TrainingEngine], Any]) -> Any:
+        """`fn(engine)` on this rank: a diagnostic seam (tests read a rank's parameters or environment);
+        the run itself only calls the methods above."""
+        return fn(self.engine)
+
+    def join_sync_gather(self) -> int:
+        """Ranks 1..M-1 of a publish: join every per-parameter all-gather rank 0 runs, keep nothing."""
+        return sum(1 for _ in self.engine.named_parameters_for_sync())
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -201,9 +216,9 @@ class LearnerGroup:
             )
             self.workers.append(actor.remote(self.cfg, rank, where.num_workers))
         try:
-            nodes = set(self._all("node_id"))
+            nodes = set(self._wait(self.start_node_ids()))
             master = ray.get(self.rank0.master_address.remote(len(nodes) == 1), timeout=self.timeout_s)
-            versions = self._all("setup", master, timeout_s)
+            versions = self._wait([w.setup.remote(master, timeout_s) for w in self.workers])
         except BaseException:
             self.kill()
             raise
@@ -219,14 +234,34 @@ class LearnerGroup:
     def num_workers(self) -> int:
         return len(self.workers)
 
-    def submit(self, method: str, *args: Any) -> list[Any]:
-        """Start `method(*args)` on every rank; returns the object refs (await them with a timeout)."""
-        return [getattr(w, method).remote(*args) for w in self.workers]
+    # ---- the calls on every rank, started: each returns one object ref per rank (await them with a
+    # deadline); the blocking methods below wait for them
+    def start_train_step(self, batch_ref: Any) -> list[Any]:
+        return [w.train_step.remote(batch_ref) for w in self.workers]
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
+    def start_end_of_step_memory(self) -> list[Any]:
+        return [w.end_of_step_memory.remote() for w in self.workers]
+
+    def start_join_sync_gather(self) -> list[Any]:
+        """Ranks 1..M-1 only: rank 0 runs its side of the gather inside its publish."""
+        return [w.join_sync_gather.remote() for w in self.workers[1:]]
+
+    def start_node_ids(self) -> list[Any]:
+        return [w.node_id.remote() for w in self.workers]
+
+    def start_save_checkpoint(self, directory: str | Path) -> list[Any]:
+        return [w.save_checkpoint.remote(str(directory)) for w in self.workers]
+
+    def start_save_hf(self, directory: str | Path) -> list[Any]:
+        return [w.save_hf.remote(str(directory)) for w in self.workers]
+
+    def start_shutdown(self) -> list[Any]:
+        return [w.shutdown.remote() for w in self.workers]
+
+    def _wait(self, refs: list[Any]) -> list[Any]:
         import ray
 
-        return ray.get(self.submit(method, *args), timeout=self.timeout_s)
+        return ray.get(refs, timeout=self.timeout_s)
 
     @property
     def model_path(self) -> Path:
@@ -235,37 +270,37 @@ class LearnerGroup:
     def train_step(self, batch: Any) -> dict[str, float]:
         import ray
 
-        result: StepResult = self._all("train_step", ray.put(batch))[0]  # one object-store copy for M ranks
+        result: StepResult = self._wait(self.start_train_step(ray.put(batch)))[0]  # one object-store copy for M ranks
         self.policy_version = result.policy_version
         return result.metrics
 
     def compute_logprobs(self, batch: Any) -> Any:
         import ray
 
-        return self._all("compute_logprobs", ray.put(batch))[0]
+        return self._wait([w.compute_logprobs.remote(ray.put(batch)) for w in self.workers])[0]
 
     def save_checkpoint(self, directory: str | Path) -> None:
-        self._all("save_checkpoint", str(directory))
+        self._wait(self.start_save_checkpoint(directory))
 
     def load_checkpoint(self, directory: str | Path) -> None:
-        self.policy_version = self._all("load_checkpoint", str(directory))[0]
+        self.policy_version = self._wait([w.load_checkpoint.remote(str(directory)) for w in self.workers])[0]
 
     def set_policy_version(self, version: int) -> None:
         """Relabel the current weights (a resume labels them above every version used before)."""
-        self._all("set_policy_version", version)
+        self._wait([w.set_policy_version.remote(version) for w in self.workers])
         self.policy_version = version
 
     def save_hf(self, directory: str | Path) -> Path:
-        self._all("save_hf", str(directory))
+        self._wait(self.start_save_hf(directory))
         return Path(directory)
 
-    def run_on_all(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """`fn(engine, *args)` on every rank (e.g. iterate `named_parameters_for_sync`; rank 0 sends)."""
-        return self._all("run", fn, *args)
+    def inspect_all(self, fn: Callable[[TrainingEngine], Any]) -> list[Any]:
+        """`fn(engine)` on every rank (`LearnerWorker.inspect`), for tests and diagnostics."""
+        return self._wait([w.inspect.remote(fn) for w in self.workers])
 
     def shutdown(self) -> None:
         try:
-            self._all("shutdown")
+            self._wait(self.start_shutdown())
         finally:
             self.kill()
 

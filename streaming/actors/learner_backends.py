@@ -24,7 +24,6 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamrl.core.aio import gather_within
@@ -113,14 +112,6 @@ class LocalLearner:
             await self.publisher.close()
 
 
-def drain_sync_tensors(engine: Any) -> int:
-    """Ranks 1..M-1 of a publish: join every per-parameter all-gather, keep nothing."""
-    count = 0
-    for _name, _tensor in engine.named_parameters_for_sync():
-        count += 1
-    return count
-
-
 class PublishingLearnerWorker(LearnerWorker):
     """Learner rank 0 that is also rank 0 of weight sync (a Ray actor, like every rank).
 
@@ -154,7 +145,7 @@ class PublishingLearnerWorker(LearnerWorker):
         self.publisher.set_workers(workers)
 
     def publish(self, target: int) -> Published:
-        """Gather (collective: ranks 1..M-1 run `drain_sync_tensors` now), then sync as `target`."""
+        """Gather (collective: ranks 1..M-1 run `LearnerWorker.join_sync_gather` now), then sync as `target`."""
         import torch
 
         assert self.publisher is not None and self._loop is not None, "connect() first"
@@ -224,11 +215,9 @@ class GroupLearner:
     async def train_step(self, padded: Any) -> StepResult:
         import ray
 
-        from streamrl.core.memory import rank_end_of_step
-
-        result = (await self._wait(self.group.submit("train_step", ray.put(padded))))[0]
+        result = (await self._wait(self.group.start_train_step(ray.put(padded))))[0]
         self.group.policy_version = result.policy_version
-        ranks = await self._wait([w.run.remote(rank_end_of_step) for w in self.group.workers])
+        ranks = await self._wait(self.group.start_end_of_step_memory())
         memory = {key: max(r[key] for r in ranks) for key in ranks[0]}  # the fullest rank
         return replace(result, metrics=result.metrics | memory)
 
@@ -247,7 +236,7 @@ class GroupLearner:
         await self._wait([self.group.rank0.set_workers.remote(workers)])
 
     async def node_ids(self) -> list[str]:
-        return await self._wait(self.group.submit("node_id"))
+        return await self._wait(self.group.start_node_ids())
 
     async def publish(self) -> Published:
         assert self.served_version is not None, "connect() first"
@@ -255,7 +244,7 @@ class GroupLearner:
         if target <= self.served_version:  # decided here, so either every rank gathers or none does
             return Published(policy_version=self.served_version, metrics={})
         refs = [self.group.rank0.publish.remote(target)]
-        refs += [w.run.remote(drain_sync_tensors) for w in self.group.workers[1:]]
+        refs += self.group.start_join_sync_gather()
         published, *_ = await self._wait(refs)
         self.served_version = published.policy_version
         return published
@@ -264,13 +253,13 @@ class GroupLearner:
         return (await self._wait([self.group.rank0.dropped_engines.remote()]))[0]
 
     async def save_checkpoint(self, path: str) -> None:
-        await self._wait(self.group.submit("save_checkpoint", str(Path(path))))
+        await self._wait(self.group.start_save_checkpoint(path))
 
     async def save_hf(self, path: str) -> None:
-        await self._wait(self.group.submit("save_hf", str(Path(path))))
+        await self._wait(self.group.start_save_hf(path))
 
     async def shutdown(self) -> None:
         try:
-            await self._wait(self.group.submit("shutdown"))
+            await self._wait(self.group.start_shutdown())
         finally:
             self.group.kill()

@@ -43,7 +43,7 @@ def test_two_rank_fsdp_group_matches_single_process(ray_cluster, tmp_path):
             assert got["is/ratio_mean"] == pytest.approx(expected["is/ratio_mean"], rel=1e-4)
         assert group.policy_version == 1
         # every rank iterates the per-parameter all-gathers; names/shapes are the HF ones
-        ranks = group.run_on_all(_sync_names)
+        ranks = group.inspect_all(_sync_names)
         local = _sync_names(single)
         assert [r[:2] for r in ranks[0]] == [r[:2] for r in local] == [r[:2] for r in ranks[1]]
         for (_, _, a), (_, _, b) in zip(ranks[0], local):

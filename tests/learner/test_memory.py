@@ -63,7 +63,7 @@ def test_group_learner_reports_its_fullest_rank(ray_cluster):
     )
     learner = GroupLearner(cfg, None)
     try:
-        env = learner.group.run_on_all(lambda engine: __import__("os").environ.get("MALLOC_ARENA_MAX"))
+        env = learner.group.inspect_all(lambda engine: __import__("os").environ.get("MALLOC_ARENA_MAX"))
         assert env == [memory.MALLOC_ENV["MALLOC_ARENA_MAX"]] * 2  # every rank runs with the allocator settings
         metrics = asyncio.run(learner.train_step(_batch())).metrics
         assert learner.policy_version == 1
