@@ -92,6 +92,19 @@ class SFTConfig(BaseModel):
     skip_if_cached: bool = True  # reuse the warmed-up folder cached under $STREAMRL_CACHE
 
 
+class ActorTimeouts(BaseModel):
+    """How long the driver waits for each kind of call to an actor (`streaming.actors.clients`). A
+    call past its deadline raises `TimeoutError`; the health checks tell that from a dead actor."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    probe_s: float = Field(30.0, gt=0)  # cheap state: memory, outstanding count, outcomes
+    query_s: float = Field(60.0, gt=0)  # node id, running ids, routing, metrics and stats
+    stop_s: float = Field(120.0, gt=0)  # pause, close, shutdown
+    recovery_s: float = Field(600.0, gt=0)  # reading the recovered log's highest version label
+    # any other call (a learner step, a publish, an append) waits trainer.step_timeout_s
+
+
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -107,6 +120,7 @@ class TrainerConfig(BaseModel):
     run_root: str = "runs"
     run_name: str | None = None  # default: <config stem>-<timestamp>
     step_timeout_s: float = Field(1800.0, gt=0)  # a learner step or a sync longer than this fails the run
+    actor_timeouts: ActorTimeouts = Field(default_factory=ActorTimeouts)
     # The learner waiting this long for a batch while no trajectory row arrives fails the run with
     # an error naming the counts (no silent hang on dead engines or stuck workers).
     stall_timeout_s: float = Field(900.0, gt=0)

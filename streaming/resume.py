@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 SAFE_ON_RESUME: tuple[str, ...] = (
     "trainer.total_steps",
     "trainer.step_timeout_s",
+    "trainer.actor_timeouts.",
     "trainer.stall_timeout_s",
     "trainer.checkpoint_every",
     "trainer.keep_checkpoints",

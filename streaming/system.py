@@ -516,7 +516,7 @@ def make_worker(system: System, worker_id: str) -> WorkerClient:
     handle = RolloutWorkerActor.options(num_cpus=0.25, name=None).remote(  # pyrefly: ignore[missing-attribute]
         worker_id, system.cfg, system.model_path, [e.handle for e in system.engines], system.buffer.handle
     )
-    return WorkerClient(handle, timeout_s=system.timeout_s)
+    return WorkerClient(handle, timeout_s=system.timeout_s, timeouts=system.cfg.trainer.actor_timeouts)
 
 
 def next_attempt(row: Trajectory) -> Trajectory:

@@ -132,6 +132,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
             cfg.buffer, resume_learner_step=state.checkpoint_step if resuming else None, scheduling_strategy=here
         ),
         timeout_s=timeout_s,
+        timeouts=cfg.trainer.actor_timeouts,
     )
     if resuming:  # versions continue above every label the buffer or the driver has seen (I4)
         state.rewind_to_checkpoint(await buffer.max_policy_version())
@@ -143,13 +144,17 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
         RayEngineClient.launch(engine_cfg, f"engine-{i}", policy_version=start_version)
         for i in range(cfg.rollout.num_engines)
     ]
-    engines = [EngineClient(c.actor, timeout_s=timeout_s) for c in clients]
+    engines = [EngineClient(c.actor, timeout_s=timeout_s, timeouts=cfg.trainer.actor_timeouts) for c in clients]
     # Ray pins OMP_NUM_THREADS to an actor's num_cpus (1); the learner's matmuls want every core;
     # glibc's allocator is configured so the learner's resident set stays flat across steps.
     learner_env = {"env_vars": learner_runtime_env()}
     # @ray.remote makes LearnerActor an ActorClass; pyrefly types the decorated name as the plain class
     actor = LearnerActor.options(**learner_actor_options(cfg), runtime_env=learner_env)  # pyrefly: ignore[missing-attribute]
-    learner = LearnerClient(actor.remote(cfg, state.checkpoint if from_ckpt else None), timeout_s=timeout_s)
+    learner = LearnerClient(
+        actor.remote(cfg, state.checkpoint if from_ckpt else None),
+        timeout_s=timeout_s,
+        timeouts=cfg.trainer.actor_timeouts,
+    )
     stream = PromptStream(
         records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs, cursor=state.cursor
     )

@@ -25,15 +25,22 @@ if TYPE_CHECKING:
     from streamrl.rollout.engine.base import EngineStats
     from streamrl.rollout.types import AgentData, RolloutOutcomes, Trajectory
     from streamrl.streaming.actors.learner import Trained
+    from streamrl.streaming.config import ActorTimeouts
     from streamrl.weight_sync.publisher import Published
 
 
 class ActorClient:
-    """A Ray actor handle and the deadline of its calls (`timeout_s`, overridable per call)."""
+    """A Ray actor handle and the deadlines of its calls: `timeout_s` for the work itself (a step, a
+    publish, an append), `timeouts` (`trainer.actor_timeouts`) for probes, queries and stops."""
 
-    def __init__(self, handle: ray.actor.ActorHandle, *, timeout_s: float) -> None:
+    def __init__(
+        self, handle: ray.actor.ActorHandle, *, timeout_s: float, timeouts: ActorTimeouts | None = None
+    ) -> None:
+        from streamrl.streaming.config import ActorTimeouts
+
         self.handle = handle
         self.timeout_s = timeout_s
+        self.timeouts = timeouts or ActorTimeouts()
 
     async def _call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
         ref = getattr(self.handle, method).remote(*args, **kwargs)
@@ -41,10 +48,10 @@ class ActorClient:
 
     async def memory(self) -> dict[str, float]:
         """`memory/<part>_peak_gb` of the actor's process and its children."""
-        return await self._call("memory", timeout_s=30.0)
+        return await self._call("memory", timeout_s=self.timeouts.probe_s)
 
     async def node_id(self) -> str:
-        return await self._call("node_id", timeout_s=60.0)
+        return await self._call("node_id", timeout_s=self.timeouts.query_s)
 
     def kill(self) -> None:
         """End the actor now, without restart (a part too slow to answer must not go on as a zombie)."""
@@ -92,7 +99,7 @@ class BufferClient(ActorClient):
 
     async def max_policy_version(self) -> int:
         """Highest version label in the buffer; the first call waits for the buffer's recovery."""
-        return await self._call("max_policy_version", timeout_s=600.0)
+        return await self._call("max_policy_version", timeout_s=self.timeouts.recovery_s)
 
     async def checkpoint(self) -> None:
         await self._call("checkpoint")
@@ -101,7 +108,7 @@ class BufferClient(ActorClient):
         return await self._call("stats")
 
     async def close(self) -> None:
-        await self._call("close", timeout_s=120.0)
+        await self._call("close", timeout_s=self.timeouts.stop_s)
 
 
 class LearnerClient(ActorClient):
@@ -135,7 +142,7 @@ class LearnerClient(ActorClient):
         await self._call("set_workers", [w.handle for w in workers])
 
     async def shutdown(self) -> None:
-        await self._call("shutdown", timeout_s=120.0)
+        await self._call("shutdown", timeout_s=self.timeouts.stop_s)
 
 
 class WorkerClient(ActorClient):
@@ -145,32 +152,32 @@ class WorkerClient(ActorClient):
 
     async def num_outstanding(self) -> int:
         """Running plus held (paused) trajectories: the cheap liveness call."""
-        return await self._call("num_outstanding", timeout_s=30.0)
+        return await self._call("num_outstanding", timeout_s=self.timeouts.probe_s)
 
     async def running_ids(self) -> list[str]:
         """Every trajectory the worker holds, from submission until its final row is appended."""
-        return await self._call("running_ids", timeout_s=60.0)
+        return await self._call("running_ids", timeout_s=self.timeouts.query_s)
 
     async def route(self, keep_out: list[str]) -> list[str]:
-        return await self._call("route", keep_out, timeout_s=60.0)
+        return await self._call("route", keep_out, timeout_s=self.timeouts.query_s)
 
     async def pause(self) -> None:
-        await self._call("pause", timeout_s=120.0)
+        await self._call("pause", timeout_s=self.timeouts.stop_s)
 
     async def metrics(self) -> dict[str, float]:
-        return await self._call("metrics", timeout_s=60.0)
+        return await self._call("metrics", timeout_s=self.timeouts.query_s)
 
     async def outcomes(self) -> RolloutOutcomes:
         """Finished and failed trajectories so far, failures by reason (the failed-trajectory check)."""
-        return await self._call("outcomes", timeout_s=30.0)
+        return await self._call("outcomes", timeout_s=self.timeouts.probe_s)
 
     async def shutdown(self) -> None:
-        await self._call("shutdown", timeout_s=120.0)
+        await self._call("shutdown", timeout_s=self.timeouts.stop_s)
 
 
 class EngineClient(ActorClient):
     async def stats(self) -> EngineStats:
-        return await self._call("stats", timeout_s=60.0)
+        return await self._call("stats", timeout_s=self.timeouts.query_s)
 
 
 __all__ = ["ActorClient", "BufferClient", "EngineClient", "LearnerClient", "WorkerClient"]
