@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -207,6 +208,54 @@ class AgentData(BaseModel):
     @classmethod
     def from_json(cls, text: str) -> AgentData:
         return cls.model_validate_json(text)
+
+    def to_trajectory(self, status: TrajectoryStatus, *, image_token_id: int | None = None) -> Trajectory:
+        """The buffer row of `data`. An image trajectory needs the model's `image_token_id` to
+        measure each image's placeholder run (`num_image_tokens`); the caller hands the bytes of
+        `image_refs` to the buffer with the row. A FAILED row whose runs do not match its images
+        (the failure may be just that) is written without image columns."""
+        image_refs: list[str] = []
+        num_image_tokens: list[int] = []
+        if self.images:
+            if image_token_id is None:
+                raise ValueError(
+                    f"trajectory {self.trajectory_id} carries {len(self.images)} images; its row needs the "
+                    "model's image_token_id to count each image's placeholder tokens"
+                )
+            runs = image_run_lengths(self.prompt_ids + self.response_ids, image_token_id)
+            if len(runs) == len(self.images):
+                image_refs, num_image_tokens = [r.sha256 for r in self.images], runs
+            elif status is not TrajectoryStatus.FAILED:
+                self.check_aligned(image_token_id=image_token_id)  # raises: a bug, never a silent text row
+        partial = status is TrajectoryStatus.PARTIAL
+        return Trajectory(
+            trajectory_id=self.trajectory_id,
+            group_id=self.group_id,
+            sample_index=self.sample_index,
+            agent_name=self.agent_name,
+            prompt_ids=list(self.prompt_ids),
+            response_ids=list(self.response_ids),
+            response_mask=list(self.response_mask),
+            behavior_logprobs=list(self.behavior_logprobs),
+            policy_versions=list(self.policy_versions),
+            reward=0.0 if partial else self.reward,
+            turn_scores=list(self.turn_scores),
+            tool_rewards=list(self.tool_rewards),
+            num_turns=self.num_assistant_turns + self.num_user_turns,
+            num_tool_calls=self.num_tool_calls,
+            num_tool_errors=self.num_tool_errors,
+            status=status,
+            finish_reason=FinishReason.ABORT if partial else (self.finish_reason or FinishReason.STOP),
+            num_interrupts=self.num_interrupts,
+            generate_s=self.generate_s,
+            tool_s=self.tool_s,
+            created_at=self.created_at,
+            finished_at=time.time(),
+            agent_data_json=self.to_json() if partial else None,
+            attempt=self.attempt,
+            image_refs=image_refs,
+            num_image_tokens=num_image_tokens,
+        )
 
     def append_sampled(self, token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
         assert len(token_ids) == len(logprobs) == len(versions), "engine arrays misaligned"

@@ -126,7 +126,7 @@ class RolloutWorker:
                     logger.warning("trajectory %s failed: %s", tid, exc)
                     self._record_error(tid, exc)
                     data.finish_reason = FinishReason.ERROR
-                    traj = loop.to_trajectory(data, TrajectoryStatus.FAILED, image_token_id=self.ctx.image_token_id)
+                    traj = data.to_trajectory(TrajectoryStatus.FAILED, image_token_id=self.ctx.image_token_id)
                 finally:
                     self._active.discard(tid)
                 self._num_sinking += 1
@@ -146,8 +146,7 @@ class RolloutWorker:
                 self._states.pop(tid, None)
         self._count(traj)
         if traj.status is TrajectoryStatus.PARTIAL:
-            assert traj.agent_data_json is not None, "a partial trajectory carries its agent data"
-            self._park(AgentData.from_json(traj.agent_data_json))
+            self._park(data)  # the same record its partial row was made from (JSON only at the Arrow edge)
 
     async def _deliver(self, traj: Trajectory, max_errors: int = 5) -> None:
         """Hand the row to the sink until it is accepted: backpressure (False) is retried for as long

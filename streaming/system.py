@@ -131,7 +131,6 @@ class System:
         """Append the next prompt's group as PENDING rows, durably, then save the cursor, then hand
         the group to a worker. A crash anywhere leaves the cursor at or behind the durable rows, and
         a prompt whose rows are already in the buffer is skipped, not admitted twice (I1)."""
-        from streamrl.rollout.agent_loop.base import AgentLoopBase
         from streamrl.rollout.types import TrajectoryStatus
 
         item = self.stream.peek()
@@ -142,9 +141,7 @@ class System:
         async with self._submit_lock:
             already = await self.buffer.has_group(group[0].group_id)
             if not already:
-                await self.buffer.append_durable(
-                    [AgentLoopBase.to_trajectory(d, TrajectoryStatus.PARTIAL) for d in group]
-                )
+                await self.buffer.append_durable([d.to_trajectory(TrajectoryStatus.PARTIAL) for d in group])
                 self.state.num_admitted += len(group)
                 faults.hit("admit.after_append")
             self.stream.advance()

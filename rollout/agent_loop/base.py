@@ -45,7 +45,6 @@ from streamrl.rollout.types import (
     FinishReason,
     Trajectory,
     TrajectoryStatus,
-    image_run_lengths,
 )
 
 if TYPE_CHECKING:
@@ -153,9 +152,9 @@ class AgentLoopBase(abc.ABC):
         except Parked:
             data.num_interrupts += 1
             self.ctx.counters.num_interrupts += 1
-            return self.to_trajectory(data, TrajectoryStatus.PARTIAL, image_token_id=self.ctx.image_token_id)
+            return data.to_trajectory(TrajectoryStatus.PARTIAL, image_token_id=self.ctx.image_token_id)
         data.check_aligned(image_token_id=self.ctx.image_token_id)
-        return self.to_trajectory(data, TrajectoryStatus.FINISHED, image_token_id=self.ctx.image_token_id)
+        return data.to_trajectory(TrajectoryStatus.FINISHED, image_token_id=self.ctx.image_token_id)
 
     @abc.abstractmethod
     async def _run(self, data: AgentData) -> None:
@@ -308,55 +307,6 @@ class AgentLoopBase(abc.ABC):
         if self.ctx.reward_fn is not None:
             reward = await call_reward_fn(self.ctx.reward_fn, reward_input(data), self.ctx.cfg.reward_timeout_s)
         return reward + sum(finite("a tool reward", r) for r in data.tool_rewards)
-
-    @staticmethod
-    def to_trajectory(data: AgentData, status: TrajectoryStatus, *, image_token_id: int | None = None) -> Trajectory:
-        """The buffer row of `data`. An image trajectory needs the model's `image_token_id` to
-        measure each image's placeholder run (`num_image_tokens`); the caller hands the bytes of
-        `image_refs` to the buffer with the row. A FAILED row whose runs do not match its images
-        (the failure may be just that) is written without image columns."""
-        image_refs: list[str] = []
-        num_image_tokens: list[int] = []
-        if data.images:
-            if image_token_id is None:
-                raise ValueError(
-                    f"trajectory {data.trajectory_id} carries {len(data.images)} images; its row needs the "
-                    "model's image_token_id to count each image's placeholder tokens"
-                )
-            runs = image_run_lengths(data.prompt_ids + data.response_ids, image_token_id)
-            if len(runs) == len(data.images):
-                image_refs, num_image_tokens = [r.sha256 for r in data.images], runs
-            elif status is not TrajectoryStatus.FAILED:
-                data.check_aligned(image_token_id=image_token_id)  # raises: a bug, never a silent text row
-        partial = status is TrajectoryStatus.PARTIAL
-        return Trajectory(
-            trajectory_id=data.trajectory_id,
-            group_id=data.group_id,
-            sample_index=data.sample_index,
-            agent_name=data.agent_name,
-            prompt_ids=list(data.prompt_ids),
-            response_ids=list(data.response_ids),
-            response_mask=list(data.response_mask),
-            behavior_logprobs=list(data.behavior_logprobs),
-            policy_versions=list(data.policy_versions),
-            reward=0.0 if partial else data.reward,
-            turn_scores=list(data.turn_scores),
-            tool_rewards=list(data.tool_rewards),
-            num_turns=data.num_assistant_turns + data.num_user_turns,
-            num_tool_calls=data.num_tool_calls,
-            num_tool_errors=data.num_tool_errors,
-            status=status,
-            finish_reason=FinishReason.ABORT if partial else (data.finish_reason or FinishReason.STOP),
-            num_interrupts=data.num_interrupts,
-            generate_s=data.generate_s,
-            tool_s=data.tool_s,
-            created_at=data.created_at,
-            finished_at=time.time(),
-            agent_data_json=data.to_json() if partial else None,
-            attempt=data.attempt,
-            image_refs=image_refs,
-            num_image_tokens=num_image_tokens,
-        )
 
     def terminate(self, data: AgentData, reason: FinishReason) -> None:
         data.state = AgentState.TERMINATED

@@ -123,11 +123,10 @@ class RolloutWorkerActor:
         """Make a trajectory's journaled tool intents durable (a partial row flushed to the buffer's
         log) before its tools run. Raising fails the trajectory; the tool never runs."""
         from streamrl.buffer.schema import trajectories_to_batch
-        from streamrl.rollout.agent_loop.base import AgentLoopBase
         from streamrl.rollout.types import TrajectoryStatus
 
         ctx = self.worker.ctx
-        row = AgentLoopBase.to_trajectory(data, TrajectoryStatus.PARTIAL, image_token_id=ctx.image_token_id)
+        row = data.to_trajectory(TrajectoryStatus.PARTIAL, image_token_id=ctx.image_token_id)
         ref = ray.put(trajectories_to_batch([row]))
         images = image_blobs(ctx.images, row)
         kw = {} if images is None else {"images": images}

@@ -68,7 +68,6 @@ def test_trajectory_row_carries_image_refs_and_placeholder_counts():
     """An image trajectory's row names its images (placeholder order) and each run's length; without
     the model's image token it is refused (never a silent text row); a misaligned finished or partial
     row raises; a failed one is written without image columns; a text trajectory converts as before."""
-    from streamrl.rollout.agent_loop.base import AgentLoopBase
     from streamrl.rollout.types import TrajectoryStatus, image_run_lengths
 
     store = ImageStore()
@@ -83,18 +82,18 @@ def test_trajectory_row_carries_image_refs_and_placeholder_counts():
         policy_versions=[0, -1, -1, -1, -1, -1],
         images=[red, green],
     )
-    row = AgentLoopBase.to_trajectory(data, TrajectoryStatus.FINISHED, image_token_id=IMG)
+    row = data.to_trajectory(TrajectoryStatus.FINISHED, image_token_id=IMG)
     assert (row.image_refs, row.num_image_tokens) == ([red.sha256, green.sha256], [2, 3])
     assert image_run_lengths([IMG, 1, IMG, IMG, IMG], IMG) == [1, 3] and image_run_lengths([1, 2], IMG) == []
     with pytest.raises(ValueError, match="carries 2 images"):
-        AgentLoopBase.to_trajectory(data, TrajectoryStatus.FINISHED)
+        data.to_trajectory(TrajectoryStatus.FINISHED)
     data.images = [red]
     with pytest.raises(AssertionError, match="2 image placeholder runs"):
-        AgentLoopBase.to_trajectory(data, TrajectoryStatus.PARTIAL, image_token_id=IMG)
-    failed = AgentLoopBase.to_trajectory(data, TrajectoryStatus.FAILED, image_token_id=IMG)
+        data.to_trajectory(TrajectoryStatus.PARTIAL, image_token_id=IMG)
+    failed = data.to_trajectory(TrajectoryStatus.FAILED, image_token_id=IMG)
     assert (failed.image_refs, failed.num_image_tokens) == ([], [])
     text = AgentData(trajectory_id="t", group_id="g", prompt_ids=[1, 2])
-    row = AgentLoopBase.to_trajectory(text, TrajectoryStatus.FINISHED, image_token_id=IMG)
+    row = text.to_trajectory(TrajectoryStatus.FINISHED, image_token_id=IMG)
     assert (row.image_refs, row.num_image_tokens) == ([], [])
 
 

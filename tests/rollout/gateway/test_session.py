@@ -9,7 +9,6 @@ import asyncio
 
 import pytest
 
-from streamrl.rollout.agent_loop.base import AgentLoopBase
 from streamrl.rollout.engine.fake import fake_logprob
 from streamrl.rollout.types import TrajectoryStatus
 from tests.rollout.gateway.conftest import CALC_TOOL
@@ -63,7 +62,7 @@ async def test_record_is_the_engines_tokens_logprobs_and_versions(make_gateway, 
     # The engine saw exactly the record as its prompts.
     prompts = [p for _, p in gw.engine.requests_seen]
     assert prompts[1] == data.prompt_ids + data.response_ids[: len(turns[0]) + len(obs)]
-    traj = AgentLoopBase.to_trajectory(data, TrajectoryStatus.FINISHED)
+    traj = data.to_trajectory(TrajectoryStatus.FINISHED)
     traj.validate(max_model_len=gw.ctx.cfg.prompt_length + gw.ctx.cfg.response_length)
     assert gw.session.state.num_forks == 0 and gw.session.state.num_calls == 2
 
