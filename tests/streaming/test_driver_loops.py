@@ -519,26 +519,10 @@ async def test_sync_generation_rounds_train_on_policy_and_never_overlap_a_step(t
     assert buffer.rb.stats()["buffer/evicted_over_age"] == 3 * 2 * 2  # each step's 2 leftover groups, but the last's
 
 
-def test_sync_generation_rounds_larger_than_a_batch_need_max_staleness_0():
+@pytest.mark.parametrize("staleness", ["buffer.max_staleness=0", "buffer.max_staleness=1"])
+def test_sync_generation_rounds_larger_than_a_batch_need_max_staleness_0_and_eviction(staleness):
+    """Leftover groups of a round would train at the next step (max_staleness 1, or the default
+    over_age = "train"): refused."""
+    overrides = ["trainer.mode=sync", "buffer.group_size=2", "buffer.batch_size=4", "trainer.sync_generation_groups=4"]
     with pytest.raises(ValueError, match="set buffer.max_staleness = 0"):
-        load_config(
-            None,
-            [
-                "trainer.mode=sync",
-                "buffer.group_size=2",
-                "buffer.batch_size=4",
-                "trainer.sync_generation_groups=4",
-                "buffer.max_staleness=0",
-            ],
-        )
-    with pytest.raises(ValueError, match="set buffer.max_staleness = 0"):
-        load_config(
-            None,
-            [
-                "trainer.mode=sync",
-                "buffer.group_size=2",
-                "buffer.batch_size=4",
-                "trainer.sync_generation_groups=4",
-                "buffer.max_staleness=1",
-            ],
-        )
+        load_config(None, [*overrides, staleness])
