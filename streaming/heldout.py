@@ -250,14 +250,8 @@ class Evaluator:
             await asyncio.gather(task, return_exceptions=True)
 
     async def _evaluate(self, system: System, served_step: int, policy_version: int) -> dict[str, float]:
-        from streamrl.streaming.actors.engine import RayEngineClient
-
         cfg = self.cfg
-        engines = [
-            RayEngineClient(e.handle, name, cfg=cfg.rollout.engine)
-            for i, e in enumerate(system.engines)
-            if (name := f"engine-{i}") not in system.dropped_engines
-        ]  # never one the sync dropped
+        engines = [e for e in system.engines if e.engine_id not in system.dropped_engines]  # never a dropped one
         started, t0 = system.total_elapsed_s, time.monotonic()
         trajectories = await run_heldout(
             cfg, system.model_path, engines, self.records, timeout_s=cfg.trainer.step_timeout_s

@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from streamrl.buffer.types import BufferProgress
     from streamrl.observability.metrics import MetricsLogger
     from streamrl.rollout.types import AgentData, Trajectory
-    from streamrl.streaming.actors.clients import BufferClient, EngineClient, LearnerClient, WorkerClient
+    from streamrl.streaming.actors.clients import BufferClient, LearnerClient, WorkerClient
+    from streamrl.streaming.actors.engine import RayEngineClient
     from streamrl.streaming.failures import FailureWindow
     from streamrl.streaming.heldout import Evaluator
 
@@ -56,7 +57,7 @@ class System:
     cfg: StreamRLConfig
     run_dir: Path
     model_path: str
-    engines: list[EngineClient]
+    engines: list[RayEngineClient]
     workers: list[WorkerClient]
     buffer: BufferClient
     learner: LearnerClient
@@ -261,7 +262,7 @@ class System:
         dead = []
         for i, engine in enumerate(self.engines):
             try:
-                await engine.stats()
+                await engine.actor_stats()
             except ray.exceptions.RayActorError as exc:
                 dead.append(f"engine-{i}: {type(exc).__name__}")
             except TimeoutError:
@@ -460,7 +461,7 @@ class System:
         busy = []
         for i, engine in enumerate(self.engines):
             try:
-                stats = await engine.stats()
+                stats = await engine.actor_stats()
             except (TimeoutError, ray.exceptions.RayActorError):
                 metrics[f"engine/busy_fraction/engine-{i}"] = 0.0
                 continue

@@ -92,7 +92,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     from streamrl.observability.metrics import MetricsLogger
     from streamrl.rollout.data import load_records
     from streamrl.streaming.actors.buffer import create_buffer_actor
-    from streamrl.streaming.actors.clients import BufferClient, EngineClient, LearnerClient
+    from streamrl.streaming.actors.clients import BufferClient, LearnerClient
     from streamrl.streaming.actors.engine import RayEngineClient
     from streamrl.streaming.actors.learner import LearnerActor, learner_actor_options
     from streamrl.streaming.prompts import PromptStream
@@ -140,11 +140,12 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     engine_path = str(Path(state.checkpoint) / "hf") if from_ckpt and state.checkpoint is not None else model_path
     engine_cfg = cfg.rollout.engine.model_copy(update={"model": engine_path})
     start_version = state.policy_version
-    clients = [
-        RayEngineClient.launch(engine_cfg, f"engine-{i}", policy_version=start_version)
+    engines = [
+        RayEngineClient.launch(
+            engine_cfg, f"engine-{i}", policy_version=start_version, timeouts=cfg.trainer.actor_timeouts
+        )
         for i in range(cfg.rollout.num_engines)
     ]
-    engines = [EngineClient(c.actor, timeout_s=timeout_s, timeouts=cfg.trainer.actor_timeouts) for c in clients]
     # Ray pins OMP_NUM_THREADS to an actor's num_cpus (1); the learner's matmuls want every core;
     # glibc's allocator is configured so the learner's resident set stays flat across steps.
     learner_env = {"env_vars": learner_runtime_env()}
@@ -174,7 +175,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
     )
     system.workers = [make_worker(system, f"worker-{i}") for i in range(cfg.rollout.num_workers)]
     startup = cfg.rollout.engine.startup_timeout_s
-    await asyncio.gather(*[c.wait_ready() for c in clients])
+    await asyncio.gather(*[e.wait_ready() for e in engines])
     learner.timeout_s = startup  # the first calls wait for the learner actor to load the model
     if await learner.policy_version() != start_version:
         await learner.set_policy_version(start_version)

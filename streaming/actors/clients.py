@@ -5,7 +5,9 @@ metric dicts), each call bounded by a timeout.
     BufferClient   -> streaming.actors.buffer.BufferActor          (admission rows, batches, recovery, stats)
     LearnerClient  -> streaming.actors.learner.LearnerActor (train step, publish, checkpoint)
     WorkerClient   -> streaming.actors.worker.RolloutWorkerActor (submit, pause, routing)
-    EngineClient   -> streaming.actors.engine.EngineActor (liveness, stats, memory)
+
+(An engine actor's client is `streaming.actors.engine.RayEngineClient`: the `InferenceEngine` the
+workers generate through, and the driver's probe of the actor.)
 
 `System` holds these, never raw handles, so the driver's loops run in-process against fakes with
 the same methods (tests/streaming/test_driver_loops.py). A dead actor raises
@@ -22,8 +24,8 @@ if TYPE_CHECKING:
     import ray
 
     from streamrl.buffer.types import BufferProgress
-    from streamrl.rollout.engine.base import EngineStats
     from streamrl.rollout.types import AgentData, RolloutOutcomes, Trajectory
+    from streamrl.streaming.actors.engine import RayEngineClient
     from streamrl.streaming.actors.learner import Trained
     from streamrl.streaming.config import ActorTimeouts
     from streamrl.weight_sync.publisher import Published
@@ -135,7 +137,7 @@ class LearnerClient(ActorClient):
     async def set_policy_version(self, version: int) -> None:
         await self._call("set_policy_version", version)
 
-    async def connect(self, engines: list[EngineClient], workers: list[WorkerClient], policy_version: int) -> None:
+    async def connect(self, engines: list[RayEngineClient], workers: list[WorkerClient], policy_version: int) -> None:
         await self._call("connect", [e.handle for e in engines], [w.handle for w in workers], policy_version)
 
     async def set_workers(self, workers: list[WorkerClient]) -> None:
@@ -175,9 +177,4 @@ class WorkerClient(ActorClient):
         await self._call("shutdown", timeout_s=self.timeouts.stop_s)
 
 
-class EngineClient(ActorClient):
-    async def stats(self) -> EngineStats:
-        return await self._call("stats", timeout_s=self.timeouts.query_s)
-
-
-__all__ = ["ActorClient", "BufferClient", "EngineClient", "LearnerClient", "WorkerClient"]
+__all__ = ["ActorClient", "BufferClient", "LearnerClient", "WorkerClient"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamrl.rollout.engine.base import (
     EngineCounters,
@@ -31,6 +31,9 @@ from streamrl.rollout.engine.base import (
     SamplingParams,
 )
 from streamrl.rollout.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from streamrl.streaming.config import ActorTimeouts
 
 logger = logging.getLogger(__name__)
 
@@ -153,18 +156,60 @@ class EngineActor:
 
 
 class RayEngineClient(InferenceEngine):
-    """`InferenceEngine` backed by an `EngineActor` handle."""
+    """`InferenceEngine` backed by an `EngineActor` handle: the one client of an engine actor.
 
-    def __init__(self, actor: Any, engine_id: str, *, cfg: EngineConfig, policy_version: int = 0) -> None:
+    Rollout workers, the weight sync and the held-out evaluation generate through it (each call
+    waits for the engine to be up, then `call_timeout_s`); the driver also probes the actor with it
+    (`actor_stats`, `memory`, `node_id`: never waiting for the engine to load, bounded by
+    `trainer.actor_timeouts`) and ends it (`kill`)."""
+
+    def __init__(
+        self,
+        actor: Any,
+        engine_id: str,
+        *,
+        cfg: EngineConfig,
+        policy_version: int = 0,
+        timeouts: ActorTimeouts | None = None,
+    ) -> None:
+        from streamrl.streaming.config import ActorTimeouts
+
         self.actor = actor
         self.engine_id = engine_id
         self.policy_version = policy_version
         self.cfg = cfg
+        self.timeouts = timeouts or ActorTimeouts()
         self._started: asyncio.Future[Any] | None = None
         self.counters = EngineCounters()
 
+    @property
+    def handle(self) -> Any:
+        return self.actor
+
+    async def _probe(self, method: str, timeout_s: float) -> Any:
+        return await asyncio.wait_for(getattr(self.actor, method).remote(), timeout_s)
+
+    async def actor_stats(self) -> EngineStats:
+        """The actor's own stats (liveness: a dead actor raises `RayActorError`)."""
+        return await self._probe("stats", self.timeouts.query_s)
+
+    async def memory(self) -> dict[str, float]:
+        """`memory/engine_peak_gb` of the actor's process and its children."""
+        return await self._probe("memory", self.timeouts.probe_s)
+
+    async def node_id(self) -> str:
+        return await self._probe("node_id", self.timeouts.query_s)
+
+    def kill(self) -> None:
+        """End the actor now, without restart."""
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+
     @classmethod
-    def launch(cls, cfg: EngineConfig, engine_id: str, *, policy_version: int = 0) -> RayEngineClient:
+    def launch(
+        cls, cfg: EngineConfig, engine_id: str, *, policy_version: int = 0, timeouts: ActorTimeouts | None = None
+    ) -> RayEngineClient:
         """Create the actor (needs `ray.init` done); returns without waiting for the engine to load."""
         import ray
 
@@ -175,7 +220,7 @@ class RayEngineClient(InferenceEngine):
             max_concurrency=MAX_CONCURRENCY,
         )
         actor = actor_cls.remote(cfg, engine_id, policy_version)
-        return cls(actor, engine_id, cfg=cfg, policy_version=policy_version)
+        return cls(actor, engine_id, cfg=cfg, policy_version=policy_version, timeouts=timeouts)
 
     async def _call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         await self.wait_ready()

@@ -106,7 +106,7 @@ async def test_rows_arriving_keep_the_wait_alive():
 
 
 def _engines_system(*answers):
-    """A System whose engines answer `stats` as given: "ok", "dead" (the actor is gone) or "slow"."""
+    """A System whose engines answer `actor_stats` as given: "ok", "dead" (the actor is gone) or "slow"."""
     import ray
 
     from streamrl.streaming.system import System
@@ -119,7 +119,7 @@ def _engines_system(*answers):
                 raise TimeoutError()
             return SimpleNamespace(busy_fraction=0.5)
 
-        return SimpleNamespace(stats=stats)
+        return SimpleNamespace(actor_stats=stats)
 
     fake = SimpleNamespace(engines=[engine(a) for a in answers])
     return lambda: System.check_engines(fake)

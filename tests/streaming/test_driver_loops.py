@@ -237,7 +237,7 @@ class FakeWorker:
 class FakeEngine:
     served: Served
 
-    async def stats(self) -> EngineStats:
+    async def actor_stats(self) -> EngineStats:
         return EngineStats(
             engine_id="engine-0",
             policy_version=self.served.version,
