@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import ray
 
-    from streamrl.buffer.types import BufferProgress
+    from streamrl.buffer.types import BufferProgress, ImageBlob
     from streamrl.rollout.types import AgentData, RolloutOutcomes, Trajectory
     from streamrl.streaming.actors.engine import RayEngineClient
     from streamrl.streaming.actors.learner import Trained
@@ -79,6 +79,23 @@ class BufferClient(ActorClient):
         from streamrl.buffer.schema import trajectories_to_batch
 
         await self._call("append", ray.put(trajectories_to_batch(rows)), timeout_s=None, durable=True)
+
+    async def append_rows(
+        self, rows: list[Trajectory], *, wait_s: float, durable: bool = False, images: list[ImageBlob] | None = None
+    ) -> bool:
+        """A rollout worker's append: False when the buffer stayed full for `wait_s` (backpressure;
+        the caller keeps the rows and retries). `durable`: True only once they are in the log."""
+        import ray
+
+        from streamrl.buffer.schema import trajectories_to_batch
+
+        kw = {} if images is None else {"images": images}
+        ref = ray.put(trajectories_to_batch(rows))
+        return await self._call("append", ref, wait_s, durable, timeout_s=wait_s + self.timeout_s, **kw)
+
+    async def get_images(self, sha256s: list[str]) -> list[bytes]:
+        """Encoded bytes of stored images, in the order asked (a parked image trajectory resumed)."""
+        return await self._call("get_images", sha256s)
 
     async def sample(self, *, served_version: int, learner_step: int) -> ray.ObjectRef | None:
         """A reference to the next batch (it goes from the buffer to the learner, never through the

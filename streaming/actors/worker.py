@@ -13,7 +13,6 @@ the buffer's image log (`BufferActor.get_images`) before its first generate.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -81,10 +80,12 @@ class RolloutWorkerActor:
         from streamrl.rollout.engine.base import PauseMode
         from streamrl.rollout.server_manager import ServerManager
         from streamrl.rollout.worker import RolloutWorker
+        from streamrl.streaming.actors.clients import BufferClient
         from streamrl.streaming.actors.engine import engine_clients
 
         logging.basicConfig(level=logging.INFO)
-        self.buffer = buffer
+        self.append_timeout_s = 120.0
+        self.buffer = BufferClient(buffer, timeout_s=60.0)  # + the wait of each append for room
         server = ServerManager(engine_clients(engines, cfg.rollout.engine), max_sticky_keys=cfg.rollout.sticky_lru_size)
         ctx = build_agent_context(cfg, model_path, server)
         ctx.snapshot = self._snapshot  # I5: tool intents are durable before the tools run
@@ -101,39 +102,29 @@ class RolloutWorkerActor:
             pause_mode=PauseMode(cfg.weight_sync.pause_mode),
             worker_id=worker_id,
         )
-        self.append_timeout_s = 120.0
         if ctx.images is not None:  # a cache from here on: what it evicts comes back from the buffer's image log
             ctx.images.max_bytes, ctx.images.pinned = IMAGE_STORE_MAX_BYTES, self.worker.image_shas
 
     async def _sink(self, traj: Any) -> bool:
         """Append one row; False when the buffer stayed full for `append_timeout_s` (the worker
         retries). A finished row waits for room; partial rows are always accepted at once."""
-        from streamrl.buffer.schema import trajectories_to_batch
         from streamrl.core.faults import hit
 
         hit("worker.sink")
-        ref = ray.put(trajectories_to_batch([traj]))
         images = image_blobs(self.worker.ctx.images, traj)
-        kw = {} if images is None else {"images": images}
-        accepted = await self.buffer.append.remote(ref, timeout_s=self.append_timeout_s, **kw)
+        accepted = await self.buffer.append_rows([traj], wait_s=self.append_timeout_s, images=images)
         hit("worker.after_sink")
         return accepted
 
     async def _snapshot(self, data: Any) -> None:
         """Make a trajectory's journaled tool intents durable (a partial row flushed to the buffer's
         log) before its tools run. Raising fails the trajectory; the tool never runs."""
-        from streamrl.buffer.schema import trajectories_to_batch
         from streamrl.rollout.types import TrajectoryStatus
 
         ctx = self.worker.ctx
         row = data.to_trajectory(TrajectoryStatus.PARTIAL, image_token_id=ctx.image_token_id)
-        ref = ray.put(trajectories_to_batch([row]))
         images = image_blobs(ctx.images, row)
-        kw = {} if images is None else {"images": images}
-        ok = await asyncio.wait_for(
-            self.buffer.append.remote(ref, timeout_s=self.append_timeout_s, durable=True, **kw),
-            self.append_timeout_s + 10.0,
-        )
+        ok = await self.buffer.append_rows([row], wait_s=self.append_timeout_s, durable=True, images=images)
         if not ok:
             raise RuntimeError(f"tool-intent snapshot of {data.trajectory_id} was not made durable")
         from streamrl.core.faults import hit
@@ -142,7 +133,7 @@ class RolloutWorkerActor:
 
     async def _fetch_images(self, sha256s: list[str]) -> list[bytes]:
         """Bytes of images this worker lacks (a parked trajectory resumed here), from the buffer."""
-        return await asyncio.wait_for(self.buffer.get_images.remote(sha256s), self.append_timeout_s)
+        return await self.buffer.get_images(sha256s)
 
     async def submit(self, items: list[AgentData]) -> int:
         """Start (or resume) these trajectories; returns how many this worker runs now."""
