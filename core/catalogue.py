@@ -84,6 +84,7 @@ TOOLS = "a tool was called in the interval"
 TOOLSET = "rollout.agent.tool_config is set"
 MCP = "the tool config has an `mcp:` entry"
 EVAL = "eval.num_prompts > 0, on the evaluation lines only"
+GATEWAY = "rollout.agent.gateway is set (the gateway agent loop)"
 METRICS: tuple[Metric, ...] = (
     # ---- the line itself (streaming.metrics.MetricsLogger)
     M("time", "unix s", R.LAST, "wall clock when the line was logged"),
@@ -181,6 +182,10 @@ METRICS: tuple[Metric, ...] = (
         when="a trajectory finished in the interval",
     ),
     M("rollout/tool_error_rate", "fraction", R.MEAN, "rollout/num_tool_errors / rollout/num_tool_calls", when=TOOLS),
+    # ---- the agent gateway (rollout.gateway.server), per rollout worker
+    M("rollout/gateway/num_sessions", "sessions", R.LAST, "gateway sessions open on the worker", when=GATEWAY),
+    M("rollout/gateway/num_requests", "requests", R.COUNT, "API calls the gateway served", when=GATEWAY),
+    M("rollout/gateway/num_errors", "requests", R.COUNT, "API calls answered with an error", when=GATEWAY),
     # ---- the trained batch (streaming.actors.learner.LearnerActor.train_step)
     M("rollout/reward_mean", "reward", R.MEAN, "mean reward of the trained batch"),
     # ---- held-out evaluation (streaming.heldout): its own lines, at step 0, every eval.every_steps and the last
