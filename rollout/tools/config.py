@@ -26,7 +26,7 @@ trajectory id:
         name: web_search
         config: {max_results: 5}
 
-The tools of an MCP server (`tools/mcp_toolset.py`) are one entry that expands to one tool per MCP
+The tools of an MCP server (`tools/mcp/`) are one entry that expands to one tool per MCP
 tool: the server is started (stdio: `command` + `args`, or `module` run by this interpreter) or
 connected to (`url`, streamable HTTP on 127.0.0.1 unless `allow_remote: true`) when the registry is
 built, and its `tools/list` gives the schemas. Everything about the server goes inside `mcp:`:
@@ -43,7 +43,7 @@ All may be mixed in one file. An entry with `name` and `class_name` / `function`
 explicit `tool_schema` replaces the default (or generated) one. Classes and functions are imported as
 `package.module.attr` or `package.module:attr`; classes must subclass our `BaseTool`. Building a
 registry with MCP entries starts their servers in this process: build it where the tools run (the
-rollout worker), and close them with `mcp_toolset.close_toolsets(registry.tools.values())`.
+rollout worker), and close them with `tools.mcp.close_toolsets(registry.tools.values())`.
 """
 
 from __future__ import annotations

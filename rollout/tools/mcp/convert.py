@@ -1,4 +1,4 @@
-"""MCP <-> OpenAI conversions for `mcp_toolset.py` (pure functions): an MCP tool's `inputSchema` as
+"""MCP <-> OpenAI conversions for the MCP toolsets (`tools/mcp/`) (pure functions): an MCP tool's `inputSchema` as
 OpenAI function parameters, and a `CallToolResult` as one observation: its text, and the images it
 carries for a VLM policy (`result_execution`).
 

@@ -22,7 +22,7 @@ What each layer adds (see `bench/sandbox.py` for the escape attempts each one st
   is cut) and a kill when a program writes far more than the cap.
 - lifetime and budget, whatever the layer: every stage of the chain dies with its parent
   (`PR_SET_PDEATHSIG`), so a worker killed outright takes its sandboxes along, and a record of each
-  running sandbox lets the next worker sweep what a dead one left (`sandbox_reaper.py`); one memory and
+  running sandbox lets the next worker sweep what a dead one left (`sandbox/reaper.py`); one memory and
   pids budget per sandbox in a cgroup v2 where one is writable (`sandbox_cgroup.py`; elsewhere the
   per-process limits above are the documented fallback); at most `max_concurrent` sandboxes of this
   process run at once (`SLOTS`), the others wait;
@@ -46,7 +46,7 @@ Init (pid 1 of the sandbox) drops privileges, forks the program and exits with i
 namespace whose uid map (written from outside, which needs root) holds both root and the sandbox
 uid, so the setup can still read a root-only interpreter path while the program runs unprivileged.
 In the unshare layer init forks the program's process into a user namespace of its own, nested in
-that one, and maps only the program's uid there (`sandbox_stages._fork_nested`).
+that one, and maps only the program's uid there (`sandbox/stages.py`, `_fork_nested`).
 """
 
 from __future__ import annotations
@@ -386,6 +386,6 @@ def _ancestors(path: str) -> list[str]:
 
 @lru_cache(maxsize=1)
 def _child_source() -> str:
-    """The stages' program: the whole of `sandbox_stages.py`."""
+    """The stages' program: the whole of `sandbox/stages.py`."""
     with open(sandbox_stages.__file__, encoding="utf-8") as f:
         return f.read()

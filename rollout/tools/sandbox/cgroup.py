@@ -11,7 +11,7 @@ to the per-process limits, which stay on in both cases (they give a program a Me
 huge allocation, where the cgroup would kill it).
 
 A cgroup is named `<owner>-<n>`, `owner` being the worker process's `pid-starttime`, so the sweep
-(`sandbox_reaper.py`) can remove those of a worker that died.
+(`reaper.py`) can remove those of a worker that died.
 """
 
 from __future__ import annotations

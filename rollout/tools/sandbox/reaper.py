@@ -1,6 +1,6 @@
 """Sandboxes never outlive their worker: a record of each running sandbox, and the sweep.
 
-The first line of defence is in the sandbox's own chain (`sandbox_stages.py`): every stage asks the
+The first line of defence is in the sandbox's own chain (`stages.py`): every stage asks the
 kernel for SIGKILL when its parent dies (`PR_SET_PDEATHSIG`), so a worker killed outright takes its
 sandboxes with it. This module is the second: while a sandbox runs, a file
 `<registry>/<owner>/<pgid>-<starttime>` names its process group, `owner` being the worker's
