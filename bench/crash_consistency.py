@@ -4,7 +4,7 @@ with the real recovery code and check what it promised.
 
     python -m bench.crash_consistency [--states 2000] [--seed 0] [--out bench/results/crash_consistency.json]
 
-The workload (`record_workload`) is the durable part of a short run, in `System.checkpoint`'s order:
+The workload (`record_workload`) is the durable part of a short run, in `Pipeline.checkpoint`'s order:
 a buffer log (`ReplayBuffer` on `RUN_DIR/buffer`, small segments so they roll) gets groups appended
 with `durable=True`, each followed by the admission cursor saved in `driver_state.json`, a batch
 sampled per step, and at each step a sealed learner checkpoint folder
@@ -141,7 +141,7 @@ def record_workload(root: Path, workload: Workload | None = None) -> Trace:
         state, appended = DriverState(), []
         _save(rec, workload, state, state_path)
         for step, groups in STEPS:
-            for gid in groups:  # admission: the group's rows durably, then the cursor (System.admit_next_group)
+            for gid in groups:  # admission: the group's rows durably, then the cursor (Pipeline.admit_next_group)
                 buf.append(trajectories(gid), durable=True)
                 appended.append(gid)
                 rec.mark("flushed", gid)
@@ -152,7 +152,7 @@ def record_workload(root: Path, workload: Workload | None = None) -> Trace:
             batch = buf.sample(served_version=0, learner_step=step)
             rec.mark("consumed", (step, sorted(set(batch.table.column("group_id").to_pylist()))))
             step_dir = run / "checkpoints" / f"step_{step:06d}"
-            make_dirs(step_dir.parent, sync=True)  # as System.checkpoint does
+            make_dirs(step_dir.parent, sync=True)  # as Pipeline.checkpoint does
             atomic_dir(step_dir, _write_checkpoint(step), sync=workload.seal_checkpoints)
             buf.checkpoint()
             rec.mark("synced", list(appended))

@@ -2,7 +2,7 @@
 
 `served_version` is the version of the weights the engines serve when the buffer is asked (what the
 next sampled token would carry; the learner has just produced it): the policy_version label when
-sampling, the learner step when admitting (`System` passes `served_step`, which ignores the label
+sampling, the learner step when admitting (`Pipeline` passes `served_step`, which ignores the label
 offset a resume adds).
 
 Lag of a token = served_version - policy_version of the weights that sampled it. A trajectory's lag

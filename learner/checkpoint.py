@@ -22,7 +22,7 @@ folder is written by transformers/safetensors and reaches the plan at the seal's
 When any write or fsync fails (ENOSPC, EIO, a torn or unfinished write, a failing fsync), `atomic_dir`
 removes the partial folder, renames nothing into place and writes no seal, and `save_checkpoint`
 raises `CheckpointWriteError` (an `OSError`: the errno, the file, the way out). The driver has not
-recorded the checkpoint yet (`System.checkpoint` records it only once this returns), so the saved
+recorded the checkpoint yet (`Pipeline.checkpoint` records it only once this returns), so the saved
 driver state still names the previous complete checkpoints; the run stops, and `--resume` starts
 from the newest complete one (`streaming.checkpoints.use_newest_complete`), the buffer rolling its
 consumption back to that step: no acknowledged row is lost, the steps after it are retrained.

@@ -195,7 +195,7 @@ class AgentData(BaseModel):
     tool_s: float = 0.0
     created_at: float = 0.0
     # Fencing number: 0 for the first submission, +1 each time the driver hands the trajectory to a
-    # worker again after its previous holder died (`System.resubmit_orphans`). Every row carries it;
+    # worker again after its previous holder died (`Pipeline.resubmit_orphans`). Every row carries it;
     # the buffer refuses rows of an attempt older than the newest it holds (`buffer.groups`).
     attempt: int = Field(default=0, ge=0)
     # A gateway session's state (`rollout.gateway.session.GatewayState` as JSON: journal of answered

@@ -1,6 +1,6 @@
 """The run's learner checkpoints: which ones it keeps, and which one a resume starts from.
 
-`System.checkpoint` writes `RUN_DIR/checkpoints/step_NNNNNN` (the learner seals it: `learner.checkpoint`),
+`Pipeline.checkpoint` writes `RUN_DIR/checkpoints/step_NNNNNN` (the learner seals it: `learner.checkpoint`),
 makes the buffer durable, then records the checkpoint in `DriverState.checkpoints` (oldest first) and
 points the state's `checkpoint*` fields at it. The state is saved before anything is deleted: the
 oldest records past `trainer.keep_checkpoints` leave the state first, their folders after, so a crash
@@ -20,9 +20,9 @@ seeded points) stop the run with a clear error and lose nothing a resume needs:
   returns), so the saved state names only complete checkpoints and `--resume` starts from the newest;
 - a `driver_state.json` save that fails raises `core.atomic.WriteFailedError` (errno and file) and
   leaves the previous file intact (write, fsync, then rename): `--resume` loads it. Its cursor may lag
-  the buffer log, which is the truth for rows: `System.reconcile_cursor` skips the prompts whose rows
+  the buffer log, which is the truth for rows: `Pipeline.reconcile_cursor` skips the prompts whose rows
   are durable, and the buffer rolls consumption back to the state's `checkpoint_step`, so no
-  acknowledged row is lost or admitted twice. A failure of that save inside `System.checkpoint` (after
+  acknowledged row is lost or admitted twice. A failure of that save inside `Pipeline.checkpoint` (after
   the record, before the deletes) deletes no old checkpoint: deletes wait for a save that returned.
 The other run files (`run_info.json`, `accounting.json`, `placement.json`, ...) fail the same way.
 """

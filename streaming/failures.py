@@ -24,7 +24,7 @@ from streamrl.streaming.errors import StreamRLError
 
 if TYPE_CHECKING:
     from streamrl.rollout.types import RolloutOutcomes
-    from streamrl.streaming.system import System
+    from streamrl.streaming.pipeline import Pipeline
 
 
 class TooManyFailedTrajectories(StreamRLError):
@@ -93,24 +93,24 @@ class FailureWindow:
         )
 
 
-async def check_failures(system: System, *, final: bool = False) -> None:
-    """Poll the workers' outcomes into `system.failures` and raise `TooManyFailedTrajectories` when the
+async def check_failures(pipeline: Pipeline, *, final: bool = False) -> None:
+    """Poll the workers' outcomes into `pipeline.failures` and raise `TooManyFailedTrajectories` when the
     window trips; `final` (a run that ran out of prompts early) judges whatever was counted, even
     fewer than `failed_window` trajectories. A worker that does not answer is skipped (the health
     check replaces dead ones)."""
-    cfg = system.cfg.trainer
-    if system.failures is None:
-        system.failures = FailureWindow(window=cfg.failed_window, max_fraction=cfg.max_failed_fraction)
-    for worker in system.workers:
+    cfg = pipeline.cfg.trainer
+    if pipeline.failures is None:
+        pipeline.failures = FailureWindow(window=cfg.failed_window, max_fraction=cfg.max_failed_fraction)
+    for worker in pipeline.workers:
         try:
-            system.failures.observe(await worker.outcomes())
+            pipeline.failures.observe(await worker.outcomes())
         except (TimeoutError, ray.exceptions.RayActorError):
             continue
-    window = system.failures
+    window = pipeline.failures
     if window.tripped or (
         final and too_many_failed(window.num_finished, window.num_failed, window=1, max_fraction=window.max_fraction)
     ):
-        raise TooManyFailedTrajectories(system.failures.message(system.state.learner_step))
+        raise TooManyFailedTrajectories(pipeline.failures.message(pipeline.state.learner_step))
 
 
 def no_steps_message(total_steps: int) -> str:

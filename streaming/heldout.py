@@ -37,7 +37,7 @@ from streamrl.streaming.eval_stats import EvalSummary, summarize
 
 if TYPE_CHECKING:
     from streamrl.streaming.config import StreamRLConfig
-    from streamrl.streaming.system import System
+    from streamrl.streaming.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -204,16 +204,16 @@ class Evaluator:
         last = max((s for s in self.done_steps if s < served_step), default=0)
         return every > 0 and served_step // every > last // every
 
-    def maybe_start(self, system: System, *, final: bool = False) -> bool:
+    def maybe_start(self, pipeline: Pipeline, *, final: bool = False) -> bool:
         """Start evaluating the weights the engines serve now, if they are due (at most one at a time:
         the caller holds the next sync until it ends)."""
-        state = system.state
+        state = pipeline.state
         if not self.due(state.served_step, final=final):
             return False
         assert self._task is None or self._task.done(), "an evaluation is running: hold() before the next publish"
         self.done_steps.add(state.served_step)  # claimed: an abandoned one is not retried on other weights
         self._task = asyncio.create_task(
-            self._evaluate(system, state.served_step, state.policy_version), name=f"eval-step-{state.served_step}"
+            self._evaluate(pipeline, state.served_step, state.policy_version), name=f"eval-step-{state.served_step}"
         )
         return True
 
@@ -249,12 +249,12 @@ class Evaluator:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    async def _evaluate(self, system: System, served_step: int, policy_version: int) -> dict[str, float]:
+    async def _evaluate(self, pipeline: Pipeline, served_step: int, policy_version: int) -> dict[str, float]:
         cfg = self.cfg
-        engines = [e for e in system.engines if e.engine_id not in system.dropped_engines]  # never a dropped one
-        started, t0 = system.total_elapsed_s, time.monotonic()
+        engines = [e for e in pipeline.engines if e.engine_id not in pipeline.dropped_engines]  # never a dropped one
+        started, t0 = pipeline.total_elapsed_s, time.monotonic()
         trajectories = await run_heldout(
-            cfg, system.model_path, engines, self.records, timeout_s=cfg.trainer.step_timeout_s
+            cfg, pipeline.model_path, engines, self.records, timeout_s=cfg.trainer.step_timeout_s
         )
         seconds = time.monotonic() - t0
         check_pinned(trajectories, policy_version)
@@ -274,7 +274,7 @@ class Evaluator:
             started_elapsed_s=started,
             seconds=seconds,
         )
-        system.metrics.log(metrics, learner_step=served_step, policy_version=policy_version, progress=False)
+        pipeline.metrics.log(metrics, learner_step=served_step, policy_version=policy_version, progress=False)
         passes = f"pass@1 {summary.pass_at_1:.3f}" + (
             f", pass@{summary.k} {summary.pass_at_k:.3f}" if summary.k > 1 else ""
         )

@@ -23,7 +23,7 @@ from streamrl.core.run_dir import RunDir, read_json, write_json
 from streamrl.streaming.checkpoints import use_newest_complete
 from streamrl.streaming.config import StreamRLConfig, load_config
 from streamrl.streaming.driver_state import DriverState
-from streamrl.streaming.system import System, make_worker
+from streamrl.streaming.pipeline import Pipeline, make_worker
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def open_run(
     return cfg, run_dir, None
 
 
-async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> System:
+async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> Pipeline:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from streamrl.core.memory import learner_runtime_env
@@ -160,7 +160,7 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
         records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs, cursor=state.cursor
     )
     metrics = MetricsLogger(run_dir, wandb_cfg=cfg.wandb, console=True, total_steps=cfg.trainer.total_steps)
-    system = System(
+    pipeline = Pipeline(
         cfg=cfg,
         run_dir=run_dir,
         model_path=model_path,
@@ -173,40 +173,40 @@ async def build_system(cfg: StreamRLConfig, run_dir: Path, state: DriverState | 
         state=state,
         elapsed_base_s=state.elapsed_s,
     )
-    system.workers = [make_worker(system, f"worker-{i}") for i in range(cfg.rollout.num_workers)]
+    pipeline.workers = [make_worker(pipeline, f"worker-{i}") for i in range(cfg.rollout.num_workers)]
     startup = cfg.rollout.engine.startup_timeout_s
     await asyncio.gather(*[e.wait_ready() for e in engines])
     learner.timeout_s = startup  # the first calls wait for the learner actor to load the model
     if await learner.policy_version() != start_version:
         await learner.set_policy_version(start_version)
-    await learner.connect(engines, system.workers, start_version)
+    await learner.connect(engines, pipeline.workers, start_version)
     learner.timeout_s = timeout_s
-    await system.write_placement()
+    await pipeline.write_placement()
     if resuming:
-        await system.reconcile_cursor()
-        n = await system.resubmit_orphans()
+        await pipeline.reconcile_cursor()
+        n = await pipeline.resubmit_orphans()
         logger.info("resumed run at learner step %d: %d unfinished trajectories resubmitted", state.learner_step, n)
-    return system
+    return pipeline
 
 
 async def _train(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> DriverState:
     from streamrl.streaming.driver import run_async, run_sync
     from streamrl.streaming.heldout import Evaluator
 
-    system = await build_system(cfg, run_dir, state)
-    system.evaluator = Evaluator.open(system.cfg, run_dir, system.stream.records)
+    pipeline = await build_pipeline(cfg, run_dir, state)
+    pipeline.evaluator = Evaluator.open(pipeline.cfg, run_dir, pipeline.stream.records)
     try:
-        system.evaluator.maybe_start(system)  # the starting policy (a resume goes on with the schedule)
-        await (run_async(system) if cfg.trainer.mode == "async" else run_sync(system))
-        await system.evaluator.drain()
-        await system.write_accounting()  # parks the workers: the engines are left to the last evaluation
-        system.evaluator.maybe_start(system, final=True)  # the last weights, also when the prompts ran out early
-        await system.evaluator.drain()
+        pipeline.evaluator.maybe_start(pipeline)  # the starting policy (a resume goes on with the schedule)
+        await (run_async(pipeline) if cfg.trainer.mode == "async" else run_sync(pipeline))
+        await pipeline.evaluator.drain()
+        await pipeline.write_accounting()  # parks the workers: the engines are left to the last evaluation
+        pipeline.evaluator.maybe_start(pipeline, final=True)  # the last weights, also when the prompts ran out early
+        await pipeline.evaluator.drain()
     finally:
-        await system.evaluator.close()  # a failed run does not wait for its evaluation
-        system.metrics.close()
-        await system.shutdown()
-    return system.state
+        await pipeline.evaluator.close()  # a failed run does not wait for its evaluation
+        pipeline.metrics.close()
+        await pipeline.shutdown()
+    return pipeline.state
 
 
 def finished_already(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> bool:

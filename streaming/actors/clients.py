@@ -9,7 +9,7 @@ metric dicts), each call bounded by a timeout.
 (An engine actor's client is `streaming.actors.engine.RayEngineClient`: the `InferenceEngine` the
 workers generate through, and the driver's probe of the actor.)
 
-`System` holds these, never raw handles, so the driver's loops run in-process against fakes with
+`Pipeline` holds these, never raw handles, so the driver's loops run in-process against fakes with
 the same methods (tests/streaming/test_driver_loops.py). A dead actor raises
 `ray.exceptions.RayActorError` and a call past its deadline `asyncio.TimeoutError`, unchanged:
 the health checks tell the two apart.

@@ -15,7 +15,7 @@ from bench import chaos_families, chaos_io
 from streamrl.core import iofaults
 from streamrl.core.atomic import WriteFailedError, unsealed_reason
 from streamrl.learner.checkpoint import CheckpointWriteError, save_checkpoint
-from streamrl.streaming.system import DriverState
+from streamrl.streaming.pipeline import DriverState
 from tests.streaming.test_iofaults_run_files import _train_state
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from streamrl.core import catalogue
 from streamrl.core.catalogue import PLACEHOLDERS, Reduction
-from streamrl.streaming.system import rollout_interval_metrics
+from streamrl.streaming.step_metrics import rollout_interval_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("streaming", "observability", "rollout", "buffer", "learner", "weight_sync")
@@ -133,3 +133,35 @@ def test_rollout_interval_metrics():
     }
     for key in rollout_interval_metrics(increments, 1.0):
         catalogue.lookup(key)
+
+
+def test_worker_increments_and_engine_metrics():
+    from streamrl.rollout.engine.base import EngineStats
+    from streamrl.streaming.step_metrics import engine_metrics, sum_metrics, worker_increments
+
+    totals = sum_metrics([{"rollout/num_finished": 5.0, "rollout/num_running": 2.0}, {"rollout/num_finished": 3.0}])
+    assert totals == {"rollout/num_finished": 8.0, "rollout/num_running": 2.0}
+    # counters are increments since the last step (never negative after a worker restart); gauges stay
+    assert worker_increments(totals, {"rollout/num_finished": 6.0, "rollout/num_running": 9.0}) == {
+        "rollout/num_finished": 2.0,
+        "rollout/num_running": 2.0,
+    }
+    assert worker_increments(totals, {"rollout/num_finished": 20.0})["rollout/num_finished"] == 0.0
+
+    def stats(busy: float, up: float) -> EngineStats:
+        return EngineStats(
+            engine_id="e",
+            policy_version=0,
+            num_running=0,
+            busy_s=busy,
+            uptime_s=up,
+            num_generated_tokens=0,
+            num_prompt_tokens=0,
+            num_aborted=0,
+        )
+
+    out = engine_metrics([stats(3.0, 10.0), None, stats(1.0, 10.0)])
+    assert out["engine/busy_fraction/engine-0"] == 0.3
+    assert out["engine/busy_fraction/engine-1"] == 0.0  # did not answer
+    assert out["engine/busy_s"] == 2.0 and out["engine/uptime_s"] == 10.0  # the mean over those that answered
+    assert out["engine/busy_fraction"] == 0.2

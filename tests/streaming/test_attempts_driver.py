@@ -14,7 +14,7 @@ import pytest
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.rollout.types import AgentData, FinishReason, Trajectory, TrajectoryStatus
 from streamrl.streaming.driver import run_async
-from tests.streaming.test_driver_loops import TIMEOUT_S, FakeWorker, _check_admission, _check_batches, _system
+from tests.streaming.test_driver_loops import TIMEOUT_S, FakeWorker, _check_admission, _check_batches, _pipeline
 
 STALE_REWARD = 99.0  # what the dead worker's late finish would train if it were accepted
 
@@ -64,13 +64,13 @@ class LateWorker(FakeWorker):
 
 @pytest.mark.timeout(TIMEOUT_S)
 async def test_a_dead_workers_late_appends_are_refused_and_the_resubmitted_attempt_trains_once(tmp_path, caplog):
-    system, buffer, learner = _system(tmp_path)
-    victim = LateWorker("worker-0", buffer, system.workers[0].served, seed=0)
-    system.workers[0] = victim
+    pipeline, buffer, learner = _pipeline(tmp_path)
+    victim = LateWorker("worker-0", buffer, pipeline.workers[0].served, seed=0)
+    pipeline.workers[0] = victim
     victim.die_on_submit = 2  # while it runs two fresh groups' members
 
     async def slow_step() -> None:  # a learner step outlasts the health check (not a race with it)
-        while victim.dead and not system.num_worker_replacements:
+        while victim.dead and not pipeline.num_worker_replacements:
             await asyncio.sleep(0.01)
 
     learner.on_step = slow_step
@@ -90,21 +90,21 @@ async def test_a_dead_workers_late_appends_are_refused_and_the_resubmitted_attem
     buffer.append_durable = fencing_then_late
     try:
         with caplog.at_level(logging.WARNING, logger="streamrl.buffer.groups"):
-            await asyncio.wait_for(run_async(system), TIMEOUT_S)
-            accounting = await system.write_accounting()
+            await asyncio.wait_for(run_async(pipeline), TIMEOUT_S)
+            accounting = await pipeline.write_accounting()
     finally:
-        system.metrics.close()
+        pipeline.metrics.close()
     lost = victim.lost
     assert len(lost) >= 2, "the victim ran nothing when it was killed: the test proves nothing"
-    assert system.num_worker_replacements == 1 and system.state.learner_step == 8
+    assert pipeline.num_worker_replacements == 1 and pipeline.state.learner_step == 8
     # every trajectory the victim lost was resubmitted as attempt 1, recorded before its new worker got it
     assert sorted(r.trajectory_id for r in fenced) == sorted(lost) and {r.attempt for r in fenced} == {1}
     assert {row.attempt for row in victim.late} == {0} and len(victim.late) == 2 * len(lost)
     stats = buffer.rb.stats()
     assert stats["buffer/stale_attempt_rows"] == len(victim.late)
     assert sum("is older than the current attempt 1" in r.getMessage() for r in caplog.records) == len(victim.late)
-    trained = _check_batches(system, buffer)  # whole groups, no trajectory twice
-    _check_admission(system, buffer)
+    trained = _check_batches(pipeline, buffer)  # whole groups, no trajectory twice
+    _check_admission(pipeline, buffer)
     assert accounting["stranded"] == [] and accounting["untracked"] == []
     rows = {}
     for batch in buffer.sampled:
@@ -114,7 +114,7 @@ async def test_a_dead_workers_late_appends_are_refused_and_the_resubmitted_attem
             batch.table.column("reward").to_pylist(),
         ):
             rows[tid] = (attempt, reward)
-    survivors = [w for w in system.created_workers if w is not victim]
+    survivors = [w for w in pipeline.created_workers if w is not victim]
     held_now = set().union(*(w.tasks for w in survivors))
     for tid in lost:  # trained once, as the resubmitted attempt; or still running there, at attempt 1
         if tid in trained:
@@ -129,35 +129,35 @@ async def test_a_dead_workers_late_appends_are_refused_and_the_resubmitted_attem
 async def test_resubmission_on_resume_is_a_new_attempt_recorded_in_the_log(tmp_path):
     """`--resume` resubmits what the log left unfinished through the same path: each trajectory's
     attempt goes up by one, durably, every time (a recovered buffer knows it)."""
-    system, buffer, _ = _system(tmp_path, f"buffer.root_dir={tmp_path / 'buffer'}")
+    pipeline, buffer, _ = _pipeline(tmp_path, f"buffer.root_dir={tmp_path / 'buffer'}")
     try:
-        for w in system.workers:
+        for w in pipeline.workers:
             w.unpaused.clear()  # what is submitted stays in flight
-        assert await system.admit_next_group()
+        assert await pipeline.admit_next_group()
         admitted = sorted(buffer.rb.resumable_ids())
-        served = system.workers[0].served
+        served = pipeline.workers[0].served
         assert len(admitted) == 2
         for attempt in (1, 2):  # the job is killed and resumed, twice
-            for w in system.workers:
+            for w in pipeline.workers:
                 w.kill()
             buffer.rb.checkpoint()
             del buffer.rb
             gc.collect()
-            buffer.rb = ReplayBuffer(system.cfg.buffer)  # recovered from the log
+            buffer.rb = ReplayBuffer(pipeline.cfg.buffer)  # recovered from the log
             assert {t.attempt for t in buffer.rb.resumable()} == {attempt - 1}
-            system.workers = [LateWorker(f"worker-{attempt}-{i}", buffer, served, seed=i) for i in range(2)]
-            for w in system.workers:
+            pipeline.workers = [LateWorker(f"worker-{attempt}-{i}", buffer, served, seed=i) for i in range(2)]
+            for w in pipeline.workers:
                 w.unpaused.clear()
-            assert await system.resubmit_orphans() == 2
-            given = {tid: data.attempt for w in system.workers for tid, data in w.given.items()}
+            assert await pipeline.resubmit_orphans() == 2
+            given = {tid: data.attempt for w in pipeline.workers for tid, data in w.given.items()}
             assert given == dict.fromkeys(admitted, attempt)  # the workers resume the new attempt
             assert {t.trajectory_id: t.attempt for t in buffer.rb.resumable()} == dict.fromkeys(admitted, attempt)
             assert {t.agent_data().attempt for t in buffer.rb.resumable()} == {attempt}
     finally:
-        for w in system.workers:
+        for w in pipeline.workers:
             await w.shutdown()
         buffer.rb.close()
-        system.metrics.close()
+        pipeline.metrics.close()
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -170,25 +170,25 @@ async def test_a_resubmission_whose_images_the_log_lost_is_still_fenced_and_resu
     from tests.buffer.test_images import RED, _with_images
 
     root = tmp_path / "buffer"
-    system, buffer, _ = _system(tmp_path, f"buffer.root_dir={root}")
+    pipeline, buffer, _ = _pipeline(tmp_path, f"buffer.root_dir={root}")
     try:
         rows = [_with_images(make_traj("img", i, status=TrajectoryStatus.PARTIAL), [RED]) for i in range(2)]
         buffer.rb.append(rows, images=[RED], durable=True)
         buffer.rb.close()
         for path in root.glob(f"{IMAGES_PREFIX}*"):
             path.unlink()  # the image bytes are gone, the rows are not
-        buffer.rb = ReplayBuffer(system.cfg.buffer)
+        buffer.rb = ReplayBuffer(pipeline.cfg.buffer)
         assert sorted(buffer.rb.resumable_ids()) == ["img/0", "img/1"]
-        served = system.workers[0].served
-        system.workers = [LateWorker("worker-r", buffer, served, seed=0)]
-        system.workers[0].unpaused.clear()
-        with caplog.at_level(logging.WARNING, logger="streamrl.streaming.system"):
-            assert await system.resubmit_orphans() == 2
+        served = pipeline.workers[0].served
+        pipeline.workers = [LateWorker("worker-r", buffer, served, seed=0)]
+        pipeline.workers[0].unpaused.clear()
+        with caplog.at_level(logging.WARNING, logger="streamrl.streaming.pipeline"):
+            assert await pipeline.resubmit_orphans() == 2
         assert any("without their image columns" in r.getMessage() for r in caplog.records)
-        assert {tid: d.attempt for tid, d in system.workers[0].given.items()} == {"img/0": 1, "img/1": 1}
+        assert {tid: d.attempt for tid, d in pipeline.workers[0].given.items()} == {"img/0": 1, "img/1": 1}
         assert {t.attempt for t in buffer.rb.resumable()} == {1}
     finally:
-        for w in system.workers:
+        for w in pipeline.workers:
             await w.shutdown()
         buffer.rb.close()
-        system.metrics.close()
+        pipeline.metrics.close()

@@ -54,7 +54,7 @@ def test_a_version_seen_only_in_the_buffer_counts():
     assert state.policy_version == 4 and state.served_step == 0
 
 
-def _fake_system(*, in_flight: int, rows, exhausted: bool, stall_timeout_s: float = 60.0):
+def _fake_pipeline(*, in_flight: int, rows, exhausted: bool, stall_timeout_s: float = 60.0):
     from streamrl.buffer.types import BufferProgress
 
     rows = iter(rows)
@@ -88,28 +88,28 @@ def _fake_system(*, in_flight: int, rows, exhausted: bool, stall_timeout_s: floa
 
 
 async def test_exhausted_prompts_end_the_wait_cleanly():
-    sys = _fake_system(in_flight=0, rows=[5] * 10, exhausted=True)
+    sys = _fake_pipeline(in_flight=0, rows=[5] * 10, exhausted=True)
     assert await asyncio.wait_for(wait_for_batch(sys), 5) is None
     assert sys.exhausted
 
 
 async def test_no_rows_for_the_stall_timeout_is_a_clear_error():
-    sys = _fake_system(in_flight=8, rows=[5] * 1000, exhausted=False, stall_timeout_s=0.3)
+    sys = _fake_pipeline(in_flight=8, rows=[5] * 1000, exhausted=False, stall_timeout_s=0.3)
     with pytest.raises(Stalled, match="8 trajectories in flight"):
         await asyncio.wait_for(wait_for_batch(sys), 10)
 
 
 async def test_rows_arriving_keep_the_wait_alive():
-    sys = _fake_system(in_flight=8, rows=range(1000), exhausted=False, stall_timeout_s=0.3)
+    sys = _fake_pipeline(in_flight=8, rows=range(1000), exhausted=False, stall_timeout_s=0.3)
     with pytest.raises(asyncio.TimeoutError):  # still waiting, no Stalled: rows keep arriving
         await asyncio.wait_for(wait_for_batch(sys), 1.0)
 
 
-def _engines_system(*answers):
-    """A System whose engines answer `actor_stats` as given: "ok", "dead" (the actor is gone) or "slow"."""
+def _engines_pipeline(*answers):
+    """A Pipeline whose engines answer `actor_stats` as given: "ok", "dead" (the actor is gone) or "slow"."""
     import ray
 
-    from streamrl.streaming.system import System
+    from streamrl.streaming.pipeline import Pipeline
 
     def engine(answer):
         async def stats():
@@ -122,7 +122,7 @@ def _engines_system(*answers):
         return SimpleNamespace(actor_stats=stats)
 
     fake = SimpleNamespace(engines=[engine(a) for a in answers])
-    return lambda: System.check_engines(fake)
+    return lambda: Pipeline.check_engines(fake)
 
 
 async def test_no_engine_alive_is_a_clear_error_not_a_livelock():
@@ -132,8 +132,8 @@ async def test_no_engine_alive_is_a_clear_error_not_a_livelock():
     from streamrl.rollout.engine.base import NoHealthyEngineError
 
     with pytest.raises(NoHealthyEngineError, match="no inference engine is alive: engine-0: RayActorError"):
-        await _engines_system("dead")()
+        await _engines_pipeline("dead")()
     with pytest.raises(NoHealthyEngineError, match="engine-0: .*; engine-1: "):
-        await _engines_system("dead", "dead")()
-    await _engines_system("dead", "ok")()  # one left: routing and the next sync deal with the dead one
-    await _engines_system("slow")()  # slow is not dead
+        await _engines_pipeline("dead", "dead")()
+    await _engines_pipeline("dead", "ok")()  # one left: routing and the next sync deal with the dead one
+    await _engines_pipeline("slow")()  # slow is not dead

@@ -25,7 +25,7 @@ from streamrl.streaming.config import load_config
 from streamrl.streaming.driver import run_async, run_sync
 from streamrl.streaming.driver_state import DriverState
 from streamrl.streaming.prompts import PromptStream
-from streamrl.streaming.system import System
+from streamrl.streaming.pipeline import Pipeline
 from streamrl.weight_sync.publisher import Published
 
 TIMEOUT_S = 60
@@ -253,7 +253,7 @@ class FakeEngine:
         return {"memory/engine_peak_gb": 0.0}
 
 
-def _system(tmp_path: Path, *overrides: str, num_workers: int = 2) -> tuple[System, FakeBuffer, FakeLearner]:
+def _pipeline(tmp_path: Path, *overrides: str, num_workers: int = 2) -> tuple[Pipeline, FakeBuffer, FakeLearner]:
     cfg = load_config(
         None,
         [
@@ -275,13 +275,13 @@ def _system(tmp_path: Path, *overrides: str, num_workers: int = 2) -> tuple[Syst
     learner = FakeLearner(served)
     created: list[FakeWorker] = []
 
-    def new_worker(system: System, worker_id: str) -> FakeWorker:
+    def new_worker(pipeline: Pipeline, worker_id: str) -> FakeWorker:
         worker = FakeWorker(worker_id, buffer, served, seed=len(created))
         created.append(worker)
         return worker
 
     records = load_records("arithmetic", cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
-    system = System(
+    pipeline = Pipeline(
         cfg=cfg,
         run_dir=tmp_path,
         model_path="fake",
@@ -294,47 +294,47 @@ def _system(tmp_path: Path, *overrides: str, num_workers: int = 2) -> tuple[Syst
         state=DriverState(),
         new_worker=new_worker,
     )
-    system.workers = [new_worker(system, f"worker-{i}") for i in range(num_workers)]
-    system.created_workers = created
-    return system, buffer, learner
+    pipeline.workers = [new_worker(pipeline, f"worker-{i}") for i in range(num_workers)]
+    pipeline.created_workers = created
+    return pipeline, buffer, learner
 
 
-def _check_batches(system: System, buffer: FakeBuffer) -> set[str]:
+def _check_batches(pipeline: Pipeline, buffer: FakeBuffer) -> set[str]:
     """Every step trained whole groups within the staleness bound, no trajectory twice; returns
     the trained trajectory ids."""
-    cfg = system.cfg.buffer
+    cfg = pipeline.cfg.buffer
     trained: list[str] = []
     for batch in buffer.sampled:
         groups = batch.table.column("group_id").to_pylist()
         assert all(groups.count(g) == cfg.group_size for g in groups), groups
         assert max(batch.lags) <= cfg.max_staleness, (batch.served_version, batch.lags)
         trained += batch.trajectory_ids
-    assert len(trained) == len(set(trained)) == system.state.learner_step * cfg.batch_size
+    assert len(trained) == len(set(trained)) == pipeline.state.learner_step * cfg.batch_size
     return set(trained)
 
 
-def _check_admission(system: System, buffer: FakeBuffer) -> None:
+def _check_admission(pipeline: Pipeline, buffer: FakeBuffer) -> None:
     """Every prompt before the cursor is in the buffer exactly as one whole group; none after it."""
-    stream = system.stream
-    admitted = [f"{r.group_id}@e0" for r in stream.records[: system.state.cursor]]
+    stream = pipeline.stream
+    admitted = [f"{r.group_id}@e0" for r in stream.records[: pipeline.state.cursor]]
     assert buffer.rb.has_groups(admitted) == [True] * len(admitted)
-    if system.state.cursor < len(stream.records):
-        assert buffer.rb.has_groups([f"{stream.records[system.state.cursor].group_id}@e0"]) == [False]
-    assert system.state.num_admitted == len(admitted) * system.cfg.group_size
+    if pipeline.state.cursor < len(stream.records):
+        assert buffer.rb.has_groups([f"{stream.records[pipeline.state.cursor].group_id}@e0"]) == [False]
+    assert pipeline.state.num_admitted == len(admitted) * pipeline.cfg.group_size
 
 
 @pytest.mark.timeout(TIMEOUT_S)
 async def test_async_loops_train_whole_fresh_groups_and_admit_each_prompt_once(tmp_path):
-    system, buffer, learner = _system(tmp_path)
+    pipeline, buffer, learner = _pipeline(tmp_path)
     try:
-        await asyncio.wait_for(run_async(system), TIMEOUT_S)
-        accounting = await system.write_accounting()
+        await asyncio.wait_for(run_async(pipeline), TIMEOUT_S)
+        accounting = await pipeline.write_accounting()
     finally:
-        system.metrics.close()
-    assert system.state.learner_step == 8 and learner.published == list(range(1, 9))
-    assert system.state.policy_version == 8
-    _check_batches(system, buffer)
-    _check_admission(system, buffer)
+        pipeline.metrics.close()
+    assert pipeline.state.learner_step == 8 and learner.published == list(range(1, 9))
+    assert pipeline.state.policy_version == 8
+    _check_batches(pipeline, buffer)
+    _check_admission(pipeline, buffer)
     assert accounting["stranded"] == [] and accounting["untracked"] == []
     # trainer.keep_checkpoints = 2: step_000003 went once step_000008 was complete
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000006", "step_000008"]
@@ -342,43 +342,43 @@ async def test_async_loops_train_whole_fresh_groups_and_admit_each_prompt_once(t
 
 @pytest.mark.timeout(TIMEOUT_S)
 async def test_sync_loop_trains_on_policy(tmp_path):
-    system, buffer, learner = _system(tmp_path, "trainer.mode=sync", "trainer.total_steps=4")
+    pipeline, buffer, learner = _pipeline(tmp_path, "trainer.mode=sync", "trainer.total_steps=4")
     try:
-        await asyncio.wait_for(run_sync(system), TIMEOUT_S)
+        await asyncio.wait_for(run_sync(pipeline), TIMEOUT_S)
     finally:
-        system.metrics.close()
-    assert system.state.learner_step == 4
+        pipeline.metrics.close()
+    assert pipeline.state.learner_step == 4
     assert all(max(b.lags) == 0 for b in buffer.sampled)  # on-policy: every batch at the served version
-    _check_batches(system, buffer)
-    _check_admission(system, buffer)
-    assert system.state.cursor == 4 * system.cfg.buffer.groups_per_batch  # exactly one batch admitted per step
+    _check_batches(pipeline, buffer)
+    _check_admission(pipeline, buffer)
+    assert pipeline.state.cursor == 4 * pipeline.cfg.buffer.groups_per_batch  # exactly one batch admitted per step
 
 
 @pytest.mark.timeout(TIMEOUT_S)
 async def test_a_killed_worker_is_replaced_and_what_it_ran_is_finished_by_another(tmp_path):
-    system, buffer, learner = _system(tmp_path)
-    victim = system.workers[0]
+    pipeline, buffer, learner = _pipeline(tmp_path)
+    victim = pipeline.workers[0]
     victim.die_on_submit = 2  # while it runs two fresh groups' members
 
     async def slow_step() -> None:  # a learner step outlasts the health check (not a race with it)
-        while victim.dead and not system.num_worker_replacements:
+        while victim.dead and not pipeline.num_worker_replacements:
             await asyncio.sleep(0.01)
 
     learner.on_step = slow_step
     try:
-        await asyncio.wait_for(run_async(system), TIMEOUT_S)
-        accounting = await system.write_accounting()
+        await asyncio.wait_for(run_async(pipeline), TIMEOUT_S)
+        accounting = await pipeline.write_accounting()
     finally:
-        system.metrics.close()
+        pipeline.metrics.close()
     lost = victim.lost
     assert len(lost) >= 2, "the victim ran nothing when it was killed: the test proves nothing"
-    assert system.num_worker_replacements == 1 and victim not in system.workers
-    assert system.state.learner_step == 8
-    _check_batches(system, buffer)
-    _check_admission(system, buffer)
+    assert pipeline.num_worker_replacements == 1 and victim not in pipeline.workers
+    assert pipeline.state.learner_step == 8
+    _check_batches(pipeline, buffer)
+    _check_admission(pipeline, buffer)
     assert accounting["stranded"] == [] and accounting["untracked"] == []
     # what the victim lost was resubmitted to a live worker (never lost, never failed)
-    survivors = [w for w in system.created_workers if w is not victim]
+    survivors = [w for w in pipeline.created_workers if w is not victim]
     finished = set().union(*(w.finished for w in survivors))
     held_now = set().union(*(w.tasks for w in survivors))
     assert not lost & victim.finished
@@ -390,21 +390,21 @@ async def test_a_killed_worker_is_replaced_and_what_it_ran_is_finished_by_anothe
 async def test_a_worker_dying_at_the_end_of_the_run_strands_nothing(tmp_path):
     """The chaos suite found this: a worker killed right before the end-of-run accounting left
     durable partial rows nobody held. The accounting replaces it and hands its work over first."""
-    system, buffer, learner = _system(tmp_path)
+    pipeline, buffer, learner = _pipeline(tmp_path)
     try:
-        await asyncio.wait_for(run_async(system), TIMEOUT_S)
-        for w in system.workers:
+        await asyncio.wait_for(run_async(pipeline), TIMEOUT_S)
+        for w in pipeline.workers:
             w.unpaused.clear()  # what is submitted now stays in flight
-        assert await system.admit_next_group()
-        victim = max(system.workers, key=lambda w: len(w.tasks))
+        assert await pipeline.admit_next_group()
+        victim = max(pipeline.workers, key=lambda w: len(w.tasks))
         assert victim.tasks, "the victim holds nothing: the test proves nothing"
         victim.kill()
-        accounting = await system.write_accounting()
+        accounting = await pipeline.write_accounting()
     finally:
-        system.metrics.close()
-    assert system.num_worker_replacements == 1 and victim not in system.workers
+        pipeline.metrics.close()
+    assert pipeline.num_worker_replacements == 1 and victim not in pipeline.workers
     assert accounting["stranded"] == [] and accounting["untracked"] == []
-    survivors = system.workers  # the replacement and the worker that never died
+    survivors = pipeline.workers  # the replacement and the worker that never died
     assert victim.lost and victim.lost <= set().union(*(w.ever_held for w in survivors))
     for tid in victim.lost:  # finished by a survivor, or held there with its partial row
         assert any(tid in w.finished or (tid in w.tasks and tid in accounting["resumable"]) for w in survivors), tid
@@ -420,7 +420,7 @@ async def test_the_loops_wake_on_events_not_on_a_timer(tmp_path, monkeypatch, mo
     from streamrl.streaming import driver
 
     monkeypatch.setattr(driver, "WAIT_S", 30.0)
-    system, buffer, learner = _system(tmp_path, f"trainer.mode={mode}", f"buffer.max_staleness={max_staleness}")
+    pipeline, buffer, learner = _pipeline(tmp_path, f"trainer.mode={mode}", f"buffer.max_staleness={max_staleness}")
 
     async def slow_step() -> None:  # admission looks (and finds no room) between the sample and the publish
         await asyncio.sleep(0.05)
@@ -428,10 +428,10 @@ async def test_the_loops_wake_on_events_not_on_a_timer(tmp_path, monkeypatch, mo
     learner.on_step = slow_step
     t0 = time.monotonic()
     try:
-        await asyncio.wait_for(run_async(system) if mode == "async" else run_sync(system), 20.0)
+        await asyncio.wait_for(run_async(pipeline) if mode == "async" else run_sync(pipeline), 20.0)
     finally:
-        system.metrics.close()
-    assert system.state.learner_step == 8
+        pipeline.metrics.close()
+    assert pipeline.state.learner_step == 8
     assert time.monotonic() - t0 < 20.0
 
 
@@ -440,24 +440,24 @@ async def test_sync_loop_replaces_groups_the_filter_drops(tmp_path):
     """On-policy with DAPO filtering: the sync loop admits only one batch's groups; when some come back
     with all-equal rewards (dropped) it admits more until a batch is ready, instead of waiting for the
     stall timeout. Every batch is still on-policy and no dropped group is trained."""
-    system, buffer, learner = _system(
+    pipeline, buffer, learner = _pipeline(
         tmp_path, "trainer.mode=sync", "trainer.total_steps=4", "buffer.filter_uniform_reward_groups=true"
     )
-    uniform = {f"{r.group_id}@e0" for r in system.stream.records[0:12:3]}  # prompts 0, 3, 6, 9
-    for worker in system.workers:
+    uniform = {f"{r.group_id}@e0" for r in pipeline.stream.records[0:12:3]}  # prompts 0, 3, 6, 9
+    for worker in pipeline.workers:
         worker.uniform = uniform
     try:
-        await asyncio.wait_for(run_sync(system), TIMEOUT_S)
+        await asyncio.wait_for(run_sync(pipeline), TIMEOUT_S)
     finally:
-        system.metrics.close()
-    assert system.state.learner_step == 4
+        pipeline.metrics.close()
+    assert pipeline.state.learner_step == 4
     assert all(max(b.lags) == 0 for b in buffer.sampled)
     trained_groups = {g for b in buffer.sampled for g in b.table.column("group_id").to_pylist()}
-    admitted = [f"{r.group_id}@e0" for r in system.stream.records[: system.state.cursor]]
+    admitted = [f"{r.group_id}@e0" for r in pipeline.stream.records[: pipeline.state.cursor]]
     assert trained_groups == set(admitted) - uniform and uniform <= set(admitted)
-    _check_batches(system, buffer)
-    _check_admission(system, buffer)
-    assert system.state.cursor == 4 * system.cfg.buffer.groups_per_batch + len(uniform)  # one more per dropped group
+    _check_batches(pipeline, buffer)
+    _check_admission(pipeline, buffer)
+    assert pipeline.state.cursor == 4 * pipeline.cfg.buffer.groups_per_batch + len(uniform)  # one more per dropped group
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -467,8 +467,8 @@ async def test_end_of_run_accounting_waits_for_a_trajectory_still_being_scored(t
     leaves the worker. Read in between, it looked "held without a partial row" (the chaos bench's
     hostile-reward run: 4 untracked). The accounting waits, at most a tool call plus a reward call,
     for such trajectories to settle; one that never does is still reported."""
-    system, buffer, learner = _system(tmp_path, "rollout.agent.reward_timeout_s=1", "rollout.agent.tool_timeout_s=0.5")
-    worker = system.workers[0]
+    pipeline, buffer, learner = _pipeline(tmp_path, "rollout.agent.reward_timeout_s=1", "rollout.agent.tool_timeout_s=0.5")
+    worker = pipeline.workers[0]
 
     async def scoring(tid: str, seconds: float) -> None:
         await asyncio.sleep(seconds)  # its terminal row is written; then it leaves the worker
@@ -476,22 +476,22 @@ async def test_end_of_run_accounting_waits_for_a_trajectory_still_being_scored(t
 
     worker.tasks["g-scored@e0/0"] = asyncio.create_task(scoring("g-scored@e0/0", 0.3))
     try:
-        accounting = await system.write_accounting()
+        accounting = await pipeline.write_accounting()
         assert accounting["untracked"] == [] and accounting["stranded"] == []
         worker.tasks["g-stuck@e0/0"] = asyncio.create_task(asyncio.sleep(60))  # never settles
         t0 = time.monotonic()
-        accounting = await system.write_accounting()
+        accounting = await pipeline.write_accounting()
         assert accounting["untracked"] == ["g-stuck@e0/0"] and time.monotonic() - t0 < 5
     finally:
         await worker.shutdown()
-        system.metrics.close()
+        pipeline.metrics.close()
 
 
 @pytest.mark.timeout(TIMEOUT_S)
 async def test_sync_generation_rounds_train_on_policy_and_never_overlap_a_step(tmp_path):
     """verl's gen_batch_size: each round admits 4 groups (a batch holds 2), waits for the whole
     round, trains; the leftovers are evicted as stale (max_staleness = 0), never trained later."""
-    system, buffer, learner = _system(
+    pipeline, buffer, learner = _pipeline(
         tmp_path,
         "trainer.mode=sync",
         "trainer.total_steps=4",
@@ -508,14 +508,14 @@ async def test_sync_generation_rounds_train_on_policy_and_never_overlap_a_step(t
 
     learner.train_step = recording_step
     try:
-        await asyncio.wait_for(run_sync(system), TIMEOUT_S)
+        await asyncio.wait_for(run_sync(pipeline), TIMEOUT_S)
     finally:
-        system.metrics.close()
-    assert system.state.learner_step == 4 and in_flight_at_step == [0, 0, 0, 0]
+        pipeline.metrics.close()
+    assert pipeline.state.learner_step == 4 and in_flight_at_step == [0, 0, 0, 0]
     assert all(max(b.lags) == 0 for b in buffer.sampled)
-    _check_batches(system, buffer)
-    _check_admission(system, buffer)
-    assert system.state.cursor == 4 * 4  # one round of 4 groups per step (nothing filtered by the fakes)
+    _check_batches(pipeline, buffer)
+    _check_admission(pipeline, buffer)
+    assert pipeline.state.cursor == 4 * 4  # one round of 4 groups per step (nothing filtered by the fakes)
     assert buffer.rb.stats()["buffer/evicted_over_age"] == 3 * 2 * 2  # each step's 2 leftover groups, but the last's
 
 

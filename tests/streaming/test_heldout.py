@@ -175,7 +175,7 @@ class _State:
 
 
 class _System:
-    """What `driver.publish` and `Evaluator.maybe_start` use of a System."""
+    """What `driver.publish` and `Evaluator.maybe_start` use of a Pipeline."""
 
     def __init__(self, evaluator: Evaluator) -> None:
         self.evaluator, self.state, self.published_while_evaluating = evaluator, _State(), []
@@ -196,21 +196,21 @@ async def test_a_publish_waits_for_the_running_evaluation_so_its_version_stays_p
     served: list[tuple[int, int]] = []
     gate = asyncio.Event()
 
-    async def slow_evaluate(system, served_step, policy_version):
+    async def slow_evaluate(pipeline, served_step, policy_version):
         await gate.wait()  # still generating when the learner wants to publish
-        served.append((served_step, system.state.policy_version))
+        served.append((served_step, pipeline.state.policy_version))
         return {}
 
     ev._evaluate = slow_evaluate
-    system = _System(ev)
-    assert ev.maybe_start(system)
-    publishing = asyncio.create_task(publish(system))
+    pipeline = _System(ev)
+    assert ev.maybe_start(pipeline)
+    publishing = asyncio.create_task(publish(pipeline))
     await asyncio.sleep(0.05)
     assert not publishing.done()  # held
     gate.set()
     metrics = await asyncio.wait_for(publishing, 5)
     assert served[0] == (0, 0)  # evaluated with the version it started on, to the end
-    assert system.published_while_evaluating == [False] and metrics["eval/sync_held_s"] > 0
+    assert pipeline.published_while_evaluating == [False] and metrics["eval/sync_held_s"] > 0
     assert ev.done_steps == {0, 1}  # the new weights are due at every_steps=1: their evaluation started
     await ev.drain()
     assert served == [(0, 0), (1, 1)]
@@ -220,7 +220,7 @@ async def test_an_evaluation_past_max_hold_is_abandoned_not_mixed(tmp_path):
     ev = _evaluator(tmp_path, "eval.max_hold_s=0.1")
     cancelled = asyncio.Event()
 
-    async def hung(system, served_step, policy_version):
+    async def hung(pipeline, served_step, policy_version):
         try:
             await asyncio.sleep(60)
         except asyncio.CancelledError:
@@ -237,7 +237,7 @@ async def test_an_evaluation_past_max_hold_is_abandoned_not_mixed(tmp_path):
 async def test_a_failed_evaluation_surfaces_at_the_next_hold(tmp_path):
     ev = _evaluator(tmp_path)
 
-    async def broken(system, served_step, policy_version):
+    async def broken(pipeline, served_step, policy_version):
         raise RuntimeError("engine gone")
 
     ev._evaluate = broken
@@ -277,6 +277,6 @@ async def test_the_last_weights_are_evaluated_after_the_workers_park_not_at_the_
     from streamrl.streaming.driver import publish
 
     ev = Evaluator.open(_cfg("eval.num_prompts=4", "trainer.total_steps=1"), tmp_path, [])
-    system = _System(ev)
-    await publish(system)
-    assert system.state.learner_step == 1 and ev._task is None and ev.due(1, final=True)
+    pipeline = _System(ev)
+    await publish(pipeline)
+    assert pipeline.state.learner_step == 1 and ev._task is None and ev.due(1, final=True)

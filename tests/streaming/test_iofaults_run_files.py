@@ -25,8 +25,8 @@ from streamrl.core.iofaults import Fault, FaultKind, FaultPlan
 from streamrl.learner.checkpoint import CheckpointWriteError, load_checkpoint, save_checkpoint
 from streamrl.streaming.checkpoints import record_checkpoint, use_newest_complete
 from streamrl.streaming.driver import run_async
-from streamrl.streaming.system import DriverState
-from tests.streaming.test_driver_loops import TIMEOUT_S, _system
+from streamrl.streaming.pipeline import DriverState
+from tests.streaming.test_driver_loops import TIMEOUT_S, _pipeline
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -242,7 +242,7 @@ def test_the_plan_syntax_names_checkpoint_and_run_file_targets():
 
 class CheckpointingLearner:
     """The driver tests' FakeLearner, whose checkpoints are the real learner's (`save_checkpoint` of a
-    tiny train state), so a checkpoint fault hits the real writer inside `System.checkpoint`."""
+    tiny train state), so a checkpoint fault hits the real writer inside `Pipeline.checkpoint`."""
 
     def __init__(self, inner) -> None:
         self.inner, self.ts = inner, _train_state()
@@ -269,10 +269,10 @@ class CheckpointingLearner:
 async def test_a_run_stopped_by_an_io_fault_resumes_without_losing_a_row(tmp_path, fault):
     """The driver's loops stop on the fault with the error in the chain; the run directory then holds
     an intact state naming only complete checkpoints, and every acknowledged group in the buffer log."""
-    system, buffer, learner = _system(
+    pipeline, buffer, learner = _pipeline(
         tmp_path, "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2", f"buffer.root_dir={tmp_path / 'buffer'}"
     )
-    system.learner = CheckpointingLearner(learner)
+    pipeline.learner = CheckpointingLearner(learner)
     acked: list[str] = []
     append_durable = buffer.append_durable
 
@@ -284,9 +284,9 @@ async def test_a_run_stopped_by_an_io_fault_resumes_without_losing_a_row(tmp_pat
     plan = FaultPlan((fault,))
     try:
         with iofaults.install(plan), pytest.raises(RuntimeError, match="loop failed") as stopped:
-            await asyncio.wait_for(run_async(system), TIMEOUT_S)
+            await asyncio.wait_for(run_async(pipeline), TIMEOUT_S)
     finally:
-        system.metrics.close()
+        pipeline.metrics.close()
         buffer.rb.close()
     assert plan.injected == [f"{fault.log} {fault.kind.op} #{fault.at} {fault.kind.value}"]
     cause = stopped.value.__cause__
@@ -304,9 +304,9 @@ async def test_a_run_stopped_by_an_io_fault_resumes_without_losing_a_row(tmp_pat
     # the buffer log is the truth for rows: every acknowledged group is in it, the cursor never ahead of it
     from streamrl.buffer.store import ReplayBuffer
 
-    reopened = ReplayBuffer(system.cfg.buffer, resume_learner_step=saved.checkpoint_step)
+    reopened = ReplayBuffer(pipeline.cfg.buffer, resume_learner_step=saved.checkpoint_step)
     try:
         assert acked and reopened.has_groups(acked) == [True] * len(acked)
-        assert saved.num_admitted <= len(acked) * system.cfg.group_size
+        assert saved.num_admitted <= len(acked) * pipeline.cfg.group_size
     finally:
         reopened.close()

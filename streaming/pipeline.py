@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import ray
 
-from streamrl.core import catalogue, faults
+from streamrl.core import faults
 from streamrl.core.atomic import make_dirs
-from streamrl.core.catalogue import Reduction
 from streamrl.core.run_dir import RunDir, write_json
 from streamrl.streaming.checkpoints import delete_checkpoints, drop_old_checkpoints, record_checkpoint
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver_state import DriverState
 from streamrl.streaming.errors import check_nonfinite_steps
 from streamrl.streaming.failures import check_failures
+from streamrl.streaming import step_metrics
 from streamrl.streaming.prompts import PromptStream, group_id_for, make_group
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 class Accounting(TypedDict):
-    """RUN_DIR/accounting.json: I2 at the end of a run (`System.write_accounting`)."""
+    """RUN_DIR/accounting.json: I2 at the end of a run (`Pipeline.write_accounting`)."""
 
     learner_step: int
     stranded: list[str]  # resumable in the buffer, held by no worker
@@ -53,7 +53,7 @@ class Accounting(TypedDict):
 
 
 @dataclass(kw_only=True)
-class System:
+class Pipeline:
     cfg: StreamRLConfig
     run_dir: Path
     model_path: str
@@ -64,7 +64,7 @@ class System:
     stream: PromptStream
     metrics: MetricsLogger
     # builds a replacement rollout worker (default: a RolloutWorkerActor, `make_worker`)
-    new_worker: Callable[[System, str], WorkerClient] = field(default=lambda system, wid: make_worker(system, wid))
+    new_worker: Callable[[Pipeline, str], WorkerClient] = field(default=lambda pipeline, wid: make_worker(pipeline, wid))
     state: DriverState
     done: bool = False
     exhausted: bool = False  # the run ended early: prompts used up, nothing in flight
@@ -437,39 +437,19 @@ class System:
                 logger.warning("shutdown of the %s failed: %r", what, exc)
 
     async def log_step(self, metrics: dict[str, float]) -> None:
+        """Gather the parts' numbers and log the step's line (derived values: `step_metrics`)."""
         elapsed = self.elapsed_s
         metrics["learner/idle_ratio"] = self.learner_idle_s / max(elapsed, 1e-9)
         metrics["time/elapsed_s"] = self.total_elapsed_s
         metrics.update(await self.buffer.stats())
-        totals: dict[str, float] = {}
-        for w in self.workers:
-            try:
-                worker_metrics = await w.metrics()
-            except ray.exceptions.RayActorError:
-                continue  # preempted; the health loop replaces it
-            for key, value in worker_metrics.items():
-                totals[key] = totals.get(key, 0.0) + value
-        for key, value in totals.items():  # counters are logged as increments since the last step
-            if catalogue.reduction(key) is Reduction.COUNT:
-                metrics[key] = max(value - self._last_counters.get(key, 0.0), 0.0)
-            else:
-                metrics[key] = value
+        totals = step_metrics.sum_metrics(await self._answers(self.workers, "metrics"))
+        metrics.update(step_metrics.worker_increments(totals, self._last_counters))
         self._last_counters = totals
-        metrics.update(rollout_interval_metrics(metrics, elapsed - self._last_log_elapsed))
+        metrics.update(step_metrics.rollout_interval_metrics(metrics, elapsed - self._last_log_elapsed))
         self._last_log_elapsed = elapsed
         metrics["invariants/stranded_checks"] = float(self.num_stranded_checks)
-        busy = []
-        for i, engine in enumerate(self.engines):
-            try:
-                stats = await engine.actor_stats()
-            except (TimeoutError, ray.exceptions.RayActorError):
-                metrics[f"engine/busy_fraction/engine-{i}"] = 0.0
-                continue
-            metrics[f"engine/busy_fraction/engine-{i}"] = stats.busy_fraction
-            busy.append((stats.busy_s, stats.uptime_s))
-        metrics["engine/busy_s"] = sum(b for b, _ in busy) / max(len(busy), 1)
-        metrics["engine/uptime_s"] = sum(u for _, u in busy) / max(len(busy), 1)
-        metrics["engine/busy_fraction"] = metrics["engine/busy_s"] / max(metrics["engine/uptime_s"], 1e-9)
+        stats = await self._answers(self.engines, "actor_stats", missing=True)
+        metrics.update(step_metrics.engine_metrics(stats))
         metrics.update(await self.memory_metrics())
         self.metrics.log(metrics, learner_step=self.state.learner_step, policy_version=self.state.policy_version)
 
@@ -479,42 +459,32 @@ class System:
         a local Ray cluster's processes are its children)."""
         from streamrl.core.memory import peak_rss_gb
 
-        out = {"memory/driver_peak_gb": peak_rss_gb()}
-        for actor in [*self.engines, *self.workers, self.buffer]:
+        reported = await self._answers([*self.engines, *self.workers, self.buffer], "memory")
+        return step_metrics.max_metrics(reported, {"memory/driver_peak_gb": peak_rss_gb()})
+
+    async def _answers(self, actors: list[Any], method: str, *, missing: bool = False) -> list[Any]:
+        """`actor.method()` of each actor; one that is gone (the health loop deals with it) is left
+        out, or answers None with `missing`."""
+        out = []
+        for actor in actors:
             try:
-                reported = await actor.memory()
+                out.append(await getattr(actor, method)())
             except (TimeoutError, ray.exceptions.RayActorError):
-                continue  # gone: the health loop deals with it
-            for key, value in reported.items():
-                out[key] = max(out.get(key, 0.0), value)
+                if missing:
+                    out.append(None)
         return out
 
 
-def rollout_interval_metrics(metrics: dict[str, float], interval_s: float) -> dict[str, float]:
-    """Rates and per-trajectory means of the interval since the last log line, from the rollout
-    workers' counter increments in `metrics` (a mean of nothing is left out, not logged as 0)."""
-    out = {"rollout/tokens_per_s": metrics.get("rollout/num_generated_tokens", 0.0) / max(interval_s, 1e-9)}
-    if finished := metrics.get("rollout/num_finished"):  # every trajectory finished, not only the trained batch
-        out["rollout/finished_reward_mean"] = metrics.get("rollout/reward_sum", 0.0) / finished
-        out["rollout/num_turns_mean"] = metrics.get("rollout/turns_sum", 0.0) / finished
-        out["rollout/tool_calls_mean"] = metrics.get("rollout/tool_calls_sum", 0.0) / finished
-    if calls := metrics.get("rollout/num_tool_calls"):
-        out["rollout/tool_error_rate"] = metrics.get("rollout/num_tool_errors", 0.0) / calls
-    if executed := metrics.get("rollout/tools/num_executed"):
-        out["rollout/tools/mean_latency_s"] = metrics.get("rollout/tools/latency_sum_s", 0.0) / executed
-    return out
-
-
-def make_worker(system: System, worker_id: str) -> WorkerClient:
-    """A new RolloutWorkerActor over the system's engines and buffer."""
+def make_worker(pipeline: Pipeline, worker_id: str) -> WorkerClient:
+    """A new RolloutWorkerActor over the pipeline's engines and buffer."""
     from streamrl.streaming.actors.clients import WorkerClient
     from streamrl.streaming.actors.worker import RolloutWorkerActor
 
     # @ray.remote makes RolloutWorkerActor an ActorClass; pyrefly types the decorated name as the plain class
     handle = RolloutWorkerActor.options(num_cpus=0.25, name=None).remote(  # pyrefly: ignore[missing-attribute]
-        worker_id, system.cfg, system.model_path, [e.handle for e in system.engines], system.buffer.handle
+        worker_id, pipeline.cfg, pipeline.model_path, [e.handle for e in pipeline.engines], pipeline.buffer.handle
     )
-    return WorkerClient(handle, timeout_s=system.timeout_s, timeouts=system.cfg.trainer.actor_timeouts)
+    return WorkerClient(handle, timeout_s=pipeline.timeout_s, timeouts=pipeline.cfg.trainer.actor_timeouts)
 
 
 def next_attempt(row: Trajectory) -> Trajectory:
@@ -526,4 +496,4 @@ def next_attempt(row: Trajectory) -> Trajectory:
     return dataclasses.replace(row, attempt=attempt, agent_data_json=data.to_json())
 
 
-__all__ = ["System", "make_worker"]
+__all__ = ["Pipeline", "make_worker"]
