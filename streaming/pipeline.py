@@ -21,12 +21,12 @@ import ray
 from streamrl.core import faults
 from streamrl.core.atomic import make_dirs
 from streamrl.core.run_dir import RunDir, write_json
+from streamrl.streaming import step_metrics
 from streamrl.streaming.checkpoints import delete_checkpoints, drop_old_checkpoints, record_checkpoint
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver_state import DriverState
 from streamrl.streaming.errors import check_nonfinite_steps
 from streamrl.streaming.failures import check_failures
-from streamrl.streaming import step_metrics
 from streamrl.streaming.prompts import PromptStream, group_id_for, make_group
 
 if TYPE_CHECKING:
@@ -64,7 +64,9 @@ class Pipeline:
     stream: PromptStream
     metrics: MetricsLogger
     # builds a replacement rollout worker (default: a RolloutWorkerActor, `make_worker`)
-    new_worker: Callable[[Pipeline, str], WorkerClient] = field(default=lambda pipeline, wid: make_worker(pipeline, wid))
+    new_worker: Callable[[Pipeline, str], WorkerClient] = field(
+        default=lambda pipeline, wid: make_worker(pipeline, wid)
+    )
     state: DriverState
     done: bool = False
     exhausted: bool = False  # the run ended early: prompts used up, nothing in flight

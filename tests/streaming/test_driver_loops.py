@@ -24,8 +24,8 @@ from streamrl.streaming.actors.learner import Trained
 from streamrl.streaming.config import load_config
 from streamrl.streaming.driver import run_async, run_sync
 from streamrl.streaming.driver_state import DriverState
-from streamrl.streaming.prompts import PromptStream
 from streamrl.streaming.pipeline import Pipeline
+from streamrl.streaming.prompts import PromptStream
 from streamrl.weight_sync.publisher import Published
 
 TIMEOUT_S = 60
@@ -457,7 +457,9 @@ async def test_sync_loop_replaces_groups_the_filter_drops(tmp_path):
     assert trained_groups == set(admitted) - uniform and uniform <= set(admitted)
     _check_batches(pipeline, buffer)
     _check_admission(pipeline, buffer)
-    assert pipeline.state.cursor == 4 * pipeline.cfg.buffer.groups_per_batch + len(uniform)  # one more per dropped group
+    assert pipeline.state.cursor == 4 * pipeline.cfg.buffer.groups_per_batch + len(
+        uniform
+    )  # one more per dropped group
 
 
 @pytest.mark.timeout(TIMEOUT_S)
@@ -467,7 +469,9 @@ async def test_end_of_run_accounting_waits_for_a_trajectory_still_being_scored(t
     leaves the worker. Read in between, it looked "held without a partial row" (the chaos bench's
     hostile-reward run: 4 untracked). The accounting waits, at most a tool call plus a reward call,
     for such trajectories to settle; one that never does is still reported."""
-    pipeline, buffer, learner = _pipeline(tmp_path, "rollout.agent.reward_timeout_s=1", "rollout.agent.tool_timeout_s=0.5")
+    pipeline, buffer, learner = _pipeline(
+        tmp_path, "rollout.agent.reward_timeout_s=1", "rollout.agent.tool_timeout_s=0.5"
+    )
     worker = pipeline.workers[0]
 
     async def scoring(tid: str, seconds: float) -> None:
