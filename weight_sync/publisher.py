@@ -2,7 +2,7 @@
 
 It owns what must outlive one sync: a `WeightSyncCoordinator` over the engines (the clients of
 the engine actors it is given; the transport's group is reused while the engine set is unchanged), the
-rollout-worker handles it pauses and resumes, and the policy_version the engines serve. It lives
+rollout workers (their clients) it pauses and resumes, and the policy_version the engines serve. It lives
 in the single-process `LearnerActor`, or — with an FSDP learner group — in learner rank 0
 (`streaming/actors/learner_backends.py`), because the transport's rank 0 must be where the gathered
 tensors are. Failure semantics are the coordinator's: a failed sync returns the old version, which
@@ -17,7 +17,7 @@ import collections
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from streamrl.core.aio import gather_within
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from streamrl.weight_sync.config import WeightSyncConfig
+    from streamrl.weight_sync.coordinator import PausableWorkers
     from streamrl.weight_sync.transport import SyncEngine
 
 logger = logging.getLogger(__name__)
@@ -40,22 +41,24 @@ class Published:
     metrics: dict[str, float]
 
 
-class RemoteWorkers:
-    """Adapts the RolloutWorkerActor handles to weight_sync's `PausableWorkers` protocol.
+class WorkerSet:
+    """The rollout workers as one `PausableWorkers`: each worker's client (`streaming.actors.clients.
+    WorkerClient`, any object with `pause(epoch)` / `resume(epoch)`) is called concurrently, within
+    `timeout_s` in all.
 
     A preempted (dead) worker is skipped, not an error: it holds no loop to park or resume, its
     engine requests are aborted by the engine pause, and the driver's health loop replaces it and
     resumes its trajectories from the buffer."""
 
-    def __init__(self, handles: list[Any], timeout_s: float) -> None:
-        self.handles = list(handles)
+    def __init__(self, workers: Sequence[PausableWorkers], timeout_s: float) -> None:
+        self.workers = list(workers)
         self.timeout_s = timeout_s
 
     async def _each(self, method: str, epoch: int | None) -> None:
         import ray
 
-        refs = [getattr(h, method).remote(epoch=epoch) for h in self.handles]
-        outcomes = await gather_within(refs, self.timeout_s, return_exceptions=True)
+        calls = [getattr(w, method)(epoch=epoch) for w in self.workers]
+        outcomes = await gather_within(calls, self.timeout_s, return_exceptions=True)
         for outcome in outcomes:
             if isinstance(outcome, ray.exceptions.RayActorError):
                 logger.warning("rollout worker died before %s; the driver replaces it", method)
@@ -88,12 +91,14 @@ class LaggedWeights:
 class WeightPublisher:
     """Publishes named tensors as a policy_version to every engine; see the module docstring."""
 
-    def __init__(self, cfg: WeightSyncConfig, clients: Sequence[SyncEngine], workers: list[Any]) -> None:
+    def __init__(
+        self, cfg: WeightSyncConfig, clients: Sequence[SyncEngine], workers: Sequence[PausableWorkers]
+    ) -> None:
         """`clients`: the engines, as engine clients named `engine-{i}` that know the served version
-        (`streaming.actors.engine.engine_clients`); `workers`: the rollout-worker handles it pauses."""
+        (`streaming.actors.engine.engine_clients`); `workers`: the rollout workers' clients it pauses."""
         from streamrl.weight_sync.coordinator import WeightSyncCoordinator
 
-        self.workers = RemoteWorkers(workers, cfg.timeouts.pause)
+        self.workers = WorkerSet(workers, cfg.timeouts.pause)
         self.coordinator = WeightSyncCoordinator(cfg, clients, workers=self.workers)
         self.lagged = LaggedWeights(cfg.publish_lag) if cfg.publish_lag else None
 
@@ -106,9 +111,9 @@ class WeightPublisher:
         """engine_id (`engine-{i}`, the rollout workers' names too) -> why it left the sync set."""
         return dict(self.coordinator.dropped)
 
-    def set_workers(self, handles: list[Any]) -> None:
+    def set_workers(self, workers: Sequence[PausableWorkers]) -> None:
         """Replace the pausable set after a preempted rollout worker was replaced."""
-        self.workers.handles = list(handles)
+        self.workers.workers = list(workers)
 
     async def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], target: int) -> Published:
         """Move `named_tensors` into every engine as `target` (transactional).

@@ -155,10 +155,11 @@ class LearnerClient(ActorClient):
         await self._call("set_policy_version", version)
 
     async def connect(self, engines: list[RayEngineClient], workers: list[WorkerClient], policy_version: int) -> None:
-        await self._call("connect", [e.handle for e in engines], [w.handle for w in workers], policy_version)
+        await self._call("connect", [e.handle for e in engines], list(workers), policy_version)
 
     async def set_workers(self, workers: list[WorkerClient]) -> None:
-        await self._call("set_workers", [w.handle for w in workers])
+        """The rollout workers the publisher pauses (their clients travel to the learner's process)."""
+        await self._call("set_workers", list(workers))
 
     async def shutdown(self) -> None:
         await self._call("shutdown", timeout_s=self.timeouts.stop_s)
@@ -180,8 +181,12 @@ class WorkerClient(ActorClient):
     async def route(self, keep_out: list[str]) -> list[str]:
         return await self._call("route", keep_out, timeout_s=self.timeouts.query_s)
 
-    async def pause(self) -> None:
-        await self._call("pause", timeout_s=self.timeouts.stop_s)
+    async def pause(self, epoch: int | None = None) -> None:
+        """Park the worker's loops (weight_sync's `PausableWorkers`; `epoch` fences a late pause)."""
+        await self._call("pause", epoch=epoch, timeout_s=self.timeouts.stop_s)
+
+    async def resume(self, epoch: int | None = None) -> None:
+        await self._call("resume", epoch=epoch, timeout_s=self.timeouts.stop_s)
 
     async def metrics(self) -> dict[str, float]:
         return await self._call("metrics", timeout_s=self.timeouts.query_s)

@@ -16,7 +16,7 @@ from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver import run_async
 from streamrl.streaming.driver_state import DriverState
 from streamrl.streaming.train import finished_already, open_run
-from tests.streaming.test_driver_loops import TIMEOUT_S, _system
+from tests.streaming.test_driver_loops import TIMEOUT_S, _pipeline
 
 
 class SealingLearner:
@@ -35,12 +35,12 @@ class SealingLearner:
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize(("keep", "kept"), [(2, [7, 8]), (0, [1, 2, 3, 4, 5, 6, 7, 8])])
 async def test_only_the_newest_keep_checkpoints_stay(tmp_path, keep, kept):
-    system, _, learner = _system(tmp_path, "trainer.checkpoint_every=1", f"trainer.keep_checkpoints={keep}")
-    system.learner = SealingLearner(learner)
+    pipeline, _, learner = _pipeline(tmp_path, "trainer.checkpoint_every=1", f"trainer.keep_checkpoints={keep}")
+    pipeline.learner = SealingLearner(learner)
     try:
-        await asyncio.wait_for(run_async(system), TIMEOUT_S)
+        await asyncio.wait_for(run_async(pipeline), TIMEOUT_S)
     finally:
-        system.metrics.close()
+        pipeline.metrics.close()
     names = [f"step_{s:06d}" for s in kept]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == names  # nothing half-deleted left
     saved = DriverState.load(tmp_path / "driver_state.json")
@@ -72,7 +72,7 @@ def test_a_resume_falls_back_to_the_newest_complete_checkpoint(tmp_path):
     assert (state.checkpoint_step, state.checkpoint_policy_version, state.checkpoint_version_offset) == (3, 13, 10)
     assert [r.step for r in state.checkpoints] == [3]
     assert not finished_already(StreamRLConfig(trainer={"total_steps": 8}), run_dir, state)
-    # what build_system does next: the buffer rolls consumption back to checkpoint_step, and the
+    # what build_pipeline does next: the buffer rolls consumption back to checkpoint_step, and the
     # learner restarts at step 3 with a label above every version handed out before (I4)
     state.rewind_to_checkpoint(max_version_seen=18)
     assert state.learner_step == 3 and state.policy_version == 19 and state.served_step == 3

@@ -14,7 +14,7 @@ import pytest
 from streamrl.rollout.types import RolloutOutcomes
 from streamrl.streaming.driver import run_async, run_sync
 from streamrl.streaming.failures import FailureWindow, TooManyFailedTrajectories, too_many_failed
-from tests.streaming.test_driver_loops import TIMEOUT_S, _system
+from tests.streaming.test_driver_loops import TIMEOUT_S, _pipeline
 
 REASON = "ValueError: prompt of N tokens exceeds agent.prompt_length=N"
 
@@ -52,18 +52,18 @@ def test_the_window_slides_over_the_newest_trajectories_of_every_worker():
     assert window.reasons() == {REASON: 9}
 
 
-async def _run_failing(system, mode: str) -> TooManyFailedTrajectories:
-    for worker in system.workers:
+async def _run_failing(pipeline, mode: str) -> TooManyFailedTrajectories:
+    for worker in pipeline.workers:
         worker.fail_with = REASON
     with pytest.raises(Exception) as info:
         try:
-            await asyncio.wait_for(run_async(system) if mode == "async" else run_sync(system), TIMEOUT_S)
+            await asyncio.wait_for(run_async(pipeline) if mode == "async" else run_sync(pipeline), TIMEOUT_S)
         finally:
-            system.metrics.close()
+            pipeline.metrics.close()
     error = info.value if isinstance(info.value, TooManyFailedTrajectories) else info.value.__cause__
     assert isinstance(error, TooManyFailedTrajectories), info.value
     assert REASON in str(error) and "trainer.max_failed_fraction=0.9" in str(error)
-    assert system.state.learner_step == 0
+    assert pipeline.state.learner_step == 0
     return error
 
 
@@ -72,29 +72,29 @@ async def _run_failing(system, mode: str) -> TooManyFailedTrajectories:
 async def test_a_run_whose_every_trajectory_fails_stops_naming_the_reason(tmp_path, mode):
     """Without the check the fake run admits every prompt (failed rows count as progress, dropped
     groups free room) and ends "cleanly" at learner step 0; with it, it stops after a window."""
-    system, _, _ = _system(tmp_path, f"trainer.mode={mode}", "trainer.failed_window=16", "data.num_prompts=2000")
-    await _run_failing(system, mode)
-    assert system.state.cursor < len(system.stream.records)  # stopped before the prompts ran out
+    pipeline, _, _ = _pipeline(tmp_path, f"trainer.mode={mode}", "trainer.failed_window=16", "data.num_prompts=2000")
+    await _run_failing(pipeline, mode)
+    assert pipeline.state.cursor < len(pipeline.stream.records)  # stopped before the prompts ran out
 
 
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("mode", ["async", "sync"])
 async def test_prompts_used_up_by_failures_stop_the_run_with_the_reason(tmp_path, mode):
     """Fewer trajectories than a window (4 prompts x 2): when the prompts run out, what was counted decides."""
-    system, _, _ = _system(tmp_path, f"trainer.mode={mode}", "data.num_prompts=4")
-    await _run_failing(system, mode)
-    assert system.state.cursor == len(system.stream.records)
+    pipeline, _, _ = _pipeline(tmp_path, f"trainer.mode={mode}", "data.num_prompts=4")
+    await _run_failing(pipeline, mode)
+    assert pipeline.state.cursor == len(pipeline.stream.records)
 
 
 @pytest.mark.timeout(TIMEOUT_S)
 async def test_some_failures_do_not_stop_a_run(tmp_path):
-    system, buffer, learner = _system(tmp_path, "trainer.failed_window=16", "trainer.total_steps=6")
-    system.workers[0].fail_with = REASON  # half the trajectories fail: the groups of worker-1 still train
+    pipeline, buffer, learner = _pipeline(tmp_path, "trainer.failed_window=16", "trainer.total_steps=6")
+    pipeline.workers[0].fail_with = REASON  # half the trajectories fail: the groups of worker-1 still train
     try:
-        await asyncio.wait_for(run_async(system), TIMEOUT_S)
+        await asyncio.wait_for(run_async(pipeline), TIMEOUT_S)
     finally:
-        system.metrics.close()
-    assert system.state.learner_step == 6 and system.workers[0].num_failed > 0
+        pipeline.metrics.close()
+    assert pipeline.state.learner_step == 6 and pipeline.workers[0].num_failed > 0
 
 
 def test_the_worker_keeps_a_bounded_error_record_and_counts_reasons():

@@ -167,6 +167,7 @@ async def _train_publish_check(learner, client, tmp_path, *, version: int) -> li
 async def test_single_and_two_rank_learners_publish_what_they_save(ray_cluster, tiny_model_path, tmp_path):
     """num_workers = 1 trains and publishes v1; then a num_workers = 2 group takes two steps and
     publishes v2 through its rank 0 — the same LearnerActor interface."""
+    from streamrl.streaming.actors.clients import WorkerClient
     from streamrl.streaming.actors.engine import RayEngineClient
     from streamrl.streaming.actors.learner import LearnerActor, learner_actor_options
 
@@ -175,12 +176,13 @@ async def test_single_and_two_rank_learners_publish_what_they_save(ray_cluster, 
     assert learner_actor_options(group_cfg) == {"num_cpus": 0, "num_gpus": 0}  # the ranks hold the resources
     client = RayEngineClient.launch(group_cfg.rollout.engine, "engine-0")
     worker = CountingWorker.remote()
+    worker_client = WorkerClient(worker, timeout_s=30.0)  # the publisher pauses workers through their clients
     single = LearnerActor.options(**learner_actor_options(single_cfg)).remote(single_cfg, None)
     group = broken = None
     try:
         initial = await _served(client, "v0")  # engine start overlaps the learner's
         assert set(initial.policy_versions) == {0}
-        await _call(single.connect.remote([client.actor], [worker], 0))
+        await _call(single.connect.remote([client.actor], [worker_client], 0))
         v1 = await _train_publish_check(single, client, tmp_path, version=1)
         assert v1 != initial.token_ids, "one step should change the greedy continuation"
         await _call(single.shutdown.remote())
@@ -188,7 +190,7 @@ async def test_single_and_two_rank_learners_publish_what_they_save(ray_cluster, 
 
         group = LearnerActor.options(**learner_actor_options(group_cfg)).remote(group_cfg, None)
         await _call(group.connect.remote([client.actor], [], 1))  # the engine serves v1 already
-        await _call(group.set_workers.remote([worker]))
+        await _call(group.set_workers.remote([worker_client]))
         await _call(group.train_step.remote(_sampled_batch(0)))
         published = await _call(group.publish.remote())  # its v1 is not newer: no gather, no sync
         assert (published.policy_version, published.metrics) == (1, {})

@@ -17,7 +17,7 @@ from streamrl.streaming.driver import run_async
 from streamrl.streaming.errors import NonFiniteTrainingError, explain_failure
 from streamrl.weight_sync.publisher import Published
 from tests.buffer.helpers import make_group
-from tests.streaming.test_driver_loops import TIMEOUT_S, _system
+from tests.streaming.test_driver_loops import TIMEOUT_S, _pipeline
 
 
 class SkippingBackend:
@@ -80,25 +80,25 @@ class SkippingLearner:
 
 @pytest.mark.timeout(TIMEOUT_S)
 async def test_max_nonfinite_steps_in_a_row_stop_the_run_with_a_clear_error(tmp_path):
-    system, _, learner = _system(tmp_path, "learner.max_nonfinite_steps=3")
-    system.learner = SkippingLearner(learner, skipped={2, 3, 4, 5})
+    pipeline, _, learner = _pipeline(tmp_path, "learner.max_nonfinite_steps=3")
+    pipeline.learner = SkippingLearner(learner, skipped={2, 3, 4, 5})
     try:
         with pytest.raises(RuntimeError, match="learner loop failed") as failed:
-            await asyncio.wait_for(run_async(system), TIMEOUT_S)
+            await asyncio.wait_for(run_async(pipeline), TIMEOUT_S)
     finally:
-        system.metrics.close()
+        pipeline.metrics.close()
     assert isinstance(failed.value.__cause__, NonFiniteTrainingError)
-    assert system.state.learner_step == 4  # steps 2, 3 and 4 were skipped in a row
+    assert pipeline.state.learner_step == 4  # steps 2, 3 and 4 were skipped in a row
     why = explain_failure(failed.value, tmp_path)
     assert "3 learner steps in a row" in why and "learner.max_nonfinite_steps" in why
 
 
 @pytest.mark.timeout(TIMEOUT_S)
 async def test_skipped_steps_that_are_not_in_a_row_let_the_run_finish(tmp_path):
-    system, _, learner = _system(tmp_path, "learner.max_nonfinite_steps=2")
-    system.learner = SkippingLearner(learner, skipped={1, 3, 5, 7})
+    pipeline, _, learner = _pipeline(tmp_path, "learner.max_nonfinite_steps=2")
+    pipeline.learner = SkippingLearner(learner, skipped={1, 3, 5, 7})
     try:
-        await asyncio.wait_for(run_async(system), TIMEOUT_S)
+        await asyncio.wait_for(run_async(pipeline), TIMEOUT_S)
     finally:
-        system.metrics.close()
-    assert system.state.learner_step == 8 and system.num_nonfinite_in_row == 0
+        pipeline.metrics.close()
+    assert pipeline.state.learner_step == 8 and pipeline.num_nonfinite_in_row == 0

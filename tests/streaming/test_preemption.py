@@ -17,7 +17,7 @@ async def test_killed_rollout_worker_is_replaced_and_its_trajectories_resume(ray
     from streamrl.buffer.cli import load_frame
     from streamrl.streaming.config import load_config
     from streamrl.streaming.driver import run_async
-    from streamrl.streaming.train import build_system
+    from streamrl.streaming.train import build_pipeline
 
     cfg = load_config(
         "configs/tiny.toml",
@@ -32,20 +32,20 @@ async def test_killed_rollout_worker_is_replaced_and_its_trajectories_resume(ray
     )
     run_dir = tmp_path / "preempt"
     run_dir.mkdir()
-    system = await build_system(cfg, run_dir, None)
-    victim = system.workers[0]
-    run = asyncio.create_task(run_async(system))
+    pipeline = await build_pipeline(cfg, run_dir, None)
+    victim = pipeline.workers[0]
+    run = asyncio.create_task(run_async(pipeline))
     try:
         # Wait until the victim holds trajectories, then kill it (no graceful shutdown).
         for _ in range(1200):
-            if await victim.num_outstanding() > 0 and system.state.learner_step >= 1:
+            if await victim.num_outstanding() > 0 and pipeline.state.learner_step >= 1:
                 break
             await asyncio.sleep(0.1)
         held = set(await victim.running_ids())
         assert held, "the worker to preempt never held a trajectory"
         victim.kill()
         for _ in range(600):  # the health loop notices within a poll or two, while the run goes on
-            if system.num_worker_replacements or run.done():
+            if pipeline.num_worker_replacements or run.done():
                 break
             await asyncio.sleep(0.1)
         assert not run.done() or run.exception() is None
@@ -53,13 +53,13 @@ async def test_killed_rollout_worker_is_replaced_and_its_trajectories_resume(ray
     finally:
         if not run.done():
             run.cancel()
-        system.metrics.close()
+        pipeline.metrics.close()
 
-    assert system.num_worker_replacements == 1
-    assert victim not in system.workers
-    assert system.state.learner_step == 8
+    assert pipeline.num_worker_replacements == 1
+    assert victim not in pipeline.workers
+    assert pipeline.state.learner_step == 8
     # I2 at the end: the workers are parked and every resumable row is held by a live worker.
-    accounting = await system.write_accounting()
+    accounting = await pipeline.write_accounting()
     assert accounting["stranded"] == [] and accounting["untracked"] == [], accounting
     frame = load_frame(run_dir / "buffer")
     latest = frame[frame["is_latest"]].set_index("trajectory_id")
@@ -69,5 +69,5 @@ async def test_killed_rollout_worker_is_replaced_and_its_trajectories_resume(ray
     status = latest.loc[sorted(held), "status"]
     for tid, st in status.items():
         assert st == "finished" or (st == "partial" and tid in accounting["resumable"]), (tid, st)
-    for w in system.workers:
+    for w in pipeline.workers:
         w.kill()  # parked by the accounting; nothing more to run
