@@ -151,8 +151,14 @@ class StreamRLConfig(BaseModel):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
+    def with_model(self, model_path: str) -> StreamRLConfig:
+        """This config with `model` set to the run's resolved folder (`streaming.sft.prepare_model`, the
+        one place a run resolves its model), validated again so the components get it too."""
+        return StreamRLConfig.model_validate(self.model_dump() | {"model": model_path})
+
     @model_validator(mode="after")
     def _propagate(self) -> StreamRLConfig:
+        # the one place the root `model` reaches the components that load it
         self.rollout.engine.model = self.model
         self.learner.model = self.model
         if self.weight_sync.wire_dtype == "auto" and self.rollout.engine.dtype != "auto":

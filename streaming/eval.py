@@ -86,13 +86,13 @@ async def rollouts_on(
 
 
 async def run_rollouts(cfg: Any, records: list, *, group_size: int) -> list[Trajectory]:
-    """Run `group_size` trajectories per record on one local engine; returns finished trajectories."""
-    from streamrl.models import resolve_model
+    """Run `group_size` trajectories per record on one local engine; returns finished trajectories.
+    `cfg.model` is a resolved folder (`StreamRLConfig.with_model`)."""
     from streamrl.rollout.engine import make_engine
 
     engine = make_engine(cfg.rollout.engine, "engine-0")
     try:
-        return await rollouts_on([engine], cfg, str(resolve_model(cfg.model)), records, group_size=group_size)
+        return await rollouts_on([engine], cfg, cfg.model, records, group_size=group_size)
     finally:
         await engine.shutdown()
 
@@ -106,11 +106,12 @@ def rollout_main(*, config: str | None, overrides: list[str], num_prompts: int, 
     from streamrl.streaming.config import load_config
 
     cfg = load_config(config, overrides)
+    cfg = cfg.with_model(str(resolve_model(cfg.model)))  # resolved once; the engine and tokenizer load it
     records = load_records(cfg.data.source, max(num_prompts, 1), cfg.data.seed, cfg.data.difficulty)[:num_prompts]
     t0 = time.time()
     trajs = asyncio.run(run_rollouts(cfg, records, group_size=1))
     elapsed = time.time() - t0
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.model))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     console = Console()
     for traj in trajs[:show]:
         console.rule(traj.trajectory_id)

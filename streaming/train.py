@@ -105,10 +105,7 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
         model_path = read_json(RunDir(run_dir).run_info)["model_path"]
     else:  # conversion and SFT warm-up run in a child process: the driver never holds a model
         model_path = prepare_model(cfg, log_file=log_dir(run_dir) / "prepare_model.log")
-    cfg = cfg.model_copy(deep=True)
-    cfg.model = model_path
-    cfg.learner.model = model_path
-    cfg.rollout.engine.model = model_path
+    cfg = cfg.with_model(model_path)
     cfg.buffer.root_dir = str(RunDir(run_dir).buffer)
     state = state or DriverState()
     records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
