@@ -18,7 +18,7 @@ import pytest_asyncio
 from streamrl.rollout.engine.base import PauseMode, SamplingParams
 from tests.rollout.test_vllm_engine import PROMPT, hf_greedy, hf_logprobs, sharpened_weights, wait_streamed
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]  # the first test also waits for the server start
 
 STARTUP_TIMEOUT_S = 300.0
 
@@ -151,7 +151,7 @@ async def test_keep_pause_and_weight_reload_switch_versions(server_engine, hf_mo
     new_dir = sharpened_weights(tiny_model_path, tmp_path / "new", scale=40.0, seed=1)
     new_model = AutoModelForCausalLM.from_pretrained(new_dir, dtype="float32").eval()
     v0 = server_engine.policy_version
-    task = asyncio.create_task(server_engine.generate("kept", PROMPT, SamplingParams(max_tokens=300, temperature=0.0)))
+    task = asyncio.create_task(server_engine.generate("kept", PROMPT, SamplingParams(max_tokens=120, temperature=0.0)))
     await wait_streamed(server_engine, "kept", 5)
     await server_engine.pause(PauseMode.KEEP)
     try:
@@ -160,9 +160,10 @@ async def test_keep_pause_and_weight_reload_switch_versions(server_engine, hf_mo
         await server_engine.resume()
     try:
         kept = await asyncio.wait_for(task, 120)
-        assert kept.finish_reason == "length" and len(kept.token_ids) == 300
+        n = len(kept.token_ids)  # 120, or fewer if the new weights' greedy path reaches EOS
+        assert kept.finish_reason == "length" if n == 120 else kept.token_ids[-1] == hf_model.config.eos_token_id
         switch = kept.policy_versions.index(v0 + 1)
-        assert 0 < switch and kept.policy_versions == [v0] * switch + [v0 + 1] * (300 - switch)
+        assert 0 < switch and kept.policy_versions == [v0] * switch + [v0 + 1] * (n - switch)
         out = await server_engine.generate("greedy-new", PROMPT, greedy)
         assert out.token_ids == hf_greedy(new_model, PROMPT, 20) != base.token_ids
         assert out.policy_versions == [v0 + 1] * 20
@@ -190,8 +191,8 @@ async def test_agent_loops_through_a_filesystem_weight_sync(server_engine, tiny_
     ctx = AgentContext(
         cfg=AgentConfig(
             prompt_length=128,
-            response_length=200,
-            max_tokens_per_turn=200,
+            response_length=120,
+            max_tokens_per_turn=120,
             max_assistant_turns=1,
             sampling=SamplingConfig(temperature=0.0),
         ),
@@ -208,7 +209,7 @@ async def test_agent_loops_through_a_filesystem_weight_sync(server_engine, tiny_
 
     def mid_turn() -> bool:
         states = [d for d in worker._states.values() if d.state is AgentState.GENERATING and d.request_id]
-        return sum(1 <= server_engine.num_streamed_tokens(d.request_id) <= 100 for d in states) >= 2
+        return sum(1 <= server_engine.num_streamed_tokens(d.request_id) <= 60 for d in states) >= 2
 
     sync_cfg = WeightSyncConfig(transport=TransportKind.FILESYSTEM, fs_dir=str(tmp_path), verify_checksum=True)
     coordinator = WeightSyncCoordinator(sync_cfg, [server_engine], workers=PauseWhen(worker, ready=mid_turn))

@@ -165,4 +165,9 @@ def test_config_rules():
     with pytest.raises(ValueError, match="verify_checksum = false"):
         StreamRLConfig.model_validate({"rollout": {"engine": server}, "weight_sync": {"transport": "filesystem"}})
     ok = {"transport": "filesystem", "verify_checksum": False}
-    assert StreamRLConfig.model_validate({"rollout": {"engine": server}, "weight_sync": ok}).rollout.engine.backend
+    cfg = StreamRLConfig.model_validate({"rollout": {"engine": server}, "weight_sync": ok})
+    # The memory preflight leaves out a server the user runs.
+    from streamrl.streaming.preflight import estimate_parts, model_dims
+
+    names = [p.name for p in estimate_parts(cfg, model_dims("tiny"))]
+    assert "rollout workers (×1)" in names and not [n for n in names if n.startswith("engine")]
