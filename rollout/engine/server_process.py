@@ -86,7 +86,18 @@ class ServerProcess:
         except ProcessLookupError:
             pass
         self.process.wait(STOP_GRACE_S)
+        # Killed children linger until init reaps them (their parent, the leader, is gone).
+        deadline = time.monotonic() + STOP_GRACE_S
+        while self.group_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
         logger.info("server pid %d stopped", self.process.pid)
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.process.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def _tail(log: Path | None, num_chars: int = 2000) -> str:
