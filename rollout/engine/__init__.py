@@ -1,9 +1,10 @@
 """Inference engines behind one interface (`InferenceEngine`), and the factory that builds them.
 
 `make_engine(cfg, engine_id)` returns a `VLLMEngine` in this process (`streamrl rollout`, `streamrl
-eval`, tests). A training run hosts each engine in a Ray actor instead (`streaming.actors.engine`:
-`EngineActor` and its client `RayEngineClient`, the same interface). vLLM is imported only when an
-engine is built.
+eval`, tests), or with `backend = "vllm_server" | "sglang_server"` a `ServerEngine` driving the
+inference server at `server_urls[0]` (docs/inference-server.md). A training run hosts each engine
+in a Ray actor instead (`streaming.actors.engine`: `EngineActor` and its client `RayEngineClient`,
+the same interface). vLLM is imported only when an engine is built.
 """
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ __all__ = [
 
 
 def make_engine(cfg: EngineConfig, engine_id: str, *, policy_version: int = 0) -> InferenceEngine:
-    """Build one engine in this process; blocks until vLLM is up (~15 s on CPU)."""
+    """Build one engine in this process; blocks until vLLM (~15 s on CPU) or the server is up."""
+    if cfg.backend != "vllm":
+        from streamrl.rollout.engine.http_server import make_server_engine
+
+        return make_server_engine(cfg.for_engine(0), engine_id, policy_version=policy_version)
     from streamrl.rollout.engine.vllm_engine import VLLMEngine
 
     return VLLMEngine(cfg, engine_id, policy_version=policy_version)

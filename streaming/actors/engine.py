@@ -1,4 +1,5 @@
-"""Engines in other processes or nodes: `EngineActor` (a Ray async actor hosting one `VLLMEngine`)
+"""Engines in other processes or nodes: `EngineActor` (a Ray async actor hosting one engine: a
+`VLLMEngine`, or a `ServerEngine` client of an inference server)
 and `RayEngineClient` (the `InferenceEngine` interface, implemented by awaiting actor calls).
 
 The actor is async with a high `max_concurrency`, so `abort` / `pause` run while `generate` calls
@@ -49,7 +50,7 @@ def _remember(lru: OrderedDict[str, None], key: str) -> None:
 
 
 class EngineActor:
-    """Ray async actor body: one VLLMEngine per actor process (wrap with `ray.remote` to use)."""
+    """Ray async actor body: one engine (`make_engine`) per actor process (wrap with `ray.remote` to use)."""
 
     def __init__(self, cfg: EngineConfig, engine_id: str, policy_version: int = 0) -> None:
         self._cfg = cfg
@@ -71,9 +72,9 @@ class EngineActor:
         return self._engine.device
 
     async def _build(self) -> None:
-        from streamrl.rollout.engine.vllm_engine import VLLMEngine
+        from streamrl.rollout.engine import make_engine
 
-        self._engine = VLLMEngine(self._cfg, self._engine_id, policy_version=self._policy_version)
+        self._engine = make_engine(self._cfg, self._engine_id, policy_version=self._policy_version)
 
     async def _ready(self) -> Any:
         await self.start()
