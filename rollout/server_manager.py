@@ -242,7 +242,9 @@ class ServerManager:
         engine that answers with the newest policy_version seen (in these pings or in routed outputs),
         except those in `keep_out` (e.g. engines weight sync dropped and has not taken back yet).
         Returns the restored engine ids; a no-op while every engine is healthy."""
-        unhealthy = [e for e in self._engines if e not in self._healthy and e not in keep_out and e not in self._retired]
+        unhealthy = [
+            e for e in self._engines if e not in self._healthy and e not in keep_out and e not in self._retired
+        ]
         if not unhealthy:
             return []
         ids = [e for e in self._engines if e not in self._retired]

@@ -8,6 +8,7 @@ streamrl rollout --config configs/default.toml [--num-prompts N] [--out FILE]   
 streamrl eval RUN_DIR [--checkpoint base|latest|all|STEP ...] [eval.k=4 ...]   (held-out, offline)
 streamrl eval --config configs/default.toml [key=value ...]                   (the starting model)
 streamrl report RUN_DIR
+streamrl scale RUN_DIR --engines N | --preempt ENGINE_ID   (engines of a running train, streaming.elastic)
 streamrl staleness RUN_DIR                   (lags, version spans, length bias, reward by lag)
 streamrl staleness reweight RUN_DIR --checkpoint STEP [--correction SPEC ...] [--steps A:B] [--out DIR]
 streamrl buffer export DIR --parquet OUT
@@ -64,6 +65,14 @@ def _report(args: argparse.Namespace) -> int:
 
     path = write_report(args.run_dir)
     print(f"report written to {path}")
+    return 0
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from streamrl.streaming.elastic import write_scale_request
+
+    request = write_scale_request(args.run_dir, engines=args.engines, preempt=args.preempt)
+    print(f"scale request {request.request_id} written; the run's driver applies it within a second or two")
     return 0
 
 
@@ -149,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="write RUN_DIR/report.html (plots + trajectory viewer)")
     report.add_argument("run_dir")
     report.set_defaults(func=_report)
+
+    scale = sub.add_parser("scale", help="add, drain or preempt inference engines of a running `streamrl train`")
+    scale.add_argument("run_dir")
+    scale.add_argument("--engines", type=int, help="the number of engines wanted (new ones join at the next sync)")
+    scale.add_argument("--preempt", action="append", default=[], metavar="ENGINE_ID", help="drain this engine now")
+    scale.set_defaults(func=_scale)
 
     staleness = sub.add_parser(
         "staleness",
