@@ -7,9 +7,9 @@ duplicated (a group beyond the cursor, or with more than `group_size` trajectori
 consumed twice or outside a learner step's full batch, stranded trajectories (I2, from the end-of-run
 accounting), version violations (I4: a trajectory whose versions decrease, or a label above the
 high-water mark the driver saved, or a sampled token labelled below 0: weights no sync published), tool
-side effects repeated (I5: when the run's tools keep a ledger
-at `RUN_DIR/tool_ledger.jsonl` (`rollout.tools.ledger`), a (trajectory, call id) with more than one
-line, or a finished trajectory with more ledger lines than tool calls).
+side effects repeated (I5: when the run's tools keep a ledger at `RUN_DIR/tool_ledger.jsonl`
+(`rollout.tools.ledger`), a (trajectory, call id) with more than one line, or a finished trajectory
+with more ledger lines than tool calls).
 """
 
 from __future__ import annotations
