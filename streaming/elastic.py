@@ -69,13 +69,17 @@ def write_scale_request(
 
 
 def read_scale_request(run_dir: str | Path) -> ScaleRequest | None:
+    """The request in `run_dir`, or None (none, or a file `write_scale_request` did not write)."""
     path = RunDir(run_dir).scale_request
-    if not path.exists():
+    try:
+        data = read_json(path)
+        engines = None if data.get("engines") is None else int(data["engines"])
+        return ScaleRequest(request_id=str(data["request_id"]), engines=engines, preempt=tuple(data.get("preempt", ())))
+    except FileNotFoundError:
         return None
-    data = read_json(path)
-    return ScaleRequest(
-        request_id=data["request_id"], engines=data.get("engines"), preempt=tuple(data.get("preempt", ()))
-    )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        logger.error("%s is not a scale request (%r); ignored", path, exc)
+        return None
 
 
 @dataclass(kw_only=True)

@@ -295,3 +295,5 @@ def test_scale_writes_a_request_the_driver_reads(tmp_path, capsys):
     second = read_scale_request(tmp_path)
     assert second is not None and second.request_id != first.request_id and second.engines is None
     assert "scale request" in capsys.readouterr().out
+    (tmp_path / "scale_request.json").write_text('{"engines": 2}')  # hand-written, no request id
+    assert read_scale_request(tmp_path) is None
