@@ -92,6 +92,8 @@ class EngineFleet:
     joined: dict[str, dict[str, int]] = field(default_factory=dict)  # engine -> its stats when let in
     retired: dict[str, str] = field(default_factory=dict)  # engine -> why it left (drained, preempted, dead)
     num_drained_requests: int = 0  # generations aborted by drains (their trajectories went on elsewhere)
+    starting: set[asyncio.Task] = field(default_factory=set)  # scale-ups waiting for their engines to load
+    num_starting: int = 0  # engines launched and not yet up (counted by a request for N engines)
 
 
 async def scale_loop(pipeline: Pipeline) -> None:
@@ -110,17 +112,30 @@ async def scale_loop(pipeline: Pipeline) -> None:
 
 
 async def apply_request(pipeline: Pipeline, request: ScaleRequest) -> None:
-    """Drain the engines named in `preempt`, then launch or drain engines to reach `engines`."""
+    """Drain the engines named in `preempt`, then launch or drain engines to reach `engines`. A
+    launch goes on in the background (an engine takes a minute or more to load): a preemption notice
+    that arrives meanwhile is served at once."""
     logger.warning("scale request: %s", request)
     for engine_id in request.preempt:
         await drain(pipeline, engine_id, why="preempted")
     if request.engines is None:
         return
-    count = len(pipeline.engines)
+    count = len(pipeline.engines) + pipeline.fleet.num_starting
     if request.engines > count:
-        await scale_up(pipeline, request.engines - count)
+        task = asyncio.create_task(scale_up(pipeline, request.engines - count), name="scale-up")
+        pipeline.fleet.starting.add(task)
+        task.add_done_callback(_scale_up_done(pipeline.fleet))
     for engine_id in _drain_order(pipeline)[: max(count - request.engines, 0)]:
         await drain(pipeline, engine_id, why="scaled down")
+
+
+def _scale_up_done(fleet: EngineFleet):
+    def done(task: asyncio.Task) -> None:
+        fleet.starting.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("scale-up failed: %r", task.exception())
+
+    return done
 
 
 def _drain_order(pipeline: Pipeline) -> list[str]:
@@ -131,27 +146,15 @@ def _drain_order(pipeline: Pipeline) -> list[str]:
 
 async def scale_up(pipeline: Pipeline, count: int) -> list[str]:
     """Launch `count` engines; once up, they join the sync set and every worker's table (out of
-    routing: `admit_joined` lets them in when they serve the current version)."""
-    from streamrl.streaming.actors.engine import JOINING_VERSION, RayEngineClient
-
+    routing: `admit_joined` lets them in when they serve the current version). Returns their ids."""
     fleet = pipeline.fleet
     if fleet.engine_cfg is None or fleet.engine_cfg.backend != "vllm":
         raise ValueError("only vllm engines the run launches itself can be added")
-    new: list[RayEngineClient] = []
-    for _ in range(count):
-        engine_id, fleet.next_index = f"engine-{fleet.next_index}", fleet.next_index + 1
-        timeouts = pipeline.cfg.trainer.actor_timeouts
-        new.append(
-            RayEngineClient.launch(fleet.engine_cfg, engine_id, policy_version=JOINING_VERSION, timeouts=timeouts)
-        )
-    outcomes = await asyncio.gather(*(e.wait_ready() for e in new), return_exceptions=True)
-    up = []
-    for engine, outcome in zip(new, outcomes, strict=True):
-        if isinstance(outcome, BaseException):
-            logger.error("engine %s did not start (%r); it is not added", engine.engine_id, outcome)
-            engine.kill()
-        else:
-            up.append(engine)
+    fleet.num_starting += count
+    try:
+        up = await _start(pipeline, fleet.engine_cfg, count)
+    finally:
+        fleet.num_starting -= count
     if not up:
         return []
     async with pipeline._health_lock:  # no worker is replaced meanwhile: each one learns the new engines
@@ -160,10 +163,29 @@ async def scale_up(pipeline: Pipeline, count: int) -> list[str]:
         for worker in pipeline.workers:
             await _ignore_dead(worker.add_engines(up))
         await pipeline.learner.add_engines(up)
-    logger.warning(
-        "engines %s started; they serve once a sync brought them to the current version", [e.engine_id for e in up]
-    )
-    return [e.engine_id for e in up]
+    ids = [e.engine_id for e in up]
+    logger.warning("engines %s started; they serve once a sync brought them to the current version", ids)
+    return ids
+
+
+async def _start(pipeline: Pipeline, engine_cfg: EngineConfig, count: int) -> list[RayEngineClient]:
+    """Launch `count` engine actors at `JOINING_VERSION` and wait for them; those that do not come
+    up within `startup_timeout_s` are killed and left out."""
+    from streamrl.streaming.actors.engine import JOINING_VERSION, RayEngineClient
+
+    fleet, timeouts, new = pipeline.fleet, pipeline.cfg.trainer.actor_timeouts, []
+    for _ in range(count):
+        engine_id, fleet.next_index = f"engine-{fleet.next_index}", fleet.next_index + 1
+        new.append(RayEngineClient.launch(engine_cfg, engine_id, policy_version=JOINING_VERSION, timeouts=timeouts))
+    outcomes = await asyncio.gather(*(e.wait_ready() for e in new), return_exceptions=True)
+    up = []
+    for engine, outcome in zip(new, outcomes, strict=True):
+        if isinstance(outcome, BaseException):
+            logger.error("engine %s did not start (%r); it is not added", engine.engine_id, outcome)
+            engine.kill()
+        else:
+            up.append(engine)
+    return up
 
 
 async def admit_joined(pipeline: Pipeline) -> list[str]:

@@ -24,21 +24,47 @@ async def _until(predicate, what: str, run: asyncio.Task, timeout_s: float = 240
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def _busy(engine) -> bool:
-    return (await engine.actor_stats()).num_running > 0
+async def _busy(engine, at_least: int = 1) -> bool:
+    return (await engine.actor_stats()).num_running >= at_least
 
 
-def _hold_learner(pipeline, gates: dict[int, asyncio.Event]) -> None:
+def _hold_learner(pipeline, gates: dict[int, asyncio.Event]) -> set[int]:
     """Learner step k waits for `gates[k]`: an engine starting on a loaded CPU takes longer than the
-    whole tiny run, so the test, not timing, decides that the run is still going when it acts."""
-    train_step = pipeline.learner.train_step
+    whole tiny run, so the test, not timing, decides that the run is still going when it acts.
+    Returns the steps waiting now (a learner waiting there is not syncing: no pause is under way)."""
+    train_step, waiting = pipeline.learner.train_step, set()
 
     async def gated(batch_ref):
-        if (gate := gates.get(pipeline.state.learner_step + 1)) is not None:
+        step = pipeline.state.learner_step + 1
+        if (gate := gates.get(step)) is not None:
+            waiting.add(step)
             await gate.wait()
+            waiting.discard(step)
         return await train_step(batch_ref)
 
     pipeline.learner.train_step = gated
+    return waiting
+
+
+async def _drain_while_generating(pipeline, engine, gates, waiting, run) -> int:
+    """Drain `engine` while it runs generations and no weight sync pauses the workers (their pause
+    parks every generation first, leaving the drain nothing to hand back): hold the learner before
+    its next step, then drain once the engine runs two requests; if it never does, let a step through
+    and try again."""
+    from streamrl.streaming.elastic import drain
+
+    for _ in range(5):
+        step = pipeline.state.learner_step + 2  # step + 1 may be training already
+        gates[step] = hold = asyncio.Event()
+        try:
+            await _until(lambda s=step: _at(s in waiting), f"the learner to wait at step {step}", run)
+            for _ in range(300):
+                if await _busy(engine, at_least=2):
+                    return await drain(pipeline, engine.engine_id, why="preempted")
+                await asyncio.sleep(0.1)
+        finally:
+            hold.set()
+    raise AssertionError(f"{engine.engine_id} never ran two generations at once")
 
 
 @pytest.mark.timeout(900)
@@ -46,7 +72,7 @@ async def test_engines_join_drain_and_die_during_a_run(ray_cluster, tmp_path, ti
     from streamrl.buffer.cli import load_frame
     from streamrl.streaming.config import load_config
     from streamrl.streaming.driver import run_async
-    from streamrl.streaming.elastic import drain, write_scale_request
+    from streamrl.streaming.elastic import write_scale_request
     from streamrl.streaming.invariants import check_run
     from streamrl.streaming.train import build_pipeline
 
@@ -55,7 +81,7 @@ async def test_engines_join_drain_and_die_during_a_run(ray_cluster, tmp_path, ti
         [
             f"trainer.run_root={tmp_path}",
             "trainer.run_name=elastic",
-            "trainer.total_steps=12",
+            "trainer.total_steps=14",
             "trainer.checkpoint_every=100",
             "rollout.num_engines=2",
             "wandb.enabled=false",
@@ -66,7 +92,8 @@ async def test_engines_join_drain_and_die_during_a_run(ray_cluster, tmp_path, ti
     pipeline = await build_pipeline(cfg, run_dir, None)
     first = {e.engine_id: e for e in pipeline.engines}
     added, changed = asyncio.Event(), asyncio.Event()
-    _hold_learner(pipeline, {3: added, 8: changed})  # step 3 (and its sync) after engine-2 is in the set
+    gates = {3: added, 10: changed}  # step 3 (and its sync) after engine-2 is in the set
+    waiting = _hold_learner(pipeline, gates)
     run = asyncio.create_task(run_async(pipeline))
     try:
         await _until(lambda: _at(pipeline.state.learner_step >= 1), "the first step", run)
@@ -82,8 +109,7 @@ async def test_engines_join_drain_and_die_during_a_run(ray_cluster, tmp_path, ti
         new = next(e for e in pipeline.engines if e.engine_id == "engine-2")
 
         # preempted with notice, while it generates: its generations are handed back and go on elsewhere
-        await _until(lambda: _busy(first["engine-0"]), "engine-0 to generate", run)
-        assert await drain(pipeline, "engine-0", why="preempted") > 0
+        assert await _drain_while_generating(pipeline, first["engine-0"], gates, waiting, run) > 0
         assert pipeline.fleet.retired["engine-0"] == "preempted"
 
         # killed without notice, while it generates
@@ -99,7 +125,7 @@ async def test_engines_join_drain_and_die_during_a_run(ray_cluster, tmp_path, ti
             run.cancel()
         pipeline.metrics.close()
 
-    assert pipeline.state.learner_step == 12
+    assert pipeline.state.learner_step == 14
     assert (await new.actor_stats()).num_generated_tokens > 0  # engine-2 carried the run's end
     accounting = await pipeline.write_accounting()
     assert accounting["stranded"] == [] and accounting["untracked"] == [], accounting

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from streamrl.streaming.elastic import EngineFleet, ScaleRequest, _drain_order, apply_request, drain
+from streamrl.streaming.elastic import EngineFleet, ScaleRequest, _drain_order, apply_request, drain, scale_up
 
 
 def _pipeline(ids: list[str], joining: set[str]) -> SimpleNamespace:
@@ -31,6 +31,10 @@ async def test_refused_requests_change_nothing():
     with pytest.raises(ValueError, match="no engine 'engine-7'"):
         await drain(pipeline, "engine-7", why="preempted")
     with pytest.raises(ValueError, match="only vllm engines"):  # no engine config: cannot launch
-        await apply_request(pipeline, ScaleRequest(request_id="r", engines=3))
+        await scale_up(pipeline, 1)
+    await apply_request(pipeline, ScaleRequest(request_id="r", engines=3))  # the launch runs in the background
+    (task,) = pipeline.fleet.starting
+    await asyncio.gather(task, return_exceptions=True)
+    assert isinstance(task.exception(), ValueError) and pipeline.fleet.num_starting == 0
     assert [e.engine_id for e in pipeline.engines] == ["engine-0", "engine-2"]
     assert pipeline.fleet.retired == {} and pipeline.fleet.next_index == 0
