@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 
+from streamrl.core import trace
 from streamrl.rollout.agent_loop.base import AgentLoopBase, Parked, register
 from streamrl.rollout.agent_loop.image_observation import cap_tool_images, reply_content, tool_message
 from streamrl.rollout.agent_loop.scoring import finite
@@ -175,9 +176,13 @@ class ToolAgentLoop(AgentLoopBase):
             if entry.call_id in turn and entry.status is ToolCallStatus.INTENT:
                 (to_run if entry.call_id in fresh or tools.is_idempotent(entry.name) else lost).append(entry)
         t0 = time.monotonic()
-        results = await tools.run_calls(
-            [e.call() for e in to_run], self.instance_ids, timeout_s=cfg.tool_timeout_s, images=self.ctx.response_images
-        )
+        with trace.span("tool", "trajectory", data.trajectory_id, attempt=data.attempt, calls=len(to_run)):
+            results = await tools.run_calls(
+                [e.call() for e in to_run],
+                self.instance_ids,
+                timeout_s=cfg.tool_timeout_s,
+                images=self.ctx.response_images,
+            )
         data.tool_s += time.monotonic() - t0
         # From here to the state change there is no await: results, journal, observation and its
         # images land together (only `to_run` results carry images, in call order).
