@@ -25,7 +25,13 @@ logger = logging.getLogger(__name__)
 
 WINDOW_S = 120.0
 NUM_TRAJECTORIES = 12
-PHASE_COLORS = {"queued": "#d9d9d9", "generate": "#1f77b4", "tool": "#ff7f0e", "parked": "#d62728"}
+PHASE_COLORS = {
+    "queued": "#d9d9d9",
+    "generate": "#1f77b4",
+    "tool": "#ff7f0e",
+    "interaction": "#9467bd",
+    "parked": "#d62728",
+}
 PART_ROWS = (("engine", "busy", "#1f77b4"), ("learner", "train_step", "#2ca02c"), ("sync", "paused", "#d62728"))
 
 
@@ -88,7 +94,8 @@ def _caption(summary: dict[str, Any], window: tuple[float, float]) -> str:
         f"Window {window[0]:.0f}–{window[0] + summary['window_s']:.0f} s of the trace (from the first learner step). "
         f"Engine busy {busy}; learner busy {summary['learner_busy']:.0%}; syncs held generation paused "
         f"{summary['sync_pause_share']:.1%} of the window. Rows below the parts: the {NUM_TRAJECTORIES} longest "
-        "trajectories in the window, queued / generating / running tools / parked. `streamrl trace RUN_DIR` "
+        "trajectories in the window: queued, generating, running tools, waiting for the environment, parked. "
+        "`streamrl trace RUN_DIR` "
         "merges the whole trace into RUN_DIR/trace.json for Perfetto."
     )
 

@@ -16,7 +16,7 @@ from typing import Any
 from streamrl.observability.tracing import Trace
 
 TRAJECTORY = "trajectory"
-PHASES = ("queued", "generate", "tool", "parked")  # a trajectory's spans, in the order of its life
+PHASES = ("queued", "generate", "tool", "interaction", "parked")  # a trajectory's spans, in the order of its life
 
 
 @dataclass

@@ -232,9 +232,10 @@ class ToolAgentLoop(AgentLoopBase):
 
     async def handle_interacting(self, data: AgentData) -> None:
         interaction = self._interaction(data)
-        should_stop, reply, score, _ = await interaction.generate_response(
-            data.interaction_instance_id, data.messages, ground_truth=data.ground_truth
-        )
+        with trace.span("interaction", "trajectory", data.trajectory_id, attempt=data.attempt):
+            should_stop, reply, score, _ = await interaction.generate_response(
+                data.interaction_instance_id, data.messages, ground_truth=data.ground_truth
+            )
         data.turn_scores.append(finite(f"the turn score of interaction {data.interaction_name}", score))
         data.num_user_turns += 1
         if should_stop:
