@@ -188,3 +188,16 @@ def test_trace_cli_merges_and_summarises(tmp_path, capsys):
     merged = json.loads((tmp_path / "trace.json").read_text())
     assert len([e for e in merged["traceEvents"] if e["ph"] != "M"]) == 15
     assert main(["trace", str(tmp_path / "none")]) == 2  # no trace there: one clear error
+
+
+def test_report_section_only_for_traced_runs(tmp_path):
+    from streamrl.observability.report_timeline import timeline_blocks, window_of
+
+    problems: list[str] = []
+    assert timeline_blocks(tmp_path, problems) == []  # untraced: the page is unchanged
+    _lifecycle(tmp_path)
+    assert window_of(read_trace(tmp_path)) == (7.0, 127.0)  # from the first learner step
+    (block,) = timeline_blocks(tmp_path, problems)
+    assert problems == [] and block.anchor == "lifecycle"
+    assert "<svg" in str(block.svg) and "learner (train_step)" in str(block.svg)
+    assert "learner busy 100%" in block.caption  # the window's only span time is the step at 7..9
