@@ -50,6 +50,10 @@ class _Shard:
         with self._lock:
             self._file.write(line)
 
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
 
 _shard: _Shard | None = _UNSET
 
@@ -58,6 +62,8 @@ def configure(run_dir: str | Path | None) -> None:
     """Trace this process into `run_dir` (None: tracing off here). The driver calls it with the
     run's config; actor processes need not (`_from_env`)."""
     global _shard
+    if isinstance(_shard, _Shard):
+        _shard.close()
     _shard = _Shard(Path(run_dir)) if run_dir is not None else None
 
 
