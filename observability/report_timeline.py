@@ -32,7 +32,7 @@ PHASE_COLORS = {
     "interaction": "#9467bd",
     "parked": "#d62728",
 }
-PART_ROWS = (("engine", "busy", "#1f77b4"), ("learner", "train_step", "#2ca02c"), ("sync", "paused", "#d62728"))
+PART_ROWS = (("engine", "busy", "#1f77b4"), ("learner", "train_step", "#2ca02c"), ("sync", "paused", "#8c564b"))
 
 
 def window_of(trace: Trace) -> tuple[float, float]:
