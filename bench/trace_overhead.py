@@ -53,13 +53,19 @@ def event_cost_s(n: int = 20000) -> float:
     return cost
 
 
-def count_events(run_dir: Path) -> int:
-    return sum(len(f.read_text().splitlines()) for f in (run_dir / "trace").glob("*.jsonl"))
+def trace_rate(run_dir: Path) -> dict[str, float]:
+    """The events a traced run recorded, and per second of its trace (first event to last: engine
+    start-up records nothing, so the run's wall time would understate the rate)."""
+    from streamrl.observability.tracing import read_trace
+
+    trace = read_trace(run_dir)
+    seconds = max((trace.end_us - trace.start_us) / 1e6, 1e-9)
+    return {"trace_events": len(trace.events), "trace_s": seconds, "events_per_s": len(trace.events) / seconds}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=30, help="learner steps per run")
+    parser.add_argument("--steps", type=int, default=12, help="learner steps per run")
     parser.add_argument("--seeds", type=int, default=2, help="seed pairs (one traced and one untraced run each)")
     parser.add_argument("--latency", type=float, default=None, help="median environment latency (s)")
     parser.add_argument("--out", default=str(RESULT))
@@ -76,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             for side in ("on", "off") if seed % 2 == 0 else ("off", "on"):
                 name = f"trace-{side}-seed{seed}"
                 run = run_mode("async", root, args.steps, env, seed, name=name, config=str(configs[side]))
-                run["trace_events"] = count_events(root / name)
+                if side == "on":
+                    run |= trace_rate(root / name)
                 runs[side].append(run)
                 print(json.dumps({side: run}), file=sys.stderr, flush=True)
     ratios = [
@@ -84,13 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         for on, off in zip(runs["on"], runs["off"], strict=True)
     ]
     cost = event_cost_s()
-    rates = [r["trace_events"] / r["wall_s"] for r in runs["on"]]
+    rates = [r["events_per_s"] for r in runs["on"]]
     cpus = os.cpu_count() or 1
     out = {
         "command": " ".join(["python", "-m", "bench.trace_overhead", *(argv if argv is not None else sys.argv[1:])]),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": cpus},
-        "load_average_at_end": os.getloadavg(),
+        "load_average_at_end": os.getloadavg(),  # the machine is shared: its load is part of the noise
         "workload": {"config": CONFIG, "mode": "async", "environment": env, "steps": args.steps, "seeds": args.seeds},
         "measured": {
             "throughput_ratio_traced_over_untraced": {
