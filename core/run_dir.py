@@ -13,6 +13,7 @@ atomically (write-then-rename, fsynced with the folder, `core.atomic`).
       eval_offline/        `streamrl eval` results
       logs/                driver.log, one file per actor, prepare_model.log, ray/
       staleness/, staleness.json, staleness.html, replays/, tool_ledger.jsonl, report.html
+      trace/               the lifecycle trace, one shard per process (core.trace); trace.json merged
 
 The records themselves (`DriverState`, `RunInfo`, the accounting) are defined by the parts that
 own them; this module only says where each one lives and moves JSON to and from disk safely.

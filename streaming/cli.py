@@ -10,6 +10,7 @@ streamrl eval --config configs/default.toml [key=value ...]                   (t
 streamrl report RUN_DIR
 streamrl staleness RUN_DIR                   (lags, version spans, length bias, reward by lag)
 streamrl staleness reweight RUN_DIR --checkpoint STEP [--correction SPEC ...] [--steps A:B] [--out DIR]
+streamrl trace RUN_DIR [--window A:B] [--out FILE]   (merge the lifecycle trace, print where the time went)
 streamrl buffer export DIR --parquet OUT
 streamrl buffer stats DIR
 """
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     from streamrl.buffer.cli import register
 
     register(sub)  # `buffer stats DIR`, `buffer export DIR --parquet OUT`
+    from streamrl.observability.trace_cli import register as register_trace
+
+    register_trace(sub)  # `trace RUN_DIR [--window A:B] [--out FILE]`
     return parser
 
 

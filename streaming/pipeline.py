@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import ray
 
-from streamrl.core import faults
+from streamrl.core import faults, trace
 from streamrl.core.atomic import make_dirs
 from streamrl.core.run_dir import RunDir, write_json
 from streamrl.streaming import step_metrics
@@ -144,6 +144,8 @@ class Pipeline:
         async with self._submit_lock:
             already = await self.buffer.has_group(group[0].group_id)
             if not already:
+                for d in group:
+                    trace.instant("admitted", "trajectory", d.trajectory_id, group_id=d.group_id, epoch=epoch)
                 await self.buffer.append_durable([d.to_trajectory(TrajectoryStatus.PARTIAL) for d in group])
                 self.state.num_admitted += len(group)
                 faults.hit("admit.after_append")
@@ -193,7 +195,8 @@ class Pipeline:
 
     async def train_step(self, batch_ref: ray.ObjectRef) -> dict[str, float]:
         t0 = time.monotonic()
-        trained = await self.learner.train_step(batch_ref)
+        with trace.span("train_step", "driver", "driver", learner_step=self.state.learner_step + 1):
+            trained = await self.learner.train_step(batch_ref)
         self.state.learner_step += 1
         self.num_nonfinite_in_row = self.num_nonfinite_in_row + 1 if trained.skipped_nonfinite else 0
         check_nonfinite_steps(self.num_nonfinite_in_row, self.cfg.learner.max_nonfinite_steps, self.state.learner_step)
@@ -204,7 +207,8 @@ class Pipeline:
 
     async def publish_weights(self) -> dict[str, float]:
         t0 = time.monotonic()
-        published = await self.learner.publish()
+        with trace.span("publish", "driver", "driver", learner_step=self.state.learner_step):
+            published = await self.learner.publish()
         metrics, self.state.policy_version = dict(published.metrics), published.policy_version
         self.dropped_engines = await self.learner.dropped_engines()
         metrics["sync/num_engines_excluded"] = float(len(self.dropped_engines))

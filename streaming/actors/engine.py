@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from streamrl.core import trace
 from streamrl.rollout.engine.base import (
     EngineCounters,
     EngineStats,
@@ -63,6 +65,9 @@ class EngineActor:
         # of a finished request cannot hit a later request reusing its id.
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._started_ids: OrderedDict[str, None] = OrderedDict()
+        self._in_flight = 0  # generate calls running: the lifecycle trace's `busy` spans
+        self._busy_since = 0.0
+        self._busy_requests = 0
 
     async def start(self) -> str:
         """Build the engine (idempotent; concurrent callers share one build). Returns the device."""
@@ -93,7 +98,23 @@ class EngineActor:
             return GenerationOutput(
                 token_ids=[], logprobs=[], policy_versions=[], finish_reason="abort", num_prompt_tokens=len(prompt_ids)
             )
-        return await engine.generate(request_id, prompt_ids, sampling, images=images)
+        self._request_started()
+        try:
+            return await engine.generate(request_id, prompt_ids, sampling, images=images)
+        finally:
+            self._request_ended()
+
+    def _request_started(self) -> None:
+        if self._in_flight == 0:
+            self._busy_since, self._busy_requests = time.time(), 0
+        self._in_flight += 1
+        self._busy_requests += 1
+
+    def _request_ended(self) -> None:
+        """A busy span ends when the last request in flight ends (the engine had work throughout)."""
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            trace.complete("busy", "engine", self._engine_id, self._busy_since, requests=self._busy_requests)
 
     async def abort(self, request_id: str) -> None:
         engine = await self._ready()

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from streamrl.core import catalogue
+from tests.streaming.lifecycle_trace import check_lifecycle_trace
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -125,6 +126,7 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
         "trainer.checkpoint_every=2",
         "eval.num_prompts=4",
         "eval.every_steps=2",
+        "trace.enabled=true",  # the lifecycle trace, checked last (lifecycle_trace.py)
     ]
     run_dir = tmp_path / "e2e"
     log = tmp_path / "train.log"
@@ -199,3 +201,4 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
     assert again.returncode == 0 and "already finished at learner step 6/6" in again.stdout, again
     after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if owned(p)}
     assert after == before
+    check_lifecycle_trace(run_dir, latest)
