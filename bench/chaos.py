@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--merge",
         action="store_true",
-        help="with --scenarios: replace only these scenarios' results in --out, keep the others",
+        help="with --scenarios: replace only these scenarios' results (same seeds) in --out, keep the others",
     )
     args = parser.parse_args(argv)
     if args.by_kind:
@@ -435,13 +435,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def merge(out_path: Path, results: list[ScenarioResult], command: str, wall_s: float) -> int:
-    """Put `results` into --out in place of the same scenarios' earlier results (the other scenarios'
-    stay), recount the summary over all of them and note the run under `merged`."""
+    """Put `results` into --out in place of the same scenarios' earlier results of the same seeds (the
+    others stay), recount the summary over all of them and note the run under `merged`."""
     from bench.chaos_families import write_by_kind
 
     data = json.loads(out_path.read_text()) if out_path.exists() else {}
     names = {r.name for r in results}
-    kept = [r for r in data.get("results", []) if r["name"] not in names]
+    kept = [r for r in data.get("results", []) if (r["name"], r["seed"]) not in {(x.name, x.seed) for x in results}]
     fields = ScenarioResult.__dataclass_fields__
     every = [ScenarioResult(**{k: r[k] for k in fields if k in r}) for r in kept] + results
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout

@@ -1,7 +1,7 @@
 """The plumbing of the chaos bench's `gateway` scenario without a real run: its seeded segments arm
 real fault points, every segment gets the answer ledger's path and the first the gateway program and
 its prompts (rows naming the `gateway` loop), a segment that died before its run existed is followed
-by a fresh start, and `--merge` replaces only the gateway's results. `make chaos` runs it for real;
+by a fresh start, and `--merge` replaces only the results of the scenario and seeds it ran. `make chaos` runs it for real;
 tests/rollout/gateway/ hold the behaviour on the FakeEngine, the real engine and real Ray actors."""
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def test_merge_replaces_only_the_scenarios_run(tmp_path):
     old = [
         {"name": "tools", "seed": 0, "faults_injected": 3, "hangs": 0, "completed": True},
         {"name": "gateway", "seed": 0, "faults_injected": 1, "hangs": 1, "completed": False},
+        {"name": "gateway", "seed": 1, "faults_injected": 2, "hangs": 0, "completed": True},
     ]
     old = [{**r, "segments": [], "fault_counts": {}, "invariants": {}} for r in old]
     out.write_text(json.dumps({"command": "python -m bench.chaos --seeds 2", "results": old}))
@@ -62,7 +63,11 @@ def test_merge_replaces_only_the_scenarios_run(tmp_path):
     fresh.invariants = {"gateway_answered_differently": 0, "gateway_answers": {"answers_delivered": 7}}
     assert chaos.merge(out, [fresh], "python -m bench.chaos --scenarios gateway --merge", 1.0) == 0
     data = json.loads(out.read_text())
-    assert [(r["name"], r["faults_injected"]) for r in data["results"]] == [("tools", 3), ("gateway", 5)]
+    assert [(r["name"], r["seed"], r["faults_injected"]) for r in data["results"]] == [
+        ("tools", 0, 3),
+        ("gateway", 1, 2),
+        ("gateway", 0, 5),
+    ]
     assert data["command"] == "python -m bench.chaos --seeds 2" and data["merged"][0]["scenarios"] == ["gateway"]
-    assert data["summary"]["faults_injected"] == 8 and data["summary"]["hangs"] == 0
+    assert data["summary"]["faults_injected"] == 10 and data["summary"]["hangs"] == 0
     assert data["summary"]["gateway_answers_delivered"] == 7 and "by_kind" in data

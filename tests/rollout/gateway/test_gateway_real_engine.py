@@ -19,7 +19,7 @@ from tests.rollout.test_vllm_engine import hf_logprobs
 from tests.weight_sync.fakes import PauseWhen
 from tests.weight_sync.test_interrupt_resume import _original, _perturbed
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 HERE = "tests.rollout.gateway.test_gateway_real_engine"
 HELLO = [{"role": "user", "content": "Say hello."}]

@@ -24,7 +24,7 @@ from streamrl.core import faults
 from streamrl.workloads.answer_ledger import read_answers, record
 from tests.fixtures.ray_cluster import RAY_TIMEOUT_S
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 HERE = "tests.rollout.gateway.test_gateway_worker_kill"
 NUM_CALLS = 3
