@@ -349,9 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="run these fault families instead of the kill suite: io,hostile,all_fail (bench/chaos_families.py)",
     )
-    parser.add_argument(
-        "--first-seed", type=int, default=0, help="with --families: seeds first-seed.. first-seed+seeds-1"
-    )
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed.. first-seed+seeds-1")
     parser.add_argument("--by-kind", action="store_true", help="no runs: rebuild --out's by_kind summary")
     parser.add_argument(
         "--merge",
@@ -392,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep:
             tmp = args.keep
             Path(tmp).mkdir(parents=True, exist_ok=True)
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for name, faulted in scenarios(seed).items():
                 if wanted and name not in wanted:
                     continue

@@ -51,7 +51,7 @@ POINTS = {
     "sync.pause": "engine: a weight-sync pause arrives (before the transfer)",
     "sync.commit": "engine: a weight-sync commit arrives (staged weights verified, not loaded yet)",
     "gateway.before_journal": "rollout worker: a gateway call was sampled; its answer is not journaled or durable",
-    "gateway.before_answer": "rollout worker: a gateway call's answer is journaled and durable, not yet sent",
+    "gateway.before_answer": "rollout worker: a gateway call's fresh answer is journaled and durable, not yet sent",
 }
 
 

@@ -178,7 +178,6 @@ class Session:
                 raise GatewayError(500, f"session failed: {self.failed!r}")
             answer = self.lookup(key, body_sha)
             if answer is not None:
-                await ahit("gateway.before_answer")
                 return answer
             before = (self.data.model_copy(deep=True), self.state.model_copy(deep=True))
             try:
@@ -187,7 +186,7 @@ class Session:
                 if self.failed is None:  # the call left no trace: its retry is placed like a first try
                     self._restore(*before)
                 raise
-            await ahit("gateway.before_answer")
+            await ahit("gateway.before_answer")  # a fresh answer only: a crash here is one call of progress
             return response
 
     def _restore(self, data: AgentData, state: GatewayState) -> None:

@@ -1,8 +1,9 @@
 """The plumbing of the chaos bench's `gateway` scenario without a real run: its seeded segments arm
 real fault points, every segment gets the answer ledger's path and the first the gateway program and
 its prompts (rows naming the `gateway` loop), a segment that died before its run existed is followed
-by a fresh start, and `--merge` replaces only the results of the scenario and seeds it ran. `make chaos` runs it for real;
-tests/rollout/gateway/ hold the behaviour on the FakeEngine, the real engine and real Ray actors."""
+by a fresh start, and `--merge` replaces only the results of the scenario and seeds it ran. `make
+chaos` runs it for real; tests/rollout/gateway/ hold the behaviour on the FakeEngine, the real engine
+and real Ray actors."""
 
 from __future__ import annotations
 
