@@ -11,8 +11,9 @@ run, the others `--resume` it) with its own armed faults. A segment killed by a 
 stopped by a clear error (a dead engine), is followed by the next; after the faulted segments clean
 resumes run until the run completes. Faulted segments left when the run has finished are not run
 (their faults could not land) and are reported as `skipped`. A segment that runs past its time limit
-is a hang. A segment that died before its run existed (Ray's 30 s node start-up limit on a loaded
-machine) is followed by a fresh start, not a resume. A segment entry `sigkill_after=S` is the
+is a hang. A segment whose Ray node missed Ray's 30 s start-up limit (a loaded machine) is run
+again with the same faults (twice at most; each miss is listed with `ray_startup_failed`), and a
+segment that died before its run existed is followed by a fresh start, not a resume. A segment entry `sigkill_after=S` is the
 runner's own fault: it SIGKILLs the whole job S seconds in, wherever the job is (start-up, a sync, a
 step, a checkpoint), the way a preempted node would.
 
@@ -141,6 +142,9 @@ def _ledger_tools(root: Path, run_dir: Path, run_name: str) -> list[str]:
 
 
 RUNNER_FAULT = "sigkill_after="
+# Ray's own limit on its node's start-up (30 s, not configurable); a loaded 2-core machine misses it
+RAY_STARTUP_FAILED = "The current node timed out during startup"
+STARTUP_RETRIES = 2
 IO_FAULTS_ENV = "STREAMRL_IO_FAULTS"  # core.iofaults.ENV
 _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Trajectories|Interrupt)\b[^\n]*: ")
 
@@ -283,10 +287,15 @@ def run_scenario(
             if not (run_dir / "run_info.json").exists()  # not started yet, or died before it was
             else ["--resume", str(run_dir)]
         )
-        offset = log.stat().st_size if log.exists() else 0
-        rc, wall, killed = _segment(args, env, log, timeout_s, kill_after[0] if kill_after else None)
+        for _ in range(1 + STARTUP_RETRIES):
+            offset = log.stat().st_size if log.exists() else 0
+            rc, wall, killed = _segment(args, env, log, timeout_s, kill_after[0] if kill_after else None)
+            output = log.read_bytes()[offset:].decode(errors="replace")
+            if rc in (0, None) or killed or RAY_STARTUP_FAILED not in output:
+                break
+            # the machine, not the run: the segment never started; run it again with the same faults
+            result.segments.append({"faults": spec, "rc": rc, "wall_s": round(wall, 1), "ray_startup_failed": True})
         runner_faults += killed
-        output = log.read_bytes()[offset:].decode(errors="replace")
         segment = {
             "faults": spec,
             "rc": rc,

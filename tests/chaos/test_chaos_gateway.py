@@ -32,20 +32,26 @@ def test_the_gateway_scenario_gives_its_segments_the_program_prompts_and_ledger(
     def fake_segment(args, env, log, timeout_s, kill_after_s=None):
         calls.append((args, env))
         log.touch()
-        if len(calls) == 1:  # died in start-up, before the run existed
+        if len(calls) == 1:  # Ray's node missed its start-up limit: the same segment runs again
+            log.write_text(f"Exception: {chaos.RAY_STARTUP_FAILED}. This could happen because ...\n")
+            return 1, 1.0, False
+        if len(calls) == 2:  # died in start-up before the run existed (another way): a fresh start
             return 1, 1.0, False
         run_dir.mkdir(exist_ok=True)
         (run_dir / "run_info.json").touch()
-        return (0 if len(calls) == 3 else -9), 1.0, False
+        return (0 if len(calls) == 4 else -9), 1.0, False
 
     monkeypatch.setattr(chaos, "_segment", fake_segment)
-    result = chaos.run_scenario("gateway", 0, chaos.scenarios(0)["gateway"], tmp_path)
-    assert result.completed and len(calls) == 3
-    (first, env0), (second, _), (third, env2) = calls
-    assert f"rollout.agent.gateway.program={chaos_gateway.PROGRAM}" in first and first == second  # started again
+    plan = chaos.scenarios(0)["gateway"]
+    result = chaos.run_scenario("gateway", 0, plan, tmp_path)
+    assert result.completed and len(calls) == 4
+    (first, env0), (again, env1), (second, _), (third, env3) = calls
+    assert f"rollout.agent.gateway.program={chaos_gateway.PROGRAM}" in first and first == again == second
+    assert env0[faults.ENV] == env1[faults.ENV] == plan[0]  # the retry after Ray's start-up had the same faults
+    assert [s.get("ray_startup_failed", False) for s in result.segments] == [True, False, False, False]
+    assert [s["faults"] for s in result.segments] == [plan[0], plan[0], plan[1], plan[2]]
     assert third == ["--resume", str(run_dir)]
-    assert env0[faults.ANSWER_LEDGER_ENV] == env2[faults.ANSWER_LEDGER_ENV] == str(run_dir / "answer_ledger.jsonl")
-    assert env0[faults.ENV] == result.segments[0]["faults"]
+    assert env0[faults.ANSWER_LEDGER_ENV] == env3[faults.ANSWER_LEDGER_ENV] == str(run_dir / "answer_ledger.jsonl")
     source = next(a for a in first if a.startswith("data.source=")).split("=", 1)[1]
     records = load_prompts(source)
     assert len(records) == chaos_gateway.NUM_PROMPTS and {r.agent_name for r in records} == {"gateway"}
