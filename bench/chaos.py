@@ -13,9 +13,9 @@ resumes run until the run completes. Faulted segments left when the run has fini
 (their faults could not land) and are reported as `skipped`. A segment that runs past its time limit
 is a hang. A segment whose Ray node missed Ray's 30 s start-up limit (a loaded machine) is run
 again with the same faults (twice at most; each miss is listed with `ray_startup_failed`), and a
-segment that died before its run existed is followed by a fresh start, not a resume. A segment entry `sigkill_after=S` is the
-runner's own fault: it SIGKILLs the whole job S seconds in, wherever the job is (start-up, a sync, a
-step, a checkpoint), the way a preempted node would.
+segment that died before its run existed is followed by a fresh start, not a resume. A segment
+entry `sigkill_after=S` is the runner's own fault: it SIGKILLs the whole job S seconds in, wherever
+the job is (start-up, a sync, a step, a checkpoint), the way a preempted node would.
 
 `--families` runs the other fault families instead (`bench/chaos_families.py`: the buffer log's I/O
 faults, hostile reward and tool callbacks); `by_kind` in the results sums every kind of fault.
