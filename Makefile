@@ -60,7 +60,9 @@ bench: install
 learn-bench: install
 	$(PY) -m bench.learning
 
-# >= 50 seeded faults on the real system, checked against the invariants: bench/results/chaos.json;
+# >= 50 seeded faults on the real system, checked against the invariants: bench/results/chaos.json
+# (its `gateway` scenario: agent programs on the gateway, kills during calls, dropped connections and
+# retries, no call answered twice with different samples; alone: bench.chaos --scenarios gateway --merge);
 # 2,000 power-loss states of the run directory (make test checks 500), then I/O faults (buffer log,
 # checkpoints, run files) and hostile reward/tool callbacks, and the summary by kind of fault
 chaos: install

@@ -11,7 +11,10 @@ run, the others `--resume` it) with its own armed faults. A segment killed by a 
 stopped by a clear error (a dead engine), is followed by the next; after the faulted segments clean
 resumes run until the run completes. Faulted segments left when the run has finished are not run
 (their faults could not land) and are reported as `skipped`. A segment that runs past its time limit
-is a hang. A segment entry `sigkill_after=S` is the runner's own fault: it SIGKILLs the whole job S seconds in, wherever
+is a hang. A segment whose Ray node missed Ray's 30 s start-up limit (a loaded machine) is run
+again with the same faults (twice at most; each miss is listed with `ray_startup_failed`), and a
+segment that died before its run existed is followed by a fresh start, not a resume. A segment
+entry `sigkill_after=S` is the runner's own fault: it SIGKILLs the whole job S seconds in, wherever
 the job is (start-up, a sync, a step, a checkpoint), the way a preempted node would.
 
 `--families` runs the other fault families instead (`bench/chaos_families.py`: the buffer log's I/O
@@ -35,6 +38,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench.chaos_gateway import GATEWAY_OVERRIDES, gateway_segments
 from bench.chaos_hostile import HOSTILE_OVERRIDES
 from bench.chaos_io import IO_OVERRIDES
 
@@ -95,6 +99,10 @@ def scenarios(seed: int) -> dict[str, list[str]]:
         # I6: the prompt stream runs out (5 prompts, one epoch: 2 full batches) with a kill on the
         # way: the run ends cleanly at step 2 of 3 and the leftover group is neither lost nor trained.
         "exhausted": [f"admit.after_append=kill_job@{n(2, 4, 's')}"],
+        # exactly-once answers: OpenAI-SDK agent programs on the gateway, with dropped connections and
+        # repeated calls, the job and the worker killed before and after an answer is durable
+        # (bench/chaos_gateway.py); no call may be answered twice with different samples.
+        "gateway": gateway_segments(n),
     }
 
 
@@ -108,6 +116,7 @@ SCENARIO_OVERRIDES = {
     # minute) calls the calculator in most trajectories; easy problems keep it on the format.
     "io": IO_OVERRIDES,
     "hostile": HOSTILE_OVERRIDES,
+    "gateway": GATEWAY_OVERRIDES,
     "tools": [
         "sft.enabled=true",
         "sft.num_steps=120",
@@ -133,6 +142,9 @@ def _ledger_tools(root: Path, run_dir: Path, run_name: str) -> list[str]:
 
 
 RUNNER_FAULT = "sigkill_after="
+# Ray's own limit on its node's start-up (30 s, not configurable); a loaded 2-core machine misses it
+RAY_STARTUP_FAILED = "The current node timed out during startup"
+STARTUP_RETRIES = 2
 IO_FAULTS_ENV = "STREAMRL_IO_FAULTS"  # core.iofaults.ENV
 _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Trajectories|Interrupt)\b[^\n]*: ")
 
@@ -197,6 +209,10 @@ def _scenario_files(name: str, root: Path, run_dir: Path, run_name: str) -> list
         from bench.chaos_hostile import hostile_tools
 
         return hostile_tools(root, run_name)
+    if name == "gateway":
+        from bench.chaos_gateway import gateway_files
+
+        return gateway_files(root, run_name)
     return []
 
 
@@ -230,7 +246,13 @@ def run_scenario(
     ledger = root / f"{run_name}.faults"
     log = root / f"{run_name}.log"
     result = ScenarioResult(name=name, seed=seed)
-    base_env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    # a gateway scenario's clients record every answer they get in the run directory (the checker reads it)
+    base_env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        STREAMRL_ANSWER_LEDGER=str(run_dir / "answer_ledger.jsonl"),
+    )
     base_env.pop("RAY_ADDRESS", None)
     base_env.pop(IO_FAULTS_ENV, None)
     io_faults = io_faults or []
@@ -262,13 +284,18 @@ def run_scenario(
                 *SCENARIO_OVERRIDES.get(name, []),
                 *_scenario_files(name, root, run_dir, run_name),
             ]
-            if i == 0
+            if not (run_dir / "run_info.json").exists()  # not started yet, or died before it was
             else ["--resume", str(run_dir)]
         )
-        offset = log.stat().st_size if log.exists() else 0
-        rc, wall, killed = _segment(args, env, log, timeout_s, kill_after[0] if kill_after else None)
+        for _ in range(1 + STARTUP_RETRIES):
+            offset = log.stat().st_size if log.exists() else 0
+            rc, wall, killed = _segment(args, env, log, timeout_s, kill_after[0] if kill_after else None)
+            output = log.read_bytes()[offset:].decode(errors="replace")
+            if rc in (0, None) or killed or RAY_STARTUP_FAILED not in output:
+                break
+            # the machine, not the run: the segment never started; run it again with the same faults
+            result.segments.append({"faults": spec, "rc": rc, "wall_s": round(wall, 1), "ray_startup_failed": True})
         runner_faults += killed
-        output = log.read_bytes()[offset:].decode(errors="replace")
         segment = {
             "faults": spec,
             "rc": rc,
@@ -304,6 +331,10 @@ def summarize(results: list[ScenarioResult]) -> dict:
         "version_violations": total("version_violations"),
         "tool_calls_executed": total("tool_calls_executed"),
         "tool_side_effects_repeated": total("tool_side_effects_repeated"),
+        "gateway_answers_delivered": sum(
+            int((x.get("gateway_answers") or {}).get("answers_delivered", 0)) for x in inv
+        ),
+        "gateway_calls_answered_differently": total("gateway_answered_differently"),
         "hangs": sum(r.hangs for r in results),
         "faulted_segments_skipped": sum(len(r.skipped) for r in results),
     }
@@ -327,10 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="run these fault families instead of the kill suite: io,hostile,all_fail (bench/chaos_families.py)",
     )
-    parser.add_argument(
-        "--first-seed", type=int, default=0, help="with --families: seeds first-seed.. first-seed+seeds-1"
-    )
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed.. first-seed+seeds-1")
     parser.add_argument("--by-kind", action="store_true", help="no runs: rebuild --out's by_kind summary")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --scenarios: replace only these scenarios' results (same seeds) in --out, keep the others",
+    )
     args = parser.parse_args(argv)
     if args.by_kind:
         from bench.chaos_families import write_by_kind
@@ -365,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep:
             tmp = args.keep
             Path(tmp).mkdir(parents=True, exist_ok=True)
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for name, faulted in scenarios(seed).items():
                 if wanted and name not in wanted:
                     continue
@@ -383,8 +417,11 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                     flush=True,
                 )
+    command = "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.merge:
+        return merge(Path(args.out), results, command, time.monotonic() - t0)
     out = {
-        "command": "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "wall_s": round(time.monotonic() - t0, 1),
         "summary": summarize(results),
@@ -401,6 +438,35 @@ def main(argv: list[str] | None = None) -> int:
 
     write_by_kind(Path(args.out))
     print(json.dumps(out["summary"], indent=1))
+    return 0
+
+
+def merge(out_path: Path, results: list[ScenarioResult], command: str, wall_s: float) -> int:
+    """Put `results` into --out in place of the same scenarios' earlier results of the same seeds (the
+    others stay), recount the summary over all of them and note the run under `merged`."""
+    from bench.chaos_families import write_by_kind
+
+    data = json.loads(out_path.read_text()) if out_path.exists() else {}
+    names = {r.name for r in results}
+    kept = [r for r in data.get("results", []) if (r["name"], r["seed"]) not in {(x.name, x.seed) for x in results}]
+    fields = ScenarioResult.__dataclass_fields__
+    every = [ScenarioResult(**{k: r[k] for k in fields if k in r}) for r in kept] + results
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    data["results"] = kept + [asdict(r) for r in results]
+    data["summary"] = summarize(every)
+    data.setdefault("merged", []).append(
+        {
+            "command": command,
+            "commit": commit.strip(),
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "wall_s": round(wall_s, 1),
+            "scenarios": sorted(names),
+            "summary": summarize(results),
+        }
+    )
+    out_path.write_text(json.dumps(data, indent=1))
+    write_by_kind(out_path)
+    print(json.dumps(data["merged"][-1]["summary"], indent=1))
     return 0
 
 

@@ -49,6 +49,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from streamrl.core.faults import ahit
 from streamrl.rollout.engine.base import SamplingParams
 from streamrl.rollout.gateway import protocol
 from streamrl.rollout.gateway.config import GatewayConfig
@@ -178,30 +179,54 @@ class Session:
             answer = self.lookup(key, body_sha)
             if answer is not None:
                 return answer
-            prompt = self._place(call)
-            choices = await asyncio.gather(*(self._sample(call, prompt, i) for i in range(call.n)))
-            if call.api == "anthropic":
-                response = protocol.anthropic_message(f"msg_{key[:24]}", call.model, choices[0], len(prompt))
-            else:
-                response = protocol.openai_completion(
-                    f"chatcmpl-{key[:24]}", call.model, choices, len(prompt), logprobs=call.logprobs
-                )
-            self.state.branches = [
-                Branch(message=c.message(), token_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions)
-                for c in choices
-            ]
-            self.state.num_calls += 1
-            self.state.journal.append(
-                JournalEntry(key=key, body_sha=body_sha, attempt=self.state.attempt, api=call.api, response=response)
-            )
-            self.save()
-            if self.cfg.durable_journal and self.ctx.snapshot is not None:
-                try:
-                    await self.ctx.snapshot(self.data.model_copy(deep=True))
-                except Exception as exc:  # not durable: this answer must never be sent
-                    self.failed = exc
-                    raise GatewayError(500, f"the session's journal could not be made durable: {exc!r}") from exc
+            before = (self.data.model_copy(deep=True), self.state.model_copy(deep=True))
+            try:
+                response = await self._answer(call, key, body_sha)
+            except BaseException:
+                if self.failed is None:  # the call left no trace: its retry is placed like a first try
+                    self._restore(*before)
+                raise
+            await ahit("gateway.before_answer")  # a fresh answer only: a crash here is one call of progress
             return response
+
+    def _restore(self, data: AgentData, state: GatewayState) -> None:
+        """Put the record and the state back as they were before a call that failed (an engine
+        error, a refused budget, a raise): without this its retry would find the record already
+        extended by the call's own messages and fork. `length_exceeded` stays: the loop reads it."""
+        length_exceeded = self.state.length_exceeded
+        for name in AgentData.model_fields:
+            setattr(self.data, name, getattr(data, name))
+        for name in GatewayState.model_fields:
+            setattr(self.state, name, getattr(state, name))
+        self.state.length_exceeded = length_exceeded
+
+    async def _answer(self, call: ChatCall, key: str, body_sha: str) -> dict[str, Any]:
+        """Sample the call on the record, journal it and make the journal durable."""
+        prompt = self._place(call)
+        choices = await asyncio.gather(*(self._sample(call, prompt, i) for i in range(call.n)))
+        await ahit("gateway.before_journal")
+        if call.api == "anthropic":
+            response = protocol.anthropic_message(f"msg_{key[:24]}", call.model, choices[0], len(prompt))
+        else:
+            response = protocol.openai_completion(
+                f"chatcmpl-{key[:24]}", call.model, choices, len(prompt), logprobs=call.logprobs
+            )
+        self.state.branches = [
+            Branch(message=c.message(), token_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions)
+            for c in choices
+        ]
+        self.state.num_calls += 1
+        self.state.journal.append(
+            JournalEntry(key=key, body_sha=body_sha, attempt=self.state.attempt, api=call.api, response=response)
+        )
+        self.save()
+        if self.cfg.durable_journal and self.ctx.snapshot is not None:
+            try:
+                await self.ctx.snapshot(self.data.model_copy(deep=True))
+            except Exception as exc:  # not durable: this answer must never be sent
+                self.failed = exc
+                raise GatewayError(500, f"the session's journal could not be made durable: {exc!r}") from exc
+        return response
 
     # ---- the token record ---------------------------------------------------------------------
 
