@@ -42,6 +42,7 @@ def _context(vllm_engine, tiny_tokenizer, env_calls: Counter[str]):
     from streamrl.rollout.config import AgentConfig, SamplingConfig
     from streamrl.rollout.interactions import load_interaction_config
     from streamrl.rollout.server_manager import ServerManager
+    from streamrl.workloads.interactions import latency_env  # noqa: F401 - registers "latency_env"
 
     env = load_interaction_config(
         {"interaction": [{"name": "latency_env", "config": {"latency_s": 0.6, "num_turns": 2}}]}
