@@ -42,7 +42,7 @@ from streamrl.buffer.config import BufferConfig, OverAgePolicy
 from streamrl.buffer.durable import BufferDir
 from streamrl.buffer.groups import GroupPhase, GroupState, GroupTable, RowColumns
 from streamrl.buffer.images import ImageLog
-from streamrl.buffer.manifest import CONSUMPTION_SCHEMA
+from streamrl.buffer.manifest import consume_records
 from streamrl.buffer.rows import RowStore
 from streamrl.buffer.sampling import group_order, select_prefix
 from streamrl.buffer.schema import (
@@ -384,24 +384,10 @@ class ReplayBuffer:
         )
 
     def _record_consumption(self, table: pa.Table, lags: np.ndarray, *, learner_step: int, served_version: int) -> None:
-        n = table.num_rows
-        self._counts["trajectories_consumed"] += n
+        self._counts["trajectories_consumed"] += table.num_rows
         self._counts["batches_sampled"] += 1
-        if self._dir is None:
-            return
-        records = pa.RecordBatch.from_arrays(
-            [
-                pa.array(["consume"] * n),
-                table.column("trajectory_id").combine_chunks(),
-                table.column("group_id").combine_chunks(),
-                pa.array(np.full(n, learner_step, dtype=np.int64)),
-                pa.array(np.full(n, served_version, dtype=np.int64)),
-                pa.array(np.asarray(lags, dtype=np.int32)),
-                pa.array(np.full(n, time.time())),
-            ],
-            schema=CONSUMPTION_SCHEMA,
-        )
-        self._dir.write_consumption(records)
+        if self._dir is not None:
+            self._dir.write_consumption(consume_records(table, lags, learner_step, served_version))
 
     # ---------------------------------------------------------------- queries
     def resumable(self, trajectory_ids: list[str] | None = None) -> list[Trajectory]:

@@ -98,6 +98,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _add_train(sub)
+    _add_rollout_and_eval(sub)
+    report = sub.add_parser("report", help="write RUN_DIR/report.html (plots + trajectory viewer)")
+    report.add_argument("run_dir")
+    report.set_defaults(func=_report)
+
+    staleness = sub.add_parser(
+        "staleness",
+        help="RUN_DIR/staleness.{json,html} from the run's durable buffer; "
+        "`staleness reweight -h`: each correction on the logged batches under a checkpoint",
+    )
+    staleness.add_argument("run_dir", help="a run directory, or `reweight` followed by its arguments")
+    staleness.add_argument("reweight_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    staleness.set_defaults(func=_staleness)
+
+    from streamrl.buffer.cli import register
+
+    register(sub)  # `buffer stats DIR`, `buffer export DIR --parquet OUT`
+    from streamrl.observability.trace_cli import register as register_trace
+
+    register_trace(sub)  # `trace RUN_DIR [--window A:B] [--out FILE]`
+    return parser
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    """`streamrl train`: a run from a config, resumed, dry-run or replayed."""
     train = sub.add_parser("train", help="train (async by default; trainer.mode=sync for the baseline)")
     train.add_argument("--config", help="TOML run file (configs/*.toml)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a killed or finished run from its directory")
@@ -119,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.total_steps=10")
     train.set_defaults(func=_train)
 
+
+def _add_rollout_and_eval(sub: argparse._SubParsersAction) -> None:
+    """`streamrl rollout` (agent loops only) and `streamrl eval` (held-out evaluation of checkpoints)."""
     rollout = sub.add_parser("rollout", help="run agent loops only (evaluation), print and save trajectories")
     rollout.add_argument("--config", help="TOML run file")
     rollout.add_argument("--num-prompts", type=int, default=4)
@@ -146,27 +175,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run directory, and config overrides, e.g. eval.num_prompts=128 eval.k=4",
     )
     evaluate.set_defaults(func=_eval)
-
-    report = sub.add_parser("report", help="write RUN_DIR/report.html (plots + trajectory viewer)")
-    report.add_argument("run_dir")
-    report.set_defaults(func=_report)
-
-    staleness = sub.add_parser(
-        "staleness",
-        help="RUN_DIR/staleness.{json,html} from the run's durable buffer; "
-        "`staleness reweight -h`: each correction on the logged batches under a checkpoint",
-    )
-    staleness.add_argument("run_dir", help="a run directory, or `reweight` followed by its arguments")
-    staleness.add_argument("reweight_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    staleness.set_defaults(func=_staleness)
-
-    from streamrl.buffer.cli import register
-
-    register(sub)  # `buffer stats DIR`, `buffer export DIR --parquet OUT`
-    from streamrl.observability.trace_cli import register as register_trace
-
-    register_trace(sub)  # `trace RUN_DIR [--window A:B] [--out FILE]`
-    return parser
 
 
 def parse_argv(argv: list[str] | None = None) -> argparse.Namespace:

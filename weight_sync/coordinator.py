@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from streamrl.core import trace
@@ -239,15 +239,7 @@ class WeightSyncCoordinator:
 
     async def _commit_round(self, engines: Sequence[SyncEngine], target: int, epoch: int) -> dict[str, str]:
         timeout_s = self.config.timeouts.load
-        outcomes = await asyncio.gather(
-            *(asyncio.wait_for(e.commit_weights(target, epoch=epoch, timeout_s=timeout_s), timeout_s) for e in engines),
-            return_exceptions=True,
-        )
-        return {
-            e.engine_id: _describe(o, timeout_s)
-            for e, o in zip(engines, outcomes, strict=True)
-            if isinstance(o, BaseException)
-        }
+        return await _failures(engines, lambda e: e.commit_weights(target, epoch=epoch, timeout_s=timeout_s), timeout_s)
 
     async def _rollback(self, engines: Sequence[SyncEngine]) -> None:
         """Drop staged weights and the (possibly broken) group; best effort, bounded."""
@@ -260,15 +252,9 @@ class WeightSyncCoordinator:
     async def _resume_engines(self, engines: Sequence[SyncEngine], epoch: int) -> dict[str, str]:
         """Resume every engine of this sync (bounded, all attempted); returns {engine_id: why} of those
         that did not answer: dead or wedged."""
-        timeout_s = self.config.timeouts.resume
-        outcomes = await asyncio.gather(
-            *(asyncio.wait_for(e.resume(epoch=epoch), timeout_s) for e in engines), return_exceptions=True
+        return await _failures(
+            engines, lambda e: e.resume(epoch=epoch), self.config.timeouts.resume, prefix="resume failed: "
         )
-        return {
-            e.engine_id: f"resume failed: {_describe(o, timeout_s)}"
-            for e, o in zip(engines, outcomes, strict=True)
-            if isinstance(o, BaseException)
-        }
 
     async def _resume_workers(self, epoch: int) -> None:
         """After the engines, so that parked loops find them serving."""
@@ -281,15 +267,9 @@ class WeightSyncCoordinator:
 
     async def _probe(self, engines: Sequence[SyncEngine], when: str) -> dict[str, str]:
         """One bounded ping per engine; returns {engine_id: why} of those that did not answer."""
-        timeout_s = self.config.timeouts.probe
-        outcomes = await asyncio.gather(
-            *(asyncio.wait_for(e.ping(), timeout_s) for e in engines), return_exceptions=True
+        return await _failures(
+            engines, lambda e: e.ping(), self.config.timeouts.probe, prefix=f"no answer to a ping {when}: "
         )
-        return {
-            e.engine_id: f"no answer to a ping {when}: {_describe(o, timeout_s)}"
-            for e, o in zip(engines, outcomes, strict=True)
-            if isinstance(o, BaseException)
-        }
 
     def _drop(self, engine_id: str, why: str) -> None:
         self.dropped[engine_id] = why
@@ -355,6 +335,23 @@ async def _timed(coro, timeout_s: float, phase: str) -> float:
 
 def _describe(exc: BaseException, timeout_s: float) -> str:
     return f"no answer within {timeout_s:.1f}s" if isinstance(exc, TimeoutError) else repr(exc)
+
+
+async def _failures(
+    engines: Sequence[SyncEngine],
+    call: Callable[[SyncEngine], Awaitable[object]],
+    timeout_s: float,
+    *,
+    prefix: str = "",
+) -> dict[str, str]:
+    """`call` on every engine at once, each bounded by `timeout_s` (all attempted, none cancels the
+    others); returns {engine_id: prefix + why} of those that raised or did not answer."""
+    outcomes = await asyncio.gather(*(asyncio.wait_for(call(e), timeout_s) for e in engines), return_exceptions=True)
+    return {
+        e.engine_id: prefix + _describe(o, timeout_s)
+        for e, o in zip(engines, outcomes, strict=True)
+        if isinstance(o, BaseException)
+    }
 
 
 def _verify(outcome: TransferOutcome, engine_ids: Sequence[str]) -> None:

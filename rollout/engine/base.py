@@ -273,8 +273,8 @@ class InferenceEngine(abc.ABC):
 
     engine_id: str
     policy_version: int
+    counters: EngineCounters
 
-    @abc.abstractmethod
     async def generate(
         self,
         request_id: str,
@@ -284,7 +284,23 @@ class InferenceEngine(abc.ABC):
         images: list[ImageInput] | None = None,
     ) -> GenerationOutput:
         """Sample a continuation of `prompt_ids` (expanded ids; `images` in placeholder order, one per
-        placeholder run); returns early with finish_reason "abort" on abort."""
+        placeholder run); returns early with finish_reason "abort" on abort.
+
+        Every engine accounts a request the same way, so the accounting lives here: busy time while
+        `_generate` runs, token and abort counts once it returns."""
+        self.counters.clock.enter()
+        try:
+            output = await self._generate(request_id, prompt_ids, sampling, list(images or []))
+        finally:
+            self.counters.clock.exit()
+        self.counters.record(output, len(prompt_ids))
+        return output
+
+    @abc.abstractmethod
+    async def _generate(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, images: list[ImageInput]
+    ) -> GenerationOutput:
+        """The engine's own sampling behind `generate` (`images` already a list)."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -313,8 +329,9 @@ class InferenceEngine(abc.ABC):
     async def load_weights_from_path(self, path: str, policy_version: int) -> None:
         """Load a HF/safetensors folder in place (filesystem weight path) and set the version."""
 
-    @abc.abstractmethod
-    def stats(self) -> EngineStats: ...
+    def stats(self) -> EngineStats:
+        """What this engine (or this client of one) has counted so far."""
+        return self.counters.stats(self.engine_id, self.policy_version)
 
     async def set_policy_version(self, policy_version: int) -> None:
         """Relabel without loading (tests and manual use; weight_sync labels inside `commit_weights`)."""

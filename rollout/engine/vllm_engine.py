@@ -38,13 +38,10 @@ from typing import TYPE_CHECKING, Any, cast
 from streamrl.models.multimodal import collapse_image_tokens
 from streamrl.rollout.engine.base import (
     EngineCounters,
-    EngineStats,
     GenerationOutput,
-    ImageInput,
     InferenceEngine,
     PauseMode,
     PromptMismatchError,
-    SamplingParams,
     SyncFence,
 )
 from streamrl.rollout.engine.config import EngineConfig
@@ -56,6 +53,8 @@ if TYPE_CHECKING:
     from vllm.v1.engine import PauseMode as VLLMPauseMode
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.core_client import AsyncMPClient
+
+    from streamrl.rollout.engine.base import ImageInput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -218,18 +217,12 @@ class VLLMEngine(InferenceEngine):
                 "The image placeholder expansion of the caller and of vLLM disagree."
             )
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        images: list[ImageInput] | None = None,
+    async def _generate(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, images: list[ImageInput]
     ) -> GenerationOutput:
         self._fence.check_serving()
         max_tokens = self._check_request(request_id, prompt_ids, sampling)
         params = self._vllm_sampling(sampling, max_tokens)  # raises ValueError on bad sampling values
-        images = list(images or [])
         prompt = self._tokens_prompt(prompt_ids, images)
         checked_prompt = False
         state = _InFlight()
@@ -238,7 +231,6 @@ class VLLMEngine(InferenceEngine):
         versions: list[int] = []
         finish_reason: str | None = None
         num_cached = 0
-        self.counters.clock.enter()
         stream = self._llm.generate(prompt, params, request_id)
         try:
             async for out in stream:
@@ -264,14 +256,9 @@ class VLLMEngine(InferenceEngine):
                     break
         finally:
             await stream.aclose()  # no-op when finished; aborts inside vLLM when we stopped early
-            self.counters.clock.exit()
             del self._requests[request_id]
         if finish_reason is None:  # stream ended without a final chunk (engine-side abort)
             finish_reason = ABORT
-        if finish_reason == ABORT:
-            self.counters.num_aborted += 1
-        self.counters.num_generated_tokens += len(state.token_ids)
-        self.counters.num_prompt_tokens += len(prompt_ids)
         return GenerationOutput(
             token_ids=state.token_ids,
             logprobs=logprobs,
@@ -388,9 +375,6 @@ class VLLMEngine(InferenceEngine):
     @property
     def paused(self) -> bool:
         return self._paused
-
-    def stats(self) -> EngineStats:
-        return self.counters.stats(self.engine_id, self.policy_version)
 
     async def shutdown(self) -> None:
         for request_id in list(self._requests):

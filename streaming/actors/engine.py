@@ -257,29 +257,17 @@ class RayEngineClient(InferenceEngine):
             )
         return await asyncio.shield(self._started)
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        images: list[ImageInput] | None = None,
+    async def _generate(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, images: list[ImageInput]
     ) -> GenerationOutput:
-        self.counters.clock.enter()
         try:  # image bytes travel in the call (~tens of KB each)
-            output: GenerationOutput = await self._call(
-                "generate", request_id, list(prompt_ids), sampling, images or None
-            )
+            return await self._call("generate", request_id, list(prompt_ids), sampling, images or None)
         except TimeoutError:
             try:  # don't leave the request running on the actor; keep the timeout as the error
                 await self._call("abort", request_id, timeout=30.0)
             except Exception as exc:  # fault boundary: the actor may be wedged or dead
                 logger.warning("engine %s: abort after timeout failed: %s", self.engine_id, exc)
             raise
-        finally:
-            self.counters.clock.exit()
-        self.counters.record(output, len(prompt_ids))
-        return output
 
     async def abort(self, request_id: str) -> None:
         await self._call("abort", request_id)
@@ -318,9 +306,6 @@ class RayEngineClient(InferenceEngine):
 
     async def remote_stats(self) -> EngineStats:
         return await self._call("stats")
-
-    def stats(self) -> EngineStats:
-        return self.counters.stats(self.engine_id, self.policy_version)
 
     async def shutdown(self) -> None:
         """Shut the engine down and end the actor process."""
