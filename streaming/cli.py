@@ -12,6 +12,8 @@ streamrl staleness RUN_DIR                   (lags, version spans, length bias, 
 streamrl staleness reweight RUN_DIR --checkpoint STEP [--correction SPEC ...] [--steps A:B] [--out DIR]
 streamrl buffer export DIR --parquet OUT
 streamrl buffer stats DIR
+streamrl plan --model 7B --gpus 256 --tool-latency p50=2s,p99=60s   (simulated split, busy, lag, throughput)
+streamrl calibrate RUN_DIR [RUN_DIR ...]     (fit the simulator to runs of this machine)
 """
 
 from __future__ import annotations
@@ -162,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     from streamrl.buffer.cli import register
 
     register(sub)  # `buffer stats DIR`, `buffer export DIR --parquet OUT`
+    from streamrl.sim.cli import register as register_sim
+
+    register_sim(sub)  # `plan --model 7B --gpus 256 ...`, `calibrate RUN_DIR ...`
     return parser
 
 

@@ -1,0 +1,106 @@
+"""The pipeline simulator (streamrl.sim, docs/simulator.md): validated against real runs of
+bench/async_vs_sync.py's latency workload on this machine, then projected to large clusters with
+published component costs. Writes bench/results/simulator.json and bench/results/simulator.png.
+
+    python -m bench.simulator --runs DIR [--measure]
+
+`--measure` first makes the real runs, one at a time, into DIR/<workload>/<mode> (about 25 min on the
+2-core machine): three workloads that differ in tool-latency tail, staleness bound and engines.
+Without it the runs already in DIR are read. The costs are fitted on the `base` workload's two runs
+only; the other workloads are predicted out of sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.async_vs_sync import run_mode
+from bench.machine import machine
+
+REPO = Path(__file__).resolve().parents[1]
+LATENCY_S = 0.268  # one assistant turn's generation time, bench/results/async_vs_sync.json's calibration
+ENV = {"distribution": "lognormal", "num_turns": 4, "min_turns": 1, "latency_s": LATENCY_S}
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "base": {"p99_over_median": 10.0, "extra": ("buffer.max_staleness=4",), "steps": {"async": 60, "sync": 16}},
+    "tail": {"p99_over_median": 30.0, "extra": ("buffer.max_staleness=1",), "steps": {"async": 20, "sync": 6}},
+    "split": {
+        "p99_over_median": 10.0,
+        "extra": ("buffer.max_staleness=2", "rollout.num_engines=2"),
+        "steps": {"async": 20},
+    },
+}
+CALIBRATE_ON = "base"
+
+
+def measure(root: Path) -> None:
+    for name, w in WORKLOADS.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        env = {**ENV, "p99_over_median": w["p99_over_median"]}
+        for mode, steps in w["steps"].items():
+            t0 = time.time()
+            run_mode(mode, root / name, steps, env, seed=0, name=mode, extra=w["extra"])
+            print(f"measured {name}/{mode}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def validate(root: Path) -> dict[str, Any]:
+    """Fit on the calibration workload's runs; measured vs predicted for every run."""
+    from streamrl.sim.calibrate import calibrate, sim_config_of
+    from streamrl.sim.observe import from_metrics
+    from streamrl.sim.validate import compare, measured, predicted
+
+    runs = {f"{n}/{m}": root / n / m for n, w in WORKLOADS.items() for m in w["steps"] if (root / n / m).is_dir()}
+    costs = calibrate([d for k, d in runs.items() if k.startswith(CALIBRATE_ON + "/")])
+    table = {}
+    for key, run_dir in runs.items():
+        obs = from_metrics(run_dir)
+        table[key] = {
+            "in_sample": key.startswith(CALIBRATE_ON + "/"),
+            "settings": {"mode": obs.mode, "steps": int(obs.step[-1]), **WORKLOADS[key.split("/")[0]]},
+            **compare(measured(obs), predicted(sim_config_of(obs), costs, seeds=5)),
+        }
+    return {"costs": costs.to_json(), "table": table}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", required=True, help="folder of the validation runs (<workload>/<mode>)")
+    parser.add_argument("--measure", action="store_true", help="make the real runs first (~25 min)")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "simulator.json"))
+    args = parser.parse_args(argv)
+    root = Path(args.runs)
+    if args.measure:
+        measure(root)
+    from bench.simulator_figure import figure
+    from bench.simulator_projections import projections
+
+    t0 = time.time()
+    out = {
+        "command": " ".join(["python", "-m", "bench.simulator", *(argv if argv is not None else sys.argv[1:])]),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
+        "machine": machine(),
+        "validation": validate(root),
+        "projections": projections(),
+    }
+    out["wall_s"] = time.time() - t0
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    figure(out, Path(args.out).with_suffix(".png"))
+    print(
+        json.dumps(
+            {
+                k: {m: r.get("within") for m, r in v.items() if isinstance(r, dict)}
+                for k, v in out["validation"]["table"].items()
+            },
+            indent=1,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
