@@ -2,7 +2,8 @@
 bench/async_vs_sync.py's latency workload on this machine, then projected to large clusters with
 published component costs. Writes bench/results/simulator.json and bench/results/simulator.png.
 
-    python -m bench.simulator --runs DIR [--measure]
+    python -m bench.simulator validate --runs DIR [--measure]
+    python -m bench.simulator project
 
 `--measure` first makes the real runs, one at a time, into DIR/<workload>/<mode> (about 25 min on the
 2-core machine): three workloads that differ in tool-latency tail, staleness bound and engines.
@@ -67,38 +68,44 @@ def validate(root: Path) -> dict[str, Any]:
     return {"costs": costs.to_json(), "table": table}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", required=True, help="folder of the validation runs (<workload>/<mode>)")
-    parser.add_argument("--measure", action="store_true", help="make the real runs first (~25 min)")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "simulator.json"))
-    args = parser.parse_args(argv)
-    root = Path(args.runs)
-    if args.measure:
-        measure(root)
-    from bench.simulator_figure import figure
-    from bench.simulator_projections import projections
-
-    t0 = time.time()
-    out = {
+def _record(argv: list[str] | None, t0: float) -> dict[str, Any]:
+    return {
         "command": " ".join(["python", "-m", "bench.simulator", *(argv if argv is not None else sys.argv[1:])]),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
         "machine": machine(),
-        "validation": validate(root),
-        "projections": projections(),
+        "wall_s": time.time() - t0,
     }
-    out["wall_s"] = time.time() - t0
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    figure(out, Path(args.out).with_suffix(".png"))
-    print(
-        json.dumps(
-            {
-                k: {m: r.get("within") for m, r in v.items() if isinstance(r, dict)}
-                for k, v in out["validation"]["table"].items()
-            },
-            indent=1,
-        )
-    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`validate` and `project` each write their part of the JSON (they take very different times);
+    the figure is drawn once both are there."""
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="part", required=True)
+    v = sub.add_parser("validate", help="measured against predicted on this machine's runs")
+    v.add_argument("--runs", required=True, help="folder of the validation runs (<workload>/<mode>)")
+    v.add_argument("--measure", action="store_true", help="make the real runs first (~25 min)")
+    sub.add_parser("project", help="the cluster projections (published costs)")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "simulator.json"))
+    args = parser.parse_args(argv)
+    out_path = Path(args.out)
+    out = json.loads(out_path.read_text()) if out_path.exists() else {}
+    t0 = time.time()
+    if args.part == "validate":
+        if args.measure:
+            measure(Path(args.runs))
+        out["validation"] = validate(Path(args.runs))
+        out["validation"]["run"] = _record(argv, t0)
+    else:
+        from bench.simulator_projections import projections
+
+        out["projections"] = projections()
+        out["projections"]["run"] = _record(argv, t0)
+    out_path.write_text(json.dumps(out, indent=1) + "\n")
+    if {"validation", "projections"} <= set(out):
+        from bench.simulator_figure import figure
+
+        figure(out, out_path.with_suffix(".png"))
     return 0
 
 
