@@ -89,18 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "simulator.json"))
     args = parser.parse_args(argv)
     out_path = Path(args.out)
-    out = json.loads(out_path.read_text()) if out_path.exists() else {}
     t0 = time.time()
     if args.part == "validate":
         if args.measure:
             measure(Path(args.runs))
-        out["validation"] = validate(Path(args.runs))
-        out["validation"]["run"] = _record(argv, t0)
+        part = validate(Path(args.runs))
     else:
         from bench.simulator_projections import projections
 
-        out["projections"] = projections()
-        out["projections"]["run"] = _record(argv, t0)
+        part = projections()
+    part["run"] = _record(argv, t0)
+    out = json.loads(out_path.read_text()) if out_path.exists() else {}  # the other part, as it is now
+    out["validation" if args.part == "validate" else "projections"] = part
     out_path.write_text(json.dumps(out, indent=1) + "\n")
     if {"validation", "projections"} <= set(out):
         from bench.simulator_figure import figure
