@@ -10,8 +10,8 @@
   make them identifiable; the context term is left at 0 (this machine's contexts are short).
 - Learner: `step_s = base_s + per_token_s * tokens` on the sync runs' steps (engines idle), the async
   runs' extra time as `shared_frac`; the first step of each run (warm-up) is left out. The time per
-  step outside train, sync and waiting is `step_overhead_s`; the median wait per step of the async
-  runs (whose batches are normally ready) is the batch fetch, `sample_s`.
+  step outside train, sync and waiting is `step_overhead_s`; the short waits of the async runs (10th
+  percentile: steps whose batch was ready) are the batch fetch, `sample_s`.
 - Sync: the median total and paused seconds (one transport and one model size here: no bandwidth
   can be separated from the fixed cost, so all of it is `base_s`).
 - Shape: the turn-count distribution and per-turn token quantiles of the finished trajectories.
@@ -103,12 +103,11 @@ def fit_learner(runs: list[Observations]) -> tuple[LearnerCost, dict[str, Any]]:
         )
         shared = max(float(np.median(ratio)) - 1.0, 0.0)
     overhead = np.concatenate([(np.diff(o.elapsed_s) - o.step_s[1:] - o.sync_s[1:] - np.diff(o.idle_s)) for o in runs])
-    # in async runs a batch is normally ready: the typical (median) wait per step is fetching it and the
-    # driver's wake-up; the long waits for a batch that was not ready are what the simulation adds to it
+    # the short waits are the steps whose batch was ready: fetching it and the driver's wake-up (the 10th
+    # percentile wait of the async runs); the long waits for a batch not ready are what the simulation adds
     waits = np.concatenate([np.diff(o.idle_s) for o in async_runs]) if async_runs else np.zeros(1)
-    cost = LearnerCost(
-        base_s, per_token_s, shared, max(float(np.median(overhead)), 0.0), sample_s=max(float(np.median(waits)), 0.0)
-    )
+    sample_s = max(float(np.percentile(waits, 10)), 0.0)
+    cost = LearnerCost(base_s, per_token_s, shared, max(float(np.median(overhead)), 0.0), sample_s=sample_s)
     return cost, {"steps": len(tok), "mean_step_tokens": float(np.mean(tok))}
 
 
