@@ -102,13 +102,14 @@ class SimPipeline:
     # ---- admission and rollouts ---------------------------------------------------------------
     def _admit_async(self) -> None:
         g = self.groups
+        live = g.num_in_flight + g.num_ready_trajectories if self.cfg.buffer.capacity_rows else 0  # the rows held
         cap = buffer_capacity(
             self.cfg.buffer,
             served_version=self.policy_version,
             num_in_flight=g.num_in_flight,
             num_accepted=g.num_accepted,
             num_partial=g.num_partial,
-            num_live_rows=0,
+            num_live_rows=live,
             max_concurrent=self.cfg.max_concurrent,
         )
         for _ in range(cap // self.cfg.buffer.group_size):
