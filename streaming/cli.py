@@ -13,6 +13,8 @@ streamrl staleness reweight RUN_DIR --checkpoint STEP [--correction SPEC ...] [-
 streamrl trace RUN_DIR [--window A:B] [--out FILE]   (merge the lifecycle trace, print where the time went)
 streamrl buffer export DIR --parquet OUT
 streamrl buffer stats DIR
+streamrl plan --model 7B --gpus 256 --tool-latency p50=2s,p99=60s   (simulated split, busy, lag, throughput)
+streamrl calibrate RUN_DIR [RUN_DIR ...]     (fit the simulator to runs of this machine)
 """
 
 from __future__ import annotations
@@ -119,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     from streamrl.observability.trace_cli import register as register_trace
 
     register_trace(sub)  # `trace RUN_DIR [--window A:B] [--out FILE]`
+    from streamrl.sim.cli import register as register_sim
+
+    register_sim(sub)  # `plan --model 7B --gpus 256 ...`, `calibrate RUN_DIR ...`
     return parser
 
 
