@@ -52,10 +52,9 @@ def _gateway_totals(lines: list[dict]) -> dict[str, float]:
     totals: dict[str, float] = {}
     for line in lines:
         for key, value in line.items():
-            if key.startswith("rollout/gateway/num_"):
-                totals[key.removeprefix("rollout/gateway/")] = (
-                    totals.get(key.removeprefix("rollout/gateway/"), 0) + value
-                )
+            if key.startswith("rollout/gateway/") and catalogue.reduction(key) is catalogue.Reduction.COUNT:
+                name = key.removeprefix("rollout/gateway/")
+                totals[name] = totals.get(name, 0.0) + value
     return totals
 
 

@@ -2,6 +2,6 @@
 
 Each module exposes `run(base_url, api_key, sample) -> reward | None`, the function the `gateway` agent
 loop calls per sample (`rollout.agent.gateway.program = "streamrl.workloads.agents.<module>:run"`).
-They know nothing of streamrl's internals: the framework is pointed at the base URL, as it would be at
-any OpenAI-compatible server.
+The framework is pointed at the base URL as it would be at any OpenAI-compatible server; of streamrl
+they use at most a tool's implementation (the calculator's evaluator).
 """

@@ -9,10 +9,11 @@ final answer). Nothing in it is written for streamrl: it is trained exactly as a
 Tracing is switched off (`set_tracing_disabled`): the SDK would otherwise upload traces to OpenAI, and
 a training run must not reach the network.
 
-The reward is the program's own: 1.0 when the final answer equals the sample's ground truth, else 0.0;
-an agent that breaks the framework's rules (a call of an unknown tool, too many turns) gets 0.0 like a
-wrong answer. Errors of the API itself (the gateway's refusal of an over-long conversation) propagate:
-the gateway loop finishes such a trajectory with finish reason `length`.
+The program grades nothing itself: it returns None and the run's `reward_fn` scores the final
+conversation against the sample's ground truth, as for the built-in loops. An agent that breaks the
+framework's rules (a call of an unknown tool, too many turns) gets 0.0, like a wrong answer. Errors of
+the API itself (the gateway's refusal of an over-long conversation) propagate: the gateway loop
+finishes such a trajectory with finish reason `length`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from agents import (
 )
 from openai import AsyncOpenAI
 
-from streamrl.rollout.rewards import answers_match, extract_answer
 from streamrl.rollout.tools.calculator import CalculatorError, evaluate_expression, format_number
 
 set_tracing_disabled(True)
@@ -62,14 +62,13 @@ def build_agent(base_url: str, api_key: str) -> Agent:
     )
 
 
-async def run(base_url: str, api_key: str, sample: dict[str, Any]) -> float:
-    """One episode on `sample` (its `messages` are the dataset prompt); returns the reward."""
+async def run(base_url: str, api_key: str, sample: dict[str, Any]) -> float | None:
+    """One episode on `sample` (its `messages` are the dataset prompt); None: the reward_fn scores it."""
     agent = build_agent(base_url, api_key)
     # The dataset's chat messages as the SDK's input items (role + content: its "easy input message").
     prompt = cast(list[TResponseInputItem], [{"role": m["role"], "content": m["content"]} for m in sample["messages"]])
     try:
-        result = await Runner.run(agent, prompt, max_turns=MAX_TURNS)
+        await Runner.run(agent, prompt, max_turns=MAX_TURNS)
     except (MaxTurnsExceeded, ModelBehaviorError):
         return 0.0
-    answer = extract_answer(str(result.final_output or ""))
-    return 1.0 if answers_match(answer, sample.get("ground_truth")) else 0.0
+    return None

@@ -1,6 +1,7 @@
 """The OpenAI Agents SDK calculator agent (`workloads/agents/openai_sdk_calculator.py`) against the real
 gateway server with a scripted engine: the SDK's own loop (model call, function tool, model call)
-becomes one unforked token record, and the program's reward is its own."""
+becomes one unforked token record; the program leaves the grading to the run's reward_fn, except for
+an episode the framework itself aborts (0.0)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ def _sample(ground_truth: str) -> dict:
 
 async def test_the_sdk_agent_calls_its_tool_and_the_session_records_one_sequence(make_gateway, tiny_tokenizer):
     gw = await make_gateway([CALL, ANSWER])
-    reward = await openai_sdk_calculator.run(gw.base_url, gw.server.api_key, _sample("84"))
-    assert reward == 1.0
+    assert await openai_sdk_calculator.run(gw.base_url, gw.server.api_key, _sample("84")) is None
     state = gw.session.state
     assert (state.num_calls, state.num_forks, state.num_retries_answered) == (2, 0, 0)
     assert len(gw.engine.requests_seen) == 2
@@ -31,11 +31,6 @@ async def test_the_sdk_agent_calls_its_tool_and_the_session_records_one_sequence
     runs = [m for i, m in enumerate(data.response_mask) if i == 0 or m != data.response_mask[i - 1]]
     assert runs == [1, 0, 1]
     assert gw.server.num_errors == 0
-
-
-async def test_a_wrong_final_answer_scores_zero(make_gateway):
-    gw = await make_gateway([ANSWER])
-    assert await openai_sdk_calculator.run(gw.base_url, gw.server.api_key, _sample("85")) == 0.0
 
 
 async def test_a_call_of_an_unknown_tool_scores_zero_not_a_crash(make_gateway):
