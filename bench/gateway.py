@@ -196,6 +196,7 @@ async def overhead(model_path: str, pairs: int, max_tokens: int) -> dict[str, An
             diffs.append(g - d)
             handler.append(h)
             same += ok
+            print(f"pair {i + 1}/{pairs}: direct {d:.3f} s, gateway {g:.3f} s", file=sys.stderr, flush=True)
     finally:
         await client.close()
         await server.stop()
