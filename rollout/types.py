@@ -391,7 +391,7 @@ class PromptRecord:
 
     group_id: str
     messages: list[dict[str, Any]]
-    agent_name: str = "tool_agent"
+    agent_name: str | None = None  # None: the run's `rollout.agent.default_agent`
     tools_kwargs: dict[str, Any] = field(default_factory=dict)
     ground_truth: str | None = None
     data_index: int = 0  # position in the dataset: the data cursor of resumable runs

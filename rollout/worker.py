@@ -33,6 +33,7 @@ from streamrl.core import trace
 from streamrl.core.aio import gather_within
 from streamrl.rollout.agent_loop import AgentContext, get_agent_loop_cls
 from streamrl.rollout.engine.base import PauseMode
+from streamrl.rollout.gateway.loop import gateway_metrics
 from streamrl.rollout.types import AgentData, AgentState, FinishReason, RolloutOutcomes, Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class RolloutWorker:
             async with self._slots:
                 trace.complete("queued", "trajectory", tid, queued_at, attempt=data.attempt, worker=self.worker_id)
                 self._active.add(tid)
+                data.agent_name = data.agent_name or self.ctx.cfg.default_agent
                 loop = get_agent_loop_cls(data.agent_name)(self.ctx)
                 try:
                     traj = await loop.run(data)
@@ -340,4 +342,5 @@ class RolloutWorker:
             "rollout/num_reprefill_tokens": c.num_reprefill_tokens,
             **self.ctx.server.stats().metrics(),
             **(self.ctx.tools.metrics() if self.ctx.tools is not None else {}),
+            **gateway_metrics(self.ctx),
         }

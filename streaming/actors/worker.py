@@ -186,6 +186,9 @@ class RolloutWorkerActor:
         return self.worker.outcomes()
 
     async def shutdown(self) -> None:
+        from streamrl.rollout.gateway.loop import close_gateway
+
         await self.worker.shutdown()
+        await close_gateway(self.worker.ctx)  # the gateway server its `gateway` loops started, if any
         if self.worker.ctx.tools is not None:
             self.worker.ctx.tools.close()  # MCP servers this worker started
