@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 
-from streamrl.core import trace
+from streamrl.core import faults, trace
 from streamrl.rollout.agent_loop.base import AgentLoopBase, Parked, register
 from streamrl.rollout.agent_loop.image_observation import cap_tool_images, reply_content, tool_message
 from streamrl.rollout.agent_loop.scoring import finite
@@ -228,6 +228,7 @@ class ToolAgentLoop(AgentLoopBase):
         )
         if self.ctx.snapshot is not None and any(not tools.is_idempotent(c.name) for c in intents):
             await self.ctx.snapshot(data.model_copy(deep=True))
+            faults.hit("tool.before_run")  # the intents are durable, no tool has run
         return {c.call_id for c in intents}
 
     async def handle_interacting(self, data: AgentData) -> None:

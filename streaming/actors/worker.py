@@ -88,7 +88,7 @@ class RolloutWorkerActor:
         self.buffer = BufferClient(buffer, timeout_s=60.0)  # + the wait of each append for room
         server = ServerManager(engine_clients(engines, cfg.rollout.engine), max_sticky_keys=cfg.rollout.sticky_lru_size)
         ctx = build_agent_context(cfg, model_path, server)
-        ctx.snapshot = self._snapshot  # I5: tool intents are durable before the tools run
+        ctx.snapshot = self._snapshot  # I5: tool intents (and the gateway's answers) are durable first
         ctx.fetch_images = self._fetch_images
         if ctx.tools is not None:
             from streamrl.core.faults import hit
@@ -117,8 +117,9 @@ class RolloutWorkerActor:
         return accepted
 
     async def _snapshot(self, data: Any) -> None:
-        """Make a trajectory's journaled tool intents durable (a partial row flushed to the buffer's
-        log) before its tools run. Raising fails the trajectory; the tool never runs."""
+        """Make a trajectory's state durable (a partial row flushed to the buffer's log): its journaled
+        tool intents before the tools run, or the gateway's journaled answer before it is sent.
+        Raising fails the trajectory; the tool never runs, the answer is never sent."""
         from streamrl.rollout.types import TrajectoryStatus
 
         ctx = self.worker.ctx
@@ -126,10 +127,7 @@ class RolloutWorkerActor:
         images = image_blobs(ctx.images, row)
         ok = await self.buffer.append_rows([row], wait_s=self.append_timeout_s, durable=True, images=images)
         if not ok:
-            raise RuntimeError(f"tool-intent snapshot of {data.trajectory_id} was not made durable")
-        from streamrl.core.faults import hit
-
-        hit("tool.before_run")
+            raise RuntimeError(f"snapshot of {data.trajectory_id} was not made durable")
 
     async def _fetch_images(self, sha256s: list[str]) -> list[bytes]:
         """Bytes of images this worker lacks (a parked trajectory resumed here), from the buffer."""
