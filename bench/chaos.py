@@ -223,6 +223,84 @@ def _stop_error(output: str) -> str | None:
     return lines[-1][:400] if lines else None
 
 
+@dataclass(frozen=True)
+class _Paths:
+    """Where one scenario run lives and how its segments are started."""
+
+    root: Path
+    run_dir: Path
+    run_name: str
+    ledger: Path  # the fault points that fired (STREAMRL_FAULT_LEDGER)
+    log: Path
+    config: str
+    env: dict[str, str]
+    timeout_s: float
+
+
+def _base_env(run_dir: Path) -> dict[str, str]:
+    """The segments' environment: this one without a Ray address or I/O faults of its own; a gateway
+    scenario's clients record every answer they get in the run directory (the checker reads it)."""
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        STREAMRL_ANSWER_LEDGER=str(run_dir / "answer_ledger.jsonl"),
+    )
+    env.pop("RAY_ADDRESS", None)
+    env.pop(IO_FAULTS_ENV, None)
+    return env
+
+
+def _run_segment(
+    name: str, seed: int, spec: str, io_spec: str, paths: _Paths, result: ScenarioResult
+) -> tuple[int | None, bool]:
+    """One segment: a fresh start or a resume with `spec`'s faults armed (and `io_spec`'s), rerun
+    when Ray itself failed to start; appends its record to `result.segments`. Returns (rc, whether
+    the runner SIGKILLed it)."""
+    from bench.chaos_io import stopped_clearly
+
+    items = [item for item in spec.split(",") if item]
+    kill_after = [float(item.removeprefix(RUNNER_FAULT)) for item in items if item.startswith(RUNNER_FAULT)]
+    armed = ",".join(item for item in items if not item.startswith(RUNNER_FAULT))
+    env = dict(paths.env, STREAMRL_FAULTS=armed, STREAMRL_FAULT_LEDGER=str(paths.ledger))
+    if io_spec:
+        env[IO_FAULTS_ENV] = io_spec
+    run_dir, log = paths.run_dir, paths.log
+    args = (
+        [
+            "--config",
+            paths.config,
+            f"trainer.run_root={paths.root}",
+            f"trainer.run_name={paths.run_name}",
+            f"trainer.seed={seed}",
+            *OVERRIDES,
+            *SCENARIO_OVERRIDES.get(name, []),
+            *_scenario_files(name, paths.root, run_dir, paths.run_name),
+        ]
+        if not (run_dir / "run_info.json").exists()  # not started yet, or died before it was
+        else ["--resume", str(run_dir)]
+    )
+    for _ in range(1 + STARTUP_RETRIES):
+        offset = log.stat().st_size if log.exists() else 0
+        rc, wall, killed = _segment(args, env, log, paths.timeout_s, kill_after[0] if kill_after else None)
+        output = log.read_bytes()[offset:].decode(errors="replace")
+        if rc in (0, None) or killed or RAY_STARTUP_FAILED not in output:
+            break
+        # the machine, not the run: the segment never started; run it again with the same faults
+        result.segments.append({"faults": spec, "rc": rc, "wall_s": round(wall, 1), "ray_startup_failed": True})
+    segment = {
+        "faults": spec,
+        "rc": rc,
+        "wall_s": round(wall, 1),
+        "sigkilled_by_runner": killed,
+        "error": _stop_error(output) if rc else None,
+    }
+    if io_spec:
+        segment |= {"io_faults": io_spec, "stopped_clearly": rc not in (0, None) and stopped_clearly(output)}
+    result.segments.append(segment)
+    return rc, killed
+
+
 def run_scenario(
     name: str,
     seed: int,
@@ -236,7 +314,6 @@ def run_scenario(
 ) -> ScenarioResult:
     """Run `name`'s segments (`faulted` arms STREAMRL_FAULTS per segment; `io_faults`, aligned with
     it, STREAMRL_IO_FAULTS), then up to `max_clean` clean resumes, and check the invariants."""
-    from bench.chaos_io import stopped_clearly
     from streamrl.streaming.invariants import check_run
 
     run_name = f"{name}-s{seed}"
@@ -246,15 +323,16 @@ def run_scenario(
     ledger = root / f"{run_name}.faults"
     log = root / f"{run_name}.log"
     result = ScenarioResult(name=name, seed=seed)
-    # a gateway scenario's clients record every answer they get in the run directory (the checker reads it)
-    base_env = dict(
-        os.environ,
-        PYTHONUNBUFFERED="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        STREAMRL_ANSWER_LEDGER=str(run_dir / "answer_ledger.jsonl"),
+    paths = _Paths(
+        root=root,
+        run_dir=run_dir,
+        run_name=run_name,
+        ledger=ledger,
+        log=log,
+        config=config,
+        env=_base_env(run_dir),
+        timeout_s=timeout_s,
     )
-    base_env.pop("RAY_ADDRESS", None)
-    base_env.pop(IO_FAULTS_ENV, None)
     io_faults = io_faults or []
     if len(io_faults) > len(faulted):
         faulted = [*faulted, *[""] * (len(io_faults) - len(faulted))]
@@ -266,46 +344,8 @@ def run_scenario(
                 result.skipped.append(spec)
                 continue
             break
-        items = [item for item in spec.split(",") if item]
-        kill_after = [float(item.removeprefix(RUNNER_FAULT)) for item in items if item.startswith(RUNNER_FAULT)]
-        armed = ",".join(item for item in items if not item.startswith(RUNNER_FAULT))
-        io_spec = io_faults[i] if i < len(io_faults) else ""
-        env = dict(base_env, STREAMRL_FAULTS=armed, STREAMRL_FAULT_LEDGER=str(ledger))
-        if io_spec:
-            env[IO_FAULTS_ENV] = io_spec
-        args = (
-            [
-                "--config",
-                config,
-                f"trainer.run_root={root}",
-                f"trainer.run_name={run_name}",
-                f"trainer.seed={seed}",
-                *OVERRIDES,
-                *SCENARIO_OVERRIDES.get(name, []),
-                *_scenario_files(name, root, run_dir, run_name),
-            ]
-            if not (run_dir / "run_info.json").exists()  # not started yet, or died before it was
-            else ["--resume", str(run_dir)]
-        )
-        for _ in range(1 + STARTUP_RETRIES):
-            offset = log.stat().st_size if log.exists() else 0
-            rc, wall, killed = _segment(args, env, log, timeout_s, kill_after[0] if kill_after else None)
-            output = log.read_bytes()[offset:].decode(errors="replace")
-            if rc in (0, None) or killed or RAY_STARTUP_FAILED not in output:
-                break
-            # the machine, not the run: the segment never started; run it again with the same faults
-            result.segments.append({"faults": spec, "rc": rc, "wall_s": round(wall, 1), "ray_startup_failed": True})
+        rc, killed = _run_segment(name, seed, spec, io_faults[i] if i < len(io_faults) else "", paths, result)
         runner_faults += killed
-        segment = {
-            "faults": spec,
-            "rc": rc,
-            "wall_s": round(wall, 1),
-            "sigkilled_by_runner": killed,
-            "error": _stop_error(output) if rc else None,
-        }
-        if io_spec:
-            segment |= {"io_faults": io_spec, "stopped_clearly": rc not in (0, None) and stopped_clearly(output)}
-        result.segments.append(segment)
         result.hangs += rc is None
         result.completed = rc == 0
     fired = [" ".join(line.split()[:2]) for line in ledger.read_text().splitlines()] if ledger.exists() else []
@@ -340,7 +380,7 @@ def summarize(results: list[ScenarioResult]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--scenarios", default=None, help="comma-separated subset")
@@ -365,7 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --scenarios: replace only these scenarios' results (same seeds) in --out, keep the others",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.by_kind:
         from bench.chaos_families import write_by_kind
 
@@ -391,7 +435,14 @@ def main(argv: list[str] | None = None) -> int:
                 first_seed=args.first_seed,
             )
     if args.recheck:
+        from bench.chaos_results import recheck
+
         return recheck(Path(args.out), Path(args.recheck), argv if argv is not None else sys.argv[1:])
+    return run_kill_suite(args, argv if argv is not None else sys.argv[1:])
+
+
+def run_kill_suite(args: argparse.Namespace, argv: list[str]) -> int:
+    """The kill suite: every scenario of every seed, into --out (or merged into it)."""
     wanted = set(args.scenarios.split(",")) if args.scenarios else None
     results: list[ScenarioResult] = []
     t0 = time.monotonic()
@@ -417,8 +468,10 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                     flush=True,
                 )
-    command = "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.chaos " + " ".join(argv)
     if args.merge:
+        from bench.chaos_results import merge
+
         return merge(Path(args.out), results, command, time.monotonic() - t0)
     out = {
         "command": command,
@@ -438,54 +491,6 @@ def main(argv: list[str] | None = None) -> int:
 
     write_by_kind(Path(args.out))
     print(json.dumps(out["summary"], indent=1))
-    return 0
-
-
-def merge(out_path: Path, results: list[ScenarioResult], command: str, wall_s: float) -> int:
-    """Put `results` into --out in place of the same scenarios' earlier results of the same seeds (the
-    others stay), recount the summary over all of them and note the run under `merged`."""
-    from bench.chaos_families import write_by_kind
-
-    data = json.loads(out_path.read_text()) if out_path.exists() else {}
-    names = {r.name for r in results}
-    kept = [r for r in data.get("results", []) if (r["name"], r["seed"]) not in {(x.name, x.seed) for x in results}]
-    fields = ScenarioResult.__dataclass_fields__
-    every = [ScenarioResult(**{k: r[k] for k in fields if k in r}) for r in kept] + results
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
-    data["results"] = kept + [asdict(r) for r in results]
-    data["summary"] = summarize(every)
-    data.setdefault("merged", []).append(
-        {
-            "command": command,
-            "commit": commit.strip(),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-            "wall_s": round(wall_s, 1),
-            "scenarios": sorted(names),
-            "summary": summarize(results),
-        }
-    )
-    out_path.write_text(json.dumps(data, indent=1))
-    write_by_kind(out_path)
-    print(json.dumps(data["merged"][-1]["summary"], indent=1))
-    return 0
-
-
-def recheck(out_path: Path, runs: Path, argv: list[str]) -> int:
-    """Re-run the invariant checker over kept run directories; the report the run wrote is kept per
-    scenario as `invariants_at_run`."""
-    from streamrl.streaming.invariants import check_run
-
-    data = json.loads(out_path.read_text())
-    results = []
-    for r in data["results"]:
-        r.setdefault("invariants_at_run", r["invariants"])
-        r["invariants"] = asdict(check_run(runs / f"{r['name']}-s{r['seed']}"))
-        results.append(ScenarioResult(**{k: r[k] for k in ScenarioResult.__dataclass_fields__ if k in r}))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
-    data["summary"] = summarize(results)
-    data["rechecked"] = {"command": "python -m bench.chaos " + " ".join(argv), "checker_commit": commit.strip()}
-    out_path.write_text(json.dumps(data, indent=1))
-    print(json.dumps(data["summary"], indent=1))
     return 0
 
 
