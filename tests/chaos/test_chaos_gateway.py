@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from bench import chaos, chaos_gateway
+from bench import chaos, chaos_gateway, chaos_results
 from streamrl.core import faults
 from streamrl.rollout.data.loaders import load_prompts
 
@@ -68,7 +68,7 @@ def test_merge_replaces_only_the_scenarios_run(tmp_path):
     out.write_text(json.dumps({"command": "python -m bench.chaos --seeds 2", "results": old}))
     fresh = chaos.ScenarioResult(name="gateway", seed=0, faults_injected=5, completed=True)
     fresh.invariants = {"gateway_answered_differently": 0, "gateway_answers": {"answers_delivered": 7}}
-    assert chaos.merge(out, [fresh], "python -m bench.chaos --scenarios gateway --merge", 1.0) == 0
+    assert chaos_results.merge(out, [fresh], "python -m bench.chaos --scenarios gateway --merge", 1.0) == 0
     data = json.loads(out.read_text())
     assert [(r["name"], r["seed"], r["faults_injected"]) for r in data["results"]] == [
         ("tools", 0, 3),
