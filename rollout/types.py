@@ -372,6 +372,14 @@ class Trajectory:
             raise ValueError(f"trajectory {self.trajectory_id} has no AgentData snapshot")
         return AgentData.from_json(self.agent_data_json)
 
+    def next_attempt(self) -> Trajectory:
+        """This (partial) row as the next attempt of its trajectory: the same row, `attempt` + 1 in the
+        column and in its AgentData (which the new holder's rows copy, `AgentData.to_trajectory`)."""
+        data = self.agent_data()
+        attempt = max(self.attempt, data.attempt) + 1
+        data.attempt = attempt
+        return dataclasses.replace(self, attempt=attempt, agent_data_json=data.to_json())
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from streamrl.buffer.types import BufferProgress
     from streamrl.observability.metrics import MetricsLogger
-    from streamrl.rollout.types import AgentData, Trajectory
+    from streamrl.rollout.types import AgentData
     from streamrl.streaming.actors.clients import BufferClient, LearnerClient, WorkerClient
     from streamrl.streaming.actors.engine import RayEngineClient
     from streamrl.streaming.failures import FailureWindow
@@ -329,7 +329,7 @@ class Pipeline:
             missing = [tid for tid in resumable if tid not in running]
             if not missing:
                 return 0
-            rows = [next_attempt(t) for t in await self.buffer.resumable(missing)]
+            rows = [t.next_attempt() for t in await self.buffer.resumable(missing)]
             if not rows:
                 return 0
             try:
@@ -491,15 +491,6 @@ def make_worker(pipeline: Pipeline, worker_id: str) -> WorkerClient:
         worker_id, pipeline.cfg, pipeline.model_path, [e.handle for e in pipeline.engines], pipeline.buffer.handle
     )
     return WorkerClient(handle, timeout_s=pipeline.timeout_s, timeouts=pipeline.cfg.trainer.actor_timeouts)
-
-
-def next_attempt(row: Trajectory) -> Trajectory:
-    """`row` (a partial row) as the next attempt of its trajectory: the same row, `attempt` + 1 in the
-    column and in its AgentData (which the new holder's rows copy, `AgentLoopBase.to_trajectory`)."""
-    data = row.agent_data()
-    attempt = max(row.attempt, data.attempt) + 1
-    data.attempt = attempt
-    return dataclasses.replace(row, attempt=attempt, agent_data_json=data.to_json())
 
 
 __all__ = ["Pipeline", "make_worker"]
