@@ -268,6 +268,29 @@ def _retrieve(task: asyncio.Task[None]) -> None:
         task.exception()
 
 
+def check_request(
+    engine_id: str,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    *,
+    in_flight: bool,
+    max_model_len: int,
+) -> int:
+    """Validate a request for an engine (`in_flight`: its id is already running there); returns the
+    token budget clipped to the model length."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids must not be empty")
+    if in_flight:
+        raise ValueError(f"request_id {request_id!r} is already in flight on engine {engine_id}")
+    if sampling.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under max_model_len={max_model_len}")
+    return min(sampling.max_tokens, room)
+
+
 class InferenceEngine(abc.ABC):
     """One inference engine (one vLLM instance, possibly tensor-parallel inside)."""
 

@@ -42,6 +42,7 @@ from streamrl.rollout.engine.base import (
     PromptMismatchError,
     SamplingParams,
     SyncFence,
+    check_request,
 )
 from streamrl.rollout.engine.config import EngineConfig
 from streamrl.rollout.engine.server_api import SGLangServerAPI, server_api
@@ -107,21 +108,6 @@ class ServerEngine(InferenceEngine):
 
     # -- generation -------------------------------------------------------------------------------
 
-    def _check_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int:
-        """Validate a request; returns the token budget clipped to the model length."""
-        if not prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in flight on engine {self.engine_id}")
-        if sampling.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
-        room = self.cfg.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens leaves no room under max_model_len={self.cfg.max_model_len}"
-            )
-        return min(sampling.max_tokens, room)
-
     async def _generate(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, images: list[ImageInput]
     ) -> GenerationOutput:
@@ -129,7 +115,14 @@ class ServerEngine(InferenceEngine):
         if images:
             raise ValueError(f"engine {self.engine_id} ({self.cfg.backend}) serves text only; got {len(images)} images")
         self._fence.check_serving()
-        max_tokens = self._check_request(request_id, prompt_ids, sampling)
+        max_tokens = check_request(
+            self.engine_id,
+            request_id,
+            prompt_ids,
+            sampling,
+            in_flight=request_id in self._requests,
+            max_model_len=self.cfg.max_model_len,
+        )
         path, body = self.api.generate_request(
             request_id, list(prompt_ids), sampling, max_tokens, f"v{self.policy_version}"
         )

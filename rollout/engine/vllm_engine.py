@@ -43,6 +43,7 @@ from streamrl.rollout.engine.base import (
     PauseMode,
     PromptMismatchError,
     SyncFence,
+    check_request,
 )
 from streamrl.rollout.engine.config import EngineConfig
 from streamrl.rollout.images import decode_image
@@ -161,21 +162,6 @@ class VLLMEngine(InferenceEngine):
             skip_special_tokens=False,
         )
 
-    def _check_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int:
-        """Validate a request; returns the token budget clipped to the model length."""
-        if not prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in flight on engine {self.engine_id}")
-        if sampling.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
-        room = self.cfg.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens leaves no room under max_model_len={self.cfg.max_model_len}"
-            )
-        return min(sampling.max_tokens, room)
-
     def _tokens_prompt(self, prompt_ids: list[int], images: list[ImageInput]) -> TokensPrompt:
         """The vLLM prompt: the ids as they are for text, collapsed placeholders + PIL images otherwise."""
         from vllm.inputs import TokensPrompt
@@ -221,7 +207,14 @@ class VLLMEngine(InferenceEngine):
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, images: list[ImageInput]
     ) -> GenerationOutput:
         self._fence.check_serving()
-        max_tokens = self._check_request(request_id, prompt_ids, sampling)
+        max_tokens = check_request(
+            self.engine_id,
+            request_id,
+            prompt_ids,
+            sampling,
+            in_flight=request_id in self._requests,
+            max_model_len=self.cfg.max_model_len,
+        )
         params = self._vllm_sampling(sampling, max_tokens)  # raises ValueError on bad sampling values
         prompt = self._tokens_prompt(prompt_ids, images)
         checked_prompt = False
