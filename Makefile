@@ -35,7 +35,7 @@ run: install
 # finding, after running all three. pyrefly reads the checkout through a git-ignored link
 # .cache/typecheck/streamrl -> the repo root, so each module has its one installed name
 # (streamrl.<package>.<module>, the package-dir mapping) and `streamrl.` imports resolve to it.
-LINT_PACKAGES := core models workloads buffer learner observability rollout streaming weight_sync
+LINT_PACKAGES := core models workloads buffer learner observability rollout sim streaming weight_sync
 lint: install
 	@mkdir -p .cache/typecheck && ln -sfn ../.. .cache/typecheck/streamrl
 	@status=0; \
@@ -60,7 +60,9 @@ bench: install
 learn-bench: install
 	$(PY) -m bench.learning
 
-# >= 50 seeded faults on the real system, checked against the invariants: bench/results/chaos.json;
+# >= 50 seeded faults on the real system, checked against the invariants: bench/results/chaos.json
+# (its `gateway` scenario: agent programs on the gateway, kills during calls, dropped connections and
+# retries, no call answered twice with different samples; alone: bench.chaos --scenarios gateway --merge);
 # 2,000 power-loss states of the run directory (make test checks 500), then I/O faults (buffer log,
 # checkpoints, run files) and hostile reward/tool callbacks, and the summary by kind of fault
 chaos: install

@@ -35,10 +35,18 @@ CONFIG = "configs/bench_async_vs_sync.toml"
 
 
 def run_mode(
-    mode: str, root: Path, steps: int, env: dict | None, seed: int, name: str | None = None, config: str = CONFIG
+    mode: str,
+    root: Path,
+    steps: int,
+    env: dict | None,
+    seed: int,
+    name: str | None = None,
+    config: str = CONFIG,
+    extra: tuple[str, ...] = (),
 ) -> dict:
     """One `streamrl train` of `config` in `mode`; `env` = the latency environment's settings (None: the
-    config's own tools, e.g. the code interpreter)."""
+    config's own tools, e.g. the code interpreter); `extra` = more config overrides (bench/simulator.py
+    varies the staleness bound and the number of engines with them)."""
     name = name or f"{mode}-seed{seed}"
     overrides = [
         f"trainer.mode={mode}",
@@ -48,6 +56,7 @@ def run_mode(
         f"trainer.seed={seed}",
         f"data.seed={seed}",
         f"learner.seed={seed}",
+        *extra,
     ]
     if env is not None:
         overrides.append(f"rollout.agent.interaction_config={write_env_config(root, env, seed)}")

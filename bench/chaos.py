@@ -11,7 +11,10 @@ run, the others `--resume` it) with its own armed faults. A segment killed by a 
 stopped by a clear error (a dead engine), is followed by the next; after the faulted segments clean
 resumes run until the run completes. Faulted segments left when the run has finished are not run
 (their faults could not land) and are reported as `skipped`. A segment that runs past its time limit
-is a hang. A segment entry `sigkill_after=S` is the runner's own fault: it SIGKILLs the whole job S seconds in, wherever
+is a hang. A segment whose Ray node missed Ray's 30 s start-up limit (a loaded machine) is run
+again with the same faults (twice at most; each miss is listed with `ray_startup_failed`), and a
+segment that died before its run existed is followed by a fresh start, not a resume. A segment
+entry `sigkill_after=S` is the runner's own fault: it SIGKILLs the whole job S seconds in, wherever
 the job is (start-up, a sync, a step, a checkpoint), the way a preempted node would.
 
 `--families` runs the other fault families instead (`bench/chaos_families.py`: the buffer log's I/O
@@ -35,6 +38,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench.chaos_gateway import GATEWAY_OVERRIDES, gateway_segments
 from bench.chaos_hostile import HOSTILE_OVERRIDES
 from bench.chaos_io import IO_OVERRIDES
 
@@ -95,6 +99,10 @@ def scenarios(seed: int) -> dict[str, list[str]]:
         # I6: the prompt stream runs out (5 prompts, one epoch: 2 full batches) with a kill on the
         # way: the run ends cleanly at step 2 of 3 and the leftover group is neither lost nor trained.
         "exhausted": [f"admit.after_append=kill_job@{n(2, 4, 's')}"],
+        # exactly-once answers: OpenAI-SDK agent programs on the gateway, with dropped connections and
+        # repeated calls, the job and the worker killed before and after an answer is durable
+        # (bench/chaos_gateway.py); no call may be answered twice with different samples.
+        "gateway": gateway_segments(n),
     }
 
 
@@ -108,6 +116,7 @@ SCENARIO_OVERRIDES = {
     # minute) calls the calculator in most trajectories; easy problems keep it on the format.
     "io": IO_OVERRIDES,
     "hostile": HOSTILE_OVERRIDES,
+    "gateway": GATEWAY_OVERRIDES,
     "tools": [
         "sft.enabled=true",
         "sft.num_steps=120",
@@ -133,6 +142,9 @@ def _ledger_tools(root: Path, run_dir: Path, run_name: str) -> list[str]:
 
 
 RUNNER_FAULT = "sigkill_after="
+# Ray's own limit on its node's start-up (30 s, not configurable); a loaded 2-core machine misses it
+RAY_STARTUP_FAILED = "The current node timed out during startup"
+STARTUP_RETRIES = 2
 IO_FAULTS_ENV = "STREAMRL_IO_FAULTS"  # core.iofaults.ENV
 _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Trajectories|Interrupt)\b[^\n]*: ")
 
@@ -197,6 +209,10 @@ def _scenario_files(name: str, root: Path, run_dir: Path, run_name: str) -> list
         from bench.chaos_hostile import hostile_tools
 
         return hostile_tools(root, run_name)
+    if name == "gateway":
+        from bench.chaos_gateway import gateway_files
+
+        return gateway_files(root, run_name)
     return []
 
 
@@ -205,6 +221,84 @@ def _stop_error(output: str) -> str | None:
     lines = [line for line in output.splitlines() if _ERROR_LINE.match(line)]
     lines = [line for line in lines if not line.startswith("RuntimeError")] or lines  # "... loop failed"
     return lines[-1][:400] if lines else None
+
+
+@dataclass(frozen=True)
+class _Paths:
+    """Where one scenario run lives and how its segments are started."""
+
+    root: Path
+    run_dir: Path
+    run_name: str
+    ledger: Path  # the fault points that fired (STREAMRL_FAULT_LEDGER)
+    log: Path
+    config: str
+    env: dict[str, str]
+    timeout_s: float
+
+
+def _base_env(run_dir: Path) -> dict[str, str]:
+    """The segments' environment: this one without a Ray address or I/O faults of its own; a gateway
+    scenario's clients record every answer they get in the run directory (the checker reads it)."""
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        STREAMRL_ANSWER_LEDGER=str(run_dir / "answer_ledger.jsonl"),
+    )
+    env.pop("RAY_ADDRESS", None)
+    env.pop(IO_FAULTS_ENV, None)
+    return env
+
+
+def _run_segment(
+    name: str, seed: int, spec: str, io_spec: str, paths: _Paths, result: ScenarioResult
+) -> tuple[int | None, bool]:
+    """One segment: a fresh start or a resume with `spec`'s faults armed (and `io_spec`'s), rerun
+    when Ray itself failed to start; appends its record to `result.segments`. Returns (rc, whether
+    the runner SIGKILLed it)."""
+    from bench.chaos_io import stopped_clearly
+
+    items = [item for item in spec.split(",") if item]
+    kill_after = [float(item.removeprefix(RUNNER_FAULT)) for item in items if item.startswith(RUNNER_FAULT)]
+    armed = ",".join(item for item in items if not item.startswith(RUNNER_FAULT))
+    env = dict(paths.env, STREAMRL_FAULTS=armed, STREAMRL_FAULT_LEDGER=str(paths.ledger))
+    if io_spec:
+        env[IO_FAULTS_ENV] = io_spec
+    run_dir, log = paths.run_dir, paths.log
+    args = (
+        [
+            "--config",
+            paths.config,
+            f"trainer.run_root={paths.root}",
+            f"trainer.run_name={paths.run_name}",
+            f"trainer.seed={seed}",
+            *OVERRIDES,
+            *SCENARIO_OVERRIDES.get(name, []),
+            *_scenario_files(name, paths.root, run_dir, paths.run_name),
+        ]
+        if not (run_dir / "run_info.json").exists()  # not started yet, or died before it was
+        else ["--resume", str(run_dir)]
+    )
+    for _ in range(1 + STARTUP_RETRIES):
+        offset = log.stat().st_size if log.exists() else 0
+        rc, wall, killed = _segment(args, env, log, paths.timeout_s, kill_after[0] if kill_after else None)
+        output = log.read_bytes()[offset:].decode(errors="replace")
+        if rc in (0, None) or killed or RAY_STARTUP_FAILED not in output:
+            break
+        # the machine, not the run: the segment never started; run it again with the same faults
+        result.segments.append({"faults": spec, "rc": rc, "wall_s": round(wall, 1), "ray_startup_failed": True})
+    segment = {
+        "faults": spec,
+        "rc": rc,
+        "wall_s": round(wall, 1),
+        "sigkilled_by_runner": killed,
+        "error": _stop_error(output) if rc else None,
+    }
+    if io_spec:
+        segment |= {"io_faults": io_spec, "stopped_clearly": rc not in (0, None) and stopped_clearly(output)}
+    result.segments.append(segment)
+    return rc, killed
 
 
 def run_scenario(
@@ -220,7 +314,6 @@ def run_scenario(
 ) -> ScenarioResult:
     """Run `name`'s segments (`faulted` arms STREAMRL_FAULTS per segment; `io_faults`, aligned with
     it, STREAMRL_IO_FAULTS), then up to `max_clean` clean resumes, and check the invariants."""
-    from bench.chaos_io import stopped_clearly
     from streamrl.streaming.invariants import check_run
 
     run_name = f"{name}-s{seed}"
@@ -230,9 +323,16 @@ def run_scenario(
     ledger = root / f"{run_name}.faults"
     log = root / f"{run_name}.log"
     result = ScenarioResult(name=name, seed=seed)
-    base_env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    base_env.pop("RAY_ADDRESS", None)
-    base_env.pop(IO_FAULTS_ENV, None)
+    paths = _Paths(
+        root=root,
+        run_dir=run_dir,
+        run_name=run_name,
+        ledger=ledger,
+        log=log,
+        config=config,
+        env=_base_env(run_dir),
+        timeout_s=timeout_s,
+    )
     io_faults = io_faults or []
     if len(io_faults) > len(faulted):
         faulted = [*faulted, *[""] * (len(io_faults) - len(faulted))]
@@ -244,41 +344,8 @@ def run_scenario(
                 result.skipped.append(spec)
                 continue
             break
-        items = [item for item in spec.split(",") if item]
-        kill_after = [float(item.removeprefix(RUNNER_FAULT)) for item in items if item.startswith(RUNNER_FAULT)]
-        armed = ",".join(item for item in items if not item.startswith(RUNNER_FAULT))
-        io_spec = io_faults[i] if i < len(io_faults) else ""
-        env = dict(base_env, STREAMRL_FAULTS=armed, STREAMRL_FAULT_LEDGER=str(ledger))
-        if io_spec:
-            env[IO_FAULTS_ENV] = io_spec
-        args = (
-            [
-                "--config",
-                config,
-                f"trainer.run_root={root}",
-                f"trainer.run_name={run_name}",
-                f"trainer.seed={seed}",
-                *OVERRIDES,
-                *SCENARIO_OVERRIDES.get(name, []),
-                *_scenario_files(name, root, run_dir, run_name),
-            ]
-            if i == 0
-            else ["--resume", str(run_dir)]
-        )
-        offset = log.stat().st_size if log.exists() else 0
-        rc, wall, killed = _segment(args, env, log, timeout_s, kill_after[0] if kill_after else None)
+        rc, killed = _run_segment(name, seed, spec, io_faults[i] if i < len(io_faults) else "", paths, result)
         runner_faults += killed
-        output = log.read_bytes()[offset:].decode(errors="replace")
-        segment = {
-            "faults": spec,
-            "rc": rc,
-            "wall_s": round(wall, 1),
-            "sigkilled_by_runner": killed,
-            "error": _stop_error(output) if rc else None,
-        }
-        if io_spec:
-            segment |= {"io_faults": io_spec, "stopped_clearly": rc not in (0, None) and stopped_clearly(output)}
-        result.segments.append(segment)
         result.hangs += rc is None
         result.completed = rc == 0
     fired = [" ".join(line.split()[:2]) for line in ledger.read_text().splitlines()] if ledger.exists() else []
@@ -304,12 +371,16 @@ def summarize(results: list[ScenarioResult]) -> dict:
         "version_violations": total("version_violations"),
         "tool_calls_executed": total("tool_calls_executed"),
         "tool_side_effects_repeated": total("tool_side_effects_repeated"),
+        "gateway_answers_delivered": sum(
+            int((x.get("gateway_answers") or {}).get("answers_delivered", 0)) for x in inv
+        ),
+        "gateway_calls_answered_differently": total("gateway_answered_differently"),
         "hangs": sum(r.hangs for r in results),
         "faulted_segments_skipped": sum(len(r.skipped) for r in results),
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--scenarios", default=None, help="comma-separated subset")
@@ -327,11 +398,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="run these fault families instead of the kill suite: io,hostile,all_fail (bench/chaos_families.py)",
     )
-    parser.add_argument(
-        "--first-seed", type=int, default=0, help="with --families: seeds first-seed.. first-seed+seeds-1"
-    )
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed.. first-seed+seeds-1")
     parser.add_argument("--by-kind", action="store_true", help="no runs: rebuild --out's by_kind summary")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --scenarios: replace only these scenarios' results (same seeds) in --out, keep the others",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.by_kind:
         from bench.chaos_families import write_by_kind
 
@@ -357,7 +435,14 @@ def main(argv: list[str] | None = None) -> int:
                 first_seed=args.first_seed,
             )
     if args.recheck:
+        from bench.chaos_results import recheck
+
         return recheck(Path(args.out), Path(args.recheck), argv if argv is not None else sys.argv[1:])
+    return run_kill_suite(args, argv if argv is not None else sys.argv[1:])
+
+
+def run_kill_suite(args: argparse.Namespace, argv: list[str]) -> int:
+    """The kill suite: every scenario of every seed, into --out (or merged into it)."""
     wanted = set(args.scenarios.split(",")) if args.scenarios else None
     results: list[ScenarioResult] = []
     t0 = time.monotonic()
@@ -365,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep:
             tmp = args.keep
             Path(tmp).mkdir(parents=True, exist_ok=True)
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for name, faulted in scenarios(seed).items():
                 if wanted and name not in wanted:
                     continue
@@ -383,8 +468,13 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                     flush=True,
                 )
+    command = "python -m bench.chaos " + " ".join(argv)
+    if args.merge:
+        from bench.chaos_results import merge
+
+        return merge(Path(args.out), results, command, time.monotonic() - t0)
     out = {
-        "command": "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "wall_s": round(time.monotonic() - t0, 1),
         "summary": summarize(results),
@@ -401,25 +491,6 @@ def main(argv: list[str] | None = None) -> int:
 
     write_by_kind(Path(args.out))
     print(json.dumps(out["summary"], indent=1))
-    return 0
-
-
-def recheck(out_path: Path, runs: Path, argv: list[str]) -> int:
-    """Re-run the invariant checker over kept run directories; the report the run wrote is kept per
-    scenario as `invariants_at_run`."""
-    from streamrl.streaming.invariants import check_run
-
-    data = json.loads(out_path.read_text())
-    results = []
-    for r in data["results"]:
-        r.setdefault("invariants_at_run", r["invariants"])
-        r["invariants"] = asdict(check_run(runs / f"{r['name']}-s{r['seed']}"))
-        results.append(ScenarioResult(**{k: r[k] for k in ScenarioResult.__dataclass_fields__ if k in r}))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
-    data["summary"] = summarize(results)
-    data["rechecked"] = {"command": "python -m bench.chaos " + " ".join(argv), "checker_commit": commit.strip()}
-    out_path.write_text(json.dumps(data, indent=1))
-    print(json.dumps(data["summary"], indent=1))
     return 0
 
 

@@ -33,6 +33,7 @@ LOSS_KEYS = (
     "bad_batches",
     "version_violations",
     "tool_side_effects_repeated",
+    "gateway_answered_differently",
 )
 
 

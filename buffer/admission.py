@@ -40,6 +40,11 @@ length bucket (`length_bucket`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from streamrl.buffer.config import BufferConfig
+
 
 def rollout_capacity(
     *,
@@ -73,3 +78,35 @@ def length_bucket(num_tokens: int) -> int:
     """Power-of-two length bucket: the smallest 2**k >= num_tokens (lengths are compared by bucket
     between what was generated, trained and dropped)."""
     return 1 << max(int(num_tokens) - 1, 0).bit_length()
+
+
+def buffer_capacity(
+    cfg: BufferConfig,
+    *,
+    served_version: int,
+    num_in_flight: int,
+    num_accepted: int,
+    num_partial: int,
+    num_live_rows: int,
+    max_concurrent: int | None = None,
+) -> int:
+    """The buffer's whole admission rule (`ReplayBuffer.capacity`) on plain counts: the staleness
+    capacity, cut to the room left under `max_concurrent` running trajectories (partial rows) and
+    under `cfg.capacity_rows` live rows, in whole groups. Pure, so the simulator (`streamrl.sim`) admits
+    exactly as a run does."""
+    cap = rollout_capacity(
+        served_version=served_version,
+        max_staleness=cfg.max_staleness,
+        batch_size=cfg.batch_size,
+        num_running=num_in_flight,
+        num_accepted=num_accepted,
+        group_size=cfg.group_size,
+        reuse=cfg.reuse,
+    )
+    if max_concurrent is not None:
+        room = max(max_concurrent - num_partial, 0)
+        cap = min(cap, room // cfg.group_size * cfg.group_size)
+    if cfg.capacity_rows is not None:
+        room = max(cfg.capacity_rows - num_live_rows, 0)
+        cap = min(cap, room // cfg.group_size * cfg.group_size)
+    return cap

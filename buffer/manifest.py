@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from streamrl.buffer.schema import SCHEMA_VERSION
@@ -126,6 +127,23 @@ def rollback_record(learner_step: int) -> pa.RecordBatch:
                 "lag": 0,
                 "consumed_at": time.time(),
             }
+        ],
+        schema=CONSUMPTION_SCHEMA,
+    )
+
+
+def consume_records(table: pa.Table, lags: np.ndarray, learner_step: int, served_version: int) -> pa.RecordBatch:
+    """The consumption-log records of one sampled batch (`table`: its trajectory rows, `lags` per row)."""
+    n = table.num_rows
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(["consume"] * n),
+            table.column("trajectory_id").combine_chunks(),
+            table.column("group_id").combine_chunks(),
+            pa.array(np.full(n, learner_step, dtype=np.int64)),
+            pa.array(np.full(n, served_version, dtype=np.int64)),
+            pa.array(np.asarray(lags, dtype=np.int32)),
+            pa.array(np.full(n, time.time())),
         ],
         schema=CONSUMPTION_SCHEMA,
     )

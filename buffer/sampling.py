@@ -13,9 +13,14 @@ learner's memory is bounded by its micro-batches (`learner.micro_batch_tokens`),
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from operator import attrgetter
+
 import numpy as np
 
-from streamrl.buffer.config import SamplingPolicy
+from streamrl.buffer.config import BufferConfig, SamplingPolicy
+from streamrl.buffer.groups import GroupState
+from streamrl.core.versions import trajectory_lag
 
 
 def group_order(
@@ -61,3 +66,33 @@ def select_prefix(
         return order[:1] if len(order) else None
     full = k < len(order) or cum_trajs[k - 1] == max_trajectories or cum_tokens[k - 1] == token_budget
     return order[:k] if full else None
+
+
+def choose_groups(
+    cfg: BufferConfig, ready: Iterable[GroupState], *, served_version: int, rng: np.random.Generator
+) -> list[GroupState] | None:
+    """The groups of the next batch among the READY ones (`ReplayBuffer._choose`), or None if no
+    complete batch is ready: oldest-started first (settle order among equals, the order admission's
+    bound assumes), ordered by `cfg.sampling`, cut by `select_prefix`. Pure, so the simulator
+    (`streamrl.sim`) batches exactly as a run does."""
+    candidates = sorted(ready, key=attrgetter("min_policy_version"))
+    if not candidates:
+        return None
+    lags = trajectory_lag(served_version, np.array([g.min_policy_version for g in candidates]))
+    order = group_order(
+        cfg.sampling,
+        reward_std=np.array([g.reward_std for g in candidates]),
+        lags=lags,
+        rng=rng,
+        priority_eps=cfg.priority_eps,
+        lag_decay=cfg.lag_decay,
+    )
+    chosen = select_prefix(
+        order,
+        num_trajectories=np.array([len(g.finished) for g in candidates]),
+        num_tokens=np.array([g.num_tokens for g in candidates]),
+        max_groups=cfg.groups_per_batch,
+        max_trajectories=cfg.batch_size,
+        token_budget=cfg.max_batch_tokens,
+    )
+    return None if chosen is None else [candidates[i] for i in chosen]

@@ -37,14 +37,14 @@ import numpy as np
 import pyarrow as pa
 
 from streamrl.buffer import arrow_compute as pc
-from streamrl.buffer.admission import length_bucket, rollout_capacity
+from streamrl.buffer.admission import buffer_capacity, length_bucket
 from streamrl.buffer.config import BufferConfig, OverAgePolicy
 from streamrl.buffer.durable import BufferDir
 from streamrl.buffer.groups import GroupPhase, GroupState, GroupTable, RowColumns
 from streamrl.buffer.images import ImageLog
-from streamrl.buffer.manifest import CONSUMPTION_SCHEMA
+from streamrl.buffer.manifest import consume_records
 from streamrl.buffer.rows import RowStore
-from streamrl.buffer.sampling import group_order, select_prefix
+from streamrl.buffer.sampling import choose_groups
 from streamrl.buffer.schema import (
     TRAJECTORY_SCHEMA,
     batch_to_trajectories,
@@ -60,10 +60,6 @@ from streamrl.rollout.types import Trajectory, TrajectoryStatus
 logger = logging.getLogger(__name__)
 
 _STATUS = {s.value: s for s in TrajectoryStatus}
-
-
-def _start_version(group: GroupState) -> int:
-    return group.min_policy_version
 
 
 class ReplayBuffer:
@@ -310,29 +306,8 @@ class ReplayBuffer:
         )
 
     def _choose(self, served_version: int) -> list[GroupState] | None:
-        """The groups of the next batch (`buffer.sampling`), or None if no complete batch is ready."""
-        # Oldest-started first (settle order among equals): the order admission's bound assumes.
-        candidates = sorted(self._groups.ready.values(), key=_start_version)
-        if not candidates:
-            return None
-        lags = trajectory_lag(served_version, np.array([g.min_policy_version for g in candidates]))
-        order = group_order(
-            self.cfg.sampling,
-            reward_std=np.array([g.reward_std for g in candidates]),
-            lags=lags,
-            rng=self._rng,
-            priority_eps=self.cfg.priority_eps,
-            lag_decay=self.cfg.lag_decay,
-        )
-        chosen = select_prefix(
-            order,
-            num_trajectories=np.array([len(g.finished) for g in candidates]),
-            num_tokens=np.array([g.num_tokens for g in candidates]),
-            max_groups=self.cfg.groups_per_batch,
-            max_trajectories=self.cfg.batch_size,
-            token_budget=self.cfg.max_batch_tokens,
-        )
-        return None if chosen is None else [candidates[i] for i in chosen]
+        """The groups of the next batch (`buffer.sampling.choose_groups`), or None if no complete batch is ready."""
+        return choose_groups(self.cfg, self._groups.ready.values(), served_version=served_version, rng=self._rng)
 
     def _drop_missing_images(self, groups: list[GroupState], refs: list[list[str]]) -> bool:
         """Drop the groups whose rows reference images the image log does not hold (their bytes were
@@ -384,24 +359,10 @@ class ReplayBuffer:
         )
 
     def _record_consumption(self, table: pa.Table, lags: np.ndarray, *, learner_step: int, served_version: int) -> None:
-        n = table.num_rows
-        self._counts["trajectories_consumed"] += n
+        self._counts["trajectories_consumed"] += table.num_rows
         self._counts["batches_sampled"] += 1
-        if self._dir is None:
-            return
-        records = pa.RecordBatch.from_arrays(
-            [
-                pa.array(["consume"] * n),
-                table.column("trajectory_id").combine_chunks(),
-                table.column("group_id").combine_chunks(),
-                pa.array(np.full(n, learner_step, dtype=np.int64)),
-                pa.array(np.full(n, served_version, dtype=np.int64)),
-                pa.array(np.asarray(lags, dtype=np.int32)),
-                pa.array(np.full(n, time.time())),
-            ],
-            schema=CONSUMPTION_SCHEMA,
-        )
-        self._dir.write_consumption(records)
+        if self._dir is not None:
+            self._dir.write_consumption(consume_records(table, lags, learner_step, served_version))
 
     # ---------------------------------------------------------------- queries
     def resumable(self, trajectory_ids: list[str] | None = None) -> list[Trajectory]:
@@ -447,22 +408,15 @@ class ReplayBuffer:
         Counts come from the buffer itself (every admitted group has rows here from admission on), so
         they survive restarts; `max_concurrent` bounds the trajectories still running (partial rows)
         and `capacity_rows` the live rows (an admitted group's rows are accepted without waiting)."""
-        cap = rollout_capacity(
+        return buffer_capacity(
+            self.cfg,
             served_version=served_version,
-            max_staleness=self.cfg.max_staleness,
-            batch_size=self.cfg.batch_size,
-            num_running=self._groups.num_in_flight,
+            num_in_flight=self._groups.num_in_flight,
             num_accepted=self._groups.num_accepted,
-            group_size=self.cfg.group_size,
-            reuse=self.cfg.reuse,
+            num_partial=self._groups.num_partial,
+            num_live_rows=self._rows.num_live,
+            max_concurrent=max_concurrent,
         )
-        if max_concurrent is not None:
-            room = max(max_concurrent - self._groups.num_partial, 0)
-            cap = min(cap, room // self.cfg.group_size * self.cfg.group_size)
-        if self.cfg.capacity_rows is not None:
-            room = max(self.cfg.capacity_rows - self._rows.num_live, 0)
-            cap = min(cap, room // self.cfg.group_size * self.cfg.group_size)
-        return cap
 
     def memory_bytes(self) -> int:
         return self._rows.nbytes + self._images.nbytes

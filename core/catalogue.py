@@ -184,8 +184,45 @@ METRICS: tuple[Metric, ...] = (
     M("rollout/tool_error_rate", "fraction", R.MEAN, "rollout/num_tool_errors / rollout/num_tool_calls", when=TOOLS),
     # ---- the agent gateway (rollout.gateway.server), per rollout worker
     M("rollout/gateway/num_sessions", "sessions", R.LAST, "gateway sessions open on the worker", when=GATEWAY),
-    M("rollout/gateway/num_requests", "requests", R.COUNT, "API calls the gateway served", when=GATEWAY),
-    M("rollout/gateway/num_errors", "requests", R.COUNT, "API calls answered with an error", when=GATEWAY),
+    M("rollout/gateway/num_requests", "requests", R.COUNT, "API calls the gateway received", when=GATEWAY),
+    M("rollout/gateway/num_errors", "requests", R.COUNT, "API calls answered with an error status", when=GATEWAY),
+    M("rollout/gateway/num_sampled", "calls", R.COUNT, "API calls answered by sampling the policy", when=GATEWAY),
+    M(
+        "rollout/gateway/num_retries_answered",
+        "calls",
+        R.COUNT,
+        "retried calls answered from the session's journal (nothing sampled again)",
+        when=GATEWAY,
+    ),
+    M(
+        "rollout/gateway/num_replayed",
+        "calls",
+        R.COUNT,
+        "calls of a program restarted after a crash answered from an earlier attempt's journal",
+        when=GATEWAY,
+    ),
+    M("rollout/gateway/num_forks", "calls", R.COUNT, "calls that rewrote the history (a session fork)", when=GATEWAY),
+    M(
+        "rollout/gateway/num_calls_across_sync",
+        "calls",
+        R.COUNT,
+        "calls whose generation a weight sync parked or interrupted (the call only took longer)",
+        when=GATEWAY,
+    ),
+    M(
+        "rollout/gateway/overhead_sum_s",
+        "s",
+        R.COUNT,
+        "seconds sampled calls spent in the gateway outside the engine (parse, render, durable journal, reply)",
+        when=GATEWAY,
+    ),
+    M(
+        "rollout/gateway/overhead_mean_ms",
+        "ms",
+        R.MEAN,
+        "rollout/gateway/overhead_sum_s per sampled call in the interval",
+        when="the gateway sampled a call in the interval",
+    ),
     # ---- the trained batch (streaming.actors.learner.LearnerActor.train_step)
     M("rollout/reward_mean", "reward", R.MEAN, "mean reward of the trained batch"),
     # ---- held-out evaluation (streaming.heldout): its own lines, at step 0, every eval.every_steps and the last

@@ -34,6 +34,8 @@ ENV = "STREAMRL_FAULTS"
 LEDGER_ENV = "STREAMRL_FAULT_LEDGER"
 JOB_ENV = "STREAMRL_FAULT_JOB_PGID"  # the driver's process group, for a kill_job inside a Ray actor
 IO_ENV = "STREAMRL_IO_FAULTS"  # core.iofaults.ENV (not imported: buffer imports this module)
+# where a recording gateway client appends the answers it received (`workloads.answer_ledger`)
+ANSWER_LEDGER_ENV = "STREAMRL_ANSWER_LEDGER"
 
 POINTS = {
     "admit.after_append": "driver: a group's rows are durable, the cursor is not saved yet",
@@ -48,6 +50,8 @@ POINTS = {
     "buffer.append": "buffer actor: rows arrive to be appended (before the room check)",
     "sync.pause": "engine: a weight-sync pause arrives (before the transfer)",
     "sync.commit": "engine: a weight-sync commit arrives (staged weights verified, not loaded yet)",
+    "gateway.before_journal": "rollout worker: a gateway call was sampled; its answer is not journaled or durable",
+    "gateway.before_answer": "rollout worker: a gateway call's fresh answer is journaled and durable, not yet sent",
 }
 
 
@@ -117,8 +121,9 @@ def _fire(point: str) -> float:
 
 def forwarded_env() -> dict[str, str]:
     """The variables for Ray actors' runtime_env: the armed fault points (with the ledger and the
-    job's process group) and the buffer log's I/O fault plan; empty when neither is set."""
-    env = {IO_ENV: os.environ[IO_ENV]} if os.environ.get(IO_ENV) else {}
+    job's process group), the buffer log's I/O fault plan and the gateway answer ledger; empty when
+    none is set."""
+    env = {k: os.environ[k] for k in (IO_ENV, ANSWER_LEDGER_ENV) if os.environ.get(k)}
     if not os.environ.get(ENV):
         return env
     env |= {k: os.environ[k] for k in (ENV, LEDGER_ENV) if os.environ.get(k)}

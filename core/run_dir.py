@@ -13,7 +13,8 @@ atomically (write-then-rename, fsynced with the folder, `core.atomic`).
       eval/                version-pinned held-out evaluations (step_<served>-v<version>.parquet)
       eval_offline/        `streamrl eval` results
       logs/                driver.log, one file per actor, prepare_model.log, ray/
-      staleness/, staleness.json, staleness.html, replays/, tool_ledger.jsonl, report.html
+      staleness/, staleness.json, staleness.html, replays/, tool_ledger.jsonl, answer_ledger.jsonl, report.html
+      trace/               the lifecycle trace, one shard per process (core.trace); trace.json merged
 
 The records themselves (`DriverState`, `RunInfo`, the accounting) are defined by the parts that
 own them; this module only says where each one lives and moves JSON to and from disk safely.
@@ -79,6 +80,10 @@ class RunDir:
     @property
     def tool_ledger(self) -> Path:
         return self.root / "tool_ledger.jsonl"
+
+    @property
+    def answer_ledger(self) -> Path:
+        return self.root / "answer_ledger.jsonl"
 
     @property
     def logs(self) -> Path:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamrl.core.run_dir import RunDir
+from streamrl.core.trace import RUN_DIR_ENV
 from streamrl.observability.safe_text import SafeFormatter
 
 if TYPE_CHECKING:
@@ -129,8 +130,9 @@ def connect_options(address: str) -> dict[str, Any]:
 def ray_init_options(run_dir: str | Path, env_vars: Mapping[str, str]) -> dict[str, Any]:
     """`log_to_driver` and `runtime_env` for `ray.init`: `env_vars` for every actor and, unless
     verbose, actor output into `RUN_DIR/logs/` instead of the driver's console."""
+    env_vars = {**env_vars, RUN_DIR_ENV: str(Path(run_dir).resolve())}  # the actors' lifecycle trace (core.trace)
     if _verbose:
-        return {"log_to_driver": True, "runtime_env": {"env_vars": dict(env_vars)}}
+        return {"log_to_driver": True, "runtime_env": {"env_vars": env_vars}}
     env = {**env_vars, LOG_DIR_ENV: str(log_dir(run_dir).resolve())}
     return {"log_to_driver": False, "runtime_env": {"env_vars": env, "worker_process_setup_hook": WORKER_SETUP_HOOK}}
 

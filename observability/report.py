@@ -34,14 +34,10 @@ from streamrl.observability.metrics import (
     TIMELINE_FILE,
 )
 from streamrl.observability.report_figures import build_figures, busy_fractions, per_step, resume_points
-from streamrl.observability.report_viewer import (
-    VERSION_COLORS,
-    fmt_number,
-    load_tokenizer,
-    load_viewer_images,
-    pick_samples,
-    render_trajectory,
-)
+from streamrl.observability.report_images import load_viewer_images
+from streamrl.observability.report_timeline import timeline_blocks
+from streamrl.observability.report_tokens import load_tokenizer
+from streamrl.observability.report_viewer import VERSION_COLORS, fmt_number, pick_samples, render_trajectory
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -229,7 +225,7 @@ def write_report(
     import jinja2
 
     data = load_run(run_dir)
-    figures = build_figures(data.metrics, data.spans, data.problems)
+    figures = build_figures(data.metrics, data.spans, data.problems) + timeline_blocks(data.run_dir, data.problems)
     picked = pick_samples(data.samples, max_trajectories)
     tokenizer = load_tokenizer(data.info.get("model_path"), data.problems) if picked else None
     special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])

@@ -313,12 +313,13 @@ def plot_remaining(df: pd.DataFrame, used: set[str], resumes: Sequence[float]) -
     return _panels(df, [(c, [c], "learner_step") for c in rest], resumes)
 
 
-def build_figures(df: pd.DataFrame, spans: pd.DataFrame, problems: list[str]) -> list[FigureBlock]:
-    """All report sections in page order; failures are appended to `problems`."""
-    resumes = resume_points(df)
-    memory_cols = sorted(c for c in df.columns if c.startswith("memory/") and c.endswith("peak_gb"))
-    engine_cols = sorted(c for c in df.columns if c.startswith(ENGINE_BUSY_KEY + "/"))
-    groups: list[tuple[str, str, list[tuple[str, Sequence[str], str]], str]] = [
+PanelGroup = tuple[str, str, list[tuple[str, Sequence[str], str]], str]  # anchor, title, panels, caption
+
+
+def _panel_groups(engine_cols: list[str], memory_cols: list[str]) -> list[PanelGroup]:
+    """The report's line-panel sections: (anchor, title, [(panel title, metric keys, x key)], caption);
+    `engine_cols` and `memory_cols` are the per-engine and per-part columns the run logged."""
+    return [
         (
             "rollout",
             "Reward and rollouts",
@@ -388,6 +389,14 @@ def build_figures(df: pd.DataFrame, spans: pd.DataFrame, problems: list[str]) ->
             "The learner's peak is per step, the other parts' since they started.",
         ),
     ]
+
+
+def build_figures(df: pd.DataFrame, spans: pd.DataFrame, problems: list[str]) -> list[FigureBlock]:
+    """All report sections in page order; failures are appended to `problems`."""
+    resumes = resume_points(df)
+    memory_cols = sorted(c for c in df.columns if c.startswith("memory/") and c.endswith("peak_gb"))
+    engine_cols = sorted(c for c in df.columns if c.startswith(ENGINE_BUSY_KEY + "/"))
+    groups = _panel_groups(engine_cols, memory_cols)
     used = {k for _, _, panels, _ in groups for _, keys, _ in panels for k in keys}
     used |= {c for c in df.columns if c.startswith(("staleness/lag_", "sync/"))}
     specs: list[tuple[str, str, Callable[[], Figure | None], str, str]] = [
@@ -419,6 +428,14 @@ def build_figures(df: pd.DataFrame, spans: pd.DataFrame, problems: list[str]) ->
         ("is", "Importance ratios by lag", lambda: plot_is_by_lag(df), "no is/*/lag_<k> metrics were logged", ""),
         ("other", "Other metrics", lambda: plot_remaining(df, used, resumes), "no other metrics", ""),
     ]
+    return _render(specs, problems)
+
+
+def _render(
+    specs: list[tuple[str, str, Callable[[], Figure | None], str, str]], problems: list[str]
+) -> list[FigureBlock]:
+    """Draw each (anchor, title, make, empty text, caption) as an SVG block; a figure that fails is
+    reported in `problems` and shown empty."""
     blocks = []
     for anchor, title, make, empty, caption in specs:
         try:

@@ -12,20 +12,21 @@ maximal run of the image token plus the adjacent wrapper tokens, e.g. Idefics3's
 with a thumbnail (PNG, longest side capped, base64 inline, a byte budget per report), looked up by
 the row's `image_refs` (placeholder order over prompt + response) in the buffer's image log. An
 observation image sits inside its observation span. A text-only run renders exactly as before.
+The tokenizer side lives in report_tokens.py, the image log and thumbnails in report_images.py.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from streamrl.observability.report_images import ViewerImages
+from streamrl.observability.report_tokens import decode_pieces, image_spans
 
 VERSION_COLORS = [  # light, distinguishable backgrounds; version v uses index v % len
     "#cfe2ff",
@@ -41,307 +42,10 @@ VERSION_COLORS = [  # light, distinguishable backgrounds; version v uses index v
 ]
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 TOOL_RESPONSE_RE = re.compile(r"<tool_response>(.*?)(?:</tool_response>|$)", re.S)
-IMAGE_WRAPPER_RE = re.compile(r"image|img|vision", re.IGNORECASE)  # special tokens around an image's placeholders
 
 
 def fmt_number(value: float | None, spec: str = ".3f") -> str:
     return "–" if value is None or not np.isfinite(value) else format(value, spec)
-
-
-class FastTokenizerFile:
-    """A HF folder's `tokenizer.json` through the `tokenizers` library: the same decoder pipeline
-    the transformers fast tokenizer runs, without importing transformers and torch (seconds)."""
-
-    def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer
-
-        self._tok = Tokenizer.from_file(str(path))
-        self.all_special_ids = [i for i, t in self._tok.get_added_tokens_decoder().items() if t.special]
-
-    def added_tokens(self) -> dict[int, str]:
-        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False, **_: Any) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def batch_decode(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = False, **_: Any) -> list[str]:
-        return self._tok.decode_batch([list(s) for s in seqs], skip_special_tokens=skip_special_tokens)
-
-
-def load_tokenizer(model_path: str | None, problems: list[str]) -> Any:
-    """The run's tokenizer (its tokenizer.json directly when there is one, else transformers'
-    AutoTokenizer), or None with the reason recorded (the viewer then shows token ids)."""
-    if not model_path:
-        problems.append("run_info.json has no model_path: trajectories show token ids")
-        return None
-    if not Path(model_path).is_dir():  # never let transformers treat it as a hub id and go online
-        problems.append(f"model folder {model_path} not found: trajectories show token ids")
-        return None
-    fast_file = Path(model_path) / "tokenizer.json"
-    try:
-        if fast_file.exists():
-            return FastTokenizerFile(fast_file)
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model_path)
-    except Exception as exc:  # the world: a moved or partial model folder still gets a report
-        problems.append(
-            f"tokenizer at {model_path} could not be loaded ({type(exc).__name__}): trajectories show token ids"
-        )
-        return None
-
-
-# -- images ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ImageTokens:
-    """How a VLM's ids mark an image: one run of `image_token_id` per image, with `wrapper_ids`
-    (special tokens whose text names an image, e.g. Idefics3's `<global-img>`) next to it."""
-
-    image_token_id: int
-    wrapper_ids: frozenset[int]
-
-
-def load_image_tokens(model_path: str | None, tokenizer: Any) -> ImageTokens | None:
-    """The image token of a VLM model folder (its config.json has a `vision_config`; the id is the
-    config's `image_token_id`, else the tokenizer's `<image>`); None for a text model."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text()) if model_path else {}
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict) or "vision_config" not in config:
-        return None
-    added = _added_tokens(tokenizer)
-    image_id = config.get("image_token_id", config.get("image_token_index"))
-    if not isinstance(image_id, int):
-        image_id = next((i for i, t in added.items() if t == "<image>"), None)
-    if image_id is None:
-        return None
-    wrappers = frozenset(i for i, t in added.items() if i != image_id and IMAGE_WRAPPER_RE.search(t))
-    return ImageTokens(image_token_id=image_id, wrapper_ids=wrappers)
-
-
-def _added_tokens(tokenizer: Any) -> dict[int, str]:
-    if isinstance(tokenizer, FastTokenizerFile):
-        return tokenizer.added_tokens()
-    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return {int(i): str(getattr(t, "content", t)) for i, t in decoder.items()}
-
-
-def image_spans(ids: Sequence[int], tokens: ImageTokens) -> list[tuple[int, int, int]]:
-    """(start, end, num_image_tokens) per image in `ids`, `ids[start:end]` = the image token run plus
-    the wrapper tokens right before it (back to the previous image) and, when no image follows,
-    right after it. The image token runs are exactly those `count_image_runs` counts."""
-    runs: list[list[int]] = []
-    for i, t in enumerate(ids):
-        if t == tokens.image_token_id:
-            if runs and runs[-1][1] == i:
-                runs[-1][1] = i + 1
-            else:
-                runs.append([i, i + 1])
-    spans = []
-    for k, (a, b) in enumerate(runs):
-        floor = spans[-1][1] if spans else 0
-        start = a
-        while start > floor and ids[start - 1] in tokens.wrapper_ids:
-            start -= 1
-        end = b
-        while end < len(ids) and ids[end] in tokens.wrapper_ids:
-            end += 1
-        if k + 1 < len(runs) and end == runs[k + 1][0]:  # only wrappers up to the next image: they are its own
-            end = b
-        spans.append((start, end, b - a))
-    return spans
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StoredImage:
-    """One row of the buffer's image log (`buffer/images.py` IMAGE_SCHEMA)."""
-
-    width: int
-    height: int
-    data: bytes  # encoded bytes
-
-
-def read_image_log(buffer_dir: Path, wanted: set[str], problems: list[str]) -> dict[str, StoredImage]:
-    """The `wanted` images of a buffer directory's image log, read with the buffer's own segment
-    reader (read-only: a live run's buffer is not disturbed). Unreadable frames are problems."""
-    from streamrl.buffer.images import IMAGE_SCHEMA, IMAGES_PREFIX
-    from streamrl.buffer.log import read_segments
-    from streamrl.buffer.types import RecoveryReport
-
-    if not buffer_dir.is_dir():
-        problems.append(f"buffer directory {buffer_dir} not found: images are shown as missing")
-        return {}
-    report, found = RecoveryReport(), {}
-    for _, batch in read_segments(buffer_dir, prefix=IMAGES_PREFIX, schema=IMAGE_SCHEMA, report=report):
-        for row in batch.to_pylist():
-            if row["sha256"] in wanted:
-                found.setdefault(row["sha256"], StoredImage(width=row["width"], height=row["height"], data=row["data"]))
-    problems.extend(f"buffer image log: {line}" for line in (*report.torn_tails, *report.corrupt, *report.missing))
-    return found
-
-
-def thumbnail_png(data: bytes, max_px: int) -> bytes:
-    """PNG of the image with its longest side at most `max_px` (never enlarged)."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as img:
-        img = img.convert("RGBA" if "A" in img.getbands() else "RGB")
-        img.thumbnail((max_px, max_px))
-        out = io.BytesIO()
-        img.save(out, format="PNG", optimize=True)
-    return out.getvalue()
-
-
-@dataclass(kw_only=True, slots=True)
-class ViewerImages:
-    """The viewer's image side for one report: token ids, stored images, thumbnail budget, and the
-    problems found while rendering (appended to the report's list)."""
-
-    tokens: ImageTokens
-    stored: dict[str, StoredImage]
-    max_px: int = 128
-    budget_bytes: int = 2 * 1024 * 1024  # base64 thumbnail bytes per report
-    used_bytes: int = 0
-    num_chips: int = 0
-    num_not_shown: int = 0
-    problems: list[str] = field(default_factory=list)
-    _thumbs: dict[str, str | None] = field(default_factory=dict)  # sha256 -> data URL (None: undecodable)
-
-    def chip(self, sha256: str | None, num_tokens: int, where: str) -> dict[str, Any]:
-        """The template's chip: label, hover title, thumbnail data URL ("" if none), missing flag."""
-        self.num_chips += 1
-        stored = self.stored.get(sha256) if sha256 else None
-        if sha256 is None or stored is None:
-            why = (
-                "image_refs do not match the placeholder runs"
-                if sha256 is None
-                else f"sha256 {sha256} is not in the buffer's image log"
-            )
-            return {
-                "label": f"[missing image, {num_tokens} tokens]",
-                "title": f"{where} · {why}",
-                "src": "",
-                "missing": True,
-            }
-        title = f"{where} · sha256 {sha256[:12]}… · {stored.width}×{stored.height} · {num_tokens} image tokens"
-        src = self._thumbnail(sha256, stored)
-        if src is None:
-            return {
-                "label": f"[unreadable image {stored.width}×{stored.height}, {num_tokens} tokens]",
-                "title": title,
-                "src": "",
-                "missing": True,
-            }
-        if self.used_bytes + len(src) > self.budget_bytes:
-            src, title = "", title + " · thumbnail not shown (report image budget)"
-            self.num_not_shown += 1
-        self.used_bytes += len(src)
-        return {
-            "label": f"[image {stored.width}×{stored.height}, {num_tokens} tokens]",
-            "title": title,
-            "src": src,
-            "missing": False,
-        }
-
-    def _thumbnail(self, sha256: str, stored: StoredImage) -> str | None:
-        if sha256 not in self._thumbs:
-            try:
-                png = thumbnail_png(stored.data, self.max_px)
-                self._thumbs[sha256] = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
-            except Exception as exc:  # the world: bytes that passed the hash check but are no image
-                self.problems.append(f"image {sha256[:12]}… could not be decoded ({type(exc).__name__})")
-                self._thumbs[sha256] = None
-        return self._thumbs[sha256]
-
-    @property
-    def note(self) -> str:
-        return (
-            f"{self.num_not_shown} images not shown: the report's thumbnail budget "
-            f"({self.budget_bytes // 1024} KiB) is spent"
-            if self.num_not_shown
-            else ""
-        )
-
-    def row_chips(self, row: dict[str, Any], spans: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
-        """One chip per span of `prompt_ids + response_ids`, in placeholder order; a row whose
-        `image_refs` count disagrees with its runs gets unlooked-up chips and a problem line."""
-        refs = [str(r) for r in row.get("image_refs") or []]
-        counts = list(row.get("num_image_tokens") or [])
-        tid = row.get("trajectory_id", "?")
-        if len(refs) != len(spans):
-            self.problems.append(
-                f"trajectory {tid}: {len(spans)} image placeholder runs but {len(refs)} image_refs; "
-                "its images are shown without lookup"
-            )
-            refs = [None] * len(spans)
-        elif [n for _, _, n in spans] != counts:
-            self.problems.append(
-                f"trajectory {tid}: placeholder run lengths {[n for _, _, n in spans]} "
-                f"differ from num_image_tokens {counts}"
-            )
-        return [
-            self.chip(ref, n, f"image {k + 1} of {len(spans)}") for k, (ref, (_, _, n)) in enumerate(zip(refs, spans))
-        ]
-
-
-def load_viewer_images(
-    model_path: str | None,
-    tokenizer: Any,
-    buffer_dir: Path,
-    rows: Sequence[dict[str, Any]],
-    problems: list[str],
-    *,
-    max_px: int = 128,
-    budget_bytes: int = 2 * 1024 * 1024,
-) -> ViewerImages | None:
-    """The image side of the viewer, or None for a text model (the viewer then renders as before);
-    reads the image log only if some row references an image."""
-    tokens = load_image_tokens(model_path, tokenizer)
-    with_refs = [r for r in rows if r.get("image_refs")]
-    if tokens is None:
-        if with_refs:
-            problems.append(
-                f"{len(with_refs)} sampled trajectories reference images but model {model_path} has no "
-                "image token (config.json without vision_config): placeholders are shown as text"
-            )
-        return None
-    wanted = {str(ref) for r in with_refs for ref in r["image_refs"]}
-    stored = read_image_log(buffer_dir, wanted, problems) if wanted else {}
-    if wanted - stored.keys():
-        problems.append(
-            f"{len(wanted - stored.keys())} image(s) referenced by sampled trajectories are not in the "
-            f"buffer's image log ({buffer_dir}): shown as missing"
-        )
-    return ViewerImages(tokens=tokens, stored=stored, max_px=max_px, budget_bytes=budget_bytes)
-
-
-def decode_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
-    """Text of each token such that "".join(pieces) == decode(ids).
-
-    Decoding tokens one by one breaks multi-byte characters split across byte-level BPE tokens and
-    drops SentencePiece's leading spaces, so when the one-by-one pieces don't join to the full
-    decode, fall back to incremental detokenization (the text a token adds to a short window of
-    its predecessors; an incomplete character is emitted with the token that completes it).
-    """
-    if not ids:
-        return []
-    kwargs = dict(skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    pieces = tokenizer.batch_decode([[i] for i in ids], **kwargs)
-    if "".join(pieces) == tokenizer.decode(list(ids), **kwargs) and "\ufffd" not in "".join(pieces):
-        return pieces
-    pieces, prefix, read = [], 0, 0
-    for i in range(len(ids)):
-        before = tokenizer.decode(list(ids[prefix:read]), **kwargs)
-        after = tokenizer.decode(list(ids[prefix : i + 1]), **kwargs)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            pieces.append(after[len(before) :])
-            prefix, read = read, i + 1
-        else:
-            pieces.append("")
-    return pieces
 
 
 def _span_mask(text_offsets: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[bool]:
@@ -406,23 +110,75 @@ def render_trajectory(
         pieces = [f"⟨{i}⟩" for i in ids[:shown]]
         prompt = " ".join(str(i) for i in row.get("prompt_ids", []))
     num_prompt = len(prompt_ids)
-    response_chips: dict[int, tuple[int, dict[str, Any] | None]] = {}  # response start -> (end, chip)
-    for (a, b, _), chip in zip(spans, chips):
-        if b > num_prompt:
-            start = max(a - num_prompt, 0)
-            response_chips[start] = (b - num_prompt, chip if a >= num_prompt else None)
-            for j in range(start, min(b - num_prompt, shown)):  # the calls table reads the chip, not <image>×N
-                pieces[j] = chip["label"] if j == start and a >= num_prompt else ""
+    response_chips = _place_response_chips(spans, chips, num_prompt, shown, pieces)
     prompt_parts = _prompt_parts(
         tokenizer, prompt_ids, [(a, b, c) for (a, b, _), c in zip(spans, chips) if a < num_prompt]
     )
     offsets = np.concatenate([[0], np.cumsum([len(p) for p in pieces])]).tolist()
     text = "".join(pieces)
     in_call = _span_mask(offsets, [m.span() for m in TOOL_CALL_RE.finditer(text)])
+    columns = _Columns(ids=ids, mask=mask, versions=versions, logprobs=logprobs, in_call=in_call)
+    tokens = _token_spans(pieces, columns, response_chips, n=n, step=step, special_ids=special_ids)
+    sampled_versions = sorted({int(v) for m, v in zip(mask[:n], versions[:n]) if m})
+    headline, facts = _headline_and_facts(
+        row, sampled_versions, aligned=len(ids) == len(mask) == len(versions) == len(logprobs)
+    )
+    return {
+        "headline": headline,
+        "facts": facts,
+        "calls": _calls_table(text),
+        "prompt": prompt,
+        "prompt_parts": prompt_parts,
+        "num_prompt_tokens": len(row.get("prompt_ids", [])),
+        "tokens": tokens,
+        "num_hidden": n - shown,
+        "versions": sampled_versions,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class _Columns:
+    """A response's per-token columns, as the viewer reads them (`in_call`: inside a <tool_call>)."""
+
+    ids: list[int]
+    mask: list[Any]
+    versions: list[Any]
+    logprobs: list[Any]
+    in_call: list[bool]
+
+
+def _place_response_chips(
+    spans: list[tuple[int, int, int]], chips: list[dict[str, Any]], num_prompt: int, shown: int, pieces: list[str]
+) -> dict[int, tuple[int, dict[str, Any] | None]]:
+    """{response start: (end, chip)} of the images that reach into the response (chip None for one
+    that starts in the prompt); their token pieces become the chip's label (the calls table reads
+    the chip, not <image>×N)."""
+    response_chips: dict[int, tuple[int, dict[str, Any] | None]] = {}
+    for (a, b, _), chip in zip(spans, chips):
+        if b > num_prompt:
+            start = max(a - num_prompt, 0)
+            response_chips[start] = (b - num_prompt, chip if a >= num_prompt else None)
+            for j in range(start, min(b - num_prompt, shown)):
+                pieces[j] = chip["label"] if j == start and a >= num_prompt else ""
+    return response_chips
+
+
+def _token_spans(
+    pieces: list[str],
+    columns: _Columns,
+    response_chips: dict[int, tuple[int, dict[str, Any] | None]],
+    *,
+    n: int,
+    step: Any,
+    special_ids: set[int],
+) -> list[dict[str, Any]]:
+    """The template's spans of the shown response: one per sampled token (version-coloured, with a
+    hover title and a marker where the version changes), one per observation run, one per image."""
+    mask, versions = columns.mask, columns.versions
     tokens: list[dict[str, Any]] = []
     prev_version = None
     skip_to = 0
-    for i in range(shown):
+    for i in range(len(pieces)):
         if i < skip_to:
             continue
         if i in response_chips:
@@ -442,48 +198,31 @@ def render_trajectory(
             if tokens and tokens[-1]["cls"] == "obs":
                 _extend_obs(tokens[-1], pieces[i], i)
             else:
-                tokens.append(
-                    {
-                        "text": pieces[i],
-                        "cls": "obs",
-                        "title": f"observation (mask 0) #{i}–#{i}",
-                        "marker": "",
-                        "parts": [],
-                    }
-                )
+                title = f"observation (mask 0) #{i}–#{i}"
+                tokens.append({"text": pieces[i], "cls": "obs", "title": title, "marker": "", "parts": []})
             continue
         v = int(versions[i])
         classes = [f"v{v % len(VERSION_COLORS)}"]
-        if ids[i] in special_ids:
+        if columns.ids[i] in special_ids:
             classes.append("special")
-        if in_call[i]:
+        if columns.in_call[i]:
             classes.append("call")
         marker = f"v{prev_version}→v{v}" if prev_version is not None and v != prev_version else ""
         prev_version = v
         lag = f" · lag {int(step) - v}" if isinstance(step, int | float) else ""
-        title = f"#{i} · id {ids[i]} · policy_version {v}{lag} · logprob {float(logprobs[i]):.3f}"
+        title = f"#{i} · id {columns.ids[i]} · policy_version {v}{lag} · logprob {float(columns.logprobs[i]):.3f}"
         tokens.append({"text": pieces[i], "cls": " ".join(classes), "title": title, "marker": marker, "parts": []})
+    return tokens
+
+
+def _calls_table(text: str) -> list[tuple[str, str]]:
+    """(tool call, tool response) pairs pulled out of the response text, in order."""
     calls = [_pretty(m.group(1)) for m in TOOL_CALL_RE.finditer(text)]
     responses = [m.group(1).strip() for m in TOOL_RESPONSE_RE.finditer(text)]
-    pairs = [
+    return [
         (calls[j] if j < len(calls) else "", responses[j] if j < len(responses) else "")
         for j in range(max(len(calls), len(responses)))
     ]
-    sampled_versions = sorted({int(v) for m, v in zip(mask[:n], versions[:n]) if m})
-    headline, facts = _headline_and_facts(
-        row, sampled_versions, aligned=len(ids) == len(mask) == len(versions) == len(logprobs)
-    )
-    return {
-        "headline": headline,
-        "facts": facts,
-        "calls": pairs,
-        "prompt": prompt,
-        "prompt_parts": prompt_parts,
-        "num_prompt_tokens": len(row.get("prompt_ids", [])),
-        "tokens": tokens,
-        "num_hidden": n - shown,
-        "versions": sampled_versions,
-    }
 
 
 def _extend_obs(token: dict[str, Any], text: str, last: int) -> None:

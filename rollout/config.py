@@ -24,7 +24,7 @@ class AgentConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    default_agent: str = "tool_agent"
+    default_agent: str = "tool_agent"  # the agent loop of a prompt whose record names none
     prompt_length: int = Field(512, gt=0)  # prompts longer than this are rejected (failed row)
     response_length: int = Field(512, gt=0)  # total budget over all turns, observations included
     max_tokens_per_turn: int = Field(256, gt=0)

@@ -372,6 +372,14 @@ class Trajectory:
             raise ValueError(f"trajectory {self.trajectory_id} has no AgentData snapshot")
         return AgentData.from_json(self.agent_data_json)
 
+    def next_attempt(self) -> Trajectory:
+        """This (partial) row as the next attempt of its trajectory: the same row, `attempt` + 1 in the
+        column and in its AgentData (which the new holder's rows copy, `AgentData.to_trajectory`)."""
+        data = self.agent_data()
+        attempt = max(self.attempt, data.attempt) + 1
+        data.attempt = attempt
+        return dataclasses.replace(self, attempt=attempt, agent_data_json=data.to_json())
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
@@ -391,7 +399,7 @@ class PromptRecord:
 
     group_id: str
     messages: list[dict[str, Any]]
-    agent_name: str = "tool_agent"
+    agent_name: str | None = None  # None: the run's `rollout.agent.default_agent`
     tools_kwargs: dict[str, Any] = field(default_factory=dict)
     ground_truth: str | None = None
     data_index: int = 0  # position in the dataset: the data cursor of resumable runs

@@ -29,9 +29,11 @@ import traceback
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 
+from streamrl.core import trace
 from streamrl.core.aio import gather_within
 from streamrl.rollout.agent_loop import AgentContext, get_agent_loop_cls
 from streamrl.rollout.engine.base import PauseMode
+from streamrl.rollout.gateway.loop import gateway_metrics
 from streamrl.rollout.types import AgentData, AgentState, FinishReason, RolloutOutcomes, Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ class RolloutWorker:
         self._states: dict[str, AgentData] = {}
         self._active: set[str] = set()  # holding a concurrency slot
         self._held: list[AgentData] = []  # submitted or parked while paused
+        self._parked_at: dict[str, float] = {}  # trajectory id -> wall time it parked (traced runs only)
         self._paused = False
         self._paused_epoch = -1  # newest sync epoch whose pause started here
         self._resumed_epoch = -1  # newest sync epoch whose resume was applied
@@ -107,6 +110,7 @@ class RolloutWorker:
             return True
         if data.state is not AgentState.PENDING:
             self.num_resumed += 1
+            self._trace_resumed(data)
         self._states[tid] = data
         self._tasks[tid] = asyncio.create_task(self._drive(data), name=tid)
         return True
@@ -114,9 +118,12 @@ class RolloutWorker:
     async def _drive(self, data: AgentData) -> None:
         tid = data.trajectory_id
         sinking = False
+        queued_at = time.time()
         try:
             async with self._slots:
+                trace.complete("queued", "trajectory", tid, queued_at, attempt=data.attempt, worker=self.worker_id)
                 self._active.add(tid)
+                data.agent_name = data.agent_name or self.ctx.cfg.default_agent
                 loop = get_agent_loop_cls(data.agent_name)(self.ctx)
                 try:
                     traj = await loop.run(data)
@@ -146,6 +153,8 @@ class RolloutWorker:
                 self._states.pop(tid, None)
         self._count(traj)
         if traj.status is TrajectoryStatus.PARTIAL:
+            if trace.enabled():
+                self._parked_at[tid] = time.time()
             self._park(data)  # the same record its partial row was made from (JSON only at the Arrow edge)
 
     async def _deliver(self, traj: Trajectory, max_errors: int = 5) -> None:
@@ -164,6 +173,15 @@ class RolloutWorker:
                     raise
             self.num_sink_retries += 1
             await asyncio.sleep(self.sink_retry_s * (2**errors))
+
+    def _trace_resumed(self, data: AgentData) -> None:
+        """The lifecycle trace: the `parked` span (from its partial row saved here to now) and the
+        `resumed` instant; a trajectory parked by another worker (that died) gets the instant only."""
+        tid = data.trajectory_id
+        parked_at = self._parked_at.pop(tid, None)
+        if parked_at is not None:
+            trace.complete("parked", "trajectory", tid, parked_at, attempt=data.attempt, worker=self.worker_id)
+        trace.instant("resumed", "trajectory", tid, attempt=data.attempt, worker=self.worker_id)
 
     def _record_error(self, tid: str, exc: BaseException) -> None:
         self.errors.append(f"{tid}: {exc!r}\n{traceback.format_exc(limit=3)}")
@@ -324,4 +342,5 @@ class RolloutWorker:
             "rollout/num_reprefill_tokens": c.num_reprefill_tokens,
             **self.ctx.server.stats().metrics(),
             **(self.ctx.tools.metrics() if self.ctx.tools is not None else {}),
+            **gateway_metrics(self.ctx),
         }

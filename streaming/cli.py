@@ -11,8 +11,11 @@ streamrl report RUN_DIR
 streamrl scale RUN_DIR --engines N | --preempt ENGINE_ID   (engines of a running train, streaming.elastic)
 streamrl staleness RUN_DIR                   (lags, version spans, length bias, reward by lag)
 streamrl staleness reweight RUN_DIR --checkpoint STEP [--correction SPEC ...] [--steps A:B] [--out DIR]
+streamrl trace RUN_DIR [--window A:B] [--out FILE]   (merge the lifecycle trace, print where the time went)
 streamrl buffer export DIR --parquet OUT
 streamrl buffer stats DIR
+streamrl plan --model 7B --gpus 256 --tool-latency p50=2s,p99=60s   (simulated split, busy, lag, throughput)
+streamrl calibrate RUN_DIR [RUN_DIR ...]     (fit the simulator to runs of this machine)
 """
 
 from __future__ import annotations
@@ -68,14 +71,6 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _scale(args: argparse.Namespace) -> int:
-    from streamrl.streaming.elastic import write_scale_request
-
-    request = write_scale_request(args.run_dir, engines=args.engines, preempt=args.preempt)
-    print(f"scale request {request.request_id} written; the run's driver applies it within a second or two")
-    return 0
-
-
 def _staleness(args: argparse.Namespace) -> int:
     if args.run_dir == "reweight":  # `staleness reweight ...` (a run dir named so: write ./reweight)
         from streamrl.streaming.reweight_cli import reweight_main
@@ -106,6 +101,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _add_train(sub)
+    _add_rollout_and_eval(sub)
+    report = sub.add_parser("report", help="write RUN_DIR/report.html (plots + trajectory viewer)")
+    report.add_argument("run_dir")
+    report.set_defaults(func=_report)
+
+    staleness = sub.add_parser(
+        "staleness",
+        help="RUN_DIR/staleness.{json,html} from the run's durable buffer; "
+        "`staleness reweight -h`: each correction on the logged batches under a checkpoint",
+    )
+    staleness.add_argument("run_dir", help="a run directory, or `reweight` followed by its arguments")
+    staleness.add_argument("reweight_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    staleness.set_defaults(func=_staleness)
+
+    from streamrl.buffer.cli import register
+
+    register(sub)  # `buffer stats DIR`, `buffer export DIR --parquet OUT`
+    from streamrl.observability.trace_cli import register as register_trace
+
+    register_trace(sub)  # `trace RUN_DIR [--window A:B] [--out FILE]`
+    from streamrl.sim.cli import register as register_sim
+
+    register_sim(sub)  # `plan --model 7B --gpus 256 ...`, `calibrate RUN_DIR ...`
+    from streamrl.streaming.elastic import register as register_scale
+
+    register_scale(sub)  # `scale RUN_DIR --engines N | --preempt ENGINE_ID`
+    return parser
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    """`streamrl train`: a run from a config, resumed, dry-run or replayed."""
     train = sub.add_parser("train", help="train (async by default; trainer.mode=sync for the baseline)")
     train.add_argument("--config", help="TOML run file (configs/*.toml)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a killed or finished run from its directory")
@@ -127,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.total_steps=10")
     train.set_defaults(func=_train)
 
+
+def _add_rollout_and_eval(sub: argparse._SubParsersAction) -> None:
+    """`streamrl rollout` (agent loops only) and `streamrl eval` (held-out evaluation of checkpoints)."""
     rollout = sub.add_parser("rollout", help="run agent loops only (evaluation), print and save trajectories")
     rollout.add_argument("--config", help="TOML run file")
     rollout.add_argument("--num-prompts", type=int, default=4)
@@ -154,30 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run directory, and config overrides, e.g. eval.num_prompts=128 eval.k=4",
     )
     evaluate.set_defaults(func=_eval)
-
-    report = sub.add_parser("report", help="write RUN_DIR/report.html (plots + trajectory viewer)")
-    report.add_argument("run_dir")
-    report.set_defaults(func=_report)
-
-    scale = sub.add_parser("scale", help="add, drain or preempt inference engines of a running `streamrl train`")
-    scale.add_argument("run_dir")
-    scale.add_argument("--engines", type=int, help="the number of engines wanted (new ones join at the next sync)")
-    scale.add_argument("--preempt", action="append", default=[], metavar="ENGINE_ID", help="drain this engine now")
-    scale.set_defaults(func=_scale)
-
-    staleness = sub.add_parser(
-        "staleness",
-        help="RUN_DIR/staleness.{json,html} from the run's durable buffer; "
-        "`staleness reweight -h`: each correction on the logged batches under a checkpoint",
-    )
-    staleness.add_argument("run_dir", help="a run directory, or `reweight` followed by its arguments")
-    staleness.add_argument("reweight_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    staleness.set_defaults(func=_staleness)
-
-    from streamrl.buffer.cli import register
-
-    register(sub)  # `buffer stats DIR`, `buffer export DIR --parquet OUT`
-    return parser
 
 
 def parse_argv(argv: list[str] | None = None) -> argparse.Namespace:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from streamrl.buffer.config import BufferConfig
 from streamrl.learner.config import LearnerConfig
 from streamrl.observability.metrics import WandbConfig
+from streamrl.observability.tracing import TraceConfig
 from streamrl.rollout.config import RolloutConfig
 from streamrl.weight_sync.config import BackendKind, WeightSyncConfig
 
@@ -150,6 +151,7 @@ class StreamRLConfig(BaseModel):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    trace: TraceConfig = Field(default_factory=TraceConfig)  # lifecycle trace (docs/trace.md)
 
     def with_model(self, model_path: str) -> StreamRLConfig:
         """This config with `model` set to the run's resolved folder (`streaming.sft.prepare_model`, the

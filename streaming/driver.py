@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 
-from streamrl.core import faults
+from streamrl.core import faults, trace
 from streamrl.streaming.elastic import scale_loop
 from streamrl.streaming.failures import check_failures
 from streamrl.streaming.pipeline import Pipeline
@@ -146,7 +146,13 @@ async def health_loop(pipeline: Pipeline) -> None:
         await asyncio.sleep(1.0)
 
 
+def start_trace(pipeline: Pipeline) -> None:
+    """This process's lifecycle trace (the actors find theirs from the run's config on their own)."""
+    trace.configure(pipeline.run_dir if pipeline.cfg.trace.enabled else None)
+
+
 async def run_async(pipeline: Pipeline) -> None:
+    start_trace(pipeline)
     tasks = [
         asyncio.create_task(admission_loop(pipeline), name="admission"),
         asyncio.create_task(learner_loop(pipeline), name="learner"),
@@ -170,6 +176,7 @@ async def run_sync(pipeline: Pipeline) -> None:
     """On-policy baseline: admit one generation round (one batch's groups, or
     `trainer.sync_generation_groups`), wait for a full batch (more rounds while the DAPO filter drops
     groups), train, publish, repeat."""
+    start_trace(pipeline)
     cfg = pipeline.cfg.trainer
     round_groups = max(cfg.sync_generation_groups, pipeline.groups_per_step)
     while pipeline.state.learner_step < cfg.total_steps:

@@ -290,4 +290,19 @@ async def _ignore_dead(call: Any) -> Any:
         return None
 
 
+def register(sub: Any) -> None:
+    """`streamrl scale RUN_DIR --engines N | --preempt ENGINE_ID` (a subparser of the CLI)."""
+    scale = sub.add_parser("scale", help="add, drain or preempt inference engines of a running `streamrl train`")
+    scale.add_argument("run_dir")
+    scale.add_argument("--engines", type=int, help="the number of engines wanted (new ones join at the next sync)")
+    scale.add_argument("--preempt", action="append", default=[], metavar="ENGINE_ID", help="drain this engine now")
+    scale.set_defaults(func=_scale_main)
+
+
+def _scale_main(args: Any) -> int:
+    request = write_scale_request(args.run_dir, engines=args.engines, preempt=args.preempt)
+    print(f"scale request {request.request_id} written; the run's driver applies it within a second or two")
+    return 0
+
+
 __all__ = ["EngineFleet", "ScaleRequest", "read_scale_request", "scale_loop", "write_scale_request"]

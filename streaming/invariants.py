@@ -9,7 +9,10 @@ accounting), version violations (I4: a trajectory whose versions decrease, or a 
 high-water mark the driver saved, or a sampled token labelled below 0: weights no sync published), tool
 side effects repeated (I5: when the run's tools keep a ledger at `RUN_DIR/tool_ledger.jsonl`
 (`rollout.tools.ledger`), a (trajectory, call id) with more than one line, or a finished trajectory
-with more ledger lines than tool calls).
+with more ledger lines than tool calls), gateway calls answered differently (exactly-once answers:
+when the run's gateway clients record what they were told at `RUN_DIR/answer_ledger.jsonl`
+(`workloads.answer_ledger`), a journal key whose clients got more than one distinct answer; also
+counted across attempts, a restarted program's repeats included).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class InvariantReport:
     version_violations: int = 0
     tool_calls_executed: int | None = None  # ledger lines; None: the run's tools keep no ledger
     tool_side_effects_repeated: int = 0
+    gateway_answers: dict | None = None  # the answer ledger's counts; None: no gateway clients recorded
+    gateway_answered_differently: int = 0
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -49,6 +54,7 @@ class InvariantReport:
             self.untracked or 0,
             self.version_violations,
             self.tool_side_effects_repeated,
+            self.gateway_answered_differently,
         )
         return not any(counts)
 
@@ -130,7 +136,22 @@ def check_run(run_dir: str | Path) -> InvariantReport:
         report.tool_side_effects_repeated = len(repeated) + len(over)
         report.problems += [f"tool call ran {per_call[k]} times: {k[0]} {k[1]}" for k in repeated]
         report.problems += [f"{t}: {n} ledger lines for {c} tool calls" for t, n, c in over]
+    _check_answers(report, RunDir(run_dir).answer_ledger)
     return report
+
+
+def _check_answers(report: InvariantReport, ledger: Path) -> None:
+    """Exactly-once answers: every answer a gateway client was given for one call is the same."""
+    if not ledger.exists():
+        return
+    from streamrl.workloads.answer_ledger import answer_report, read_answers
+
+    counts = answer_report(read_answers(ledger))
+    report.problems += counts.pop("problems")
+    report.gateway_answers = counts
+    report.gateway_answered_differently = max(
+        counts["answered_differently"], counts["answered_differently_across_attempts"]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

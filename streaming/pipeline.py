@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import ray
 
-from streamrl.core import faults
+from streamrl.core import faults, trace
 from streamrl.core.atomic import make_dirs
 from streamrl.core.run_dir import RunDir, write_json
 from streamrl.streaming import step_metrics
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from streamrl.buffer.types import BufferProgress
     from streamrl.observability.metrics import MetricsLogger
-    from streamrl.rollout.types import AgentData, Trajectory
+    from streamrl.rollout.types import AgentData
     from streamrl.streaming.actors.clients import BufferClient, LearnerClient, WorkerClient
     from streamrl.streaming.actors.engine import RayEngineClient
     from streamrl.streaming.failures import FailureWindow
@@ -146,6 +146,8 @@ class Pipeline:
         async with self._submit_lock:
             already = await self.buffer.has_group(group[0].group_id)
             if not already:
+                for d in group:
+                    trace.instant("admitted", "trajectory", d.trajectory_id, group_id=d.group_id, epoch=epoch)
                 await self.buffer.append_durable([d.to_trajectory(TrajectoryStatus.PARTIAL) for d in group])
                 self.state.num_admitted += len(group)
                 faults.hit("admit.after_append")
@@ -195,7 +197,8 @@ class Pipeline:
 
     async def train_step(self, batch_ref: ray.ObjectRef) -> dict[str, float]:
         t0 = time.monotonic()
-        trained = await self.learner.train_step(batch_ref)
+        with trace.span("train_step", "driver", "driver", learner_step=self.state.learner_step + 1):
+            trained = await self.learner.train_step(batch_ref)
         self.state.learner_step += 1
         self.num_nonfinite_in_row = self.num_nonfinite_in_row + 1 if trained.skipped_nonfinite else 0
         check_nonfinite_steps(self.num_nonfinite_in_row, self.cfg.learner.max_nonfinite_steps, self.state.learner_step)
@@ -206,7 +209,8 @@ class Pipeline:
 
     async def publish_weights(self) -> dict[str, float]:
         t0 = time.monotonic()
-        published = await self.learner.publish()
+        with trace.span("publish", "driver", "driver", learner_step=self.state.learner_step):
+            published = await self.learner.publish()
         metrics, self.state.policy_version = dict(published.metrics), published.policy_version
         self.dropped_engines = await self.learner.dropped_engines()
         metrics["sync/num_engines_excluded"] = float(len(self.dropped_engines))
@@ -322,7 +326,7 @@ class Pipeline:
             missing = [tid for tid in resumable if tid not in running]
             if not missing:
                 return 0
-            rows = [next_attempt(t) for t in await self.buffer.resumable(missing)]
+            rows = [t.next_attempt() for t in await self.buffer.resumable(missing)]
             if not rows:
                 return 0
             try:
@@ -485,15 +489,6 @@ def make_worker(pipeline: Pipeline, worker_id: str) -> WorkerClient:
         worker_id, pipeline.cfg, pipeline.model_path, handles, pipeline.buffer.handle, ids, pipeline.kept_out
     )
     return WorkerClient(handle, timeout_s=pipeline.timeout_s, timeouts=pipeline.cfg.trainer.actor_timeouts)
-
-
-def next_attempt(row: Trajectory) -> Trajectory:
-    """`row` (a partial row) as the next attempt of its trajectory: the same row, `attempt` + 1 in the
-    column and in its AgentData (which the new holder's rows copy, `AgentLoopBase.to_trajectory`)."""
-    data = row.agent_data()
-    attempt = max(row.attempt, data.attempt) + 1
-    data.attempt = attempt
-    return dataclasses.replace(row, attempt=attempt, agent_data_json=data.to_json())
 
 
 __all__ = ["Pipeline", "make_worker"]

@@ -74,7 +74,7 @@ def make_group(record: PromptRecord, epoch: int, group_size: int, interaction: s
             trajectory_id=f"{gid}/{i}",
             group_id=gid,
             sample_index=i,
-            agent_name=record.agent_name,
+            agent_name=record.agent_name or "",  # "": the worker runs the run's default_agent
             messages=[dict(m) for m in record.messages],
             tools_kwargs=dict(record.tools_kwargs),
             ground_truth=record.ground_truth,

@@ -138,26 +138,14 @@ def reweight(
     )
     from streamrl.learner.types import TrainBatch
     from streamrl.streaming.config import StreamRLConfig
-    from streamrl.streaming.replay import logged_batches
 
     run_dir = Path(run_dir)
-    if not RunDir(run_dir).run_info.exists():
-        raise ValueError(f"{run_dir} is not a streamrl run directory (no run_info.json)")
-    if not RunDir(run_dir).buffer.is_dir():
-        raise ValueError(f"{run_dir} has no buffer directory ({run_dir / 'buffer'}); nothing was logged")
+    _check_run_dir(run_dir)
     ckpt = find_checkpoint(run_dir, step)
     cfg = StreamRLConfig.model_validate(read_json(RunDir(run_dir).run_info)["config"])
     specs = list(corrections or DEFAULT_CORRECTIONS)
     configs = {spec: parse_correction(spec, cfg.learner.correction) for spec in specs}
-    lo, hi = parse_steps(steps)
-    batches = logged_batches(RunDir(run_dir).buffer)
-    if not batches:
-        raise ValueError(f"{run_dir}: the buffer records no consumed batches")
-    chosen = [b for b in batches if (lo is None or b[0] >= lo) and (hi is None or b[0] <= hi)]
-    if not chosen:
-        raise ValueError(
-            f"--steps {steps}: no logged step in range; logged steps are {batches[0][0]}..{batches[-1][0]}"
-        )
+    chosen = _chosen_batches(run_dir, steps)
     label = checkpoint_label(run_dir, ckpt)
     engine = _engine(cfg, ckpt)
     clip = ClipSettings(
@@ -207,6 +195,30 @@ def reweight(
     path.write_text(json.dumps(result, indent=2))
     (out_dir / "reweight.txt").write_text(table(result) + "\n")
     return result, path
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """A run directory with a buffer to replay, or ValueError saying what is missing."""
+    if not RunDir(run_dir).run_info.exists():
+        raise ValueError(f"{run_dir} is not a streamrl run directory (no run_info.json)")
+    if not RunDir(run_dir).buffer.is_dir():
+        raise ValueError(f"{run_dir} has no buffer directory ({run_dir / 'buffer'}); nothing was logged")
+
+
+def _chosen_batches(run_dir: Path, steps: str | None) -> list[tuple[int, Any, Any]]:
+    """The consumed batches the buffer logged, (learner_step, rows, lags) each, within `--steps`."""
+    from streamrl.streaming.replay import logged_batches
+
+    lo, hi = parse_steps(steps)
+    batches = logged_batches(RunDir(run_dir).buffer)
+    if not batches:
+        raise ValueError(f"{run_dir}: the buffer records no consumed batches")
+    chosen = [b for b in batches if (lo is None or b[0] >= lo) and (hi is None or b[0] <= hi)]
+    if not chosen:
+        raise ValueError(
+            f"--steps {steps}: no logged step in range; logged steps are {batches[0][0]}..{batches[-1][0]}"
+        )
+    return chosen
 
 
 def _bucket(k: int, num_buckets: int) -> str:

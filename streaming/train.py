@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -24,6 +25,9 @@ from streamrl.streaming.checkpoints import use_newest_complete
 from streamrl.streaming.config import StreamRLConfig, load_config
 from streamrl.streaming.driver_state import DriverState
 from streamrl.streaming.pipeline import Pipeline, make_worker
+
+if TYPE_CHECKING:
+    from streamrl.streaming.actors.clients import LearnerClient
 
 logger = logging.getLogger(__name__)
 
@@ -84,32 +88,23 @@ def open_run(
     return cfg, run_dir, None
 
 
-async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> Pipeline:
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from streamrl.core.memory import learner_runtime_env
+def _prepare_run(cfg: StreamRLConfig, run_dir: Path, resuming: bool) -> tuple[StreamRLConfig, list]:
+    """The run's config with its model resolved (once: `prepare_model`, or the path a resumed run
+    recorded) and its prompts; a new run records both in RUN_DIR/run_info.json (a resume refuses a
+    dataset changed under the run)."""
     from streamrl.observability.logs import log_dir
-    from streamrl.observability.metrics import MetricsLogger
     from streamrl.rollout.data import load_records
-    from streamrl.streaming.actors.buffer import create_buffer_actor
-    from streamrl.streaming.actors.clients import BufferClient, LearnerClient
-    from streamrl.streaming.actors.engine import RayEngineClient
-    from streamrl.streaming.actors.learner import LearnerActor, learner_actor_options
-    from streamrl.streaming.prompts import PromptStream
     from streamrl.streaming.resume import prompts_sha256
     from streamrl.streaming.sft import prepare_model
 
-    resuming = state is not None
-    from_ckpt = resuming and state.checkpoint is not None
     if resuming:
         model_path = read_json(RunDir(run_dir).run_info)["model_path"]
     else:  # conversion and SFT warm-up run in a child process: the driver never holds a model
         model_path = prepare_model(cfg, log_file=log_dir(run_dir) / "prepare_model.log")
     cfg = cfg.with_model(model_path)
     cfg.buffer.root_dir = str(RunDir(run_dir).buffer)
-    state = state or DriverState()
     records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
-    if not resuming:  # the prompts' fingerprint: a resume refuses a dataset changed under the run
+    if not resuming:
         info = {
             "run_name": run_dir.name,
             "model_path": model_path,
@@ -120,6 +115,39 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
             "num_prompts": len(records),
         }
         write_json(RunDir(run_dir).run_info, info, indent=2)
+    return cfg, records
+
+
+def _launch_learner(cfg: StreamRLConfig, checkpoint: str | None) -> LearnerClient:
+    """The learner actor (from `checkpoint` when resuming from one)."""
+    from streamrl.core.memory import learner_runtime_env
+    from streamrl.streaming.actors.clients import LearnerClient
+    from streamrl.streaming.actors.learner import LearnerActor, learner_actor_options
+
+    # Ray pins OMP_NUM_THREADS to an actor's num_cpus (1); the learner's matmuls want every core;
+    # glibc's allocator is configured so the learner's resident set stays flat across steps.
+    learner_env = {"env_vars": learner_runtime_env()}
+    # @ray.remote makes LearnerActor an ActorClass; pyrefly types the decorated name as the plain class
+    actor = LearnerActor.options(**learner_actor_options(cfg), runtime_env=learner_env)  # pyrefly: ignore[missing-attribute]
+    return LearnerClient(
+        actor.remote(cfg, checkpoint), timeout_s=cfg.trainer.step_timeout_s, timeouts=cfg.trainer.actor_timeouts
+    )
+
+
+async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> Pipeline:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from streamrl.observability.metrics import MetricsLogger
+    from streamrl.streaming.actors.buffer import create_buffer_actor
+    from streamrl.streaming.actors.clients import BufferClient
+    from streamrl.streaming.actors.engine import RayEngineClient
+    from streamrl.streaming.prompts import PromptStream
+
+    resuming = state is not None
+    from_ckpt = resuming and state.checkpoint is not None
+    cfg, records = _prepare_run(cfg, run_dir, resuming)
+    model_path = cfg.model
+    state = state or DriverState()
 
     timeout_s = cfg.trainer.step_timeout_s
     # the buffer's log lives in RUN_DIR: on the driver's node (or a shared filesystem in a cluster)
@@ -143,16 +171,7 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
         )
         for i in range(cfg.rollout.num_engines)
     ]
-    # Ray pins OMP_NUM_THREADS to an actor's num_cpus (1); the learner's matmuls want every core;
-    # glibc's allocator is configured so the learner's resident set stays flat across steps.
-    learner_env = {"env_vars": learner_runtime_env()}
-    # @ray.remote makes LearnerActor an ActorClass; pyrefly types the decorated name as the plain class
-    actor = LearnerActor.options(**learner_actor_options(cfg), runtime_env=learner_env)  # pyrefly: ignore[missing-attribute]
-    learner = LearnerClient(
-        actor.remote(cfg, state.checkpoint if from_ckpt else None),
-        timeout_s=timeout_s,
-        timeouts=cfg.trainer.actor_timeouts,
-    )
+    learner = _launch_learner(cfg, state.checkpoint if from_ckpt else None)
     stream = PromptStream(
         records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs, cursor=state.cursor
     )

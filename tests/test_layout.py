@@ -12,7 +12,18 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TOP = ("buffer", "core", "learner", "models", "observability", "rollout", "streaming", "weight_sync", "workloads")
+TOP = (
+    "buffer",
+    "core",
+    "learner",
+    "models",
+    "observability",
+    "rollout",
+    "sim",
+    "streaming",
+    "weight_sync",
+    "workloads",
+)
 BARE = re.compile(rf"^\s*(from|import) ({'|'.join(TOP)})(\.|\s|$)", re.M)
 
 
@@ -49,7 +60,18 @@ def test_the_namespace_imports_outside_the_checkout_and_the_bare_names_do_not(tm
 # Layers, bottom first: a package imports only itself and the packages before it. `core` is the
 # ground floor (primitives every package may use); `streaming` (the driver, the CLI, the Ray actors)
 # is the top and may import everything.
-LAYERS = ("core", "models", "rollout", "workloads", "buffer", "learner", "weight_sync", "observability", "streaming")
+LAYERS = (
+    "core",
+    "models",
+    "rollout",
+    "workloads",
+    "buffer",
+    "learner",
+    "weight_sync",
+    "observability",
+    "sim",
+    "streaming",
+)
 # What a library package may use of another library package: its interface, not a primitive that
 # happens to live there (primitives belong in `core`). `streaming` is not listed: it wires everything.
 INTERFACES = {
@@ -67,6 +89,9 @@ INTERFACES = {
     ("weight_sync", "rollout"): {"rollout.engine.base", "rollout.engine.vllm_compat"},  # the engines it updates
     ("observability", "rollout"): {"rollout.types"},
     ("observability", "buffer"): {"buffer.types", "buffer.images", "buffer.log"},  # the report reads buffers
+    # the simulator decides with the buffer's own admission, group and batching code, and reads run buffers
+    ("sim", "buffer"): {"buffer.admission", "buffer.config", "buffer.groups", "buffer.sampling", "buffer.cli"},
+    ("sim", "rollout"): {"rollout.types"},  # the row statuses it feeds the group table
 }
 
 

@@ -43,9 +43,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from streamrl.core import trace
 from streamrl.rollout.engine.base import NoHealthyEngineError, PauseMode
 from streamrl.weight_sync.config import WeightSyncConfig
 from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, make_transport, rpc_all
@@ -172,12 +173,12 @@ class WeightSyncCoordinator:
         self._epoch = epoch = max(self._epoch + 1, time.time_ns())  # fresh and increasing across coordinators
         result = SyncResult(ok=False, policy_version=self.policy_version, engine_ids=[e.engine_id for e in engines])
         drops: dict[str, str] = {}
-        started = time.monotonic()
+        started, wall = time.monotonic(), {"sync": time.time()}  # wall: the lifecycle trace's clock
         paused_at: float | None = None  # set once the pause was sent: from then on, resume in `finally`
         try:
             if self.config.overlap:  # stage while serving: generation goes on until the commit
                 await self._stage(engines, tensors, target, result)
-            paused_at = time.monotonic()
+            paused_at, wall["paused"] = time.monotonic(), time.time()
             result.pause_s = await _timed(self._pause(engines, epoch), timeouts.pause, "pause")
             if not self.config.overlap:
                 await self._stage(engines, tensors, target, result)
@@ -192,7 +193,7 @@ class WeightSyncCoordinator:
             result.error, result.failed_phase = str(exc), exc.phase
             logger.error("%s; engines keep serving policy_version %d", exc, self.policy_version)
         finally:
-            t0 = time.monotonic()
+            t0, wall["resume"] = time.monotonic(), time.time()
             try:
                 if paused_at is not None:
                     drops |= await self._resume_engines(engines, epoch)
@@ -208,6 +209,7 @@ class WeightSyncCoordinator:
                 if not result.ok:  # staged copies never serve, so this waits until generation runs again
                     await self._rollback([e for e in engines if e.engine_id not in drops])
                 result.total_s = time.monotonic() - started
+                _trace_sync(wall, result, target)
         if result.ok:
             logger.info(
                 "synced policy_version %d: %d bytes, transfer %.3fs load %.3fs, engines paused %.3fs (overlap %s)",
@@ -224,20 +226,23 @@ class WeightSyncCoordinator:
         self, engines: Sequence[SyncEngine], tensors: list[tuple[str, torch.Tensor]], target: int, result: SyncResult
     ) -> None:
         """Transfer into every engine's staging copy, then check every checksum (raises WeightSyncError)."""
-        t0 = time.monotonic()
-        outcome = await self.transport.send(engines, tensors, target)
-        result.transfer_s = time.monotonic() - t0
-        result.num_bytes = outcome.manifest.num_bytes
-        t0 = time.monotonic()
-        if self.config.verify_checksum:
-            _verify(outcome, [e.engine_id for e in engines])
-        result.verify_s = time.monotonic() - t0
+        with trace.span("stage", "sync", "sync", policy_version=target) as span:
+            t0 = time.monotonic()
+            outcome = await self.transport.send(engines, tensors, target)
+            result.transfer_s = time.monotonic() - t0
+            result.num_bytes = outcome.manifest.num_bytes
+            span.set(bytes=result.num_bytes)
+            t0 = time.monotonic()
+            if self.config.verify_checksum:
+                _verify(outcome, [e.engine_id for e in engines])
+            result.verify_s = time.monotonic() - t0
 
     async def _pause(self, engines: Sequence[SyncEngine], epoch: int) -> None:
         mode = self.config.pause_mode
-        if mode is PauseMode.ABORT and self.workers is not None:
-            await self.workers.pause(epoch=epoch)
-        outcomes = await asyncio.gather(*(e.pause(mode, epoch=epoch) for e in engines), return_exceptions=True)
+        with trace.span("pause", "sync", "sync", mode=str(mode.value), engines=len(engines)):
+            if mode is PauseMode.ABORT and self.workers is not None:
+                await self.workers.pause(epoch=epoch)
+            outcomes = await asyncio.gather(*(e.pause(mode, epoch=epoch) for e in engines), return_exceptions=True)
         for engine, outcome in zip(engines, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 raise WeightSyncError("pause", f"engine {engine.engine_id}: {outcome!r}") from outcome
@@ -245,7 +250,8 @@ class WeightSyncCoordinator:
     async def _commit(self, engines: Sequence[SyncEngine], target: int, epoch: int) -> dict[str, str]:
         """Commit everywhere, re-commit once where that failed; returns {engine_id: why} of engines that
         still do not serve `target` (they get dropped)."""
-        failed = await self._commit_round(engines, target, epoch)
+        with trace.span("commit", "sync", "sync", policy_version=target, engines=len(engines)):
+            failed = await self._commit_round(engines, target, epoch)
         if not failed:
             return {}
         logger.warning("commit of policy_version %d failed on %s; re-committing there", target, failed)
@@ -260,15 +266,7 @@ class WeightSyncCoordinator:
 
     async def _commit_round(self, engines: Sequence[SyncEngine], target: int, epoch: int) -> dict[str, str]:
         timeout_s = self.config.timeouts.load
-        outcomes = await asyncio.gather(
-            *(asyncio.wait_for(e.commit_weights(target, epoch=epoch, timeout_s=timeout_s), timeout_s) for e in engines),
-            return_exceptions=True,
-        )
-        return {
-            e.engine_id: _describe(o, timeout_s)
-            for e, o in zip(engines, outcomes, strict=True)
-            if isinstance(o, BaseException)
-        }
+        return await _failures(engines, lambda e: e.commit_weights(target, epoch=epoch, timeout_s=timeout_s), timeout_s)
 
     async def _rollback(self, engines: Sequence[SyncEngine]) -> None:
         """Drop staged weights and the (possibly broken) group; best effort, bounded."""
@@ -281,15 +279,9 @@ class WeightSyncCoordinator:
     async def _resume_engines(self, engines: Sequence[SyncEngine], epoch: int) -> dict[str, str]:
         """Resume every engine of this sync (bounded, all attempted); returns {engine_id: why} of those
         that did not answer: dead or wedged."""
-        timeout_s = self.config.timeouts.resume
-        outcomes = await asyncio.gather(
-            *(asyncio.wait_for(e.resume(epoch=epoch), timeout_s) for e in engines), return_exceptions=True
+        return await _failures(
+            engines, lambda e: e.resume(epoch=epoch), self.config.timeouts.resume, prefix="resume failed: "
         )
-        return {
-            e.engine_id: f"resume failed: {_describe(o, timeout_s)}"
-            for e, o in zip(engines, outcomes, strict=True)
-            if isinstance(o, BaseException)
-        }
 
     async def _resume_workers(self, epoch: int) -> None:
         """After the engines, so that parked loops find them serving."""
@@ -302,15 +294,9 @@ class WeightSyncCoordinator:
 
     async def _probe(self, engines: Sequence[SyncEngine], when: str) -> dict[str, str]:
         """One bounded ping per engine; returns {engine_id: why} of those that did not answer."""
-        timeout_s = self.config.timeouts.probe
-        outcomes = await asyncio.gather(
-            *(asyncio.wait_for(e.ping(), timeout_s) for e in engines), return_exceptions=True
+        return await _failures(
+            engines, lambda e: e.ping(), self.config.timeouts.probe, prefix=f"no answer to a ping {when}: "
         )
-        return {
-            e.engine_id: f"no answer to a ping {when}: {_describe(o, timeout_s)}"
-            for e, o in zip(engines, outcomes, strict=True)
-            if isinstance(o, BaseException)
-        }
 
     def _drop(self, engine_id: str, why: str) -> None:
         self.dropped[engine_id] = why
@@ -352,6 +338,15 @@ class WeightSyncCoordinator:
         await self.transport.close(self.engines)
 
 
+def _trace_sync(wall: dict[str, float], result: SyncResult, target: int) -> None:
+    """The lifecycle trace of one sync attempt: the resume, the engines' paused span (pause sent to
+    resume done: the generation time the sync cost) and the whole sync."""
+    if "paused" in wall:
+        trace.complete("resume", "sync", "sync", wall["resume"], policy_version=target)
+        trace.complete("paused", "sync", "sync", wall["paused"], policy_version=target)
+    trace.complete("sync", "sync", "sync", wall["sync"], policy_version=target, ok=result.ok, bytes=result.num_bytes)
+
+
 async def _timed(coro, timeout_s: float, phase: str) -> float:
     started = time.monotonic()
     try:
@@ -367,6 +362,23 @@ async def _timed(coro, timeout_s: float, phase: str) -> float:
 
 def _describe(exc: BaseException, timeout_s: float) -> str:
     return f"no answer within {timeout_s:.1f}s" if isinstance(exc, TimeoutError) else repr(exc)
+
+
+async def _failures(
+    engines: Sequence[SyncEngine],
+    call: Callable[[SyncEngine], Awaitable[object]],
+    timeout_s: float,
+    *,
+    prefix: str = "",
+) -> dict[str, str]:
+    """`call` on every engine at once, each bounded by `timeout_s` (all attempted, none cancels the
+    others); returns {engine_id: prefix + why} of those that raised or did not answer."""
+    outcomes = await asyncio.gather(*(asyncio.wait_for(call(e), timeout_s) for e in engines), return_exceptions=True)
+    return {
+        e.engine_id: prefix + _describe(o, timeout_s)
+        for e, o in zip(engines, outcomes, strict=True)
+        if isinstance(o, BaseException)
+    }
 
 
 def _verify(outcome: TransferOutcome, engine_ids: Sequence[str]) -> None:

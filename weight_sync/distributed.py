@@ -37,6 +37,8 @@ from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncErro
 if TYPE_CHECKING:
     import torch
 
+    from streamrl.weight_sync.transport import NamedTensors
+
 logger = logging.getLogger(__name__)
 
 CorruptHook = Callable[[int, "torch.Tensor"], None]  # (bucket_index, flat buffer) -> mutate in place
@@ -59,12 +61,7 @@ class DistributedTransport(WeightTransport):
         return self._group is not None
 
     async def _send(
-        self,
-        engines: Sequence[SyncEngine],
-        tensors: list[tuple[str, torch.Tensor]],
-        policy_version: int,
-        *,
-        timeout_s: float,
+        self, engines: Sequence[SyncEngine], tensors: NamedTensors, policy_version: int, *, timeout_s: float
     ) -> TransferOutcome:
         backend = resolve_backend(self.config.backend, tensors[0][1].device)
         group = await self._ensure_group(engines, backend)

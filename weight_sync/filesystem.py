@@ -25,6 +25,8 @@ from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncErro
 if TYPE_CHECKING:
     import torch
 
+    from streamrl.weight_sync.transport import NamedTensors
+
 logger = logging.getLogger(__name__)
 
 _VERSION_DIR = re.compile(r"^v(\d+)$")
@@ -35,12 +37,7 @@ class FilesystemTransport(WeightTransport):
         return Path(self.config.fs_dir) / f"v{policy_version}"
 
     async def _send(
-        self,
-        engines: Sequence[SyncEngine],
-        tensors: list[tuple[str, torch.Tensor]],
-        policy_version: int,
-        *,
-        timeout_s: float,
+        self, engines: Sequence[SyncEngine], tensors: NamedTensors, policy_version: int, *, timeout_s: float
     ) -> TransferOutcome:
         try:
             manifest, folder = await asyncio.wait_for(

@@ -22,6 +22,8 @@ from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncErro
 if TYPE_CHECKING:
     import torch
 
+    NamedTensors = list[tuple[str, torch.Tensor]]  # what a transport moves, in the learner's order
+
 
 @runtime_checkable
 class SyncEngine(Protocol):
@@ -68,12 +70,7 @@ class WeightTransport(abc.ABC):
 
     @abc.abstractmethod
     async def _send(
-        self,
-        engines: Sequence[SyncEngine],
-        tensors: list[tuple[str, torch.Tensor]],
-        policy_version: int,
-        *,
-        timeout_s: float,
+        self, engines: Sequence[SyncEngine], tensors: NamedTensors, policy_version: int, *, timeout_s: float
     ) -> TransferOutcome:
         """The transport's own `send`: `tensors` is not empty and the whole transfer has `timeout_s`."""
 

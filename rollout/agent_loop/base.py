@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from streamrl.core import trace
 from streamrl.core.registry import Registry
 from streamrl.rollout.agent_loop.image_prompt import (
     admit_images,
@@ -38,7 +39,7 @@ from streamrl.rollout.agent_loop.image_prompt import (
 from streamrl.rollout.agent_loop.observation import ObservationEncoder
 from streamrl.rollout.agent_loop.scoring import call_reward_fn, finite, reward_input
 from streamrl.rollout.config import AgentConfig
-from streamrl.rollout.engine.base import SamplingParams
+from streamrl.rollout.engine.base import GenerationOutput, SamplingParams
 from streamrl.rollout.types import (
     AgentData,
     AgentState,
@@ -238,7 +239,7 @@ class AgentLoopBase(abc.ABC):
         prompt = data.prompt_ids + data.response_ids
         if data.num_interrupts and len(data.response_ids) > data.turn_start:
             self.ctx.counters.num_reprefill_tokens += len(prompt)
-        t0 = time.monotonic()
+        t0, started = time.monotonic(), time.time()
         self.ctx.num_in_engine += 1
         gen = asyncio.ensure_future(
             self.ctx.server.generate(data.trajectory_id, data.request_id, prompt, sampling, **image_kw)
@@ -258,6 +259,8 @@ class AgentLoopBase(abc.ABC):
         data.engine_id = engine_id
         data.append_sampled(output.token_ids, output.logprobs, output.policy_versions)
         self.ctx.counters.num_generated_tokens += len(output.token_ids)
+        if trace.enabled():
+            trace_generate(data, started, engine_id, output)
         if output.aborted:
             raise Parked()
         return output.finish_reason
@@ -311,3 +314,20 @@ class AgentLoopBase(abc.ABC):
     def terminate(self, data: AgentData, reason: FinishReason) -> None:
         data.state = AgentState.TERMINATED
         data.finish_reason = reason
+
+
+def trace_generate(data: AgentData, started: float, engine_id: str, output: GenerationOutput) -> None:
+    """The lifecycle trace's `generate` span: which engine, which policy versions, how many tokens."""
+    versions = output.policy_versions
+    trace.complete(
+        "generate",
+        "trajectory",
+        data.trajectory_id,
+        started,
+        attempt=data.attempt,
+        engine=engine_id,
+        tokens=len(output.token_ids),
+        min_version=min(versions) if versions else None,
+        max_version=max(versions) if versions else None,
+        aborted=output.aborted,
+    )

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 
+from streamrl.core import faults, trace
 from streamrl.rollout.agent_loop.base import AgentLoopBase, Parked, register
 from streamrl.rollout.agent_loop.image_observation import cap_tool_images, reply_content, tool_message
 from streamrl.rollout.agent_loop.scoring import finite
@@ -175,9 +176,13 @@ class ToolAgentLoop(AgentLoopBase):
             if entry.call_id in turn and entry.status is ToolCallStatus.INTENT:
                 (to_run if entry.call_id in fresh or tools.is_idempotent(entry.name) else lost).append(entry)
         t0 = time.monotonic()
-        results = await tools.run_calls(
-            [e.call() for e in to_run], self.instance_ids, timeout_s=cfg.tool_timeout_s, images=self.ctx.response_images
-        )
+        with trace.span("tool", "trajectory", data.trajectory_id, attempt=data.attempt, calls=len(to_run)):
+            results = await tools.run_calls(
+                [e.call() for e in to_run],
+                self.instance_ids,
+                timeout_s=cfg.tool_timeout_s,
+                images=self.ctx.response_images,
+            )
         data.tool_s += time.monotonic() - t0
         # From here to the state change there is no await: results, journal, observation and its
         # images land together (only `to_run` results carry images, in call order).
@@ -223,13 +228,15 @@ class ToolAgentLoop(AgentLoopBase):
         )
         if self.ctx.snapshot is not None and any(not tools.is_idempotent(c.name) for c in intents):
             await self.ctx.snapshot(data.model_copy(deep=True))
+            faults.hit("tool.before_run")  # the intents are durable, no tool has run
         return {c.call_id for c in intents}
 
     async def handle_interacting(self, data: AgentData) -> None:
         interaction = self._interaction(data)
-        should_stop, reply, score, _ = await interaction.generate_response(
-            data.interaction_instance_id, data.messages, ground_truth=data.ground_truth
-        )
+        with trace.span("interaction", "trajectory", data.trajectory_id, attempt=data.attempt):
+            should_stop, reply, score, _ = await interaction.generate_response(
+                data.interaction_instance_id, data.messages, ground_truth=data.ground_truth
+            )
         data.turn_scores.append(finite(f"the turn score of interaction {data.interaction_name}", score))
         data.num_user_turns += 1
         if should_stop:

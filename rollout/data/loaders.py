@@ -206,8 +206,8 @@ def _record(row: Any, index: int, source: str) -> tuple[PromptRecord, bool]:
     truth = row.get("ground_truth")
     if truth is None:
         truth = _nested(row, where, "reward_model", "ground_truth")
-    agent_name = row.get("agent_name") or "tool_agent"
-    if not isinstance(agent_name, str):
+    agent_name = row.get("agent_name") or None  # None (or NaN, absent): the run's default_agent
+    if agent_name is not None and not isinstance(agent_name, str):
         raise ValueError(f"{where}: field 'agent_name' must be a string")
     id_value = next((row[c] for c in _ID_COLUMNS if row.get(c) is not None), None)
     group_id = str(id_value) if id_value is not None else messages_hash(messages)

@@ -268,13 +268,36 @@ def _retrieve(task: asyncio.Task[None]) -> None:
         task.exception()
 
 
+def check_request(
+    engine_id: str,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    *,
+    in_flight: bool,
+    max_model_len: int,
+) -> int:
+    """Validate a request for an engine (`in_flight`: its id is already running there); returns the
+    token budget clipped to the model length."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids must not be empty")
+    if in_flight:
+        raise ValueError(f"request_id {request_id!r} is already in flight on engine {engine_id}")
+    if sampling.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under max_model_len={max_model_len}")
+    return min(sampling.max_tokens, room)
+
+
 class InferenceEngine(abc.ABC):
     """One inference engine (one vLLM instance, possibly tensor-parallel inside)."""
 
     engine_id: str
     policy_version: int
+    counters: EngineCounters
 
-    @abc.abstractmethod
     async def generate(
         self,
         request_id: str,
@@ -284,7 +307,23 @@ class InferenceEngine(abc.ABC):
         images: list[ImageInput] | None = None,
     ) -> GenerationOutput:
         """Sample a continuation of `prompt_ids` (expanded ids; `images` in placeholder order, one per
-        placeholder run); returns early with finish_reason "abort" on abort."""
+        placeholder run); returns early with finish_reason "abort" on abort.
+
+        Every engine accounts a request the same way, so the accounting lives here: busy time while
+        `_generate` runs, token and abort counts once it returns."""
+        self.counters.clock.enter()
+        try:
+            output = await self._generate(request_id, prompt_ids, sampling, list(images or []))
+        finally:
+            self.counters.clock.exit()
+        self.counters.record(output, len(prompt_ids))
+        return output
+
+    @abc.abstractmethod
+    async def _generate(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, images: list[ImageInput]
+    ) -> GenerationOutput:
+        """The engine's own sampling behind `generate` (`images` already a list)."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -313,8 +352,9 @@ class InferenceEngine(abc.ABC):
     async def load_weights_from_path(self, path: str, policy_version: int) -> None:
         """Load a HF/safetensors folder in place (filesystem weight path) and set the version."""
 
-    @abc.abstractmethod
-    def stats(self) -> EngineStats: ...
+    def stats(self) -> EngineStats:
+        """What this engine (or this client of one) has counted so far."""
+        return self.counters.stats(self.engine_id, self.policy_version)
 
     async def set_policy_version(self, policy_version: int) -> None:
         """Relabel without loading (tests and manual use; weight_sync labels inside `commit_weights`)."""

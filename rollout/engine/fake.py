@@ -26,7 +26,6 @@ from typing import Any
 
 from streamrl.rollout.engine.base import (
     EngineCounters,
-    EngineStats,
     GenerationOutput,
     ImageInput,
     InferenceEngine,
@@ -92,15 +91,9 @@ class FakeEngine(InferenceEngine):
         completion = self.script[self._num_calls % len(self.script)]
         return list(completion)
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        images: list[ImageInput] | None = None,
+    async def _generate(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, images: list[ImageInput]
     ) -> GenerationOutput:
-        images = list(images or [])
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         num_runs = None if self.image_token_id is None else count_image_runs(prompt_ids, self.image_token_id)
@@ -125,7 +118,6 @@ class FakeEngine(InferenceEngine):
         logprobs: list[float] = []
         versions: list[int] = []
         finish_reason = "stop"
-        self.counters.clock.enter()
         try:
             await self._wait_running(aborted)  # submitted while paused: wait for resume
             for token in completion:
@@ -146,11 +138,7 @@ class FakeEngine(InferenceEngine):
                 if len(token_ids) >= sampling.max_tokens:
                     finish_reason = "length"
         finally:
-            self.counters.clock.exit()
             del self._abort_flags[request_id]
-        self.counters.num_generated_tokens += len(token_ids)
-        self.counters.num_prompt_tokens += len(prompt_ids)
-        self.counters.num_aborted += finish_reason == "abort"
         return GenerationOutput(
             token_ids=token_ids,
             logprobs=logprobs,
@@ -231,9 +219,6 @@ class FakeEngine(InferenceEngine):
         if isinstance(result, Awaitable):
             result = await asyncio.wait_for(result, timeout)
         return [result]
-
-    def stats(self) -> EngineStats:
-        return self.counters.stats(self.engine_id, self.policy_version)
 
     async def shutdown(self) -> None:
         for request_id in list(self._abort_flags):

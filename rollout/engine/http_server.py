@@ -35,7 +35,6 @@ from typing import Any
 
 from streamrl.rollout.engine.base import (
     EngineCounters,
-    EngineStats,
     GenerationOutput,
     ImageInput,
     InferenceEngine,
@@ -43,6 +42,7 @@ from streamrl.rollout.engine.base import (
     PromptMismatchError,
     SamplingParams,
     SyncFence,
+    check_request,
 )
 from streamrl.rollout.engine.config import EngineConfig
 from streamrl.rollout.engine.server_api import SGLangServerAPI, server_api
@@ -108,39 +108,26 @@ class ServerEngine(InferenceEngine):
 
     # -- generation -------------------------------------------------------------------------------
 
-    def _check_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int:
-        """Validate a request; returns the token budget clipped to the model length."""
-        if not prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in flight on engine {self.engine_id}")
-        if sampling.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
-        room = self.cfg.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens leaves no room under max_model_len={self.cfg.max_model_len}"
-            )
-        return min(sampling.max_tokens, room)
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        images: list[ImageInput] | None = None,
+    async def _generate(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, images: list[ImageInput]
     ) -> GenerationOutput:
+        """Stream one completion from the server (the base class's `generate` accounts for it)."""
         if images:
             raise ValueError(f"engine {self.engine_id} ({self.cfg.backend}) serves text only; got {len(images)} images")
         self._fence.check_serving()
-        max_tokens = self._check_request(request_id, prompt_ids, sampling)
+        max_tokens = check_request(
+            self.engine_id,
+            request_id,
+            prompt_ids,
+            sampling,
+            in_flight=request_id in self._requests,
+            max_model_len=self.cfg.max_model_len,
+        )
         path, body = self.api.generate_request(
             request_id, list(prompt_ids), sampling, max_tokens, f"v{self.policy_version}"
         )
         state = _InFlight()
         self._requests[request_id] = state
-        self.counters.clock.enter()
         state.task = asyncio.ensure_future(self._stream(request_id, path, body, state, len(prompt_ids)))
         try:
             await asyncio.wait({state.task})
@@ -148,21 +135,17 @@ class ServerEngine(InferenceEngine):
             state.stop()
             raise
         finally:
-            self.counters.clock.exit()
             del self._requests[request_id]
         if not state.task.cancelled():
             state.task.result()  # raises what the stream raised
-        finish_reason = state.finish_reason or ABORT  # cancelled by abort, or the stream ended early
-        output = GenerationOutput(
+        return GenerationOutput(
             token_ids=state.token_ids,
             logprobs=state.logprobs,
             policy_versions=state.versions,
-            finish_reason=finish_reason,
+            finish_reason=state.finish_reason or ABORT,  # cancelled by abort, or the stream ended early
             num_prompt_tokens=len(prompt_ids),
             num_cached_tokens=state.num_cached,
         )
-        self.counters.record(output, len(prompt_ids))
-        return output
 
     async def _stream(
         self, request_id: str, path: str, body: dict[str, Any], state: _InFlight, num_prompt: int
@@ -297,9 +280,6 @@ class ServerEngine(InferenceEngine):
         if response.status_code != 200:
             raise ServerRequestError(f"{self.url}{path} answered {response.status_code}: {response.text[:2000]}")
         return response.json() if response.content else None
-
-    def stats(self) -> EngineStats:
-        return self.counters.stats(self.engine_id, self.policy_version)
 
     async def shutdown(self) -> None:
         for state in list(self._requests.values()):

@@ -38,14 +38,12 @@ from typing import TYPE_CHECKING, Any, cast
 from streamrl.models.multimodal import collapse_image_tokens
 from streamrl.rollout.engine.base import (
     EngineCounters,
-    EngineStats,
     GenerationOutput,
-    ImageInput,
     InferenceEngine,
     PauseMode,
     PromptMismatchError,
-    SamplingParams,
     SyncFence,
+    check_request,
 )
 from streamrl.rollout.engine.config import EngineConfig
 from streamrl.rollout.images import decode_image
@@ -56,6 +54,8 @@ if TYPE_CHECKING:
     from vllm.v1.engine import PauseMode as VLLMPauseMode
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.core_client import AsyncMPClient
+
+    from streamrl.rollout.engine.base import ImageInput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -162,21 +162,6 @@ class VLLMEngine(InferenceEngine):
             skip_special_tokens=False,
         )
 
-    def _check_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> int:
-        """Validate a request; returns the token budget clipped to the model length."""
-        if not prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in flight on engine {self.engine_id}")
-        if sampling.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
-        room = self.cfg.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens leaves no room under max_model_len={self.cfg.max_model_len}"
-            )
-        return min(sampling.max_tokens, room)
-
     def _tokens_prompt(self, prompt_ids: list[int], images: list[ImageInput]) -> TokensPrompt:
         """The vLLM prompt: the ids as they are for text, collapsed placeholders + PIL images otherwise."""
         from vllm.inputs import TokensPrompt
@@ -218,18 +203,19 @@ class VLLMEngine(InferenceEngine):
                 "The image placeholder expansion of the caller and of vLLM disagree."
             )
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        images: list[ImageInput] | None = None,
+    async def _generate(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, images: list[ImageInput]
     ) -> GenerationOutput:
         self._fence.check_serving()
-        max_tokens = self._check_request(request_id, prompt_ids, sampling)
+        max_tokens = check_request(
+            self.engine_id,
+            request_id,
+            prompt_ids,
+            sampling,
+            in_flight=request_id in self._requests,
+            max_model_len=self.cfg.max_model_len,
+        )
         params = self._vllm_sampling(sampling, max_tokens)  # raises ValueError on bad sampling values
-        images = list(images or [])
         prompt = self._tokens_prompt(prompt_ids, images)
         checked_prompt = False
         state = _InFlight()
@@ -238,7 +224,6 @@ class VLLMEngine(InferenceEngine):
         versions: list[int] = []
         finish_reason: str | None = None
         num_cached = 0
-        self.counters.clock.enter()
         stream = self._llm.generate(prompt, params, request_id)
         try:
             async for out in stream:
@@ -264,14 +249,9 @@ class VLLMEngine(InferenceEngine):
                     break
         finally:
             await stream.aclose()  # no-op when finished; aborts inside vLLM when we stopped early
-            self.counters.clock.exit()
             del self._requests[request_id]
         if finish_reason is None:  # stream ended without a final chunk (engine-side abort)
             finish_reason = ABORT
-        if finish_reason == ABORT:
-            self.counters.num_aborted += 1
-        self.counters.num_generated_tokens += len(state.token_ids)
-        self.counters.num_prompt_tokens += len(prompt_ids)
         return GenerationOutput(
             token_ids=state.token_ids,
             logprobs=logprobs,
@@ -388,9 +368,6 @@ class VLLMEngine(InferenceEngine):
     @property
     def paused(self) -> bool:
         return self._paused
-
-    def stats(self) -> EngineStats:
-        return self.counters.stats(self.engine_id, self.policy_version)
 
     async def shutdown(self) -> None:
         for request_id in list(self._requests):

@@ -71,6 +71,12 @@ async def close_gateway(ctx: Any) -> None:
         await entry[1].stop()
 
 
+def gateway_metrics(ctx: Any) -> dict[str, float]:
+    """The `rollout/gateway/*` counters of the context's server ({} until a gateway loop started it)."""
+    entry = _SERVERS.get(id(ctx))
+    return entry[1].metrics() if entry is not None and entry[0] is ctx else {}
+
+
 def sample_of(data: AgentData, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """What the program is given about its sample (JSON-able)."""
     return {

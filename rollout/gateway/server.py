@@ -27,6 +27,7 @@ import logging
 import math
 import secrets
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,11 +38,24 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from streamrl.rollout.gateway import protocol
 from streamrl.rollout.gateway.config import GatewayConfig
 from streamrl.rollout.gateway.protocol import GatewayError
-from streamrl.rollout.gateway.session import Session, call_key
+from streamrl.rollout.gateway.session import CallStats, Session, call_key
 
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 2.0  # `stop` lets calls in flight finish this long, then cancels them
+
+
+# The counters of `GatewayServer.metrics` (`rollout/gateway/<name>`, declared in core/catalogue.py).
+COUNTERS = (
+    "num_requests",  # API calls received
+    "num_errors",  # answered with an error status
+    "num_sampled",  # answered by sampling
+    "num_retries_answered",  # a retry answered from this attempt's journal (nothing sampled)
+    "num_replayed",  # a restarted program's call answered from an earlier attempt's journal
+    "num_forks",  # calls that rewrote the history (the session forked)
+    "num_calls_across_sync",  # calls whose generation a weight sync parked or interrupted
+    "overhead_sum_s",  # seconds the sampled calls spent in the gateway outside the engine
+)
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -60,8 +74,7 @@ class GatewayServer:
         self.api_key = cfg.api_key or secrets.token_urlsafe(24)
         self.sessions: dict[str, Session] = {}
         self.port: int | None = None
-        self.num_requests = 0
-        self.num_errors = 0
+        self.counts = dict.fromkeys(COUNTERS, 0.0)  # totals since start (the driver takes increments)
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
         self.app = build_app(self)
@@ -114,12 +127,32 @@ class GatewayServer:
         if self.sessions.get(session.session_id) is session:
             del self.sessions[session.session_id]
 
+    @property
+    def num_requests(self) -> int:
+        return int(self.counts["num_requests"])
+
+    @property
+    def num_errors(self) -> int:
+        return int(self.counts["num_errors"])
+
     def metrics(self) -> dict[str, float]:
+        """`rollout/gateway/*` (core/catalogue.py): the open sessions and the counters since start."""
         return {
             "rollout/gateway/num_sessions": float(len(self.sessions)),
-            "rollout/gateway/num_requests": float(self.num_requests),
-            "rollout/gateway/num_errors": float(self.num_errors),
+            **{f"rollout/gateway/{name}": value for name, value in self.counts.items()},
         }
+
+    def account(self, stats: CallStats, elapsed_s: float) -> None:
+        """Count one answered call. Its overhead is the handler's time outside the engine (parsing,
+        rendering, the journal's durable snapshot, the response), for sampled calls only."""
+        c = self.counts
+        c["num_sampled"] += stats.sampled
+        c["num_retries_answered"] += stats.journal == "retry"
+        c["num_replayed"] += stats.journal == "replay"
+        c["num_forks"] += stats.forked
+        c["num_calls_across_sync"] += stats.synced
+        if stats.sampled:
+            c["overhead_sum_s"] += max(elapsed_s - stats.engine_s, 0.0)
 
     # ---- request handling ---------------------------------------------------------------------
 
@@ -158,8 +191,9 @@ class GatewayServer:
             raise protocol.bad_request(f"the body is not valid JSON: {exc}") from None
 
     async def chat(self, api: str, request: Request, session_id: str, attempt: int) -> Response:
-        self.num_requests += 1
-        stream, include_usage = False, False
+        started = time.perf_counter()
+        self.counts["num_requests"] += 1
+        stream, include_usage, stats = False, False, CallStats()
         try:
             self.authorize(request)
             session = self.session(session_id, attempt)
@@ -170,14 +204,16 @@ class GatewayServer:
                 call = protocol.parse_openai(body, max_choices=self.cfg.max_choices)
             stream, include_usage = call.stream, call.include_usage
             key, body_sha = call_key(session.session_id, session.attempt, request.url.path.rsplit("/v1/", 1)[-1], body)
-            response = await session.complete(call, key, body_sha)
+            response = await session.complete(call, key, body_sha, stats)
         except GatewayError as err:
             return self.error(api, err)
         except Exception as exc:  # a bug or a broken engine: the client may retry
             logger.exception("gateway call failed")
             return self.error(api, GatewayError(500, f"internal error: {type(exc).__name__}: {exc}"))
         if not stream:
-            return JSONResponse(response)
+            reply: Response = JSONResponse(response)
+            self.account(stats, time.perf_counter() - started)
+            return reply
         events = (
             protocol.anthropic_events(response)
             if api == "anthropic"
@@ -188,10 +224,11 @@ class GatewayServer:
             for event in events:
                 yield event
 
+        self.account(stats, time.perf_counter() - started)
         return StreamingResponse(send(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
     def error(self, api: str, err: GatewayError) -> JSONResponse:
-        self.num_errors += 1
+        self.counts["num_errors"] += 1
         retry = "true" if err.status in protocol.RETRYABLE else "false"
         return JSONResponse(protocol.error_body(api, err), status_code=err.status, headers={"x-should-retry": retry})
 

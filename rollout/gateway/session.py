@@ -44,11 +44,14 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, Field
 
+from streamrl.core.faults import ahit
 from streamrl.rollout.engine.base import SamplingParams
 from streamrl.rollout.gateway import protocol
 from streamrl.rollout.gateway.config import GatewayConfig
@@ -123,6 +126,30 @@ def _sha(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
+@dataclass
+class CallStats:
+    """What answering one call took (filled by `Session.complete`, summed by the server's counters)."""
+
+    sampled: bool = False  # answered by sampling (not from the journal)
+    journal: str | None = None  # "retry": this attempt's journal answered it; "replay": an earlier attempt's
+    forked: bool = False  # the call rewrote the history: the session forked
+    synced: bool = False  # a weight sync parked or interrupted its generation
+    engine_s: float = 0.0  # seconds with a generation of the call in the engine or parked for a sync
+
+    _active: int = 0  # generations of the call running now (n > 1 runs them side by side)
+    _since: float = 0.0
+
+    def enter(self) -> None:
+        if self._active == 0:
+            self._since = time.perf_counter()
+        self._active += 1
+
+    def leave(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self.engine_s += time.perf_counter() - self._since
+
+
 class SessionFailed(RuntimeError):
     """The session cannot answer any more (its journal could not be made durable)."""
 
@@ -141,6 +168,7 @@ class Session:
             self.state = GatewayState.model_validate(data.gateway)
         self.lock = asyncio.Lock()
         self.failed: BaseException | None = None
+        self.stats = CallStats()  # of the call being answered (calls of one session answer one at a time)
 
     @property
     def session_id(self) -> str:
@@ -161,47 +189,77 @@ class Session:
         for entry in self.state.journal:
             if entry.key == key:
                 self.state.num_retries_answered += 1
+                self.stats.journal = "retry"
                 return entry.response
         for entry in self.state.journal:
             if entry.body_sha == body_sha and entry.attempt < self.state.attempt:
                 self.state.num_replayed += 1
+                self.stats.journal = "replay"
                 self.state.journal.append(entry.model_copy(update={"key": key, "attempt": self.state.attempt}))
                 return entry.response
         return None
 
-    async def complete(self, call: ChatCall, key: str, body_sha: str) -> dict[str, Any]:
+    async def complete(self, call: ChatCall, key: str, body_sha: str, stats: CallStats | None = None) -> dict[str, Any]:
         """Answer `call`: from the journal when it was answered before, else sample, journal (durably)
-        and return the response object of the call's API."""
+        and return the response object of the call's API. `stats` receives what answering it took."""
         async with self.lock:
+            self.stats = stats if stats is not None else CallStats()
             if self.failed is not None:
                 raise GatewayError(500, f"session failed: {self.failed!r}")
             answer = self.lookup(key, body_sha)
             if answer is not None:
                 return answer
-            prompt = self._place(call)
-            choices = await asyncio.gather(*(self._sample(call, prompt, i) for i in range(call.n)))
-            if call.api == "anthropic":
-                response = protocol.anthropic_message(f"msg_{key[:24]}", call.model, choices[0], len(prompt))
-            else:
-                response = protocol.openai_completion(
-                    f"chatcmpl-{key[:24]}", call.model, choices, len(prompt), logprobs=call.logprobs
-                )
-            self.state.branches = [
-                Branch(message=c.message(), token_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions)
-                for c in choices
-            ]
-            self.state.num_calls += 1
-            self.state.journal.append(
-                JournalEntry(key=key, body_sha=body_sha, attempt=self.state.attempt, api=call.api, response=response)
-            )
-            self.save()
-            if self.cfg.durable_journal and self.ctx.snapshot is not None:
-                try:
-                    await self.ctx.snapshot(self.data.model_copy(deep=True))
-                except Exception as exc:  # not durable: this answer must never be sent
-                    self.failed = exc
-                    raise GatewayError(500, f"the session's journal could not be made durable: {exc!r}") from exc
+            before = (self.data.model_copy(deep=True), self.state.model_copy(deep=True))
+            try:
+                response = await self._answer(call, key, body_sha)
+            except BaseException:
+                if self.failed is None:  # the call left no trace: its retry is placed like a first try
+                    self._restore(*before)
+                raise
+            await ahit("gateway.before_answer")  # a fresh answer only: a crash here is one call of progress
             return response
+
+    def _restore(self, data: AgentData, state: GatewayState) -> None:
+        """Put the record and the state back as they were before a call that failed (an engine
+        error, a refused budget, a raise): without this its retry would find the record already
+        extended by the call's own messages and fork. `length_exceeded` stays: the loop reads it."""
+        length_exceeded = self.state.length_exceeded
+        for name in AgentData.model_fields:
+            setattr(self.data, name, getattr(data, name))
+        for name in GatewayState.model_fields:
+            setattr(self.state, name, getattr(state, name))
+        self.state.length_exceeded = length_exceeded
+
+    async def _answer(self, call: ChatCall, key: str, body_sha: str) -> dict[str, Any]:
+        """Sample the call on the record, journal it and make the journal durable."""
+        forks = self.state.num_forks
+        prompt = self._place(call)
+        self.stats.forked = self.state.num_forks > forks
+        self.stats.sampled = True
+        choices = await asyncio.gather(*(self._sample(call, prompt, i) for i in range(call.n)))
+        await ahit("gateway.before_journal")
+        if call.api == "anthropic":
+            response = protocol.anthropic_message(f"msg_{key[:24]}", call.model, choices[0], len(prompt))
+        else:
+            response = protocol.openai_completion(
+                f"chatcmpl-{key[:24]}", call.model, choices, len(prompt), logprobs=call.logprobs
+            )
+        self.state.branches = [
+            Branch(message=c.message(), token_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions)
+            for c in choices
+        ]
+        self.state.num_calls += 1
+        self.state.journal.append(
+            JournalEntry(key=key, body_sha=body_sha, attempt=self.state.attempt, api=call.api, response=response)
+        )
+        self.save()
+        if self.cfg.durable_journal and self.ctx.snapshot is not None:
+            try:
+                await self.ctx.snapshot(self.data.model_copy(deep=True))
+            except Exception as exc:  # not durable: this answer must never be sent
+                self.failed = exc
+                raise GatewayError(500, f"the session's journal could not be made durable: {exc!r}") from exc
+        return response
 
     # ---- the token record ---------------------------------------------------------------------
 
@@ -363,12 +421,22 @@ class Session:
     ) -> tuple[list[int], list[float], list[int], str]:
         """Sample up to `max_tokens` after `prompt` through the worker's engines, parking in place
         while the cancel Event is set (see the module doc). `sampling(n)` builds the params for n tokens."""
+        self.stats.enter()
+        try:
+            return await self._generate(prompt, sampling, max_tokens)
+        finally:
+            self.stats.leave()
+
+    async def _generate(
+        self, prompt: list[int], sampling: Any, max_tokens: int
+    ) -> tuple[list[int], list[float], list[int], str]:
         ctx = self.ctx
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
         while True:
             while ctx.cancel.is_set():  # a weight sync is under way: send nothing until it is over
+                self.stats.synced = True
                 await asyncio.sleep(PARK_POLL_S)
             left = max_tokens - len(tokens)
             if left <= 0:
@@ -397,6 +465,7 @@ class Session:
             if not output.aborted:
                 return tokens, logprobs, versions, output.finish_reason
             self.state.num_interrupts += 1
+            self.stats.synced = True
             ctx.counters.num_interrupts += 1
             ctx.counters.num_reprefill_tokens += len(prompt) + len(tokens)
             if not ctx.cancel.is_set():  # aborted by the engine itself (paused without us): retry shortly

@@ -172,19 +172,11 @@ class CalculatorTool(BaseTool, Generic[ConfigT]):
 
     @classmethod
     def default_schema(cls) -> OpenAIFunctionToolSchema:
-        return OpenAIFunctionToolSchema.model_validate(
-            {
-                "type": "function",
-                "function": {
-                    "name": "calculator",
-                    "description": "Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
-                    "parameters": {
-                        "type": "object",
-                        "properties": {"expression": {"type": "string", "description": "e.g. 37 + 5 * 12 - (8 / 2)"}},
-                        "required": ["expression"],
-                    },
-                },
-            }
+        return OpenAIFunctionToolSchema.one_string_argument(
+            "calculator",
+            "Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
+            "expression",
+            "e.g. 37 + 5 * 12 - (8 / 2)",
         )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -217,22 +217,14 @@ class CodeInterpreterTool(BaseTool):
 
     @classmethod
     def default_schema(cls) -> OpenAIFunctionToolSchema:
-        return OpenAIFunctionToolSchema.model_validate(
-            {
-                "type": "function",
-                "function": {
-                    "name": "code_interpreter",
-                    "description": (
-                        "Run Python code in a stateful sandbox (variables persist between calls; no network). "
-                        "Printed output is returned, and the value of a final expression is shown."
-                    ),
-                    "parameters": {
-                        "type": "object",
-                        "properties": {"code": {"type": "string", "description": "Python code to run"}},
-                        "required": ["code"],
-                    },
-                },
-            }
+        return OpenAIFunctionToolSchema.one_string_argument(
+            "code_interpreter",
+            (
+                "Run Python code in a stateful sandbox (variables persist between calls; no network). "
+                "Printed output is returned, and the value of a final expression is shown."
+            ),
+            "code",
+            "Python code to run",
         )
 
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> str:

@@ -67,5 +67,25 @@ class OpenAIFunctionToolSchema(BaseModel):
         """Plain dict for chat templates and `validate_call` (unset optional keys dropped)."""
         return self.model_dump(exclude_none=True)
 
+    @classmethod
+    def one_string_argument(
+        cls, name: str, description: str, argument: str, argument_description: str
+    ) -> OpenAIFunctionToolSchema:
+        """A function of one required string argument (the shape of the built-in tools)."""
+        return cls.model_validate(
+            {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "description": description,
+                    "parameters": {
+                        "type": "object",
+                        "properties": {argument: {"type": "string", "description": argument_description}},
+                        "required": [argument],
+                    },
+                },
+            }
+        )
+
     def with_name(self, name: str) -> OpenAIFunctionToolSchema:
         return self.model_copy(update={"function": self.function.model_copy(update={"name": name})})

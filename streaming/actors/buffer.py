@@ -38,6 +38,7 @@ from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.schema import normalize_batch, trajectories_to_batch
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.buffer.types import BufferProgress, ImageBlob, SampledBatch
+from streamrl.core import trace
 from streamrl.rollout.types import Trajectory, TrajectoryStatus
 
 if TYPE_CHECKING:
@@ -108,6 +109,8 @@ class BufferActor:
                     self.num_backpressure_timeouts += 1
                     return False
         self.buffer.append(batch, images=images, durable=durable)
+        if trace.enabled():
+            _trace_appended(batch, durable)
         await self._notify_changed()
         return True
 
@@ -121,6 +124,9 @@ class BufferActor:
     async def sample(self, served_version: int, learner_step: int) -> SampledBatch | None:
         self._check_flusher()
         out = self.buffer.sample(served_version=served_version, learner_step=learner_step)
+        if out is not None and trace.enabled():
+            for tid, lag in zip(out.trajectory_ids, out.lags.tolist()):
+                trace.instant("sampled", "trajectory", tid, learner_step=learner_step, lag=lag)
         async with self._room:
             self._room.notify_all()
         await self._notify_changed()
@@ -199,6 +205,23 @@ class BufferActor:
         if self._flusher is not None:
             self._flusher.cancel()
         self.buffer.close()
+
+
+def _trace_appended(batch: pa.RecordBatch, durable: bool) -> None:
+    """The lifecycle trace's `appended` instants: one per row, with its status and attempt."""
+    columns = ("trajectory_id", "status", "attempt", "min_policy_version", "max_policy_version")
+    rows = zip(*(batch.column(c).to_pylist() for c in columns))
+    for tid, status, attempt, lo, hi in rows:
+        trace.instant(
+            "appended",
+            "trajectory",
+            tid,
+            status=status,
+            attempt=attempt,
+            min_version=lo,
+            max_version=hi,
+            durable=durable,
+        )
 
 
 def create_buffer_actor(

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from streamrl.core import trace
 from streamrl.rollout.engine.base import (
     EngineCounters,
     EngineStats,
@@ -63,6 +65,9 @@ class EngineActor:
         # of a finished request cannot hit a later request reusing its id.
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._started_ids: OrderedDict[str, None] = OrderedDict()
+        self._in_flight = 0  # generate calls running: the lifecycle trace's `busy` spans
+        self._busy_since = 0.0
+        self._busy_requests = 0
 
     async def start(self) -> str:
         """Build the engine (idempotent; concurrent callers share one build). Returns the device."""
@@ -93,7 +98,23 @@ class EngineActor:
             return GenerationOutput(
                 token_ids=[], logprobs=[], policy_versions=[], finish_reason="abort", num_prompt_tokens=len(prompt_ids)
             )
-        return await engine.generate(request_id, prompt_ids, sampling, images=images)
+        self._request_started()
+        try:
+            return await engine.generate(request_id, prompt_ids, sampling, images=images)
+        finally:
+            self._request_ended()
+
+    def _request_started(self) -> None:
+        if self._in_flight == 0:
+            self._busy_since, self._busy_requests = time.time(), 0
+        self._in_flight += 1
+        self._busy_requests += 1
+
+    def _request_ended(self) -> None:
+        """A busy span ends when the last request in flight ends (the engine had work throughout)."""
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            trace.complete("busy", "engine", self._engine_id, self._busy_since, requests=self._busy_requests)
 
     async def abort(self, request_id: str) -> None:
         engine = await self._ready()
@@ -236,29 +257,17 @@ class RayEngineClient(InferenceEngine):
             )
         return await asyncio.shield(self._started)
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        images: list[ImageInput] | None = None,
+    async def _generate(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, images: list[ImageInput]
     ) -> GenerationOutput:
-        self.counters.clock.enter()
         try:  # image bytes travel in the call (~tens of KB each)
-            output: GenerationOutput = await self._call(
-                "generate", request_id, list(prompt_ids), sampling, images or None
-            )
+            return await self._call("generate", request_id, list(prompt_ids), sampling, images or None)
         except TimeoutError:
             try:  # don't leave the request running on the actor; keep the timeout as the error
                 await self._call("abort", request_id, timeout=30.0)
             except Exception as exc:  # fault boundary: the actor may be wedged or dead
                 logger.warning("engine %s: abort after timeout failed: %s", self.engine_id, exc)
             raise
-        finally:
-            self.counters.clock.exit()
-        self.counters.record(output, len(prompt_ids))
-        return output
 
     async def abort(self, request_id: str) -> None:
         await self._call("abort", request_id)
@@ -297,9 +306,6 @@ class RayEngineClient(InferenceEngine):
 
     async def remote_stats(self) -> EngineStats:
         return await self._call("stats")
-
-    def stats(self) -> EngineStats:
-        return self.counters.stats(self.engine_id, self.policy_version)
 
     async def shutdown(self) -> None:
         """Shut the engine down and end the actor process."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from streamrl.core import trace
 from streamrl.rollout.types import Trajectory
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.weight_sync.publisher import Published
@@ -93,7 +94,11 @@ class LearnerActor:
 
         t0 = time.monotonic()
         padded = sampled.to_padded()
-        result = await self.learner.train_step(padded)
+        step = sampled.learner_step
+        with trace.span("train_step", "learner", "learner", learner_step=step, trajectories=sampled.num_trajectories):
+            result = await self.learner.train_step(padded)
+        for tid in sampled.trajectory_ids if trace.enabled() else ():
+            trace.instant("trained", "trajectory", tid, learner_step=step, skipped=result.skipped_nonfinite)
         self.weights_changed |= not result.skipped_nonfinite
         metrics = dict(result.metrics)
         self.busy_s += time.monotonic() - t0
@@ -140,7 +145,9 @@ class LearnerActor:
         assert self.served_version is not None, "connect() first"
         if not self.weights_changed:
             return Published(policy_version=self.served_version, metrics={})
-        published = await self.learner.publish()
+        with trace.span("publish", "learner", "learner", learner_version=self.learner.policy_version) as s:
+            published = await self.learner.publish()
+            s.set(policy_version=published.policy_version)
         self.served_version = published.policy_version
         # a failed sync, or one that sent older weights (weight_sync.publish_lag), leaves newer ones to send
         self.weights_changed = published.policy_version < self.learner.policy_version

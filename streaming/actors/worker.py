@@ -101,7 +101,7 @@ class RolloutWorkerActor:
             server.mark_unhealthy(engine_id, reason="kept out by the driver")
         self.engine_cfg = cfg.rollout.engine
         ctx = build_agent_context(cfg, model_path, server)
-        ctx.snapshot = self._snapshot  # I5: tool intents are durable before the tools run
+        ctx.snapshot = self._snapshot  # I5: tool intents (and the gateway's answers) are durable first
         ctx.fetch_images = self._fetch_images
         if ctx.tools is not None:
             from streamrl.core.faults import hit
@@ -130,8 +130,9 @@ class RolloutWorkerActor:
         return accepted
 
     async def _snapshot(self, data: Any) -> None:
-        """Make a trajectory's journaled tool intents durable (a partial row flushed to the buffer's
-        log) before its tools run. Raising fails the trajectory; the tool never runs."""
+        """Make a trajectory's state durable (a partial row flushed to the buffer's log): its journaled
+        tool intents before the tools run, or the gateway's journaled answer before it is sent.
+        Raising fails the trajectory; the tool never runs, the answer is never sent."""
         from streamrl.rollout.types import TrajectoryStatus
 
         ctx = self.worker.ctx
@@ -139,10 +140,7 @@ class RolloutWorkerActor:
         images = image_blobs(ctx.images, row)
         ok = await self.buffer.append_rows([row], wait_s=self.append_timeout_s, durable=True, images=images)
         if not ok:
-            raise RuntimeError(f"tool-intent snapshot of {data.trajectory_id} was not made durable")
-        from streamrl.core.faults import hit
-
-        hit("tool.before_run")
+            raise RuntimeError(f"snapshot of {data.trajectory_id} was not made durable")
 
     async def _fetch_images(self, sha256s: list[str]) -> list[bytes]:
         """Bytes of images this worker lacks (a parked trajectory resumed here), from the buffer."""
@@ -214,6 +212,9 @@ class RolloutWorkerActor:
         return self.worker.outcomes()
 
     async def shutdown(self) -> None:
+        from streamrl.rollout.gateway.loop import close_gateway
+
         await self.worker.shutdown()
+        await close_gateway(self.worker.ctx)  # the gateway server its `gateway` loops started, if any
         if self.worker.ctx.tools is not None:
             self.worker.ctx.tools.close()  # MCP servers this worker started

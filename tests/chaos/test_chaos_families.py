@@ -51,6 +51,7 @@ def test_a_segment_stopped_by_an_io_fault_is_recognised_and_counted(tmp_path, mo
     def fake_segment(args, env, log, timeout_s, kill_after_s=None):
         calls.append((args, env.get(chaos.IO_FAULTS_ENV)))
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / "run_info.json").touch()  # the run started (the next segment resumes it)
         if len(calls) == 1:
             (run_dir / "logs" / "BufferActor-1.log").write_text(
                 "WARNING streamrl.core.iofaults: I/O fault injected: write call #0 on log traj: short\n"

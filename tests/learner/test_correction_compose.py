@@ -25,14 +25,9 @@ from streamrl.learner.correction import (
 LN2, LN3 = math.log(2.0), math.log(3.0)
 
 
-def _legacy_correction(
-    prox_logp: torch.Tensor,  # [B, T] log π_prox (no grad)
-    behav_logp: torch.Tensor,  # [B, T] log π_behav
-    lag: torch.Tensor,  # [B, T] int, 0 where mask is 0
-    mask: torch.Tensor,  # [B, T] loss mask
-    cfg: CorrectionConfig,
-) -> CorrectionTerms:
-    """`staleness_correction` as it was before corrections composed (commit 56ddd13), the oracle."""
+def _legacy_correction(prox_logp, behav_logp, lag, mask, cfg: CorrectionConfig) -> CorrectionTerms:
+    """`staleness_correction` as it was before corrections composed (commit 56ddd13), the oracle;
+    same arguments ([B, T] tensors and the config)."""
     prox_logp = prox_logp.detach().to(torch.float32)
     behav_logp = behav_logp.to(torch.float32)
     valid = mask != 0

@@ -217,27 +217,17 @@ def test_image_rows_are_checked_against_their_placeholders(processor):
 @pytest.mark.timeout(300)
 def test_policy_logprobs_match_vllm(vlm_path, processor, policy):
     """The step-4 contract: vLLM's sampled-token log-probs on an image prompt == PolicyModel's."""
-    from tests.fixtures.vllm import _vllm_import_error
+    from tests.fixtures.vllm import skip_without_vllm, tiny_vlm_llm
 
-    reason = _vllm_import_error()
-    if reason is not None:
-        pytest.skip(reason)
-    from vllm import LLM, SamplingParams
+    skip_without_vllm()
+    from vllm import SamplingParams
 
     from streamrl.learner.vision import image_vision_inputs
     from streamrl.models.multimodal import render_image_chat
 
     img = _image((220, 40, 40))
     chat = render_image_chat(processor, _chat([img]))
-    llm = LLM(
-        model=str(vlm_path),
-        dtype="float32",
-        max_model_len=512,
-        max_num_seqs=2,
-        enforce_eager=True,
-        limit_mm_per_prompt={"image": 1},
-        seed=0,
-    )
+    llm = tiny_vlm_llm(vlm_path, max_images=1)
     try:
         params = SamplingParams(max_tokens=8, temperature=1.0, logprobs=0, seed=0, ignore_eos=True)
         (out,) = llm.generate(chat.vllm_prompt(), params, use_tqdm=False)

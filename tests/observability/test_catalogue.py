@@ -14,7 +14,7 @@ from streamrl.core.catalogue import PLACEHOLDERS, Reduction
 from streamrl.streaming.step_metrics import rollout_interval_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("streaming", "observability", "rollout", "buffer", "learner", "weight_sync")
+PACKAGES = ("streaming", "observability", "rollout", "buffer", "learner", "weight_sync", "sim")
 NAMESPACES = "rollout|learner|buffer|staleness|engine|sync|memory|is|length|time|metrics|invariants"
 # A complete key in a plain string literal (f-strings and prefixes such as "memory/" are not keys).
 KEY_LITERAL = re.compile(rf'(?<![fFrRbB\w])"((?:{NAMESPACES})/[\w/.+-]*[a-zA-Z0-9+])"')

@@ -15,7 +15,8 @@ from streamrl.core.versions import lag_fractions, lag_histogram
 from streamrl.observability.metrics import MetricsLogger, RunInfo, summarize
 from streamrl.observability.report import load_run, write_report
 from streamrl.observability.report_figures import busy_fractions, per_step, resume_points, union_length
-from streamrl.observability.report_viewer import FastTokenizerFile, decode_pieces, load_tokenizer, pick_samples
+from streamrl.observability.report_tokens import FastTokenizerFile, decode_pieces, load_tokenizer
+from streamrl.observability.report_viewer import pick_samples
 from streamrl.rollout.types import Trajectory
 
 CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call><|im_end|>'

@@ -17,7 +17,7 @@ from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.buffer.types import ImageBlob
 from streamrl.observability.report import write_report
-from streamrl.observability.report_viewer import ImageTokens, image_spans
+from streamrl.observability.report_tokens import ImageTokens, image_spans
 from streamrl.rollout.images import ImageStore, encode_png
 from tests.observability.report_images_helpers import (
     OBS_TEXT,

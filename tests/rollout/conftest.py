@@ -37,23 +37,11 @@ def hf_vlm(vlm_path):
 @pytest_asyncio.fixture(scope="package", loop_scope="session")
 async def vlm_engine(vlm_path):
     """The project's `VLLMEngine` on the tiny VLM (in process, up to 2 images per prompt)."""
-    from tests.fixtures.vllm import _vllm_import_error
-
-    reason = _vllm_import_error()
-    if reason is not None:
-        pytest.skip(reason)
-    from streamrl.rollout.engine.config import EngineConfig
     from streamrl.rollout.engine.vllm_engine import VLLMEngine
+    from tests.fixtures.vllm import cpu_engine_config, skip_without_vllm
 
-    cfg = EngineConfig(
-        model="tiny-vlm",
-        device="cpu",
-        max_model_len=512,
-        max_num_seqs=4,
-        kv_cache_space_gb=1,
-        max_images_per_prompt=2,
-        in_process=True,
-    )
+    skip_without_vllm()
+    cfg = cpu_engine_config("tiny-vlm", max_model_len=512, max_num_seqs=4, max_images_per_prompt=2)
     engine = VLLMEngine(cfg, "vlm-rollout")
     yield engine
     await engine.shutdown()

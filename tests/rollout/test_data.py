@@ -48,7 +48,7 @@ def test_flat_jsonl_with_ids_and_defaults(tmp_path):
     assert first.messages == MSGS and first.tools_kwargs == {"calculator": {"create_kwargs": {"ground_truth": "4"}}}
     assert (second.group_id, second.agent_name, second.ground_truth, second.tools_kwargs) == (
         "b",
-        "tool_agent",
+        None,  # none named: the run's rollout.agent.default_agent
         "2",
         {},
     )

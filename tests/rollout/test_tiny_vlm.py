@@ -31,22 +31,10 @@ def _chat(img) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def vlm_llm(vlm_path):
-    from tests.fixtures.vllm import _vllm_import_error
+    from tests.fixtures.vllm import skip_without_vllm, tiny_vlm_llm
 
-    reason = _vllm_import_error()
-    if reason is not None:
-        pytest.skip(reason)
-    from vllm import LLM
-
-    llm = LLM(
-        model=str(vlm_path),
-        dtype="float32",
-        max_model_len=512,
-        max_num_seqs=2,
-        enforce_eager=True,
-        limit_mm_per_prompt={"image": 2},
-        seed=0,
-    )
+    skip_without_vllm()
+    llm = tiny_vlm_llm(vlm_path, max_images=2)
     yield llm
     del llm
     gc.collect()

@@ -77,7 +77,7 @@ def check_records(records: list[PromptRecord]) -> None:
         assert record.tools_kwargs == row["extra_info"]["tools_kwargs"]
         assert record.interaction_kwargs == row["extra_info"]["interaction_kwargs"]
         assert type(record.extra_info["index"]) is int and record.extra_info["need_tools_kwargs"] is True
-    assert [r.agent_name for r in records] == ["tool_agent", "tool_agent", "single_turn_agent"]
+    assert [r.agent_name for r in records] == [None, "tool_agent", "single_turn_agent"]
     assert "search" not in records[0].tools_kwargs and "name" not in records[0].interaction_kwargs
     assert records[2].interaction_kwargs["name"] == "gsm8k" and records[2].tools_kwargs["search"] == {
         "create_kwargs": {"top_k": 3}

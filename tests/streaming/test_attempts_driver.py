@@ -13,8 +13,14 @@ import pytest
 
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.rollout.types import AgentData, FinishReason, Trajectory, TrajectoryStatus
-from streamrl.streaming.driver import run_async
-from tests.streaming.test_driver_loops import TIMEOUT_S, FakeWorker, _check_admission, _check_batches, _pipeline
+from tests.streaming.test_driver_loops import (
+    TIMEOUT_S,
+    FakeWorker,
+    _check_admission,
+    _check_batches,
+    _pipeline,
+    _run_to_end,
+)
 
 STALE_REWARD = 99.0  # what the dead worker's late finish would train if it were accepted
 
@@ -88,12 +94,8 @@ async def test_a_dead_workers_late_appends_are_refused_and_the_resubmitted_attem
                     await victim.late_append(row.trajectory_id)
 
     buffer.append_durable = fencing_then_late
-    try:
-        with caplog.at_level(logging.WARNING, logger="streamrl.buffer.groups"):
-            await asyncio.wait_for(run_async(pipeline), TIMEOUT_S)
-            accounting = await pipeline.write_accounting()
-    finally:
-        pipeline.metrics.close()
+    with caplog.at_level(logging.WARNING, logger="streamrl.buffer.groups"):
+        accounting = await _run_to_end(pipeline)
     lost = victim.lost
     assert len(lost) >= 2, "the victim ran nothing when it was killed: the test proves nothing"
     assert pipeline.num_worker_replacements == 1 and pipeline.state.learner_step == 8

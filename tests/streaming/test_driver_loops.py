@@ -299,6 +299,16 @@ def _pipeline(tmp_path: Path, *overrides: str, num_workers: int = 2) -> tuple[Pi
     return pipeline, buffer, learner
 
 
+async def _run_to_end(pipeline: Pipeline) -> dict:
+    """Run the async loops to the end of training (bounded) and write the run's accounting; the
+    metrics file is closed either way."""
+    try:
+        await asyncio.wait_for(run_async(pipeline), TIMEOUT_S)
+        return await pipeline.write_accounting()
+    finally:
+        pipeline.metrics.close()
+
+
 def _check_batches(pipeline: Pipeline, buffer: FakeBuffer) -> set[str]:
     """Every step trained whole groups within the staleness bound, no trajectory twice; returns
     the trained trajectory ids."""
@@ -326,11 +336,7 @@ def _check_admission(pipeline: Pipeline, buffer: FakeBuffer) -> None:
 @pytest.mark.timeout(TIMEOUT_S)
 async def test_async_loops_train_whole_fresh_groups_and_admit_each_prompt_once(tmp_path):
     pipeline, buffer, learner = _pipeline(tmp_path)
-    try:
-        await asyncio.wait_for(run_async(pipeline), TIMEOUT_S)
-        accounting = await pipeline.write_accounting()
-    finally:
-        pipeline.metrics.close()
+    accounting = await _run_to_end(pipeline)
     assert pipeline.state.learner_step == 8 and learner.published == list(range(1, 9))
     assert pipeline.state.policy_version == 8
     _check_batches(pipeline, buffer)
@@ -365,11 +371,7 @@ async def test_a_killed_worker_is_replaced_and_what_it_ran_is_finished_by_anothe
             await asyncio.sleep(0.01)
 
     learner.on_step = slow_step
-    try:
-        await asyncio.wait_for(run_async(pipeline), TIMEOUT_S)
-        accounting = await pipeline.write_accounting()
-    finally:
-        pipeline.metrics.close()
+    accounting = await _run_to_end(pipeline)
     lost = victim.lost
     assert len(lost) >= 2, "the victim ran nothing when it was killed: the test proves nothing"
     assert pipeline.num_worker_replacements == 1 and victim not in pipeline.workers

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from streamrl.core import catalogue
+from tests.streaming.lifecycle_trace import check_lifecycle_trace
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -111,6 +112,24 @@ def _check_metric_lines(run_dir: Path, state: dict) -> None:
     assert [m.key for m in catalogue.METRICS if m.always and not any(catalogue.matches(k) == [m] for k in keys)] == []
 
 
+def _check_resume_of_a_finished_run_is_a_no_op(run_dir: Path, total_steps: int) -> None:
+    """Resuming the finished run does nothing: no pipeline starts, nothing in the run changes. (wandb's
+    offline service outlives the run and may still flush its own files: they are not the run's.)"""
+    owned = lambda p: p.is_file() and not {"logs", "wandb"} & set(p.relative_to(run_dir).parts)  # noqa: E731
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if owned(p)}
+    again = subprocess.run(
+        [sys.executable, "-m", "streamrl.streaming.cli", "train", "--resume", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    finished = f"already finished at learner step {total_steps}/{total_steps}"
+    assert again.returncode == 0 and finished in again.stdout, again
+    after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if owned(p)}
+    assert after == before
+
+
 @pytest.mark.timeout(1200)
 def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_path):
     from streamrl.buffer.cli import load_frame
@@ -125,6 +144,7 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
         "trainer.checkpoint_every=2",
         "eval.num_prompts=4",
         "eval.every_steps=2",
+        "trace.enabled=true",  # the lifecycle trace, checked last (lifecycle_trace.py)
     ]
     run_dir = tmp_path / "e2e"
     log = tmp_path / "train.log"
@@ -185,17 +205,5 @@ def test_async_train_sigkill_and_resume_exact_accounting(tmp_path, tiny_model_pa
     assert "resumed run at learner step" in log.read_text()
     _check_metric_lines(run_dir, state)
 
-    # Resuming the finished run does nothing: no system starts, nothing in the run changes. (wandb's
-    # offline service outlives the run and may still flush its own files: they are not the run's.)
-    owned = lambda p: p.is_file() and not {"logs", "wandb"} & set(p.relative_to(run_dir).parts)  # noqa: E731
-    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if owned(p)}
-    again = subprocess.run(
-        [sys.executable, "-m", "streamrl.streaming.cli", "train", "--resume", str(run_dir)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert again.returncode == 0 and "already finished at learner step 6/6" in again.stdout, again
-    after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if owned(p)}
-    assert after == before
+    _check_resume_of_a_finished_run_is_a_no_op(run_dir, total_steps)
+    check_lifecycle_trace(run_dir, latest)

@@ -110,7 +110,7 @@ def test_forwarded_env_carries_the_buffer_io_fault_plan_alone_or_with_fault_poin
     from streamrl.core import iofaults
 
     assert faults.IO_ENV == iofaults.ENV
-    for name in (faults.ENV, faults.LEDGER_ENV, faults.JOB_ENV, faults.IO_ENV):
+    for name in (faults.ENV, faults.LEDGER_ENV, faults.JOB_ENV, faults.IO_ENV, faults.ANSWER_LEDGER_ENV):
         monkeypatch.delenv(name, raising=False)
     assert faults.forwarded_env() == {}
     monkeypatch.setenv(faults.IO_ENV, "at=traj:write:3:torn")

@@ -223,17 +223,20 @@ def test_console_shows_our_lines_and_others_errors_while_driver_log_keeps_everyt
 
 
 def test_ray_options_send_actor_output_to_run_logs_unless_verbose(tmp_path):
+    from streamrl.core.trace import RUN_DIR_ENV
     from streamrl.observability.logs import LOG_DIR_ENV, WORKER_SETUP_HOOK, ray_init_options, setup_console
 
+    run = {RUN_DIR_ENV: str(tmp_path.resolve())}  # every actor finds its run (the lifecycle trace)
     setup_console(verbose=False)
     quiet = ray_init_options(tmp_path, {"A": "1"})
     assert quiet["log_to_driver"] is False
     assert quiet["runtime_env"] == {
-        "env_vars": {"A": "1", LOG_DIR_ENV: str((tmp_path / "logs").resolve())},
+        "env_vars": {"A": "1", **run, LOG_DIR_ENV: str((tmp_path / "logs").resolve())},
         "worker_process_setup_hook": WORKER_SETUP_HOOK,
     }
     setup_console(verbose=True)
-    assert ray_init_options(tmp_path, {"A": "1"}) == {"log_to_driver": True, "runtime_env": {"env_vars": {"A": "1"}}}
+    verbose = ray_init_options(tmp_path, {"A": "1"})
+    assert verbose == {"log_to_driver": True, "runtime_env": {"env_vars": {"A": "1", **run}}}
     setup_console(verbose=False)
 
 

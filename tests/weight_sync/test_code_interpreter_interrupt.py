@@ -16,18 +16,13 @@ from collections import Counter
 import pytest
 import torch
 
+from bench.chaos import SCENARIO_OVERRIDES
 from tests.weight_sync.fakes import PauseWhen
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-SFT = [
-    "sft.enabled=true",
-    "sft.num_steps=120",
-    "sft.lr=5e-3",
-    "sft.batch_size=8",
-    "sft.num_examples=128",
-    "sft.difficulty=easy",
-]
+# The warm-up recipe of the chaos benchmark's tool scenario (its `sft.*` overrides).
+SFT = [o for o in SCENARIO_OVERRIDES["tools"] if o.startswith("sft.")]
 CELL_DELAY_S = 1.5  # every cell takes at least this long, so a sync lands while cells run
 
 
@@ -39,14 +34,8 @@ def _weights(path) -> list[tuple[str, torch.Tensor]]:
 
 
 async def test_sync_mid_cell_runs_every_cell_once_and_resumes(vllm_engine, tiny_tokenizer, tiny_model_path):
-    from streamrl.rollout.agent_loop import AgentContext
-    from streamrl.rollout.agent_loop.observation import ObservationEncoder
     from streamrl.rollout.data.loaders import make_arithmetic_dataset
-    from streamrl.rollout.parsers import get_parser
-    from streamrl.rollout.rewards import get_reward_fn
-    from streamrl.rollout.server_manager import ServerManager
     from streamrl.rollout.tools.config import load_tool_config
-    from streamrl.rollout.tools.executor import current_call
     from streamrl.rollout.types import AgentState, TrajectoryStatus
     from streamrl.rollout.worker import RolloutWorker
     from streamrl.streaming.config import load_config
@@ -62,26 +51,10 @@ async def test_sync_mid_cell_runs_every_cell_once_and_resumes(vllm_engine, tiny_
     assert (await coordinator.sync(_weights(warmed), v0 + 1)).ok
 
     tools = load_tool_config("configs/tools/code_interpreter.yaml")
-    interpreter = tools.get("code_interpreter")
     runs: Counter[tuple[str, str]] = Counter()  # (trajectory, call id) -> cells run
     outputs: dict[tuple[str, str], str] = {}
-    real_execute = interpreter.execute
-
-    async def counted_execute(instance_id, parameters):
-        key = (instance_id, current_call().call_id)
-        runs[key] += 1
-        await asyncio.sleep(CELL_DELAY_S)
-        execution = await real_execute(instance_id, parameters)
-        outputs[key] = execution.text
-        return execution
-
-    interpreter.execute = counted_execute
-    agent = cfg.rollout.agent.model_copy(update={"tool_config": None})
-    ctx = AgentContext(
-        cfg=agent, server=ServerManager([vllm_engine]), tokenizer=tiny_tokenizer,
-        encoder=ObservationEncoder(tiny_tokenizer), tools=tools, parser=get_parser("hermes"),
-        reward_fn=get_reward_fn("math_answer"),
-    )  # fmt: skip
+    _count_cells(tools.get("code_interpreter"), runs, outputs)
+    ctx = _context(cfg, vllm_engine, tiny_tokenizer, tools)
     rows = []
 
     async def sink(traj):
@@ -107,7 +80,46 @@ async def test_sync_mid_cell_runs_every_cell_once_and_resumes(vllm_engine, tiny_
     final = {r.trajectory_id: r for r in rows if r.status is TrajectoryStatus.FINISHED}
     assert len(final) == 8, [(r.trajectory_id, r.status) for r in rows]
     assert in_tool_at_sync, "no cell was running when the sync came: the test proves nothing"
-    # Every cell that reached the interpreter ran exactly once, and its output is in its trajectory.
+    _check_every_cell_ran_once(runs, outputs, final, tiny_tokenizer)
+    _check_next_turn_is_new_weights(final, in_tool_at_sync, v0)
+
+
+def _count_cells(interpreter, runs: Counter[tuple[str, str]], outputs: dict[tuple[str, str], str]) -> None:
+    """Make every cell take at least CELL_DELAY_S and count it per (trajectory, call id) as it starts,
+    keeping its output."""
+    from streamrl.rollout.tools.executor import current_call
+
+    real_execute = interpreter.execute
+
+    async def counted_execute(instance_id, parameters):
+        key = (instance_id, current_call().call_id)
+        runs[key] += 1
+        await asyncio.sleep(CELL_DELAY_S)
+        execution = await real_execute(instance_id, parameters)
+        outputs[key] = execution.text
+        return execution
+
+    interpreter.execute = counted_execute
+
+
+def _context(cfg, vllm_engine, tiny_tokenizer, tools):
+    """Hermes tool-calling loops on the session engine with `tools`, scored by math_answer."""
+    from streamrl.rollout.agent_loop import AgentContext
+    from streamrl.rollout.agent_loop.observation import ObservationEncoder
+    from streamrl.rollout.parsers import get_parser
+    from streamrl.rollout.rewards import get_reward_fn
+    from streamrl.rollout.server_manager import ServerManager
+
+    agent = cfg.rollout.agent.model_copy(update={"tool_config": None})
+    return AgentContext(
+        cfg=agent, server=ServerManager([vllm_engine]), tokenizer=tiny_tokenizer,
+        encoder=ObservationEncoder(tiny_tokenizer), tools=tools, parser=get_parser("hermes"),
+        reward_fn=get_reward_fn("math_answer"),
+    )  # fmt: skip
+
+
+def _check_every_cell_ran_once(runs, outputs, final, tiny_tokenizer) -> None:
+    """Every cell that reached the interpreter ran exactly once, and its output is in its trajectory."""
     assert runs and set(runs.values()) == {1}, runs
     assert set(outputs) == set(runs), "a cell never returned"
     for (tid, _), text in outputs.items():
@@ -116,6 +128,10 @@ async def test_sync_mid_cell_runs_every_cell_once_and_resumes(vllm_engine, tiny_
         if not text.startswith("Error:"):  # (a traceback may be shortened in the observation)
             assert text.strip() in tiny_tokenizer.decode(f.response_ids), (tid, text)
     assert any(not text.startswith("Error:") for text in outputs.values()), "no cell ran successfully in the sandbox"
+
+
+def _check_next_turn_is_new_weights(final, in_tool_at_sync: set[str], v0: int) -> None:
+    """The tool ran through the pause; the turn after its observation is the new weights'."""
     for tid in in_tool_at_sync:  # the tool ran through the pause; the next turn is the new weights'
         f = final[tid]
         f.validate()

@@ -34,22 +34,19 @@ def _original(model_path) -> list[tuple[str, torch.Tensor]]:
     return [(n, p.detach().contiguous()) for n, p in model.named_parameters()]
 
 
-async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engine, tiny_tokenizer, tiny_model_path):
+def _context(vllm_engine, tiny_tokenizer, env_calls: Counter[str]):
+    """Agent loops on the session engine with a two-turn latency environment that counts its calls
+    per trajectory (the instance id is the trajectory id) as they start."""
     from streamrl.rollout.agent_loop import AgentContext
     from streamrl.rollout.agent_loop.observation import ObservationEncoder
     from streamrl.rollout.config import AgentConfig, SamplingConfig
     from streamrl.rollout.interactions import load_interaction_config
     from streamrl.rollout.server_manager import ServerManager
-    from streamrl.rollout.types import AgentData, AgentState, FinishReason, TrajectoryStatus
-    from streamrl.rollout.worker import RolloutWorker
-    from streamrl.weight_sync.config import WeightSyncConfig
-    from streamrl.weight_sync.coordinator import WeightSyncCoordinator
+    from streamrl.workloads.interactions import latency_env  # noqa: F401 - registers "latency_env"
 
     env = load_interaction_config(
         {"interaction": [{"name": "latency_env", "config": {"latency_s": 0.6, "num_turns": 2}}]}
     )
-    # Count environment calls per trajectory (the instance id is the trajectory id) as they start.
-    env_calls: Counter[str] = Counter()
     respond = env["latency_env"].generate_response
 
     async def counted_response(instance_id, messages, **kwargs):
@@ -57,7 +54,7 @@ async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engi
         return await respond(instance_id, messages, **kwargs)
 
     env["latency_env"].generate_response = counted_response
-    ctx = AgentContext(
+    return AgentContext(
         cfg=AgentConfig(
             prompt_length=256,
             response_length=600,
@@ -71,6 +68,16 @@ async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engi
         encoder=ObservationEncoder(tiny_tokenizer),
         interactions=env,
     )
+
+
+async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engine, tiny_tokenizer, tiny_model_path):
+    from streamrl.rollout.types import AgentData, AgentState, TrajectoryStatus
+    from streamrl.rollout.worker import RolloutWorker
+    from streamrl.weight_sync.config import WeightSyncConfig
+    from streamrl.weight_sync.coordinator import WeightSyncCoordinator
+
+    env_calls: Counter[str] = Counter()
+    ctx = _context(vllm_engine, tiny_tokenizer, env_calls)
     rows = []
 
     async def sink(traj):
@@ -118,6 +125,19 @@ async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engi
     final = {r.trajectory_id: r for r in rows if r.status is TrajectoryStatus.FINISHED}
     assert len(final) == 8, [r.status for r in rows]
     assert partial, "the sync interrupted nothing"
+    _check_resumed_without_loss(partial, final, v0)
+    _check_environment_ran_once(final, env_calls)
+    mid_gen = [p for p in partial if p.response_mask[-1] == 1]
+    assert mid_gen, "no loop was interrupted mid-generation"
+    assert in_env_at_sync, "no loop was in the environment at sync time"
+    _check_waiting_loops_switched_at_a_turn(final, in_env_at_sync, v0)
+
+
+def _check_resumed_without_loss(partial, final, v0: int) -> None:
+    """Every parked row is a prefix of its finished trajectory, whose sampled versions change once,
+    exactly where it was interrupted; the AgentData it resumed from counts its observations."""
+    from streamrl.rollout.types import AgentData
+
     for p in partial:
         f = final[p.trajectory_id]
         f.validate()
@@ -131,19 +151,24 @@ async def test_sync_interrupts_generation_and_environment_then_resumes(vllm_engi
         data = AgentData.from_json(p.agent_data_json)
         obs_msgs = [m for m in data.messages if m["role"] == "user"][1:]
         assert len(obs_msgs) == data.num_user_turns
-    # The environment ran exactly once per environment turn of every trajectory, interrupted or not:
-    # each call is either an observation in the token stream or the reply that ended the episode.
+
+
+def _check_environment_ran_once(final, env_calls: Counter[str]) -> None:
+    """The environment ran exactly once per environment turn of every trajectory, interrupted or not:
+    each call is either an observation in the token stream or the reply that ended the episode."""
+    from streamrl.rollout.types import FinishReason
+
     for f in final.values():
         num_observations = sum(
             1 for i, m in enumerate(f.response_mask) if m == 0 and (i == 0 or f.response_mask[i - 1])
         )
         num_env_turns = num_observations + (f.finish_reason is FinishReason.INTERACTION_DONE)
         assert env_calls[f.trajectory_id] == num_env_turns == len(f.turn_scores), (f.trajectory_id, env_calls)
-    mid_gen = [p for p in partial if p.response_mask[-1] == 1]
-    assert mid_gen, "no loop was interrupted mid-generation"
-    # Loops waiting on the environment kept waiting through the pause (free overlap) and their next
-    # turn was sampled by the new weights: one version change, at a turn boundary.
-    assert in_env_at_sync, "no loop was in the environment at sync time"
+
+
+def _check_waiting_loops_switched_at_a_turn(final, in_env_at_sync: set[str], v0: int) -> None:
+    """Loops waiting on the environment kept waiting through the pause (free overlap) and their next
+    turn was sampled by the new weights: one version change, at a turn boundary."""
     for tid in in_env_at_sync:
         f = final[tid]
         f.validate()

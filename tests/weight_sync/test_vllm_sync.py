@@ -19,6 +19,7 @@ from streamrl.weight_sync.config import SyncTimeouts, TransportKind, WeightSyncC
 from streamrl.weight_sync.coordinator import WeightSyncCoordinator
 from streamrl.weight_sync.distributed import DistributedTransport
 from streamrl.weight_sync.worker_extension import WORKER_EXTENSION_CLS
+from tests.fixtures.vllm import cpu_engine_config, start_warm
 from tests.weight_sync.fakes import NeverJoinsEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -29,21 +30,8 @@ NUM_GREEDY = 12
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def engines(tiny_model_path):
-    from streamrl.rollout.engine.config import EngineConfig
-    from streamrl.rollout.engine.vllm_engine import VLLMEngine
-
-    cfg = EngineConfig(
-        model=str(tiny_model_path),
-        device="cpu",
-        max_model_len=1024,
-        max_num_seqs=8,
-        kv_cache_space_gb=1,
-        worker_extension_cls=WORKER_EXTENSION_CLS,
-    )
-    started = [VLLMEngine(cfg, f"ws-{i}") for i in range(2)]
-    await asyncio.gather(
-        *(e.generate("warmup", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0)) for e in started)
-    )
+    cfg = cpu_engine_config(str(tiny_model_path), max_num_seqs=8, worker_extension_cls=WORKER_EXTENSION_CLS)
+    started = await start_warm(cfg, "ws-0", "ws-1")
     yield started
     for engine in started:
         await engine.shutdown()

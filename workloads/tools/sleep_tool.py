@@ -38,19 +38,11 @@ class SleepTool(BaseTool):
 
     @classmethod
     def default_schema(cls) -> OpenAIFunctionToolSchema:
-        return OpenAIFunctionToolSchema.model_validate(
-            {
-                "type": "function",
-                "function": {
-                    "name": "sleep",
-                    "description": "Wait a while, then return the given text unchanged.",
-                    "parameters": {
-                        "type": "object",
-                        "properties": {"text": {"type": "string", "description": "text to echo back"}},
-                        "required": ["text"],
-                    },
-                },
-            }
+        return OpenAIFunctionToolSchema.one_string_argument(
+            "sleep",
+            "Wait a while, then return the given text unchanged.",
+            "text",
+            "text to echo back",
         )
 
     def next_latency_s(self) -> float:

@@ -113,14 +113,19 @@ async def test_a_command_program_gets_the_url_and_prints_its_reward(tiny_tokeniz
     assert traj.response_ids == turn_ids[0]
 
 
-async def test_a_failing_program_fails_the_trajectory(tiny_tokenizer):
-    ctx, _ = loop_ctx(tiny_tokenizer, [ANSWER], program=f"{HERE}:failing_program")
-    rows = []
+def collecting_worker(ctx) -> tuple[RolloutWorker, list]:
+    """A rollout worker whose sink collects the rows it appends."""
+    rows: list = []
 
     async def sink(traj):
         rows.append(traj)
 
-    worker = RolloutWorker(ctx, sink)
+    return RolloutWorker(ctx, sink), rows
+
+
+async def test_a_failing_program_fails_the_trajectory(tiny_tokenizer):
+    ctx, _ = loop_ctx(tiny_tokenizer, [ANSWER], program=f"{HERE}:failing_program")
+    worker, rows = collecting_worker(ctx)
     try:
         worker.submit(new_data())
         await worker.wait_idle(10)
@@ -137,12 +142,7 @@ async def test_a_failing_program_fails_the_trajectory(tiny_tokenizer):
 async def test_a_worker_pause_does_not_wait_for_a_program_between_calls(tiny_tokenizer):
     GATES.update(called=asyncio.Event(), go=asyncio.Event())
     ctx, _ = loop_ctx(tiny_tokenizer, ["The answer is 84.", "Yes, \\boxed{84}."], program=f"{HERE}:gated_program")
-    rows = []
-
-    async def sink(traj):
-        rows.append(traj)
-
-    worker = RolloutWorker(ctx, sink)
+    worker, rows = collecting_worker(ctx)
     try:
         worker.submit(new_data())
         await asyncio.wait_for(GATES["called"].wait(), 10)

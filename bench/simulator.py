@@ -1,0 +1,124 @@
+"""The pipeline simulator (streamrl.sim, docs/simulator.md): validated against real runs of
+bench/async_vs_sync.py's latency workload on this machine, then projected to large clusters with
+published component costs. Writes bench/results/simulator.json and bench/results/simulator.png.
+
+    python -m bench.simulator validate --runs DIR [--measure]
+    python -m bench.simulator project
+
+`--measure` first makes the real runs, one at a time, into DIR/<workload>/<mode> (about 25 min on the
+2-core machine): three workloads that differ in tool-latency tail, staleness bound and engines.
+Without it the runs already in DIR are read. The costs are fitted on the `base` workload's two runs
+only; the other workloads are predicted out of sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.async_vs_sync import run_mode
+from bench.machine import machine
+
+REPO = Path(__file__).resolve().parents[1]
+LATENCY_S = 0.268  # one assistant turn's generation time, bench/results/async_vs_sync.json's calibration
+ENV = {"distribution": "lognormal", "num_turns": 4, "min_turns": 1, "latency_s": LATENCY_S}
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "base": {"p99_over_median": 10.0, "extra": ("buffer.max_staleness=4",), "steps": {"async": 60, "sync": 6}},
+    "tail": {"p99_over_median": 30.0, "extra": ("buffer.max_staleness=1",), "steps": {"async": 20}},
+    "split": {
+        "p99_over_median": 10.0,
+        "extra": ("buffer.max_staleness=2", "rollout.num_engines=2"),
+        "steps": {"async": 12},
+    },
+}
+CALIBRATE_ON = "base"
+
+
+def measure(root: Path) -> None:
+    for name, w in WORKLOADS.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        env = {**ENV, "p99_over_median": w["p99_over_median"]}
+        for mode, steps in w["steps"].items():
+            t0 = time.time()
+            extra = (*w["extra"], "rollout.engine.startup_timeout_s=1500")  # start-up on a loaded machine
+            run_mode(mode, root / name, steps, env, seed=0, name=mode, extra=extra)
+            print(f"measured {name}/{mode}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def validate(root: Path) -> dict[str, Any]:
+    """Measured against predicted for every run, twice: with the costs fitted on the calibration
+    workload's runs (`base`: a prediction across runs, and across the machine's load, which other
+    users change), and with costs fitted on the run itself (the components' speeds as that run saw
+    them: what is left to predict is how the pipeline composes them)."""
+    from streamrl.sim.calibrate import calibrate, sim_config_of
+    from streamrl.sim.observe import from_metrics
+    from streamrl.sim.validate import compare, measured, predicted
+
+    runs = {f"{n}/{m}": root / n / m for n, w in WORKLOADS.items() for m in w["steps"] if (root / n / m).is_dir()}
+    base = calibrate([d for k, d in runs.items() if k.startswith(CALIBRATE_ON + "/")])
+    table = {}
+    for key, run_dir in runs.items():
+        obs = from_metrics(run_dir)
+        meas, cfg = measured(obs), sim_config_of(obs)
+        own = calibrate([run_dir])
+        table[key] = {
+            "in_sample": key.startswith(CALIBRATE_ON + "/"),
+            "settings": {"mode": obs.mode, "steps": int(obs.step[-1]), **WORKLOADS[key.split("/")[0]]},
+            "learner_step_s_median": float(np.median(obs.step_s[1:])),
+            "calibrated_on_base": compare(meas, predicted(cfg, base, seeds=5)),
+            "calibrated_on_itself": compare(meas, predicted(cfg, own, seeds=5)),
+            "own_costs": own.to_json(),
+        }
+    return {"costs": base.to_json(), "table": table}
+
+
+def _record(argv: list[str] | None, t0: float) -> dict[str, Any]:
+    return {
+        "command": " ".join(["python", "-m", "bench.simulator", *(argv if argv is not None else sys.argv[1:])]),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
+        "machine": machine(),
+        "wall_s": time.time() - t0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`validate` and `project` each write their part of the JSON (they take very different times);
+    the figure is drawn once both are there."""
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="part", required=True)
+    v = sub.add_parser("validate", help="measured against predicted on this machine's runs")
+    v.add_argument("--runs", required=True, help="folder of the validation runs (<workload>/<mode>)")
+    v.add_argument("--measure", action="store_true", help="make the real runs first (~25 min on a quiet machine)")
+    sub.add_parser("project", help="the cluster projections (published costs)")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "simulator.json"))
+    args = parser.parse_args(argv)
+    out_path = Path(args.out)
+    t0 = time.time()
+    if args.part == "validate":
+        if args.measure:
+            measure(Path(args.runs))
+        part = validate(Path(args.runs))
+    else:
+        from bench.simulator_projections import projections
+
+        part = projections()
+    part["run"] = _record(argv, t0)
+    out = json.loads(out_path.read_text()) if out_path.exists() else {}  # the other part, as it is now
+    out["validation" if args.part == "validate" else "projections"] = part
+    out_path.write_text(json.dumps(out, indent=1) + "\n")
+    if {"validation", "projections"} <= set(out):
+        from bench.simulator_figure import figure
+
+        figure(out, out_path.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Lifecycle tracing: spans and instants of every part of a run, one JSONL shard per process.
+
+The parts of a run are Ray actors in different processes (and nodes), any of which may be killed at
+any moment. Each process therefore appends its own events to `RUN_DIR/trace/<host>-<pid>.jsonl`,
+one JSON object per line, written line-buffered (each event reaches the OS as soon as it is made, so
+a SIGKILLed process loses nothing it recorded); `streamrl trace RUN_DIR` merges the shards into one
+Chrome trace-event file (`observability.tracing`). One clock for all: wall-clock epoch microseconds.
+
+An event is a Chrome trace event whose `pid` and `tid` are names, not numbers: `pid` the kind of
+track (`trajectory`, `engine`, `learner`, `sync`, `buffer`, `driver`), `tid` the track itself (a
+trajectory id, `engine-0`, ...). The exporter numbers them and names the rows. `args` carry what joins
+an event to the training data: trajectory id, attempt, policy version, learner step.
+
+Off unless the run's config says `trace.enabled = true`. The driver calls `configure`; an actor
+process finds its run through `RUN_DIR_ENV` (set for every actor by `ray.init`) and reads the switch
+from the run's `run_info.json` once, at its first event. Off, `span` returns a shared no-op context
+and `instant` / `complete` return after one global lookup: cheap enough to leave in hot paths.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+RUN_DIR_ENV = "STREAMRL_RUN_DIR"  # the run directory, for every actor process of the run
+TRACE_DIR = "trace"  # under RUN_DIR: one shard per process
+TRACE_FILE = "trace.json"  # under RUN_DIR: the merged Chrome trace
+
+_UNSET: Any = object()
+
+
+class _Shard:
+    """This process's shard: an append-only, line-buffered JSONL file (one lock: threads share it)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        folder = Path(run_dir) / TRACE_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"{socket.gethostname()}-{os.getpid()}.jsonl"
+        self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (lives with the process)
+        self._lock = threading.Lock()
+
+    def write(self, event: dict[str, Any]) -> None:
+        line = json.dumps(event, separators=(",", ":"), default=str) + "\n"
+        with self._lock:
+            self._file.write(line)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+_shard: _Shard | None = _UNSET
+
+
+def configure(run_dir: str | Path | None) -> None:
+    """Trace this process into `run_dir` (None: tracing off here). The driver calls it with the
+    run's config; actor processes need not (`_from_env`)."""
+    global _shard
+    if isinstance(_shard, _Shard):
+        _shard.close()
+    _shard = _Shard(Path(run_dir)) if run_dir is not None else None
+
+
+def _from_env() -> _Shard | None:
+    """An actor process's shard: its run from `RUN_DIR_ENV`, on when the run's config says so."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return None
+    try:
+        info = json.loads((Path(run_dir) / "run_info.json").read_text())
+    except (OSError, ValueError):
+        return None
+    trace_cfg = info.get("config", {}).get("trace", {})
+    return _Shard(Path(run_dir)) if isinstance(trace_cfg, dict) and trace_cfg.get("enabled") else None
+
+
+def _current() -> _Shard | None:
+    global _shard
+    if _shard is _UNSET:
+        _shard = _from_env()
+    return _shard
+
+
+def enabled() -> bool:
+    """Whether this process records events (callers skip building costly args when it does not)."""
+    return _current() is not None
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+def complete(name: str, cat: str, track: str, start_s: float, end_s: float | None = None, **args: Any) -> None:
+    """A span known after the fact, from `start_s` to `end_s` (wall-clock `time.time()` seconds; None = now)."""
+    shard = _current()
+    if shard is None:
+        return
+    start = int(start_s * 1e6)
+    end = now_us() if end_s is None else int(end_s * 1e6)
+    event = {"ph": "X", "name": name, "cat": cat, "ts": start, "dur": max(end - start, 0), "pid": cat, "tid": track}
+    shard.write(event | {"args": args} if args else event)
+
+
+def instant(name: str, cat: str, track: str, **args: Any) -> None:
+    """A point event on `track` (admitted, appended, sampled, trained, ...)."""
+    shard = _current()
+    if shard is None:
+        return
+    event = {"ph": "i", "s": "t", "name": name, "cat": cat, "ts": now_us(), "pid": cat, "tid": track}
+    shard.write(event | {"args": args} if args else event)
+
+
+class _Span(AbstractContextManager):
+    __slots__ = ("name", "cat", "track", "args", "start")
+
+    def __init__(self, name: str, cat: str, track: str, args: dict[str, Any]) -> None:
+        self.name, self.cat, self.track, self.args = name, cat, track, args
+        self.start = 0.0
+
+    def __enter__(self) -> _Span:
+        self.start = time.time()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.args["error"] = exc_type.__name__
+        complete(self.name, self.cat, self.track, self.start, **self.args)
+
+    def set(self, **args: Any) -> None:
+        """Add args known only at the end (tokens generated, the version served, ...)."""
+        self.args.update(args)
+
+
+class _NoSpan:
+    """What `span` returns when tracing is off: `set` does nothing."""
+
+    def set(self, **args: Any) -> None:
+        return None
+
+
+_NO_SPAN = _NoSpan()
+_NULL = nullcontext(_NO_SPAN)  # stateless: one shared instance serves every call
+
+
+def span(name: str, cat: str, track: str, **args: Any) -> AbstractContextManager[Any]:
+    """`with span("stage", "sync", "sync", policy_version=3) as s: ...; s.set(bytes=n)` records one
+    complete event over the block (with `error` when it raised); a no-op when tracing is off."""
+    if _current() is None:
+        return _NULL
+    return _Span(name, cat, track, args)
+
+
+__all__ = ["RUN_DIR_ENV", "TRACE_DIR", "TRACE_FILE", "complete", "configure", "enabled", "instant", "now_us", "span"]

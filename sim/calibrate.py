@@ -1,0 +1,180 @@
+"""Fit the component cost models (`sim.costs`) to real runs of this machine (`sim.observe`).
+
+- Engine: each finished trajectory's generation seconds are its turns' request overheads plus its
+  tokens times the decode step time at the batch it ran in, `step_s(b) = base_s + per_seq_s * b`
+  (+ `shared_s` while the learner trained on the same cores). The batch a trajectory saw is the mean
+  number of trajectories generating during its life (each spreads its generation seconds over its
+  life), the learner share is the part of its life the timeline shows the learner training. A
+  non-negative least-squares fit over every trajectory of every run gives the four numbers. Runs in
+  sync mode (small, draining batches, learner idle) and async mode (large batches, learner busy)
+  make them identifiable; the context term is left at 0 (this machine's contexts are short).
+- Learner: `step_s = base_s + per_token_s * tokens` on the sync runs' steps (engines idle), the async
+  runs' extra time as `shared_frac`; the first step of each run (warm-up) is left out. The time per
+  step outside train, sync and waiting is `step_overhead_s`; the short waits of the async runs (10th
+  percentile: steps whose batch was ready) are the batch fetch, `sample_s`.
+- Sync: the median total and paused seconds (one transport and one model size here: no bandwidth
+  can be separated from the fixed cost, so all of it is `base_s`).
+- Shape: the turn-count distribution and per-turn token quantiles of the finished trajectories.
+- Tool latency is the workload's (the latency environment's median and p99), not fitted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from streamrl.buffer.config import BufferConfig
+from streamrl.sim.costs import Costs, EngineCost, LearnerCost, SyncCost, ToolLatency, TrajectoryShape
+from streamrl.sim.observe import Observations, from_metrics
+from streamrl.sim.pipeline import SimConfig
+
+BIN_S = 0.25  # resolution of the generating-concurrency curve
+
+
+def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0: refit without the most negative one until none is."""
+    keep = np.ones(x.shape[1], dtype=bool)
+    coef = np.zeros(x.shape[1])
+    while keep.any():
+        sol = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+        if (sol >= 0).all():
+            coef[keep] = sol
+            return coef
+        idx = np.flatnonzero(keep)[np.argmin(sol)]
+        keep[idx] = False
+    return coef
+
+
+def _overlap(start: np.ndarray, end: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """Seconds of each [start, end] covered by the (disjoint) spans."""
+    if not len(spans):
+        return np.zeros_like(start)
+    lo = np.maximum(start[:, None], spans[None, :, 0])
+    hi = np.minimum(end[:, None], spans[None, :, 1])
+    return np.clip(hi - lo, 0, None).sum(axis=1)
+
+
+def engine_features(obs: Observations) -> tuple[np.ndarray, np.ndarray]:
+    """Regressors [turns, tokens, tokens * batch, tokens * learner share] and generation seconds."""
+    start, end = obs.created_s, np.maximum(obs.finished_s, obs.created_s + 1e-6)
+    life = end - start
+    edges = np.arange(start.min(), end.max() + BIN_S, BIN_S)
+    curve = np.zeros(len(edges))
+    rate = obs.generate_s / life
+    for s, e, r in zip(start, end, rate):
+        curve[np.searchsorted(edges, s) : np.searchsorted(edges, e)] += r
+    cum = np.concatenate([[0.0], np.cumsum(curve)])
+    i0, i1 = np.searchsorted(edges, start), np.searchsorted(edges, end)
+    mean_curve = (cum[i1] - cum[i0]) / np.maximum(i1 - i0, 1)
+    batch = 1.0 + np.maximum(mean_curve - rate, 0.0) / obs.num_engines
+    shared = _overlap(start, end, obs.train_spans) / life
+    tokens = np.array([t.sum() for t in obs.turn_tokens], dtype=np.float64)
+    turns = np.array([len(t) for t in obs.turn_tokens], dtype=np.float64)
+    return np.column_stack([turns, tokens, tokens * batch, tokens * shared]), obs.generate_s
+
+
+def fit_engine(runs: list[Observations], max_batch: int) -> tuple[EngineCost, dict[str, Any]]:
+    parts = [engine_features(o) for o in runs]
+    x = np.concatenate([p[0] for p in parts])
+    y = np.concatenate([p[1] for p in parts])
+    request_s, base_s, per_seq_s, shared_s = nnls(x, y)
+    pred = x @ np.array([request_s, base_s, per_seq_s, shared_s])
+    r2 = 1 - float(np.sum((y - pred) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-12))
+    cost = EngineCost(base_s, per_seq_s, 0.0, request_s, shared_s, max_batch)
+    return cost, {"trajectories": len(y), "r2_generate_s": r2, "mean_batch": float(np.mean(x[:, 2] / x[:, 1]))}
+
+
+def fit_learner(runs: list[Observations]) -> tuple[LearnerCost, dict[str, Any]]:
+    def steps(o: Observations) -> np.ndarray:
+        return np.flatnonzero((np.arange(len(o.step)) > 0) & np.isfinite(o.step_tokens))
+
+    sync_runs = [o for o in runs if o.mode == "sync"] or runs
+    tok = np.concatenate([o.step_tokens[steps(o)] for o in sync_runs])
+    sec = np.concatenate([o.step_s[steps(o)] for o in sync_runs])
+    base_s, per_token_s = nnls(np.column_stack([np.ones_like(tok), tok]), sec)
+    shared = 0.0
+    async_runs = [o for o in runs if o.mode == "async"]
+    if async_runs and len(async_runs) < len(runs):
+        ratio = np.concatenate(
+            [o.step_s[steps(o)] / (base_s + per_token_s * o.step_tokens[steps(o)]) for o in async_runs]
+        )
+        shared = max(float(np.median(ratio)) - 1.0, 0.0)
+    overhead = np.concatenate([(np.diff(o.elapsed_s) - o.step_s[1:] - o.sync_s[1:] - np.diff(o.idle_s)) for o in runs])
+    # the short waits are the steps whose batch was ready: fetching it and the driver's wake-up (the 10th
+    # percentile wait of the async runs); the long waits for a batch not ready are what the simulation adds
+    waits = np.concatenate([np.diff(o.idle_s) for o in async_runs]) if async_runs else np.zeros(1)
+    sample_s = max(float(np.percentile(waits, 10)), 0.0)
+    cost = LearnerCost(base_s, per_token_s, shared, max(float(np.median(overhead)), 0.0), sample_s=sample_s)
+    return cost, {"steps": len(tok), "mean_step_tokens": float(np.mean(tok))}
+
+
+def fit_shape(runs: list[Observations]) -> TrajectoryShape:
+    counts = np.bincount(np.concatenate([[len(t) for t in o.turn_tokens] for o in runs]))[1:]
+    tokens = np.concatenate([t for o in runs for t in o.turn_tokens])
+    obs_tokens = np.concatenate([o.observation_tokens[[len(t) > 1 for t in o.turn_tokens]] for o in runs])
+    return TrajectoryShape(
+        turn_probs=tuple(float(c) for c in counts / counts.sum()),
+        turn_tokens=tuple(float(q) for q in np.quantile(tokens, np.linspace(0, 1, 21))),
+        prompt_tokens=float(np.mean(np.concatenate([o.prompt_tokens for o in runs]))),
+        observation_tokens=float(np.mean(obs_tokens)) if len(obs_tokens) else 0.0,
+    )
+
+
+def fit_sync(runs: list[Observations]) -> SyncCost:
+    total = np.concatenate([o.sync_s for o in runs])
+    paused = np.concatenate([o.paused_s for o in runs])
+    return SyncCost(base_s=float(np.median(total)), pause_base_s=float(np.median(paused)))
+
+
+def tool_latency_of(config: dict[str, Any]) -> ToolLatency:
+    """The latency environment's median and p99 from the run's interaction config."""
+    path = config["rollout"]["agent"].get("interaction_config")
+    if not path or not Path(path).exists():
+        raise ValueError(f"no interaction config at {path!r}: give the tool latency (p50=...,p99=...) explicitly")
+    for entry in yaml.safe_load(Path(path).read_text())["interaction"]:
+        c = entry.get("config", {})
+        if "latency_s" in c:
+            median = float(c["latency_s"])
+            ratio = float(c.get("p99_over_median", 10.0)) if c.get("distribution") == "lognormal" else 1.0
+            return ToolLatency(median, median * ratio)
+    raise ValueError(f"{path}: no latency environment in it: give the tool latency explicitly")
+
+
+def sim_config_of(obs: Observations, *, seed: int = 0) -> SimConfig:
+    """The run's own pipeline settings (buffer, engines, concurrency, sync cadence, steps, mode)."""
+    c = obs.config
+    buffer = BufferConfig(**{k: v for k, v in c["buffer"].items() if k != "root_dir"})
+    return SimConfig(
+        buffer=buffer,
+        mode=c["trainer"]["mode"],
+        num_engines=int(c["rollout"]["num_engines"]),
+        max_concurrent=int(c["rollout"]["max_concurrent_per_worker"]) * int(c["rollout"]["num_workers"]),
+        sync_every=int(c["trainer"]["sync_every"]),
+        total_steps=int(obs.step[-1]),
+        sync_generation_groups=int(c["trainer"].get("sync_generation_groups", 0)),
+        seed=seed,
+    )
+
+
+def calibrate(run_dirs: list[str | Path], tool: ToolLatency | None = None) -> Costs:
+    """The component costs fitted on these runs (one machine, one model; both modes for best results)."""
+    runs = [from_metrics(d) for d in run_dirs]
+    engine, engine_fit = fit_engine(runs, max_batch=int(runs[0].config["rollout"]["max_concurrent_per_worker"]))
+    learner, learner_fit = fit_learner(runs)
+    return Costs(
+        engine=engine,
+        tool=tool or tool_latency_of(runs[0].config),
+        shape=fit_shape(runs),
+        learner=learner,
+        sync=fit_sync(runs),
+        source={
+            "calibrated_from": [str(d) for d in run_dirs],
+            "modes": [o.mode for o in runs],
+            "engine_fit": engine_fit,
+            "learner_fit": learner_fit,
+            "sync_bytes": float(np.median(np.concatenate([o.sync_bytes for o in runs]))),
+        },
+    )

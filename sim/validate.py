@@ -1,0 +1,64 @@
+"""Measured against predicted: a real run's steady-state numbers, computed from its metrics the way
+bench/async_vs_sync.py computes them, beside the simulator's for the same configuration.
+
+The compared numbers: trained samples per hour, engine busy share, learner idle share (of the steady
+state: the bench's `learner/idle_ratio` also counts engine start-up in its denominator), mean lag and
+the lag histogram (every bin's share, in share points). A number is within the bound when
+|predicted - measured| <= 10 % of measured; the histogram when no bin is off by more than 0.10.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from streamrl.sim.costs import Costs
+from streamrl.sim.observe import Observations
+from streamrl.sim.pipeline import SimConfig, simulate
+
+BOUND = 0.10
+SCALARS = ("trained_samples_per_hour", "engine_busy_fraction", "learner_idle_fraction", "lag_mean")
+
+
+def measured(obs: Observations) -> dict[str, Any]:
+    """The run's steady state, from its first learner step's line to its last."""
+    span = max(obs.elapsed_s[-1] - obs.elapsed_s[0], 1e-9)
+    batch = int(obs.config["buffer"]["batch_size"])
+    return {
+        "trained_samples_per_hour": (obs.step[-1] - obs.step[0]) * batch / span * 3600,
+        "engine_busy_fraction": (obs.engine_busy_s[-1] - obs.engine_busy_s[0])
+        / max(obs.engine_uptime_s[-1] - obs.engine_uptime_s[0], 1e-9),
+        "learner_idle_fraction": (obs.idle_s[-1] - obs.idle_s[0]) / span,
+        "lag_mean": obs.lag_mean,
+        "lag_hist": obs.lag_hist,
+    }
+
+
+def predicted(cfg: SimConfig, costs: Costs, seeds: int = 3) -> dict[str, Any]:
+    """The simulator's numbers, averaged over `seeds` seeds (its own sampling noise)."""
+    runs = [simulate(replace(cfg, seed=cfg.seed + s), costs) for s in range(seeds)]
+    out: dict[str, Any] = {k: float(np.mean([getattr(r, k) for r in runs])) for k in SCALARS}
+    keys = runs[0].lag_hist.keys()
+    out["lag_hist"] = {k: float(np.mean([r.lag_hist[k] for r in runs])) for k in keys}
+    out["sync_pause_share"] = float(np.mean([r.sync_pause_share for r in runs]))
+    return out
+
+
+def compare(meas: dict[str, Any], pred: dict[str, Any]) -> dict[str, Any]:
+    """Per number: measured, predicted, relative error, and whether it is within the bound."""
+    rows: dict[str, Any] = {}
+    for k in SCALARS:
+        m, p = float(meas[k]), float(pred[k])
+        err = (p - m) / abs(m) if m else (0.0 if p == 0 else float("inf"))
+        rows[k] = {"measured": m, "predicted": p, "rel_error": err, "within": abs(err) <= BOUND + 1e-12}
+    bins = sorted(set(meas["lag_hist"]) | set(pred["lag_hist"]))
+    diff = max((abs(meas["lag_hist"].get(b, 0.0) - pred["lag_hist"].get(b, 0.0)) for b in bins), default=0.0)
+    rows["lag_hist"] = {
+        "measured": meas["lag_hist"],
+        "predicted": pred["lag_hist"],
+        "max_bin_diff": diff,
+        "within": diff <= BOUND + 1e-12,
+    }
+    return rows

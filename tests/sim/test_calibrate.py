@@ -1,0 +1,131 @@
+"""Calibration from a run directory: a small synthetic run (a real durable buffer, metrics lines and
+timeline spans written from known costs) and the fits must give those costs back."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from streamrl.buffer.config import BufferConfig
+from streamrl.buffer.store import ReplayBuffer
+from streamrl.sim.calibrate import calibrate, sim_config_of
+from streamrl.sim.observe import from_metrics
+from streamrl.sim.validate import compare, measured
+from tests.buffer.helpers import make_traj
+
+CLOCK0 = 1_700_000_000.0  # unix time of the pipeline's zero
+REQUEST_S, TOKEN_S = 0.3, 0.02  # per turn, per token (one trajectory at a time: batch 1)
+STEP_BASE_S, STEP_TOKEN_S = 1.5, 0.001  # learner
+TURNS = [1, 2, 3, 1, 2, 3, 2, 2, 3, 3, 1, 1, 2, 1, 3, 3]  # 16 trajectories: 4 steps of 2 groups of 2
+
+
+def _trajectory(i: int, start: float) -> tuple:
+    turns = [10 + 5 * ((i + k) % 3) for k in range(TURNS[i])]  # tokens of each assistant turn
+    mask: list[int] = []
+    for k, n in enumerate(turns):
+        mask += [0] * 4 * (k > 0) + [1] * n  # 4 observation tokens before every later turn
+    gen = REQUEST_S * len(turns) + TOKEN_S * sum(turns)
+    t = make_traj(f"g{i // 2}", i % 2, num_response=len(mask), num_prompt=7)
+    t = dataclasses.replace(
+        t,
+        response_mask=mask,
+        policy_versions=[0 if m else -1 for m in mask],
+        behavior_logprobs=[-0.5 if m else 0.0 for m in mask],
+        generate_s=gen,
+        created_at=CLOCK0 + start,
+        finished_at=CLOCK0 + start + gen + 0.5,
+    )
+    return t, gen + 0.5
+
+
+def write_run(root, mode: str = "sync"):
+    """A run of 4 steps of two groups of 2 (batch 4), every trajectory alone on the engine."""
+    run = root / "run"
+    env = root / "env.yaml"
+    env.write_text(
+        "interaction:\n  - name: latency_env\n    class_name: x\n    config:\n"
+        "      latency_s: 0.5\n      distribution: lognormal\n      p99_over_median: 10.0\n"
+    )
+    buf = ReplayBuffer(BufferConfig(root_dir=str(run / "buffer"), batch_size=4, group_size=2, max_staleness=2))
+    t, lines, spans, idle, busy = 0.0, [], [], 0.0, 0.0
+    for step in (1, 2, 3, 4):
+        tokens = 0
+        for i in range(4 * (step - 1), 4 * step):
+            traj, dur = _trajectory(i, t)
+            buf.append([traj])
+            tokens += len(traj.prompt_ids) + len(traj.response_ids)
+            t, idle, busy = t + dur, idle + dur, busy + traj.generate_s
+        assert buf.sample(served_version=step - 1, learner_step=step) is not None
+        step_s = STEP_BASE_S + STEP_TOKEN_S * tokens
+        spans.append({"kind": "train", "who": "learner", "start": t, "end": t + step_s})
+        t += step_s + 0.2 + 0.1  # train, sync, per-step overhead
+        lines.append(_line(step, t, step_s, idle, busy))
+    buf.close()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (run / "timeline.jsonl").write_text("".join(json.dumps(x) + "\n" for x in spans))
+    config = {
+        "trainer": {"mode": mode, "sync_every": 1, "sync_generation_groups": 0},
+        "rollout": {
+            "num_engines": 1,
+            "num_workers": 1,
+            "max_concurrent_per_worker": 8,
+            "agent": {"interaction_config": str(env)},
+        },
+        "buffer": {"batch_size": 4, "group_size": 2, "max_staleness": 2, "root_dir": None},
+    }
+    (run / "run_info.json").write_text(json.dumps({"config": config, "started_at": CLOCK0}))
+    return run
+
+
+def _line(step: int, t: float, step_s: float, idle: float, busy: float) -> dict:
+    return {
+        "time": CLOCK0 + t,
+        "elapsed_s": t,
+        "learner_step": step,
+        "policy_version": step,
+        "time/elapsed_s": t,
+        "learner/step_s": step_s,
+        "learner/idle_ratio": idle / t,
+        "sync/total_s": 0.2,
+        "sync/paused_s": 0.05,
+        "sync/bytes": 1000.0,
+        "engine/busy_s": busy,
+        "engine/uptime_s": t + 10.0,
+        "staleness/lag_mean": 0.0,
+        "staleness/lag_frac/trajectories/0": 1.0,
+        "staleness/lag_frac/trajectories/over": 0.0,
+    }
+
+
+def test_observations_read_the_run(tmp_path):
+    obs = from_metrics(write_run(tmp_path))
+    assert obs.mode == "sync" and list(obs.step) == [1, 2, 3, 4]
+    assert [len(t) for t in obs.turn_tokens] == TURNS
+    assert obs.observation_tokens[obs.observation_tokens > 0].tolist() == [4.0] * sum(n > 1 for n in TURNS)
+    assert obs.created_s[0] == pytest.approx(0.0) and len(obs.train_spans) == 4
+    assert sim_config_of(obs).buffer.batch_size == 4 and sim_config_of(obs).max_concurrent == 8
+
+
+def test_calibration_gives_the_known_costs_back(tmp_path):
+    costs = calibrate([write_run(tmp_path)])
+    assert costs.engine.request_s == pytest.approx(REQUEST_S, rel=1e-3)
+    assert costs.engine.base_s + costs.engine.per_seq_s == pytest.approx(TOKEN_S, rel=1e-3)  # batch 1 only
+    assert costs.learner.base_s == pytest.approx(STEP_BASE_S, rel=1e-3)
+    assert costs.learner.per_token_s == pytest.approx(STEP_TOKEN_S, rel=1e-3)
+    assert costs.learner.step_overhead_s == pytest.approx(0.1, abs=1e-6)
+    assert (costs.sync.base_s, costs.sync.pause_base_s) == (0.2, 0.05)
+    assert costs.tool.median_s == 0.5 and costs.tool.p99_s == pytest.approx(5.0)
+    assert costs.shape.turn_probs == pytest.approx((5 / 16, 5 / 16, 6 / 16))
+    assert costs.shape.prompt_tokens == 7.0 and costs.shape.observation_tokens == 4.0
+
+
+def test_measured_numbers_of_a_run(tmp_path):
+    obs = from_metrics(write_run(tmp_path))
+    m = measured(obs)
+    span = obs.elapsed_s[-1] - obs.elapsed_s[0]
+    assert m["trained_samples_per_hour"] == pytest.approx(3 * 4 / span * 3600)
+    rows = compare(m, {**m, "lag_mean": 0.0, "engine_busy_fraction": 1.2 * m["engine_busy_fraction"]})
+    assert rows["trained_samples_per_hour"]["within"] and rows["lag_hist"]["within"]
+    assert not rows["engine_busy_fraction"]["within"]

@@ -1,0 +1,155 @@
+"""The pipeline simulator (streamrl.sim): determinism, the limits its loops must reach (a saturated
+engine, sync phases that never overlap, the staleness bound of admission), and the engine's
+processor sharing against a hand computation."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from streamrl.buffer.config import BufferConfig
+from streamrl.sim.costs import Costs, EngineCost, LearnerCost, SyncCost, ToolLatency, TrajectoryShape
+from streamrl.sim.engine import Request, SimEngine
+from streamrl.sim.loop import EventLoop
+from streamrl.sim.pipeline import SimConfig, SimPipeline, simulate
+
+TOOL = ToolLatency(0.3, 3.0)
+
+
+def costs(*, tool: ToolLatency = TOOL, learner_s: float = 0.5, fixed_tokens: bool = False) -> Costs:
+    tokens = (64.0, 64.0) if fixed_tokens else (8.0, 64.0, 128.0)
+    return Costs(
+        engine=EngineCost(base_s=0.005, per_seq_s=0.0005, request_s=0.02, max_batch=64),
+        tool=tool,
+        shape=TrajectoryShape(
+            turn_probs=(1.0,) if fixed_tokens else (0.25, 0.25, 0.25, 0.25),
+            turn_tokens=tokens,
+            prompt_tokens=200.0,
+            observation_tokens=20.0,
+        ),
+        learner=LearnerCost(base_s=learner_s, per_token_s=0.0, step_overhead_s=0.05),
+        sync=SyncCost(base_s=0.1, pause_base_s=0.05),
+    )
+
+
+def config(**kw) -> SimConfig:
+    buffer = BufferConfig(batch_size=16, group_size=4, max_staleness=kw.pop("max_staleness", 2))
+    return SimConfig(buffer=buffer, total_steps=kw.pop("total_steps", 20), **kw)
+
+
+def test_same_seed_same_run_other_seed_other_run():
+    a, b = simulate(config(seed=1), costs()), simulate(config(seed=1), costs())
+    c = simulate(config(seed=2), costs())
+    assert a == b
+    assert a.trained_samples_per_hour != c.trained_samples_per_hour
+
+
+def test_no_tool_latency_and_no_staleness_bound_keep_the_engine_busy():
+    # the learner is fast and admission never waits for it: the engine always has work
+    fast = costs(tool=ToolLatency(0.0, 0.0), learner_s=0.01)
+    r = simulate(config(max_staleness=10_000, max_concurrent=64), replace(fast, sync=SyncCost(base_s=0.1)))
+    assert r.engine_busy_fraction > 0.99
+    assert r.learner_idle_fraction > 0.5  # and the learner waits for it
+    # a sync's pause aborts the engine's requests: it is not busy then (as `engine/busy_s` counts)
+    paused = simulate(config(max_staleness=10_000, max_concurrent=64), fast)
+    assert paused.sync_pause_share > 0.01
+    assert paused.engine_busy_fraction == pytest.approx(1 - paused.sync_pause_share, abs=0.01)
+
+
+def test_a_slow_learner_bounds_async_throughput_and_leaves_the_engine_idle():
+    r = simulate(config(max_staleness=4), costs(learner_s=5.0))
+    step_s = 5.0 + 0.1 + 0.05  # train + sync + per-step overhead
+    assert r.trained_samples_per_hour == pytest.approx(16 / step_s * 3600, rel=0.01)
+    assert r.learner_idle_fraction < 0.01
+    assert r.engine_busy_fraction < 0.9  # admission stops at the staleness bound
+
+
+class Recording(SimPipeline):
+    """Notes every interval the learner trains and every request submitted to an engine."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.overlaps = 0
+        self.trainings = 0
+        submit = self.router.submit
+
+        def watched(trajectory, request) -> None:
+            self.overlaps += self.learner_state == "training"
+            submit(trajectory, request)
+
+        self.router.submit = watched  # type: ignore[method-assign]
+
+    def _set_learner(self, state) -> None:
+        if state == "training":
+            self.trainings += 1
+            self.overlaps += sum(e.in_flight for e in self.engines)
+        super()._set_learner(state)
+
+
+def test_sync_mode_never_generates_while_the_learner_trains():
+    p = Recording(config(mode="sync"), costs())
+    r = p.run()
+    assert p.trainings == 20 and p.overlaps == 0
+    assert r.lag_mean == 0.0 and r.lag_hist["staleness/lag_frac/trajectories/0"] == 1.0
+
+
+def test_async_mode_does_generate_while_the_learner_trains():
+    p = Recording(config(mode="async"), costs())
+    p.run()
+    assert p.overlaps > 0  # the recorder can see an overlap
+
+
+@pytest.mark.parametrize("bound", [0, 1, 3])
+def test_admission_bounds_the_lag_when_trajectories_finish_in_start_order(bound):
+    # every trajectory takes the same time: groups settle in start order, so admission's bound is exact
+    r = simulate(config(max_staleness=bound, total_steps=15), costs(tool=ToolLatency(0.2, 0.2), fixed_tokens=True))
+    hist = r.lag_hist
+    assert hist["staleness/lag_frac/trajectories/over"] == 0.0
+    assert hist[f"staleness/lag_frac/trajectories/{bound}"] > 0  # and it is reached
+    assert all(v == 0 for k, v in hist.items() if k.rsplit("/", 1)[1] not in {"over", *map(str, range(bound + 1))})
+
+
+def test_long_tails_can_exceed_the_bound_as_the_buffer_documents():
+    r = simulate(config(max_staleness=1, total_steps=30), costs(tool=ToolLatency(0.3, 10.0)))
+    assert r.lag_hist["staleness/lag_frac/trajectories/over"] > 0
+
+
+def test_processor_sharing_matches_a_hand_computation():
+    loop = EventLoop()
+    engine = SimEngine(0, EngineCost(base_s=0.1, per_seq_s=0.1, request_s=0.0), loop)
+    done: dict[str, float] = {}
+    for name, tokens in (("a", 2), ("b", 4)):
+        engine.submit(Request(tokens, 0.0, lambda v: None, lambda n=name: done.__setitem__(n, loop.now)))
+    loop.run(lambda: len(done) == 2)
+    # both decode at 0.3 s a token until a is done (2 tokens, 0.6 s); b then alone at 0.2 s a token
+    assert done["a"] == pytest.approx(0.6) and done["b"] == pytest.approx(0.6 + 2 * 0.2)
+    assert engine.busy_until_now() == pytest.approx(1.0)
+
+
+def test_a_pause_stops_decoding_for_its_length():
+    loop = EventLoop()
+    engine = SimEngine(0, EngineCost(base_s=0.1, per_seq_s=0.0), loop)
+    done: list[float] = []
+    engine.submit(Request(10, 0.0, lambda v: None, lambda: done.append(loop.now)))
+    loop.after(0.5, engine.pause)
+    loop.after(0.8, engine.resume, 1)
+    loop.run(lambda: bool(done))
+    assert done[0] == pytest.approx(1.0 + 0.3) and engine.paused_s == pytest.approx(0.3)
+
+
+def test_tool_latency_parses_and_draws_its_median_and_p99():
+    import numpy as np
+
+    tool = ToolLatency.parse("p50=2s,p99=60s")
+    draws = tool.draw(np.random.default_rng(0), 200_000)
+    assert np.median(draws) == pytest.approx(2.0, rel=0.02)
+    assert np.quantile(draws, 0.99) == pytest.approx(60.0, rel=0.05)
+    assert ToolLatency.parse("p50=500ms,p99=1s,max=2s") == ToolLatency(0.5, 1.0, 2.0)
+    with pytest.raises(ValueError):
+        ToolLatency.parse("p50=2s")
+
+
+def test_costs_round_trip_through_json():
+    c = replace(costs(), source={"from": "test"})
+    assert Costs.from_json(c.to_json()) == c

@@ -1,0 +1,63 @@
+"""Checks of a real run's lifecycle trace (used by the end-to-end test, which traces its run): every
+part wrote events, one trajectory's spans go generate -> park -> resume across a weight sync and end
+trained at a learner step, the trace's `trained` steps are the buffer's own consumption records, and
+`streamrl trace` summarises it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from streamrl.observability.trace_summary import trajectory_lives
+from streamrl.observability.tracing import Trace, read_trace
+
+
+def _overlaps(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["ts"] < b["ts"] + b["dur"] and b["ts"] < a["ts"] + a["dur"]
+
+
+def parked_across_a_sync(trace: Trace) -> list[str]:
+    """Trajectories with an aborted generation, then a `parked` span overlapping a sync's `paused`
+    span, then `resumed` and a generation on newer weights, trained at some step."""
+    paused = [e for e in trace.events if e["pid"] == "sync" and e["name"] == "paused"]
+    by_tid: dict[str, list[dict[str, Any]]] = {}
+    for e in trace.events:
+        if e["pid"] == "trajectory":
+            by_tid.setdefault(str(e["tid"]), []).append(e)
+    found = []
+    for tid, life in trajectory_lives(trace).items():
+        events, names = by_tid[tid], [e["name"] for e in by_tid[tid]]
+        if life.trained_step is None or "parked" not in names:
+            continue
+        k = names.index("parked")
+        before = [e for e in events[:k] if e["name"] == "generate"]
+        after = [e for e in events[k:] if e["name"] == "generate"]
+        if not (before and after and before[-1]["args"].get("aborted") and "resumed" in names[k:]):
+            continue
+        lo, hi = after[0]["args"].get("min_version"), before[-1]["args"].get("max_version")
+        newer = lo is not None and (hi is None or lo > hi)  # hi None: aborted before its first token
+        if newer and any(_overlaps(events[k], p) for p in paused):
+            found.append(tid)
+    return found
+
+
+def check_lifecycle_trace(run_dir: Path, latest: pd.DataFrame) -> None:
+    """`latest`: the buffer's kept rows (`load_frame(...)[is_latest]`) of the finished run."""
+    from streamrl.streaming.cli import main
+
+    trace = read_trace(run_dir)
+    kinds = {e["pid"] for e in trace.events}
+    assert {"driver", "trajectory", "engine", "learner", "sync"} <= kinds, kinds
+    assert len(trace.shards) >= 5, trace.shards  # driver, engine, worker, buffer, learner (x2 segments)
+    assert parked_across_a_sync(trace), "no trajectory parked across a sync, resumed and trained"
+    # Joined to the training data: the step each trajectory was last trained at is the buffer's record.
+    lives = trajectory_lives(trace)
+    consumed = latest[latest["num_consumed"] > 0]
+    steps = {tid: lives[tid].trained_step if tid in lives else None for tid in consumed["trajectory_id"]}
+    assert steps == dict(zip(consumed["trajectory_id"], consumed["last_consume_step"].astype(int))), steps
+    assert main(["trace", str(run_dir), "--json"]) == 0
+    merged = json.loads((run_dir / "trace.json").read_text())
+    assert sum(e["ph"] != "M" for e in merged["traceEvents"]) == len(trace.events)
