@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FAMILIES = ("io", "hostile", "all_fail")
+FAMILIES = ("io", "hostile", "all_fail", "preempt")  # preempt: bench/chaos_preempt.py
 LOSS_KEYS = (
     "prompts_lost",
     "prompts_duplicated",
@@ -262,6 +262,10 @@ def main(
         if "hostile" in families:
             results += run_hostile(seed, root, timeout_s)
             print(json.dumps({k: results[-3].get(k) for k in ("name", "hostile_callbacks", "completed")}), flush=True)
+        if "preempt" in families:
+            from bench.chaos_preempt import run_preempt
+
+            results.append(run_preempt(seed, root, timeout_s))
         if "all_fail" in families:
             results.append(run_all_fail(seed, root, timeout_s))
             print(json.dumps({k: results[-1].get(k) for k in ("name", "stopped_clearly", "rc")}), flush=True)

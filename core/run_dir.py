@@ -6,6 +6,7 @@ atomically (write-then-rename, fsynced with the folder, `core.atomic`).
       driver_state.json    learner step, served version and its label offset, cursor, checkpoints kept
       placement.json       which node runs which part
       accounting.json      the end-of-run accounting of every admitted trajectory
+      scale_request.json   `streamrl scale`: the engine count wanted, engines to drain (the driver polls it)
       metrics.jsonl, timeline.jsonl, samples.jsonl, wandb_run_id
       buffer/              the replay buffer's durable log
       checkpoints/step_NNNNNN/   sealed learner checkpoints
@@ -54,6 +55,10 @@ class RunDir:
     @property
     def accounting(self) -> Path:
         return self.root / "accounting.json"
+
+    @property
+    def scale_request(self) -> Path:
+        return self.root / "scale_request.json"
 
     # ---- logs of the run ---------------------------------------------------------------------------
     @property

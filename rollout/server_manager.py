@@ -12,6 +12,11 @@ nothing is lost). `AgentData` records the engine a trajectory used; `pin` restor
 after a resume in another worker. `probe_unhealthy` (called by the driver's health loop) pings the
 engines and puts an unhealthy one back into routing once it answers again and serves the newest
 policy_version seen; one that comes back with stale weights waits until weight sync has caught it up.
+
+Elastic engines: `add_engine` takes a new engine in out of routing (the driver lets it in once it
+serves the current version); `retire` drains one for good: it leaves routing, its in-flight requests
+are aborted (each returns the tokens streamed so far, so the trajectory parks and continues on another
+engine from prompt + tokens so far) and, once none is left, it is forgotten.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ class ServerManager:
         self._num_retries = 0
         self._num_restored = 0
         self._newest_version = -1  # newest policy_version seen in an output or a ping
+        self._retired: set[str] = set()  # drained for good: never probed nor restored again
 
     # -- routing ----------------------------------------------------------------------------------
 
@@ -194,17 +200,54 @@ class ServerManager:
     def mark_healthy(self, engine_id: str) -> None:
         if engine_id not in self._engines:
             raise ValueError(f"unknown engine {engine_id!r}")
+        if engine_id in self._retired:
+            raise ValueError(f"engine {engine_id!r} was retired")
         self._healthy.add(engine_id)
+
+    def add_engine(self, engine: InferenceEngine) -> bool:
+        """Take in a new engine, out of routing: `probe_unhealthy` / `align` let it in once it answers
+        at the newest policy_version and the caller no longer keeps it out. False if already known."""
+        engine_id = engine.engine_id
+        if engine_id in self._engines or engine_id in self._retired:
+            return False
+        self._engines[engine_id] = engine
+        self._outstanding[engine_id] = 0
+        self._num_routed[engine_id] = 0
+        return True
+
+    async def retire(self, engine_id: str, timeout_s: float = 30.0) -> int:
+        """Drain `engine_id` for good: out of routing, its in-flight requests aborted (their loops get
+        the tokens streamed so far and continue elsewhere), then forgotten once none is left (within
+        `timeout_s`; a request still pending then keeps it known, but it is never routed to again).
+        Returns how many requests were aborted. Unknown engines are ignored (0)."""
+        if engine_id not in self._engines:
+            return 0
+        self._retired.add(engine_id)
+        self.mark_unhealthy(engine_id, reason="retired (drained)")
+        engine = self._engines[engine_id]
+        requests = [r for r, e in self._in_flight.items() if e == engine_id]
+        await asyncio.gather(*(asyncio.wait_for(engine.abort(r), timeout_s) for r in requests), return_exceptions=True)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._outstanding[engine_id] > 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        if self._outstanding[engine_id] == 0:
+            for table in (self._engines, self._outstanding, self._num_routed):
+                del table[engine_id]
+        else:
+            logger.warning("engine %s retired with %d requests still pending", engine_id, self._outstanding[engine_id])
+        return len(requests)
 
     async def probe_unhealthy(self, timeout_s: float = 10.0, *, keep_out: Collection[str] = ()) -> list[str]:
         """Ping every engine once (concurrently, each bounded by `timeout_s`) and restore each unhealthy
         engine that answers with the newest policy_version seen (in these pings or in routed outputs),
         except those in `keep_out` (e.g. engines weight sync dropped and has not taken back yet).
         Returns the restored engine ids; a no-op while every engine is healthy."""
-        unhealthy = [e for e in self._engines if e not in self._healthy and e not in keep_out]
+        unhealthy = [
+            e for e in self._engines if e not in self._healthy and e not in keep_out and e not in self._retired
+        ]
         if not unhealthy:
             return []
-        ids = list(self._engines)
+        ids = [e for e in self._engines if e not in self._retired]
         outcomes = await asyncio.gather(
             *(asyncio.wait_for(self._engines[e].ping(), timeout_s) for e in ids), return_exceptions=True
         )

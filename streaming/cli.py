@@ -8,6 +8,7 @@ streamrl rollout --config configs/default.toml [--num-prompts N] [--out FILE]   
 streamrl eval RUN_DIR [--checkpoint base|latest|all|STEP ...] [eval.k=4 ...]   (held-out, offline)
 streamrl eval --config configs/default.toml [key=value ...]                   (the starting model)
 streamrl report RUN_DIR
+streamrl scale RUN_DIR --engines N | --preempt ENGINE_ID   (engines of a running train, streaming.elastic)
 streamrl staleness RUN_DIR                   (lags, version spans, length bias, reward by lag)
 streamrl staleness reweight RUN_DIR --checkpoint STEP [--correction SPEC ...] [--steps A:B] [--out DIR]
 streamrl trace RUN_DIR [--window A:B] [--out FILE]   (merge the lifecycle trace, print where the time went)
@@ -124,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     from streamrl.sim.cli import register as register_sim
 
     register_sim(sub)  # `plan --model 7B --gpus 256 ...`, `calibrate RUN_DIR ...`
+    from streamrl.streaming.elastic import register as register_scale
+
+    register_scale(sub)  # `scale RUN_DIR --engines N | --preempt ENGINE_ID`
     return parser
 
 

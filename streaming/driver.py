@@ -16,6 +16,7 @@ import logging
 import time
 
 from streamrl.core import faults, trace
+from streamrl.streaming.elastic import scale_loop
 from streamrl.streaming.failures import check_failures
 from streamrl.streaming.pipeline import Pipeline
 
@@ -156,6 +157,7 @@ async def run_async(pipeline: Pipeline) -> None:
         asyncio.create_task(admission_loop(pipeline), name="admission"),
         asyncio.create_task(learner_loop(pipeline), name="learner"),
         asyncio.create_task(health_loop(pipeline), name="health"),
+        asyncio.create_task(scale_loop(pipeline), name="scale"),  # `streamrl scale` (streaming.elastic)
     ]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

@@ -251,7 +251,7 @@ class Evaluator:
 
     async def _evaluate(self, pipeline: Pipeline, served_step: int, policy_version: int) -> dict[str, float]:
         cfg = self.cfg
-        engines = [e for e in pipeline.engines if e.engine_id not in pipeline.dropped_engines]  # never a dropped one
+        engines = pipeline.serving_engines  # never a dropped or joining one
         started, t0 = pipeline.total_elapsed_s, time.monotonic()
         trajectories = await run_heldout(
             cfg, pipeline.model_path, engines, self.records, timeout_s=cfg.trainer.step_timeout_s

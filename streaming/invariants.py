@@ -6,12 +6,13 @@ Counts (all must be 0): prompts lost (I1: one of the first `cursor` prompts has 
 duplicated (a group beyond the cursor, or with more than `group_size` trajectories), trajectories
 consumed twice or outside a learner step's full batch, stranded trajectories (I2, from the end-of-run
 accounting), version violations (I4: a trajectory whose versions decrease, or a label above the
-high-water mark the driver saved), tool side effects repeated (I5: when the run's tools keep a ledger
-at `RUN_DIR/tool_ledger.jsonl` (`rollout.tools.ledger`), a (trajectory, call id) with more than one
-line, or a finished trajectory with more ledger lines than tool calls), gateway calls answered
-differently (exactly-once answers: when the run's gateway clients record what they were told at
-`RUN_DIR/answer_ledger.jsonl` (`workloads.answer_ledger`), a journal key whose clients got more than
-one distinct answer; also counted across attempts, a restarted program's repeats included).
+high-water mark the driver saved, or a sampled token labelled below 0: weights no sync published), tool
+side effects repeated (I5: when the run's tools keep a ledger at `RUN_DIR/tool_ledger.jsonl`
+(`rollout.tools.ledger`), a (trajectory, call id) with more than one line, or a finished trajectory
+with more ledger lines than tool calls), gateway calls answered differently (exactly-once answers:
+when the run's gateway clients record what they were told at `RUN_DIR/answer_ledger.jsonl`
+(`workloads.answer_ledger`), a journal key whose clients got more than one distinct answer; also
+counted across attempts, a restarted program's repeats included).
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def check_run(run_dir: str | Path) -> InvariantReport:
     high = max(state.get("version_high_water", 0), state["policy_version"])
     for tid, versions, mask in zip(latest["trajectory_id"], latest["policy_versions"], latest["response_mask"]):
         sampled = [int(v) for v, m in zip(versions, mask) if m]
-        if sampled != sorted(sampled) or (sampled and sampled[-1] > high):
+        # a sampled token below 0 came from weights no sync published (an engine still joining, elastic.py)
+        if sampled != sorted(sampled) or (sampled and (sampled[-1] > high or sampled[0] < 0)):
             report.version_violations += 1
             report.problems.append(f"versions of {tid}: {sampled[:8]}... (high-water {high})")
 

@@ -25,6 +25,7 @@ from streamrl.streaming import step_metrics
 from streamrl.streaming.checkpoints import delete_checkpoints, drop_old_checkpoints, record_checkpoint
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver_state import DriverState
+from streamrl.streaming.elastic import EngineFleet, admit_joined, check_engines, retire_dead
 from streamrl.streaming.errors import check_nonfinite_steps
 from streamrl.streaming.failures import check_failures
 from streamrl.streaming.prompts import PromptStream, group_id_for, make_group
@@ -87,6 +88,7 @@ class Pipeline:
     _published: asyncio.Condition = field(default_factory=asyncio.Condition)  # the served version changed
     num_nonfinite_in_row: int = 0  # learner steps skipped for a non-finite loss / gradient, in a row
     failures: FailureWindow | None = None  # failed share of the newest trajectories (streaming.failures)
+    fleet: EngineFleet = field(default_factory=EngineFleet)  # engines joining / retired (streaming.elastic)
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -236,6 +238,15 @@ class Pipeline:
         return step_dir
 
     @property
+    def kept_out(self) -> list[str]:
+        """Engines out of routing: dropped by weight sync (I6), or joining (not yet at the served version)."""
+        return sorted({*self.dropped_engines, *self.fleet.joining})
+
+    @property
+    def serving_engines(self) -> list[RayEngineClient]:
+        return [e for e in self.engines if e.engine_id not in self.kept_out]
+
+    @property
     def elapsed_s(self) -> float:
         """Wall time of this process's segment of the run."""
         return time.monotonic() - self.started
@@ -252,29 +263,14 @@ class Pipeline:
 
         Serialized: the admission and health loops may both notice the same dead worker."""
         async with self._health_lock:
-            await self.check_engines()
+            await retire_dead(self, await self.check_engines())
+            await admit_joined(self)
             await self._replace_dead_workers()
             await check_failures(self)
 
-    async def check_engines(self) -> None:
-        """I6: raise `NoHealthyEngineError` when no engine actor is alive any more. Without this,
-        a run whose only engine died before its first weight sync would admit prompt after prompt,
-        each failing at once ("all engines are unhealthy"): rows keep arriving, so the learner's
-        stall check never fires, and the run cycles through the dataset instead of stopping. An
-        engine that is merely slow to answer is not dead; one dead among live ones is left to
-        routing (its requests fail over) and to the next sync (which drops it)."""
-        from streamrl.rollout.engine.base import NoHealthyEngineError
-
-        dead = []
-        for i, engine in enumerate(self.engines):
-            try:
-                await engine.actor_stats()
-            except ray.exceptions.RayActorError as exc:
-                dead.append(f"engine-{i}: {type(exc).__name__}")
-            except TimeoutError:
-                continue  # busy, not dead
-        if dead and len(dead) == len(self.engines):
-            raise NoHealthyEngineError(f"no inference engine is alive: {'; '.join(dead)}")
+    async def check_engines(self) -> list[RayEngineClient]:
+        """I6: the dead engines (`elastic.check_engines`); raises `NoHealthyEngineError` when none is alive."""
+        return await check_engines(self.engines)
 
     async def _replace_dead_workers(self) -> None:
         """Replace dead workers, then resubmit whatever no live worker runs (stranded work: I2)."""
@@ -297,8 +293,9 @@ class Pipeline:
         await self.resubmit_orphans()
 
     async def align_routing(self, workers: list[WorkerClient]) -> None:
-        """Every worker routes to the engines weight sync keeps (I6) and takes back recovered ones."""
-        keep_out = sorted(self.dropped_engines)
+        """Every worker routes to the engines weight sync keeps (I6), not to joining ones, and takes
+        back recovered ones."""
+        keep_out = self.kept_out
         for w in workers:
             try:
                 await w.route(keep_out)
@@ -487,8 +484,9 @@ def make_worker(pipeline: Pipeline, worker_id: str) -> WorkerClient:
     from streamrl.streaming.actors.worker import RolloutWorkerActor
 
     # @ray.remote makes RolloutWorkerActor an ActorClass; pyrefly types the decorated name as the plain class
+    handles, ids = [e.handle for e in pipeline.engines], [e.engine_id for e in pipeline.engines]
     handle = RolloutWorkerActor.options(num_cpus=0.25, name=None).remote(  # pyrefly: ignore[missing-attribute]
-        worker_id, pipeline.cfg, pipeline.model_path, [e.handle for e in pipeline.engines], pipeline.buffer.handle
+        worker_id, pipeline.cfg, pipeline.model_path, handles, pipeline.buffer.handle, ids, pipeline.kept_out
     )
     return WorkerClient(handle, timeout_s=pipeline.timeout_s, timeouts=pipeline.cfg.trainer.actor_timeouts)
 

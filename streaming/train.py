@@ -189,6 +189,7 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
         state=state,
         elapsed_base_s=state.elapsed_s,
     )
+    pipeline.fleet.engine_cfg, pipeline.fleet.next_index = engine_cfg, len(engines)  # `streamrl scale`
     pipeline.workers = [make_worker(pipeline, f"worker-{i}") for i in range(cfg.rollout.num_workers)]
     startup = cfg.rollout.engine.startup_timeout_s
     await asyncio.gather(*[e.wait_ready() for e in engines])

@@ -24,6 +24,11 @@ without them. A dropped engine that answers a ping before a later sync rejoins i
 it to the current weights). With no engine left, `sync` raises `NoHealthyEngineError`. Dropping here
 does not touch routing: `dropped` names the engines the driver should take out of its ServerManagers.
 
+Membership changes without a restart: `add_engines` puts new engines into the sync set (the next sync
+stages the full weights in them and commits them at its version, which is how a new engine reaches the
+current policy before it serves); `remove_engines` takes drained or dead ones out for good. Both wait
+for a sync in progress; the transport's group is rebuilt at the next sync because its members changed.
+
 Pause modes (`WeightSyncConfig.pause_mode`):
 - abort (default): rollout workers are paused first (their loops abort in-flight requests, keep the
   streamed tokens and park; they re-prefill after resume), then engines pause with ABORT.
@@ -134,6 +139,28 @@ class WeightSyncCoordinator:
         if result.ok:
             self.num_versions_skipped += max(result.policy_version - served_before - 1, 0)
         self.last_result = result
+
+    async def add_engines(self, engines: Sequence[SyncEngine]) -> list[str]:
+        """Put new engines into the sync set (after any sync in progress); returns the ids added
+        (an id already in the set is ignored). The next sync brings them to its version."""
+        async with self._lock:
+            known = {e.engine_id for e in self.all_engines}
+            added = [e for e in engines if e.engine_id not in known]
+            self.all_engines.extend(added)
+        return [e.engine_id for e in added]
+
+    async def remove_engines(self, engine_ids: Iterable[str]) -> list[str]:
+        """Take engines out of the sync set for good (drained or dead; after any sync in progress);
+        returns the ids removed. Raises ValueError rather than remove the last one."""
+        gone = set(engine_ids)
+        async with self._lock:
+            removed = [e.engine_id for e in self.all_engines if e.engine_id in gone]
+            if removed and len(removed) == len(self.all_engines):
+                raise ValueError(f"removing {removed} would leave no engine to sync")
+            self.all_engines = [e for e in self.all_engines if e.engine_id not in gone]
+            for engine_id in removed:
+                self.dropped.pop(engine_id, None)
+        return removed
 
     def _check_engines_left(self) -> None:
         if not self.engines:

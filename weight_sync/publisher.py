@@ -115,6 +115,14 @@ class WeightPublisher:
         """Replace the pausable set after a preempted rollout worker was replaced."""
         self.workers.workers = list(workers)
 
+    async def add_engines(self, clients: Sequence[SyncEngine]) -> list[str]:
+        """New engines join the sync set; the next sync brings them to its version (see coordinator)."""
+        return await self.coordinator.add_engines(clients)
+
+    async def remove_engines(self, engine_ids: Sequence[str]) -> list[str]:
+        """Drained or dead engines leave the sync set for good."""
+        return await self.coordinator.remove_engines(engine_ids)
+
     async def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], target: int) -> Published:
         """Move `named_tensors` into every engine as `target` (transactional).
 

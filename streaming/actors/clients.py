@@ -157,6 +157,14 @@ class LearnerClient(ActorClient):
     async def connect(self, engines: list[RayEngineClient], workers: list[WorkerClient], policy_version: int) -> None:
         await self._call("connect", [e.handle for e in engines], list(workers), policy_version)
 
+    async def add_engines(self, engines: list[RayEngineClient]) -> list[str]:
+        """New engines join the weight-sync set (the next sync brings them to its version)."""
+        return await self._call("add_engines", [e.handle for e in engines], [e.engine_id for e in engines])
+
+    async def remove_engines(self, engine_ids: list[str]) -> list[str]:
+        """Drained or dead engines leave the weight-sync set for good."""
+        return await self._call("remove_engines", list(engine_ids))
+
     async def set_workers(self, workers: list[WorkerClient]) -> None:
         """The rollout workers the publisher pauses (their clients travel to the learner's process)."""
         await self._call("set_workers", list(workers))
@@ -180,6 +188,17 @@ class WorkerClient(ActorClient):
 
     async def route(self, keep_out: list[str]) -> list[str]:
         return await self._call("route", keep_out, timeout_s=self.timeouts.query_s)
+
+    async def add_engines(self, engines: list[RayEngineClient]) -> None:
+        """New engines enter the worker's routing table, out of routing until `route` lets them in."""
+        await self._call("add_engines", [e.handle for e in engines], [e.engine_id for e in engines])
+
+    async def retire_engines(self, engine_ids: list[str], timeout_s: float) -> int:
+        """Drain engines for good: out of routing, their in-flight requests aborted (the trajectories
+        continue on other engines from their tokens so far). Returns the requests aborted."""
+        return await self._call(
+            "retire_engines", list(engine_ids), timeout_s, timeout_s=timeout_s + self.timeouts.query_s
+        )
 
     async def pause(self, epoch: int | None = None) -> None:
         """Park the worker's loops (weight_sync's `PausableWorkers`; `epoch` fences a late pause)."""

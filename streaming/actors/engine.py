@@ -318,7 +318,17 @@ class RayEngineClient(InferenceEngine):
         ray.kill(self.actor, no_restart=True)
 
 
-def engine_clients(handles: list[Any], cfg: EngineConfig, policy_version: int = 0) -> list[RayEngineClient]:
-    """One client per engine actor, named `engine-{i}` in the order of `handles` (the name the sync,
-    the routing and the rollout workers all use)."""
-    return [RayEngineClient(h, f"engine-{i}", cfg=cfg, policy_version=policy_version) for i, h in enumerate(handles)]
+# The version an engine launched during a run announces until a sync commits the current weights in
+# it: below every real label, so routing never takes it for a current engine (`streaming.elastic`).
+JOINING_VERSION = -1
+
+
+def engine_clients(
+    handles: list[Any], cfg: EngineConfig, policy_version: int = 0, ids: list[str] | None = None
+) -> list[RayEngineClient]:
+    """One client per engine actor, named by `ids`, else `engine-{i}` in the order of `handles` (the
+    name the sync, the routing and the rollout workers all use)."""
+    names = ids if ids is not None else [f"engine-{i}" for i in range(len(handles))]
+    if len(names) != len(handles):
+        raise ValueError(f"{len(handles)} engine handles for {len(names)} ids")
+    return [RayEngineClient(h, n, cfg=cfg, policy_version=policy_version) for n, h in zip(names, handles, strict=True)]

@@ -127,6 +127,14 @@ class LearnerActor:
         """Replace the pausable set after a preempted worker was replaced."""
         await self.learner.set_workers(workers)
 
+    async def add_engines(self, engines: list, ids: list[str]) -> list[str]:
+        """Engines launched during the run join the sync set; the next sync brings them to its version."""
+        return await self.learner.add_engines(engines, ids)
+
+    async def remove_engines(self, ids: list[str]) -> list[str]:
+        """Drained or dead engines leave the sync set for good."""
+        return await self.learner.remove_engines(ids)
+
     async def publish(self) -> Published:
         """Move the current weights into every engine (transactional).
 

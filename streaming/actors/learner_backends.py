@@ -89,6 +89,16 @@ class LocalLearner:
         assert self.publisher is not None, "connect() first"
         self.publisher.set_workers(workers)
 
+    async def add_engines(self, engines: list[Any], ids: list[str]) -> list[str]:
+        from streamrl.streaming.actors.engine import JOINING_VERSION, engine_clients
+
+        assert self.publisher is not None, "connect() first"
+        return await self.publisher.add_engines(engine_clients(engines, self.cfg.rollout.engine, JOINING_VERSION, ids))
+
+    async def remove_engines(self, ids: list[str]) -> list[str]:
+        assert self.publisher is not None, "connect() first"
+        return await self.publisher.remove_engines(ids)
+
     async def publish(self) -> Published:
         from streamrl.core.memory import trim_allocator
 
@@ -143,6 +153,17 @@ class PublishingLearnerWorker(LearnerWorker):
     def set_workers(self, workers: list[Any]) -> None:
         assert self.publisher is not None, "connect() first"
         self.publisher.set_workers(workers)
+
+    def add_engines(self, engine_cfg: EngineConfig, engines: list[Any], ids: list[str]) -> list[str]:
+        from streamrl.streaming.actors.engine import JOINING_VERSION, engine_clients
+
+        assert self.publisher is not None and self._loop is not None, "connect() first"
+        clients = engine_clients(engines, engine_cfg, JOINING_VERSION, ids)
+        return self._loop.run_until_complete(self.publisher.add_engines(clients))
+
+    def remove_engines(self, ids: list[str]) -> list[str]:
+        assert self.publisher is not None and self._loop is not None, "connect() first"
+        return self._loop.run_until_complete(self.publisher.remove_engines(ids))
 
     def publish(self, target: int) -> Published:
         """Gather (collective: ranks 1..M-1 run `LearnerWorker.join_sync_gather` now), then sync as `target`."""
@@ -234,6 +255,12 @@ class GroupLearner:
 
     async def set_workers(self, workers: list[Any]) -> None:
         await self._wait([self.group.rank0.set_workers.remote(workers)])
+
+    async def add_engines(self, engines: list[Any], ids: list[str]) -> list[str]:
+        return (await self._wait([self.group.rank0.add_engines.remote(self.cfg.rollout.engine, engines, ids)]))[0]
+
+    async def remove_engines(self, ids: list[str]) -> list[str]:
+        return (await self._wait([self.group.rank0.remove_engines.remote(ids)]))[0]
 
     async def node_ids(self) -> list[str]:
         return await self._wait(self.group.start_node_ids())

@@ -76,7 +76,16 @@ def image_blobs(store: Any, traj: Any) -> list | None:
 
 @ray.remote
 class RolloutWorkerActor:
-    def __init__(self, worker_id: str, cfg: StreamRLConfig, model_path: str, engines: list, buffer: Any) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        cfg: StreamRLConfig,
+        model_path: str,
+        engines: list,
+        buffer: Any,
+        engine_ids: list[str] | None = None,
+        keep_out: list[str] | None = None,
+    ) -> None:
         from streamrl.rollout.engine.base import PauseMode
         from streamrl.rollout.server_manager import ServerManager
         from streamrl.rollout.worker import RolloutWorker
@@ -86,7 +95,11 @@ class RolloutWorkerActor:
         logging.basicConfig(level=logging.INFO)
         self.append_timeout_s = 120.0
         self.buffer = BufferClient(buffer, timeout_s=60.0)  # + the wait of each append for room
-        server = ServerManager(engine_clients(engines, cfg.rollout.engine), max_sticky_keys=cfg.rollout.sticky_lru_size)
+        clients = engine_clients(engines, cfg.rollout.engine, ids=engine_ids)
+        server = ServerManager(clients, max_sticky_keys=cfg.rollout.sticky_lru_size)
+        for engine_id in keep_out or []:  # not yet serving the current version (or leaving): never routed to
+            server.mark_unhealthy(engine_id, reason="kept out by the driver")
+        self.engine_cfg = cfg.rollout.engine
         ctx = build_agent_context(cfg, model_path, server)
         ctx.snapshot = self._snapshot  # I5: tool intents (and the gateway's answers) are durable first
         ctx.fetch_images = self._fetch_images
@@ -167,6 +180,21 @@ class RolloutWorkerActor:
         engine is pinged and rejoins once it answers at the newest policy_version. Returns the
         engines restored."""
         return await self.server.align(keep_out)
+
+    async def add_engines(self, engines: list, engine_ids: list[str]) -> None:
+        """Engines launched during the run: known from now on, routed to once `route` lets them in."""
+        from streamrl.streaming.actors.engine import JOINING_VERSION, engine_clients
+
+        for client in engine_clients(engines, self.engine_cfg, JOINING_VERSION, engine_ids):
+            self.server.add_engine(client)
+
+    async def retire_engines(self, engine_ids: list[str], timeout_s: float) -> int:
+        """Drain engines for good (`ServerManager.retire`): their trajectories park with the tokens
+        streamed so far and, the worker not being paused, go on at once on the other engines."""
+        aborted = 0
+        for engine_id in engine_ids:
+            aborted += await self.server.retire(engine_id, timeout_s)
+        return aborted
 
     async def running_ids(self) -> list[str]:
         return self.worker.running_ids()

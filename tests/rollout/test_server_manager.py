@@ -223,3 +223,33 @@ async def test_sticky_routing_over_two_ray_vllm_engines(ray_cluster, tiny_model_
         assert remote.engine_id == "ray-0" and remote.num_generated_tokens > 0
     finally:
         await manager.shutdown()
+
+
+@pytest.mark.timeout(30)
+async def test_added_engine_waits_out_of_routing_and_a_retired_one_hands_its_requests_back():
+    """Elastic engines: a new engine serves only once let in; retiring an engine aborts its in-flight
+    requests (the caller gets the streamed tokens) and the trajectory's next request goes elsewhere."""
+    engines = fleet(2, script=[list(range(200))], token_delay_s=0.005)
+    manager = ServerManager(engines)
+    late = FakeEngine("e2", script=[list(range(200))], policy_version=-1)
+    assert manager.add_engine(late) and not manager.add_engine(late)
+    assert "e2" not in manager.healthy_engine_ids
+    assert await manager.align(keep_out=["e2"]) == []  # kept out by the caller
+    assert await manager.probe_unhealthy() == []  # answers at version -1 < 0: stays out
+    late.policy_version = 0  # a sync brought it to the served version
+    assert await manager.probe_unhealthy() == ["e2"]
+
+    long = SamplingParams(max_tokens=200)
+    task = asyncio.create_task(manager.generate("t", "r0", [1], long))
+    await asyncio.sleep(0.05)
+    home = manager.sticky_engine("t")
+    assert home is not None and manager.stats().outstanding[home] == 1
+    assert await manager.retire(home) == 1
+    out, engine_id = await task
+    assert engine_id == home and out.finish_reason == "abort" and 0 < len(out.token_ids) < 200
+    assert home not in manager.engine_ids and home not in manager.healthy_engine_ids
+    _, again = await manager.generate("t", "r1", [1, *out.token_ids], SAMPLING)
+    assert again != home  # the trajectory continues on another engine
+    assert await manager.probe_unhealthy() == [] and home not in manager.engine_ids
+    assert await manager.retire(home) == 0  # unknown now: ignored
+    assert not manager.add_engine(FakeEngine(home))  # ids are never reused

@@ -282,3 +282,21 @@ def test_run_summary_says_where_everything_is(tmp_path):
     assert f"logs         {tmp_path / 'logs'}" in done and "--resume" not in done
     stopped = run_summary(tmp_path, learner_step=2, total_steps=4, elapsed_s=60, report=None)
     assert stopped.startswith("run stopped at learner step 2/4") and f"streamrl train --resume {tmp_path}" in stopped
+
+
+def test_scale_writes_a_request_the_driver_reads(tmp_path, capsys):
+    from streamrl.streaming.elastic import read_scale_request
+
+    assert main(["scale", str(tmp_path), "--engines", "3"]) == 2  # not a run directory
+    (tmp_path / "run_info.json").write_text("{}")
+    assert main(["scale", str(tmp_path)]) == 2  # nothing asked
+    assert main(["scale", str(tmp_path), "--engines", "0"]) == 2
+    assert main(["scale", str(tmp_path), "--engines", "3", "--preempt", "engine-1"]) == 0
+    first = read_scale_request(tmp_path)
+    assert first is not None and first.engines == 3 and first.preempt == ("engine-1",)
+    assert main(["scale", str(tmp_path), "--preempt", "engine-0"]) == 0
+    second = read_scale_request(tmp_path)
+    assert second is not None and second.request_id != first.request_id and second.engines is None
+    assert "scale request" in capsys.readouterr().out
+    (tmp_path / "scale_request.json").write_text('{"engines": 2}')  # hand-written, no request id
+    assert read_scale_request(tmp_path) is None
