@@ -29,6 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +267,21 @@ def _failed(task: asyncio.Task[None]) -> bool:
 def _retrieve(task: asyncio.Task[None]) -> None:
     if not task.cancelled():
         task.exception()
+
+
+class RequestTable:
+    """The in-flight requests of an engine that streams tokens, by id: each state holds the
+    `token_ids` received so far (the in-process vLLM engine and the server engines)."""
+
+    _requests: dict[str, Any]
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def num_streamed_tokens(self, request_id: str) -> int:
+        """Tokens received so far by a pending `generate` (0 if unknown or finished)."""
+        state = self._requests.get(request_id)
+        return len(state.token_ids) if state is not None else 0
 
 
 def check_request(

@@ -40,6 +40,7 @@ from streamrl.rollout.engine.base import (
     InferenceEngine,
     PauseMode,
     PromptMismatchError,
+    RequestTable,
     SamplingParams,
     SyncFence,
     check_request,
@@ -74,7 +75,7 @@ class _InFlight:
             self.task.cancel()
 
 
-class ServerEngine(InferenceEngine):
+class ServerEngine(RequestTable, InferenceEngine):
     """One inference server behind the engine interface (construct once, `shutdown` at end)."""
 
     def __init__(self, cfg: EngineConfig, engine_id: str, *, policy_version: int = 0) -> None:
@@ -178,14 +179,6 @@ class ServerEngine(InferenceEngine):
             state.num_cached = chunk.num_cached_tokens
         if chunk.finish_reason is not None:
             state.finish_reason = chunk.finish_reason
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
-
-    def num_streamed_tokens(self, request_id: str) -> int:
-        """Tokens received so far by a pending `generate` (0 if unknown or finished)."""
-        state = self._requests.get(request_id)
-        return len(state.token_ids) if state is not None else 0
 
     async def abort(self, request_id: str) -> None:
         state = self._requests.get(request_id)

@@ -42,6 +42,7 @@ from streamrl.rollout.engine.base import (
     InferenceEngine,
     PauseMode,
     PromptMismatchError,
+    RequestTable,
     SyncFence,
     check_request,
 )
@@ -114,7 +115,7 @@ def load_image_processor(model_path: Path) -> tuple[Any, int]:
     return processor, int(image_token_id)
 
 
-class VLLMEngine(InferenceEngine):
+class VLLMEngine(RequestTable, InferenceEngine):
     """One vLLM AsyncLLM instance behind the engine interface (construct once, `shutdown` at end)."""
 
     def __init__(self, cfg: EngineConfig, engine_id: str, *, policy_version: int = 0) -> None:
@@ -260,14 +261,6 @@ class VLLMEngine(InferenceEngine):
             num_prompt_tokens=len(prompt_ids),
             num_cached_tokens=num_cached,
         )
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
-
-    def num_streamed_tokens(self, request_id: str) -> int:
-        """Tokens received so far by a pending `generate` (0 if unknown or finished)."""
-        state = self._requests.get(request_id)
-        return len(state.token_ids) if state is not None else 0
 
     async def abort(self, request_id: str) -> None:
         state = self._requests.get(request_id)
