@@ -51,7 +51,8 @@ def _registry(**server) -> ToolRegistry:
     return load_tool_config({"tools": [{"mcp": {"module": SERVER, "backoff_s": 0.1, **server}}]})
 
 
-async def _run(registry: ToolRegistry, *calls: ToolCall, timeout_s: float = 10.0):
+async def _run(registry: ToolRegistry, *calls: ToolCall, timeout_s: float = 40.0):
+    """Execute `calls`; the default deadline leaves a restarting server time on a loaded machine."""
     return await registry.execute_calls(list(calls), {}, timeout_s=timeout_s, max_parallel=8)
 
 
