@@ -1,6 +1,7 @@
 """Checks of a real run's lifecycle trace (used by the end-to-end test, which traces its run): every
-part wrote events, every trajectory the buffer records as interrupted parked and resumed in the trace, the trace's `trained` steps are the buffer's own consumption records, and
-`streamrl trace` summarises it."""
+part wrote events, every trajectory the buffer records as interrupted parked and resumed in the trace,
+the trace's `trained` steps are the buffer's own consumption records, and `streamrl trace`
+summarises it."""
 
 from __future__ import annotations
 
