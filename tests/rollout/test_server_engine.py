@@ -185,7 +185,7 @@ async def test_agent_loops_through_a_filesystem_weight_sync(server_engine, tiny_
     from streamrl.rollout.types import AgentData, AgentState, TrajectoryStatus
     from streamrl.rollout.worker import RolloutWorker
     from streamrl.weight_sync import WeightSyncConfig, WeightSyncCoordinator
-    from streamrl.weight_sync.config import TransportKind
+    from streamrl.weight_sync.config import SyncTimeouts, TransportKind
     from tests.weight_sync.fakes import PauseWhen
     from tests.weight_sync.test_interrupt_resume import _original, _perturbed
 
@@ -212,7 +212,14 @@ async def test_agent_loops_through_a_filesystem_weight_sync(server_engine, tiny_
         states = [d for d in worker._states.values() if d.state is AgentState.GENERATING and d.request_id]
         return sum(1 <= server_engine.num_streamed_tokens(d.request_id) <= 60 for d in states) >= 2
 
-    sync_cfg = WeightSyncConfig(transport=TransportKind.FILESYSTEM, fs_dir=str(tmp_path), verify_checksum=True)
+    # the pause waits for every loop to park through the server's HTTP streams: a loaded machine's
+    # test run once needed more than the default 30 s (a hang still fails, at 120 s)
+    sync_cfg = WeightSyncConfig(
+        transport=TransportKind.FILESYSTEM,
+        fs_dir=str(tmp_path),
+        verify_checksum=True,
+        timeouts=SyncTimeouts(pause=120.0),
+    )
     coordinator = WeightSyncCoordinator(sync_cfg, [server_engine], workers=PauseWhen(worker, ready=mid_turn))
     v0 = server_engine.policy_version
     for i in range(3):
