@@ -335,7 +335,7 @@ class SGLangServerEngine(ServerEngine):
         if method == "discard_weights":
             staged, self._staged = self._staged, None
             return [staged is not None]
-        raise NotImplementedError(
+        raise ValueError(
             f"engine {self.engine_id}: SGLang servers take weights from disk only (filesystem transport); no {method!r}"
         )
 

@@ -129,7 +129,7 @@ async def test_server_errors_surface(sglang):
         await engine.generate("img", PROMPT, SamplingParams(max_tokens=4), images=[object()])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="safetensors"):
         await engine.load_weights_from_path("/nonexistent", 3)
-    with pytest.raises(NotImplementedError, match="from disk only"):
+    with pytest.raises(ValueError, match="from disk only"):
         await engine.collective_rpc("init_weight_group")
     assert await engine.ping() == 0
 
