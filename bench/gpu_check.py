@@ -12,7 +12,11 @@ version, the learner group has the ranks asked for and reports CUDA memory. Writ
 Without CUDA it stops at that check: exit 2 and a JSON that says so; `--dry-run` instead resolves the
 GPU config and prints its memory estimate (`streamrl train --dry-run`), which runs anywhere.
 
-    python -m bench.gpu_check [--steps 3] [--dry-run] [--out bench/results/gpu.json]
+`--backend vllm_server` runs the same check with each engine driving a `vllm serve` process that the
+engine starts itself (`rollout.engine.server_command`) on the engine's GPU share, with the weights
+synced through the server's own endpoints (filesystem transport, docs/inference-server.md).
+
+    python -m bench.gpu_check [--steps 3] [--backend vllm|vllm_server] [--dry-run] [--out bench/results/gpu.json]
 """
 
 from __future__ import annotations
@@ -87,6 +91,50 @@ def gpu_overrides(work: Path, *, steps: int, num_gpus: int) -> list[str]:
     ]
 
 
+def server_overrides(work: Path, model: Path, *, num_gpus: int) -> list[str]:
+    """The engine drives `vllm serve` (started by the engine, in its own process group, on the engine
+    actor's GPU share) instead of vLLM in-process; the weights reach it through the filesystem transport."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [
+        "env",
+        "VLLM_SERVER_DEV_MODE=1",  # /pause, /resume, /collective_rpc
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.launchers.api_server.entry",  # `vllm serve`
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--dtype",
+        "bfloat16",
+        "--gpu-memory-utilization",
+        "0.3" if num_gpus == 1 else "0.85",
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "vllm",
+        "--worker-extension-cls",
+        "streamrl.weight_sync.worker_extension.WeightSyncWorkerExtension",
+        "--disable-log-stats",
+    ]
+    return [
+        "rollout.engine.backend=vllm_server",
+        f'rollout.engine.server_urls=["http://127.0.0.1:{port}"]',
+        f"rollout.engine.server_command={json.dumps(command)}",
+        "weight_sync.transport=filesystem",
+        f"weight_sync.fs_dir={work / 'weights'}",
+    ]
+
+
 def load_logged(run_dir: Path) -> list[dict[str, Any]]:
     """The per-step learner rows of the run's metrics.jsonl."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -128,17 +176,24 @@ def observed(run_dir: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--backend", choices=["vllm", "vllm_server"], default="vllm", help="the engines' backend")
     parser.add_argument("--dry-run", action="store_true", help="resolve the GPU config and its memory estimate only")
     parser.add_argument("--out", default=str(REPO / "bench/results/gpu.json"))
     args = parser.parse_args(argv)
     env = environment()
     num_gpus = env["num_gpus"]
     out: dict[str, Any] = {
-        "command": "python -m bench.gpu_check" + (" --dry-run" if args.dry_run else ""),
+        "command": "python -m bench.gpu_check"
+        + (f" --backend {args.backend}" if args.backend != "vllm" else "")
+        + (" --dry-run" if args.dry_run else ""),
         "environment": env,
     }
     with tempfile.TemporaryDirectory(prefix="streamrl-gpu-check-") as tmp:
         overrides = gpu_overrides(Path(tmp), steps=args.steps, num_gpus=max(num_gpus, 1))
+        if args.backend == "vllm_server":
+            from streamrl.models import resolve_model
+
+            overrides += server_overrides(Path(tmp), resolve_model("tiny"), num_gpus=max(num_gpus, 1))
         out["overrides"] = overrides
         base = [sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", "configs/tiny.toml"]
         if args.dry_run:

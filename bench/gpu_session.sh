@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU checks of one device session, on the lent machine (no network, torch 2.11+cu130 image),
+# from the repo root. docs/gpu.md says how the wheel kit travels; this script is what each call runs:
+#
+#   bash bench/gpu_session.sh kit           # calls 1..9: carry .whl/cNN + .whl/MANIFEST.txt (exit 10 until all are in)
+#   bash bench/gpu_session.sh check OUT     # last carry (+ .whl/x1): install, then `bench.gpu_check` (in-process vLLM)
+#   bash bench/gpu_session.sh server OUT    # `bench.gpu_check --backend vllm_server` (the engine drives `vllm serve`)
+#
+# `check`/`server` with DRY=1 run anywhere: they resolve each GPU config (`--dry-run`) and start nothing.
+set -u -o pipefail
+step=${1:?usage: bash bench/gpu_session.sh kit|check|server [OUT]}
+OUT=${2:-${OUT:-/tmp/streamrl-gpu-out}}
+mkdir -p "$OUT"
+export STREAMRL_CACHE=${STREAMRL_CACHE:-/tmp/streamrl-cache} WANDB_MODE=offline GLOO_SOCKET_IFNAME=lo \
+    TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+PY=${PY:-python3}
+DRY=${DRY:-0}
+
+if [ "$DRY" != 1 ]; then
+  bash bench/gpu_device_install.sh; rc=$?
+  [ "$step" = kit ] && exit $rc
+  [ $rc = 0 ] || { echo "[gpu] the kit is not installed (rc=$rc)"; exit $rc; }
+  # vLLM's FlashAttention path imports tvm_ffi on this machine; it travels beside the kit (.whl/x1)
+  if [ -d .whl/x1 ] && [ ! -d /tmp/site/tvm_ffi ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/x1/*.whl || exit 1
+  fi
+  . /tmp/kit/env.sh
+  # the repo root is the `streamrl` package (pyproject's package-dir); Ray's workers inherit PYTHONPATH
+  mkdir -p /tmp/py && ln -sfn "$PWD" /tmp/py/streamrl
+  export PYTHONPATH=/tmp/py:$PYTHONPATH
+  nvidia-smi -L
+  $PY -c "import sys, torch, vllm, ray; print('python', sys.version.split()[0], 'torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
+fi
+
+case $step in
+  check) args=(--out "$OUT/gpu.json") ;;
+  server) args=(--backend vllm_server --out "$OUT/gpu_server.json") ;;
+  *) echo "unknown step $step"; exit 2 ;;
+esac
+if [ "$DRY" = 1 ]; then
+  exec $PY -m bench.gpu_check "${args[@]}" --dry-run
+fi
+timeout "${CHECK_TIMEOUT_S:-300}" $PY -m bench.gpu_check "${args[@]}" > "$OUT/$step.log" 2>&1
+rc=$?
+echo "[gpu] bench.gpu_check $step rc=$rc"
+tail -c 3000 "$OUT/$step.log"
+exit $rc
