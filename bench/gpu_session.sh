@@ -5,8 +5,9 @@
 #   bash bench/gpu_session.sh kit           # calls 1..9: carry .whl/cNN + .whl/MANIFEST.txt (exit 10 until all are in)
 #   bash bench/gpu_session.sh check OUT     # last carry (+ .whl/x1): install, then `bench.gpu_check` (in-process vLLM)
 #   bash bench/gpu_session.sh server OUT    # `bench.gpu_check --backend vllm_server` (the engine drives `vllm serve`)
+#   bash bench/gpu_session.sh trace OUT     # `bench.trace_overhead` with every part on the GPU (2 seed pairs, 8 steps)
 #
-# `check`/`server` with DRY=1 run anywhere: they resolve each GPU config (`--dry-run`) and start nothing.
+# With DRY=1 `check`/`server`/`trace` run anywhere: they resolve each GPU config (`--dry-run`) and start nothing.
 set -u -o pipefail
 step=${1:?usage: bash bench/gpu_session.sh kit|check|server [OUT]}
 OUT=${2:-${OUT:-/tmp/streamrl-gpu-out}}
@@ -32,16 +33,26 @@ if [ "$DRY" != 1 ]; then
   $PY -c "import sys, torch, vllm, ray; print('python', sys.version.split()[0], 'torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
 fi
 
+# the GPU placement of bench/gpu_check.py with one GPU (engine and learner share it, gloo sync)
+GPU=(
+  rollout.engine.device=cuda rollout.engine.dtype=bfloat16 rollout.engine.num_gpus=0.5
+  rollout.engine.gpu_memory_utilization=0.3 learner.device=cuda learner.num_workers=1
+  learner.num_gpus_per_worker=0.5 weight_sync.backend=gloo
+)
 case $step in
-  check) args=(--out "$OUT/gpu.json") ;;
-  server) args=(--backend vllm_server --out "$OUT/gpu_server.json") ;;
+  check) cmd=(-m bench.gpu_check --out "$OUT/gpu.json") ;;
+  server) cmd=(-m bench.gpu_check --backend vllm_server --out "$OUT/gpu_server.json") ;;
+  trace) cmd=(-m bench.trace_overhead --steps 8 --seeds 2 --out "$OUT/trace_overhead_gpu.json" "${GPU[@]}") ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
 if [ "$DRY" = 1 ]; then
-  exec $PY -m bench.gpu_check "${args[@]}" --dry-run
+  if [ "$step" = trace ]; then
+    exec $PY -m streamrl.streaming.cli train --dry-run --config configs/bench_async_vs_sync.toml "${GPU[@]}"
+  fi
+  exec $PY "${cmd[@]}" --dry-run
 fi
-timeout "${CHECK_TIMEOUT_S:-300}" $PY -m bench.gpu_check "${args[@]}" > "$OUT/$step.log" 2>&1
+timeout "${CHECK_TIMEOUT_S:-300}" $PY "${cmd[@]}" > "$OUT/$step.log" 2>&1
 rc=$?
-echo "[gpu] bench.gpu_check $step rc=$rc"
+echo "[gpu] $step rc=$rc"
 tail -c 3000 "$OUT/$step.log"
 exit $rc

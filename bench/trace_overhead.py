@@ -2,7 +2,9 @@
 run with `trace.enabled` on and off, interleaved seed by seed (on/off, then off/on, ...), so slow
 drifts of a shared machine hit both sides alike. Writes bench/results/trace_overhead.json.
 
-    python -m bench.trace_overhead [--steps N] [--seeds K] [--latency S]
+    python -m bench.trace_overhead [--steps N] [--seeds K] [--latency S] [--out F] [OVERRIDE ...]
+
+OVERRIDEs go to every run alike (e.g. the GPU placement of bench/gpu_session.sh's `trace` step).
 
 Two measures, because a throughput difference of a few percent is within the noise of a short run on
 a shared 2-core machine:
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=2, help="seed pairs (one traced and one untraced run each)")
     parser.add_argument("--latency", type=float, default=None, help="median environment latency (s)")
     parser.add_argument("--out", default=str(RESULT))
+    parser.add_argument("overrides", nargs="*", help="config overrides for every run (key=value)")
     args = parser.parse_args(argv)
     recorded = json.loads((REPO / "bench" / "results" / "async_vs_sync.json").read_text())["workload"]
     env = dict(recorded["environment"])
@@ -81,7 +84,16 @@ def main(argv: list[str] | None = None) -> int:
         for seed in range(args.seeds):
             for side in ("on", "off") if seed % 2 == 0 else ("off", "on"):
                 name = f"trace-{side}-seed{seed}"
-                run = run_mode("async", root, args.steps, env, seed, name=name, config=str(configs[side]))
+                run = run_mode(
+                    "async",
+                    root,
+                    args.steps,
+                    env,
+                    seed,
+                    name=name,
+                    config=str(configs[side]),
+                    extra=tuple(args.overrides),
+                )
                 if side == "on":
                     run |= trace_rate(root / name)
                 runs[side].append(run)
@@ -98,7 +110,14 @@ def main(argv: list[str] | None = None) -> int:
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": cpus},
         "load_average_at_end": os.getloadavg(),  # the machine is shared: its load is part of the noise
-        "workload": {"config": CONFIG, "mode": "async", "environment": env, "steps": args.steps, "seeds": args.seeds},
+        "workload": {
+            "config": CONFIG,
+            "mode": "async",
+            "environment": env,
+            "steps": args.steps,
+            "seeds": args.seeds,
+            "overrides": args.overrides,
+        },
         "measured": {
             "throughput_ratio_traced_over_untraced": {
                 "per_seed": ratios,
