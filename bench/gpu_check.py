@@ -99,33 +99,12 @@ def server_overrides(work: Path, model: Path, *, num_gpus: int) -> list[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [
-        "env",
-        "VLLM_SERVER_DEV_MODE=1",  # /pause, /resume, /collective_rpc
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.launchers.api_server.entry",  # `vllm serve`
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-        "--dtype",
-        "bfloat16",
-        "--gpu-memory-utilization",
-        "0.3" if num_gpus == 1 else "0.85",
-        "--max-model-len",
-        "2048",
-        "--enforce-eager",
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--generation-config",
-        "vllm",
-        "--worker-extension-cls",
-        "streamrl.weight_sync.worker_extension.WeightSyncWorkerExtension",
-        "--disable-log-stats",
-    ]
+    from streamrl.rollout.engine.server_process import vllm_serve_command
+
+    memory = "0.3" if num_gpus == 1 else "0.85"
+    command = vllm_serve_command(
+        model, dtype="bfloat16", args=("--gpu-memory-utilization", memory, "--max-model-len", "2048")
+    )
     return [
         "rollout.engine.backend=vllm_server",
         f'rollout.engine.server_urls=["http://127.0.0.1:{port}"]',

@@ -206,7 +206,9 @@ def plot_staleness(df: pd.DataFrame) -> Figure | None:
         axes[1].set_xticks(ticks + 0.5, [str(int(steps[i])) for i in ticks])
         axes[1].set(title="lag histogram over time (fraction of tokens)", xlabel="learner step", ylabel="lag")
         fig.colorbar(mesh, ax=axes[1])
-        axes[2].bar(labels, grid.mean(axis=1), color="#1f77b4")
+        # numeric positions with the labels as ticks: lag labels like "0" would be category units
+        axes[2].bar(np.arange(len(labels)), grid.mean(axis=1), color="#1f77b4")
+        axes[2].set_xticks(np.arange(len(labels)), labels)
         axes[2].set(title="lag distribution (run mean)", xlabel="lag", ylabel="fraction")
     else:
         axes[1].set_visible(False)
@@ -297,7 +299,8 @@ def plot_is_by_lag(df: pd.DataFrame) -> Figure | None:
     fig, axes = _new_figure(min(3, len(stats)), -(-len(stats) // 3))
     for ax, stat in zip(axes, stats):
         entries = sorted(by_stat[stat])
-        ax.bar([label for _, label, _ in entries], [df[c].mean() for _, _, c in entries], color="#9467bd", width=0.6)
+        ax.bar(np.arange(len(entries)), [df[c].mean() for _, _, c in entries], color="#9467bd", width=0.6)
+        ax.set_xticks(np.arange(len(entries)), [label for _, label, _ in entries])
         ax.set_xlim(-0.6, max(len(entries), 4) - 0.4)
         ax.set(title=f"is/{stat} by lag (run mean)", xlabel="lag")
     for ax in axes[len(stats) :]:

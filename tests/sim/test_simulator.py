@@ -10,7 +10,7 @@ import pytest
 
 from streamrl.buffer.config import BufferConfig
 from streamrl.sim.costs import Costs, EngineCost, LearnerCost, SyncCost, ToolLatency, TrajectoryShape
-from streamrl.sim.engine import Request, SimEngine
+from streamrl.sim.engine import Request, SharedCores, SimEngine
 from streamrl.sim.loop import EventLoop
 from streamrl.sim.pipeline import SimConfig, SimPipeline, simulate
 
@@ -125,6 +125,24 @@ def test_processor_sharing_matches_a_hand_computation():
     # both decode at 0.3 s a token until a is done (2 tokens, 0.6 s); b then alone at 0.2 s a token
     assert done["a"] == pytest.approx(0.6) and done["b"] == pytest.approx(0.6 + 2 * 0.2)
     assert engine.busy_until_now() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_engines_on_shared_cores_take_turns_and_separate_ones_do_not(shared):
+    loop = EventLoop()
+    engines = [SimEngine(i, EngineCost(base_s=0.1, per_seq_s=0.1, request_s=0.0), loop) for i in range(2)]
+    if shared:
+        cores = SharedCores()
+        for engine in engines:
+            cores.add(engine)
+    done: dict[str, float] = {}
+    for engine, name, tokens in ((engines[0], "a", 2), (engines[1], "b", 4)):
+        engine.submit(Request(tokens, 0.0, lambda v: None, lambda n=name: done.__setitem__(n, loop.now)))
+    loop.run(lambda: len(done) == 2)
+    if shared:  # a step of either lasts 0.2 + 0.2 while both decode; b alone after a's 2 tokens
+        assert done["a"] == pytest.approx(0.8) and done["b"] == pytest.approx(0.8 + 2 * 0.2)
+    else:  # each at 0.2 s a token on its own accelerator
+        assert done["a"] == pytest.approx(0.4) and done["b"] == pytest.approx(0.8)
 
 
 def test_a_pause_stops_decoding_for_its_length():
