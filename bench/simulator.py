@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ def validate(root: Path) -> dict[str, Any]:
     workload's runs (`base`: a prediction across runs, and across the machine's load, which other
     users change), and with costs fitted on the run itself (the components' speeds as that run saw
     them: what is left to predict is how the pipeline composes them)."""
-    from streamrl.sim.calibrate import calibrate, sim_config_of
+    from streamrl.sim.calibrate import calibrate, sim_config_of, tool_latency_of
     from streamrl.sim.observe import from_metrics
     from streamrl.sim.validate import compare, measured, predicted
 
@@ -72,7 +73,10 @@ def validate(root: Path) -> dict[str, Any]:
             "in_sample": key.startswith(CALIBRATE_ON + "/"),
             "settings": {"mode": obs.mode, "steps": int(obs.step[-1]), **WORKLOADS[key.split("/")[0]]},
             "learner_step_s_median": float(np.median(obs.step_s[1:])),
-            "calibrated_on_base": compare(meas, predicted(cfg, base, seeds=5)),
+            # the machine's costs from base, the workload's own tool latency (known, not fitted)
+            "calibrated_on_base": compare(
+                meas, predicted(cfg, replace(base, tool=tool_latency_of(obs.config)), seeds=5)
+            ),
             "calibrated_on_itself": compare(meas, predicted(cfg, own, seeds=5)),
             "own_costs": own.to_json(),
         }
