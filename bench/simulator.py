@@ -40,6 +40,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     },
 }
 CALIBRATE_ON = "base"
+SEEDS = 20  # simulated runs per prediction: their mean, and their spread as the chance variation of one run
 
 
 def measure(root: Path) -> None:
@@ -75,9 +76,9 @@ def validate(root: Path) -> dict[str, Any]:
             "learner_step_s_median": float(np.median(obs.step_s[1:])),
             # the machine's costs from base, the workload's own tool latency (known, not fitted)
             "calibrated_on_base": compare(
-                meas, predicted(cfg, replace(base, tool=tool_latency_of(obs.config)), seeds=5)
+                meas, predicted(cfg, replace(base, tool=tool_latency_of(obs.config)), seeds=SEEDS)
             ),
-            "calibrated_on_itself": compare(meas, predicted(cfg, own, seeds=5)),
+            "calibrated_on_itself": compare(meas, predicted(cfg, own, seeds=SEEDS)),
             "own_costs": own.to_json(),
         }
     return {"costs": base.to_json(), "table": table}

@@ -37,12 +37,18 @@ def measured(obs: Observations) -> dict[str, Any]:
 
 
 def predicted(cfg: SimConfig, costs: Costs, seeds: int = 3) -> dict[str, Any]:
-    """The simulator's numbers, averaged over `seeds` seeds (its own sampling noise)."""
+    """The simulator's numbers, averaged over `seeds` seeds, and their spread over the seeds under
+    `"sd"`: how much one run of this length varies by chance alone (tool latencies, turns, tokens), the
+    noise a single measured run carries too."""
     runs = [simulate(replace(cfg, seed=cfg.seed + s), costs) for s in range(seeds)]
     out: dict[str, Any] = {k: float(np.mean([getattr(r, k) for r in runs])) for k in SCALARS}
     keys = runs[0].lag_hist.keys()
-    out["lag_hist"] = {k: float(np.mean([r.lag_hist[k] for r in runs])) for k in keys}
+    out["lag_hist"] = {k: float(np.mean([r.lag_hist.get(k, 0.0) for r in runs])) for k in keys}
     out["sync_pause_share"] = float(np.mean([r.sync_pause_share for r in runs]))
+    out["sd"] = {k: float(np.std([getattr(r, k) for r in runs])) for k in SCALARS}
+    out["sd"]["lag_hist_max_bin"] = max(
+        (float(np.std([r.lag_hist.get(k, 0.0) for r in runs])) for k in keys), default=0.0
+    )
     return out
 
 
@@ -53,6 +59,8 @@ def compare(meas: dict[str, Any], pred: dict[str, Any]) -> dict[str, Any]:
         m, p = float(meas[k]), float(pred[k])
         err = (p - m) / abs(m) if m else (0.0 if p == 0 else float("inf"))
         rows[k] = {"measured": m, "predicted": p, "rel_error": err, "within": abs(err) <= BOUND + 1e-12}
+        if "sd" in pred:
+            rows[k]["predicted_sd"] = pred["sd"][k]
     bins = sorted(set(meas["lag_hist"]) | set(pred["lag_hist"]))
     diff = max((abs(meas["lag_hist"].get(b, 0.0) - pred["lag_hist"].get(b, 0.0)) for b in bins), default=0.0)
     rows["lag_hist"] = {
@@ -61,4 +69,6 @@ def compare(meas: dict[str, Any], pred: dict[str, Any]) -> dict[str, Any]:
         "max_bin_diff": diff,
         "within": diff <= BOUND + 1e-12,
     }
+    if "sd" in pred:
+        rows["lag_hist"]["predicted_max_bin_sd"] = pred["sd"]["lag_hist_max_bin"]
     return rows
