@@ -319,6 +319,10 @@ class RolloutWorker:
         for task in self._tasks.values():
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        # the trace's `parked` span is written when the park ends: one still parked ends with the run
+        for tid, parked_at in self._parked_at.items():
+            trace.complete("parked", "trajectory", tid, parked_at, worker=self.worker_id, ended="shutdown")
+        self._parked_at.clear()
 
     def metrics(self) -> dict[str, float]:
         c = self.ctx.counters

@@ -50,3 +50,23 @@ async def test_a_parked_trajectory_is_traced_generate_park_resume(traced, tiny_t
     assert events[2]["args"]["worker"] == "worker-7"
     generated = sum(e["args"]["tokens"] for e in events if e["name"] == "generate")
     assert generated == sum(rows[-1].response_mask)  # every sampled token is in some generate span
+
+
+async def test_a_trajectory_still_parked_at_shutdown_gets_its_parked_span_then(traced, tiny_tokenizer):
+    script, _ = turn_script(tiny_tokenizer, [CALL, ANSWER])
+    ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script, token_delay_s=0.01))
+    rows = []
+
+    async def sink(traj):
+        rows.append(traj)
+
+    worker = RolloutWorker(ctx, sink, worker_id="worker-7")
+    worker.submit(new_data())
+    await _until(lambda: ctx.num_in_engine > 0)
+    await worker.pause(timeout_s=10)
+    assert [e["name"] for e in _events(traced) if e["tid"] == "g0/0"] == ["queued", "generate"]  # not yet
+    await worker.shutdown()  # the run ends with the trajectory parked: no resume comes
+    events = [e for e in _events(traced) if e["tid"] == "g0/0"]
+    assert [e["name"] for e in events] == ["queued", "generate", "parked"]
+    assert events[2]["args"] == {"worker": "worker-7", "ended": "shutdown"}
+    assert rows[-1].status is TrajectoryStatus.PARTIAL  # its partial row is what a resumed run continues

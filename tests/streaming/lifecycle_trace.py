@@ -52,17 +52,22 @@ def check_lifecycle_trace(run_dir: Path, latest: pd.DataFrame) -> None:
     kinds = {e["pid"] for e in trace.events}
     assert {"driver", "trajectory", "engine", "learner", "sync"} <= kinds, kinds
     assert len(trace.shards) >= 5, trace.shards  # driver, engine, worker, buffer, learner (x2 segments)
-    # Every interrupt the buffer's rows record is in the trace: each interrupted trajectory parked and
-    # resumed. (Whether a sync finds a generation in flight depends on scheduling; when one is found in
-    # a trained trajectory, `parked_across_a_sync` names it: aborted, parked over a pause, resumed on
-    # newer weights.)
+    # Every interrupt the buffer's rows record is in the trace: an interrupted trajectory that went on
+    # to finish resumed (on its own worker after a `parked` span, or on another after the first one's
+    # death), and one still parked when the run ended has its `parked` span, closed at the worker's
+    # shutdown. (Whether a sync finds a generation in flight depends on scheduling; when one is found
+    # in a trained trajectory, `parked_across_a_sync` names it: aborted, parked over a pause, resumed
+    # on newer weights.)
     names: dict[str, set[str]] = {}
     for e in trace.events:
         if e["pid"] == "trajectory":
             names.setdefault(str(e["tid"]), set()).add(e["name"])
-    interrupted = latest[latest["num_interrupts"] > 0]["trajectory_id"]
-    missing = [t for t in interrupted if not {"parked", "resumed"} <= names.get(str(t), set())]
-    assert not missing, f"interrupted in the buffer, no park/resume in the trace: {missing}"
+    interrupted = latest[latest["num_interrupts"] > 0]
+    finished = interrupted[interrupted["status"] == "finished"]["trajectory_id"]
+    parked = interrupted[interrupted["status"] != "finished"]["trajectory_id"]
+    missing = [t for t in finished if "resumed" not in names.get(str(t), set())]
+    missing += [t for t in parked if "parked" not in names.get(str(t), set())]
+    assert not missing, f"interrupted in the buffer, not parked or resumed in the trace: {missing}"
     # Joined to the training data: the step each trajectory was last trained at is the buffer's record.
     lives = trajectory_lives(trace)
     consumed = latest[latest["num_consumed"] > 0]
