@@ -28,7 +28,8 @@ def _events(run_dir) -> list[dict]:
     return sorted(lines, key=lambda e: (e["ts"], e["ph"] != "i"))
 
 
-async def test_a_parked_trajectory_is_traced_generate_park_resume(traced, tiny_tokenizer):
+async def _paused_mid_generation(tiny_tokenizer) -> tuple[RolloutWorker, list]:
+    """A real worker whose one trajectory (a tool call, then an answer) is paused mid-generation."""
     script, _ = turn_script(tiny_tokenizer, [CALL, ANSWER])
     ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script, token_delay_s=0.01))
     rows = []
@@ -40,6 +41,11 @@ async def test_a_parked_trajectory_is_traced_generate_park_resume(traced, tiny_t
     worker.submit(new_data())
     await _until(lambda: ctx.num_in_engine > 0)
     await worker.pause(timeout_s=10)
+    return worker, rows
+
+
+async def test_a_parked_trajectory_is_traced_generate_park_resume(traced, tiny_tokenizer):
+    worker, rows = await _paused_mid_generation(tiny_tokenizer)
     await worker.resume()
     await _until(lambda: any(t.status is TrajectoryStatus.FINISHED for t in rows))
     events = [e for e in _events(traced) if e["tid"] == "g0/0"]
@@ -53,17 +59,7 @@ async def test_a_parked_trajectory_is_traced_generate_park_resume(traced, tiny_t
 
 
 async def test_a_trajectory_still_parked_at_shutdown_gets_its_parked_span_then(traced, tiny_tokenizer):
-    script, _ = turn_script(tiny_tokenizer, [CALL, ANSWER])
-    ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script, token_delay_s=0.01))
-    rows = []
-
-    async def sink(traj):
-        rows.append(traj)
-
-    worker = RolloutWorker(ctx, sink, worker_id="worker-7")
-    worker.submit(new_data())
-    await _until(lambda: ctx.num_in_engine > 0)
-    await worker.pause(timeout_s=10)
+    worker, rows = await _paused_mid_generation(tiny_tokenizer)
     assert [e["name"] for e in _events(traced) if e["tid"] == "g0/0"] == ["queued", "generate"]  # not yet
     await worker.shutdown()  # the run ends with the trajectory parked: no resume comes
     events = [e for e in _events(traced) if e["tid"] == "g0/0"]
