@@ -103,10 +103,15 @@ def fit_learner(runs: list[Observations]) -> tuple[LearnerCost, dict[str, Any]]:
     shared = 0.0
     async_runs = [o for o in runs if o.mode == "async"]
     if async_runs and len(async_runs) < len(runs):
+        # the slow-down per generating engine on the learner's cores (all of them when they share the cores)
+        per_engine = [o.num_engines if engines_share_cores(o.config) else 1 for o in async_runs]
         ratio = np.concatenate(
-            [o.step_s[steps(o)] / (base_s + per_token_s * o.step_tokens[steps(o)]) for o in async_runs]
+            [
+                (o.step_s[steps(o)] / (base_s + per_token_s * o.step_tokens[steps(o)]) - 1.0) / n
+                for o, n in zip(async_runs, per_engine, strict=True)
+            ]
         )
-        shared = max(float(np.median(ratio)) - 1.0, 0.0)
+        shared = max(float(np.median(ratio)), 0.0)
     overhead = np.concatenate([(np.diff(o.elapsed_s) - o.step_s[1:] - o.sync_s[1:] - np.diff(o.idle_s)) for o in runs])
     # the short waits are the steps whose batch was ready: fetching it and the driver's wake-up (the 10th
     # percentile wait of the async runs); the long waits for a batch not ready are what the simulation adds

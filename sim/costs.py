@@ -115,8 +115,9 @@ class LearnerCost:
     step_overhead_s: float = 0.0  # per step outside train and sync (logging, the driver's calls)
     sample_s: float = 0.0  # fetching a ready batch (the driver counts it as learner idle)
 
-    def step_s(self, tokens: int, engines_busy: bool = False) -> float:
-        return (self.base_s + self.per_token_s * tokens) * (1 + (self.shared_frac if engines_busy else 0.0))
+    def step_s(self, tokens: int, engines_busy: int = 0) -> float:
+        """`engines_busy`: the generating engines on the learner's cores; each slows it by `shared_frac`."""
+        return (self.base_s + self.per_token_s * tokens) * (1 + self.shared_frac * engines_busy)
 
 
 @dataclass(frozen=True, slots=True)

