@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12, help="learner steps per run")
     parser.add_argument("--seeds", type=int, default=2, help="seed pairs (one traced and one untraced run each)")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first pair's seed (to add pairs)")
     parser.add_argument("--latency", type=float, default=None, help="median environment latency (s)")
     parser.add_argument("--out", default=str(RESULT))
     parser.add_argument("overrides", nargs="*", help="config overrides for every run (key=value)")
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-trace-") as tmp:
         root = Path(tmp)
         configs = {side: traced_config(root, side == "on") for side in ("on", "off")}
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for side in ("on", "off") if seed % 2 == 0 else ("off", "on"):
                 name = f"trace-{side}-seed{seed}"
                 run = run_mode(
