@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 LATENCY_S = 0.268  # one assistant turn's generation time, bench/results/async_vs_sync.json's calibration
 ENV = {"distribution": "lognormal", "num_turns": 4, "min_turns": 1, "latency_s": LATENCY_S}
 WORKLOADS: dict[str, dict[str, Any]] = {
-    "base": {"p99_over_median": 10.0, "extra": ("buffer.max_staleness=4",), "steps": {"async": 60, "sync": 6}},
+    "base": {"p99_over_median": 10.0, "extra": ("buffer.max_staleness=4",), "steps": {"async": 60, "sync": 12}},
     "tail": {"p99_over_median": 30.0, "extra": ("buffer.max_staleness=1",), "steps": {"async": 20}},
     "split": {
         "p99_over_median": 10.0,
