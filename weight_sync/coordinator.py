@@ -349,10 +349,14 @@ def _trace_sync(wall: dict[str, float], result: SyncResult, target: int) -> None
 
 async def _timed(coro, timeout_s: float, phase: str) -> float:
     started = time.monotonic()
+    deadline = asyncio.timeout(timeout_s)
     try:
-        await asyncio.wait_for(coro, timeout_s)
+        async with deadline:
+            await coro
     except TimeoutError as exc:
-        raise WeightSyncError(phase, f"did not finish within {timeout_s:.1f}s") from exc
+        if deadline.expired():
+            raise WeightSyncError(phase, f"did not finish within {timeout_s:.1f}s") from exc
+        raise WeightSyncError(phase, repr(exc)) from exc  # a timeout of the phase's own, not the deadline
     except WeightSyncError:
         raise
     except Exception as exc:

@@ -10,10 +10,16 @@ its connection (the server aborts a request whose client went away; SGLang also 
 `finish_reason="abort"`. Tokens the server sampled but had not delivered are not part of the
 output, so the caller's re-prefill continues exactly after what it kept.
 
-Pause: ABORT closes every stream and pauses the server's scheduler; KEEP pauses the scheduler with
-the requests inside (vLLM keeps their KV; SGLang retracts them and recomputes after the update).
-Requests sent while paused wait in the server until `resume`. Weight-sync calls are fenced by the
-sync epoch (`SyncFence`), as in `VLLMEngine`.
+Pause: ABORT closes every stream (each `generate` returns its tokens so far) and pauses the server's
+scheduler. KEEP closes every stream too but holds each request in the engine: after `resume` it
+continues by re-prefill (the prompt plus the tokens it kept, the rest of its budget) under whatever
+weights are loaded then. The server's own keep mode is not used because a client cannot tell which
+tokens it sampled before a weight swap: chunks still in the HTTP stream when the label flips would
+be tagged with the new version. Closing the stream first makes the split exact (every token read
+before the pause is the old version's, every token of the continuation the new one's), at the cost
+of recomputing the held requests' KV, which the new weights make stale anyway. Requests sent while
+paused wait in the server until `resume`. Weight-sync calls are fenced by the sync epoch
+(`SyncFence`), as in `VLLMEngine`.
 
 Weights: `VLLMServerEngine` forwards `collective_rpc` to vLLM's `/collective_rpc`, so with the
 server running streamrl's worker extension (`--worker-extension-cls`) the whole filesystem weight
@@ -27,6 +33,7 @@ from __future__ import annotations
 import abc
 import ast
 import asyncio
+import itertools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -68,11 +75,33 @@ class _InFlight:
     versions: list[int] = field(default_factory=list)  # [num_new_tokens]
     finish_reason: str | None = None
     num_cached: int = 0
-    task: asyncio.Future[Any] | None = None
+    task: asyncio.Future[Any] | None = None  # reads the current stream
+    stream_start: int = 0  # tokens received before the current stream (a continuation's prefix)
+    held: bool = False  # KEEP-paused: the stream is closed; the request continues after `resume`
+    ended: bool = False  # stopped: the request returns what it has, held or not
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # a held request's resume (or stop)
 
     def stop(self) -> None:
+        """End the request: `generate` returns the tokens received so far."""
+        self.ended = True
+        self.wake.set()
         if self.task is not None:
             self.task.cancel()
+
+    def hold(self) -> None:
+        """Close the stream and keep the request for a continuation after `release`. Cancelling the
+        reader happens before any await, so no chunk is read after this point."""
+        self.held = True
+        self.wake.clear()
+        if self.task is not None:
+            self.task.cancel()
+
+    def release(self) -> None:
+        self.wake.set()
+
+    def continues(self, max_tokens: int) -> bool:
+        """Whether a request whose stream was closed has a continuation to wait for."""
+        return self.held and not self.ended and self.finish_reason is None and len(self.token_ids) < max_tokens
 
 
 class ServerEngine(RequestTable, InferenceEngine):
@@ -124,26 +153,37 @@ class ServerEngine(RequestTable, InferenceEngine):
             in_flight=request_id in self._requests,
             max_model_len=self.cfg.max_model_len,
         )
-        path, body = self.api.generate_request(
-            request_id, list(prompt_ids), sampling, max_tokens, f"v{self.policy_version}"
-        )
         state = _InFlight()
         self._requests[request_id] = state
-        state.task = asyncio.ensure_future(self._stream(request_id, path, body, state, len(prompt_ids)))
         try:
-            await asyncio.wait({state.task})
+            for part in itertools.count():
+                sent = list(prompt_ids) + state.token_ids  # a held request continues after its tokens
+                wire_id = request_id if part == 0 else f"{request_id}+{part}"
+                path, body = self.api.generate_request(
+                    wire_id, sent, sampling, max_tokens - len(state.token_ids), f"v{self.policy_version}"
+                )
+                state.stream_start = len(state.token_ids)
+                state.task = asyncio.ensure_future(self._stream(wire_id, path, body, state, len(sent)))
+                await asyncio.wait({state.task})
+                if not state.task.cancelled():
+                    state.task.result()  # raises what the stream raised
+                    break
+                if not state.continues(max_tokens):
+                    break  # aborted, or held with nothing left to generate
+                await state.wake.wait()
+                state.held = False
+                if state.ended:
+                    break
         except asyncio.CancelledError:  # the caller gave up: do not leave the request running
             state.stop()
             raise
         finally:
             del self._requests[request_id]
-        if not state.task.cancelled():
-            state.task.result()  # raises what the stream raised
         return GenerationOutput(
             token_ids=state.token_ids,
             logprobs=state.logprobs,
             policy_versions=state.versions,
-            finish_reason=state.finish_reason or ABORT,  # cancelled by abort, or the stream ended early
+            finish_reason=state.finish_reason or ("length" if len(state.token_ids) >= max_tokens else ABORT),
             num_prompt_tokens=len(prompt_ids),
             num_cached_tokens=state.num_cached,
         )
@@ -165,7 +205,7 @@ class ServerEngine(RequestTable, InferenceEngine):
                 self._take(request_id, json.loads(data), state, num_prompt)
 
     def _take(self, request_id: str, raw: dict[str, Any], state: _InFlight, num_prompt: int) -> None:
-        chunk = self.api.read_chunk(raw, len(state.token_ids))
+        chunk = self.api.read_chunk(raw, len(state.token_ids) - state.stream_start)
         if chunk.num_prompt_tokens is not None and chunk.num_prompt_tokens != num_prompt:
             raise PromptMismatchError(
                 f"request {request_id} on engine {self.engine_id}: the server saw {chunk.num_prompt_tokens} "
@@ -200,10 +240,9 @@ class ServerEngine(RequestTable, InferenceEngine):
         mode = PauseMode(mode)
 
         async def pause_now() -> None:
-            if mode is PauseMode.ABORT:
-                for state in self._requests.values():
-                    state.stop()
-            path, params, body = self.api.pause_request(mode)
+            for state in self._requests.values():  # before the first await: no chunk is read after
+                state.hold() if mode is PauseMode.KEEP else state.stop()
+            path, params, body = self.api.pause_request()
             await self._post(path, params=params, json=body)
             self._paused = True
 
@@ -214,8 +253,12 @@ class ServerEngine(RequestTable, InferenceEngine):
         await self._resume_now()
 
     async def _resume_now(self) -> None:
-        await self._post(self.api.resume_path())
-        self._paused = False
+        try:
+            await self._post(self.api.resume_path())
+            self._paused = False
+        finally:  # held requests continue (a server still paused keeps them waiting in its queue)
+            for state in self._requests.values():
+                state.release()
 
     @property
     def paused(self) -> bool:

@@ -7,7 +7,7 @@ the connection, the abort and pause semantics, the version labels and the weight
 vLLM (`vllm serve`, 0.32): `/v1/completions` with the prompt as token ids, streamed, `logprobs=0`
 (the sampled token's own logprob) and `return_token_ids` (each chunk's new token ids, the first
 chunk also the prompt ids it saw). Control endpoints are vLLM's development endpoints
-(`VLLM_SERVER_DEV_MODE=1`): `/pause?mode=abort|keep`, `/resume`, `/reset_prefix_cache`,
+(`VLLM_SERVER_DEV_MODE=1`): `/pause?mode=abort`, `/resume`, `/reset_prefix_cache`,
 `/collective_rpc`.
 
 SGLang: the native `/generate` with `input_ids`, `return_logprob` and `stream`; chunks carry the
@@ -23,7 +23,7 @@ import abc
 from dataclasses import dataclass
 from typing import Any
 
-from streamrl.rollout.engine.base import PauseMode, SamplingParams
+from streamrl.rollout.engine.base import SamplingParams
 
 
 @dataclass(kw_only=True, slots=True)
@@ -62,8 +62,9 @@ class ServerAPI(abc.ABC):
         """An explicit abort call, or None where closing the stream is the abort."""
 
     @abc.abstractmethod
-    def pause_request(self, mode: PauseMode) -> tuple[str, dict[str, Any], dict[str, Any]]:
-        """(path, query params, JSON body) of a pause."""
+    def pause_request(self) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        """(path, query params, JSON body) of a pause that aborts the server's requests (the engine
+        holds KEEP-paused requests itself: `ServerEngine.pause`)."""
 
     @abc.abstractmethod
     def resume_path(self) -> str: ...
@@ -129,8 +130,8 @@ class VLLMServerAPI(ServerAPI):
     def abort_request(self, request_id: str) -> tuple[str, dict[str, Any]] | None:
         return None  # vLLM aborts a streamed request when its connection closes
 
-    def pause_request(self, mode: PauseMode) -> tuple[str, dict[str, Any], dict[str, Any]]:
-        return "/pause", {"mode": PauseMode(mode).value, "clear_cache": "false"}, {}
+    def pause_request(self) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        return "/pause", {"mode": "abort", "clear_cache": "false"}, {}
 
     def resume_path(self) -> str:
         return "/resume"
@@ -201,11 +202,8 @@ class SGLangServerAPI(ServerAPI):
     def abort_request(self, request_id: str) -> tuple[str, dict[str, Any]] | None:
         return "/abort_request", {"rid": request_id}
 
-    def pause_request(self, mode: PauseMode) -> tuple[str, dict[str, Any], dict[str, Any]]:
-        # KEEP is SGLang's "retract": requests go back to the queue and recompute their KV after
-        # the update ("in_place" would keep the KV, but then the update cannot flush the cache).
-        sglang_mode = "abort" if PauseMode(mode) is PauseMode.ABORT else "retract"
-        return "/pause_generation", {}, {"mode": sglang_mode}
+    def pause_request(self) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        return "/pause_generation", {}, {"mode": "abort"}
 
     def resume_path(self) -> str:
         return "/continue_generation"

@@ -89,16 +89,48 @@ async def test_pause_abort_and_keep_with_weight_update(sglang, tmp_path):
     task = asyncio.create_task(engine.generate("k", PROMPT, SamplingParams(max_tokens=40)))
     await wait_tokens(engine, "k", 2)
     await engine.pause(PauseMode.KEEP)
-    assert fake.calls[-1] == ("/pause_generation", {"mode": "retract"})
+    assert fake.calls[-1] == ("/pause_generation", {"mode": "abort"})  # KEEP is held in the engine
+    held = engine.num_streamed_tokens("k")
+    await asyncio.sleep(0.1)  # the stream is closed: nothing more arrives while paused
+    assert engine.num_streamed_tokens("k") == held
     await engine.load_weights_from_path(str(folder), 1)
     await engine.resume()
     out = await asyncio.wait_for(task, 10)
     assert out.finish_reason == "length" and len(out.token_ids) == 40
     switch = out.policy_versions.index(1)
-    assert out.policy_versions == [0] * switch + [1] * (40 - switch)
-    assert out.token_ids[switch:] == [token_at(PROMPT, i, 1) for i in range(switch, 40)]
+    assert switch == held and out.policy_versions == [0] * switch + [1] * (40 - switch)
+    assert out.token_ids[:switch] == [token_at(PROMPT, i, 0) for i in range(switch)]
+    # the continuation is a re-prefill of the prompt and the kept tokens, with the rest of the budget
+    kept = PROMPT + out.token_ids[:switch]
+    assert out.token_ids[switch:] == [token_at(kept, i, 1) for i in range(40 - switch)]
+    continuation = next(body for path, body in fake.calls if path == "/generate" and body["rid"] == "k+1")
+    assert continuation["input_ids"] == kept and continuation["sampling_params"]["max_new_tokens"] == 40 - switch
     update = next(body for path, body in fake.calls if path == "/update_weights_from_disk")
     assert update == {"model_path": str(folder.resolve()), "weight_version": "1", "flush_cache": True}
+
+
+async def test_a_held_request_ends_when_aborted_or_when_the_commit_fails(sglang, tmp_path):
+    """A KEEP-held request is still the caller's: an abort while paused returns its tokens without a
+    continuation, and a failed weight load ends it rather than letting it continue on half-loaded
+    weights (the engine is then out of service)."""
+    fake, engine = sglang
+    aborted = asyncio.create_task(engine.generate("h1", PROMPT, SamplingParams(max_tokens=200)))
+    failed = asyncio.create_task(engine.generate("h2", PROMPT, SamplingParams(max_tokens=200)))
+    await wait_tokens(engine, "h1", 2)
+    await wait_tokens(engine, "h2", 2)
+    await engine.pause(PauseMode.KEEP, epoch=1)
+    kept = engine.num_streamed_tokens("h1")
+    await engine.abort("h1")
+    out = await asyncio.wait_for(aborted, 10)
+    assert out.aborted and len(out.token_ids) == kept and out.policy_versions == [0] * kept
+    assert not failed.done()
+    missing = tmp_path / "missing"
+    engine._staged = (1, str(missing))  # what a filesystem stage leaves: the commit will fail on it
+    with pytest.raises(Exception, match="no such folder"):
+        await engine.commit_weights(1, epoch=1)
+    out = await asyncio.wait_for(failed, 10)
+    assert out.aborted and out.policy_versions == [0] * len(out.token_ids) and engine.policy_version == 0
+    assert not any(body["rid"].startswith(("h1+", "h2+")) for path, body in fake.calls if path == "/generate")
 
 
 async def test_filesystem_weight_sync_commits_through_update_from_disk(sglang, tmp_path):

@@ -7,6 +7,7 @@ filesystem transport and one broadcast into two engines.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -134,6 +135,36 @@ async def test_failed_pause_still_resumes_and_reports():
     assert not result.ok and result.failed_phase == "pause" and "crashed while parking" in result.error
     assert ("e0", "resume") in events and events[-1] == ("workers", "resume")
     assert engine.policy_version == 0
+
+
+class _TimingOutWorkers(RecordingWorkers):
+    """Workers whose pause fails with a TimeoutError of its own (`own`) or outlives the phase deadline."""
+
+    def __init__(self, events, *, own: bool) -> None:
+        super().__init__(events)
+        self.own = own
+
+    async def pause(self, epoch=None) -> None:
+        if self.own:
+            raise TimeoutError("the loops did not park within their own 0.1s")
+        await asyncio.sleep(30)
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["own-timeout", "deadline"])
+async def test_a_phase_timeout_is_told_apart_from_a_timeout_inside_the_phase(own):
+    """A TimeoutError raised inside a phase is that phase's error, not the phase deadline (a caller
+    reading "did not finish within 120s" would look for a hang that never happened)."""
+    events: list[tuple[str, str]] = []
+    coordinator = WeightSyncCoordinator(
+        _config(), [ThreadEngine("e0", events)], workers=_TimingOutWorkers(events, own=own)
+    )
+    result = await coordinator.sync(toy_weights(1))
+    assert not result.ok and result.failed_phase == "pause"
+    if own:
+        assert "their own 0.1s" in result.error and "within 2.0s" not in result.error
+    else:
+        assert "did not finish within 2.0s" in result.error
+    await coordinator.close()
 
 
 async def test_filesystem_transport_stages_from_versioned_folders(tmp_path):
