@@ -5,8 +5,9 @@ published component costs. Writes bench/results/simulator.json and bench/results
     python -m bench.simulator validate --runs DIR [--measure]
     python -m bench.simulator project
 
-`--measure` first makes the real runs, one at a time, into DIR/<workload>/<mode> (about 25 min on the
-2-core machine): three workloads that differ in tool-latency tail, staleness bound and engines.
+`--measure` first makes the real runs, one at a time, into DIR/<workload>/<run> (about 25 min on the
+quiet 2-core machine; `--only tail/async-seed1 ...` makes just those): four workloads that differ in
+tool-latency tail, staleness bound, engines and concurrency.
 Without it the runs already in DIR are read. The costs are fitted on the `base` workload's two runs
 only; the other workloads are predicted out of sample.
 """
@@ -32,26 +33,44 @@ LATENCY_S = 0.268  # one assistant turn's generation time, bench/results/async_v
 ENV = {"distribution": "lognormal", "num_turns": 4, "min_turns": 1, "latency_s": LATENCY_S}
 WORKLOADS: dict[str, dict[str, Any]] = {
     "base": {"p99_over_median": 10.0, "extra": ("buffer.max_staleness=4",), "steps": {"async": 60, "sync": 12}},
-    "tail": {"p99_over_median": 30.0, "extra": ("buffer.max_staleness=1",), "steps": {"async": 20}},
+    # `repeats`: runs of the same settings with other seeds (`async-seed1`, ...); one 12- or 20-step run
+    # carries a chance spread of up to 8 share points per lag-histogram bin, their mean less
+    "tail": {"p99_over_median": 30.0, "extra": ("buffer.max_staleness=1",), "steps": {"async": 20}, "repeats": 3},
     "split": {
         "p99_over_median": 10.0,
         "extra": ("buffer.max_staleness=2", "rollout.num_engines=2"),
         "steps": {"async": 12},
+        "repeats": 3,
+    },
+    # at most 4 trajectories in flight: the engine decodes 0-4 requests (base: 15-30) and idles half the time
+    "narrow": {
+        "p99_over_median": 10.0,
+        "extra": ("buffer.max_staleness=4", "rollout.max_concurrent_per_worker=4"),
+        "steps": {"async": 16},
     },
 }
 CALIBRATE_ON = "base"
 SEEDS = 20  # simulated runs per prediction: their mean, and their spread as the chance variation of one run
 
 
-def measure(root: Path) -> None:
+def measure(root: Path, only: list[str] | None = None) -> None:
+    """Make the real runs into root/<workload>/<run> (`only`: just these `<workload>/<run>` keys)."""
     for name, w in WORKLOADS.items():
         (root / name).mkdir(parents=True, exist_ok=True)
         env = {**ENV, "p99_over_median": w["p99_over_median"]}
         for mode, steps in w["steps"].items():
-            t0 = time.time()
             extra = (*w["extra"], "rollout.engine.startup_timeout_s=1500")  # start-up on a loaded machine
-            run_mode(mode, root / name, steps, env, seed=0, name=mode, extra=extra)
-            print(f"measured {name}/{mode}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+            for seed, folder in enumerate(_repeats(w, mode)):
+                if only and f"{name}/{folder}" not in only:
+                    continue
+                t0 = time.time()
+                run_mode(mode, root / name, steps, env, seed=seed, name=folder, extra=extra)
+                print(f"measured {name}/{folder}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def _repeats(workload: dict[str, Any], run: str) -> list[str]:
+    """The folders of a run and its repeats: `async`, `async-seed1`, ..."""
+    return [run] + [f"{run}-seed{s}" for s in range(1, workload.get("repeats", 1))]
 
 
 def validate(root: Path) -> dict[str, Any]:
@@ -61,26 +80,43 @@ def validate(root: Path) -> dict[str, Any]:
     them: what is left to predict is how the pipeline composes them)."""
     from streamrl.sim.calibrate import calibrate, sim_config_of, tool_latency_of
     from streamrl.sim.observe import from_metrics
-    from streamrl.sim.validate import compare, measured, predicted
+    from streamrl.sim.validate import compare, mean_measured, measured, predicted
 
-    runs = {f"{n}/{m}": root / n / m for n, w in WORKLOADS.items() for m in w["steps"] if (root / n / m).is_dir()}
-    base = calibrate([d for k, d in runs.items() if k.startswith(CALIBRATE_ON + "/")])
+    groups = {  # "<workload>/<run>" -> the folders of the run and of its repeats that exist
+        f"{n}/{m}": [root / n / f for f in _repeats(w, m) if (root / n / f).is_dir()]
+        for n, w in WORKLOADS.items()
+        for m in w["steps"]
+    }
+    groups = {k: dirs for k, dirs in groups.items() if dirs}
+    base = calibrate([dirs[0] for k, dirs in groups.items() if k.startswith(CALIBRATE_ON + "/")])
     table = {}
-    for key, run_dir in runs.items():
-        obs = from_metrics(run_dir)
-        meas, cfg = measured(obs), sim_config_of(obs)
-        own = calibrate([run_dir])
-        table[key] = {
-            "in_sample": key.startswith(CALIBRATE_ON + "/"),
-            "settings": {"mode": obs.mode, "steps": int(obs.step[-1]), **WORKLOADS[key.split("/")[0]]},
-            "learner_step_s_median": float(np.median(obs.step_s[1:])),
-            # the machine's costs from base, the workload's own tool latency (known, not fitted)
-            "calibrated_on_base": compare(
-                meas, predicted(cfg, replace(base, tool=tool_latency_of(obs.config)), seeds=SEEDS)
-            ),
-            "calibrated_on_itself": compare(meas, predicted(cfg, own, seeds=SEEDS)),
-            "own_costs": own.to_json(),
-        }
+    for key, dirs in groups.items():
+        observed = [from_metrics(d) for d in dirs]
+        cfg = sim_config_of(observed[0])
+        # the machine's costs from base, the workload's own tool latency (known, not fitted)
+        on_base = predicted(cfg, replace(base, tool=tool_latency_of(observed[0].config)), seeds=SEEDS)
+        for d, obs in zip(dirs, observed, strict=True):
+            own = calibrate([d])
+            table[f"{key.split('/')[0]}/{d.name}"] = {
+                "in_sample": key.startswith(CALIBRATE_ON + "/"),
+                "settings": {"mode": obs.mode, "steps": int(obs.step[-1]), **WORKLOADS[key.split("/")[0]]},
+                "learner_step_s_median": float(np.median(obs.step_s[1:])),
+                "calibrated_on_base": compare(measured(obs), on_base),
+                "calibrated_on_itself": compare(measured(obs), predicted(cfg, own, seeds=SEEDS)),
+                "own_costs": own.to_json(),
+            }
+        if len(dirs) > 1:  # the repeats together: their mean against the same prediction
+            own = calibrate(dirs)
+            table[f"{key} x{len(dirs)}"] = {
+                "in_sample": key.startswith(CALIBRATE_ON + "/"),
+                "settings": {"mode": cfg.mode, "steps": cfg.total_steps, "runs": [d.name for d in dirs]},
+                "learner_step_s_median": float(np.median(np.concatenate([o.step_s[1:] for o in observed]))),
+                "calibrated_on_base": compare(mean_measured([measured(o) for o in observed]), on_base),
+                "calibrated_on_itself": compare(
+                    mean_measured([measured(o) for o in observed]), predicted(cfg, own, seeds=SEEDS)
+                ),
+                "own_costs": own.to_json(),
+            }
     return {"costs": base.to_json(), "table": table}
 
 
@@ -101,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("validate", help="measured against predicted on this machine's runs")
     v.add_argument("--runs", required=True, help="folder of the validation runs (<workload>/<mode>)")
     v.add_argument("--measure", action="store_true", help="make the real runs first (~25 min on a quiet machine)")
+    v.add_argument("--only", nargs="+", metavar="WORKLOAD/RUN", help="with --measure: make just these runs")
     sub.add_parser("project", help="the cluster projections (published costs)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "simulator.json"))
     args = parser.parse_args(argv)
@@ -108,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     if args.part == "validate":
         if args.measure:
-            measure(Path(args.runs))
+            measure(Path(args.runs), args.only)
         part = validate(Path(args.runs))
     else:
         from bench.simulator_projections import projections

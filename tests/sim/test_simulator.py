@@ -171,3 +171,22 @@ def test_tool_latency_parses_and_draws_its_median_and_p99():
 def test_costs_round_trip_through_json():
     c = replace(costs(), source={"from": "test"})
     assert Costs.from_json(c.to_json()) == c
+
+
+@pytest.mark.parametrize("share_cores", [True, False], ids=["shared-cores", "own-accelerators"])
+def test_the_learner_is_slowed_only_while_engines_generate(share_cores):
+    """A learner step of 1 s with the engines idle, 0.5 more per busy engine on its cores: two engines
+    generate through its first 0.405 s (one request of 70 tokens each: 0.02 s + 70 x 0.0055 s), then
+    stop. It runs at 1/2 speed (shared cores: both count) or 1/1.5 (own accelerators: the host counts
+    once) until then, at full speed after: the slow-down follows the engines through the step."""
+    c = costs()
+    c = replace(c, learner=replace(c.learner, base_s=1.0, shared_frac=0.5))
+    pipe = SimPipeline(config(num_engines=2, engines_share_cores=share_cores), c)
+    for engine in pipe.engines:
+        engine.submit(Request(70, 10.0, lambda v: None, lambda: None))
+    pipe._train(0)
+    pipe.loop.run(lambda: pipe.learner_step >= 1)
+    busy_s = 0.02 + 70 * 0.0055 * (2 if share_cores else 1)  # engines on shared cores take turns
+    done = busy_s * (0.5 if share_cores else 1 / 1.5)  # of the step's 1 s of work
+    assert pipe.loop.now == pytest.approx(busy_s + (1.0 - done))
+    assert pipe.engines_busy() == 0
