@@ -209,10 +209,12 @@ class SimPipeline:
         step, not their state when it began)."""
         if self.learner_state != "training":
             return
+        rate = 1.0 / self.costs.learner.slowdown(self.engines_busy())
+        if rate == self._rate:
+            return  # the scheduled end stands (no shared cores, or the busy count it depends on is the same)
         now = self.loop.now
         self._work_left = max(self._work_left - (now - self._work_at) * self._rate, 0.0)
-        self._work_at = now
-        self._rate = 1.0 / self.costs.learner.slowdown(self.engines_busy())
+        self._work_at, self._rate = now, rate
         self._learner_epoch += 1
         self.loop.after(self._work_left / self._rate, self._step_done, self._learner_epoch)
 
