@@ -106,15 +106,13 @@ def validate(root: Path) -> dict[str, Any]:
                 "own_costs": own.to_json(),
             }
         if len(dirs) > 1:  # the repeats together: their mean against the same prediction
-            own = calibrate(dirs)
+            own, mean = calibrate(dirs), mean_measured([measured(o) for o in observed])
             table[f"{key} x{len(dirs)}"] = {
                 "in_sample": key.startswith(CALIBRATE_ON + "/"),
                 "settings": {"mode": cfg.mode, "steps": cfg.total_steps, "runs": [d.name for d in dirs]},
                 "learner_step_s_median": float(np.median(np.concatenate([o.step_s[1:] for o in observed]))),
-                "calibrated_on_base": compare(mean_measured([measured(o) for o in observed]), on_base),
-                "calibrated_on_itself": compare(
-                    mean_measured([measured(o) for o in observed]), predicted(cfg, own, seeds=SEEDS)
-                ),
+                "calibrated_on_base": compare(mean, on_base),
+                "calibrated_on_itself": compare(mean, predicted(cfg, own, seeds=SEEDS)),
                 "own_costs": own.to_json(),
             }
     return {"costs": base.to_json(), "table": table}
