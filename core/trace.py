@@ -11,6 +11,11 @@ track (`trajectory`, `engine`, `learner`, `sync`, `buffer`, `driver`), `tid` the
 trajectory id, `engine-0`, ...). The exporter numbers them and names the rows. `args` carry what joins
 an event to the training data: trajectory id, attempt, policy version, learner step.
 
+The tracer accounts for itself: each shard adds up the time spent making and writing its events and,
+every `COST_EVERY` events or `COST_EVERY_S` seconds, writes a counter event (`pid` `tracer`, name
+`tracer <host>-<pid>`) with the running totals and the time of the shard's first event. The summary
+divides one by the other: the share of each process's traced time that went to tracing.
+
 Off unless the run's config says `trace.enabled = true`. The driver calls `configure`; an actor
 process finds its run through `RUN_DIR_ENV` (set for every actor by `ray.init`) and reads the switch
 from the run's `run_info.json` once, at its first event. Off, `span` returns a shared no-op context
@@ -31,27 +36,54 @@ from typing import Any
 RUN_DIR_ENV = "STREAMRL_RUN_DIR"  # the run directory, for every actor process of the run
 TRACE_DIR = "trace"  # under RUN_DIR: one shard per process
 TRACE_FILE = "trace.json"  # under RUN_DIR: the merged Chrome trace
+TRACER = "tracer"  # the `pid` of the tracer's own cost counters
+COST_EVERY = 512  # events between two cost counters of a shard
+COST_EVERY_S = 5.0  # ... or seconds, whichever comes first (a quiet process still reports)
 
 _UNSET: Any = object()
 
 
 class _Shard:
-    """This process's shard: an append-only, line-buffered JSONL file (one lock: threads share it)."""
+    """This process's shard: an append-only, line-buffered JSONL file (one lock: threads share it),
+    and the tracer's own cost in this process (events written, nanoseconds spent making them)."""
 
     def __init__(self, run_dir: Path) -> None:
         folder = Path(run_dir) / TRACE_DIR
         folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / f"{socket.gethostname()}-{os.getpid()}.jsonl"
+        self.track = f"{socket.gethostname()}-{os.getpid()}"
+        self.path = folder / f"{self.track}.jsonl"
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (lives with the process)
         self._lock = threading.Lock()
+        self.events = 0
+        self.cost_ns = 0
+        self.first_us: int | None = None
+        self._last_us = 0
+        self._counted_at = time.monotonic()
 
-    def write(self, event: dict[str, Any]) -> None:
+    def write(self, event: dict[str, Any], started_ns: int) -> None:
+        """Append `event`; `started_ns` (`perf_counter_ns`) is when its caller began making it."""
         line = json.dumps(event, separators=(",", ":"), default=str) + "\n"
         with self._lock:
             self._file.write(line)
+            self.events += 1
+            self.first_us = event["ts"] if self.first_us is None else self.first_us
+            self._last_us = max(self._last_us, event["ts"] + event.get("dur", 0))
+            if self.events % COST_EVERY == 0 or time.monotonic() - self._counted_at >= COST_EVERY_S:
+                self._write_cost()
+            self.cost_ns += time.perf_counter_ns() - started_ns
+
+    def _write_cost(self) -> None:
+        """The running totals as a Chrome counter event, stamped with the last event's time (so that
+        counters never widen the trace's window). Called under the lock."""
+        args = {"events": self.events, "cost_us": self.cost_ns // 1000, "since_us": self.first_us}
+        event = {"ph": "C", "name": f"{TRACER} {self.track}", "cat": TRACER, "ts": self._last_us}
+        self._file.write(json.dumps(event | {"pid": TRACER, "tid": self.track, "args": args}) + "\n")
+        self._counted_at = time.monotonic()
 
     def close(self) -> None:
         with self._lock:
+            if self.events:
+                self._write_cost()
             self._file.close()
 
 
@@ -101,10 +133,11 @@ def complete(name: str, cat: str, track: str, start_s: float, end_s: float | Non
     shard = _current()
     if shard is None:
         return
+    started = time.perf_counter_ns()
     start = int(start_s * 1e6)
     end = now_us() if end_s is None else int(end_s * 1e6)
     event = {"ph": "X", "name": name, "cat": cat, "ts": start, "dur": max(end - start, 0), "pid": cat, "tid": track}
-    shard.write(event | {"args": args} if args else event)
+    shard.write(event | {"args": args} if args else event, started)
 
 
 def instant(name: str, cat: str, track: str, **args: Any) -> None:
@@ -112,8 +145,9 @@ def instant(name: str, cat: str, track: str, **args: Any) -> None:
     shard = _current()
     if shard is None:
         return
+    started = time.perf_counter_ns()
     event = {"ph": "i", "s": "t", "name": name, "cat": cat, "ts": now_us(), "pid": cat, "tid": track}
-    shard.write(event | {"args": args} if args else event)
+    shard.write(event | {"args": args} if args else event, started)
 
 
 class _Span(AbstractContextManager):
@@ -156,4 +190,15 @@ def span(name: str, cat: str, track: str, **args: Any) -> AbstractContextManager
     return _Span(name, cat, track, args)
 
 
-__all__ = ["RUN_DIR_ENV", "TRACE_DIR", "TRACE_FILE", "complete", "configure", "enabled", "instant", "now_us", "span"]
+__all__ = [
+    "RUN_DIR_ENV",
+    "TRACE_DIR",
+    "TRACE_FILE",
+    "TRACER",
+    "complete",
+    "configure",
+    "enabled",
+    "instant",
+    "now_us",
+    "span",
+]

@@ -5,6 +5,9 @@ the same reading (`trajectory_lives`).
 
 Engine busy is the engine's `busy` spans (some request in flight) over the window; learner busy its
 `train_step` spans; the sync pause share the syncs' `paused` spans (from the pause to the resume).
+The tracer's cost is each process's last cost counter (`core.trace`): seconds spent tracing over the
+span of its own events. The busiest process's share bounds what tracing can take from a pipeline
+whose slowest part is one process (each of streamrl's parts is).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamrl.core.trace import TRACER
 from streamrl.observability.tracing import Trace
 
 TRAJECTORY = "trajectory"
@@ -74,6 +78,27 @@ def _span_seconds(trace: Trace, kind: str, name: str) -> dict[str, float]:
     return dict(out)
 
 
+def tracer_cost(trace: Trace) -> dict[str, Any]:
+    """What tracing cost, from each process's last cost counter: events, seconds, and the largest
+    share of one process's traced time (its first event to its last counter) spent tracing."""
+    last: dict[str, dict[str, Any]] = {}
+    for e in trace.events:
+        if e["pid"] == TRACER and e.get("ph") == "C":
+            last[str(e["tid"])] = e  # events are in time order: the last one wins
+    shares = {track: e["args"]["cost_us"] / max(e["ts"] - e["args"]["since_us"], 1) for track, e in last.items()}
+    events = sum(e["args"]["events"] for e in last.values())
+    cost_s = sum(e["args"]["cost_us"] for e in last.values()) / 1e6
+    busiest = max(shares, key=shares.__getitem__, default=None)
+    return {
+        "processes": len(last),
+        "events": events,
+        "cost_s": cost_s,
+        "us_per_event": cost_s * 1e6 / events if events else 0.0,
+        "max_process_share": shares[busiest] if busiest else 0.0,
+        "busiest_process": busiest,
+    }
+
+
 def summarize(trace: Trace, *, longest: int = 5) -> dict[str, Any]:
     """The numbers `streamrl trace` prints (a JSON-able dict)."""
     window_s = max((trace.end_us - trace.start_us) / 1e6, 1e-9)
@@ -103,6 +128,7 @@ def summarize(trace: Trace, *, longest: int = 5) -> dict[str, Any]:
             "resumed": names["resumed"],
         },
         "longest": [_life_row(life) for life in top],
+        "tracer": tracer_cost(trace),
     }
 
 
@@ -142,6 +168,11 @@ def format_summary(s: dict[str, Any]) -> str:
         f"sync pause share: {s['sync_pause_share']:.1%} ({s['num_syncs']} syncs)",
         "time per phase (count, total s):",
     ]
+    c = s["tracer"]
+    tracer_line = (
+        f"tracer cost: {c['cost_s']:.3f}s for {c['events']} events ({c['us_per_event']:.1f} us each) in "
+        f"{c['processes']} processes; at most {c['max_process_share']:.3%} of one process ({c['busiest_process']})"
+    )
     lines += [f"  {name:<24} {row['count']:>7} {row['total_s']:>10.2f}" for name, row in s["phases"].items()]
     lines.append("longest trajectories:")
     for row in s["longest"]:
@@ -151,7 +182,8 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  {'trained at step ' + str(step) if step is not None else 'not trained'}"
         )
         lines.append(f"    {row['path']}")
+    lines.append(tracer_line)
     return "\n".join(lines)
 
 
-__all__ = ["TrajectoryLife", "format_summary", "summarize", "trajectory_lives"]
+__all__ = ["TrajectoryLife", "format_summary", "summarize", "tracer_cost", "trajectory_lives"]

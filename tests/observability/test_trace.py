@@ -25,10 +25,12 @@ def _fresh_tracer(monkeypatch):
     monkeypatch.setattr(trace, "_shard", trace._UNSET)
 
 
-def _lines(run_dir: Path) -> list[dict]:
-    return [
+def _lines(run_dir: Path, *, counters: bool = False) -> list[dict]:
+    """The events of every shard (without the tracer's cost counters unless `counters`)."""
+    events = [
         json.loads(line) for f in sorted((run_dir / "trace").glob("*.jsonl")) for line in f.read_text().splitlines()
     ]
+    return [e for e in events if counters or e["pid"] != trace.TRACER]
 
 
 def test_off_by_default_writes_nothing(tmp_path):
@@ -69,6 +71,30 @@ def test_threads_never_interleave_lines(tmp_path):
         t.join()
     events = _lines(tmp_path)  # every line parses
     assert len(events) == 2000
+    counted = [e["args"]["events"] for e in _lines(tmp_path, counters=True) if e["pid"] == trace.TRACER]
+    assert counted == sorted(counted) and counted[-1] <= 2000 and 2000 - counted[-1] < trace.COST_EVERY
+
+
+def test_the_tracer_counts_its_own_cost(tmp_path, monkeypatch):
+    """Every COST_EVERY events and at close a counter with the running totals, stamped no later than
+    the last event; the summary divides the cost by the process's traced time."""
+    monkeypatch.setattr(trace, "COST_EVERY", 100)
+    trace.configure(tmp_path)
+    for i in range(250):
+        trace.complete("generate", "trajectory", f"t{i}", 1000.0 + i, 1000.5 + i, engine="engine-0")
+    trace.configure(None)  # closes the shard: a last counter
+    events = _lines(tmp_path, counters=True)
+    counters = [e for e in events if e["pid"] == trace.TRACER]
+    assert [c["args"]["events"] for c in counters] == [100, 200, 250]
+    assert all(c["ph"] == "C" and c["args"]["since_us"] == 1_000_000_000 for c in counters)
+    assert counters[-1]["ts"] == max(e["ts"] + e.get("dur", 0) for e in events if e["pid"] != trace.TRACER)
+    costs = [c["args"]["cost_us"] for c in counters]
+    assert costs == sorted(costs) and costs[-1] > 0
+    tracer = summarize(read_trace(tmp_path))["tracer"]
+    assert tracer["events"] == 250 and tracer["cost_s"] == pytest.approx(costs[-1] / 1e6)
+    share = costs[-1] / 1e6 / 249.5  # the shard's events span 1000.0 .. 1249.5 s
+    assert tracer["max_process_share"] == pytest.approx(share)
+    assert "tracer cost" in format_summary(summarize(read_trace(tmp_path)))
 
 
 def test_actor_process_follows_the_runs_config(tmp_path, monkeypatch):
@@ -94,6 +120,8 @@ def test_a_killed_process_keeps_every_event_it_recorded(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=dict(os.environ), check=False)
     assert proc.returncode == -signal.SIGKILL
     assert [e["args"]["i"] for e in _lines(tmp_path)] == list(range(300))
+    # a counter, if one was due, counts only events already written
+    assert all(c["args"]["events"] <= 300 for c in _lines(tmp_path, counters=True) if c["pid"] == trace.TRACER)
 
 
 def _lifecycle(run_dir: Path) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pandas as pd
 
+from streamrl.core.trace import COST_EVERY, TRACER
 from streamrl.observability.trace_summary import trajectory_lives
 from streamrl.observability.tracing import Trace, read_trace
 
@@ -73,6 +74,27 @@ def check_lifecycle_trace(run_dir: Path, latest: pd.DataFrame) -> None:
     consumed = latest[latest["num_consumed"] > 0]
     steps = {tid: lives[tid].trained_step if tid in lives else None for tid in consumed["trajectory_id"]}
     assert steps == dict(zip(consumed["trajectory_id"], consumed["last_consume_step"].astype(int))), steps
+    check_cost_counters(trace)
     assert main(["trace", str(run_dir), "--json"]) == 0
     merged = json.loads((run_dir / "trace.json").read_text())
     assert sum(e["ph"] != "M" for e in merged["traceEvents"]) == len(trace.events)
+
+
+def check_cost_counters(trace: Trace) -> None:
+    """Each process's tracer counted its own events: its last cost counter (written at least every
+    COST_EVERY events, in the shard named after the process) counts the events before it in that shard.
+    A run this long has some: a process writes one at its first event 5 s after the last."""
+    checked = 0
+    for shard in trace.shards:
+        lines = [json.loads(line) for line in shard.read_text().splitlines() if line.endswith("}")]
+        counters = [e for e in lines if e["pid"] == TRACER]
+        recorded = len(lines) - len(counters)
+        if recorded < COST_EVERY and not counters:
+            continue
+        assert counters, f"{shard.name}: {recorded} events and no cost counter"
+        last = counters[-1]["args"]
+        assert counters[-1]["tid"] == shard.stem, (shard.name, counters[-1]["tid"])
+        assert recorded - COST_EVERY < last["events"] <= recorded, (shard.name, recorded, last)
+        assert last["cost_us"] > 0, (shard.name, last)
+        checked += 1
+    assert checked, "no process wrote a cost counter"
