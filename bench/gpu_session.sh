@@ -5,7 +5,8 @@
 #   bash bench/gpu_session.sh kit           # calls 1..9: carry .whl/cNN + .whl/MANIFEST.txt (exit 10 until all are in)
 #   bash bench/gpu_session.sh check OUT     # last carry (+ .whl/x1): install, then `bench.gpu_check` (in-process vLLM)
 #   bash bench/gpu_session.sh server OUT    # `bench.gpu_check --backend vllm_server` (the engine drives `vllm serve`)
-#   bash bench/gpu_session.sh trace OUT     # `bench.trace_overhead` with every part on the GPU (2 seed pairs, 8 steps)
+#   bash bench/gpu_session.sh trace OUT     # `bench.trace_overhead` with every part on the GPU (TRACE_SEEDS pairs of
+#                                           # TRACE_STEPS steps, default 2 x 30; the result is written after each run)
 #
 # With DRY=1 `check`/`server`/`trace` run anywhere: they resolve each GPU config (`--dry-run`) and start nothing.
 set -u -o pipefail
@@ -42,7 +43,8 @@ GPU=(
 case $step in
   check) cmd=(-m bench.gpu_check --out "$OUT/gpu.json") ;;
   server) cmd=(-m bench.gpu_check --backend vllm_server --out "$OUT/gpu_server.json") ;;
-  trace) cmd=(-m bench.trace_overhead --steps 8 --seeds 2 --out "$OUT/trace_overhead_gpu.json" "${GPU[@]}") ;;
+  trace) cmd=(-m bench.trace_overhead --steps "${TRACE_STEPS:-30}" --seeds "${TRACE_SEEDS:-2}"
+              --out "$OUT/trace_overhead_gpu.json" "${GPU[@]}") ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
 if [ "$DRY" = 1 ]; then
