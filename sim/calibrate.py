@@ -11,12 +11,16 @@
   sync mode (small, draining batches, learner idle) and async mode (large batches, learner busy)
   make them identifiable; the context term is left at 0 (this machine's contexts are short).
 - Learner: `step_s = base_s + per_token_s * tokens` on the sync runs' steps (engines idle), the async
-  runs' extra time as `shared_frac`; the first step of each run (warm-up) is left out. The time per
+  runs' extra time over the engines' load at their mean batch as `shared_frac`; the first step of
+  each run (warm-up) is left out. The time per
   step outside train, sync and waiting is `step_overhead_s`; the short waits of the async runs (10th
   percentile: steps whose batch was ready) are the batch fetch, `sample_s`.
 - Sync: the median total and paused seconds (one transport and one model size here: no bandwidth
   can be separated from the fixed cost, so all of it is `base_s`).
 - Shape: the turn-count distribution and per-turn token quantiles of the finished trajectories.
+- Agent: the time per turn a trajectory spent neither generating nor waiting for the environment:
+  its life less its generation seconds and its turns' mean tool latency, over the steady
+  trajectories no weight sync interrupted (a sync's pause is simulated on its own).
 - Tool latency is the workload's (the latency environment's median and p99), not fitted.
 """
 
@@ -29,7 +33,7 @@ import numpy as np
 import yaml
 
 from streamrl.buffer.config import BufferConfig
-from streamrl.sim.costs import Costs, EngineCost, LearnerCost, SyncCost, ToolLatency, TrajectoryShape
+from streamrl.sim.costs import AgentCost, Costs, EngineCost, LearnerCost, SyncCost, ToolLatency, TrajectoryShape
 from streamrl.sim.observe import Observations, from_metrics
 from streamrl.sim.pipeline import SimConfig
 
@@ -81,8 +85,16 @@ def engine_features(obs: Observations) -> tuple[np.ndarray, np.ndarray]:
     return np.column_stack([turns, tokens, tokens * batch, tokens * shared]), obs.generate_s
 
 
+def steady(obs: Observations) -> np.ndarray:
+    """The trajectories created from the first learner step's line on: the window a run is measured
+    over. The ones before it run on a cold engine (12-16 ms per token here, against 4-8 ms later at
+    the same batch), a start-up the simulated engines do not have."""
+    return obs.created_s >= obs.elapsed_s[0]
+
+
 def fit_engine(runs: list[Observations], max_batch: int) -> tuple[EngineCost, dict[str, Any]]:
-    parts = [engine_features(o) for o in runs]
+    # the batch curve counts every trajectory; only the steady ones are fitted
+    parts = [(x[keep], y[keep]) for o in runs for (x, y), keep in [(engine_features(o), steady(o))]]
     x = np.concatenate([p[0] for p in parts])
     y = np.concatenate([p[1] for p in parts])
     request_s, base_s, per_seq_s, shared_s = nnls(x, y)
@@ -92,7 +104,9 @@ def fit_engine(runs: list[Observations], max_batch: int) -> tuple[EngineCost, di
     return cost, {"trajectories": len(y), "r2_generate_s": r2, "mean_batch": float(np.mean(x[:, 2] / x[:, 1]))}
 
 
-def fit_learner(runs: list[Observations]) -> tuple[LearnerCost, dict[str, Any]]:
+def fit_learner(runs: list[Observations], engine_load: float) -> tuple[LearnerCost, dict[str, Any]]:
+    """`engine_load`: the engines' load (`EngineCost.load`) at the batch the async runs decoded."""
+
     def steps(o: Observations) -> np.ndarray:
         return np.flatnonzero((np.arange(len(o.step)) > 0) & np.isfinite(o.step_tokens))
 
@@ -103,15 +117,11 @@ def fit_learner(runs: list[Observations]) -> tuple[LearnerCost, dict[str, Any]]:
     shared = 0.0
     async_runs = [o for o in runs if o.mode == "async"]
     if async_runs and len(async_runs) < len(runs):
-        # the slow-down per generating engine on the learner's cores (all of them when they share the cores)
-        per_engine = [o.num_engines if engines_share_cores(o.config) else 1 for o in async_runs]
+        # the slow-down at full load: the async steps' extra time over the load they trained beside
         ratio = np.concatenate(
-            [
-                (o.step_s[steps(o)] / (base_s + per_token_s * o.step_tokens[steps(o)]) - 1.0) / n
-                for o, n in zip(async_runs, per_engine, strict=True)
-            ]
+            [o.step_s[steps(o)] / (base_s + per_token_s * o.step_tokens[steps(o)]) - 1.0 for o in async_runs]
         )
-        shared = max(float(np.median(ratio)), 0.0)
+        shared = max(float(np.median(ratio)), 0.0) / max(engine_load, 1e-9)
     overhead = np.concatenate([(np.diff(o.elapsed_s) - o.step_s[1:] - o.sync_s[1:] - np.diff(o.idle_s)) for o in runs])
     # the short waits are the steps whose batch was ready: fetching it and the driver's wake-up (the 10th
     # percentile wait of the async runs); the long waits for a batch not ready are what the simulation adds
@@ -119,6 +129,17 @@ def fit_learner(runs: list[Observations]) -> tuple[LearnerCost, dict[str, Any]]:
     sample_s = max(float(np.percentile(waits, 10)), 0.0)
     cost = LearnerCost(base_s, per_token_s, shared, max(float(np.median(overhead)), 0.0), sample_s=sample_s)
     return cost, {"steps": len(tok), "mean_step_tokens": float(np.mean(tok))}
+
+
+def fit_agent(runs: list[Observations]) -> AgentCost:
+    outside, turns = 0.0, 0
+    for o in runs:
+        keep = steady(o) & (o.interrupts == 0)
+        n = np.array([len(t) for t in o.turn_tokens])[keep]
+        life = (o.finished_s - o.created_s)[keep]
+        outside += float(np.sum(life - o.generate_s[keep]) - n.sum() * tool_latency_of(o.config).mean_s)
+        turns += int(n.sum())
+    return AgentCost(turn_s=max(outside / turns, 0.0) if turns else 0.0)
 
 
 def fit_shape(runs: list[Observations]) -> TrajectoryShape:
@@ -182,13 +203,14 @@ def calibrate(run_dirs: list[str | Path], tool: ToolLatency | None = None) -> Co
     engine, engine_fit = fit_engine(
         runs, max_batch=max(int(o.config["rollout"]["max_concurrent_per_worker"]) for o in runs)
     )
-    learner, learner_fit = fit_learner(runs)
+    learner, learner_fit = fit_learner(runs, engine.load(engine_fit["mean_batch"]))
     return Costs(
         engine=engine,
         tool=tool or tool_latency_of(runs[0].config),
         shape=fit_shape(runs),
         learner=learner,
         sync=fit_sync(runs),
+        agent=fit_agent(runs),
         source={
             "calibrated_from": [str(d) for d in run_dirs],
             "modes": [o.mode for o in runs],

@@ -7,10 +7,14 @@
   pays `request_s` (prefill, scheduling, the call itself). Throughput is `b / step_s(b, ctx)`.
 - `ToolLatency`: the environment's reply time per assistant turn, lognormal from its median and p99
   (the latency environment of bench/async_vs_sync.py draws the same way).
+- `AgentCost`: the agent loop's own work per turn, outside the engine call and the tool's wait
+  (templating, parsing, the calls between worker, engine and environment).
 - `TrajectoryShape`: assistant turns per trajectory (uniform), tokens per turn (quantiles, sampled
   by inverse CDF), prompt tokens.
-- `LearnerCost`: `step_s = base_s + per_token_s * tokens`, times `1 + shared_frac` when engines
-  generate on the same cores; `sample_s` to fetch a ready batch, `step_overhead_s` after each step.
+- `LearnerCost`: `step_s = base_s + per_token_s * tokens`, times `1 + shared_frac * load` while
+  engines decode on the same cores, `load` (0 to 1) the share of their decode step that is
+  per-sequence work (`EngineCost.load`); `sample_s` to fetch a ready batch, `step_overhead_s` after
+  each step.
 - `SyncCost`: `total_s = base_s + bytes / bandwidth`; engines stop generating for
   `pause_base_s + pause_share * (total_s - base_s)` of it (0 for a transport that stages the weights
   while the engines serve, 1 for one that writes into the serving weights).
@@ -43,6 +47,18 @@ class EngineCost:
     def tokens_per_s(self, batch: int, ctx: float) -> float:
         return batch / self.step_s(batch, ctx) if batch else 0.0
 
+    def load(self, batch: int) -> float:
+        """How much of the machine's cores `batch` decoding sequences take, 0 to 1: the per-sequence
+        share of a decode step. The per-step rest is the scheduler's loop on one thread; the
+        per-sequence work is the matrix products, on every core. One sequence barely slows a learner
+        on the same cores, twenty nearly as much as a full machine does."""
+        if batch <= 0:
+            return 0.0
+        if self.per_seq_s <= 0:
+            return 1.0  # no per-sequence work told apart: any decoding is the full load
+        work = self.per_seq_s * batch
+        return work / (self.base_s + work)
+
 
 @dataclass(frozen=True, slots=True)
 class ToolLatency:
@@ -53,6 +69,22 @@ class ToolLatency:
     @property
     def sigma(self) -> float:
         return math.log(self.p99_s / self.median_s) / Z99 if self.median_s > 0 and self.p99_s > self.median_s else 0.0
+
+    @property
+    def mean_s(self) -> float:
+        """The mean reply time (of the lognormal, cut at `max_s` when set)."""
+        if self.median_s <= 0:
+            return 0.0
+        mu, sigma = math.log(self.median_s), self.sigma
+        mean = math.exp(mu + sigma**2 / 2)
+        if self.max_s <= 0 or sigma == 0:
+            return mean if self.max_s <= 0 else min(self.median_s, self.max_s)
+
+        def phi(x: float) -> float:
+            return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
+        z = (math.log(self.max_s) - mu) / sigma  # E[min(X, c)] for a lognormal X
+        return mean * phi(z - sigma) + self.max_s * (1 - phi(z))
 
     def draw(self, rng: np.random.Generator, n: int | None = None) -> Any:
         if self.median_s <= 0:
@@ -75,6 +107,11 @@ class ToolLatency:
         if median < 0 or p99 < median:
             raise ValueError(f"tool latency {text!r}: need 0 <= p50 <= p99")
         return cls(median, p99, seconds(parts.get("max", "0")))
+
+
+@dataclass(frozen=True, slots=True)
+class AgentCost:
+    turn_s: float = 0.0  # per assistant turn, after the environment's reply and before the next call
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,17 +148,17 @@ class TrajectoryShape:
 class LearnerCost:
     base_s: float
     per_token_s: float  # per trained token (prompt + response)
-    shared_frac: float = 0.0  # slow-down while engines generate on the same cores (this machine)
+    shared_frac: float = 0.0  # slow-down at full engine load on the same cores (this machine)
     step_overhead_s: float = 0.0  # per step outside train and sync (logging, the driver's calls)
     sample_s: float = 0.0  # fetching a ready batch (the driver counts it as learner idle)
 
-    def step_s(self, tokens: int, engines_busy: int = 0) -> float:
-        """`engines_busy`: the generating engines on the learner's cores; each slows it by `shared_frac`."""
-        return (self.base_s + self.per_token_s * tokens) * self.slowdown(engines_busy)
+    def step_s(self, tokens: int, load: float = 0.0) -> float:
+        """`load`: the engines' load on the learner's cores (`EngineCost.load`), 0 to 1."""
+        return (self.base_s + self.per_token_s * tokens) * self.slowdown(load)
 
-    def slowdown(self, engines_busy: int) -> float:
-        """How many times longer training takes while `engines_busy` engines generate on its cores."""
-        return 1 + self.shared_frac * engines_busy
+    def slowdown(self, load: float) -> float:
+        """How many times longer training takes while engines load its cores by `load` (0 to 1)."""
+        return 1 + self.shared_frac * load
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +187,7 @@ class Costs:
     shape: TrajectoryShape
     learner: LearnerCost
     sync: SyncCost
+    agent: AgentCost = AgentCost()  # 0 for the published costs: tool waits of seconds dwarf it there
     source: dict[str, Any] = field(default_factory=dict)  # where each number came from
 
     def to_json(self) -> dict[str, Any]:
@@ -169,5 +207,6 @@ class Costs:
             ),
             learner=LearnerCost(**data["learner"]),
             sync=SyncCost(**data["sync"]),
+            agent=AgentCost(**data.get("agent", {})),
             source=dict(data.get("source", {})),
         )

@@ -58,7 +58,7 @@ class SimEngine:
     _waiting: deque[Request] = field(default_factory=deque)
     _seq: itertools.count = field(default_factory=itertools.count)
     cores: SharedCores | None = None  # None: the engine has its own accelerator
-    on_busy_change: Callable[[], None] | None = None  # told when `busy` flips (the learner's speed)
+    on_load_change: Callable[[], None] | None = None  # told when the decoding batch may have changed
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -81,8 +81,6 @@ class SimEngine:
             self.busy_s += self.loop.now - self._busy_since
         else:
             self._busy_since = self.loop.now
-        if self.on_busy_change is not None:
-            self.on_busy_change()
 
     def _enqueue(self, request: Request) -> None:
         self._waiting.append(request)
@@ -140,6 +138,13 @@ class SimEngine:
             self._set_step(self.own_step_s())
         else:
             self.cores.reschedule()
+        if self.on_load_change is not None:
+            self.on_load_change()
+
+    @property
+    def decoding(self) -> int:
+        """Sequences decoding now (0 while paused)."""
+        return 0 if self.paused else len(self._running)
 
     def _set_step(self, step_s: float) -> None:
         """Decode at one token per `step_s` from now on (0: not decoding)."""

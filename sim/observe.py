@@ -60,6 +60,7 @@ class Observations:
     turn_tokens: list[np.ndarray]  # tokens sampled in each assistant turn
     observation_tokens: np.ndarray  # per trajectory: tokens the environment added per reply
     prompt_tokens: np.ndarray
+    interrupts: np.ndarray  # per trajectory: times a weight sync interrupted it
     generate_s: np.ndarray
     created_s: np.ndarray
     finished_s: np.ndarray
@@ -94,6 +95,7 @@ def _trajectories(run_dir: Path, clock0_unix: float) -> dict[str, Any]:
         "observation_tokens": obs,
         "prompt_tokens": done["num_prompt_tokens"].to_numpy(dtype=np.float64),
         "generate_s": done["generate_s"].to_numpy(dtype=np.float64),
+        "interrupts": done["num_interrupts"].to_numpy(dtype=np.int64),
         "created_s": done["created_at"].to_numpy(dtype=np.float64) - clock0_unix,
         "finished_s": done["finished_at"].to_numpy(dtype=np.float64) - clock0_unix,
         "tokens_by_step": {int(s): float(total[consumed == s].sum()) for s in np.unique(consumed) if s >= 0},

@@ -65,7 +65,7 @@ class SimPipeline:
         self.loop = EventLoop()
         self.engines = [SimEngine(i, costs.engine, self.loop) for i in range(cfg.num_engines)]
         for engine in self.engines:
-            engine.on_busy_change = self._learner_speed_changed
+            engine.on_load_change = self._learner_speed_changed
         if cfg.engines_share_cores and cfg.num_engines > 1:
             cores = SharedCores()
             for engine in self.engines:
@@ -152,9 +152,11 @@ class SimPipeline:
         self.router.submit(t.index, Request(tokens, t.ctx + tokens / 2, first_token, lambda: self._turn_done(t)))
 
     def _turn_done(self, t: SimTrajectory) -> None:
-        t.ctx += t.turn_tokens[t.turn] + self.costs.shape.observation_tokens
         t.turn += 1
-        self.loop.after(t.tool_s[t.turn - 1], self._env_replied, t)
+        # the environment's reply adds tokens only when another turn follows (the last one ends it)
+        more = t.turn < len(t.turn_tokens)
+        t.ctx += t.turn_tokens[t.turn - 1] + (self.costs.shape.observation_tokens if more else 0.0)
+        self.loop.after(t.tool_s[t.turn - 1] + self.costs.agent.turn_s, self._env_replied, t)
 
     def _env_replied(self, t: SimTrajectory) -> None:
         if t.turn < len(t.turn_tokens):
@@ -197,21 +199,21 @@ class SimPipeline:
         self._set_learner("training")
         self._learner_speed_changed()
 
-    def engines_busy(self) -> int:
-        """The busy engines that slow the learner now: every one on its cores (vllm-cpu: all of them);
-        otherwise at most one together (the shared host, not the accelerators)."""
-        busy = sum(e.busy for e in self.engines)
-        return busy if self.cfg.engines_share_cores else min(busy, 1)
+    def engine_load(self) -> float:
+        """The engines' load on the learner's cores (`EngineCost.load` of every sequence decoding:
+        engines on one machine's cores take turns on them, `SharedCores`, so their batches add up;
+        engines on their own accelerators do not slow the learner, `shared_frac` is 0 for them)."""
+        return self.costs.engine.load(sum(e.decoding for e in self.engines))
 
     def _learner_speed_changed(self) -> None:
         """Reschedule the end of the learner's step at its new speed (at its start, and whenever an
-        engine starts or stops generating during it: the slow-down follows the engines through the
+        engine's decoding batch changes during it: the slow-down follows the engines through the
         step, not their state when it began)."""
         if self.learner_state != "training":
             return
-        rate = 1.0 / self.costs.learner.slowdown(self.engines_busy())
+        rate = 1.0 / self.costs.learner.slowdown(self.engine_load())
         if rate == self._rate:
-            return  # the scheduled end stands (no shared cores, or the busy count it depends on is the same)
+            return  # the scheduled end stands (no shared cores, or the same load)
         now = self.loop.now
         self._work_left = max(self._work_left - (now - self._work_at) * self._rate, 0.0)
         self._work_at, self._rate = now, rate

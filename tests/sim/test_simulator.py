@@ -164,6 +164,10 @@ def test_tool_latency_parses_and_draws_its_median_and_p99():
     assert np.median(draws) == pytest.approx(2.0, rel=0.02)
     assert np.quantile(draws, 0.99) == pytest.approx(60.0, rel=0.05)
     assert ToolLatency.parse("p50=500ms,p99=1s,max=2s") == ToolLatency(0.5, 1.0, 2.0)
+    assert np.mean(draws) == pytest.approx(tool.mean_s, rel=0.03)
+    cut = ToolLatency(2.0, 60.0, max_s=10.0)
+    assert np.mean(cut.draw(np.random.default_rng(1), 200_000)) == pytest.approx(cut.mean_s, rel=0.01)
+    assert cut.mean_s < tool.mean_s
     with pytest.raises(ValueError):
         ToolLatency.parse("p50=2s")
 
@@ -174,11 +178,12 @@ def test_costs_round_trip_through_json():
 
 
 @pytest.mark.parametrize("share_cores", [True, False], ids=["shared-cores", "own-accelerators"])
-def test_the_learner_is_slowed_only_while_engines_generate(share_cores):
-    """A learner step of 1 s with the engines idle, 0.5 more per busy engine on its cores: two engines
-    generate through its first 0.405 s (one request of 70 tokens each: 0.02 s + 70 x 0.0055 s), then
-    stop. It runs at 1/2 speed (shared cores: both count) or 1/1.5 (own accelerators: the host counts
-    once) until then, at full speed after: the slow-down follows the engines through the step."""
+def test_the_learner_is_slowed_only_while_engines_decode(share_cores):
+    """A learner step of 1 s of work, slowed by 1 + 0.5 x the engines' load. Two engines each get one
+    request of 70 tokens: for its first 0.02 s (`request_s`) nothing decodes and the learner runs at
+    full speed; then both decode one sequence each (load of a batch of 2) until they finish (engines
+    on shared cores take turns: twice as long), and the learner runs at full speed again after: the
+    slow-down follows the engines' batch through the step."""
     c = costs()
     c = replace(c, learner=replace(c.learner, base_s=1.0, shared_frac=0.5))
     pipe = SimPipeline(config(num_engines=2, engines_share_cores=share_cores), c)
@@ -186,7 +191,16 @@ def test_the_learner_is_slowed_only_while_engines_generate(share_cores):
         engine.submit(Request(70, 10.0, lambda v: None, lambda: None))
     pipe._train(0)
     pipe.loop.run(lambda: pipe.learner_step >= 1)
-    busy_s = 0.02 + 70 * 0.0055 * (2 if share_cores else 1)  # engines on shared cores take turns
-    done = busy_s * (0.5 if share_cores else 1 / 1.5)  # of the step's 1 s of work
-    assert pipe.loop.now == pytest.approx(busy_s + (1.0 - done))
-    assert pipe.engines_busy() == 0
+    slow = 1 + 0.5 * c.engine.load(2)
+    decode_s = 70 * c.engine.step_s(1, 10.0) * (2 if share_cores else 1)
+    assert 1 < slow < 1.5  # two sequences are a light load, not a full one
+    assert pipe.loop.now == pytest.approx(0.02 + decode_s + (1.0 - 0.02 - decode_s / slow))
+    assert pipe.engine_load() == 0
+
+
+def test_the_engine_load_grows_with_the_batch_to_the_full_machine():
+    e = EngineCost(base_s=0.005, per_seq_s=0.0005)
+    loads = [e.load(b) for b in (0, 1, 2, 10, 100, 10_000)]
+    assert loads[0] == 0 and loads == sorted(loads) and 0.99 < loads[-1] < 1
+    assert loads[2] == pytest.approx(0.001 / 0.006)
+    assert EngineCost(base_s=0.005, per_seq_s=0.0).load(3) == 1.0  # no per-sequence term: any decoding loads fully
