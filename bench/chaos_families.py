@@ -24,6 +24,8 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+from streamrl.core import syntax
+
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ("io", "hostile", "all_fail", "preempt")  # preempt: bench/chaos_preempt.py
 LOSS_KEYS = (
@@ -138,7 +140,7 @@ def fuzz_cases(fuzz_dir: Path = REPO / "tests/fuzz") -> dict[str, int]:
     """test -> its `@settings(max_examples=N)` (hypothesis runs at most N examples per run)."""
     cases = {}
     for path in sorted(fuzz_dir.glob("test_*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(syntax.parse(path.read_text())):
             if not isinstance(node, ast.FunctionDef):
                 continue
             for deco in node.decorator_list:

@@ -11,6 +11,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+from streamrl.core import syntax
+
 REPO = Path(__file__).resolve().parents[1]
 TOP = (
     "buffer",
@@ -101,7 +103,7 @@ def package_imports() -> dict[tuple[str, str], set[tuple[str, str]]]:
     edges: dict[tuple[str, str], set[tuple[str, str]]] = {}
     for top in LAYERS:
         for path in (REPO / top).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(syntax.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom) and node.module == "streamrl":
                     names = [f"streamrl.{a.name}" for a in node.names]
                 elif isinstance(node, ast.ImportFrom) and node.module:
@@ -180,7 +182,7 @@ def test_library_packages_use_each_other_only_through_their_interfaces():
 
 def test_core_imports_no_other_package_and_nothing_heavy():
     for path in (REPO / "core").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(syntax.parse(path.read_text())):
             if isinstance(node, ast.Import | ast.ImportFrom):
                 names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
                 for name in names:

@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from streamrl.core import syntax
 from streamrl.rollout.tools.base import BaseTool, ToolExecution
 from streamrl.rollout.tools.schema import OpenAIFunctionToolSchema
 
@@ -145,7 +146,7 @@ def evaluate_expression(expression: object, config: CalculatorConfig | None = No
     for old, new in _REPLACEMENTS.items():
         text = text.replace(old, new)
     try:
-        tree = ast.parse(text, mode="eval")
+        tree = syntax.parse(text, mode="eval")
     except (SyntaxError, ValueError) as exc:
         raise CalculatorError(f"could not parse {expression!r:.80}: {getattr(exc, 'msg', exc)}") from None
     if sum(1 for _ in ast.walk(tree)) > _MAX_NODES:
