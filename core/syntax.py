@@ -4,7 +4,9 @@ CPython 3.11 keeps the AST converter's recursion depth in one counter per interp
 thread (python/cpython#106905 and the change it follows, #95185). When a garbage collection inside
 a conversion runs Python code (a finalizer), the interpreter may switch to another thread that
 parses as well, and the first parse then fails with `SystemError: AST constructor recursion depth
-mismatch`. A finalizer that parses does the same within one thread. The calculator tool parses
+mismatch`. A finalizer that parses does the same within one thread, and Python 3.11 parses to print
+a traceback (to place its ^^^ marks): asyncio's "Task was destroyed but it is pending!" logged from
+a collected task, with logging's own error traceback, failed `tests/test_layout.py` in CI so. The calculator tool parses
 inside rollout workers, which share their process with other threads (Ray's, vLLM's, tool
 threads), and the tests parse beside them, so every parse in the library goes through one
 (reentrant) lock. A parse that still meets the error (a parser outside the

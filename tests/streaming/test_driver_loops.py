@@ -31,6 +31,20 @@ from streamrl.weight_sync.publisher import Published
 TIMEOUT_S = 60
 
 
+@pytest.fixture(autouse=True)
+async def no_task_outlives_its_test():
+    """Cancel what a test leaves running (a fake worker's trajectories past the end of training).
+    Left pending, a task is destroyed when collected, and its finalizer logs "Task was destroyed but
+    it is pending!" inside whatever another test runs then: once inside a parse (core/syntax.py)."""
+    before = asyncio.all_tasks()
+    yield
+    left = asyncio.all_tasks() - before - {asyncio.current_task()}
+    for task in left:
+        task.cancel()
+    if left:
+        await asyncio.wait(left, timeout=10)
+
+
 @dataclass
 class Served:
     """The version the fake engines serve (the fake learner's publish sets it)."""
