@@ -10,9 +10,11 @@
   non-negative least-squares fit over every trajectory of every run gives the four numbers. Runs in
   sync mode (small, draining batches, learner idle) and async mode (large batches, learner busy)
   make them identifiable; the context term is left at 0 (this machine's contexts are short).
-- Learner: `step_s = base_s + per_token_s * tokens` on the sync runs' steps (engines idle), the async
-  runs' extra time over the engines' load at their mean batch as `shared_frac`; the first step of
-  each run (warm-up) is left out. The time per
+- Learner: `step_s = base_s + per_token_s * tokens` on the sync runs' steps (engines idle), the
+  one-engine async runs' extra time over the engines' load at their mean batch as `shared_frac`;
+  what async runs with several engine processes on the cores add beyond that, per process decoding
+  beside the first (each engine busy its measured share, independently), as `process_frac`; the
+  first step of each run (warm-up) is left out. The time per
   step outside train, sync and waiting is `step_overhead_s`; the short waits of the async runs (10th
   percentile: steps whose batch was ready) are the batch fetch, `sample_s`.
 - Sync: the median total and paused seconds (one transport and one model size here: no bandwidth
@@ -104,8 +106,9 @@ def fit_engine(runs: list[Observations], max_batch: int) -> tuple[EngineCost, di
     return cost, {"trajectories": len(y), "r2_generate_s": r2, "mean_batch": float(np.mean(x[:, 2] / x[:, 1]))}
 
 
-def fit_learner(runs: list[Observations], engine_load: float) -> tuple[LearnerCost, dict[str, Any]]:
-    """`engine_load`: the engines' load (`EngineCost.load`) at the batch the async runs decoded."""
+def fit_learner(runs: list[Observations], engine: EngineCost, mean_batch: float) -> tuple[LearnerCost, dict[str, Any]]:
+    """`mean_batch`: the batch the engine fit saw on average (its load is what the async steps of
+    one engine trained beside)."""
 
     def steps(o: Observations) -> np.ndarray:
         return np.flatnonzero((np.arange(len(o.step)) > 0) & np.isfinite(o.step_tokens))
@@ -114,21 +117,59 @@ def fit_learner(runs: list[Observations], engine_load: float) -> tuple[LearnerCo
     tok = np.concatenate([o.step_tokens[steps(o)] for o in sync_runs])
     sec = np.concatenate([o.step_s[steps(o)] for o in sync_runs])
     base_s, per_token_s = nnls(np.column_stack([np.ones_like(tok), tok]), sec)
-    shared = 0.0
+
+    def extra_time(o: Observations) -> float:
+        """The median step's time beyond its cost with the engines idle, as a share of that cost."""
+        return float(np.median(o.step_s[steps(o)] / (base_s + per_token_s * o.step_tokens[steps(o)]) - 1.0))
+
     async_runs = [o for o in runs if o.mode == "async"]
-    if async_runs and len(async_runs) < len(runs):
-        # the slow-down at full load: the async steps' extra time over the load they trained beside
-        ratio = np.concatenate(
-            [o.step_s[steps(o)] / (base_s + per_token_s * o.step_tokens[steps(o)]) - 1.0 for o in async_runs]
-        )
-        shared = max(float(np.median(ratio)), 0.0) / max(engine_load, 1e-9)
+    crowded = [o.num_engines > 1 and engines_share_cores(o.config) for o in async_runs]
+    one = [o for o, c in zip(async_runs, crowded, strict=True) if not c]
+    several = [o for o, c in zip(async_runs, crowded, strict=True) if c]
+    if not one:  # only runs with several engines on the cores: taken as one load, as for one engine
+        one, several = several, []
+    shared, per_process, fit = 0.0, 0.0, {}
+    if one and len(async_runs) < len(runs):
+        ratio = float(np.median([extra_time(o) for o in one]))
+        shared = max(ratio, 0.0) / max(engine.load(mean_batch), 1e-9)
+    if several and shared > 0:
+        # what the runs with several engine processes on the cores add beyond their engines' load
+        extra = []
+        for o in several:
+            load = engine.load(run_mean_batch(o))
+            extra.append((extra_time(o) - shared * load) / max(expected_extra_processes(o), 1e-9))
+        per_process = max(float(np.median(extra)), 0.0)
+        fit = {"process_frac_from": len(several)}
     overhead = np.concatenate([(np.diff(o.elapsed_s) - o.step_s[1:] - o.sync_s[1:] - np.diff(o.idle_s)) for o in runs])
     # the short waits are the steps whose batch was ready: fetching it and the driver's wake-up (the 10th
     # percentile wait of the async runs); the long waits for a batch not ready are what the simulation adds
     waits = np.concatenate([np.diff(o.idle_s) for o in async_runs]) if async_runs else np.zeros(1)
     sample_s = max(float(np.percentile(waits, 10)), 0.0)
-    cost = LearnerCost(base_s, per_token_s, shared, max(float(np.median(overhead)), 0.0), sample_s=sample_s)
-    return cost, {"steps": len(tok), "mean_step_tokens": float(np.mean(tok))}
+    cost = LearnerCost(
+        base_s,
+        per_token_s,
+        shared,
+        max(float(np.median(overhead)), 0.0),
+        sample_s=sample_s,
+        process_frac=per_process,
+    )
+    return cost, {"steps": len(tok), "mean_step_tokens": float(np.mean(tok)), **fit}
+
+
+def run_mean_batch(o: Observations) -> float:
+    """The mean batch one run's steady trajectories decoded in (`engine_features`)."""
+    x, _ = engine_features(o)
+    keep = steady(o)
+    return float(np.mean(x[keep, 2] / x[keep, 1]))
+
+
+def expected_extra_processes(o: Observations) -> float:
+    """The mean number of engine processes decoding beside the first over the run's steady window,
+    each engine busy its measured share of the time, independently: E[max(active - 1, 0)]."""
+    n = o.num_engines
+    busy = (o.engine_busy_s[-1] - o.engine_busy_s[0]) / max(o.engine_uptime_s[-1] - o.engine_uptime_s[0], 1e-9)
+    busy = min(max(float(busy), 0.0), 1.0)
+    return n * busy - 1 + (1 - busy) ** n
 
 
 def fit_agent(runs: list[Observations]) -> AgentCost:
@@ -203,7 +244,7 @@ def calibrate(run_dirs: list[str | Path], tool: ToolLatency | None = None) -> Co
     engine, engine_fit = fit_engine(
         runs, max_batch=max(int(o.config["rollout"]["max_concurrent_per_worker"]) for o in runs)
     )
-    learner, learner_fit = fit_learner(runs, engine.load(engine_fit["mean_batch"]))
+    learner, learner_fit = fit_learner(runs, engine, engine_fit["mean_batch"])
     return Costs(
         engine=engine,
         tool=tool or tool_latency_of(runs[0].config),

@@ -11,10 +11,11 @@
   (templating, parsing, the calls between worker, engine and environment).
 - `TrajectoryShape`: assistant turns per trajectory (uniform), tokens per turn (quantiles, sampled
   by inverse CDF), prompt tokens.
-- `LearnerCost`: `step_s = base_s + per_token_s * tokens`, times `1 + shared_frac * load` while
-  engines decode on the same cores, `load` (0 to 1) the share of their decode step that is
-  per-sequence work (`EngineCost.load`); `sample_s` to fetch a ready batch, `step_overhead_s` after
-  each step.
+- `LearnerCost`: `step_s = base_s + per_token_s * tokens`, times
+  `1 + shared_frac * load + process_frac * extra` while engines decode on the same cores, `load`
+  (0 to 1) the share of their decode step that is per-sequence work (`EngineCost.load`), `extra` the
+  engine processes decoding beside the first (each its own scheduler loop and threads); `sample_s` to
+  fetch a ready batch, `step_overhead_s` after each step.
 - `SyncCost`: `total_s = base_s + bytes / bandwidth`; engines stop generating for
   `pause_base_s + pause_share * (total_s - base_s)` of it (0 for a transport that stages the weights
   while the engines serve, 1 for one that writes into the serving weights).
@@ -47,7 +48,7 @@ class EngineCost:
     def tokens_per_s(self, batch: int, ctx: float) -> float:
         return batch / self.step_s(batch, ctx) if batch else 0.0
 
-    def load(self, batch: int) -> float:
+    def load(self, batch: float) -> float:
         """How much of the machine's cores `batch` decoding sequences take, 0 to 1: the per-sequence
         share of a decode step. The per-step rest is the scheduler's loop on one thread; the
         per-sequence work is the matrix products, on every core. One sequence barely slows a learner
@@ -151,14 +152,16 @@ class LearnerCost:
     shared_frac: float = 0.0  # slow-down at full engine load on the same cores (this machine)
     step_overhead_s: float = 0.0  # per step outside train and sync (logging, the driver's calls)
     sample_s: float = 0.0  # fetching a ready batch (the driver counts it as learner idle)
+    process_frac: float = 0.0  # slow-down per engine process decoding beside the first on the same cores
 
-    def step_s(self, tokens: int, load: float = 0.0) -> float:
+    def step_s(self, tokens: int, load: float = 0.0, extra_processes: int = 0) -> float:
         """`load`: the engines' load on the learner's cores (`EngineCost.load`), 0 to 1."""
-        return (self.base_s + self.per_token_s * tokens) * self.slowdown(load)
+        return (self.base_s + self.per_token_s * tokens) * self.slowdown(load, extra_processes)
 
-    def slowdown(self, load: float) -> float:
-        """How many times longer training takes while engines load its cores by `load` (0 to 1)."""
-        return 1 + self.shared_frac * load
+    def slowdown(self, load: float, extra_processes: int = 0) -> float:
+        """How many times longer training takes while engines load its cores by `load` (0 to 1), with
+        `extra_processes` engine processes decoding there beside the first."""
+        return 1 + self.shared_frac * load + self.process_frac * extra_processes
 
 
 @dataclass(frozen=True, slots=True)

@@ -205,13 +205,20 @@ class SimPipeline:
         engines on their own accelerators do not slow the learner, `shared_frac` is 0 for them)."""
         return self.costs.engine.load(sum(e.decoding for e in self.engines))
 
+    def extra_engine_processes(self) -> int:
+        """Engines decoding on the learner's cores beside the first: each is a process of its own
+        (`LearnerCost.process_frac`); 0 for engines on their own accelerators."""
+        if not self.cfg.engines_share_cores:
+            return 0
+        return max(sum(1 for e in self.engines if e.decoding) - 1, 0)
+
     def _learner_speed_changed(self) -> None:
         """Reschedule the end of the learner's step at its new speed (at its start, and whenever an
         engine's decoding batch changes during it: the slow-down follows the engines through the
         step, not their state when it began)."""
         if self.learner_state != "training":
             return
-        rate = 1.0 / self.costs.learner.slowdown(self.engine_load())
+        rate = 1.0 / self.costs.learner.slowdown(self.engine_load(), self.extra_engine_processes())
         if rate == self._rate:
             return  # the scheduled end stands (no shared cores, or the same load)
         now = self.loop.now

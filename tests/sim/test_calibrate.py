@@ -168,3 +168,45 @@ def test_repeated_runs_are_compared_by_their_mean():
     assert m["trained_samples_per_hour"] == 150.0 and m["engine_busy_fraction"] == pytest.approx(0.6)
     assert m["learner_idle_fraction"] == pytest.approx(0.3) and m["lag_mean"] == 1.5
     assert m["lag_hist"] == pytest.approx({"0": 0.3, "1": 0.45, "over": 0.25})  # a missing bin counts 0
+
+
+@pytest.mark.parametrize("pair_slowdown", [2.0, 1.3])
+def test_a_second_engine_process_costs_the_learner_what_the_pair_run_showed(tmp_path, pair_slowdown):
+    """A sync run, a one-engine async run at 1.4 and a two-engine async run at `pair_slowdown`: the
+    one-engine run alone gives `shared_frac` (1.4 back at its load), and the second process's cost is
+    what the pair run shows beyond its own engines' load, at the share of time both engines decode.
+    A pair run no slower than its load accounts for gives no negative cost."""
+    from streamrl.sim.calibrate import expected_extra_processes, run_mean_batch
+
+    sync = write_run(tmp_path / "sync", "sync")
+    one = write_run(tmp_path / "one", "async", learner_slowdown=1.4)
+    pair = write_run(tmp_path / "pair", "async", learner_slowdown=pair_slowdown, num_engines=2)
+    costs = calibrate([sync, one, pair])
+    fitted = costs.learner
+    base_load = costs.engine.load(costs.source["engine_fit"]["mean_batch"])
+    assert fitted.slowdown(base_load) == pytest.approx(1.4, rel=1e-3)
+    obs = from_metrics(pair)
+    load, both = costs.engine.load(run_mean_batch(obs)), expected_extra_processes(obs)
+    assert 0 < both < 1  # the engines are busy part of the time, and both together less often
+    if pair_slowdown == 2.0:
+        assert fitted.process_frac > 0
+        assert fitted.slowdown(load, 0) + fitted.process_frac * both == pytest.approx(2.0, rel=1e-3)
+    else:
+        assert fitted.process_frac == 0
+    assert costs.source["learner_fit"]["process_frac_from"] == 1
+
+
+def test_the_expected_extra_processes_of_independent_engines():
+    """E[max(active - 1, 0)] for n engines each busy b of the time: b**2 for two, 0 when idle, n - 1
+    when always busy."""
+    from streamrl.sim.calibrate import expected_extra_processes
+
+    class Run:
+        def __init__(self, n: int, busy: float) -> None:
+            self.num_engines = n
+            self.engine_busy_s, self.engine_uptime_s = [0.0, busy * 100], [0.0, 100.0]
+
+    assert expected_extra_processes(Run(2, 0.9)) == pytest.approx(0.81)
+    assert expected_extra_processes(Run(3, 0.0)) == pytest.approx(0.0)
+    assert expected_extra_processes(Run(3, 1.0)) == pytest.approx(2.0)
+    assert expected_extra_processes(Run(1, 0.7)) == pytest.approx(0.0)

@@ -198,6 +198,26 @@ def test_the_learner_is_slowed_only_while_engines_decode(share_cores):
     assert pipe.engine_load() == 0
 
 
+@pytest.mark.parametrize("share_cores", [True, False], ids=["shared-cores", "own-accelerators"])
+def test_a_second_engine_process_on_the_cores_slows_the_learner_while_both_decode(share_cores):
+    """A learner step of 1 s of work, no load term, 0.5 per engine process decoding beside the first:
+    while the two engines decode one request each (on shared cores), the learner runs at 1 / 1.5; on
+    their own accelerators engines do not slow it at all."""
+    c = costs()
+    c = replace(c, learner=replace(c.learner, base_s=1.0, shared_frac=0.0, process_frac=0.5))
+    pipe = SimPipeline(config(num_engines=2, engines_share_cores=share_cores), c)
+    for engine in pipe.engines:
+        engine.submit(Request(70, 10.0, lambda v: None, lambda: None))
+    pipe._train(0)
+    pipe.loop.run(lambda: pipe.learner_step >= 1)
+    if share_cores:
+        decode_s = 70 * c.engine.step_s(1, 10.0) * 2  # the two take turns
+        assert pipe.loop.now == pytest.approx(0.02 + decode_s + (1.0 - 0.02 - decode_s / 1.5))
+    else:
+        assert pipe.loop.now == pytest.approx(1.0)
+    assert pipe.extra_engine_processes() == 0
+
+
 def test_the_engine_load_grows_with_the_batch_to_the_full_machine():
     e = EngineCost(base_s=0.005, per_seq_s=0.0005)
     loads = [e.load(b) for b in (0, 1, 2, 10, 100, 10_000)]
