@@ -175,7 +175,8 @@ def test_a_second_engine_process_costs_the_learner_what_the_pair_run_showed(tmp_
     """A sync run, a one-engine async run at 1.4 and a two-engine async run at `pair_slowdown`: the
     one-engine run alone gives `shared_frac` (1.4 back at its load), and the second process's cost is
     what the pair run shows beyond its own engines' load, at the share of time both engines decode.
-    A pair run no slower than its load accounts for gives no negative cost."""
+    A pair run no slower than its load accounts for gives no negative cost. The engine's cost curve
+    comes from the one-engine runs alone."""
     from streamrl.sim.calibrate import expected_extra_processes, run_mean_batch
 
     sync = write_run(tmp_path / "sync", "sync")
@@ -194,6 +195,7 @@ def test_a_second_engine_process_costs_the_learner_what_the_pair_run_showed(tmp_
     else:
         assert fitted.process_frac == 0
     assert costs.source["learner_fit"]["process_frac_from"] == 1
+    assert costs.engine == calibrate([sync, one]).engine
 
 
 def test_the_expected_extra_processes_of_independent_engines():
