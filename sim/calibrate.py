@@ -104,7 +104,12 @@ def fit_engine(runs: list[Observations], max_batch: int) -> tuple[EngineCost, di
     pred = x @ np.array([request_s, base_s, per_seq_s, shared_s])
     r2 = 1 - float(np.sum((y - pred) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-12))
     cost = EngineCost(base_s, per_seq_s, 0.0, request_s, shared_s, max_batch)
-    return cost, {"trajectories": len(y), "r2_generate_s": r2, "mean_batch": float(np.mean(x[:, 2] / x[:, 1]))}
+    return cost, {"trajectories": len(y), "r2_generate_s": r2, "mean_batch": _mean_batch(x)}
+
+
+def _mean_batch(features: np.ndarray) -> float:
+    """The mean batch the trajectories of `engine_features` rows decoded in (tokens x batch / tokens)."""
+    return float(np.mean(features[:, 2] / features[:, 1]))
 
 
 def fit_learner(runs: list[Observations], engine: EngineCost, mean_batch: float) -> tuple[LearnerCost, dict[str, Any]]:
@@ -158,9 +163,7 @@ def fit_learner(runs: list[Observations], engine: EngineCost, mean_batch: float)
 
 def run_mean_batch(o: Observations) -> float:
     """The mean batch one run's steady trajectories decoded in (`engine_features`)."""
-    x, _ = engine_features(o)
-    keep = steady(o)
-    return float(np.mean(x[keep, 2] / x[keep, 1]))
+    return _mean_batch(engine_features(o)[0][steady(o)])
 
 
 def expected_extra_processes(o: Observations) -> float:

@@ -154,9 +154,9 @@ class LearnerCost:
     sample_s: float = 0.0  # fetching a ready batch (the driver counts it as learner idle)
     process_frac: float = 0.0  # slow-down per engine process decoding beside the first on the same cores
 
-    def step_s(self, tokens: int, load: float = 0.0, extra_processes: int = 0) -> float:
+    def step_s(self, tokens: int, load: float = 0.0) -> float:
         """`load`: the engines' load on the learner's cores (`EngineCost.load`), 0 to 1."""
-        return (self.base_s + self.per_token_s * tokens) * self.slowdown(load, extra_processes)
+        return (self.base_s + self.per_token_s * tokens) * self.slowdown(load)
 
     def slowdown(self, load: float, extra_processes: int = 0) -> float:
         """How many times longer training takes while engines load its cores by `load` (0 to 1), with
