@@ -5,11 +5,11 @@ published component costs. Writes bench/results/simulator.json and bench/results
     python -m bench.simulator validate --runs DIR [--measure]
     python -m bench.simulator project
 
-`--measure` first makes the real runs, one at a time, into DIR/<workload>/<run> (about 25 min on the
-quiet 2-core machine; `--only tail/async-seed1 ...` makes just those): four workloads that differ in
-tool-latency tail, staleness bound, engines and concurrency.
-Without it the runs already in DIR are read. The costs are fitted on the `base` workload's two runs
-only; the other workloads are predicted out of sample.
+`--measure` first makes the real runs, one at a time and in rounds (`schedule`), into
+DIR/<workload>/<run> (about 27 min on the quiet 2-core machine; `--only tail/async-seed1 ...` makes
+just those): five workloads that differ in tool-latency tail, staleness bound, engines and
+concurrency. Without it the runs already in DIR are read. The costs are fitted on the first runs of
+the calibration workloads (`base`, `pair`) only; the other workloads are predicted out of sample.
 """
 
 from __future__ import annotations
@@ -68,18 +68,34 @@ SEEDS = 20  # simulated runs per prediction: their mean, and their spread as the
 
 
 def measure(root: Path, only: list[str] | None = None) -> None:
-    """Make the real runs into root/<workload>/<run> (`only`: just these `<workload>/<run>` keys)."""
-    for name, w in WORKLOADS.items():
+    """Make the real runs into root/<workload>/<run> (`only`: just these `<workload>/<run>` keys), in
+    the order of `schedule`."""
+    for name, mode, seed, folder in schedule():
+        if only and f"{name}/{folder}" not in only:
+            continue
+        w = WORKLOADS[name]
         (root / name).mkdir(parents=True, exist_ok=True)
         env = {**ENV, "p99_over_median": w["p99_over_median"]}
-        for mode, steps in w["steps"].items():
-            extra = (*w["extra"], "rollout.engine.startup_timeout_s=1500")  # start-up on a loaded machine
-            for seed, folder in enumerate(_repeats(w, mode)):
-                if only and f"{name}/{folder}" not in only:
-                    continue
-                t0 = time.time()
-                run_mode(mode, root / name, steps, env, seed=seed, name=folder, extra=extra)
-                print(f"measured {name}/{folder}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+        extra = (*w["extra"], "rollout.engine.startup_timeout_s=1500")  # start-up on a loaded machine
+        t0 = time.time()
+        run_mode(mode, root / name, w["steps"][mode], env, seed=seed, name=folder, extra=extra)
+        print(f"measured {name}/{folder}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def schedule() -> list[tuple[str, str, int, str]]:
+    """Every run as (workload, mode, seed, folder), in rounds: the first run of every workload and
+    mode, then every second run, and so on. This machine's speed drifts over a sitting (other users),
+    so a workload measured only at its start or only at its end would carry that drift into its
+    comparison with the calibration runs; in rounds, each workload's repeats span the sitting."""
+    runs = [
+        (seed, name, mode, folder)
+        for name, w in WORKLOADS.items()
+        for mode in w["steps"]
+        for seed, folder in enumerate(_repeats(w, mode))
+    ]
+    order = {name: i for i, name in enumerate(WORKLOADS)}
+    runs.sort(key=lambda r: (r[0], order[r[1]]))  # stable: a workload's modes keep their order
+    return [(name, mode, seed, folder) for seed, name, mode, folder in runs]
 
 
 def _repeats(workload: dict[str, Any], run: str) -> list[str]:
