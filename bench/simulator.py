@@ -112,7 +112,7 @@ def validate(root: Path) -> dict[str, Any]:
     them: what is left to predict is how the pipeline composes them)."""
     from streamrl.sim.calibrate import calibrate, sim_config_of, tool_latency_of
     from streamrl.sim.observe import from_metrics
-    from streamrl.sim.validate import compare, mean_measured, measured, predicted
+    from streamrl.sim.validate import compare, mean_measured, measured, predicted, spread_measured
 
     groups = {  # "<workload>/<run>" -> the folders of the run and of its repeats that exist
         f"{n}/{m}": [root / n / f for f in _repeats(w, m) if (root / n / f).is_dir()]
@@ -138,13 +138,14 @@ def validate(root: Path) -> dict[str, Any]:
                 "own_costs": own.to_json(),
             }
         if len(dirs) > 1:  # the repeats together: their mean against the same prediction
-            own, mean = calibrate(dirs), mean_measured([measured(o) for o in observed])
+            runs = [measured(o) for o in observed]
+            own, mean, sd = calibrate(dirs), mean_measured(runs), spread_measured(runs)
             table[f"{key} x{len(dirs)}"] = {
                 "in_sample": key.split("/")[0] in CALIBRATE_ON,
                 "settings": {"mode": cfg.mode, "steps": cfg.total_steps, "runs": [d.name for d in dirs]},
                 "learner_step_s_median": float(np.median(np.concatenate([o.step_s[1:] for o in observed]))),
-                "calibrated_on_base": compare(mean, on_base),
-                "calibrated_on_itself": compare(mean, predicted(cfg, own, seeds=SEEDS)),
+                "calibrated_on_base": compare(mean, on_base, sd, len(dirs)),
+                "calibrated_on_itself": compare(mean, predicted(cfg, own, seeds=SEEDS), sd, len(dirs)),
                 "own_costs": own.to_json(),
             }
     return {"costs": base.to_json(), "table": table}

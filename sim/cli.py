@@ -12,6 +12,12 @@ from pathlib import Path
 from typing import Any
 
 
+def _verdict(row: dict[str, Any]) -> str:
+    if row["within"]:
+        return "ok"
+    return "OFF (within the noise)" if row.get("within_noise") else "OFF"
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from streamrl.sim.calibrate import calibrate, sim_config_of
     from streamrl.sim.costs import ToolLatency
@@ -33,7 +39,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             else:
                 print(
                     f"  {key:<26} measured {row['measured']:>10.4g} predicted {row['predicted']:>10.4g} "
-                    f"({100 * row['rel_error']:+.1f} %) {'ok' if row['within'] else 'OFF'}"
+                    f"({100 * row['rel_error']:+.1f} %) {_verdict(row)}"
                 )
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

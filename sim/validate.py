@@ -5,6 +5,12 @@ The compared numbers: trained samples per hour, engine busy share, learner idle 
 state: the bench's `learner/idle_ratio` also counts engine start-up in its denominator), mean lag and
 the lag histogram (every bin's share, in share points). A number is within the bound when
 |predicted - measured| <= 10 % of measured; the histogram when no bin is off by more than 0.10.
+
+Each number also carries the noise of the comparison itself, the standard error of measured minus
+predicted: one run's spread (the measured repeats' standard deviation, or the simulated chance
+spread of one run where that is larger or there is one run only) over the number of measured runs,
+with the simulated mean's own standard error. `within_noise` says the miss is at most twice that:
+a miss the repeats themselves could make, which a model cannot be asked to close.
 """
 
 from __future__ import annotations
@@ -45,6 +51,11 @@ def mean_measured(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def spread_measured(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each number's standard deviation over several measured runs of one configuration (n - 1)."""
+    return {k: float(np.std([r[k] for r in runs], ddof=1)) if len(runs) > 1 else 0.0 for k in SCALARS}
+
+
 def predicted(cfg: SimConfig, costs: Costs, seeds: int = 3) -> dict[str, Any]:
     """The simulator's numbers, averaged over `seeds` seeds, and their spread over the seeds under
     `"sd"`: how much one run of this length varies by chance alone (tool latencies, turns, tokens), the
@@ -54,6 +65,7 @@ def predicted(cfg: SimConfig, costs: Costs, seeds: int = 3) -> dict[str, Any]:
     keys = runs[0].lag_hist.keys()
     out["lag_hist"] = {k: float(np.mean([r.lag_hist.get(k, 0.0) for r in runs])) for k in keys}
     out["sync_pause_share"] = float(np.mean([r.sync_pause_share for r in runs]))
+    out["seeds"] = seeds
     out["sd"] = {k: float(np.std([getattr(r, k) for r in runs])) for k in SCALARS}
     out["sd"]["lag_hist_max_bin"] = max(
         (float(np.std([r.lag_hist.get(k, 0.0) for r in runs])) for k in keys), default=0.0
@@ -61,15 +73,23 @@ def predicted(cfg: SimConfig, costs: Costs, seeds: int = 3) -> dict[str, Any]:
     return out
 
 
-def compare(meas: dict[str, Any], pred: dict[str, Any]) -> dict[str, Any]:
-    """Per number: measured, predicted, relative error, and whether it is within the bound."""
+def compare(
+    meas: dict[str, Any], pred: dict[str, Any], meas_sd: dict[str, float] | None = None, runs: int = 1
+) -> dict[str, Any]:
+    """Per number: measured, predicted, relative error, and whether it is within the bound; with
+    `pred["sd"]`, also the comparison's noise and whether the miss is within twice it. `meas` is the
+    mean of `runs` measured runs whose spread is `meas_sd` (`spread_measured`)."""
     rows: dict[str, Any] = {}
     for k in SCALARS:
         m, p = float(meas[k]), float(pred[k])
         err = (p - m) / abs(m) if m else (0.0 if p == 0 else float("inf"))
         rows[k] = {"measured": m, "predicted": p, "rel_error": err, "within": abs(err) <= BOUND + 1e-12}
         if "sd" in pred:
-            rows[k]["predicted_sd"] = pred["sd"][k]
+            one_run = max(pred["sd"][k], (meas_sd or {}).get(k, 0.0))
+            noise = float(np.sqrt(one_run**2 / runs + pred["sd"][k] ** 2 / pred.get("seeds", 1)))
+            rows[k] |= {"predicted_sd": pred["sd"][k], "noise": noise, "within_noise": abs(p - m) <= 2 * noise}
+            if meas_sd is not None:
+                rows[k]["measured_sd"] = meas_sd[k]
     bins = sorted(set(meas["lag_hist"]) | set(pred["lag_hist"]))
     diff = max((abs(meas["lag_hist"].get(b, 0.0) - pred["lag_hist"].get(b, 0.0)) for b in bins), default=0.0)
     rows["lag_hist"] = {

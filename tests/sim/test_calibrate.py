@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from streamrl.buffer.config import BufferConfig
@@ -170,6 +171,47 @@ def test_repeated_runs_are_compared_by_their_mean():
     assert m["lag_hist"] == pytest.approx({"0": 0.3, "1": 0.45, "over": 0.25})  # a missing bin counts 0
 
 
+def _numbers(tput: float) -> dict:
+    return {"trained_samples_per_hour": tput, "engine_busy_fraction": 0.5, "learner_idle_fraction": 0.2, "lag_mean": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("repeats", "within_noise"),
+    [
+        ([1000.0, 1000.0, 1000.0], False),  # repeats that agree: a 12 % miss is the model's
+        ([800.0, 1000.0, 1200.0], True),  # repeats 200 apart: the same miss is within their noise
+    ],
+)
+def test_a_miss_is_weighed_against_the_repeats_own_spread(repeats, within_noise):
+    """The measured mean of 3 runs is 1000 and the prediction 1120 (out of the 10 % bound either
+    way). The simulated chance spread of one run is 10, of the mean of 20 seeds 10/sqrt(20). With
+    repeats 200 apart (sd 200), the noise is sqrt(200^2/3 + 10^2/20) = 115.6: a 120 miss is within
+    twice it. With repeats that agree, the simulated spread is the floor: noise sqrt(100/3 + 5)."""
+    from streamrl.sim.validate import mean_measured, spread_measured
+
+    runs = [{**_numbers(t), "lag_hist": {"0": 1.0}} for t in repeats]
+    sd = spread_measured(runs)
+    assert sd["trained_samples_per_hour"] == pytest.approx(np.std(repeats, ddof=1))
+    pred = {**_numbers(1120.0), "lag_hist": {"0": 1.0}, "seeds": 20}
+    pred["sd"] = {**_numbers(10.0), "lag_hist_max_bin": 0.0}
+    rows = compare(mean_measured(runs), pred, sd, len(runs))
+    row = rows["trained_samples_per_hour"]
+    assert not row["within"] and row["within_noise"] is within_noise
+    one_run = max(np.std(repeats, ddof=1), 10.0)
+    assert row["noise"] == pytest.approx(np.sqrt(one_run**2 / 3 + 10.0**2 / 20))
+
+
+def test_a_single_run_is_weighed_against_the_simulated_chance_spread():
+    """One measured run: its noise is one simulated run's spread (and the simulated mean's)."""
+    pred = {**_numbers(1120.0), "lag_hist": {"0": 1.0}, "seeds": 20}
+    pred["sd"] = {**_numbers(70.0), "lag_hist_max_bin": 0.0}
+    row = compare({**_numbers(1000.0), "lag_hist": {"0": 1.0}}, pred)["trained_samples_per_hour"]
+    assert row["noise"] == pytest.approx(np.sqrt(70.0**2 + 70.0**2 / 20))
+    assert row["within_noise"] and "measured_sd" not in row  # 120 <= 2 * 71.7
+    pred["sd"]["trained_samples_per_hour"] = 50.0  # 120 > 2 * 51.2
+    assert not compare({**_numbers(1000.0), "lag_hist": {"0": 1.0}}, pred)["trained_samples_per_hour"]["within_noise"]
+
+
 @pytest.mark.parametrize("pair_slowdown", [2.0, 1.3])
 def test_a_second_engine_process_costs_the_learner_what_the_pair_run_showed(tmp_path, pair_slowdown):
     """A sync run, a one-engine async run at 1.4 and a two-engine async run at `pair_slowdown`: the
@@ -212,3 +254,23 @@ def test_the_expected_extra_processes_of_independent_engines():
     assert expected_extra_processes(Run(3, 0.0)) == pytest.approx(0.0)
     assert expected_extra_processes(Run(3, 1.0)) == pytest.approx(2.0)
     assert expected_extra_processes(Run(1, 0.7)) == pytest.approx(0.0)
+
+
+def test_streamrl_calibrate_fits_the_runs_and_predicts_each_of_them(tmp_path, capsys):
+    """`streamrl calibrate`: the costs, then every run measured against predicted with a verdict per
+    number, and the same as JSON with each number's noise."""
+    from streamrl.streaming.cli import main
+
+    runs = [write_run(tmp_path / "sync", "sync"), write_run(tmp_path / "async", "async", learner_slowdown=1.4)]
+    out = tmp_path / "calibration.json"
+    assert main(["calibrate", *map(str, runs), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["costs"]["learner"]["base_s"] == pytest.approx(STEP_BASE_S, rel=1e-3)
+    assert set(report["runs"]) == set(map(str, runs))
+    for rows in report["runs"].values():
+        for key in ("trained_samples_per_hour", "engine_busy_fraction", "learner_idle_fraction", "lag_mean"):
+            row = rows[key]
+            assert row["noise"] >= 0 and row["within_noise"] == (abs(row["predicted"] - row["measured"]) <= 2 * row["noise"])
+            verdict = "ok" if row["within"] else ("OFF (within the noise)" if row["within_noise"] else "OFF")
+            assert f"{100 * row['rel_error']:+.1f} %) {verdict}\n" in printed
