@@ -172,7 +172,12 @@ def test_repeated_runs_are_compared_by_their_mean():
 
 
 def _numbers(tput: float) -> dict:
-    return {"trained_samples_per_hour": tput, "engine_busy_fraction": 0.5, "learner_idle_fraction": 0.2, "lag_mean": 1.0}
+    return {
+        "trained_samples_per_hour": tput,
+        "engine_busy_fraction": 0.5,
+        "learner_idle_fraction": 0.2,
+        "lag_mean": 1.0,
+    }
 
 
 @pytest.mark.parametrize(
@@ -271,6 +276,8 @@ def test_streamrl_calibrate_fits_the_runs_and_predicts_each_of_them(tmp_path, ca
     for rows in report["runs"].values():
         for key in ("trained_samples_per_hour", "engine_busy_fraction", "learner_idle_fraction", "lag_mean"):
             row = rows[key]
-            assert row["noise"] >= 0 and row["within_noise"] == (abs(row["predicted"] - row["measured"]) <= 2 * row["noise"])
+            assert row["noise"] >= 0 and row["within_noise"] == (
+                abs(row["predicted"] - row["measured"]) <= 2 * row["noise"]
+            )
             verdict = "ok" if row["within"] else ("OFF (within the noise)" if row["within_noise"] else "OFF")
             assert f"{100 * row['rel_error']:+.1f} %) {verdict}\n" in printed
