@@ -23,3 +23,30 @@ def machine(**extra: Any) -> dict[str, Any]:
         "python": platform.python_version(),
         **extra,
     }
+
+
+def speed_probe(size: int = 512, calls: int = 200, blocks: int = 5) -> float:
+    """Milliseconds per `size`-cubed float32 matrix product on all cores, the median of `blocks`
+    timed blocks of `calls` products (about a second): how fast this machine computes right now. On
+    a shared machine other users change it through a day; a benchmark records it beside its runs
+    to tell a slower machine from a slower program."""
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
+        for _ in range(calls // 10):  # warm-up: allocation, thread pool
+            a @ b
+        times = []
+        for _ in range(blocks):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                a @ b
+            times.append((time.perf_counter() - t0) * 1000 / calls)
+        return float(sorted(times)[blocks // 2])
+    finally:
+        torch.set_num_threads(threads)
