@@ -25,11 +25,42 @@ def machine(**extra: Any) -> dict[str, Any]:
     }
 
 
+PRESSURE = "/proc/pressure/cpu"  # Linux pressure stall information: the share of time tasks waited for a core
+
+
+def cpu_pressure(path: str = PRESSURE) -> float | None:
+    """The share of the last 10 s some runnable task waited for a core (0-1), None without PSI."""
+    try:
+        with open(path) as f:
+            first = f.readline().split()  # "some avg10=67.70 avg60=45.55 avg300=31.29 total=..."
+        return float(dict(field.split("=") for field in first[1:])["avg10"]) / 100
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def settle(quiet: float = 0.10, timeout_s: float = 60.0, poll_s: float = 2.0, path: str = PRESSURE) -> float:
+    """Wait until the cores are quiet (CPU pressure at most `quiet`: what a finished run left behind,
+    its engines and Ray workers on their way out, has ended) or `timeout_s` has passed; without PSI,
+    wait `poll_s * 5`. Returns the seconds waited."""
+    import time
+
+    t0 = time.monotonic()
+    while True:
+        pressure = cpu_pressure(path)
+        if pressure is None:
+            time.sleep(poll_s * 5)
+            return time.monotonic() - t0
+        if pressure <= quiet or time.monotonic() - t0 >= timeout_s:
+            return time.monotonic() - t0
+        time.sleep(poll_s)
+
+
 def speed_probe(size: int = 512, calls: int = 200, blocks: int = 5) -> float:
     """Milliseconds per `size`-cubed float32 matrix product on all cores, the median of `blocks`
     timed blocks of `calls` products (about a second): how fast this machine computes right now. On
     a shared machine other users change it through a day; a benchmark records it beside its runs
-    to tell a slower machine from a slower program."""
+    (after `settle`, else it times its own runs' leftovers) to tell a slower machine from a slower
+    program."""
     import time
 
     import torch

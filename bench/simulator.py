@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from bench.async_vs_sync import run_mode
-from bench.machine import machine, speed_probe
+from bench.machine import machine, settle, speed_probe
 
 REPO = Path(__file__).resolve().parents[1]
 LATENCY_S = 0.268  # one assistant turn's generation time, bench/results/async_vs_sync.json's calibration
@@ -64,7 +64,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     },
 }
 CALIBRATE_ON = ("base", "pair")  # the workloads whose first run of each mode the costs are fitted on
-SPEED_FILE = "machine_speed.json"  # the machine's speed probe (bench.machine) before and after a run
+SPEED_FILE = "machine_speed.json"  # the machine's speed probe (bench.machine) before and after a run, cores quiet
 SEEDS = 20  # simulated runs per prediction: their mean, and their spread as the chance variation of one run
 
 
@@ -78,9 +78,11 @@ def measure(root: Path, only: list[str] | None = None) -> None:
         (root / name).mkdir(parents=True, exist_ok=True)
         env = {**ENV, "p99_over_median": w["p99_over_median"]}
         extra = (*w["extra"], "rollout.engine.startup_timeout_s=1500")  # start-up on a loaded machine
+        settle()
         t0, before = time.time(), speed_probe()
         run_mode(mode, root / name, w["steps"][mode], env, seed=seed, name=folder, extra=extra)
-        speed = {"before_ms": before, "after_ms": speed_probe()}
+        waited = settle()  # the run's engines and Ray workers leave after its driver
+        speed = {"before_ms": before, "after_ms": speed_probe(), "settle_s": waited}
         (root / name / folder / SPEED_FILE).write_text(json.dumps(speed) + "\n")
         print(f"measured {name}/{folder}: {time.time() - t0:.0f} s, {speed}", file=sys.stderr, flush=True)
 
@@ -152,7 +154,7 @@ def validate(root: Path) -> dict[str, Any]:
                 "calibrated_on_itself": compare(mean, predicted(cfg, own, seeds=SEEDS), sd, len(dirs)),
                 "own_costs": own.to_json(),
             }
-    probes = [ms for dirs in groups.values() for d in dirs for ms in (_speed(d) or {}).values()]
+    probes = [v for dirs in groups.values() for d in dirs for k, v in (_speed(d) or {}).items() if k.endswith("_ms")]
     speed = {"min_ms": min(probes), "max_ms": max(probes), "spread": max(probes) / min(probes) - 1} if probes else {}
     return {"costs": base.to_json(), "table": table, **({"machine_speed": speed} if speed else {})}
 
