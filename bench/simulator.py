@@ -6,7 +6,7 @@ published component costs. Writes bench/results/simulator.json and bench/results
     python -m bench.simulator project
 
 `--measure` first makes the real runs, one at a time and in rounds (`schedule`), into
-DIR/<workload>/<run> (about 27 min on the quiet 2-core machine; `--only tail/async-seed1 ...` makes
+DIR/<workload>/<run> (30-35 min on the quiet 2-core machine; `--only tail/async-seed1 ...` makes
 just those): five workloads that differ in tool-latency tail, staleness bound, engines and
 concurrency. Without it the runs already in DIR are read. The costs are fitted on the first runs of
 the calibration workloads (`base`, `pair`) only; the other workloads are predicted out of sample.
