@@ -98,8 +98,7 @@ def schedule() -> list[tuple[str, str, int, str]]:
         for mode in w["steps"]
         for seed, folder in enumerate(_repeats(w, mode))
     ]
-    order = {name: i for i, name in enumerate(WORKLOADS)}
-    runs.sort(key=lambda r: (r[0], order[r[1]]))  # stable: a workload's modes keep their order
+    runs.sort(key=lambda r: r[0])  # stable: within a round, the workloads and their modes keep their order
     return [(name, mode, seed, folder) for seed, name, mode, folder in runs]
 
 
@@ -141,7 +140,7 @@ def validate(root: Path) -> dict[str, Any]:
                 "calibrated_on_base": compare(measured(obs), on_base),
                 "calibrated_on_itself": compare(measured(obs), predicted(cfg, own, seeds=SEEDS)),
                 "own_costs": own.to_json(),
-                **({"machine_speed_ms": _speed(d)} if _speed(d) else {}),
+                **({"machine_speed_ms": speed} if (speed := _speed(d)) else {}),
             }
         if len(dirs) > 1:  # the repeats together: their mean against the same prediction
             runs = [measured(o) for o in observed]
