@@ -59,22 +59,64 @@ def _tag() -> str:
     return f"{time.time_ns() % 10**6}.{os.getpid()}{len(_pids_with(''))}"
 
 
+def _sleeps(tag: str) -> list[int]:
+    """`sleep <tag>` processes below this one (the worker's own command line names the tag too)."""
+    return _pids_with("sleep\0" + tag)
+
+
+# A cell that cancels its alarm and starts three sleeps: one in its process group, one in a session of
+# its own (setsid) and one under a parent that exits at once (double fork: re-parented, orphaned).
+ESCAPES = (
+    "import os, signal, subprocess, time\nsignal.alarm(0)\n"
+    "subprocess.Popen(['sleep', '{tag}'])\n"
+    "subprocess.Popen(['sleep', '{tag}'], start_new_session=True)\n"
+    "if os.fork() == 0:\n    os.setsid()\n    subprocess.Popen(['sleep', '{tag}'])\n    os._exit(0)\n"
+    "print('started', flush=True)\ntime.sleep(600)"
+)
+
+
 @pytest.mark.parametrize("isolation", LAYERS)
 def test_a_sandbox_dies_with_the_worker_that_started_it(isolation):
     """Found by the audit: as root the unshare layer's first stage had no parent-death signal, so a cell
-    that cancels its alarm and sleeps outlived a SIGKILLed worker indefinitely."""
+    that cancels its alarm and sleeps outlived a SIGKILLed worker indefinitely. Found by CI: with
+    isolation "none" a process the cell started outlived the worker (the cell itself had the death
+    signal, its children not); the test waited for the runner only, so the cell was mostly killed
+    before it started them. It now waits for all three sleeps, the group's, setsid's and an orphan."""
     tag = _tag()
-    cell = (
-        "import signal, subprocess, time\nsignal.alarm(0)\n"
-        f"subprocess.Popen(['sleep', '{tag}'])\nprint('started', flush=True)\ntime.sleep(600)"
-    )
-    worker = subprocess.Popen([sys.executable, "-c", WORKER, isolation, cell])
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, isolation, ESCAPES.format(tag=tag)])
     try:
-        _wait_until(lambda: _pids_with(tag) and _runner_pids(), 60, "the cell started")
+        _wait_until(lambda: len(_sleeps(tag)) == 3 and _runner_pids(), 60, "the cell started its three sleeps")
     finally:
         worker.send_signal(signal.SIGKILL)
         worker.wait()
-    _wait_until(lambda: not _pids_with(tag) and not _runner_pids(), 10, "the cell's processes died with the worker")
+    _wait_until(lambda: not _sleeps(tag) and not _runner_pids(), 10, "the cell's processes died with the worker")
+
+
+@pytest.mark.parametrize("isolation", LAYERS)
+async def test_a_timed_out_sandbox_takes_every_process_it_started(isolation):
+    """The wall timeout kills the whole sandbox, the setsid and orphaned sleeps included: in the
+    namespaced layers the pid namespace ends with init; with "none" the first stage, their subreaper,
+    kills them (before, they outlived the run there)."""
+    tag = _tag()
+    tool = CodeInterpreterTool({**FAST, "isolation": isolation, "timeout_s": 3.0})
+    start = time.perf_counter()
+    [out] = await _run(tool, ESCAPES.format(tag=tag))
+    assert out == "Error: the code ran longer than the 3 s time limit and was stopped\nstarted\n", out
+    assert time.perf_counter() - start < 8
+    _wait_until(lambda: not _sleeps(tag) and not _runner_pids(), 5, "the sandbox's processes died with it")
+
+
+@pytest.mark.parametrize("isolation", LAYERS)
+async def test_a_finished_program_leaves_no_process_behind(isolation):
+    """A program that ends while its children run takes them along, as a pid namespace does, and the
+    call returns at once (before, with "none" the call waited for its timeout on the children's pipes)."""
+    tag = _tag()
+    tool = CodeInterpreterTool({**FAST, "isolation": isolation, "timeout_s": 20.0})
+    start = time.perf_counter()
+    [out] = await _run(tool, ESCAPES.format(tag=tag).replace("time.sleep(600)", "print('bye')"))
+    assert out == "started\nbye\n", out
+    assert time.perf_counter() - start < 10
+    _wait_until(lambda: not _sleeps(tag) and not _runner_pids(), 5, "the program's children died with it")
 
 
 def test_the_sweep_kills_the_sandboxes_of_dead_workers_only(tmp_path):

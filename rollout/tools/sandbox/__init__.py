@@ -18,10 +18,12 @@ What each layer adds (see `bench/sandbox.py` for the escape attempts each one st
 - resource limits, set in the child by the trampoline (not `preexec_fn`, which is unsafe in a
   threaded parent): address space, CPU seconds, file size, open files, processes, no core dumps;
 - always, whatever the layer: a cleared environment (no API keys), a fresh working directory, a
-  wall-clock timeout that SIGKILLs the whole process group, stdout/stderr capped in bytes (the middle
+  wall-clock timeout that kills the whole sandbox, stdout/stderr capped in bytes (the middle
   is cut) and a kill when a program writes far more than the cap.
 - lifetime and budget, whatever the layer: every stage of the chain dies with its parent
-  (`PR_SET_PDEATHSIG`), so a worker killed outright takes its sandboxes along, and a record of each
+  (`PR_SET_PDEATHSIG`), so a worker killed outright takes its sandboxes along (with "none" the first
+  stage supervises: the subreaper of everything the program starts, setsid or orphaned, it kills all
+  of it when the program ends, the worker dies or the worker kills the sandbox), and a record of each
   running sandbox lets the next worker sweep what a dead one left (`sandbox/reaper.py`); one memory and
   pids budget per sandbox in a cgroup v2 where one is writable (`sandbox_cgroup.py`; elsewhere the
   per-process limits above are the documented fallback); at most `max_concurrent` sandboxes of this
@@ -39,7 +41,7 @@ which is why it imports only the standard library at module level):
     parent ──► launch ──► unshare ──► setup: pid 1 (mounts, pivot_root) = init ──fork──► (nested user
                                                                 namespace) trampoline ──execve──► program
     parent ──► launch ──execve──► bwrap ──► init ──fork──► trampoline ──execve──► program
-    parent ──► launch = trampoline ──execve──► program                         (isolation = "none")
+    parent ──► launch = supervisor ──fork──► trampoline ──execve──► program     (isolation = "none")
 
 Init (pid 1 of the sandbox) drops privileges, forks the program and exits with its status, or
 128 + the signal that killed it. When the trainer runs as root, `launch` first enters a user

@@ -83,6 +83,13 @@ def _killpg(pgid: int) -> None:
         pass
 
 
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
 async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
     try:
         writer.write(data)
@@ -113,8 +120,11 @@ async def _execute(
 async def _wait(proc: asyncio.subprocess.Process, stdin: bytes, timeout_s: float, settings: SandboxSettings,
                 layer: str, start: float) -> SandboxResult:  # fmt: skip
 
-    def kill() -> None:  # the process group is the whole sandbox (start_new_session)
-        _killpg(proc.pid)
+    def kill() -> None:
+        if layer == "none":  # the first stage kills everything below it, what left the group included
+            _signal(proc.pid, signal.SIGTERM)
+        else:  # the process group holds the whole sandbox: init, whose death ends the pid namespace
+            _killpg(proc.pid)
 
     out = _CappedStream(settings.max_output_bytes, settings.kill_output_bytes, kill)
     err = _CappedStream(settings.max_output_bytes, settings.kill_output_bytes, kill)
@@ -134,13 +144,16 @@ async def _wait(proc: asyncio.subprocess.Process, stdin: bytes, timeout_s: float
         if not work.done():  # timed out, or cancelled (the caller's own timeout): kill the whole sandbox and
             kill()  # wait until its pipes close, i.e. its last process is gone, so no call outlives its sandbox
             await asyncio.wait({work}, timeout=_GRACE_S)
-        if not work.done():  # pipes still open after the kill: held by a process that left the group
-            work.cancel()  # (only possible without a pid namespace)
+        if not work.done():  # pipes still open after the kill (isolation "none": the first stage was
+            _killpg(proc.pid)  # stopped?): kill its group outright, then stop waiting for the pipes
+            await asyncio.wait({work}, timeout=_GRACE_S)
+        if not work.done():
+            work.cancel()
             transport = getattr(proc, "_transport", None)
             if transport is not None:
                 transport.close()
         if proc.returncode is None:  # cancelled (the caller's own timeout) or the pipes never closed
-            kill()
+            _killpg(proc.pid)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(proc.wait()), _GRACE_S)
     return _result(proc.returncode, out, err, timed_out, layer, time.perf_counter() - start)
@@ -157,7 +170,7 @@ def _result(
     sig = None
     if rc is not None and rc < 0:
         sig = -rc
-    elif rc is not None and layer != "none" and SIGNAL_BASE < rc < SIGNAL_BASE + 65:
+    elif rc is not None and SIGNAL_BASE < rc < SIGNAL_BASE + 65:
         sig = rc - SIGNAL_BASE
     ended_by_sandbox = timed_out or flooded or sig is not None or setup_error is not None
     return SandboxResult(

@@ -1,5 +1,6 @@
 """The child side of the code-interpreter sandbox (`rollout/tools/sandbox.py`): the stages that
-build the isolation and exec the program (launch -> setup -> init -> trampoline).
+build the isolation and exec the program (launch -> setup -> init -> trampoline; with isolation
+"none", launch -> supervise -> trampoline).
 
 This file is not only imported: `sandbox._child_source()` runs the whole of it as the stages'
 program (`python -c <this file> <stage> <spec>`), so it stays standard library only, with only
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 WORKSPACE = "/workspace"
 SETUP_FAILED = 125  # exit status of a stage that could not build the sandbox (reason on stderr)
-SIGNAL_BASE = 128  # a namespaced sandbox exits 128 + N when its program was killed by signal N
+SIGNAL_BASE = 128  # a sandbox exits 128 + N when its program was killed by signal N
 _MARKER = "streamrl-sandbox:"  # prefix of the stages' own error messages on stderr
 _DEVICES = ("null", "zero", "full", "random", "urandom")
 HOSTNAME = "sandbox"  # the unshare and bwrap layers' hostname (their own uts namespace): not the host's
@@ -43,6 +44,7 @@ _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC, _MS_PRIVATE, _MS_RELATIME = 1024
 _MNT_DETACH = 2
 _PIVOT_ROOT_NR = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 _PR_SET_DUMPABLE = 4
+_PR_SET_CHILD_SUBREAPER = 36
 (
     _PR_SET_PDEATHSIG,
     _PR_CAPBSET_DROP,
@@ -93,9 +95,12 @@ def _exit_like(status: int) -> None:
 def _stage_launch(spec: dict) -> None:
     """The first stage, the worker's child: die with the worker, join the sandbox's cgroup (its
     memory and pids budget), then build the layer: exec `unshare` into the namespaces (running
-    `setup` inside), exec bwrap, or (isolation "none") become the trampoline."""
+    `setup` inside), exec bwrap, or (isolation "none") supervise the program (`_stage_supervise`)."""
     try:
-        _die_with_parent()
+        if spec["layer"] == "none":  # told by SIGTERM, to kill what the program started before it goes
+            _arm_supervisor()
+        else:
+            _die_with_parent()
         if os.getppid() != spec["parent"]:  # the worker died before the death signal was armed
             raise OSError("the worker that started this sandbox is gone")
         if spec.get("cgroup"):
@@ -105,7 +110,7 @@ def _stage_launch(spec: dict) -> None:
         _fail("launch", exc)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if spec["layer"] == "none":
-        _stage_trampoline(spec)
+        _stage_supervise(spec)
     # --cgroup: the program's /proc/self/cgroup shows "/", not the host's cgroup paths
     flags = ["--mount", "--net", "--pid", "--ipc", "--uts", "--cgroup", "--fork", "--kill-child"]
     tail = ["--", os.path.realpath(sys.executable), "-I", "-S", "-c", _stage_source(), "setup", json.dumps(spec)]
@@ -378,9 +383,91 @@ def _write_at(dir_fd: int, path: str, text: str) -> None:
         os.close(fd)
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(signum: int = 9) -> None:  # SIGKILL
     libc = _Libc()
-    libc.call("prctl(PR_SET_PDEATHSIG)", libc.lib.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0))  # SIGKILL
+    libc.call("prctl(PR_SET_PDEATHSIG)", libc.lib.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0))
+
+
+def _arm_supervisor() -> None:
+    """Isolation "none", before anything runs: become the child subreaper (every process the program
+    orphans or sends off with setsid is re-parented here, not to init) and take SIGTERM, also the
+    signal for the worker's death, as the order to kill all of them and exit."""
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        _kill_descendants()
+        os._exit(SIGNAL_BASE + signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, stop)
+    libc = _Libc()
+    libc.call("prctl(PR_SET_CHILD_SUBREAPER)", libc.lib.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0))
+    _die_with_parent(signal.SIGTERM)
+
+
+def _stage_supervise(spec: dict) -> None:
+    """Isolation "none": what the pid namespace's death does in the other layers, done by hand. Fork
+    the program (it dies with this stage) and wait for it; once it ends, or the worker dies or kills
+    the sandbox (SIGTERM, `_arm_supervisor`), kill every process still below this one, the ones that
+    left the process group included, then exit like the program."""
+    import signal
+
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _stage_trampoline(spec)
+    null = os.open(os.devnull, os.O_RDWR)  # the pipes are the program's: the worker reads them to EOF
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.close(null)
+    while True:
+        reaped, status = os.waitpid(-1, 0)
+        if reaped == pid:
+            break
+    _kill_descendants()
+    _exit_like(status)
+
+
+def _kill_descendants() -> None:
+    """SIGKILL every live process below this one and reap what is re-parented here, pass after pass,
+    until none is left (a process forked between two passes is found by the next one)."""
+    import time
+
+    while True:
+        below = _descendants(os.getpid())
+        for pid in below:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass
+        if not below:
+            return
+        time.sleep(0.005)
+
+
+def _descendants(root: int) -> list[int]:
+    """The live (not zombie) processes below `root`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+            if state != "Z":
+                children.setdefault(int(ppid), []).append(int(entry))
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
 
 
 def _drop_privileges(uid: int | None, *, groups: bool = True) -> None:
