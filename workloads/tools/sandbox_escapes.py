@@ -287,7 +287,7 @@ ATTEMPTS: list[EscapeAttempt] = [
             "if errors:\n    raise ProcessLookupError(errors)"
         ),
         check=_check_kill,
-        namespaced_only=True,  # without a pid namespace os.getppid() is the trainer itself
+        namespaced_only=True,  # without a pid namespace the trainer (the parent of os.getppid()) is in reach
     ),
     EscapeAttempt(
         name="fork_bomb",
