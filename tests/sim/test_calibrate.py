@@ -11,7 +11,7 @@ import pytest
 
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.store import ReplayBuffer
-from streamrl.sim.calibrate import calibrate, sim_config_of
+from streamrl.sim.calibrate import calibrate, learner_idle_share, sim_config_of
 from streamrl.sim.costs import ToolLatency
 from streamrl.sim.observe import from_metrics
 from streamrl.sim.validate import compare, measured
@@ -281,3 +281,23 @@ def test_streamrl_calibrate_fits_the_runs_and_predicts_each_of_them(tmp_path, ca
             )
             verdict = "ok" if row["within"] else ("OFF (within the noise)" if row["within_noise"] else "OFF")
             assert f"{100 * row['rel_error']:+.1f} %) {verdict}\n" in printed
+
+
+def test_the_batch_fetch_comes_from_learner_bound_runs_only(tmp_path):
+    """Found in review: fitted on a run whose learner waits for data at every step (narrow: idle 93 %),
+    the batch fetch (`sample_s`, the 10th-percentile wait) came out 8 s, and the simulated lag of that
+    run rose from 0.23 to 0.9. The synthetic async run's learner waits for every batch too: it says
+    nothing of the fetch, which is then 0, not the waits. A learner-bound run (its waits cut to the
+    fetch) gives it back."""
+    waiting = write_run(tmp_path / "waiting", "async")
+    obs = from_metrics(waiting)
+    assert learner_idle_share(obs) > 0.5 and np.percentile(np.diff(obs.idle_s), 10) > 1.0
+    assert calibrate([write_run(tmp_path / "sync", "sync"), waiting]).learner.sample_s == 0.0
+    bound = write_run(tmp_path / "bound", "async")
+    lines = [json.loads(x) for x in (bound / "metrics.jsonl").read_text().splitlines()]
+    for k, line in enumerate(lines):  # 0.03 s of waiting per step: the batch was always ready
+        line["learner/idle_ratio"] = 0.03 * (k + 1) / line["time/elapsed_s"]
+    (bound / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert learner_idle_share(from_metrics(bound)) < 0.5
+    fitted = calibrate([write_run(tmp_path / "sync2", "sync"), bound]).learner.sample_s
+    assert fitted == pytest.approx(0.03, rel=1e-6)
