@@ -100,8 +100,10 @@ PRESETS: dict[CorrectionMode, CorrectionRecipe] = {
 
 
 class ProxMode(StrEnum):
-    RECOMPUTE = "recompute"  # extra no-grad forward pass at the start of the step
-    LOGLINEAR = "loglinear"  # interpolate behav→current logprobs by version (no extra pass)
+    # Both are exact wherever the weights are still the step's starting ones (see `TrainingEngine`):
+    # they differ only for mini-batches trained after the step's first optimiser update.
+    RECOMPUTE = "recompute"  # extra no-grad pass at the start of the step when a later update needs it
+    LOGLINEAR = "loglinear"  # after the first update, interpolate behav→current logprobs by version
 
 
 class LossAggMode(StrEnum):
@@ -185,6 +187,12 @@ class CorrectionConfig(BaseModel):
         r = self.recipe()
         return r.anchor is Anchor.PROXIMAL or r.weight is not Weight.NONE or r.rejection is not Rejection.NONE
 
+    @property
+    def needs_whole_batch(self) -> bool:
+        """Whether a term is a statistic over the whole batch (M2PO's mask), so π_prox must be known for
+        every row before the first micro-batch's loss."""
+        return self.recipe().rejection is Rejection.M2
+
 
 class LearnerConfig(BaseModel):
     """The training engine: model, optimiser, schedule, micro-batching and the PPO/GRPO loss."""
@@ -240,6 +248,11 @@ class LearnerConfig(BaseModel):
     num_minibatches: int = Field(default=1, ge=1)
     micro_batch_tokens: int = Field(default=4096, gt=0)
     shuffle_minibatches: bool = True
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimiser updates in one learner step: ppo_epochs × num_minibatches."""
+        return self.ppo_epochs * self.num_minibatches
 
     # Policy loss.
     clip_low: float = Field(default=0.2, ge=0, lt=1)

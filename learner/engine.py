@@ -1,7 +1,8 @@
 """`TrainingEngine`: one PPO/GRPO train step per buffer batch, on CPU or one rank of a GPU group.
 
 A step: (1) a no-grad pass over the batch for whatever the loss needs from the start-of-step policy —
-π_prox (correction `prox = recompute`), old values (PPO) and reference log-probs (KL); (2) advantages
+π_prox where the training forward cannot give it (`step_inputs`), old values (PPO) and reference
+log-probs (KL); (2) advantages
 (GRPO group-normalised or masked GAE); (3) `ppo_epochs × num_minibatches` optimiser steps, each
 accumulating gradients over micro-batches packed by token budget; (4) `policy_version += 1`.
 
@@ -124,6 +125,7 @@ class TrainingEngine:
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.policy_version = 0
         self.num_optimizer_steps = 0
+        self._optimizer_steps_at_start = 0  # num_optimizer_steps when the current step began
 
     @property
     def is_distributed(self) -> bool:
@@ -216,6 +218,7 @@ class TrainingEngine:
         sums: dict[str, float] = {}
         self.policy.train()
         num_updates = num_skipped = 0
+        self._optimizer_steps_at_start = self.num_optimizer_steps
         for _ in range(cfg.ppo_epochs):
             gen = self.generator if cfg.shuffle_minibatches else None
             for rows in split_minibatches(tb.batch_size, cfg.num_minibatches, gen):
@@ -282,10 +285,7 @@ class TrainingEngine:
             if inputs.terms is not None:
                 terms = _slice_terms(inputs.terms, sl)
             else:
-                if not cfg.correction.needs_prox:
-                    prox = out.logp.detach()
-                else:
-                    prox = loglinear_prox_logp(out.logp, mb.behavior_logprobs, lag)
+                prox = self._proximal(out.logp, mb, idx, lag, inputs)
                 terms = staleness_correction(prox, mb.behavior_logprobs, lag, mask, cfg.correction)
             ratio = policy_ratio(out.logp, terms)
             pg, clipped, dual = ppo_policy_loss(
@@ -331,6 +331,29 @@ class TrainingEngine:
             parts = {k: self.all_reduce(v) for k, v in parts.items()}
         parts["grad_norm"], stepped = self._clip_and_step(parts.get("loss", 0.0))
         return parts, stepped
+
+    def _proximal(
+        self, logp: torch.Tensor, mb: TrainBatch, idx: torch.Tensor, lag: torch.Tensor, inputs: StepInputs
+    ) -> torch.Tensor:  # [b, width]
+        """log π_prox of a micro-batch: the start-of-step policy's log-probs.
+
+        Before the step's first optimiser update the weights are the start-of-step ones, so the
+        training forward's own log-probs are π_prox exactly; they are kept for the rows' later epochs.
+        A row first reached after an update (a later mini-batch) gets the log-linear interpolation in
+        version between π_behav and π_θ, taken as one version ahead (`loglinear_prox_logp`). Treating
+        π_θ as one version ahead where it is not (the old rule, on every update) shifts the PPO ratio's
+        anchor back towards π_behav by 1/(lag + 1) of the way, so a stale token whose probability has
+        already risen under a positive advantage is clipped out of the gradient.
+        """
+        width = logp.shape[1]
+        exact = logp.detach().float()
+        if self.num_optimizer_steps == self._optimizer_steps_at_start:  # no update yet (or all skipped)
+            inputs.prox_logp[idx, :width] = exact
+            inputs.prox_known[idx] = True
+            return exact
+        known = inputs.prox_known[idx].unsqueeze(-1)
+        approx = loglinear_prox_logp(logp, mb.behavior_logprobs, lag)
+        return torch.where(known, inputs.prox_logp[idx, :width], approx)
 
     def _clip_and_step(self, loss: float) -> tuple[float, bool]:
         """Clip and take one optimiser and schedule step; returns (grad norm, stepped).

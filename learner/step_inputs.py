@@ -1,6 +1,13 @@
 """Everything a train step fixes before its first update: lags, the start-of-step no-grad pass
 (π_prox, old values, reference log-probs), advantages and — when π_prox is recomputed — the
 correction terms of the whole batch (so batch-level statistics such as M2PO's mask see every token).
+
+π_prox is the policy at the start of the step. Until the step's first optimiser update the training
+forward *is* that policy, so its detached log-probs are π_prox exactly and cost nothing. The no-grad
+pass therefore runs for π_prox only where that is not enough: `prox = recompute` with more than one
+update per step (later mini-batches and epochs see moved weights) or with a whole-batch term (M2PO);
+PPO's pass for the old values yields π_prox with them. Otherwise `StepInputs.prox_logp` is filled by
+the first update's own forwards (`TrainingEngine._proximal`).
 """
 
 from __future__ import annotations
@@ -59,7 +66,9 @@ class StepInputs:
     returns: torch.Tensor | None  # [B, T] value targets (PPO)
     old_values: torch.Tensor | None  # [B, T] (PPO)
     ref_logp: torch.Tensor | None  # [B, T] (KL)
-    terms: CorrectionTerms | None  # whole-batch correction when prox = recompute
+    terms: CorrectionTerms | None  # whole-batch correction when the start-of-step pass gave π_prox
+    prox_logp: torch.Tensor  # [B, T] exact log π_prox of the rows in `prox_known` (filled lazily)
+    prox_known: torch.Tensor  # [B] bool: rows whose π_prox is exact in `prox_logp`
     full_width: int  # padded length T of the batch as received
     recompute_s: float  # time of the no-grad pass
     advantage_mean: float
@@ -124,7 +133,11 @@ def build_step_inputs(engine: ForwardRunner, full: TrainBatch) -> StepInputs:
     rows = torch.arange(full.batch_size)[engine.rank :: engine.world_size]
     tb = full.select(rows) if engine.is_distributed else full
     lag = full_lag[rows, : tb.input_ids.shape[1]]
-    recompute = cfg.correction.needs_prox and cfg.correction.prox == ProxMode.RECOMPUTE
+    correction = cfg.correction
+    recompute = correction.needs_prox and (
+        cfg.algo == Algo.PPO  # the pass runs the policy for the old values anyway
+        or (correction.prox == ProxMode.RECOMPUTE and (cfg.updates_per_step > 1 or correction.needs_whole_batch))
+    )
     start = time.perf_counter()
     engine.policy.eval()
     prox_logp, old_values, ref_logp = _start_of_step_pass(
@@ -141,9 +154,13 @@ def build_step_inputs(engine: ForwardRunner, full: TrainBatch) -> StepInputs:
         if cfg.whiten_advantages:
             advantages = masked_whiten(advantages, tb.loss_mask, all_reduce=engine.all_reduce)
     terms = None
+    prox_known = torch.zeros(tb.batch_size, dtype=torch.bool, device=tb.input_ids.device)
     if recompute:
         assert prox_logp is not None  # the start-of-step pass recomputed it
-        terms = staleness_correction(prox_logp, tb.behavior_logprobs, lag, tb.loss_mask, cfg.correction)
+        terms = staleness_correction(prox_logp, tb.behavior_logprobs, lag, tb.loss_mask, correction)
+        prox_known[:] = True
+    else:
+        prox_logp = torch.zeros(tb.input_ids.shape, dtype=torch.float32, device=tb.input_ids.device)
     valid = tb.loss_mask != 0
     adv_valid = advantages[valid]
     return StepInputs(
@@ -154,6 +171,8 @@ def build_step_inputs(engine: ForwardRunner, full: TrainBatch) -> StepInputs:
         old_values=old_values,
         ref_logp=ref_logp,
         terms=terms,
+        prox_logp=prox_logp,
+        prox_known=prox_known,
         full_width=int(full.input_ids.shape[1]),
         recompute_s=recompute_s,
         advantage_mean=float(adv_valid.mean().item()) if adv_valid.numel() else 0.0,

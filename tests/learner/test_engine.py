@@ -203,3 +203,51 @@ def test_a_loss_that_turns_nonfinite_in_one_minibatch_skips_only_that_update(mon
     assert result.metrics["learner/num_nonfinite_steps"] == 1.0 and not result.skipped_nonfinite
     assert engine.num_optimizer_steps == 1 and engine.scheduler.last_epoch == 1
     assert all(torch.isfinite(p).all() for p in engine.policy.parameters())
+
+
+def _stale_step(cfg: LearnerConfig) -> TrainingEngine:
+    """One step at learner version 2 on tokens of versions 0, 1 and 2 (lags 2, 1, 0)."""
+    engine = TrainingEngine(cfg)
+    engine.policy_version = 2
+    engine.train_step(_batch(versions=(0, 1, 2, 0), seed=7))
+    return engine
+
+
+@pytest.mark.parametrize(("ppo_epochs", "mode"), [(1, "decoupled"), (2, "decoupled"), (1, "tis"), (1, "masked")])
+def test_loglinear_is_exact_while_the_weights_are_the_step_start(ppo_epochs, mode):
+    """Before the step's first update the training forward is π_prox, so `loglinear` must train
+    exactly like `recompute` (the old rule interpolated towards π_behav by 1/(lag + 1) even there,
+    clipping stale tokens whose probability had already risen); with one mini-batch every later
+    epoch reuses those exact values."""
+    kw = dict(ppo_epochs=ppo_epochs, clip_low=0.05, clip_high=0.05)
+    exact = _stale_step(_cfg(**kw, correction={"mode": mode, "prox": "recompute"}))
+    approx = _stale_step(_cfg(**kw, correction={"mode": mode, "prox": "loglinear"}))
+    pe, pa = _params(exact), _params(approx)
+    assert all(torch.allclose(pe[k], pa[k], rtol=1e-5, atol=1e-7) for k in pe)
+
+
+def test_loglinear_interpolates_only_rows_first_reached_after_an_update():
+    """Two mini-batches: the second one's forward sees the first update, so its π_prox is the
+    log-linear approximation and the step differs from `recompute`."""
+    kw = dict(num_minibatches=2, shuffle_minibatches=False, clip_low=0.05, clip_high=0.05)
+    exact = _stale_step(_cfg(**kw, correction={"mode": "decoupled", "prox": "recompute"}))
+    approx = _stale_step(_cfg(**kw, correction={"mode": "decoupled", "prox": "loglinear"}))
+    pe, pa = _params(exact), _params(approx)
+    assert not all(torch.allclose(pe[k], pa[k], rtol=1e-5, atol=1e-7) for k in pe)
+
+
+@pytest.mark.parametrize(
+    ("num_minibatches", "mode", "extra_pass"), [(1, "decoupled", False), (2, "decoupled", True), (1, "m2po", True)]
+)
+def test_recompute_runs_its_pass_only_when_the_training_forward_cannot_give_prox(
+    monkeypatch, num_minibatches, mode, extra_pass
+):
+    engine = TrainingEngine(_cfg(num_minibatches=num_minibatches, correction={"mode": mode, "prox": "recompute"}))
+    batch = engine.to_train_batch(_batch(seed=3))
+    num_micro = sum(len(engine.micro_batches(batch, rows)) for rows in torch.arange(4).chunk(num_minibatches))
+    calls = []
+    forward = engine.forward
+    monkeypatch.setattr(engine, "forward", lambda model, mb, **kw: calls.append(mb) or forward(model, mb, **kw))
+    engine.train_step(batch)
+    start_pass = len(engine.micro_batches(batch, torch.arange(4))) if extra_pass else 0
+    assert len(calls) == num_micro + start_pass
