@@ -19,6 +19,7 @@ from streamrl.learner.config import LearnerConfig
 from streamrl.observability.metrics import WandbConfig
 from streamrl.observability.tracing import TraceConfig
 from streamrl.rollout.config import RolloutConfig
+from streamrl.streaming.placement import PlacementConfig
 from streamrl.weight_sync.config import BackendKind, WeightSyncConfig
 
 GENERATED_SOURCES = ("arithmetic", "dots")  # data.source values drawn by a generator, not read from a file
@@ -152,6 +153,7 @@ class StreamRLConfig(BaseModel):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     trace: TraceConfig = Field(default_factory=TraceConfig)  # lifecycle trace (docs/trace.md)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)  # cores per part (streaming/placement.py)
 
     def with_model(self, model_path: str) -> StreamRLConfig:
         """This config with `model` set to the run's resolved folder (`streaming.sft.prepare_model`, the
@@ -176,6 +178,7 @@ class StreamRLConfig(BaseModel):
         self._check_server_backend()
         self._check_nccl_gpus()
         self._check_sync_rounds()
+        self._check_placement()
         if self.eval.enabled and self.eval.source is None and self.data.source not in GENERATED_SOURCES:
             raise ValueError(
                 f"eval.num_prompts={self.eval.num_prompts} with data.source a dataset ({self.data.source!r}): "
@@ -187,6 +190,14 @@ class StreamRLConfig(BaseModel):
                 f"response_length = {self.rollout.max_model_len}"
             )
         return self
+
+    def _check_placement(self) -> None:
+        self.placement.engine_slice(0, self.rollout.num_engines)  # equal slices, or ValueError
+        if self.placement.learner_cores is not None and self.learner.num_workers > 1:
+            raise ValueError(
+                "placement.learner_cores pins one learner process; with learner.num_workers > 1 leave it unset "
+                "(each rank of a CPU group takes cpu_count / num_workers threads)"
+            )
 
     def _check_sync_rounds(self) -> None:
         rounds = self.trainer.sync_generation_groups

@@ -175,8 +175,10 @@ async def _start(pipeline: Pipeline, engine_cfg: EngineConfig, count: int) -> li
 
     fleet, timeouts, new = pipeline.fleet, pipeline.cfg.trainer.actor_timeouts, []
     for _ in range(count):
-        engine_id, fleet.next_index = f"engine-{fleet.next_index}", fleet.next_index + 1
-        new.append(RayEngineClient.launch(engine_cfg, engine_id, policy_version=JOINING_VERSION, timeouts=timeouts))
+        index = fleet.next_index
+        engine_id, fleet.next_index = f"engine-{index}", index + 1
+        placed = pipeline.cfg.placement.engine_config(engine_cfg, index, pipeline.cfg.rollout.num_engines)
+        new.append(RayEngineClient.launch(placed, engine_id, policy_version=JOINING_VERSION, timeouts=timeouts))
     outcomes = await asyncio.gather(*(e.wait_ready() for e in new), return_exceptions=True)
     up = []
     for engine, outcome in zip(new, outcomes, strict=True):

@@ -384,6 +384,7 @@ def estimate(cfg: StreamRLConfig) -> Estimate:
 
 def check(cfg: StreamRLConfig) -> Estimate:
     """The estimate, or ValueError (one sentence naming the knobs) when the run cannot fit."""
+    cfg.placement.check_machine()
     est = estimate(cfg)
     if not est.fits:
         raise ValueError(est.refusal())

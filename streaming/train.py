@@ -126,7 +126,8 @@ def _launch_learner(cfg: StreamRLConfig, checkpoint: str | None) -> LearnerClien
 
     # Ray pins OMP_NUM_THREADS to an actor's num_cpus (1); the learner's matmuls want every core;
     # glibc's allocator is configured so the learner's resident set stays flat across steps.
-    learner_env = {"env_vars": learner_runtime_env()}
+    cores = cfg.placement.learner_cores
+    learner_env = {"env_vars": learner_runtime_env(len(cores) if cores else None)}
     # @ray.remote makes LearnerActor an ActorClass; pyrefly types the decorated name as the plain class
     actor = LearnerActor.options(**learner_actor_options(cfg), runtime_env=learner_env)  # pyrefly: ignore[missing-attribute]
     return LearnerClient(
@@ -167,7 +168,10 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
     start_version = state.policy_version
     engines = [
         RayEngineClient.launch(
-            engine_cfg.for_engine(i), f"engine-{i}", policy_version=start_version, timeouts=cfg.trainer.actor_timeouts
+            cfg.placement.engine_config(engine_cfg.for_engine(i), i, cfg.rollout.num_engines),
+            f"engine-{i}",
+            policy_version=start_version,
+            timeouts=cfg.trainer.actor_timeouts,
         )
         for i in range(cfg.rollout.num_engines)
     ]

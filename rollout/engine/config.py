@@ -71,6 +71,9 @@ class EngineConfig(BaseModel):
     # A training run hosts the engine in a Ray actor (`streaming.actors.engine`) scheduled with these;
     # `streamrl rollout` and `streamrl eval` build it in their own process.
     num_cpus: float = Field(1.0, ge=0.0, description="Ray scheduling count for the engine actor")
+    # The cores this engine's process is pinned to (the driver sets it from `placement.engine_cores`,
+    # streaming/placement.py); None floats on all cores.
+    cpu_cores: list[int] | None = Field(default=None, min_length=1)
     num_gpus: float = Field(0.0, ge=0.0, description="Ray GPUs for the engine actor (= tensor_parallel_size on GPU)")
     resources: dict[str, float] = Field(
         default_factory=dict,

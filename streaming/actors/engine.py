@@ -79,6 +79,10 @@ class EngineActor:
     async def _build(self) -> None:
         from streamrl.rollout.engine import make_engine
 
+        if self._cfg.cpu_cores is not None:  # before vLLM starts its threads (it fixes torch's pool size)
+            from streamrl.streaming.placement import pin_part
+
+            pin_part(self._cfg.cpu_cores)
         self._engine = make_engine(self._cfg, self._engine_id, policy_version=self._policy_version)
 
     async def _ready(self) -> Any:
@@ -163,6 +167,12 @@ class EngineActor:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        """This engine's process id (where its threads' placement can be read, `/proc/<pid>/task`)."""
+        import os
+
+        return os.getpid()
 
     async def memory(self) -> dict[str, float]:
         """`memory/engine_peak_gb`: this part's peak since it started (`core.memory.part_memory`)."""

@@ -60,6 +60,10 @@ class LearnerActor:
 
         logging.basicConfig(level=logging.INFO)
         self.cfg = cfg
+        if cfg.placement.learner_cores is not None:  # before the model loads and torch starts its pool
+            from streamrl.streaming.placement import pin_part
+
+            pin_part(cfg.placement.learner_cores)
         backend = GroupLearner if self.cfg.learner.num_workers > 1 else LocalLearner
         self.learner = backend(self.cfg, init_checkpoint)
         self.busy_s = 0.0
@@ -81,6 +85,12 @@ class LearnerActor:
 
     def model_path(self) -> str:
         return self.learner.model_path
+
+    def pid(self) -> int:
+        """This actor's process id (with one learner process, where its threads' placement is read)."""
+        import os
+
+        return os.getpid()
 
     async def train_step(self, sampled: SampledBatch, num_samples: int = 2) -> Trained:
         """One optimizer step on a buffer batch; returns metrics (`learner/*`, `is/*`, `staleness/*` and
