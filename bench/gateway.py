@@ -152,7 +152,7 @@ async def _pair(ctx: Any, server: Any, client: Any, i: int, messages: list, tool
     data = AgentData(trajectory_id=f"bench/{i}", group_id="bench", agent_name="gateway", state=AgentState.INTERACTING)
     session = Session(ctx, data, ctx.cfg.gateway)
     server.add(session)
-    client = client.with_options(base_url=server.base_url(session))
+    client = client.with_options(base_url=server.base_url(session), api_key=session.token)
 
     async def direct() -> tuple[float, list[int]]:
         t0 = time.perf_counter()
@@ -184,7 +184,7 @@ async def overhead(model_path: str, pairs: int, max_tokens: int) -> dict[str, An
     tools = [{"type": "function", "function": {"name": calculator.name, "parameters": calculator.params_json_schema}}]
     records = load_records("arithmetic", pairs + 2, 0)
     engine, ctx, server = await _gateway_ctx(model_path)
-    client = openai.AsyncOpenAI(base_url="http://127.0.0.1/unused", api_key=server.api_key, max_retries=0)
+    client = openai.AsyncOpenAI(base_url="http://127.0.0.1/unused", api_key="per-session", max_retries=0)
     try:
         for w in range(2):  # warm-up: the engine's first requests and the HTTP connection
             await _pair(ctx, server, client, 10_000 + w, records[pairs + w].messages, tools, max_tokens)

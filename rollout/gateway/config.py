@@ -17,7 +17,9 @@ class GatewayConfig(BaseModel):
     # --- the server (one per rollout worker process, shared by its gateway loops) ---
     host: str = "127.0.0.1"  # loopback by default: the agent runs next to the worker
     port: int = Field(0, ge=0, le=65535)  # 0: an ephemeral port, chosen at start
-    api_key: str | None = None  # the per-run bearer token; None: a random one per server start
+    # Refused when set: every session has its own random bearer token (`Session.token`), because one
+    # token for the whole server would let a sample's program use its siblings' sessions.
+    api_key: str | None = None
     model_name: str = "policy"  # what `GET /v1/models` lists; requests may name any model
     max_request_bytes: int = Field(4 * 1024 * 1024, gt=0)  # larger bodies get 413
     max_choices: int = Field(8, gt=0)  # the largest `n` a request may ask for
@@ -41,6 +43,11 @@ class GatewayConfig(BaseModel):
     def _check(self) -> GatewayConfig:
         if self.program is not None and self.command is not None:
             raise ValueError("rollout.agent.gateway: set `program` or `command`, not both")
+        if self.api_key is not None:
+            raise ValueError(
+                "rollout.agent.gateway.api_key cannot be set: each session gets its own random bearer token, "
+                "passed to its program (the `api_key` argument, or OPENAI_API_KEY for a command)"
+            )
         if self.command is not None and not self.command:
             raise ValueError("rollout.agent.gateway.command must name a program")
         return self

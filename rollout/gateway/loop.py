@@ -177,7 +177,7 @@ class GatewayAgentLoop(AgentLoopBase):
         finish = FinishReason.STOP
         try:
             reward = await run_program(
-                cfg, server.base_url(session), server.api_key, sample_of(data, state.sample_messages)
+                cfg, server.base_url(session), session.token, sample_of(data, state.sample_messages)
             )
         except Exception as exc:
             if session.failed is not None:

@@ -2,16 +2,18 @@
 worker's sessions.
 
 Owns the FastAPI app, the uvicorn server it runs on (a task on the worker's own event loop, so the
-handlers call the sessions, the engines and the cancel Event directly; no thread, no Ray), the per-run
-bearer token, the request size limit and the table of live sessions. Routes, per session and attempt:
+handlers call the sessions, the engines and the cancel Event directly; no thread, no Ray), the check of
+each session's own bearer token, the request size limit and the table of live sessions. Routes, per
+session and attempt:
 
     GET  /s/{session}/{attempt}/v1/models
     POST /s/{session}/{attempt}/v1/chat/completions    (OpenAI; stream=true answers server-sent events)
     POST /s/{session}/{attempt}/v1/messages            (Anthropic; stream=true likewise)
 
 Errors come in the calling API's own error body, with the status codes the official clients act on:
-400 (bad request), 401 (token), 404 (no such session), 410 (an attempt the session has moved past),
-413 (body too large) are final, and `x-should-retry: false` says so; 500 and 503 are retried.
+400 (bad request), 401 (a token of no live session), 404 (no such session, or not the token's own),
+410 (an attempt the session has moved past), 413 (body too large) are final, and `x-should-retry: false`
+says so; 500 and 503 are retried.
 
 A crash takes the server with the worker: its sessions' state is in their trajectories (last durable
 snapshot), and the resumed trajectories get a new server, port and attempt in another worker.
@@ -25,7 +27,6 @@ import hmac
 import json
 import logging
 import math
-import secrets
 import socket
 import time
 from collections.abc import Iterator
@@ -71,7 +72,6 @@ class GatewayServer:
 
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
-        self.api_key = cfg.api_key or secrets.token_urlsafe(24)
         self.sessions: dict[str, Session] = {}
         self.port: int | None = None
         self.counts = dict.fromkeys(COUNTERS, 0.0)  # totals since start (the driver takes increments)
@@ -156,15 +156,19 @@ class GatewayServer:
 
     # ---- request handling ---------------------------------------------------------------------
 
-    def authorize(self, request: Request) -> None:
+    def authorize(self, request: Request, session_id: str, attempt: int) -> Session:
+        """The session a request may use: its bearer token must be that session's own (`Session.token`).
+        A token of no live session gets 401. A live session's token used on another session's URL gets
+        404, the answer for a session that does not exist: a sample's program can neither use nor probe
+        its siblings' sessions, whose ids it can compute from their trajectory ids."""
         auth = request.headers.get("authorization", "")
-        token = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        if not token or not hmac.compare_digest(token.encode(), self.api_key.encode()):
-            raise GatewayError(401, "invalid or missing API key (the gateway's bearer token)", code="invalid_api_key")
-
-    def session(self, session_id: str, attempt: int) -> Session:
+        token = (auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")).encode()
         session = self.sessions.get(session_id)
-        if session is None:
+        if session is None or not hmac.compare_digest(token, session.token.encode()):
+            if not any(hmac.compare_digest(token, s.token.encode()) for s in self.sessions.values()):
+                raise GatewayError(
+                    401, "invalid or missing API key (the session's bearer token)", code="invalid_api_key"
+                )
             raise GatewayError(404, f"no live session {session_id!r}", code="session_not_found")
         if attempt != session.attempt:
             raise GatewayError(
@@ -195,8 +199,7 @@ class GatewayServer:
         self.counts["num_requests"] += 1
         stream, include_usage, stats = False, False, CallStats()
         try:
-            self.authorize(request)
-            session = self.session(session_id, attempt)
+            session = self.authorize(request, session_id, attempt)
             body = await self.body(request)
             if api == "anthropic":
                 call = protocol.parse_anthropic(body)
@@ -239,8 +242,7 @@ def build_app(gateway: GatewayServer) -> FastAPI:
     @app.get("/s/{session_id}/{attempt}/v1/models")
     async def models(request: Request, session_id: str, attempt: int) -> Response:
         try:
-            gateway.authorize(request)
-            gateway.session(session_id, attempt)
+            gateway.authorize(request, session_id, attempt)
         except GatewayError as err:
             return gateway.error("openai", err)
         model = {"id": gateway.cfg.model_name, "object": "model", "created": 0, "owned_by": "streamrl"}

@@ -44,6 +44,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -166,6 +167,9 @@ class Session:
             self.state = GatewayState(session_id=session_id_for(data.trajectory_id), attempt=data.attempt)
         else:
             self.state = GatewayState.model_validate(data.gateway)
+        # The session's own bearer token (`GatewayServer.authorize`): random per program run and never
+        # saved, so no other sample's program can compute it and a resumed session gets a new one.
+        self.token = secrets.token_urlsafe(32)
         self.lock = asyncio.Lock()
         self.failed: BaseException | None = None
         self.stats = CallStats()  # of the call being answered (calls of one session answer one at a time)

@@ -76,20 +76,25 @@ class Gateway:
         return self.session.data
 
     @property
+    def api_key(self) -> str:
+        """The live session's own bearer token (what the gateway loop gives its program)."""
+        return self.session.token
+
+    @property
     def base_url(self) -> str:
         return self.server.base_url(self.session)
 
     def openai(self, **kw: Any):
         import openai
 
-        kw.setdefault("api_key", self.server.api_key)
+        kw.setdefault("api_key", self.api_key)
         kw.setdefault("max_retries", 0)
         return openai.AsyncOpenAI(base_url=self.base_url, **kw)
 
     def anthropic(self, **kw: Any):
         import anthropic
 
-        kw.setdefault("api_key", self.server.api_key)
+        kw.setdefault("api_key", self.api_key)
         kw.setdefault("max_retries", 0)
         return anthropic.AsyncAnthropic(base_url=self.base_url.removesuffix("/v1"), **kw)
 

@@ -19,7 +19,7 @@ def _sample(ground_truth: str) -> dict:
 
 async def test_the_sdk_agent_calls_its_tool_and_the_session_records_one_sequence(make_gateway, tiny_tokenizer):
     gw = await make_gateway([CALL, ANSWER])
-    assert await openai_sdk_calculator.run(gw.base_url, gw.server.api_key, _sample("84")) is None
+    assert await openai_sdk_calculator.run(gw.base_url, gw.api_key, _sample("84")) is None
     state = gw.session.state
     assert (state.num_calls, state.num_forks, state.num_retries_answered) == (2, 0, 0)
     assert len(gw.engine.requests_seen) == 2
@@ -36,4 +36,4 @@ async def test_the_sdk_agent_calls_its_tool_and_the_session_records_one_sequence
 async def test_a_call_of_an_unknown_tool_scores_zero_not_a_crash(make_gateway):
     bad = '<tool_call>\n{"name": "web_search", "arguments": {"q": "12 * 7"}}\n</tool_call>'
     gw = await make_gateway([bad, ANSWER])
-    assert await openai_sdk_calculator.run(gw.base_url, gw.server.api_key, _sample("84")) == 0.0
+    assert await openai_sdk_calculator.run(gw.base_url, gw.api_key, _sample("84")) == 0.0

@@ -68,7 +68,7 @@ async def _run_recording_client(gw, ledger, monkeypatch) -> list[dict]:
     monkeypatch.setattr(answer_ledger, "DROP_TIMEOUT_S", (0.05, 0.05))
     monkeypatch.setattr(answer_ledger, "REPEAT_P", 1.0)  # and every answered call is sent again
     sample = {"trajectory_id": gw.data.trajectory_id, "messages": USER}
-    await answer_ledger.run(gw.base_url, gw.server.api_key, sample)
+    await answer_ledger.run(gw.base_url, gw.api_key, sample)
     return answer_ledger.read_answers(ledger)
 
 

@@ -146,7 +146,7 @@ async def test_missing_or_wrong_token_gets_401(make_gateway):
 
 async def test_unknown_session_stale_attempt_and_oversized_body(make_gateway):
     gw = await make_gateway([ANSWER], gateway={"max_request_bytes": 2000})
-    auth = {"authorization": f"Bearer {gw.server.api_key}"}
+    auth = {"authorization": f"Bearer {gw.api_key}"}
     root = f"http://127.0.0.1:{gw.server.port}/s"
     body = {"model": "p", "messages": USER}
     async with httpx.AsyncClient(headers=auth) as http:
