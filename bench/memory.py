@@ -8,7 +8,7 @@
 2. Runs `bench.memory_learner` (one learner train step on the same synthetic default-shaped batch,
    full [B, T, V] logits vs the chunked LM head, each in a fresh process, several seeds) and embeds
    its result.
-Targets (issue 9): node peak <= 12 GB; learner peak <= 1.5 x (params + grads + AdamW states).
+Targets: node peak <= 12 GB; learner peak <= 1.5 x (params + grads + AdamW states).
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ only that variant:
   [B, T, V] logits tensor per micro-batch), with the configured chunk size, and with that chunk
   size plus `learner.gradient_checkpointing`; allocator settings and trim on in all three;
 - growth (with `--steps N > 0`): N steps on batches of varying lengths, RSS after each step, once
-  as before issue 9 (no chunking, no activation checkpointing, no allocator settings, no trim) and
-  once as the learner runs now (the run file + `--override`s, `core.memory.learner_runtime_env()`
-  in the environment, `trim_allocator()` after each step); `--growth-variants after` runs only the
-  latter.
+  with every memory measure off (no chunking, no activation checkpointing, no allocator settings, no
+  trim) and once as the learner runs now (the run file + `--override`s,
+  `core.memory.learner_runtime_env()` in the environment, `trim_allocator()` after each step);
+  `--growth-variants after` runs only the latter.
 
 `learner_memory()` returns the result dict (bench/memory.py folds it into its report).
 """
@@ -205,10 +205,10 @@ def _chunk_runs(base: dict[str, Any], default_chunk: int, seeds: int, steps: int
     return out
 
 
-# The learner before and after session 9's change, and the two steps between (see `_peak_variants`).
+# The plain learner, the default, and the two steps between (see `_peak_variants`).
 PEAK_VARIANTS: dict[str, dict[str, Any]] = {
     "before": {
-        "what": "mmap threshold 4 MB, no activation checkpointing, logits chunk 512 (defaults until session 9)",
+        "what": "mmap threshold 4 MB, no activation checkpointing, logits chunk 512 (the plain learner)",
         "mmap": 4 * 1024 * 1024,
         "gc": False,
         "chunk": 512,
@@ -308,7 +308,7 @@ def learner_memory(
         out["state"] = {k: out["chunks"]["runs"][0][k] for k in ("params_gb", "params_grads_adam_gb")}
     if steps > 0:
         variants = {  # name: (chunk, trim + allocator settings, extra overrides)
-            "before": (0, False, ["learner.gradient_checkpointing=false"]),  # as before issue 9
+            "before": (0, False, ["learner.gradient_checkpointing=false"]),  # every memory measure off
             "after": (default_chunk, True, []),  # as the learner runs now
         }
         out["growth"] = {}

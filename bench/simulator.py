@@ -91,9 +91,9 @@ def measure(root: Path, only: list[str] | None = None) -> None:
 
 def schedule() -> list[tuple[str, str, int, str]]:
     """Every run as (workload, mode, seed, folder), in rounds: the first run of every workload and
-    mode, then every second run, and so on. This machine's speed drifts over a sitting (other users),
+    mode, then every second run, and so on. This machine's speed drifts over a validation (other users),
     so a workload measured only at its start or only at its end would carry that drift into its
-    comparison with the calibration runs; in rounds, each workload's repeats span the sitting."""
+    comparison with the calibration runs; in rounds, each workload's repeats span the validation."""
     runs = [
         (seed, name, mode, folder)
         for name, w in WORKLOADS.items()

@@ -31,9 +31,7 @@ def _validation(ax: Any, table: dict[str, Any], which: str) -> None:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(runs))])
     ax.set_xticklabels([r + ("*" if table[r]["in_sample"] else "") for r in runs], rotation=20, fontsize=7)
     ax.set_ylabel("predicted vs measured, % (cut at ±100)")
-    ax.set_title(
-        f"validation, latest sitting, {which.replace('_', ' ')} (* = calibration runs; band ±10 %)", fontsize=9
-    )
+    ax.set_title(f"latest validation, {which.replace('_', ' ')} (* = calibration runs; band ±10 %)", fontsize=9)
     ax.legend(fontsize=6)
 
 

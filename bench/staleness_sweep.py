@@ -1,4 +1,5 @@
-"""Staleness sweep: final reward for a fixed policy lag k × staleness correction × seed (issue 13).
+"""Staleness sweep: final reward for a fixed policy lag k × staleness correction × seed, to show
+which correction keeps the reward up as the lag grows.
 
     python -m bench.staleness_sweep [--lags 0 1 2 4 8] [--corrections none tis decoupled masked m2po]
                                     [--seeds 0 1 2] [--steps 30] [--lr 4e-3] [--workers 2] [--threads 1]

@@ -1,7 +1,8 @@
-"""Rows are fenced by their trajectory's attempt number (issue 29, finding 13): a row of an attempt
-older than the newest the buffer holds for its trajectory (a worker the driver already replaced,
-whose append lands late) is refused and counted, live and after recovery from the log; rows of the
-current attempt keep the usual rules; a log written before the column existed reads as attempt 0."""
+"""Rows are fenced by their trajectory's attempt number, so a replaced worker's late rows never
+train: a row of an attempt older than the newest the buffer holds for its trajectory (a worker the
+driver already replaced, whose append lands late) is refused and counted, live and after recovery
+from the log; rows of the current attempt keep the usual rules; a log written before the column
+existed reads as attempt 0."""
 
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ LN2, LN3 = math.log(2.0), math.log(3.0)
 
 
 def _legacy_correction(prox_logp, behav_logp, lag, mask, cfg: CorrectionConfig) -> CorrectionTerms:
-    """`staleness_correction` as it was before corrections composed (commit 56ddd13), the oracle;
-    same arguments ([B, T] tensors and the config)."""
+    """`staleness_correction` as it was before corrections composed, kept as the oracle; same
+    arguments ([B, T] tensors and the config)."""
     prox_logp = prox_logp.detach().to(torch.float32)
     behav_logp = behav_logp.to(torch.float32)
     valid = mask != 0

@@ -1,4 +1,4 @@
-"""The learner on a vision-language model (docs/multimodal.md step 4), on the tiny Idefics3 VLM.
+"""The learner on a vision-language model (docs/multimodal.md, "How an image travels"), on the tiny Idefics3 VLM.
 
 `PolicyModel` runs the full multimodal model (vision tower + connector + text decoder) and scores
 tokens exactly as the plain HF model does; pixels reach the forward from image bytes through

@@ -1,6 +1,6 @@
-"""Terminal escape injection (issue 29, finding 11): model and tool text reaches the console through
-`streamrl rollout` (`streaming/eval.console_text`) and console log lines; neither may carry a working
-control sequence (OSC 52 sets the clipboard, CSI 2J clears the screen). rich drops BEL but not ESC."""
+"""Terminal escape injection: model and tool text reaches the console through `streamrl rollout`
+(`streaming/eval.console_text`) and console log lines; neither may carry a working control sequence
+(OSC 52 sets the clipboard, CSI 2J clears the screen). rich drops BEL but not ESC."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""A rollout worker's `ImageStore` is bounded (issue 29, finding 15): past `max_bytes` it forgets the
-least recently used images, never one a trajectory the worker holds still needs (pinned) nor the
-newest few; what it forgot comes back from its directory or, in a worker, from the buffer by hash."""
+"""A rollout worker's `ImageStore` is bounded, so a long VLM run cannot grow it without end: past
+`max_bytes` it forgets the least recently used images, never one a trajectory the worker holds still
+needs (pinned) nor the newest few; what it forgot comes back from its directory or, in a worker, from
+the buffer by hash."""
 
 from __future__ import annotations
 

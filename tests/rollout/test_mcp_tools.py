@@ -545,9 +545,9 @@ time.sleep(600)
 
 
 def test_a_stdio_server_dies_with_a_worker_killed_outright():
-    """Found by the audit: the SDK starts stdio servers in a session of their own, so a server that
-    does not exit when its stdin closes outlived a SIGKILLed worker (here: a shell that, once the
-    Python server exits, goes on sleeping)."""
+    """The SDK starts stdio servers in a session of their own, so a server that does not exit when its
+    stdin closes could outlive a SIGKILLed worker (here: a shell that, once the Python server exits,
+    goes on sleeping); it must die with the worker."""
     tag = f"streamrl-mcp-{time.time_ns()}"
     script = f"{sys.executable} -m {SERVER}; sleep 600 # {tag}"
     parent = subprocess.Popen([sys.executable, "-c", MCP_PARENT, script], stdout=subprocess.PIPE, text=True)

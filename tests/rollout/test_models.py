@@ -9,7 +9,7 @@ import pytest
 from streamrl.models import resolve_model
 from streamrl.models.template import CHAT_TEMPLATE
 
-# First call converts the GGUF (~30 s on 2 cores); later sessions hit the cache ($STREAMRL_CACHE).
+# First call converts the GGUF (~30 s on 2 cores); later runs hit the cache ($STREAMRL_CACHE).
 pytestmark = pytest.mark.timeout(300)
 
 MESSAGES = [

@@ -1,4 +1,4 @@
-"""Images in tool and interaction responses through `ToolAgentLoop` (docs/multimodal.md, step 1).
+"""Images in tool and interaction responses through `ToolAgentLoop` (docs/multimodal.md, "Images in your own data").
 
 Fake-engine tests (the tiny VLM's processor renders, `FakeEngine` checks that every request's
 placeholder runs match its images): a tool image and an interaction image join `AgentData.images`

@@ -208,8 +208,8 @@ async def test_cells_keep_state_like_a_notebook(tool):
 
 
 async def test_a_cell_that_ends_the_process_is_an_error_and_is_not_replayed(tool):
-    """Found by the audit: `os._exit(0)` exited 0 with no output, so it counted as a success, was kept,
-    and every later call replayed it and died before running its own cell ("(no output)" each time)."""
+    """`os._exit(0)` exits 0 with no output; counted as a success it would be kept, and every later call
+    would replay it and die before running its own cell ("(no output)" each time)."""
     out = await _run(tool, "x = 20", "import os\nprint('bye', flush=True)\nos._exit(0)", "print(x + 1)")
     assert out[0] == "(no output)"
     assert out[1].startswith("Error: the process ended before the code finished (exit status 0, e.g. os._exit)")
@@ -218,8 +218,8 @@ async def test_a_cell_that_ends_the_process_is_an_error_and_is_not_replayed(tool
 
 
 async def test_output_starting_with_error_is_still_a_successful_cell(tool):
-    """Found by the audit: any output starting with "Error:" counted as a failed cell, so its state was
-    dropped live and again by `restore`."""
+    """Output that merely starts with "Error:" is a successful cell: its state is kept live and again
+    by `restore`."""
     registry = load_tool_config({"tools": [{"class_name": "streamrl.rollout.tools.code_interpreter:CodeInterpreterTool",
                                             "config": FAST}]})  # fmt: skip
     ids = await registry.create_instances()
@@ -239,8 +239,8 @@ async def test_output_starting_with_error_is_still_a_successful_cell(tool):
 
 
 async def test_a_slow_replay_is_blamed_on_the_replay_not_on_the_new_cell():
-    """Found by the audit: the replay ran under the new cell's deadline, so a replay past its budget
-    was reported as the new cell running longer than its time limit."""
+    """The replay runs under its own budget, not the new cell's deadline, so a replay past its budget
+    is reported as such, never as the new cell running longer than its time limit."""
     # wide margins (a loaded machine starts the sandbox slowly): one replay of a 2 s cell fits the 3.5 s
     # replay budget, two (4 s) do not; the cells' own limit (10 s) is never the one that trips
     slow = CodeInterpreterTool({**FAST, "timeout_s": 10.0, "replay_timeout_s": 3.5, "cpu_s": 2})

@@ -77,11 +77,11 @@ ESCAPES = (
 
 @pytest.mark.parametrize("isolation", LAYERS)
 def test_a_sandbox_dies_with_the_worker_that_started_it(isolation):
-    """Found by the audit: as root the unshare layer's first stage had no parent-death signal, so a cell
-    that cancels its alarm and sleeps outlived a SIGKILLed worker indefinitely. Found by CI: with
-    isolation "none" a process the cell started outlived the worker (the cell itself had the death
-    signal, its children not); the test waited for the runner only, so the cell was mostly killed
-    before it started them. It now waits for all three sleeps, the group's, setsid's and an orphan."""
+    """Nothing a cell runs outlives a SIGKILLed worker, in every layer: not a cell that cancels its alarm
+    and sleeps (as root, the unshare layer's first stage needs its own parent-death signal), and not
+    the processes the cell starts (with isolation "none" the cell has the death signal, its children
+    do not). The test waits until all three sleeps run, the group's, setsid's and an orphan, before
+    it kills the worker; waiting for the runner only would mostly kill the cell before it starts them."""
     tag = _tag()
     worker = subprocess.Popen([sys.executable, "-c", WORKER, isolation, ESCAPES.format(tag=tag)])
     try:
@@ -209,8 +209,8 @@ async def test_without_a_cgroup_the_documented_fallback_limits_each_process():
 
 @needs_namespaces
 async def test_the_sandbox_proc_shows_neither_host_paths_nor_the_trainer():
-    """Found by the audit: the sandbox's /proc showed init's command line (the spec, with the host's
-    venv and mount paths) and the program ran as the venv's host path."""
+    """The sandbox's /proc shows neither init's command line (the spec, with the host's venv and mount
+    paths) nor the program as the venv's host path."""
     host_venv = os.path.realpath(sys.prefix)
     tool = CodeInterpreterTool(FAST)
     needles = [host_venv, "streamrl-sandbox", '"layer"', "/root"]
@@ -251,8 +251,8 @@ print(json.dumps({
 
 @pytest.mark.skipif(PROBE.layer != "unshare", reason=f"the unshare layer is not this machine's: {PROBE.tried}")
 async def test_the_unshare_layer_proc_shows_no_host_facts_but_those_docs_security_lists():
-    """Found by the audit (issue 29, finding 19): a cell read its uid map (root: the trainer runs as root),
-    its cgroup paths, the kernel's command line, the boot id and the hostname. docs/security.md lists what
+    """A cell must not read host facts through /proc: its uid map (root: the trainer runs as root), its
+    cgroup paths, the kernel's command line, the boot id and the hostname. docs/security.md lists what
     stays visible; of the host's venv path, only mountinfo's root column of the /opt/venv mount."""
     host_venv = os.path.realpath(sys.prefix)
     masked = [n for n in MASKED_PROC if os.path.exists(f"/proc/{n}")]

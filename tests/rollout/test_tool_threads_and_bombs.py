@@ -1,10 +1,10 @@
-"""Two ways a tool could take the worker down, found by the audit (issue 29):
+"""Two ways a tool could take the worker down, and what stops each:
 
-- hung sync function tools exhausted the event loop's default thread pool, after which every function
-  tool timed out and tool-image admission (same pool, no timeout) waited forever: function tools now
-  run in bounded threads of their own and admission has its own threads and a timeout;
-- decompression bombs: a ~12 KB PNG declaring 10000 x 10000 pixels was accepted with a warning and cost
-  400 MB on every decode; every decode site now refuses more than `max_pixels` from the header.
+- hung sync function tools could exhaust the event loop's default thread pool, after which every
+  function tool would time out and tool-image admission (same pool) would wait forever: function tools
+  run in bounded threads of their own, and admission has its own threads and a timeout;
+- decompression bombs: a ~12 KB PNG declaring 10000 x 10000 pixels costs 400 MB on every decode;
+  every decode site refuses more than `max_pixels`, read from the header.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def test_each_run_is_probed_before_and_after_and_the_validation_reports_the_spre
 
 
 def test_a_failed_run_leaves_no_speed_record(tmp_path, monkeypatch):
-    """A run that raises stops the sitting; no probe file claims it was measured."""
+    """A run that raises stops the validation; no probe file claims it was measured."""
     monkeypatch.setattr(bs, "speed_probe", lambda: 1.0)
     monkeypatch.setattr(bs, "settle", lambda: 0.0)
 

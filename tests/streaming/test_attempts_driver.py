@@ -1,7 +1,7 @@
-"""The driver's resubmission fences the previous holder out (issue 29, finding 13): a trajectory
-handed to another worker after its worker died is a new attempt, recorded durably before the new
-worker gets it, so the dead worker's late appends (its park, its finish) are refused and the
-resubmitted attempt is what trains, exactly once. Same harness as test_driver_loops.py."""
+"""The driver's resubmission fences the previous holder out: a trajectory handed to another worker
+after its worker died is a new attempt, recorded durably before the new worker gets it, so the dead
+worker's late appends (its park, its finish) are refused and the resubmitted attempt is what trains,
+exactly once. Same harness as test_driver_loops.py."""
 
 from __future__ import annotations
 

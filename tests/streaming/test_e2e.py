@@ -99,13 +99,13 @@ def _check_metric_lines(run_dir: Path, state: dict) -> None:
     files = sorted((run_dir / "eval").glob("step_*.parquet"))
     assert [f.name.split("-")[0] for f in files] == ["step_000000", "step_000002", "step_000004", "step_000006"]
     assert "held-out reward (first → last evaluation)" in (run_dir / "report.html").read_text()
-    # Every part reports its peak memory on every logged step (issue 9).
+    # Every part reports its peak memory on every logged step (memory is a budget, like time).
     logged = [m for m in lines if "learner/loss" in m]
     assert len(logged) >= 6
     for part in ("learner", "engine", "rollout_worker", "buffer", "driver"):
         peaks = [m.get(f"memory/{part}_peak_gb") for m in logged]
         assert all(p is not None and 0.05 < p < 20 for p in peaks), (part, peaks)
-    # The metrics catalogue (issue 11): every key the run logged is declared, and every key declared
+    # The metrics catalogue: every key the run logged is declared, and every key declared
     # as logged on every step was logged (a reader of it never shows an empty panel).
     assert catalogue.undeclared({k for line in lines for k in line}) == []
     keys = {k for line in logged for k in line}

@@ -1,5 +1,5 @@
-"""A run whose trajectories all fail stops with the reason, instead of walking through every epoch of
-prompts at learner step 0 and exiting 0 (issue 29, finding 5).
+"""A run whose trajectories all fail stops with the reason and a non-zero exit status; it never walks
+through every epoch of prompts at learner step 0 and exits 0 as if it had trained.
 
 The window arithmetic on hand-made counts; the driver's loops on fakes (test_driver_loops.py) whose
 workers fail every trajectory; the worker's bounded error record; `train_main`'s exit status when

@@ -1,7 +1,7 @@
 """The real `streamrl train` on the tiny config with a reward function that raises on every
 trajectory (`math:sqrt` given a `RewardInput`): the run stops with the reason and a non-zero exit
-status, having trained nothing, instead of walking through every prompt and exiting 0 (issue 29,
-finding 5). About a minute."""
+status, having trained nothing, instead of walking through every prompt and exiting 0. About a
+minute."""
 
 from __future__ import annotations
 
@@ -46,5 +46,5 @@ def test_a_reward_that_always_raises_stops_the_run_with_the_reason(tmp_path, tin
     assert not [m for m in lines if "learner/loss" in m]  # nothing was trained
     state = json.loads((tmp_path / "r" / "driver_state.json").read_text())
     assert state["learner_step"] == 0 and state["cursor"] < 64  # stopped before the prompts ran out
-    info = json.loads((tmp_path / "r" / "run_info.json").read_text())  # finding 6: the prompts' fingerprint
+    info = json.loads((tmp_path / "r" / "run_info.json").read_text())  # the prompts' fingerprint, checked on resume
     assert len(info["prompts_sha256"]) == 64 and info["num_prompts"] == 64

@@ -83,7 +83,7 @@ def test_estimates_for_the_shipped_configs_are_plausible():
 
 
 def test_knobs_move_the_estimate():
-    plain = ("learner.gradient_checkpointing=false", "learner.logits_chunk_tokens=512")  # the default before session 9
+    plain = ("learner.gradient_checkpointing=false", "learner.logits_chunk_tokens=512")  # the plain learner
     base = _host_gib(estimate_parts(_cfg("configs/default.toml", *plain), model_dims("smollm2")))
     for override in (
         "learner.gradient_checkpointing=true",

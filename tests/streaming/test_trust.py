@@ -1,5 +1,5 @@
 """Configs and run directories are trusted input, but code they name from outside the project is
-said out loud (issue 29, finding 20): reward functions, tool and interaction classes, MCP servers."""
+said out loud: reward functions, tool and interaction classes, MCP servers."""
 
 from __future__ import annotations
 
