@@ -299,6 +299,9 @@ class ServerEngine(RequestTable, InferenceEngine):
 
     async def ping(self) -> int:
         self._fence.check_serving()
+        if self._process is not None and self._process.process.poll() is not None:
+            # the port may be answered by someone else now: only the server started here is driven
+            raise ServerRequestError(f"{self.url}: the server this engine started exited")
         response = await self._client.get(self.api.health_path, timeout=CONNECT_TIMEOUT_S)
         if response.status_code != 200:
             raise ServerRequestError(f"{self.url} is unhealthy: HTTP {response.status_code}")
