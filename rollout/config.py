@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from streamrl.rollout.engine.base import SEED_MAX, SEED_MIN
 from streamrl.rollout.engine.config import EngineConfig
 from streamrl.rollout.gateway.config import GatewayConfig
 
@@ -16,7 +17,7 @@ class SamplingConfig(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
 
 
 class AgentConfig(BaseModel):

@@ -5,7 +5,8 @@ requests (ties: the one that was given fewer requests so far); later turns of th
 stick to that engine so its prefix cache (prompt + earlier turns) is reused. The sticky map is an
 LRU bounded by `max_sticky_keys`; an evicted trajectory is simply routed afresh.
 
-Health: an engine whose `generate` raises anything but `ValueError` (bad input is the caller's bug)
+Health: an engine whose `generate` raises anything but `ValueError` or `TypeError` (bad input: the
+request fails alone, since retrying it would fail it on every engine and take each out of service)
 is marked unhealthy and removed from routing; its sticky trajectories re-route, and the failed
 request is retried once on another engine (the output is a fresh sample of the same prompt, so
 nothing is lost). `AgentData` records the engine a trajectory used; `pin` restores that affinity
@@ -164,7 +165,7 @@ class ServerManager:
             self._in_flight[request_id] = engine_id
             try:
                 output = await self._engines[engine_id].generate(request_id, prompt_ids, sampling, images=images)
-            except ValueError:  # bad request: the caller's bug, the engine is fine
+            except (ValueError, TypeError):  # bad request: the caller's bug, the engine is fine
                 raise
             except Exception as exc:  # fault boundary: the engine, not the request, is broken
                 self._num_engine_failures += 1

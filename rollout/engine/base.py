@@ -39,6 +39,11 @@ class PauseMode(StrEnum):
     KEEP = "keep"  # freeze in-flight requests, swap weights, continue on the old KV cache
 
 
+# The seeds every engine takes: vLLM's HTTP API bounds `seed` to int64, and larger values make the
+# in-process engine raise deep inside (an error that would look like the engine's, not the request's).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
     max_tokens: int
@@ -48,6 +53,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings (need the engine tokenizer)
     seed: int | None = None
+
+    def check(self) -> None:
+        """ValueError for a value no engine can take, raised before the request reaches one (the
+        router treats a ValueError as the request's fault and keeps the engine in service)."""
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be a 64-bit signed integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -327,6 +338,7 @@ class InferenceEngine(abc.ABC):
 
         Every engine accounts a request the same way, so the accounting lives here: busy time while
         `_generate` runs, token and abort counts once it returns."""
+        sampling.check()
         self.counters.clock.enter()
         try:
             output = await self._generate(request_id, prompt_ids, sampling, list(images or []))

@@ -253,3 +253,43 @@ async def test_added_engine_waits_out_of_routing_and_a_retired_one_hands_its_req
     assert await manager.probe_unhealthy() == [] and home not in manager.engine_ids
     assert await manager.retire(home) == 0  # unknown now: ignored
     assert not manager.add_engine(FakeEngine(home))  # ids are never reused
+
+
+class SeedOverflowEngine(FakeEngine):
+    """Raises on a seed past int64 the way in-process vLLM does (deep inside, not a ValueError)."""
+
+    async def _generate(self, request_id, prompt_ids, sampling, images):
+        if sampling.seed is not None and sampling.seed >= 2**63:
+            raise RuntimeError("Overflow when unpacking long")
+        return await super()._generate(request_id, prompt_ids, sampling, images)
+
+
+@pytest.mark.timeout(30)
+async def test_out_of_range_seed_fails_its_request_only():
+    """A seed >= 2**63 is refused before it reaches an engine: the request fails with a clear error,
+    no engine leaves service, and the other trajectories keep generating."""
+    manager = ServerManager([SeedOverflowEngine(f"e{i}") for i in range(2)])
+    with pytest.raises(ValueError, match="seed must be a 64-bit signed integer"):
+        await manager.generate("bad", "r0", [1], SamplingParams(max_tokens=4, seed=2**64))
+    assert manager.stats().num_healthy == 2 and manager.stats().num_engine_failures == 0
+    out, _ = await manager.generate("good", "r1", [1], SamplingParams(max_tokens=4, seed=2**63 - 1))
+    assert len(out.token_ids) == 4
+
+
+@pytest.mark.timeout(30)
+async def test_type_error_of_a_request_does_not_mark_engine_unhealthy():
+    engines = fleet(2)
+    manager = ServerManager(engines)
+    for engine in engines:
+        engine.fail_with = TypeError("seed must be an int")
+    with pytest.raises(TypeError):
+        await manager.generate("traj", "r0", [1], SAMPLING)
+    assert manager.stats().num_healthy == 2
+
+
+def test_sampling_config_refuses_a_seed_no_engine_takes():
+    from streamrl.rollout.config import SamplingConfig
+
+    with pytest.raises(ValueError, match="less than or equal to 9223372036854775807"):
+        SamplingConfig(seed=2**64)
+    assert SamplingConfig(seed=-(2**63)).seed == -(2**63)
