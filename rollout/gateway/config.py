@@ -31,9 +31,13 @@ class GatewayConfig(BaseModel):
     # `package.module:function`, an async (or sync) `run(base_url, api_key, sample) -> reward | None`.
     program: str | None = None
     # A command line run per sample with STREAMRL_BASE_URL / OPENAI_BASE_URL / OPENAI_API_KEY /
-    # ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY / STREAMRL_SAMPLE (JSON) in its environment; its reward is
-    # the last stdout line when that parses as a number, else the reward function's.
+    # ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY / STREAMRL_SAMPLE (JSON, without the ground truth) in its
+    # environment; its reward is the last stdout line when that parses as a number, else the reward
+    # function's.
     command: list[str] | None = None
+    # Worker environment variables a command also gets. Its environment is otherwise minimal (PATH,
+    # HOME, TMPDIR, locale, its session; `command.py`): everything in it reaches the model's tools.
+    env_passthrough: list[str] = Field(default_factory=list)
     timeout_s: float = Field(600.0, gt=0)  # a program still running after this fails its trajectory
     # Make every answered call durable (`AgentContext.snapshot`, a flushed partial row) before its
     # response is sent. Off: retries are still answered from the journal within this process.
@@ -48,6 +52,8 @@ class GatewayConfig(BaseModel):
                 "rollout.agent.gateway.api_key cannot be set: each session gets its own random bearer token, "
                 "passed to its program (the `api_key` argument, or OPENAI_API_KEY for a command)"
             )
+        if bad := [name for name in self.env_passthrough if not name or "=" in name or "\0" in name]:
+            raise ValueError(f"rollout.agent.gateway.env_passthrough: not variable names: {bad}")
         if self.command is not None and not self.command:
             raise ValueError("rollout.agent.gateway.command must name a program")
         return self

@@ -7,8 +7,8 @@ token record into the trajectory (`session.py`). The program is either
 - `rollout.agent.gateway.program = "package.module:run"`: `run(base_url, api_key, sample)`, async (run
   on the worker's event loop, cancelled at the timeout) or sync (run in a thread; a sync program past
   its timeout fails the trajectory but its thread runs on), returning the reward or None; or
-- `rollout.agent.gateway.command = [...]`: a child process (its own process group, killed at the
-  timeout) with the URLs, the token and the sample (JSON) in its environment; the last line of its
+- `rollout.agent.gateway.command = [...]`: a child process (`command.py`) with the URLs, the token
+  and the sample without its ground truth (JSON) in a minimal environment; the last line of its
   stdout is the reward when it parses as a number.
 
 The reward is the program's, or when it gives none the configured reward function's on the final
@@ -27,16 +27,13 @@ answered from the journal (`Session.lookup`) instead of being sampled again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
-import json
 import logging
-import os
-import signal
 from typing import Any
 
 from streamrl.rollout.agent_loop.base import AgentLoopBase, register
 from streamrl.rollout.agent_loop.scoring import finite
+from streamrl.rollout.gateway.command import ProgramError, run_command
 from streamrl.rollout.gateway.config import GatewayConfig
 from streamrl.rollout.gateway.session import Session
 from streamrl.rollout.types import AgentData, AgentState, FinishReason
@@ -78,7 +75,8 @@ def gateway_metrics(ctx: Any) -> dict[str, float]:
 
 
 def sample_of(data: AgentData, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """What the program is given about its sample (JSON-able)."""
+    """What the program is given about its sample (JSON-able). An in-process `program` is the worker's
+    own code and may score itself with the ground truth; a `command` gets only `COMMAND_SAMPLE_FIELDS`."""
     return {
         "trajectory_id": data.trajectory_id,
         "group_id": data.group_id,
@@ -93,14 +91,10 @@ def sample_of(data: AgentData, messages: list[dict[str, Any]]) -> dict[str, Any]
     }
 
 
-class ProgramError(RuntimeError):
-    """The user program failed (raised, exited non-zero, or ran past its timeout)."""
-
-
 async def run_program(cfg: GatewayConfig, base_url: str, api_key: str, sample: dict[str, Any]) -> float | None:
     """Run the configured program once; returns its reward (None: none given)."""
     if cfg.command is not None:
-        return await _run_command(cfg, base_url, api_key, sample)
+        return await run_command(cfg, base_url, api_key, sample)
     if cfg.program is None:
         raise ValueError("rollout.agent.gateway needs a `program` or a `command` for the gateway agent loop")
     from streamrl.rollout.tools.config import import_object
@@ -115,46 +109,6 @@ async def run_program(cfg: GatewayConfig, base_url: str, api_key: str, sample: d
     except TimeoutError:
         raise ProgramError(f"program {cfg.program} did not return within {cfg.timeout_s:g} s") from None
     return None if result is None else finite(f"the reward of program {cfg.program}", result)
-
-
-async def _run_command(cfg: GatewayConfig, base_url: str, api_key: str, sample: dict[str, Any]) -> float | None:
-    assert cfg.command is not None
-    root = base_url.removesuffix("/v1")
-    env = os.environ | {
-        "STREAMRL_BASE_URL": base_url,
-        "STREAMRL_API_KEY": api_key,
-        "OPENAI_BASE_URL": base_url,
-        "OPENAI_API_KEY": api_key,
-        "ANTHROPIC_BASE_URL": root,
-        "ANTHROPIC_API_KEY": api_key,
-        "STREAMRL_SAMPLE": json.dumps(sample),
-    }
-    proc = await asyncio.create_subprocess_exec(
-        *cfg.command,
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), cfg.timeout_s)
-    except TimeoutError:
-        raise ProgramError(f"command {cfg.command[0]} did not exit within {cfg.timeout_s:g} s") from None
-    finally:
-        if proc.returncode is None:  # timed out or cancelled: the program's whole process group goes
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-    if proc.returncode != 0:
-        tail = err.decode(errors="replace")[-500:]
-        raise ProgramError(f"command {cfg.command[0]} exited with {proc.returncode}: {tail}")
-    lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
-    try:
-        value = float(lines[-1]) if lines else None
-    except ValueError:
-        return None
-    return None if value is None else finite(f"the reward of command {cfg.command[0]}", value)
 
 
 @register("gateway")

@@ -1,0 +1,69 @@
+"""A `command` program is contained (docs/security.md, agent programs): its environment is minimal (no
+ground truth, none of the worker's variables), the call ends when it exits (nothing it started outlives
+it, setsid daemons included), and what it writes is kept within a bound."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import textwrap
+
+import pytest
+
+from streamrl.rollout.gateway.loop import GatewayAgentLoop, close_gateway
+from streamrl.rollout.types import TrajectoryStatus
+from tests.rollout.gateway.conftest import new_data
+from tests.rollout.gateway.test_loop import loop_ctx
+from tests.rollout.test_agent_loop import ANSWER
+
+pytestmark = pytest.mark.timeout(90)
+
+# One model call (an agent must make one), then what a shell the program starts sees: its environment.
+ENV_PROGRAM = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, urllib.request
+    sample = json.loads(os.environ["STREAMRL_SAMPLE"])
+    body = json.dumps({"model": "any", "messages": sample["messages"]}).encode()
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=body,
+        headers={"authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "content-type": "application/json"})
+    urllib.request.urlopen(req).read()
+    shell = subprocess.run(["sh", "-c", "env -0"], capture_output=True, check=True).stdout.decode()
+    env = dict(line.split("=", 1) for line in shell.split("\\0") if line)
+    with open(sys.argv[1], "w") as f:
+        json.dump(env, f)
+    """
+)
+
+
+async def test_a_command_and_its_shells_get_no_ground_truth_and_none_of_the_workers_env(
+    tiny_tokenizer, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("STREAMRL_TEST_WORKER_SECRET", "sk-worker-secret")
+    monkeypatch.setenv("STREAMRL_TEST_PASSED", "wanted")
+    out = tmp_path / "env.json"
+    ctx, _ = loop_ctx(
+        tiny_tokenizer,
+        [ANSWER],
+        command=[sys.executable, "-c", ENV_PROGRAM, str(out)],
+        env_passthrough=["STREAMRL_TEST_PASSED"],
+    )
+    data = new_data()
+    data.extra_info = {"answer": "84"}
+    data.tools_kwargs = {"calc": {"create_kwargs": {"ground_truth": "84"}}}
+    try:
+        traj = await asyncio.wait_for(GatewayAgentLoop(ctx).run(data), 60)
+    finally:
+        await close_gateway(ctx)
+    assert traj.status is TrajectoryStatus.FINISHED
+    env = json.loads(out.read_text())
+    sample = json.loads(env["STREAMRL_SAMPLE"])
+    assert set(sample) == {"trajectory_id", "group_id", "sample_index", "attempt", "messages", "data_source"}
+    assert sample["messages"] == new_data().messages and "84" not in env["STREAMRL_SAMPLE"]
+    assert "STREAMRL_TEST_WORKER_SECRET" not in env and "sk-worker-secret" not in json.dumps(env)
+    assert env["STREAMRL_TEST_PASSED"] == "wanted"
+    own = {"STREAMRL_BASE_URL", "STREAMRL_API_KEY", "OPENAI_BASE_URL", "OPENAI_API_KEY"}
+    own |= {"ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "STREAMRL_SAMPLE", "STREAMRL_TEST_PASSED"}
+    base = {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "LC_CTYPE", "TZ"}
+    shell = {"PWD", "SHLVL", "_", "OLDPWD"}  # what `sh` itself sets
+    assert set(env) - own - base - shell == set()
