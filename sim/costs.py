@@ -104,10 +104,13 @@ class ToolLatency:
             v = v.lower()
             return float(v[:-2]) / 1000 if v.endswith("ms") else float(v.removesuffix("s"))
 
-        median, p99 = seconds(parts["p50"]), seconds(parts["p99"])
-        if median < 0 or p99 < median:
-            raise ValueError(f"tool latency {text!r}: need 0 <= p50 <= p99")
-        return cls(median, p99, seconds(parts.get("max", "0")))
+        median, p99, max_s = seconds(parts["p50"]), seconds(parts["p99"]), seconds(parts.get("max", "0"))
+        # NaN passes every comparison below (and makes the simulator spin); inf is no latency to simulate
+        if not all(math.isfinite(v) for v in (median, p99, max_s)):
+            raise ValueError(f"tool latency {text!r}: every time must be a finite number of seconds")
+        if median < 0 or p99 < median or max_s < 0:
+            raise ValueError(f"tool latency {text!r}: need 0 <= p50 <= p99 and max >= 0")
+        return cls(median, p99, max_s)
 
 
 @dataclass(frozen=True, slots=True)

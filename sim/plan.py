@@ -29,6 +29,11 @@ def plan(
     at the same split, and colocated) for the async/sync ratio."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}: one of {', '.join(MODELS)}")
+    if steps < 1 or sync_every < 1 or max_staleness < 0 or (batch is not None and batch < 1):
+        raise ValueError(
+            f"need steps >= 1, sync_every >= 1, max_staleness >= 0 and batch >= 1 (got steps={steps}, "
+            f"sync_every={sync_every}, max_staleness={max_staleness}, batch={batch})"
+        )
     spec = MODELS[model]
     if gpus < 2 * spec.engine_gpus:
         raise ValueError(

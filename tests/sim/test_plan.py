@@ -61,3 +61,21 @@ def test_published_engines_reach_their_published_throughput(name):
     engine = engine_cost(model, mean_ctx=1024)
     batch = min(engine.max_batch, 256)
     assert engine.tokens_per_s(batch, 1024) == pytest.approx(model.engine_tokens_per_s, rel=0.05)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "latency", ["p50=nan,p99=60s", "p50=2s,p99=inf", "p50=2s,p99=60s,max=nan", "p50=2s,p99=60s,max=-1"]
+)
+def test_plan_refuses_latencies_that_are_not_finite_times(latency, capsys):
+    """NaN passes every comparison and made the simulation spin for minutes: a clear error instead."""
+    with pytest.raises(ValueError, match="tool latency"):
+        ToolLatency.parse(latency)
+    assert main(["plan", "--model", "7B", "--gpus", "16", "--steps", "2", "--tool-latency", latency]) == 2
+    assert "tool latency" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--steps", "0"], ["--sync-every", "0"], ["--batch", "0"], ["--max-staleness", "-1"]])
+def test_plan_refuses_counts_it_cannot_simulate(flag, capsys):
+    assert main(["plan", "--model", "7B", "--gpus", "16", *flag]) == 2
+    assert "need steps >= 1" in capsys.readouterr().err
