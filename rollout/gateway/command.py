@@ -7,6 +7,8 @@ URL and bearer token, the sample without its ground truth or reward metadata (`C
 and only the worker variables the config names in `env_passthrough`. Nothing else of the worker's
 (API keys, credentials, the answers the reward function compares against) gets in.
 
+Its stdout and stderr are kept up to `max_output_bytes` each (the first and last halves; the bytes
+between are counted and dropped), so a program that writes without end costs the worker no memory.
 The reward is the last non-blank line of its stdout when that parses as a number, else None (the
 reward function scores the conversation).
 """
@@ -16,12 +18,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
+import sys
 from typing import Any
 
 from streamrl.rollout.agent_loop.scoring import finite
 from streamrl.rollout.gateway.config import GatewayConfig
+from streamrl.rollout.tools.sandbox.execute import _CappedStream
+
+logger = logging.getLogger(__name__)
 
 # What a command sees of its sample. Not `ground_truth`, `raw_ground_truth`, `extra_info` (the reward
 # function's inputs) or `tools_kwargs` (per-sample arguments of streamrl's own tools, which may hold
@@ -35,6 +42,10 @@ DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 class ProgramError(RuntimeError):
     """The user program failed (raised, exited non-zero, or ran past its timeout)."""
+
+
+def _ignore() -> None:
+    """A command that writes a lot is not killed for it (its output is only cut): its timeout bounds it."""
 
 
 def command_env(cfg: GatewayConfig, base_url: str, token: str, sample: dict[str, Any]) -> dict[str, str]:
@@ -63,8 +74,14 @@ async def run_command(cfg: GatewayConfig, base_url: str, token: str, sample: dic
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
     )
+    assert proc.stdout is not None and proc.stderr is not None, "started with pipes"
+    # Only the first and last halves of `max_output_bytes` of each stream are kept, the rest counted:
+    # a program's output is read into the worker's memory, and it may write without end.
+    out, err = (_CappedStream(cfg.max_output_bytes, sys.maxsize, _ignore) for _ in range(2))
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), cfg.timeout_s)
+        await asyncio.wait_for(
+            asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr), proc.wait()), cfg.timeout_s
+        )
     except TimeoutError:
         raise ProgramError(f"command {cfg.command[0]} did not exit within {cfg.timeout_s:g} s") from None
     finally:
@@ -72,10 +89,12 @@ async def run_command(cfg: GatewayConfig, base_url: str, token: str, sample: dic
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
+    if out.cut or err.cut:
+        logger.info("command %s: %d bytes of its output not kept", cfg.command[0], out.cut + err.cut)
     if proc.returncode != 0:
-        tail = err.decode(errors="replace")[-500:]
+        tail = err.text()[-500:]
         raise ProgramError(f"command {cfg.command[0]} exited with {proc.returncode}: {tail}")
-    lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
+    lines = [line for line in out.text().splitlines() if line.strip()]
     try:
         value = float(lines[-1]) if lines else None
     except ValueError:

@@ -38,6 +38,9 @@ class GatewayConfig(BaseModel):
     # Worker environment variables a command also gets. Its environment is otherwise minimal (PATH,
     # HOME, TMPDIR, locale, its session; `command.py`): everything in it reaches the model's tools.
     env_passthrough: list[str] = Field(default_factory=list)
+    # Bytes of a command's stdout and of its stderr kept (the first and last halves; the rest is counted
+    # and dropped): its last stdout line is the reward, its stderr's end goes into a failure's message.
+    max_output_bytes: int = Field(64 * 1024, ge=1024)
     timeout_s: float = Field(600.0, gt=0)  # a program still running after this fails its trajectory
     # Make every answered call durable (`AgentContext.snapshot`, a flushed partial row) before its
     # response is sent. Off: retries are still answered from the journal within this process.

@@ -8,10 +8,12 @@ import asyncio
 import json
 import sys
 import textwrap
+import tracemalloc
 
 import pytest
 
-from streamrl.rollout.gateway.loop import GatewayAgentLoop, close_gateway
+from streamrl.rollout.gateway.config import GatewayConfig
+from streamrl.rollout.gateway.loop import GatewayAgentLoop, close_gateway, run_program
 from streamrl.rollout.types import TrajectoryStatus
 from tests.rollout.gateway.conftest import new_data
 from tests.rollout.gateway.test_loop import loop_ctx
@@ -67,3 +69,16 @@ async def test_a_command_and_its_shells_get_no_ground_truth_and_none_of_the_work
     base = {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "LC_CTYPE", "TZ"}
     shell = {"PWD", "SHLVL", "_", "OLDPWD"}  # what `sh` itself sets
     assert set(env) - own - base - shell == set()
+
+
+async def test_a_command_writing_50_mb_costs_the_worker_a_bounded_buffer():
+    flood = "import sys\nfor _ in range(50):\n    sys.stdout.buffer.write(b'x' * (1 << 20) + b'\\n')\nprint(0.5)"
+    cfg = GatewayConfig(command=[sys.executable, "-c", flood], timeout_s=60)
+    tracemalloc.start()
+    try:
+        reward = await run_program(cfg, "http://127.0.0.1:1/v1", "token", {"messages": []})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert reward == 0.5  # the last line is kept
+    assert peak < 4 << 20, f"the worker held {peak / 2**20:.0f} MiB of the command's output"
