@@ -32,7 +32,7 @@ class BucketMeta:
     dtype: str
     nbytes: int  # padded size of the flat buffer (multiple of SLOT_ALIGN)
     tensors: list[TensorMeta]  # [num_tensors_in_bucket], in slot order
-    checksum: int | None = None  # wrapping int64 word sum as an unsigned int; None = not computed
+    checksum: int | None = None  # buckets.checksum (position-weighted word sum), unsigned; None = not computed
 
 
 @dataclass(kw_only=True, slots=True)

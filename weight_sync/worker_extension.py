@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION_CLS = "streamrl.weight_sync.worker_extension.WeightSyncWorkerExtension"
+_CHAIN = 0x9E3779B97F4A7C15  # odd (the 64-bit golden ratio): `weights_checksum` folds parameters in order
 
 
 class WeightSyncWorkerExtension:
@@ -219,7 +220,8 @@ class WeightSyncWorkerExtension:
         return staged is not None
 
     def weights_checksum(self) -> int:
-        """Checksum of the engine's live parameters (vLLM names/layout: compare engines, not learner)."""
+        """Checksum of the engine's live parameters (vLLM names/layout: compare engines, not learner).
+        Chained in name order with an odd multiplier, so two parameters that swapped contents differ."""
         import torch
 
         total = 0
@@ -229,8 +231,8 @@ class WeightSyncWorkerExtension:
                 pad = (-raw.numel()) % SLOT_ALIGN
                 if pad:
                     raw = torch.cat([raw, raw.new_zeros(pad)])
-                total += checksum(raw)
-        return total & ((1 << 64) - 1)
+                total = (total * _CHAIN + checksum(raw)) & ((1 << 64) - 1)
+        return total
 
     def _ws_stage(
         self, manifest: SyncManifest, buffers: list[torch.Tensor], checksums: list[int | None], rank: int

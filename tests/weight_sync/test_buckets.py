@@ -54,28 +54,46 @@ def test_a_wire_dtype_casts_floating_tensors_only_and_never_aliases_the_learner(
             assert all(flat.data_ptr() != by_name[t.name].data_ptr() for t in bucket.tensors)
 
 
-def test_checksum_is_additive_over_slots_and_detects_a_flipped_value():
+def test_checksum_detects_a_flipped_value_and_swapped_tensors():
+    """Two tensors of one size whose slots exchanged contents (an offset bug in a transport) keep
+    every word, so a plain word sum passed them; the position-weighted sum does not."""
     weights = [(n, t) for n, t in toy_weights() if t.dtype == torch.float32]
+    weights.append(("layer.1.weight", torch.randn(8, 8, generator=torch.Generator().manual_seed(1))))
     by_name = dict(weights)
     (bucket,) = plan_buckets(weights, bucket_bytes=1 << 20)
     flat = pack_bucket(bucket, by_name, "cpu")
-    singles = [checksum(pack_bucket(b, by_name, "cpu")) for b in plan_buckets(weights, bucket_bytes=SLOT_ALIGN)]
-    assert checksum(flat) == sum(singles) % (1 << 64)
     corrupted = flat.clone()
     corrupted[17] ^= 0x01
     assert checksum(corrupted) != checksum(flat)
+    a, b = by_name["layer.0.weight"], by_name["layer.1.weight"]
+    swapped = pack_bucket(bucket, {**by_name, "layer.0.weight": b, "layer.1.weight": a}, "cpu")
+    assert not torch.equal(swapped, flat) and checksum(swapped) != checksum(flat)
+
+
+@pytest.mark.parametrize("i, j", [(0, 1), (3, 4098), (0, 64), (1, 1 << 16)])  # 1 << 16: across chunks
+def test_checksum_detects_two_swapped_words(i, j):
+    g = torch.Generator().manual_seed(7)
+    words = torch.randint(-(2**62), 2**62, ((1 << 16) + 5,), generator=g, dtype=torch.int64)
+    swapped = words.clone()
+    swapped[i], swapped[j] = words[j], words[i]
+    assert checksum(swapped) != checksum(words)
 
 
 def _reference_checksum(flat: torch.Tensor) -> int:
-    """torch's wrapping int64 sum: what the CUDA path computes; the CPU path must agree bit for bit."""
-    return int(flat.view(torch.int64).sum().item()) & ((1 << 64) - 1)
+    """sum((2i + 1) * w_i) mod 2**64 in Python ints: what both paths (numpy on CPU, torch on a GPU)
+    must compute bit for bit."""
+    words = flat.view(torch.int64).tolist()
+    return sum((2 * i + 1) * w for i, w in enumerate(words)) & ((1 << 64) - 1)
 
 
-def test_cpu_checksum_equals_the_wrapping_torch_sum_and_accepts_any_dtype():
+def test_cpu_and_device_checksums_equal_the_reference_and_accept_any_dtype():
+    from streamrl.weight_sync.buckets import _weighted_sum_torch
+
     g = torch.Generator().manual_seed(3)
-    words = torch.randint(-(2**62), 2**62, (4099,), generator=g, dtype=torch.int64) * 3  # the sum wraps
+    words = torch.randint(-(2**62), 2**62, ((1 << 16) + 4099,), generator=g, dtype=torch.int64) * 3  # wraps
     flat = words.view(torch.uint8)
     assert checksum(flat) == _reference_checksum(flat)
+    assert _weighted_sum_torch(words, 1000) == _weighted_sum_torch(words, 1 << 22) == checksum(flat)
     assert checksum(words) == checksum(flat) == checksum(words.view(torch.float64))
     assert checksum(torch.zeros(0, dtype=torch.uint8)) == 0
     assert checksum(flat[1:9]) == _reference_checksum(flat[1:9].clone())  # an unaligned slice
