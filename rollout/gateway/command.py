@@ -7,6 +7,10 @@ URL and bearer token, the sample without its ground truth or reward metadata (`C
 and only the worker variables the config names in `env_passthrough`. Nothing else of the worker's
 (API keys, credentials, the answers the reward function compares against) gets in.
 
+It runs under a supervisor (`supervisor.py`), the subreaper of everything it starts: the call ends
+when the command exits, and whatever it left running (children holding its stdout, `setsid` daemons)
+is killed then, at the timeout, on cancellation, or when the worker dies.
+
 Its stdout and stderr are kept up to `max_output_bytes` each (the first and last halves; the bytes
 between are counted and dropped), so a program that writes without end costs the worker no memory.
 The reward is the last non-blank line of its stdout when that parses as a number, else None (the
@@ -22,8 +26,10 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
+from streamrl.core.aio import observe_outcome
 from streamrl.rollout.agent_loop.scoring import finite
 from streamrl.rollout.gateway.config import GatewayConfig
 from streamrl.rollout.tools.sandbox.execute import _CappedStream
@@ -38,6 +44,9 @@ COMMAND_SAMPLE_FIELDS = ("trajectory_id", "group_id", "sample_index", "attempt",
 # temporary directory, the locale. Anything more is named in `env_passthrough`.
 BASE_ENV = ("PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+SUPERVISOR = str(Path(__file__).with_name("supervisor.py"))  # run as a script: standard library only
+EXIT_POLL_S = 0.02  # how often a running command's supervisor is checked for its exit
+GRACE_S = 1.0  # after the supervisor exits or is told to, how long its pipes may take to close
 
 
 class ProgramError(RuntimeError):
@@ -64,10 +73,10 @@ def command_env(cfg: GatewayConfig, base_url: str, token: str, sample: dict[str,
 
 
 async def run_command(cfg: GatewayConfig, base_url: str, token: str, sample: dict[str, Any]) -> float | None:
-    """Run the command once for a sample; returns its reward (None: none given)."""
+    """Run the command once for a sample, under its supervisor; returns its reward (None: none given)."""
     assert cfg.command is not None
     proc = await asyncio.create_subprocess_exec(
-        *cfg.command,
+        *[sys.executable, "-I", "-S", SUPERVISOR, str(os.getpid()), *cfg.command],
         env=command_env(cfg, base_url, token, sample),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
@@ -78,17 +87,14 @@ async def run_command(cfg: GatewayConfig, base_url: str, token: str, sample: dic
     # Only the first and last halves of `max_output_bytes` of each stream are kept, the rest counted:
     # a program's output is read into the worker's memory, and it may write without end.
     out, err = (_CappedStream(cfg.max_output_bytes, sys.maxsize, _ignore) for _ in range(2))
+    drains = asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr))
+    observe_outcome(drains)  # the output is read from `out` and `err`, whatever ended the drains
     try:
-        await asyncio.wait_for(
-            asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr), proc.wait()), cfg.timeout_s
-        )
+        await asyncio.wait_for(_exited(proc), cfg.timeout_s)
     except TimeoutError:
         raise ProgramError(f"command {cfg.command[0]} did not exit within {cfg.timeout_s:g} s") from None
     finally:
-        if proc.returncode is None:  # timed out or cancelled: the program's whole process group goes
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+        await _end(proc, drains)
     if out.cut or err.cut:
         logger.info("command %s: %d bytes of its output not kept", cfg.command[0], out.cut + err.cut)
     if proc.returncode != 0:
@@ -100,3 +106,41 @@ async def run_command(cfg: GatewayConfig, base_url: str, token: str, sample: dic
     except ValueError:
         return None
     return None if value is None else finite(f"the reward of command {cfg.command[0]}", value)
+
+
+async def _exited(proc: asyncio.subprocess.Process) -> int:
+    """The supervisor's exit status, as soon as it exits. Not `proc.wait()`: on Python 3.11 that also
+    waits for the pipes to close, which a process out of the supervisor's reach may hold open."""
+    while proc.returncode is None:
+        await asyncio.sleep(EXIT_POLL_S)
+    return proc.returncode
+
+
+async def _end(proc: asyncio.subprocess.Process, drains: asyncio.Future) -> None:
+    """Leave nothing of the command running and stop reading its pipes. After a normal exit the
+    supervisor has killed the whole tree already; at the timeout or on cancellation SIGTERM makes it
+    do so now. What still holds the pipes a grace period later escaped it (the command killed its own
+    supervisor): its process group is killed (a `setsid` process there is out of reach, see
+    docs/security.md) and the pipes are closed on this side, so the call never waits on it."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(_exited(proc), GRACE_S)
+    if proc.returncode is None:
+        _killpg(proc.pid)
+        await _exited(proc)
+    done, _ = await asyncio.wait({drains}, timeout=GRACE_S)
+    if not done:
+        _killpg(proc.pid)  # the group outlives its leader while it has members: this pid is not reused
+        done, _ = await asyncio.wait({drains}, timeout=GRACE_S)
+    if not done:
+        drains.cancel()
+        transport = getattr(proc, "_transport", None)  # our ends of the pipes: nobody reads them now
+        if transport is not None:
+            transport.close()
+
+
+def _killpg(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

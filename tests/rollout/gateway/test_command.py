@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
 import textwrap
+import time
 import tracemalloc
 
 import pytest
 
 from streamrl.rollout.gateway.config import GatewayConfig
-from streamrl.rollout.gateway.loop import GatewayAgentLoop, close_gateway, run_program
+from streamrl.rollout.gateway.loop import GatewayAgentLoop, ProgramError, close_gateway, run_program
 from streamrl.rollout.types import TrajectoryStatus
 from tests.rollout.gateway.conftest import new_data
 from tests.rollout.gateway.test_loop import loop_ctx
@@ -82,3 +85,66 @@ async def test_a_command_writing_50_mb_costs_the_worker_a_bounded_buffer():
         tracemalloc.stop()
     assert reward == 0.5  # the last line is kept
     assert peak < 4 << 20, f"the worker held {peak / 2**20:.0f} MiB of the command's output"
+
+
+# Starts `sleep 60` twice, both holding its stdout, one in a session of its own (out of reach of a
+# process-group kill); writes their pids (and its own) to argv[1]; then exits, or with argv[2] hangs.
+LEAVER = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    kept = subprocess.Popen(["sleep", "60"])
+    away = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    with open(sys.argv[1], "w") as f:
+        f.write(f"{kept.pid} {away.pid} {os.getpid()}")
+    print(0.5, flush=True)
+    if len(sys.argv) > 2:
+        time.sleep(60)
+    os._exit(0)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"  # a zombie is dead, only not yet reaped by its new parent
+
+
+def _reap_check(pids: list[int]) -> list[int]:
+    """The pids still alive (after a short wait), killed so a failing test leaves nothing behind."""
+    deadline = time.monotonic() + 2.0
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    left = [pid for pid in pids if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+async def test_a_command_that_exits_ends_the_call_and_its_left_children_die(tmp_path):
+    pids = tmp_path / "pids"
+    cfg = GatewayConfig(command=[sys.executable, "-c", LEAVER, str(pids)], timeout_s=15)
+    started = time.monotonic()
+    try:
+        reward = await run_program(cfg, "http://127.0.0.1:1/v1", "token", {"messages": []})
+        elapsed = time.monotonic() - started
+    finally:
+        left = _reap_check([int(p) for p in pids.read_text().split()])
+    assert reward == 0.5 and elapsed < 5.0, f"the call took {elapsed:.1f} s"
+    assert left == []  # the plain child and the setsid one
+
+
+async def test_a_command_past_its_timeout_dies_with_all_it_started(tmp_path):
+    pids = tmp_path / "pids"
+    cfg = GatewayConfig(command=[sys.executable, "-c", LEAVER, str(pids), "hang"], timeout_s=3)
+    started = time.monotonic()
+    try:
+        with pytest.raises(ProgramError, match="did not exit within"):
+            await run_program(cfg, "http://127.0.0.1:1/v1", "token", {"messages": []})
+        elapsed = time.monotonic() - started
+    finally:
+        left = _reap_check([int(p) for p in pids.read_text().split()])
+    assert elapsed < 8.0 and left == []  # the program, its child and its setsid child
