@@ -41,6 +41,9 @@ class GatewayConfig(BaseModel):
     # Bytes of a command's stdout and of its stderr kept (the first and last halves; the rest is counted
     # and dropped): its last stdout line is the reward, its stderr's end goes into a failure's message.
     max_output_bytes: int = Field(64 * 1024, ge=1024)
+    # Sync `program`s running at once in a worker process (daemon threads of their own; one past its
+    # timeout holds its thread until it returns, and later ones wait for a free one).
+    max_sync_programs: int = Field(32, gt=0)
     timeout_s: float = Field(600.0, gt=0)  # a program still running after this fails its trajectory
     # Make every answered call durable (`AgentContext.snapshot`, a flushed partial row) before its
     # response is sent. Off: retries are still answered from the journal within this process.

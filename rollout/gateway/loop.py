@@ -5,8 +5,9 @@ against the session's base URL and bearer token, and when the program returns tu
 token record into the trajectory (`session.py`). The program is either
 
 - `rollout.agent.gateway.program = "package.module:run"`: `run(base_url, api_key, sample)`, async (run
-  on the worker's event loop, cancelled at the timeout) or sync (run in a thread; a sync program past
-  its timeout fails the trajectory but its thread runs on), returning the reward or None; or
+  on the worker's event loop, cancelled at the timeout) or sync (run in a daemon thread of the
+  gateway's own bounded pool, `program_threads`; a sync program past its timeout fails the trajectory
+  but its thread runs on), returning the reward or None; or
 - `rollout.agent.gateway.command = [...]`: a child process (`command.py`) with the URLs, the token
   and the sample without its ground truth (JSON) in a minimal environment; the last line of its
   stdout is the reward when it parses as a number.
@@ -36,12 +37,14 @@ from streamrl.rollout.agent_loop.scoring import finite
 from streamrl.rollout.gateway.command import ProgramError, run_command
 from streamrl.rollout.gateway.config import GatewayConfig
 from streamrl.rollout.gateway.session import Session
+from streamrl.rollout.tools.slots import ToolThreads
 from streamrl.rollout.types import AgentData, AgentState, FinishReason
 
 logger = logging.getLogger(__name__)
 
 _SERVERS: dict[int, tuple[Any, Any]] = {}  # id(AgentContext) -> (context, GatewayServer)
 _LOCK: asyncio.Lock | None = None
+_PROGRAM_THREADS: ToolThreads | None = None  # `program_threads`
 
 
 async def gateway_server(ctx: Any, cfg: GatewayConfig) -> Any:
@@ -74,6 +77,19 @@ def gateway_metrics(ctx: Any) -> dict[str, float]:
     return entry[1].metrics() if entry is not None and entry[0] is ctx else {}
 
 
+def program_threads(limit: int) -> ToolThreads:
+    """The daemon threads sync programs run in, at most `limit` at once per process. Not asyncio's
+    default executor: a sync program past its timeout keeps its thread (threads cannot be cancelled),
+    and a few hung ones would stall image decoding and every other `to_thread` caller of the worker.
+    Here they only hold slots of this pool; a program that finds none waits, under its own timeout."""
+    global _PROGRAM_THREADS
+    if _PROGRAM_THREADS is None:
+        _PROGRAM_THREADS = ToolThreads(limit, "gateway-program")
+    elif _PROGRAM_THREADS.slots.limit != limit:
+        _PROGRAM_THREADS.slots.resize(limit)
+    return _PROGRAM_THREADS
+
+
 def sample_of(data: AgentData, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """What the program is given about its sample (JSON-able). An in-process `program` is the worker's
     own code and may score itself with the ground truth; a `command` gets only `COMMAND_SAMPLE_FIELDS`."""
@@ -103,10 +119,12 @@ async def run_program(cfg: GatewayConfig, base_url: str, api_key: str, sample: d
     if inspect.iscoroutinefunction(fn):
         coro = fn(base_url, api_key, sample)
     else:
-        coro = asyncio.to_thread(fn, base_url, api_key, sample)
+        coro = program_threads(cfg.max_sync_programs).run(fn, base_url, api_key, sample)
     try:
         result = await asyncio.wait_for(coro, cfg.timeout_s)
     except TimeoutError:
+        if not inspect.iscoroutinefunction(fn):
+            logger.warning("sync program %s passed its timeout; its thread runs on until it returns", cfg.program)
         raise ProgramError(f"program {cfg.program} did not return within {cfg.timeout_s:g} s") from None
     return None if result is None else finite(f"the reward of program {cfg.program}", result)
 
