@@ -18,8 +18,8 @@ divides one by the other: the share of each process's traced time that went to t
 
 Off unless the run's config says `trace.enabled = true`. The driver calls `configure`; an actor
 process finds its run through `RUN_DIR_ENV` (set for every actor by `ray.init`) and reads the switch
-from the run's `run_info.json` once, at its first event. Off, `span` returns a shared no-op context
-and `instant` / `complete` return after one global lookup: cheap enough to leave in hot paths.
+from the run's `RunInfo` (`core.run_dir`) once, at its first event. Off, `span` returns a shared no-op
+context and `instant` / `complete` return after one global lookup: cheap enough to leave in hot paths.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
+from streamrl.core.run_dir import RunDir
+
 RUN_DIR_ENV = "STREAMRL_RUN_DIR"  # the run directory, for every actor process of the run
-TRACE_DIR = "trace"  # under RUN_DIR: one shard per process
-TRACE_FILE = "trace.json"  # under RUN_DIR: the merged Chrome trace
 TRACER = "tracer"  # the `pid` of the tracer's own cost counters
 COST_EVERY = 512  # events between two cost counters of a shard
 COST_EVERY_S = 5.0  # ... or seconds, whichever comes first (a quiet process still reports)
@@ -48,7 +48,7 @@ class _Shard:
     and the tracer's own cost in this process (events written, nanoseconds spent making them)."""
 
     def __init__(self, run_dir: Path) -> None:
-        folder = Path(run_dir) / TRACE_DIR
+        folder = RunDir(run_dir).trace
         folder.mkdir(parents=True, exist_ok=True)
         self.track = f"{socket.gethostname()}-{os.getpid()}"
         self.path = folder / f"{self.track}.jsonl"
@@ -105,10 +105,10 @@ def _from_env() -> _Shard | None:
     if not run_dir:
         return None
     try:
-        info = json.loads((Path(run_dir) / "run_info.json").read_text())
+        info = RunDir(run_dir).info()
     except (OSError, ValueError):
         return None
-    trace_cfg = info.get("config", {}).get("trace", {})
+    trace_cfg = info.config.get("trace", {})
     return _Shard(Path(run_dir)) if isinstance(trace_cfg, dict) and trace_cfg.get("enabled") else None
 
 
@@ -192,8 +192,6 @@ def span(name: str, cat: str, track: str, **args: Any) -> AbstractContextManager
 
 __all__ = [
     "RUN_DIR_ENV",
-    "TRACE_DIR",
-    "TRACE_FILE",
     "TRACER",
     "complete",
     "configure",

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from streamrl.core.atomic import WriteFailedError, atomic_dir, open_for_write, write_file
+from streamrl.core.run_dir import CHECKPOINT_HF, CHECKPOINT_STATE
 from streamrl.learner.sharded import full_tensor
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ def save_checkpoint(ts: TrainState, directory: Path) -> Path:
     if ts.rank == 0:
 
         def write(tmp: Path) -> None:
-            _write_hf(ts, tmp / "hf", lm_state)
+            _write_hf(ts, tmp / CHECKPOINT_HF, lm_state)
             if head_state is not None:
                 _save_pt(head_state, tmp / "value_head.pt")
             _save_pt(optim_state, tmp / "optimizer.pt")
@@ -127,7 +128,7 @@ def save_checkpoint(ts: TrainState, directory: Path) -> Path:
                 "num_optimizer_steps": ts.num_optimizer_steps,
                 "config": ts.cfg.model_dump(mode="json"),
             }
-            write_file(tmp / "state.json", json.dumps(state, indent=2), log=f"{LOG}/state.json")
+            write_file(tmp / CHECKPOINT_STATE, json.dumps(state, indent=2), log=f"{LOG}/{CHECKPOINT_STATE}")
 
         try:
             atomic_dir(directory, write, sync=True, log=LOG)
@@ -198,10 +199,10 @@ def _load_lm_weights(ts: TrainState, folder: Path) -> dict[str, torch.Tensor]:
 
 def load_checkpoint(ts: TrainState, directory: Path) -> tuple[int, int]:
     directory = Path(directory)
-    if not (directory / "state.json").exists():
-        raise ValueError(f"{directory} is not a learner checkpoint (no state.json)")
-    meta = json.loads((directory / "state.json").read_text())
-    lm_state = _load_lm_weights(ts, directory / "hf")
+    if not (directory / CHECKPOINT_STATE).exists():
+        raise ValueError(f"{directory} is not a learner checkpoint (no {CHECKPOINT_STATE})")
+    meta = json.loads((directory / CHECKPOINT_STATE).read_text())
+    lm_state = _load_lm_weights(ts, directory / CHECKPOINT_HF)
     head_state = _load(directory / "value_head.pt") if (directory / "value_head.pt").exists() else None
     if (head_state is None) != (ts.policy.value_head is None):
         raise ValueError("checkpoint and config disagree on the value head (algo ppo vs grpo)")

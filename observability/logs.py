@@ -98,7 +98,7 @@ def setup_console(*, verbose: bool) -> None:
 
 
 def log_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "logs"
+    return RunDir(run_dir).logs
 
 
 def attach_run_log(run_dir: str | Path) -> Path:
@@ -220,17 +220,16 @@ def run_summary(
     run_dir: str | Path, *, learner_step: int, total_steps: int, elapsed_s: float, report: str | Path | None
 ) -> str:
     """The lines `streamrl train` ends with: how far it got and where everything is."""
-    run_dir = Path(run_dir)
-    checkpoints = RunDir(run_dir).checkpoint_dirs()
+    run = RunDir(run_dir)
+    checkpoints = run.checkpoint_folders()
     lines = [
         f"run {'finished' if learner_step >= total_steps else 'stopped'} at learner step {learner_step}/{total_steps} "
         f"after {format_duration(elapsed_s)}",
         f"  report       {report if report is not None else '(not written)'}",
-        f"  checkpoints  {run_dir / 'checkpoints'}"
-        + (f" (latest {checkpoints[-1].name})" if checkpoints else " (none)"),
-        f"  logs         {log_dir(run_dir)}",
-        f"  metrics      {run_dir / 'metrics.jsonl'}",
+        f"  checkpoints  {run.checkpoints}" + (f" (latest {checkpoints[-1].name})" if checkpoints else " (none)"),
+        f"  logs         {run.logs}",
+        f"  metrics      {run.metrics}",
     ]
     if learner_step < total_steps:
-        lines.append(f"  continue     streamrl train --resume {run_dir}")
+        lines.append(f"  continue     streamrl train --resume {run.root}")
     return "\n".join(lines)

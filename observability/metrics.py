@@ -6,7 +6,7 @@ being written; a resumed run appends to the same files (`streamrl report` reads 
 
 - `metrics.jsonl`  {"time": unix_s, "elapsed_s", "learner_step", "policy_version", <metrics>}
 - `timeline.jsonl` {"kind": SpanKind, "who": "engine-0" | "learner" | ..., "start", "end"}; times are
-  elapsed seconds since the run's `started_at` (from run_info.json, so a resumed run keeps one clock)
+  elapsed seconds since the run's `started_at` (from its `RunInfo`, so a resumed run keeps one clock)
 - `samples.jsonl`  `Trajectory.to_dict()` + {"learner_step"}
 
 Metric conventions: keys are `<namespace>/<name>` with the namespaces `rollout`,
@@ -40,7 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.text import Text
 
 from streamrl.core import catalogue
-from streamrl.core.atomic import atomic_write
+from streamrl.core.run_dir import RunDir, RunInfo
 from streamrl.observability.logs import PROGRESS_EXTRA, format_duration
 from streamrl.observability.logs import console as shared_console
 
@@ -49,11 +49,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-TIMELINE_FILE = "timeline.jsonl"
-SAMPLES_FILE = "samples.jsonl"
-RUN_INFO_FILE = "run_info.json"
-WANDB_ID_FILE = "wandb_run_id"
 RESERVED_KEYS = catalogue.RESERVED
 
 # Keys the progress line and the report summary read (declared in core/catalogue.py).
@@ -90,25 +85,6 @@ class WandbConfig(BaseModel):
     name: str | None = None  # default: the run name
     tags: list[str] = Field(default_factory=list)
     dir: str | None = None  # default: $WANDB_DIR, else the run directory
-
-
-class RunInfo(BaseModel):
-    """`RUN_DIR/run_info.json`: what the report needs to know about a run (written by the driver)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    run_name: str
-    model_path: str  # HF folder with the tokenizer (the trajectory viewer decodes with it)
-    mode: str  # "async" | "sync"
-    config: dict[str, Any] = Field(default_factory=dict)  # the resolved root config
-    started_at: float = Field(default_factory=time.time)  # unix seconds; the timeline's zero
-
-    def save(self, run_dir: str | Path) -> Path:
-        return atomic_write(Path(run_dir) / RUN_INFO_FILE, self.model_dump_json(indent=2), sync=True)
-
-    @classmethod
-    def load(cls, run_dir: str | Path) -> RunInfo:
-        return cls.model_validate_json((Path(run_dir) / RUN_INFO_FILE).read_text())
 
 
 def resolve_wandb_mode(cfg: WandbConfig | None, environ: Mapping[str, str] = os.environ) -> WandbMode:
@@ -306,7 +282,7 @@ class _ClockColumn(ProgressColumn):
 class MetricsLogger:
     """Writes a run's metrics, timeline spans and trajectory samples; mirrors metrics to wandb.
 
-    `started_at` (unix seconds) is the timeline's zero: by default the one in run_info.json, so a
+    `started_at` (unix seconds) is the timeline's zero: by default the run's `RunInfo`'s, so a
     resumed run continues the same clock, else now. Thread-safe for concurrent `log`/`span` calls.
     """
 
@@ -324,18 +300,20 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         info = self._read_run_info()
-        self.started_at = started_at if started_at is not None else float(info.get("started_at", time.time()))
-        self.run_name = run_name or info.get("run_name") or self.run_dir.name
+        self.started_at = started_at if started_at is not None else (info.started_at if info else time.time())
+        self.run_name = run_name or (info.run_name if info else "") or self.run_dir.name
         self.num_wandb_errors = 0
-        self._metrics = _JsonlWriter(self.run_dir / METRICS_FILE)
-        self._timeline = _JsonlWriter(self.run_dir / TIMELINE_FILE)
-        self._samples = _JsonlWriter(self.run_dir / SAMPLES_FILE)
+        paths = RunDir(self.run_dir)
+        self._metrics = _JsonlWriter(paths.metrics)
+        self._timeline = _JsonlWriter(paths.timeline)
+        self._samples = _JsonlWriter(paths.samples)
         self._progress = _Progress(total_steps=total_steps, elapsed_s=self.elapsed()) if console else None
         self._wandb_run = None
         self._closed = False
         mode = resolve_wandb_mode(wandb_cfg)
         if wandb_cfg is not None and mode is not WandbMode.DISABLED:
-            self._wandb_run = self._init_wandb(wandb_cfg, mode, config if config is not None else info.get("config"))
+            saved = info.config if info else None
+            self._wandb_run = self._init_wandb(wandb_cfg, mode, config if config is not None else saved)
 
     # -- clock ---------------------------------------------------------------------------------
 
@@ -413,19 +391,20 @@ class MetricsLogger:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _read_run_info(self) -> dict[str, Any]:
-        path = self.run_dir / RUN_INFO_FILE
-        if not path.exists():
-            return {}
+    def _read_run_info(self) -> RunInfo | None:
+        """The run's `RunInfo`; None (defaults) before the driver wrote it, or when it is unreadable."""
+        run = RunDir(self.run_dir)
+        if not run.run_info.exists():
+            return None
         try:
-            return json.loads(path.read_text())
+            return run.info()
         except (OSError, ValueError) as exc:
-            logger.warning("unreadable %s (%s); using defaults", path, exc)
-            return {}
+            logger.warning("unreadable %s (%s); using defaults", run.run_info, exc)
+            return None
 
     def _init_wandb(self, cfg: WandbConfig, mode: WandbMode, config: Mapping[str, Any] | None) -> Any:
         """Start (or resume, by the id saved in the run dir) the wandb run; None if wandb fails."""
-        id_path = self.run_dir / WANDB_ID_FILE
+        id_path = RunDir(self.run_dir).wandb_id
         try:
             import wandb
 

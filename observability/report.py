@@ -24,15 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streamrl.core import catalogue
-from streamrl.core.run_dir import RunDir
-from streamrl.observability.metrics import (
-    ENGINE_BUSY_KEY,
-    METRICS_FILE,
-    REWARD_KEY,
-    RUN_INFO_FILE,
-    SAMPLES_FILE,
-    TIMELINE_FILE,
-)
+from streamrl.core.run_dir import RunDir, RunInfo
+from streamrl.observability.metrics import ENGINE_BUSY_KEY, REWARD_KEY
 from streamrl.observability.report_figures import build_figures, busy_fractions, per_step, resume_points
 from streamrl.observability.report_images import load_viewer_images
 from streamrl.observability.report_timeline import timeline_blocks
@@ -44,7 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-REPORT_FILE = "report.html"
 TEMPLATE_FILE = Path(__file__).with_name("report_template.html.jinja")
 
 
@@ -53,7 +45,7 @@ class RunData:
     """Everything read from a run directory; `problems` explains whatever was missing or torn."""
 
     run_dir: Path
-    info: dict[str, Any]
+    info: RunInfo | None  # None: missing or unreadable (`problems` says which)
     metrics: pd.DataFrame  # [num_records, num_keys]; sorted by file order; null -> NaN
     spans: pd.DataFrame  # [num_spans, 4]: kind, who, start, end (elapsed seconds)
     samples: list[dict[str, Any]]  # Trajectory.to_dict() + learner_step
@@ -97,24 +89,23 @@ def load_run(run_dir: str | Path) -> RunData:
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist")
     problems: list[str] = []
-    info: dict[str, Any] = {}
-    try:
-        info = json.loads((run_dir / RUN_INFO_FILE).read_text())
-    except FileNotFoundError:
-        problems.append(f"{RUN_INFO_FILE} is missing (no run name, model or config)")
-    except ValueError as exc:
-        problems.append(f"{RUN_INFO_FILE} is unreadable: {exc}")
-    if not isinstance(info, dict):
-        problems.append(f"{RUN_INFO_FILE} is not a JSON object")
-        info = {}
-    metrics = pd.DataFrame(read_jsonl(run_dir / METRICS_FILE, problems))
+    run = RunDir(run_dir)
+    info = None
+    if not run.run_info.exists():
+        problems.append(f"{run.run_info.name} is missing (no run name, model or config)")
+    else:
+        try:
+            info = run.info()
+        except (OSError, ValueError) as exc:
+            problems.append(f"{run.run_info.name} is unreadable: {exc}")
+    metrics = pd.DataFrame(read_jsonl(run.metrics, problems))
     for col in ("learner_step", "elapsed_s", "policy_version"):
         if col not in metrics:
             metrics[col] = pd.Series(dtype=float)
     metrics = metrics.apply(pd.to_numeric, errors="coerce")
-    spans = pd.DataFrame(read_jsonl(run_dir / TIMELINE_FILE, problems), columns=["kind", "who", "start", "end"])
+    spans = pd.DataFrame(read_jsonl(run.timeline, problems), columns=["kind", "who", "start", "end"])
     spans = spans.dropna()
-    samples = [s for s in read_jsonl(run_dir / SAMPLES_FILE, problems) if isinstance(s.get("response_ids"), list)]
+    samples = [s for s in read_jsonl(run.samples, problems) if isinstance(s.get("response_ids"), list)]
     return RunData(run_dir=run_dir, info=info, metrics=metrics, spans=spans, samples=samples, problems=problems)
 
 
@@ -149,15 +140,10 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
         busy = float(np.mean(list(engines.values()))) if engines else None
     syncs = df["sync/total_s"].dropna() if "sync/total_s" in df else []
     rows = [
-        ("run", str(info.get("run_name", data.run_dir.name))),
-        ("mode", str(info.get("mode", "–"))),
-        ("model", str(info.get("model_path", "–"))),
-        (
-            "started",
-            datetime.fromtimestamp(info["started_at"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-            if isinstance(info.get("started_at"), int | float)
-            else "–",
-        ),
+        ("run", info.run_name if info else data.run_dir.name),
+        ("mode", info.mode if info else "–"),
+        ("model", info.model_path if info else "–"),
+        ("started", datetime.fromtimestamp(info.started_at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if info else "–"),
         ("wall time", f"{wall:.1f} s ({wall / 60:.1f} min)"),
         ("learner steps", fmt_number(df["learner_step"].max(), ".0f")),
         ("final policy_version", fmt_number(df["policy_version"].max(), ".0f")),
@@ -203,7 +189,7 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
 
 def buffer_dir(data: RunData) -> Path:
     """Where the run's buffer (and its image log) lives: the config's `buffer.root_dir`, else RUN_DIR/buffer."""
-    buffer_cfg = (data.info.get("config") or {}).get("buffer") if isinstance(data.info.get("config"), dict) else None
+    buffer_cfg = data.info.config.get("buffer") if data.info else None
     root = buffer_cfg.get("root_dir") if isinstance(buffer_cfg, dict) else None
     return Path(root) if isinstance(root, str) and root else RunDir(data.run_dir).buffer
 
@@ -227,11 +213,12 @@ def write_report(
     data = load_run(run_dir)
     figures = build_figures(data.metrics, data.spans, data.problems) + timeline_blocks(data.run_dir, data.problems)
     picked = pick_samples(data.samples, max_trajectories)
-    tokenizer = load_tokenizer(data.info.get("model_path"), data.problems) if picked else None
+    model_path = data.info.model_path if data.info else None
+    tokenizer = load_tokenizer(model_path, data.problems) if picked else None
     special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     images = (
         load_viewer_images(
-            data.info.get("model_path"),
+            model_path,
             tokenizer,
             buffer_dir(data),
             picked,
@@ -251,8 +238,8 @@ def write_report(
     versions = sorted({v for t in trajectories for v in t["versions"]})
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     html = env.from_string(TEMPLATE_FILE.read_text()).render(
-        title=str(data.info.get("run_name", data.run_dir.name)),
-        subtitle=f"{data.info.get('mode', '?')} mode · {data.run_dir}",
+        title=data.info.run_name if data.info else data.run_dir.name,
+        subtitle=f"{data.info.mode if data.info else '?'} mode · {data.run_dir}",
         problems=data.problems,
         summary=summary_rows(data),
         figures=figures,
@@ -263,7 +250,7 @@ def write_report(
         has_images=images is not None and images.num_chips > 0,  # else the page is exactly a text run's
         images_note=images.note if images is not None else "",
     )
-    out = data.run_dir / REPORT_FILE
+    out = RunDir(data.run_dir).report
     tmp = out.with_suffix(".html.tmp")
     tmp.write_text(html, encoding="utf-8")
     tmp.replace(out)

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from streamrl.core.trace import TRACE_DIR
+from streamrl.core.run_dir import RunDir
 from streamrl.observability.report_figures import FigureBlock, to_svg
 from streamrl.observability.trace_summary import summarize, trajectory_lives
 from streamrl.observability.tracing import Trace, read_trace, windowed
@@ -102,7 +102,7 @@ def _caption(summary: dict[str, Any], window: tuple[float, float]) -> str:
 
 def timeline_blocks(run_dir: str | Path, problems: list[str]) -> list[FigureBlock]:
     """The report section of a traced run ([] for a run without a trace). A failure becomes a note."""
-    if not any((Path(run_dir) / TRACE_DIR).glob("*.jsonl")):
+    if not any(RunDir(run_dir).trace.glob("*.jsonl")):
         return []
     block = FigureBlock(anchor="lifecycle", title="Lifecycle trace", empty="the trace has no spans")
     try:

@@ -8,18 +8,20 @@ import argparse
 import json
 from pathlib import Path
 
-from streamrl.core.trace import TRACE_DIR
+from streamrl.core.run_dir import RunDir
 
 
 def trace_main(args: argparse.Namespace) -> int:
     from streamrl.observability.trace_summary import format_summary, summarize
     from streamrl.observability.tracing import parse_window, read_trace, windowed, write_chrome
 
-    run_dir = Path(args.run_dir)
-    if not any((run_dir / TRACE_DIR).glob("*.jsonl")):
-        raise ValueError(f"{run_dir} has no lifecycle trace ({TRACE_DIR}/*.jsonl): train with trace.enabled=true")
-    trace = windowed(read_trace(run_dir), parse_window(args.window))
-    path = write_chrome(trace, Path(args.out) if args.out else run_dir / "trace.json")
+    run_dir = RunDir(args.run_dir)
+    if not any(run_dir.trace.glob("*.jsonl")):
+        raise ValueError(
+            f"{run_dir.root} has no lifecycle trace ({run_dir.trace.name}/*.jsonl): train with trace.enabled=true"
+        )
+    trace = windowed(read_trace(run_dir.root), parse_window(args.window))
+    path = write_chrome(trace, Path(args.out) if args.out else run_dir.trace_json)
     summary = summarize(trace, longest=args.longest)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     print(f"wrote {path} ({len(trace.events)} events from {len(trace.shards)} shards; open it in ui.perfetto.dev)")

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from streamrl.core.atomic import atomic_write
-from streamrl.core.trace import TRACE_DIR, TRACE_FILE
+from streamrl.core.run_dir import RunDir
 
 # Process rows in the merged trace, top to bottom; kinds not listed follow in name order.
 ROW_ORDER = ("driver", "learner", "sync", "engine", "buffer", "trajectory")
@@ -52,7 +52,7 @@ class Trace:
 
 def read_trace(run_dir: str | Path) -> Trace:
     """Every event of every shard under RUN_DIR/trace/, in time order."""
-    shards = sorted((Path(run_dir) / TRACE_DIR).glob("*.jsonl"))
+    shards = sorted(RunDir(run_dir).trace.glob("*.jsonl"))
     events: list[dict[str, Any]] = []
     torn = 0
     for shard in shards:
@@ -130,7 +130,7 @@ def write_chrome(trace: Trace, path: str | Path) -> Path:
 
 def export(run_dir: str | Path, window: tuple[float, float] | None = None, out: str | Path | None = None) -> Path:
     """Merge RUN_DIR/trace/*.jsonl into `out` (default RUN_DIR/trace.json)."""
-    return write_chrome(windowed(read_trace(run_dir), window), out if out is not None else Path(run_dir) / TRACE_FILE)
+    return write_chrome(windowed(read_trace(run_dir), window), out if out is not None else RunDir(run_dir).trace_json)
 
 
 __all__ = ["Trace", "TraceConfig", "export", "parse_window", "read_trace", "to_chrome", "windowed", "write_chrome"]

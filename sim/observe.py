@@ -15,7 +15,6 @@ timeline and of `time/elapsed_s`; the buffer's unix times are moved onto it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from streamrl.buffer.cli import load_frame
-from streamrl.core.run_dir import RunDir
+from streamrl.core.run_dir import RunDir, read_jsonl
 
 # the metrics keys calibration reads (all declared in core/catalogue.py)
 ELAPSED = "time/elapsed_s"
@@ -41,7 +40,7 @@ LAG_FRAC = "staleness/lag_frac/trajectories/"  # + 0..max_staleness, over
 @dataclass(frozen=True)
 class Observations:
     mode: str
-    config: dict[str, Any]  # the run's resolved config (run_info.json)
+    config: dict[str, Any]  # the run's resolved config (`RunInfo.config`)
     # per learner step (metrics lines, in order)
     step: np.ndarray
     elapsed_s: np.ndarray  # pipeline clock when the line was logged
@@ -77,10 +76,6 @@ def _mask_runs(mask: np.ndarray) -> np.ndarray:
     return edges[1::2] - edges[::2]
 
 
-def _read_lines(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _trajectories(run_dir: Path, clock0_unix: float) -> dict[str, Any]:
     frame = load_frame(RunDir(run_dir).buffer)
     done = frame[frame["is_latest"] & (frame["status"] == "finished")]
@@ -105,14 +100,14 @@ def _trajectories(run_dir: Path, clock0_unix: float) -> dict[str, Any]:
 def from_metrics(run_dir: str | Path) -> Observations:
     """A run's observations from its metrics lines, timeline and buffer (see the module docstring)."""
     run_dir = Path(run_dir)
-    paths = RunDir(run_dir)
-    info = json.loads(paths.run_info.read_text())
-    lines = [r for r in _read_lines(paths.metrics) if STEP_S in r]  # the step lines (not evaluations)
+    paths = RunDir.open(run_dir)
+    config = paths.info().config
+    lines = [r for r in paths.metric_records() if STEP_S in r]  # the step lines (not evaluations)
     if len(lines) < 3:
         raise ValueError(f"{run_dir}: {len(lines)} learner steps logged; calibration needs at least 3")
     clock0 = float(np.median([r["time"] - r[ELAPSED] for r in lines]))  # unix time of the pipeline's zero
     traj = _trajectories(run_dir, clock0)
-    spans = [s for s in _read_lines(paths.timeline) if s["kind"] == "train"] if paths.timeline.exists() else []
+    spans = [s for s in read_jsonl(paths.timeline) if s["kind"] == "train"] if paths.timeline.exists() else []
 
     def col(key: str) -> np.ndarray:
         return np.array([float(r.get(key) or 0.0) for r in lines])
@@ -120,8 +115,8 @@ def from_metrics(run_dir: str | Path) -> Observations:
     elapsed = col(ELAPSED)
     step = np.array([r["learner_step"] for r in lines])
     return Observations(
-        mode=str(info["config"]["trainer"]["mode"]),
-        config=info["config"],
+        mode=str(config["trainer"]["mode"]),
+        config=config,
         step=step,
         elapsed_s=elapsed,
         step_s=col(STEP_S),

@@ -6,12 +6,12 @@ points the state's `checkpoint*` fields at it. The state is saved before anythin
 oldest records past `trainer.keep_checkpoints` leave the state first, their folders after, so a crash
 in between leaves at worst a folder nobody references, never a reference to a deleted folder.
 
-A resume starts from the newest recorded checkpoint that is complete (`core.atomic.unsealed_reason`
-finds its seal and every file at its size). A torn newer one (a lost machine, a damaged disk) is
-skipped: the state then points at the older checkpoint's step and version offset, and since the
-buffer rolls its consumption back to the state's `checkpoint_step`, the learner's weights, the
-labels and the buffer stay consistent. With no complete checkpoint the run restarts from the
-initial model (step 0).
+A resume starts from the newest recorded checkpoint that is complete (`core.run_dir.why_incomplete`,
+the one rule every reader uses: its seal is there and every file at its size). A torn newer one (a
+lost machine, a damaged disk) is skipped: the state then points at the older checkpoint's step and
+version offset, and since the buffer rolls its consumption back to the state's `checkpoint_step`,
+the learner's weights, the labels and the buffer stay consistent. With no complete checkpoint the
+run restarts from the initial model (step 0).
 
 I/O failures (ENOSPC, EIO, a torn write, a failing fsync: real, or injected by `core.iofaults` at
 seeded points) stop the run with a clear error and lose nothing a resume needs:
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from streamrl.core.atomic import unsealed_reason
+from streamrl.core.run_dir import why_incomplete
 
 if TYPE_CHECKING:
     from streamrl.streaming.driver_state import DriverState
@@ -101,7 +101,7 @@ def use_newest_complete(state: DriverState) -> None:
             )
         ]
     while records:
-        why = unsealed_reason(Path(records[-1].path))
+        why = why_incomplete(Path(records[-1].path))
         if why is None:
             break
         logger.error("checkpoint %s is not complete (%s): falling back to an older one", records[-1].path, why)

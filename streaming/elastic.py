@@ -57,14 +57,13 @@ def write_scale_request(
     run_dir: str | Path, *, engines: int | None = None, preempt: list[str] | None = None
 ) -> ScaleRequest:
     """Record a scale request for the running driver of `run_dir` (atomic: it never reads half a file)."""
-    if not Path(run_dir, "run_info.json").exists():
-        raise ValueError(f"{run_dir} is not a run directory (no run_info.json)")
+    run = RunDir.open(run_dir)
     if engines is None and not preempt:
         raise ValueError("nothing to do: give --engines N and/or --preempt ENGINE_ID")
     if engines is not None and engines < 1:
         raise ValueError(f"--engines must be at least 1, got {engines}")
     request = ScaleRequest(request_id=uuid.uuid4().hex, engines=engines, preempt=tuple(preempt or ()))
-    write_json(RunDir(run_dir).scale_request, asdict(request))
+    write_json(run.scale_request, asdict(request))
     return request
 
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamrl.core.run_dir import RunDir, read_json
+from streamrl.core.run_dir import RunDir
 from streamrl.streaming.eval_stats import EvalSummary, compare
 
 logger = logging.getLogger(__name__)
@@ -35,24 +35,24 @@ class Target:
 
 
 def run_targets(run_dir: Path, which: list[str]) -> list[Target]:
-    """The models to evaluate: `base` (the run's starting model), `latest`, `all` or step numbers."""
-    info = read_json(RunDir(run_dir).run_info)
-    checkpoints = {
-        int(p.name.split("_")[1]): p / "hf" for p in RunDir(run_dir).checkpoint_dirs() if (p / "hf").is_dir()
-    }
+    """The models to evaluate: `base` (the run's starting model), `latest`, `all` or the steps of
+    complete checkpoints."""
+    run = RunDir.open(run_dir)
+    checkpoints = {c.step: c for c in run.complete_checkpoints()}
+
+    def of(step: int) -> Target:
+        return Target(label=checkpoints[step].name, model_path=str(checkpoints[step].hf), served_step=step)
+
     out: list[Target] = []
     for item in which or ["base", "latest"]:
         if item == "base":
-            out.append(Target(label="base", model_path=info["model_path"], served_step=0))
+            out.append(Target(label="base", model_path=run.info().model_path, served_step=0))
         elif item in ("latest", "all"):
             if not checkpoints:
-                raise ValueError(f"{run_dir} has no checkpoint to evaluate (checkpoints/step_*/hf)")
-            steps = sorted(checkpoints) if item == "all" else [max(checkpoints)]
-            out += [Target(label=f"step_{s:06d}", model_path=str(checkpoints[s]), served_step=s) for s in steps]
+                raise ValueError(f"{run_dir} has no checkpoint to evaluate (no complete one in {run.checkpoints})")
+            out += [of(s) for s in (sorted(checkpoints) if item == "all" else [max(checkpoints)])]
         elif item.isdigit() and int(item) in checkpoints:
-            out.append(
-                Target(label=f"step_{int(item):06d}", model_path=str(checkpoints[int(item)]), served_step=int(item))
-            )
+            out.append(of(int(item)))
         else:
             raise ValueError(f"--checkpoint {item!r}: use base, latest, all or one of the steps {sorted(checkpoints)}")
     return list({t.label: t for t in out}.values())  # each once, in the order asked
@@ -86,12 +86,10 @@ def eval_main(
     if (run_dir is None) == (config is None):
         raise ValueError("streamrl eval takes a RUN_DIR or --config, not both")
     if run_dir is not None:
-        root = Path(run_dir)
-        if not RunDir(root).run_info.exists():
-            raise ValueError(f"{root} is not a streamrl run directory (no run_info.json)")
-        cfg = StreamRLConfig.model_validate(apply_overrides(read_json(RunDir(root).run_info)["config"], overrides))
-        targets = run_targets(root, checkpoints)
-        out_dir = Path(out) if out else RunDir(root).eval_offline
+        run = RunDir.open(run_dir)
+        cfg = StreamRLConfig.model_validate(apply_overrides(run.info().config, overrides))
+        targets = run_targets(run.root, checkpoints)
+        out_dir = Path(out) if out else run.eval_offline
     else:
         from streamrl.streaming.sft import prepare_model
 

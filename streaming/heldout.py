@@ -32,6 +32,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from streamrl.core.run_dir import RunDir
 from streamrl.rollout.types import PromptRecord, Trajectory, TrajectoryStatus
 from streamrl.streaming.eval_stats import EvalSummary, summarize
 
@@ -43,7 +44,6 @@ logger = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 1_000_003  # a generated source's held-out draw: data.seed + this
 EVAL_GROUP_PREFIX = "eval/"  # group ids of held-out trajectories (never in the training stream)
-EVAL_DIR = "eval"  # RUN_DIR/eval/step_<served step>-v<policy_version>.parquet
 
 
 def heldout_records(cfg: StreamRLConfig, training: list[PromptRecord]) -> list[PromptRecord]:
@@ -165,15 +165,12 @@ def write_rows(
 
 
 def eval_file(run_dir: Path, served_step: int, policy_version: int) -> Path:
-    return Path(run_dir) / EVAL_DIR / f"step_{served_step:06d}-v{policy_version:06d}.parquet"
+    return RunDir(run_dir).eval_file(served_step, policy_version)
 
 
 def evaluated_steps(run_dir: Path) -> dict[int, Path]:
-    """Served step -> its evaluation file, of every complete evaluation in RUN_DIR/eval/."""
-    out = {}
-    for path in sorted((Path(run_dir) / EVAL_DIR).glob("step_*-v*.parquet")):
-        out[int(path.name[len("step_") :].split("-")[0])] = path
-    return out
+    """Served step -> its evaluation file, of every evaluation of the run (`RunDir.eval_files`)."""
+    return {e.served_step: e.path for e in RunDir(run_dir).eval_files()}
 
 
 @dataclasses.dataclass(kw_only=True)

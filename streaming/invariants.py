@@ -22,7 +22,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from streamrl.core.run_dir import RunDir, read_json
+from streamrl.core.run_dir import RunDir
+from streamrl.streaming.driver_state import DriverState
 
 
 @dataclass(kw_only=True)
@@ -64,15 +65,15 @@ def check_run(run_dir: str | Path) -> InvariantReport:
     from streamrl.streaming.config import StreamRLConfig
     from streamrl.streaming.prompts import first_group_ids
 
-    run_dir = Path(run_dir)
-    cfg = StreamRLConfig.model_validate(read_json(RunDir(run_dir).run_info)["config"])
-    state = read_json(RunDir(run_dir).driver_state)
-    report = InvariantReport(run_dir=str(run_dir), learner_step=state["learner_step"], cursor=state["cursor"])
-    frame = load_frame(RunDir(run_dir).buffer)
+    run = RunDir.open(run_dir)
+    cfg = StreamRLConfig.model_validate(run.info().config)
+    state = DriverState.load(run.driver_state)
+    report = InvariantReport(run_dir=str(run_dir), learner_step=state.learner_step, cursor=state.cursor)
+    frame = load_frame(run.buffer)
     latest = frame[frame["is_latest"]]
 
     # I1: the groups are exactly the first `cursor` prompts, each with group_size trajectories.
-    expected = set(first_group_ids(cfg.data, state["cursor"]))
+    expected = set(first_group_ids(cfg.data, state.cursor))
     present = set(latest["group_id"])
     lost, extra = sorted(expected - present), sorted(present - expected)
     sizes = latest.groupby("group_id")["trajectory_id"].nunique()
@@ -89,7 +90,7 @@ def check_run(run_dir: str | Path) -> InvariantReport:
     report.problems += [f"consumed {n} times: {t}" for t, n in zip(twice["trajectory_id"], twice["num_consumed"])]
     if cfg.buffer.max_batch_tokens is None and cfg.buffer.reuse == 1:
         groups_per_step = consumed.groupby("last_consume_step")["group_id"].nunique()
-        steps = set(range(1, state["learner_step"] + 1))
+        steps = set(range(1, state.learner_step + 1))
         bad = [s for s in steps if groups_per_step.get(s, 0) != cfg.buffer.groups_per_batch]
         bad += [s for s in groups_per_step.index if s not in steps]
         report.problems += [f"learner step {s} consumed {groups_per_step.get(s, 0)} groups" for s in bad]
@@ -100,14 +101,13 @@ def check_run(run_dir: str | Path) -> InvariantReport:
         report.bad_batches = len(bad)
 
     # I2: what the end-of-run accounting saw (absent when the last segment was killed).
-    accounting = RunDir(run_dir).accounting
-    if accounting.exists():
-        acc = json.loads(accounting.read_text())
+    acc = run.accounting_record()
+    if acc is not None:
         report.stranded, report.untracked = len(acc["stranded"]), len(acc["untracked"])
         report.problems += [f"stranded: {t}" for t in acc["stranded"]] + [f"untracked: {t}" for t in acc["untracked"]]
 
     # I4: versions never decrease inside a trajectory and never exceed the saved high-water mark.
-    high = max(state.get("version_high_water", 0), state["policy_version"])
+    high = max(state.version_high_water, state.policy_version)
     for tid, versions, mask in zip(latest["trajectory_id"], latest["policy_versions"], latest["response_mask"]):
         sampled = [int(v) for v, m in zip(versions, mask) if m]
         # a sampled token below 0 came from weights no sync published (an engine still joining, elastic.py)
@@ -116,7 +116,7 @@ def check_run(run_dir: str | Path) -> InvariantReport:
             report.problems.append(f"versions of {tid}: {sampled[:8]}... (high-water {high})")
 
     # I5: each tool call's side effect at most once, across pauses, worker deaths and job restarts.
-    ledger = RunDir(run_dir).tool_ledger
+    ledger = run.tool_ledger
     if ledger.exists():
         from collections import Counter
 
@@ -136,7 +136,7 @@ def check_run(run_dir: str | Path) -> InvariantReport:
         report.tool_side_effects_repeated = len(repeated) + len(over)
         report.problems += [f"tool call ran {per_call[k]} times: {k[0]} {k[1]}" for k in repeated]
         report.problems += [f"{t}: {n} ledger lines for {c} tool calls" for t, n, c in over]
-    _check_answers(report, RunDir(run_dir).answer_ledger)
+    _check_answers(report, run.answer_ledger)
     return report
 
 

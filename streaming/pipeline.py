@@ -14,13 +14,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from streamrl.core import faults, trace
 from streamrl.core.atomic import make_dirs
-from streamrl.core.run_dir import RunDir, write_json
+from streamrl.core.run_dir import Accounting, RunDir, write_json
 from streamrl.streaming import step_metrics
 from streamrl.streaming.checkpoints import delete_checkpoints, drop_old_checkpoints, record_checkpoint
 from streamrl.streaming.config import StreamRLConfig
@@ -42,15 +42,6 @@ if TYPE_CHECKING:
     from streamrl.streaming.heldout import Evaluator
 
 logger = logging.getLogger(__name__)
-
-
-class Accounting(TypedDict):
-    """RUN_DIR/accounting.json: I2 at the end of a run (`Pipeline.write_accounting`)."""
-
-    learner_step: int
-    stranded: list[str]  # resumable in the buffer, held by no worker
-    untracked: list[str]  # held by a worker, without a partial row in the buffer
-    resumable: list[str]
 
 
 @dataclass(kw_only=True)
@@ -387,7 +378,7 @@ class Pipeline:
             "untracked": sorted(held - resumable),
             "resumable": sorted(resumable),
         }
-        write_json(RunDir(self.run_dir).accounting, report)
+        RunDir(self.run_dir).write_accounting(report)
         if report["stranded"] or report["untracked"]:
             logger.error(
                 "I2 violated at the end of the run: %d stranded, %d held without a partial row",

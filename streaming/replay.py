@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from streamrl.core.run_dir import RunDir, read_json
+from streamrl.core.run_dir import RunDir
 from streamrl.streaming.config import StreamRLConfig, apply_overrides
 
 logger = logging.getLogger(__name__)
@@ -47,9 +47,9 @@ def logged_batches(buffer_dir: Path) -> list[tuple[int, pa.Table, np.ndarray]]:
 
 def _logged_steps(run_dir: Path) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
-    path = RunDir(run_dir).metrics
-    for line in path.read_text().splitlines() if path.exists() else []:
-        if line.strip() and "learner/loss" in (record := json.loads(line)):
+    run = RunDir(run_dir)
+    for record in run.metric_records() if run.metrics.exists() else []:
+        if "learner/loss" in record:
             out[int(record["learner_step"])] = record  # a resumed step logged twice: the last one counts
     return out
 
@@ -61,17 +61,18 @@ def replay(run_dir: str | Path, overrides: list[str] | None = None, *, name: str
     from streamrl.buffer.padding import pad_table
     from streamrl.learner.engine import TrainingEngine
 
-    run_dir = Path(run_dir)
-    info = read_json(RunDir(run_dir).run_info)
-    cfg = StreamRLConfig.model_validate(apply_overrides(info["config"], list(overrides or [])))
+    run = RunDir.open(run_dir)
+    info = run.info()
+    cfg = StreamRLConfig.model_validate(apply_overrides(info.config, list(overrides or [])))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))  # as the learner actor
-    engine = TrainingEngine(cfg.learner.model_copy(update={"model": info["model_path"]}))
-    original = _logged_steps(run_dir)
-    out_dir = RunDir(run_dir).replays / (name or time.strftime("%Y%m%d-%H%M%S"))
+    engine = TrainingEngine(cfg.learner.model_copy(update={"model": info.model_path}))
+    original = _logged_steps(run.root)
+    metrics_path = run.replay_metrics(name or time.strftime("%Y%m%d-%H%M%S"))
+    out_dir = metrics_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     records = []
-    with open(out_dir / "metrics.jsonl", "w") as f:
-        for step, rows, _lags in logged_batches(RunDir(run_dir).buffer):
+    with open(metrics_path, "w") as f:
+        for step, rows, _lags in logged_batches(run.buffer):
             logged = original.get(step, {})
             if "learner/policy_version" in logged:  # the label the run's learner gave this step's result
                 engine.policy_version = int(logged["learner/policy_version"]) - 1

@@ -19,12 +19,13 @@ is trained on:
 An override that sets a refused key to the value the run already has is no change and passes.
 
 The prompts themselves: `prompts_sha256` of the records the run trains on is stored in
-run_info.json when it starts; a resume recomputes it from the (unchanged) data config and refuses a
+its `RunInfo` when it starts; a resume recomputes it from the (unchanged) data config and refuses a
 dataset file (or generator) that changed under the run.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -32,7 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from streamrl.core.run_dir import RunDir
+from streamrl.core.run_dir import RunDir, RunInfo
 from streamrl.streaming.config import StreamRLConfig, apply_overrides
 
 if TYPE_CHECKING:
@@ -82,15 +83,12 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def resume_config(run_dir: str | Path, overrides: list[str]) -> tuple[StreamRLConfig, dict[str, Any]]:
-    """The config a resume of `run_dir` runs with (its saved one plus `overrides`) and its run_info.
+def resume_config(run_dir: str | Path, overrides: list[str]) -> tuple[StreamRLConfig, RunInfo]:
+    """The config a resume of `run_dir` runs with (its saved one plus `overrides`) and its `RunInfo`.
     Raises ValueError naming every override that would change what the run trains on."""
-    info_path = RunDir(run_dir).run_info
-    if not info_path.exists():
-        raise ValueError(f"{run_dir} is not a streamrl run directory (no run_info.json)")
-    info = json.loads(info_path.read_text())
-    saved = StreamRLConfig.model_validate(json.loads(json.dumps(info["config"])))
-    cfg = StreamRLConfig.model_validate(apply_overrides(json.loads(json.dumps(info["config"])), overrides))
+    info = RunDir(run_dir).info()
+    saved = StreamRLConfig.model_validate(copy.deepcopy(info.config))
+    cfg = StreamRLConfig.model_validate(apply_overrides(copy.deepcopy(info.config), overrides))
     before, after = _flatten(saved.model_dump(mode="json")), _flatten(cfg.model_dump(mode="json"))
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k) and not safe_on_resume(k))
     if changed:
@@ -113,17 +111,19 @@ def prompts_sha256(records: list[PromptRecord]) -> str:
     return digest.hexdigest()
 
 
-def check_prompts(run_dir: str | Path, info: dict[str, Any], records: list[PromptRecord]) -> None:
+def check_prompts(run_dir: str | Path, info: RunInfo, records: list[PromptRecord]) -> None:
     """Refuse to resume on prompts other than those the run started with (a dataset file rewritten
     under the run). A run from before the fingerprint was recorded is resumed with a warning."""
-    expected = info.get("prompts_sha256")
+    expected = info.prompts_sha256
     if expected is None:
-        logger.warning("%s/run_info.json records no prompts_sha256: cannot check the dataset did not change", run_dir)
+        where = RunDir(run_dir).run_info
+        logger.warning("%s records no prompts_sha256: cannot check the dataset did not change", where)
         return
     found = prompts_sha256(records)
+    then = info.num_prompts if info.num_prompts is not None else "?"
     if found != expected:
         raise ValueError(
             f"--resume {run_dir}: the training prompts changed since the run started ({len(records)} records now, "
-            f"{info.get('num_prompts', '?')} then; sha256 {found[:12]} != {expected[:12]}): the data cursor would "
+            f"{then} then; sha256 {found[:12]} != {expected[:12]}): the data cursor would "
             "point into another dataset. Restore the dataset the run started with, or start a new run"
         )

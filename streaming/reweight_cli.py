@@ -21,9 +21,10 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from streamrl.core.run_dir import RunDir, read_json
+from streamrl.core.run_dir import Checkpoint, RunDir
 from streamrl.core.versions import PolicyVersion
 from streamrl.learner.config import CorrectionMode
+from streamrl.streaming.driver_state import DriverState
 
 if TYPE_CHECKING:
     import torch
@@ -36,33 +37,24 @@ logger = logging.getLogger(__name__)
 DEFAULT_CORRECTIONS = tuple(m.value for m in CorrectionMode)
 
 
-def checkpoint_dirs(run_dir: Path) -> dict[int, Path]:
-    """Learner step -> complete checkpoint directory (`checkpoints/step_NNNNNN` with state.json)."""
-    root = RunDir(run_dir).checkpoints
-    found = {}
-    for d in sorted(root.glob("step_*")) if root.is_dir() else []:
-        if (d / "state.json").exists() and d.name.removeprefix("step_").isdigit():
-            found[int(d.name.removeprefix("step_"))] = d
-    return found
-
-
-def find_checkpoint(run_dir: Path, step: int) -> Path:
-    found = checkpoint_dirs(run_dir)
+def find_checkpoint(run_dir: Path, step: int) -> Checkpoint:
+    """The run's complete checkpoint of learner step `step`, or ValueError listing those there are."""
+    found = {c.step: c for c in RunDir(run_dir).complete_checkpoints()}
     if step not in found:
         listed = ", ".join(str(s) for s in found) or "none"
         raise ValueError(f"{run_dir} has no checkpoint of step {step}; available: {listed}")
     return found[step]
 
 
-def checkpoint_label(run_dir: Path, ckpt: Path) -> int:
+def checkpoint_label(run_dir: Path, ckpt: Checkpoint) -> int:
     """Version label of the checkpoint's weights: its learner step + the run's version offset at the
-    time (0 unless a resume relabelled versions; known from driver_state.json for the latest one)."""
-    step = int(json.loads((ckpt / "state.json").read_text())["policy_version"])
+    time (0 unless a resume relabelled versions; known from the driver state for the latest one)."""
+    step = int(json.loads(ckpt.state_file.read_text())["policy_version"])
     state_path = RunDir(run_dir).driver_state
     if state_path.exists():
-        state = json.loads(state_path.read_text())
-        if state.get("checkpoint") and Path(state["checkpoint"]).name == ckpt.name:
-            return PolicyVersion(step, int(state.get("checkpoint_version_offset", 0))).label
+        state = DriverState.load(state_path)
+        if state.checkpoint and Path(state.checkpoint).name == ckpt.name:
+            return PolicyVersion(step, state.checkpoint_version_offset).label
     return step
 
 
@@ -99,14 +91,14 @@ def _advantages(cfg: StreamRLConfig, tb: TrainBatch) -> torch.Tensor:
     return broadcast_sequence_advantages(seq_adv, tb.loss_mask)
 
 
-def _engine(cfg: StreamRLConfig, ckpt: Path):
+def _engine(cfg: StreamRLConfig, ckpt: Checkpoint):
     """A CPU learner holding the checkpoint's weights (its HF folder), no value head, no reference."""
     from streamrl.learner.config import Algo
     from streamrl.learner.engine import TrainingEngine
 
     lcfg = cfg.learner.model_copy(
         update={
-            "model": str(ckpt / "hf"),
+            "model": str(ckpt.hf),
             "device": "cpu",
             "algo": Algo.GRPO,
             "use_reference": False,
@@ -142,7 +134,7 @@ def reweight(
     run_dir = Path(run_dir)
     _check_run_dir(run_dir)
     ckpt = find_checkpoint(run_dir, step)
-    cfg = StreamRLConfig.model_validate(read_json(RunDir(run_dir).run_info)["config"])
+    cfg = StreamRLConfig.model_validate(RunDir(run_dir).info().config)
     specs = list(corrections or DEFAULT_CORRECTIONS)
     configs = {spec: parse_correction(spec, cfg.learner.correction) for spec in specs}
     chosen = _chosen_batches(run_dir, steps)
@@ -168,7 +160,7 @@ def reweight(
     buckets = any_effect.lag.clamp(max=num_buckets)
     result = {
         "run_dir": str(run_dir),
-        "checkpoint": str(ckpt),
+        "checkpoint": str(ckpt.path),
         "checkpoint_step": step,
         "checkpoint_policy_version": label,
         "exact_step": step + 1,  # the step whose real π_prox is this checkpoint's weights
@@ -199,10 +191,9 @@ def reweight(
 
 def _check_run_dir(run_dir: Path) -> None:
     """A run directory with a buffer to replay, or ValueError saying what is missing."""
-    if not RunDir(run_dir).run_info.exists():
-        raise ValueError(f"{run_dir} is not a streamrl run directory (no run_info.json)")
-    if not RunDir(run_dir).buffer.is_dir():
-        raise ValueError(f"{run_dir} has no buffer directory ({run_dir / 'buffer'}); nothing was logged")
+    run = RunDir.open(run_dir)
+    if not run.buffer.is_dir():
+        raise ValueError(f"{run_dir} has no buffer directory ({run.buffer}); nothing was logged")
 
 
 def _chosen_batches(run_dir: Path, steps: str | None) -> list[tuple[int, Any, Any]]:

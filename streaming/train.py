@@ -10,7 +10,6 @@ on twice or skipped.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from streamrl.core.run_dir import RunDir, read_json, write_json
+from streamrl.core.run_dir import Checkpoint, RunDir, RunInfo
 from streamrl.streaming.checkpoints import use_newest_complete
 from streamrl.streaming.config import StreamRLConfig, load_config
 from streamrl.streaming.driver_state import DriverState
@@ -56,9 +55,6 @@ def _init_ray(cfg: StreamRLConfig, run_dir: Path) -> None:
     link_ray_logs(run_dir)
 
 
-RUN_FILES = ("run_info.json", "driver_state.json", "buffer")  # what a started run leaves in its directory
-
-
 def open_run(
     config: str | None, overrides: list[str], resume: str | None
 ) -> tuple[StreamRLConfig, Path, DriverState | None]:
@@ -78,7 +74,7 @@ def open_run(
     cfg = load_config(config, overrides)
     name = cfg.trainer.run_name or f"{Path(config).stem if config else 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.trainer.run_root) / name
-    held = [part for part in RUN_FILES if (run_dir / part).exists()]
+    held = RunDir(run_dir).started_parts()
     if held:  # a fresh learner on an old buffer log would mix two runs' trajectories and versions
         raise ValueError(
             f"{run_dir} already holds a run ({', '.join(held)}): continue it with `streamrl train --resume {run_dir}`, "
@@ -90,31 +86,31 @@ def open_run(
 
 def _prepare_run(cfg: StreamRLConfig, run_dir: Path, resuming: bool) -> tuple[StreamRLConfig, list]:
     """The run's config with its model resolved (once: `prepare_model`, or the path a resumed run
-    recorded) and its prompts; a new run records both in RUN_DIR/run_info.json (a resume refuses a
-    dataset changed under the run)."""
+    recorded) and its prompts; a new run records both in its `RunInfo` (a resume refuses a dataset
+    changed under the run)."""
     from streamrl.observability.logs import log_dir
     from streamrl.rollout.data import load_records
     from streamrl.streaming.resume import prompts_sha256
     from streamrl.streaming.sft import prepare_model
 
     if resuming:
-        model_path = read_json(RunDir(run_dir).run_info)["model_path"]
+        model_path = RunDir(run_dir).info().model_path
     else:  # conversion and SFT warm-up run in a child process: the driver never holds a model
         model_path = prepare_model(cfg, log_file=log_dir(run_dir) / "prepare_model.log")
     cfg = cfg.with_model(model_path)
     cfg.buffer.root_dir = str(RunDir(run_dir).buffer)
     records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
     if not resuming:
-        info = {
-            "run_name": run_dir.name,
-            "model_path": model_path,
-            "mode": cfg.trainer.mode,
-            "config": cfg.model_dump(mode="json"),
-            "started_at": time.time(),
-            "prompts_sha256": prompts_sha256(records),
-            "num_prompts": len(records),
-        }
-        write_json(RunDir(run_dir).run_info, info, indent=2)
+        info = RunInfo(
+            run_name=run_dir.name,
+            model_path=model_path,
+            mode=cfg.trainer.mode,
+            config=cfg.model_dump(mode="json"),
+            started_at=time.time(),
+            prompts_sha256=prompts_sha256(records),
+            num_prompts=len(records),
+        )
+        RunDir(run_dir).write_info(info)
     return cfg, records
 
 
@@ -163,7 +159,9 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
     if resuming:  # versions continue above every label the buffer or the driver has seen (I4)
         state.rewind_to_checkpoint(await buffer.max_policy_version())
         state.save(RunDir(run_dir).driver_state)
-    engine_path = str(Path(state.checkpoint) / "hf") if from_ckpt and state.checkpoint is not None else model_path
+    engine_path = model_path
+    if from_ckpt and state.checkpoint is not None:
+        engine_path = str(Checkpoint(step=state.checkpoint_step, path=Path(state.checkpoint)).hf)
     engine_cfg = cfg.rollout.engine.model_copy(update={"model": engine_path})
     start_version = state.policy_version
     engines = [
@@ -236,13 +234,11 @@ def finished_already(cfg: StreamRLConfig, run_dir: Path, state: DriverState | No
     with a larger `trainer.total_steps` goes on training."""
     if state is None or state.learner_step < cfg.trainer.total_steps or state.checkpoint_step < state.learner_step:
         return False
-    accounting = RunDir(run_dir).accounting
-    if not accounting.exists():
-        return False
     try:
-        return json.loads(accounting.read_text()).get("learner_step") == state.learner_step
+        accounting = RunDir(run_dir).accounting_record()
     except ValueError:  # torn by a kill mid-write: redo the end of the run
         return False
+    return accounting is not None and accounting["learner_step"] == state.learner_step
 
 
 def train_main(*, config: str | None, overrides: list[str], resume: str | None) -> int:

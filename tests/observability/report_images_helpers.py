@@ -8,7 +8,7 @@ import json
 import string
 from pathlib import Path
 
-from streamrl.observability.metrics import RunInfo
+from streamrl.core.run_dir import RunDir, RunInfo
 from streamrl.rollout.types import Trajectory
 
 STARTED_AT = 1_700_000_000.0
@@ -103,9 +103,9 @@ def write_run(run_dir: Path, model_path: Path, samples: list[Trajectory], *, con
     """run_info.json + samples.jsonl only (no metrics or timeline: the figures stay empty, so the
     page does not depend on matplotlib's SVG output)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    RunInfo(
-        run_name="images", model_path=str(model_path), mode="async", config=config or {}, started_at=STARTED_AT
-    ).save(run_dir)
+    RunDir(run_dir).write_info(
+        RunInfo(run_name="images", model_path=str(model_path), mode="async", config=config or {}, started_at=STARTED_AT)
+    )
     with open(run_dir / "samples.jsonl", "w") as f:
         f.writelines(
             json.dumps({**traj.to_dict(), "learner_step": step}) + "\n" for step, traj in enumerate(samples, start=1)

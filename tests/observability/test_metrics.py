@@ -9,11 +9,11 @@ import math
 import numpy as np
 import pytest
 
+from streamrl.core.run_dir import RunDir, RunInfo
 from streamrl.observability.logs import format_duration
 from streamrl.observability.metrics import (
     WANDB_ERRORS_KEY,
     MetricsLogger,
-    RunInfo,
     SpanKind,
     WandbConfig,
     WandbMode,
@@ -50,7 +50,7 @@ def _traj(tid: str = "t0") -> Trajectory:
 
 
 def test_log_span_sample_round_trip(tmp_path):
-    RunInfo(run_name="r1", model_path="/m", mode="async", started_at=1000.0).save(tmp_path)
+    RunDir(tmp_path).write_info(RunInfo(run_name="r1", model_path="/m", mode="async", config={}, started_at=1000.0))
     with MetricsLogger(tmp_path, wandb_cfg=None, console=False) as ml:
         assert ml.started_at == 1000.0 and ml.run_name == "r1"
         ml.log(

@@ -11,8 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from streamrl.core.run_dir import RunDir, RunInfo
 from streamrl.core.versions import lag_fractions, lag_histogram
-from streamrl.observability.metrics import MetricsLogger, RunInfo, summarize
+from streamrl.observability.metrics import MetricsLogger, summarize
 from streamrl.observability.report import load_run, write_report
 from streamrl.observability.report_figures import busy_fractions, per_step, resume_points, union_length
 from streamrl.observability.report_tokens import FastTokenizerFile, decode_pieces, load_tokenizer
@@ -51,9 +52,10 @@ def _trajectory(tok, tid: str, *, versions: tuple[int, int]) -> Trajectory:
 
 
 def _write_run(run_dir, tok, model_path, *, num_steps: int = 6) -> None:
-    RunInfo(run_name="synthetic", model_path=str(model_path), mode="async", config={"lr": 1e-5}, started_at=START).save(
-        run_dir
+    info = RunInfo(
+        run_name="synthetic", model_path=str(model_path), mode="async", config={"lr": 1e-5}, started_at=START
     )
+    RunDir(run_dir).write_info(info)
     with MetricsLogger(run_dir, wandb_cfg=None, console=False, started_at=START) as ml:
         for step in range(1, num_steps + 1):
             hist = lag_histogram(np.array([0] * step + [1] * 3 + [2] + [5]), max_lag=2)

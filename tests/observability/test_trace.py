@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from streamrl.core import trace
+from streamrl.core.run_dir import RunDir, RunInfo
 from streamrl.observability.trace_summary import format_summary, summarize, trajectory_lives
 from streamrl.observability.tracing import parse_window, read_trace, to_chrome, windowed
 
@@ -98,12 +99,17 @@ def test_the_tracer_counts_its_own_cost(tmp_path, monkeypatch):
 
 
 def test_actor_process_follows_the_runs_config(tmp_path, monkeypatch):
-    """An actor finds its run from the environment and traces iff run_info.json's config says so."""
+    """An actor finds its run from the environment and traces iff the run's config says so."""
     monkeypatch.setenv(trace.RUN_DIR_ENV, str(tmp_path))
-    (tmp_path / "run_info.json").write_text(json.dumps({"config": {"trace": {"enabled": False}}}))
+
+    def run_info(enabled: bool) -> None:
+        config = {"trace": {"enabled": enabled}}
+        RunDir(tmp_path).write_info(RunInfo(run_name="r", model_path="tiny", mode="async", config=config))
+
+    run_info(False)
     assert not trace.enabled()
     monkeypatch.setattr(trace, "_shard", trace._UNSET)
-    (tmp_path / "run_info.json").write_text(json.dumps({"config": {"trace": {"enabled": True}}}))
+    run_info(True)
     trace.instant("sampled", "trajectory", "t1", learner_step=1)
     assert [e["name"] for e in _lines(tmp_path)] == ["sampled"]
 

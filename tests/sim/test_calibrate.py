@@ -11,6 +11,7 @@ import pytest
 
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.store import ReplayBuffer
+from streamrl.core.run_dir import RunDir, RunInfo
 from streamrl.sim.calibrate import calibrate, learner_idle_share, sim_config_of
 from streamrl.sim.costs import ToolLatency
 from streamrl.sim.observe import from_metrics
@@ -81,7 +82,7 @@ def write_run(root, mode: str = "sync", *, learner_slowdown: float = 1.0, num_en
         },
         "buffer": {"batch_size": 4, "group_size": 2, "max_staleness": 2, "root_dir": None},
     }
-    (run / "run_info.json").write_text(json.dumps({"config": config, "started_at": CLOCK0}))
+    RunDir(run).write_info(RunInfo(run_name="run", model_path="tiny", mode=mode, config=config, started_at=CLOCK0))
     return run
 
 

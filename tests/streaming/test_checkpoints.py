@@ -5,12 +5,12 @@ driver's versions and the buffer's rollback step consistent with the weights it 
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
 
 from streamrl.core.atomic import atomic_dir
+from streamrl.core.run_dir import RunDir, RunInfo
 from streamrl.streaming.checkpoints import CheckpointRecord, record_checkpoint, use_newest_complete
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver import run_async
@@ -51,7 +51,8 @@ def _run_dir_with_checkpoints(tmp_path: Path, steps: list[int]) -> tuple[Path, D
     """A run directory as a run with `version_offset` 10 leaves it: a sealed checkpoint at each step."""
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
-    (run_dir / "run_info.json").write_text(json.dumps({"config": StreamRLConfig().model_dump(mode="json")}))
+    config = StreamRLConfig().model_dump(mode="json")
+    RunDir(run_dir).write_info(RunInfo(run_name="run", model_path="tiny", mode="async", config=config))
     state = DriverState(version_offset=10)
     for step in steps:
         state.learner_step, state.policy_version = step, step + 10

@@ -3,18 +3,20 @@ real evaluation of a trained run is in test_learning.py."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from streamrl.core.atomic import atomic_dir
+from streamrl.core.run_dir import RunDir, RunInfo
 from streamrl.streaming.cli import main
 from streamrl.streaming.eval_cli import run_targets
 
 
 def _run(tmp_path, steps: list[int]):
-    (tmp_path / "run_info.json").write_text(json.dumps({"model_path": "/models/base", "config": {}}))
+    """A run with a sealed (complete) checkpoint at each of `steps`, as the learner leaves them."""
+    run = RunDir(tmp_path)
+    run.write_info(RunInfo(run_name="run", model_path="/models/base", mode="async", config={}))
     for step in steps:
-        (tmp_path / "checkpoints" / f"step_{step:06d}" / "hf").mkdir(parents=True)
+        atomic_dir(run.checkpoint(step), lambda d: (d / "hf").mkdir(), sync=True)
     return tmp_path
 
 
@@ -37,6 +39,14 @@ def test_a_run_without_checkpoints_can_only_evaluate_its_base(tmp_path):
     run = _run(tmp_path, [])
     with pytest.raises(ValueError, match="no checkpoint"):
         run_targets(run, ["latest"])
+
+
+def test_a_torn_checkpoint_is_not_evaluated(tmp_path):
+    """Complete means sealed (`core.run_dir.why_incomplete`), for `streamrl eval` as for a resume."""
+    run = _run(tmp_path, [2, 4])
+    (run / "checkpoints" / "step_000006" / "hf").mkdir(parents=True)  # never sealed: torn by a lost machine
+    assert [t.label for t in run_targets(run, ["all"])] == ["step_000002", "step_000004"]
+    assert [t.label for t in run_targets(run, ["latest"])] == ["step_000004"]
 
 
 def test_bad_invocations_are_one_clear_error(tmp_path, capsys):

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from streamrl.core.run_dir import Accounting, RunDir
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver_state import DriverState
 from streamrl.streaming.train import finished_already
@@ -31,9 +30,10 @@ def test_finished_only_when_every_step_is_trained_checkpointed_and_accounted(
     tmp_path, learner_step, checkpoint_step, accounting, total_steps, finished
 ):
     state = DriverState(learner_step=learner_step, checkpoint_step=checkpoint_step)
-    if accounting is not None:
-        text = accounting if isinstance(accounting, str) else json.dumps(accounting)
-        (tmp_path / "accounting.json").write_text(text)
+    if isinstance(accounting, str):
+        RunDir(tmp_path).accounting.write_text(accounting)
+    elif accounting is not None:
+        RunDir(tmp_path).write_accounting(Accounting(**accounting, stranded=[], untracked=[], resumable=[]))
     assert finished_already(_cfg(total_steps), tmp_path, state) is finished
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from streamrl.buffer.store import ReplayBuffer
+from streamrl.core.run_dir import RunDir, RunInfo
 from streamrl.rollout.types import TrajectoryStatus
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.invariants import check_run
@@ -54,7 +55,8 @@ def _run(
         batch = buf.sample(served_version=0, learner_step=step)
         assert batch is not None
     buf.close()
-    (run_dir / "run_info.json").write_text(json.dumps({"config": cfg.model_dump(mode="json")}))
+    config = cfg.model_dump(mode="json")
+    RunDir(run_dir).write_info(RunInfo(run_name="run", model_path="tiny", mode="async", config=config))
     (run_dir / "driver_state.json").write_text(
         json.dumps({"learner_step": steps, "cursor": cursor, "policy_version": steps})
     )

@@ -6,11 +6,11 @@ through `MetricsLogger`) on a real durable buffer, without engines."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 
 from streamrl.buffer.store import ReplayBuffer
+from streamrl.core.run_dir import RunDir, RunInfo
 from streamrl.observability.metrics import MetricsLogger
 from streamrl.streaming.config import load_config
 from streamrl.streaming.replay import COMPARED, logged_batches, replay
@@ -43,9 +43,8 @@ def _run_config(run_dir, tiny_model_path):
     )  # lag-dependent: labels matter
     cfg.learner.model = str(tiny_model_path)
     cfg.buffer.root_dir = str(run_dir / "buffer")
-    (run_dir / "run_info.json").write_text(
-        json.dumps({"model_path": str(tiny_model_path), "config": cfg.model_dump(mode="json")})
-    )
+    info = RunInfo(run_name="run", model_path=str(tiny_model_path), mode="async", config=cfg.model_dump(mode="json"))
+    RunDir(run_dir).write_info(info)
     return cfg
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from streamrl.core.run_dir import RunDir, RunInfo
 from streamrl.rollout.data import load_records
 from streamrl.streaming.config import load_config
 from streamrl.streaming.resume import SAFE_ON_RESUME, prompts_sha256, resume_config, safe_on_resume
@@ -22,14 +23,15 @@ def _run_dir(tmp_path: Path, *overrides: str) -> Path:
     records = load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
     run_dir = tmp_path / "run"
     run_dir.mkdir(parents=True)
-    info = {
-        "run_name": "run",
-        "model_path": "tiny",
-        "config": cfg.model_dump(mode="json"),
-        "prompts_sha256": prompts_sha256(records),
-        "num_prompts": len(records),
-    }
-    (run_dir / "run_info.json").write_text(json.dumps(info))
+    info = RunInfo(
+        run_name="run",
+        model_path="tiny",
+        mode=cfg.trainer.mode,
+        config=cfg.model_dump(mode="json"),
+        prompts_sha256=prompts_sha256(records),
+        num_prompts=len(records),
+    )
+    RunDir(run_dir).write_info(info)
     return run_dir
 
 

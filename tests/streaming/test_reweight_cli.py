@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from streamrl.buffer.store import ReplayBuffer
+from streamrl.core.run_dir import RunDir, RunInfo
 from streamrl.streaming.cli import main
 from streamrl.streaming.config import load_config
 from streamrl.streaming.reweight_cli import DEFAULT_CORRECTIONS, reweight
@@ -72,9 +73,8 @@ def run_dir(tmp_path_factory, tiny_model_path):
     )
     cfg.learner.model = str(tiny_model_path)
     cfg.buffer.root_dir = str(run / "buffer")
-    (run / "run_info.json").write_text(
-        json.dumps({"model_path": str(tiny_model_path), "config": cfg.model_dump(mode="json")})
-    )
+    info = RunInfo(run_name="run", model_path=str(tiny_model_path), mode="async", config=cfg.model_dump(mode="json"))
+    RunDir(run).write_info(info)
     buf = ReplayBuffer(cfg.buffer)
     engine = TrainingEngine(cfg.learner)
     buf.append([t for k, g in enumerate("abcd") for t in _group(engine, g, 0, k)])
