@@ -309,7 +309,7 @@ class AgentLoopBase(abc.ABC):
         reward = 0.0
         if self.ctx.reward_fn is not None:
             reward = await call_reward_fn(self.ctx.reward_fn, reward_input(data), self.ctx.cfg.reward_timeout_s)
-        return reward + sum(finite("a tool reward", r) for r in data.tool_rewards)
+        return finite("the total reward", reward + sum(finite("a tool reward", r) for r in data.tool_rewards))
 
     def terminate(self, data: AgentData, reason: FinishReason) -> None:
         data.state = AgentState.TERMINATED

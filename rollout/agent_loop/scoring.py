@@ -10,7 +10,10 @@ reward function that hangs for good ends up failing every trajectory after a few
 
 A NaN or infinite reward, tool reward or interaction score would make the group's advantages NaN and
 the learner's weights NaN one step later, so `finite` turns it into a `RewardError`: the trajectory
-becomes a FAILED row whose error names the culprit, and nothing non-finite reaches the buffer.
+becomes a FAILED row whose error names the culprit, and nothing non-finite reaches the buffer. Finite
+is judged where the reward is used, not in float64: the learner's batch carries rewards as float32
+and takes each group's mean and squared deviations in it, so a reward past `MAX_ABS_REWARD` (1e39 is
+already inf in float32) is refused as well; so is a total of finite parts that exceeds it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ if TYPE_CHECKING:
     from streamrl.rollout.types import AgentData
 
 NUM_REWARD_THREADS = 4  # reward calls of one worker process that run at once; more wait their turn
+# Keeps a group's float32 sum and squared deviations finite: (2 * 1e15)**2 * group size < 3.4e38 (float32
+# max) for groups of up to ~8e7 trajectories. Real rewards are many orders of magnitude smaller.
+MAX_ABS_REWARD = 1e15
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -52,6 +58,11 @@ def finite(what: str, value: Any) -> float:
         raise RewardError(f"{what} is {value!r:.60}, not a number") from None
     if not math.isfinite(number):
         raise RewardError(f"{what} is {number}: a non-finite reward would turn the group's advantages into NaN")
+    if abs(number) > MAX_ABS_REWARD:
+        raise RewardError(
+            f"{what} is {number}: not finite in the learner's float32 group statistics (|reward| must be "
+            f"<= {MAX_ABS_REWARD:g}); the group's advantages would be inf or NaN"
+        )
     return number
 
 

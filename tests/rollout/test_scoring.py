@@ -44,6 +44,30 @@ async def test_a_non_finite_reward_fn_result_fails_the_trajectory(tiny_tokenizer
     _assert_failed(row, worker, f"reward function <lambda> is {value}")
 
 
+@pytest.mark.parametrize("value", [1e39, -1e39, 3e38, 2e15])
+async def test_a_reward_that_overflows_float32_group_statistics_fails_the_trajectory(tiny_tokenizer, value):
+    """1e39 is finite in float64 but inf in the learner's float32 batch (a lost step); 3e38 and 2e15 are
+    finite there, but a group's sum or squared deviations of them are not."""
+    script, _ = turn_script(tiny_tokenizer, [ANSWER])
+    ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script))
+    ctx.reward_fn = lambda inp: value
+    row, worker = await _run_in_worker(ctx)
+    _assert_failed(row, worker, f"reward function <lambda> is {value}: not finite in the learner's float32")
+
+
+async def test_a_total_of_in_range_parts_beyond_the_range_fails_the_trajectory(tiny_tokenizer, monkeypatch):
+    script, _ = turn_script(tiny_tokenizer, [CALL, ANSWER])
+    ctx = make_ctx(tiny_tokenizer, FakeEngine(script=script))
+    ctx.reward_fn = lambda inp: 9e14
+
+    async def big_rewards(instance_ids):
+        return {"calculator": 9e14}
+
+    monkeypatch.setattr(ctx.tools, "tool_rewards", big_rewards)
+    row, worker = await _run_in_worker(ctx)
+    _assert_failed(row, worker, "the total reward is 1800000000000000.0")
+
+
 async def test_a_numpy_nan_from_a_verl_compute_score_fails_the_trajectory(tiny_tokenizer):
     import numpy as np
 
