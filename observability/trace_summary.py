@@ -161,7 +161,7 @@ def format_summary(s: dict[str, Any]) -> str:
     t = s["trajectories"]
     lines = [
         f"window {s['window_s']:.1f}s, {s['num_events']} events"
-        + (f", {s['num_torn_lines']} torn lines skipped" if s["num_torn_lines"] else ""),
+        + (f", {s['num_torn_lines']} torn or malformed lines skipped" if s["num_torn_lines"] else ""),
         f"trajectories: {t['traced']} traced, {t['trained']} trained, {t['parked']} parks, {t['resumed']} resumes",
         "engine busy: " + (", ".join(f"{k} {v:.0%}" for k, v in s["engine_busy"].items()) or "-"),
         f"learner busy: {s['learner_busy']:.0%}   "

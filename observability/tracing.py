@@ -4,13 +4,17 @@
 
 Shards hold Chrome events whose `pid` / `tid` are names (`engine` / `engine-0`); the merged file numbers
 them, in a stable order, and names every process and thread row with metadata events. A shard's last
-line may be torn (its process was killed mid-write): such lines are counted and skipped, never fatal.
+line may be torn (its process was killed mid-write): such lines are counted and skipped, never fatal;
+so are events the merge and the summary cannot use (no name, a `ts` or `dur` that is not a number):
+one bad line must not cost the whole trace.
 A window (seconds from the trace's first event) keeps the events that overlap it, clipped to it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,8 @@ from pydantic import BaseModel, ConfigDict
 
 from streamrl.core.atomic import atomic_write
 from streamrl.core.run_dir import RunDir
+
+logger = logging.getLogger(__name__)
 
 # Process rows in the merged trace, top to bottom; kinds not listed follow in name order.
 ROW_ORDER = ("driver", "learner", "sync", "engine", "buffer", "trajectory")
@@ -38,7 +44,7 @@ class Trace:
     """The merged events of a run (Chrome events with named `pid` / `tid`, sorted by time)."""
 
     events: list[dict[str, Any]]
-    num_torn: int = 0  # lines skipped: torn by a killed process, or not JSON
+    num_torn: int = 0  # lines skipped: torn by a killed process, not JSON, or not a usable event
     shards: list[Path] = field(default_factory=list)
 
     @property
@@ -62,12 +68,25 @@ def read_trace(run_dir: str | Path) -> Trace:
             except ValueError:
                 torn += 1
                 continue
-            if isinstance(event, dict) and "ts" in event and "pid" in event and "tid" in event:
+            if _usable(event):
                 events.append(event)
             else:
                 torn += 1
+    if torn:
+        logger.warning("trace of %s: skipped %d torn or malformed lines", run_dir, torn)
     events.sort(key=lambda e: (e["ts"], e.get("ph") != "i", -e.get("dur", 0)))  # outer spans first
     return Trace(events=events, num_torn=torn, shards=shards)
+
+
+def _usable(event: Any) -> bool:
+    """A dict with a row (`pid`, `tid`), a `name`, a finite numeric `ts`, a numeric `dur` if any, and
+    `args` a dict if any: what sorting, windowing and the summary read."""
+    if not (isinstance(event, dict) and {"ts", "pid", "tid", "name"} <= event.keys()):
+        return False
+    times = (event["ts"], event.get("dur", 0))
+    if not all(isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t) for t in times):
+        return False
+    return isinstance(event.get("args", {}), dict)
 
 
 def parse_window(text: str | None) -> tuple[float, float] | None:

@@ -224,6 +224,25 @@ def test_trace_cli_merges_and_summarises(tmp_path, capsys):
     assert main(["trace", str(tmp_path / "none")]) == 2  # no trace there: one clear error
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [{"ts": "soon"}, {"ts": None}, {"ts": True}, {"ts": float("nan")}, {"dur": "long"}, {"args": [1]}, {"name": None}],
+)
+def test_a_malformed_event_is_skipped_and_counted_not_fatal(tmp_path, capsys, bad):
+    """One event whose `ts` is not a number aborted `streamrl trace` (sorting str against int)."""
+    from streamrl.streaming.cli import main
+
+    _lifecycle(tmp_path)
+    event = {"ph": "X", "name": "busy", "pid": "engine", "tid": "engine-0", "ts": 1, "dur": 1, "args": {}}
+    event = {k: v for k, v in {**event, **bad}.items() if v is not None}
+    with (tmp_path / "trace" / "extra.jsonl").open("w") as f:
+        f.write(json.dumps(event) + "\n")
+    tr = read_trace(tmp_path)
+    assert tr.num_torn == 2 and len(tr.events) == 15  # the torn line of `_lifecycle`, and this one
+    assert main(["trace", str(tmp_path)]) == 0
+    assert "2 torn or malformed lines skipped" in capsys.readouterr().out
+
+
 def test_report_section_only_for_traced_runs(tmp_path):
     from streamrl.observability.report_timeline import timeline_blocks, window_of
 
