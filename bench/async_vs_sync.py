@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from streamrl.core.run_dir import RunDir
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/bench_async_vs_sync.toml"
 
@@ -65,7 +67,7 @@ def run_mode(
         [sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", config, *overrides], cwd=REPO, check=True
     )
     wall = time.time() - t0
-    records = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = RunDir(root / name).metric_records()
     first, last = records[0], records[-1]
     span_s = last["time/elapsed_s"] - first["time/elapsed_s"]
     trained = (last["learner_step"] - first["learner_step"]) * batch_size(config)
@@ -121,7 +123,7 @@ def turn_generate_s(run_dir: Path) -> list[float]:
     replies after each assistant turn but the last, so a trajectory of n turns had ceil(n/2))."""
     from streamrl.buffer.cli import load_frame
 
-    frame = load_frame(run_dir / "buffer")
+    frame = load_frame(RunDir(run_dir).buffer)
     done = frame[frame["is_latest"] & (frame["status"] == "finished")]
     return [g / ((n + 1) // 2) for g, n in zip(done["generate_s"], done["num_turns"]) if n > 0]
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from bench.chaos_gateway import GATEWAY_OVERRIDES, gateway_segments
 from bench.chaos_hostile import HOSTILE_OVERRIDES
 from bench.chaos_io import IO_OVERRIDES
+from streamrl.core.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = [
@@ -127,16 +128,15 @@ SCENARIO_OVERRIDES = {
         "data.difficulty=easy",
     ],
 }
-TOOL_LEDGER = "tool_ledger.jsonl"  # in the run directory: streaming.invariants checks I5 from it
 
 
 def _ledger_tools(root: Path, run_dir: Path, run_name: str) -> list[str]:
     """The override that gives a run the side-effect calculator (rollout.tools.ledger) under the
-    calculator's name, its ledger in the run directory."""
+    calculator's name, its ledger in the run directory (streaming.invariants checks I5 from it)."""
     path = root / f"{run_name}.tools.yaml"
     path.write_text(
         "tools:\n  - name: calculator\n    class_name: streamrl.workloads.tools.ledger:LedgerCalculator\n"
-        f"    config: {{ledger_path: {json.dumps(str(run_dir / TOOL_LEDGER))}}}\n"
+        f"    config: {{ledger_path: {json.dumps(str(RunDir(run_dir).tool_ledger))}}}\n"
     )
     return [f"rollout.agent.tool_config={path}"]
 
@@ -244,7 +244,7 @@ def _base_env(run_dir: Path) -> dict[str, str]:
         os.environ,
         PYTHONUNBUFFERED="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        STREAMRL_ANSWER_LEDGER=str(run_dir / "answer_ledger.jsonl"),
+        STREAMRL_ANSWER_LEDGER=str(RunDir(run_dir).answer_ledger),
     )
     env.pop("RAY_ADDRESS", None)
     env.pop(IO_FAULTS_ENV, None)
@@ -277,7 +277,7 @@ def _run_segment(
             *SCENARIO_OVERRIDES.get(name, []),
             *_scenario_files(name, paths.root, run_dir, paths.run_name),
         ]
-        if not (run_dir / "run_info.json").exists()  # not started yet, or died before it was
+        if not RunDir(run_dir).run_info.exists()  # not started yet, or died before it was
         else ["--resume", str(run_dir)]
     )
     for _ in range(1 + STARTUP_RETRIES):
@@ -351,7 +351,7 @@ def run_scenario(
     fired = [" ".join(line.split()[:2]) for line in ledger.read_text().splitlines()] if ledger.exists() else []
     result.fault_counts = dict(Counter(fired))
     result.faults_injected = len(fired) + runner_faults
-    if (run_dir / "driver_state.json").exists():
+    if RunDir(run_dir).driver_state.exists():
         result.invariants = asdict(check_run(run_dir))
     return result
 

@@ -25,6 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from streamrl.core import syntax
+from streamrl.core.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ("io", "hostile", "all_fail", "preempt")  # preempt: bench/chaos_preempt.py
@@ -59,7 +60,7 @@ def run_hostile(seed: int, root: Path, timeout_s: float) -> list[dict]:
 
     hostile = run_scenario("hostile", seed, [""], root, timeout_s=timeout_s, max_clean=0)
     run_dir = root / f"hostile-s{seed}"
-    report = hostile_report(run_dir, root / f"hostile-s{seed}.log") if (run_dir / "buffer").exists() else {}
+    report = hostile_report(run_dir, root / f"hostile-s{seed}.log") if RunDir(run_dir).buffer.exists() else {}
     out = [{**asdict(hostile), **report}]
     out.append({"name": "hostile_tools", "seed": seed, **tool_check()})
     bomb_dir = root / f"image_bomb-s{seed}"
@@ -96,7 +97,7 @@ def run_all_fail(seed: int, root: Path, timeout_s: float) -> dict:
     rc, wall, _ = _segment(args, env, log, timeout_s)
     run_dir = root / f"all_fail-s{seed}"
     report = all_fail_report(rc, log.read_text(errors="replace"), run_dir)
-    invariants = asdict(check_run(run_dir)) if (run_dir / "driver_state.json").exists() else {}
+    invariants = asdict(check_run(run_dir)) if RunDir(run_dir).driver_state.exists() else {}
     return {
         "name": "all_fail",
         "seed": seed,
@@ -118,7 +119,7 @@ def recheck(out_path: Path, runs: Path) -> dict:
     entry = data["fault_families"][-1]
     for r in entry["results"]:
         run_dir = runs / f"{r['name']}-s{r['seed']}"
-        if not (run_dir / "driver_state.json").exists():
+        if not RunDir(run_dir).driver_state.exists():
             continue
         fresh = {"invariants": asdict(check_run(run_dir))}
         if r["name"] == "io":

@@ -21,13 +21,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import re
 import resource
 from pathlib import Path
 
 from bench.hostile import ESCAPE_MARKER, HANG_S, REWARD_BUCKETS
+from streamrl.core.run_dir import RunDir
 
 # No SFT warm-up: on a loaded 2-core machine (load average 60) it ran at 16 s a step, 30 min for the
 # 120 steps that make the tiny model call its calculator; the tool hostilities are checked on the
@@ -58,7 +58,7 @@ def _failed_rows(run_dir: Path) -> int:
     """FAILED trajectories in the buffer log (their latest rows)."""
     from streamrl.buffer.cli import load_frame
 
-    frame = load_frame(run_dir / "buffer")
+    frame = load_frame(RunDir(run_dir).buffer)
     return int((frame["is_latest"] & (frame["status"] == "failed")).sum())
 
 
@@ -66,7 +66,7 @@ def _log_lines(run_dir: Path, needle: str) -> list[str]:
     """The lines of the run's process logs (every actor, every segment) that contain `needle`."""
     return [
         line
-        for log in sorted((run_dir / "logs").glob("*.log"))
+        for log in sorted(RunDir(run_dir).logs.glob("*.log"))
         for line in log.read_text(errors="replace").splitlines()
         if needle in line
     ]
@@ -77,11 +77,11 @@ def _finite_weights(run_dir: Path) -> tuple[str | None, int]:
     import torch
     from safetensors.torch import load_file
 
-    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    checkpoints = RunDir(run_dir).checkpoint_folders()
     if not checkpoints:
         return None, -1
     bad = 0
-    for shard in sorted(checkpoints[-1].rglob("*.safetensors")):
+    for shard in sorted(checkpoints[-1].path.rglob("*.safetensors")):
         bad += sum(int((~torch.isfinite(t.float())).sum()) for t in load_file(str(shard)).values())
     return checkpoints[-1].name, bad
 
@@ -89,16 +89,15 @@ def _finite_weights(run_dir: Path) -> tuple[str | None, int]:
 def _learner_metrics(run_dir: Path) -> tuple[int, int]:
     """(learner metric values logged, how many of them are not finite)."""
     values = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
+    for row in RunDir(run_dir).metric_records():
         values += [v for k, v in row.items() if k.startswith("learner/") and isinstance(v, (int, float))]
     return len(values), sum(not math.isfinite(v) for v in values)
 
 
 def _max_metric(run_dir: Path, key: str) -> float:
     best = 0.0
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        value = json.loads(line).get(key)
+    for row in RunDir(run_dir).metric_records():
+        value = row.get(key)
         if isinstance(value, (int, float)):
             best = max(best, value)
     return best
@@ -131,7 +130,7 @@ def hostile_report(run_dir: Path, console_log: Path) -> dict:
     tool_timeouts = int(_max_metric(run_dir, "rollout/tools/num_timeouts"))  # cumulative per worker
     checkpoint, bad_weights = _finite_weights(run_dir)
     num_learner_values, bad_metrics = _learner_metrics(run_dir)
-    raw, escaped = _escapes([*sorted((run_dir / "logs").glob("*.log")), console_log])
+    raw, escaped = _escapes([*sorted(RunDir(run_dir).logs.glob("*.log")), console_log])
     return {
         "nan_rewards_failed": nan,
         "inf_rewards_failed": inf,
@@ -148,7 +147,7 @@ def hostile_report(run_dir: Path, console_log: Path) -> dict:
         "learner_metric_values": num_learner_values,
         "non_finite_learner_metrics": bad_metrics,  # must be 0
         "learner_nonfinite_steps": int(_max_metric(run_dir, "learner/num_nonfinite_steps")),  # skipped steps: 0
-        "rollout_worker_incarnations": len(list((run_dir / "logs").glob("RolloutWorkerActor-*.log"))),
+        "rollout_worker_incarnations": len(list(RunDir(run_dir).logs.glob("RolloutWorkerActor-*.log"))),
         "hostile_callbacks": nan + inf + reward_hangs + tool_hangs + escape_outputs,
         "reward_buckets": REWARD_BUCKETS,
         "hang_s": HANG_S,

@@ -23,6 +23,8 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from streamrl.core.run_dir import RunDir
+
 IO_OVERRIDES = ["trainer.total_steps=8"]  # room for every segment's fault to land before the run ends
 HARD_KINDS = ("enospc", "eio", "torn", "fsync_eio")  # a fault the writer cannot survive: the run stops
 TARGETS = ("buffer", "checkpoint", "run_file")  # what a fault hit (`target`)
@@ -81,7 +83,7 @@ def target(log: str) -> str:
 def _injected(run_dir: Path) -> list[tuple[str, str]]:
     """(target, kind) of every injected I/O fault, from every process log of the run (all its segments)."""
     found = []
-    for log in sorted((run_dir / "logs").glob("*.log")):
+    for log in sorted(RunDir(run_dir).logs.glob("*.log")):
         for line in log.read_text(errors="replace").splitlines():
             if match := _INJECTED.search(line):
                 found.append((match.group(3), match.group(4)))

@@ -22,6 +22,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from streamrl.core.run_dir import RunDir
+from streamrl.observability.logs import DRIVER_LOG
+from streamrl.streaming.driver_state import DriverState
+
 REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = ["rollout.num_engines=2", "trainer.total_steps=40", "trainer.checkpoint_every=10"]
 JOINED = re.compile(r"engine (engine-\d+) serves policy_version -?\d+: into routing")
@@ -49,17 +53,15 @@ def _engine_processes(pid: int) -> list:
 
 
 def _learner_step(run_dir: Path) -> int:
-    import json
-
     try:
-        return json.loads((run_dir / "driver_state.json").read_text())["learner_step"]
-    except (OSError, ValueError, KeyError):
+        return DriverState.load(RunDir(run_dir).driver_state).learner_step
+    except (OSError, ValueError, TypeError):
         return -1
 
 
 def _drive(proc: subprocess.Popen, run_dir: Path, deadline: float) -> dict:
     """Act on the run as it goes: scale up, preempt, kill. Returns what was done and when (seconds)."""
-    t0, done, log = time.monotonic(), {}, run_dir / "logs" / "driver.log"
+    t0, done, log = time.monotonic(), {}, RunDir(run_dir).logs / DRIVER_LOG
     while proc.poll() is None and time.monotonic() < deadline:
         text = log.read_text(errors="replace") if log.exists() else ""
         if "scale_up" not in done and _learner_step(run_dir) >= 1:
@@ -104,7 +106,7 @@ def run_preempt(seed: int, root: Path, timeout_s: float) -> dict:
             except ProcessLookupError:
                 pass
             proc.wait(30)
-    text = (run_dir / "logs" / "driver.log").read_text(errors="replace") if run_dir.exists() else ""
+    text = (RunDir(run_dir).logs / DRIVER_LOG).read_text(errors="replace") if run_dir.exists() else ""
     drained = [(e, int(n)) for e, n in DRAINED.findall(text)]
     result = {
         "name": "preempt",
@@ -120,6 +122,6 @@ def run_preempt(seed: int, root: Path, timeout_s: float) -> dict:
         "engines_killed": DEAD.findall(text),
         "faults_injected": len(drained) + len(DEAD.findall(text)),
     }
-    if (run_dir / "driver_state.json").exists():
+    if RunDir(run_dir).driver_state.exists():
         result["invariants"] = asdict(check_run(run_dir))
     return result

@@ -44,7 +44,8 @@ from bench.crashsim_record import Recorder, Trace
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.schema import batch_to_trajectories
 from streamrl.buffer.store import ReplayBuffer
-from streamrl.core.atomic import atomic_dir, make_dirs
+from streamrl.core.atomic import SEAL, atomic_dir, make_dirs
+from streamrl.core.run_dir import CHECKPOINT_HF, CHECKPOINT_STATE, Checkpoint, RunDir
 from streamrl.rollout.types import FinishReason, Trajectory
 from streamrl.streaming.checkpoints import (
     delete_checkpoints,
@@ -91,9 +92,9 @@ def trajectories(group_id: str) -> list[Trajectory]:
 def checkpoint_files(step: int) -> dict[str, bytes]:
     """The files of the learner checkpoint of `step` (stand-ins for weights, optimizer and state)."""
     return {
-        "hf/model.safetensors": bytes((step * 7 + i) % 251 for i in range(3000)),
+        f"{CHECKPOINT_HF}/model.safetensors": bytes((step * 7 + i) % 251 for i in range(3000)),
         "optimizer.pt": bytes((step * 13 + i) % 241 for i in range(1500)),
-        "state.json": json.dumps({"policy_version": step}).encode(),
+        CHECKPOINT_STATE: json.dumps({"policy_version": step}).encode(),
     }
 
 
@@ -108,7 +109,7 @@ def _write_checkpoint(step: int) -> Callable[[Path], None]:
 
 def buffer_config(run: Path, *, fsync: bool = True, fsync_durable: bool = True) -> BufferConfig:
     return BufferConfig(
-        root_dir=str(run / "buffer"),
+        root_dir=str(RunDir(run).buffer),
         batch_size=2,
         group_size=2,
         flush_every_rows=10_000,
@@ -134,7 +135,7 @@ def record_workload(root: Path, workload: Workload | None = None) -> Trace:
     workload = workload or Workload()
     run = root / "run"
     run.mkdir(parents=True)
-    state_path = run / "driver_state.json"
+    state_path = RunDir(run).driver_state
     with Recorder(root) as rec:
         cfg = buffer_config(run, fsync=workload.fsync_buffer, fsync_durable=workload.fsync_durable_appends)
         buf = ReplayBuffer(cfg)
@@ -151,7 +152,7 @@ def record_workload(root: Path, workload: Workload | None = None) -> Trace:
                 _save(rec, workload, state, state_path)
             batch = buf.sample(served_version=0, learner_step=step)
             rec.mark("consumed", (step, sorted(set(batch.table.column("group_id").to_pylist()))))
-            step_dir = run / "checkpoints" / f"step_{step:06d}"
+            step_dir = RunDir(run).checkpoint(step)
             make_dirs(step_dir.parent, sync=True)  # as Pipeline.checkpoint does
             atomic_dir(step_dir, _write_checkpoint(step), sync=workload.seal_checkpoints)
             buf.checkpoint()
@@ -217,11 +218,11 @@ def check_state(root: Path, state: CrashState, trace: Trace) -> list[str]:
     write_tree(root, state.tree)
     run = root / "run"
     problems: list[str] = []
-    path = run / "driver_state.json"
+    path = RunDir(run).driver_state
     try:
         driver = DriverState.load(path) if path.exists() else None
     except (ValueError, TypeError) as e:
-        return [f"driver_state.json does not load: {e!r}"]
+        return [f"{path.name} does not load: {e!r}"]
     found = _canonical(driver) if driver is not None else None
     driver = driver or DriverState()
     named = driver.checkpoint
@@ -241,7 +242,7 @@ def check_state(root: Path, state: CrashState, trace: Trace) -> list[str]:
     for point in state.points:
         acked = _Acked.at(trace, point.at)
         if found not in acked.states:
-            problems.append(f"{_where(point, trace)}: driver_state.json holds neither the old nor the new state")
+            problems.append(f"{_where(point, trace)}: {path.name} holds neither the old nor the new state")
         if groups is not None:
             problems += [
                 f"{_where(point, trace)}: {p}" for p in _check_groups(groups, acked, point, driver.checkpoint_step)
@@ -256,10 +257,8 @@ def _where(point: CrashPoint, trace: Trace) -> str:
 
 
 def _check_checkpoint(folder: Path, step: int) -> list[str]:
-    want = checkpoint_files(int(folder.name.removeprefix("step_")))
-    got = {
-        str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != "SEALED.json"
-    }
+    want = checkpoint_files(Checkpoint.at(folder).step)
+    got = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != SEAL}
     if got != want:
         return [
             f"resumed checkpoint {folder.name} (step {step}) is torn: files {sorted(got)} differ from {sorted(want)}"

@@ -24,13 +24,14 @@ from pathlib import Path
 import psutil
 
 from bench.memsample import sample_run
+from streamrl.core.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    run = RunDir(run_dir)
+    return run.metric_records() if run.metrics.exists() else []
 
 
 def _heldout_comparison(run_dir: Path) -> dict | None:
@@ -120,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         "heldout_comparison": comparison,
         "memory": memory,
         "learner_peak_gb_reported": max((m.get("memory/learner_peak_gb", 0.0) for m in steps), default=None),
-        "report_html": bool(run_dir and (run_dir / "report.html").exists()),
-        "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if run_dir else [],
+        "report_html": bool(run_dir and RunDir(run_dir).report.exists()),
+        "checkpoints": [c.name for c in RunDir(run_dir).checkpoint_folders()] if run_dir else [],
         "log_tail": log.read_text(errors="replace")[-3000:],
     }
     Path(args.out).write_text(json.dumps(result, indent=1))

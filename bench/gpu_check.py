@@ -32,6 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from streamrl.core.run_dir import RunDir
+from streamrl.streaming.driver_state import DriverState
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -116,23 +119,22 @@ def server_overrides(work: Path, model: Path, *, num_gpus: int) -> list[str]:
 
 def load_logged(run_dir: Path) -> list[dict[str, Any]]:
     """The per-step learner rows of the run's metrics.jsonl."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [m for m in rows if "learner/loss" in m]
+    return [m for m in RunDir(run_dir).metric_records() if "learner/loss" in m]
 
 
 def check_run(run_dir: Path, *, steps: int, ranks: int) -> dict[str, bool]:
     logged = load_logged(run_dir)
-    state = json.loads((run_dir / "driver_state.json").read_text())
+    state = DriverState.load(RunDir(run_dir).driver_state)
     return {
-        "every step ran": state["learner_step"] == steps and len(logged) == steps,
+        "every step ran": state.learner_step == steps and len(logged) == steps,
         "every sync succeeded": all(m.get("sync/num_failed", 0.0) == 0.0 for m in logged),
-        "engines serve the last version": state["policy_version"] == steps,
+        "engines serve the last version": state.policy_version == steps,
         "learner group has every rank": all(m.get("learner/num_workers") == float(ranks) for m in logged),
         "learner reports CUDA memory": all(m.get("memory/learner_peak_gb", 0.0) > 0.0 for m in logged),
         "the weights changed at every step": all(m.get("learner/grad_norm", 0.0) > 0.0 for m in logged),
         # the CUDA engine's sampled log-probs against the learner's recomputation with the same version
         "engines serve the learner's weights": all(m.get("is/mismatch_kl", 1.0) < MAX_MISMATCH_KL for m in logged),
-        "report written": (run_dir / "report.html").exists(),
+        "report written": RunDir(run_dir).report.exists(),
     }
 
 

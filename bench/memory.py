@@ -27,6 +27,7 @@ import psutil
 
 from bench import TRAIN_COMMAND
 from bench.memsample import sample_run
+from streamrl.core.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_PARAMS = 134_515_008
@@ -60,11 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         rc, wall, memory = sample_run(
             cmd, cwd=str(REPO), env=dict(os.environ), log_path=f"{tmp}/train.log", timeout_s=3600
         )
-        lines = (
-            [json.loads(x) for x in (Path(tmp) / "memory/metrics.jsonl").read_text().splitlines() if x.strip()]
-            if (Path(tmp) / "memory/metrics.jsonl").exists()
-            else []
-        )
+        run = RunDir(Path(tmp) / "memory")
+        lines = run.metric_records() if run.metrics.exists() else []
         metrics = [m for m in lines if "learner/loss" in m]  # the learner steps (not held-out evaluations)
     state_gb = 16 * SMOLLM2_PARAMS / 2**30  # fp32 params + grads + AdamW m and v
     learner = memory["part_peak_gb"].get("learner", 0.0)

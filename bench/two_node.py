@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import TRAIN_COMMAND
+from streamrl.core.run_dir import RunDir, read_json
+from streamrl.streaming.driver_state import DriverState
 
 REPO = Path(__file__).resolve().parents[1]
 # Every node of the simulated cluster is on 127.0.0.1. Ray resolves a loopback bootstrap address to
@@ -78,14 +80,14 @@ def run_two_node(work: Path, *, steps: int, timeout_s: float = 900.0) -> dict[st
 
 
 def check_run(run_dir: Path, *, steps: int, wall_s: float) -> dict[str, Any]:
-    placement = json.loads((run_dir / "placement.json").read_text())
+    run = RunDir(run_dir)
+    placement = read_json(run.placement)
     nodes = placement["nodes"]
     by_resource = {
         res: nid for nid, node in nodes.items() for res in ("engine_node", "learner_node") if node["resources"].get(res)
     }
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps_logged = [m for m in metrics if "learner/loss" in m]
-    state = json.loads((run_dir / "driver_state.json").read_text())
+    steps_logged = [m for m in run.metric_records() if "learner/loss" in m]
+    state = DriverState.load(run.driver_state)
     failed_syncs = sum(m.get("sync/num_failed", 0.0) for m in steps_logged)
     result = {
         "num_nodes": len(nodes),
@@ -94,8 +96,8 @@ def check_run(run_dir: Path, *, steps: int, wall_s: float) -> dict[str, Any]:
         "buffer_node": placement["buffer"],
         "driver_node": placement["driver"],
         "rollout_worker_nodes": placement["rollout_workers"],
-        "learner_step": state["learner_step"],
-        "policy_version": state["policy_version"],
+        "learner_step": state.learner_step,
+        "policy_version": state.policy_version,
         "syncs_failed": failed_syncs,
         "engine_versions": [m.get("policy_version") for m in steps_logged],
         "wall_s": round(wall_s, 1),
@@ -109,10 +111,10 @@ def check_run(run_dir: Path, *, steps: int, wall_s: float) -> dict[str, Any]:
         problems.append("the learner is not on the learner node")
     if placement["buffer"] != placement["driver"]:
         problems.append("the buffer is not on the driver's node")
-    if state["learner_step"] != steps or len(steps_logged) != steps:
-        problems.append(f"{state['learner_step']} learner steps, {len(steps_logged)} logged, not {steps}")
-    if failed_syncs or state["policy_version"] != steps:
-        problems.append(f"weight sync: {failed_syncs} failed, engines serve v{state['policy_version']} not v{steps}")
+    if state.learner_step != steps or len(steps_logged) != steps:
+        problems.append(f"{state.learner_step} learner steps, {len(steps_logged)} logged, not {steps}")
+    if failed_syncs or state.policy_version != steps:
+        problems.append(f"weight sync: {failed_syncs} failed, engines serve v{state.policy_version} not v{steps}")
     if problems:
         raise AssertionError("; ".join(problems) + f"\n{json.dumps(result, indent=1)}")
     return result

@@ -102,6 +102,14 @@ class Checkpoint:
     step: int  # learner step of its weights
     path: Path
 
+    @classmethod
+    def at(cls, path: str | Path) -> Checkpoint:
+        """The checkpoint folder `path` (its step read from its name); ValueError if not named like one."""
+        step = _step_of(Path(path).name)
+        if step is None:
+            raise ValueError(f"{path} is not a checkpoint folder ({CHECKPOINT_PREFIX}NNNNNN)")
+        return cls(step=step, path=Path(path))
+
     @property
     def name(self) -> str:
         return self.path.name

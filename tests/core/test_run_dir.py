@@ -8,7 +8,7 @@ import json
 import pytest
 
 from streamrl.core.atomic import atomic_dir
-from streamrl.core.run_dir import Accounting, NotARunDirError, RunDir, RunInfo, why_incomplete
+from streamrl.core.run_dir import Accounting, Checkpoint, NotARunDirError, RunDir, RunInfo, why_incomplete
 
 
 def _info(**kw) -> RunInfo:
@@ -57,6 +57,9 @@ def test_complete_checkpoints_are_the_sealed_ones_oldest_first(tmp_path):
     (run.checkpoint(10) / "state.json").write_text("{}    ")  # a file no longer at its sealed size
     assert "bytes, the seal says" in why_incomplete(run.checkpoint(10))
     assert [c.step for c in run.complete_checkpoints()] == [2]
+    assert Checkpoint.at(run.checkpoint(10)).step == 10
+    with pytest.raises(ValueError, match="not a checkpoint folder"):
+        Checkpoint.at(run.checkpoints / "step_notes")
 
 
 def test_eval_files_are_named_and_parsed_in_one_place(tmp_path):
