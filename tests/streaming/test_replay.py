@@ -30,7 +30,7 @@ def _group(gid: str, version: int, rewards: list[float], seed: int):
     return rows
 
 
-def _run_config(run_dir, tiny_model_path):
+def _run_config(run_dir, tiny_model_path, *extra: str):
     cfg = load_config(
         REPO / "configs/tiny.toml",
         [
@@ -39,8 +39,9 @@ def _run_config(run_dir, tiny_model_path):
             "buffer.group_size=2",
             "learner.lr=1e-3",
             "learner.correction.prox=loglinear",
+            *extra,
         ],
-    )  # lag-dependent: labels matter
+    )
     cfg.learner.model = str(tiny_model_path)
     cfg.buffer.root_dir = str(run_dir / "buffer")
     info = RunInfo(run_name="run", model_path=str(tiny_model_path), mode="async", config=cfg.model_dump(mode="json"))
@@ -100,7 +101,8 @@ def test_replay_of_a_resumed_run_matches_the_learner_that_last_trained_each_step
     and must reproduce, bit for bit, what the learner that last trained each step logged."""
     from streamrl.learner.engine import TrainingEngine
 
-    cfg = _run_config(tmp_path, tiny_model_path)
+    # two mini-batches: the second one's π_prox is interpolated by lag, so the version labels matter
+    cfg = _run_config(tmp_path, tiny_model_path, "learner.num_minibatches=2")
     buf, engine = ReplayBuffer(cfg.buffer), TrainingEngine(cfg.learner)
     log = MetricsLogger(tmp_path, wandb_cfg=None, console=False)
     first = _train(buf, engine, log, [1, 2])
