@@ -248,6 +248,12 @@ class LearnerConfig(BaseModel):
     num_minibatches: int = Field(default=1, ge=1)
     micro_batch_tokens: int = Field(default=4096, gt=0)
     shuffle_minibatches: bool = True
+    # The training pass forwards each GRPO group's shared prompt once (forward and backward) and
+    # every row's continuation against it, packed with a 4-D attention mask (`learner/shared_prefix.py`):
+    # same losses and gradients, fewer tokens. A packed group counts prompt + continuations against
+    # micro_batch_tokens; a larger group is cut into chunks that each repeat the prompt. Groups whose
+    # rows differ in their prompt, vision-language models and the no-grad passes stay dense.
+    shared_prefix: bool = True
 
     @property
     def updates_per_step(self) -> int:

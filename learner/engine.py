@@ -4,7 +4,8 @@ A step: (1) a no-grad pass over the batch for whatever the loss needs from the s
 π_prox where the training forward cannot give it (`step_inputs`), old values (PPO) and reference
 log-probs (KL); (2) advantages
 (GRPO group-normalised or masked GAE); (3) `ppo_epochs × num_minibatches` optimiser steps, each
-accumulating gradients over micro-batches packed by token budget; (4) `policy_version += 1`.
+accumulating gradients over micro-batches packed by token budget, each GRPO group's shared prompt
+forwarded once per micro-batch with `shared_prefix` (`learner.shared_prefix`); (4) `policy_version += 1`.
 
 An optimiser step whose loss or gradient norm is NaN/inf (a NaN reward that slipped through, an
 overflow) is skipped: its gradients are dropped and the weights, optimiser state and LR schedule stay
@@ -53,6 +54,7 @@ from streamrl.learner.model import (
     split_minibatches,
 )
 from streamrl.learner.sharded import clip_grad_norm, full_tensor
+from streamrl.learner.shared_prefix import MicroBatchPlan, check_packable, packed_forward, plan_micro_batches
 from streamrl.learner.step_inputs import StepInputs, build_step_inputs
 from streamrl.learner.types import StepResult, TrainBatch, TrainState
 
@@ -108,6 +110,13 @@ class TrainingEngine:
         lm = load_lm(self.model_path, self.device, gradient_checkpointing=cfg.gradient_checkpointing)
         chunk = cfg.logits_chunk_tokens
         self.policy = PolicyModel(lm, with_value_head=cfg.algo == Algo.PPO, logits_chunk_tokens=chunk).to(self.device)
+        # the training pass forwards each group's shared prompt once (learner.shared_prefix); a VLM's
+        # rows carry pixels the packed forward does not take, so it trains dense
+        self.shared_prefix = cfg.shared_prefix and not self.policy.is_vision
+        if self.shared_prefix:
+            check_packable(self.policy)
+        elif cfg.shared_prefix:
+            logger.info("learner.shared_prefix is not applied to a vision-language model: its rows train dense")
         self.reference: PolicyModel | None = None
         if cfg.use_reference:
             ref_lm = load_lm(self.model_path, self.device)
@@ -153,6 +162,15 @@ class TrainingEngine:
         target = int(self.all_reduce(float(len(groups)), "max"))
         return groups + [rows[:0]] * (target - len(groups))
 
+    def train_micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[MicroBatchPlan]:
+        """The training pass's micro-batches of `rows`: `micro_batches`, or with `shared_prefix` each
+        group sharing a prompt packed as one segment (`learner.shared_prefix.plan_micro_batches`)."""
+        if not self.shared_prefix:
+            return [MicroBatchPlan(rows=idx, segments=()) for idx in self.micro_batches(batch, rows)]
+        plans = plan_micro_batches(batch, rows, self.cfg.micro_batch_tokens)
+        target = int(self.all_reduce(float(len(plans)), "max"))
+        return plans + [MicroBatchPlan(rows=rows[:0], segments=())] * (target - len(plans))
+
     def to_train_batch(self, batch: Any) -> TrainBatch:
         """A buffer batch (or a `TrainBatch`, passed through) on this engine's device, with pixels."""
         if isinstance(batch, TrainBatch):
@@ -167,6 +185,21 @@ class TrainingEngine:
                 images=mb.images,
                 temperature=self.cfg.temperature,
                 with_entropy=with_entropy,
+                entropy_requires_grad=self.cfg.entropy_coef > 0,
+            )
+
+    def train_forward(self, mb: TrainBatch, plan: MicroBatchPlan) -> Any:
+        """The training pass of one micro-batch, with grad: dense, or packed when a group in it shares
+        its prompt (same log-probs, entropies and values on every position that carries loss)."""
+        if not plan.is_shared:
+            return self.forward(self.policy, mb, with_entropy=True)
+        with self._autocast():
+            return packed_forward(
+                self.policy,
+                mb,
+                plan.segments,
+                temperature=self.cfg.temperature,
+                with_entropy=True,
                 entropy_requires_grad=self.cfg.entropy_coef > 0,
             )
 
@@ -272,14 +305,15 @@ class TrainingEngine:
         norms = dict(num_tokens=num_tokens, num_seqs=num_seqs, constant=constant)
         self.optimizer.zero_grad(set_to_none=True)
         parts: dict[str, float] = {}
-        for idx in self.micro_batches(tb, rows):
+        for plan in self.train_micro_batches(tb, rows):
+            idx = plan.rows
             if idx.numel() == 0:
                 self.dummy_pass(tb, backward=True)
                 continue
             mb = tb.select(idx)
             width = mb.input_ids.shape[1]
             sl = _row_slicer(idx, width)  # slices a [B, T] step tensor like `mb`
-            out = self.forward(self.policy, mb, with_entropy=True)
+            out = self.train_forward(mb, plan)
             mask = mb.loss_mask
             lag = sl(inputs.lag)
             if inputs.terms is not None:

@@ -50,6 +50,17 @@ class ForwardOut:
     values: torch.Tensor | None  # [B, T] V(prefix before token t), 0 at t = 0
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackedTokens:
+    """A packed forward's layout (`learner.shared_prefix`): the positions rotary embeddings use, and
+    which tokens are scored — hidden state `source[n]` (flat over [B·T]) scores token `targets[n]`.
+    With it, `attention_mask` is a 4-D mask and `PolicyModel.forward` returns [N] tensors."""
+
+    position_ids: torch.Tensor  # [B, T]
+    source: torch.Tensor  # [N]
+    targets: torch.Tensor  # [N]
+
+
 class PolicyModel(nn.Module):
     """HF causal LM or image-text-to-text model `lm` + optional `value_head` (Linear(hidden, 1),
     zero-initialised)."""
@@ -71,18 +82,22 @@ class PolicyModel(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T]
-        attention_mask: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor,  # [B, T]; [B, 1, T, T] with `packed`
         *,
         images: Sequence[RowImages | None] | None = None,  # [B] (learner.vision); None: text only
         temperature: float = 1.0,
         with_entropy: bool = False,
         entropy_requires_grad: bool = True,
+        packed: PackedTokens | None = None,
     ) -> ForwardOut:
+        """Log-probs, entropies and values of every token ([B, T]), or with `packed` of the tokens it
+        names ([N]: one module call either way, so FSDP's root hooks gather embeddings and heads)."""
+        if packed is not None:
+            return self._packed_forward(
+                input_ids, attention_mask, packed, temperature, with_entropy, entropy_requires_grad
+            )
         hidden = self.hidden_states(input_ids, attention_mask, images)
-        # the head is called as a module (per chunk) so FSDP2 hooks see it and its weight is unsharded
-        head = self.lm.get_output_embeddings()
-        if head is None:  # as calling None would, but saying what is missing
-            raise TypeError(f"{type(self.lm).__name__} has no output embeddings (LM head) to score tokens with")
+        head = self.output_head()
         score = dict(temperature=temperature, with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad)
         if self.logits_chunk_tokens > 0:
             logp, entropy = chunked_token_logprobs_and_entropy(
@@ -95,6 +110,41 @@ class PolicyModel(nn.Module):
             v = self.value_head(hidden[:, :-1]).squeeze(-1).float()
             values = nn.functional.pad(v, (1, 0))
         return ForwardOut(logp=logp, entropy=entropy, values=values)
+
+    def _packed_forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor,  # [B, 1, T, T]
+        packed: PackedTokens,
+        temperature: float,
+        with_entropy: bool,
+        entropy_requires_grad: bool,
+    ) -> ForwardOut:  # [N] each
+        if self.is_vision:
+            raise ValueError("a packed forward is text only: the vision-language model's rows need their pixels")
+        hidden = self.lm.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=packed.position_ids
+        ).last_hidden_state
+        src = hidden.reshape(-1, hidden.shape[-1])[packed.source]  # [N, H]
+        logp, entropy = score_positions(
+            src,
+            self.output_head(),
+            packed.targets,
+            chunk_tokens=self.logits_chunk_tokens or max(src.shape[0], 1),
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_requires_grad=entropy_requires_grad,
+            fused=self.fused_head,
+        )
+        values = self.value_head(src).squeeze(-1).float() if self.value_head is not None else None
+        return ForwardOut(logp=logp, entropy=entropy, values=values)
+
+    def output_head(self) -> nn.Module:
+        """The LM head, called as a module (per chunk) so FSDP2 hooks see it and its weight is unsharded."""
+        head = self.lm.get_output_embeddings()
+        if head is None:  # as calling None would, but saying what is missing
+            raise TypeError(f"{type(self.lm).__name__} has no output embeddings (LM head) to score tokens with")
+        return head
 
     def hidden_states(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: Sequence[RowImages | None] | None
@@ -120,28 +170,48 @@ def chunked_token_logprobs_and_entropy(
     entropy_requires_grad: bool = True,
     fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B, T] each
-    """`token_logprobs_and_entropy(head(hidden), input_ids, ...)` without the [B, T, V] logits.
-
-    The B·(T − 1) scoring positions (hidden at t − 1 scores token t) are flattened and cut into
-    chunks of `chunk_tokens`; each chunk runs head → log-softmax → gather (→ entropy) on its own.
-    With grad enabled each chunk is checkpointed (non-reentrant): forward keeps only the chunk's
-    hidden slice, backward recomputes the chunk's logits, so peak memory is one chunk's logits
-    whatever B·T is. The entropy carries a graph only when `entropy_requires_grad`.
-    """
+    """`token_logprobs_and_entropy(head(hidden), input_ids, ...)` without the [B, T, V] logits: the
+    B·(T − 1) scoring positions (hidden at t − 1 scores token t) go through `score_positions`."""
     batch, width, dim = hidden.shape
-    src = hidden[:, :-1].reshape(-1, dim)  # [N, H], N = B·(T − 1)
-    targets = input_ids[:, 1:].reshape(-1)  # [N]
-    grad = torch.is_grad_enabled()
-    entropy_grad = grad and entropy_requires_grad
+    logp, entropy = score_positions(
+        hidden[:, :-1].reshape(-1, dim),
+        head,
+        input_ids[:, 1:].reshape(-1),
+        chunk_tokens=chunk_tokens,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_requires_grad=entropy_requires_grad,
+        fused=fused,
+    )
 
-    def assemble(parts: list[torch.Tensor]) -> torch.Tensor:
-        flat = torch.cat(parts) if parts else src.new_zeros(0, dtype=torch.float32)
+    def assemble(flat: torch.Tensor) -> torch.Tensor:
         return nn.functional.pad(flat.view(batch, width - 1), (1, 0))
 
-    if (
-        grad and fused and fused_head_applies(head, src)
-    ):  # one weight gradient instead of one per chunk (learner.lm_head)
-        logp, entropy = chunked_head_logprobs(
+    return assemble(logp), assemble(entropy) if entropy is not None else None
+
+
+def score_positions(
+    src: torch.Tensor,  # [N, H] hidden states of the scoring positions
+    head: nn.Module,  # hidden → logits (the LM head)
+    targets: torch.Tensor,  # [N] the token each position scores
+    *,
+    chunk_tokens: int,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    entropy_requires_grad: bool = True,
+    fused: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # [N] float32 each; entropy None without `with_entropy`
+    """log softmax(head(src) / τ)[targets] (and the entropy), `chunk_tokens` positions at a time.
+
+    Each chunk runs head → log-softmax → gather (→ entropy) on its own. With grad enabled each chunk
+    is checkpointed (non-reentrant): forward keeps only the chunk's hidden slice, backward recomputes
+    the chunk's logits, so peak memory is one chunk's logits whatever N is. The entropy carries a
+    graph only when `entropy_requires_grad`.
+    """
+    grad = torch.is_grad_enabled()
+    entropy_grad = grad and entropy_requires_grad
+    if grad and fused and fused_head_applies(head, src):  # one weight gradient instead of one per chunk
+        return chunked_head_logprobs(
             src,
             head.weight,
             targets,
@@ -150,7 +220,6 @@ def chunked_token_logprobs_and_entropy(
             with_entropy=with_entropy,
             entropy_requires_grad=entropy_requires_grad,
         )
-        return assemble([logp]), assemble([entropy]) if entropy is not None else None
 
     def score(h: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = head(h).float()  # [n, V]
@@ -177,7 +246,11 @@ def chunked_token_logprobs_and_entropy(
         logps.append(logp)
         if entropy is not None:
             entropies.append(entropy)
-    return assemble(logps), assemble(entropies) if with_entropy else None
+
+    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts) if parts else src.new_zeros(0, dtype=torch.float32)
+
+    return cat(logps), cat(entropies) if with_entropy else None
 
 
 def resolve_device(name: str) -> torch.device:

@@ -64,6 +64,9 @@ class TrainBatch:
     seq_lens: torch.Tensor  # [B] int64
     rewards: torch.Tensor  # [B] float32 (final score)
     group_index: torch.Tensor  # [B] int64 (sequences of one GRPO group share it)
+    # [B] int64: tokens of the row's first prompt (None when the source batch does not say); a GRPO
+    # group's rows share these tokens, which `learner.shared_prefix` forwards once per group
+    prompt_lens: torch.Tensor | None = None
     turn_scores: list[list[float]] = field(default_factory=list)  # [B][num_scored_turns]
     # [B]; row b's image inputs (None: no image in row b). None for a text-only batch.
     images: list[RowImages | None] | None = None
@@ -99,6 +102,7 @@ class TrainBatch:
             seq_lens=t("seq_lens", torch.int64),
             rewards=t("rewards", torch.float32),
             group_index=t("group_index", torch.int64),
+            prompt_lens=t("prompt_lens", torch.int64) if getattr(padded, "prompt_lens", None) is not None else None,
             turn_scores=[list(map(float, s)) for s in getattr(padded, "turn_scores", None) or []],
         )
         raw_images = getattr(padded, "images", None) or [[] for _ in range(batch.batch_size)]
@@ -124,9 +128,10 @@ class TrainBatch:
         for name in ("attention_mask", "loss_mask", "behavior_logprobs", "policy_versions"):
             if getattr(self, name).shape != shape:
                 raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected {tuple(shape)}")
-        for name in ("seq_lens", "rewards", "group_index"):
-            if getattr(self, name).shape != shape[:1]:
-                raise ValueError(f"{name} must be [B={shape[0]}], got {tuple(getattr(self, name).shape)}")
+        for name in ("seq_lens", "rewards", "group_index", "prompt_lens"):
+            value = getattr(self, name)
+            if value is not None and value.shape != shape[:1]:
+                raise ValueError(f"{name} must be [B={shape[0]}], got {tuple(value.shape)}")
         if self.turn_scores and len(self.turn_scores) != shape[0]:
             raise ValueError(f"turn_scores has {len(self.turn_scores)} rows for batch size {shape[0]}")
         if self.images is not None and len(self.images) != shape[0]:
@@ -155,6 +160,7 @@ class TrainBatch:
             seq_lens=self.seq_lens[index],
             rewards=self.rewards[index],
             group_index=self.group_index[index],
+            prompt_lens=None if self.prompt_lens is None else self.prompt_lens[index],
             turn_scores=[self.turn_scores[i] for i in rows] if self.turn_scores else [],
             images=[self.images[i] for i in rows] if self.images is not None else None,
         )
