@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -148,3 +149,44 @@ async def test_a_command_past_its_timeout_dies_with_all_it_started(tmp_path):
     finally:
         left = _reap_check([int(p) for p in pids.read_text().split()])
     assert elapsed < 8.0 and left == []  # the program, its child and its setsid child
+
+
+# A rollout worker reduced to what runs a command: `run_program` on an event loop in a thread of its
+# own (a Ray async actor's loop runs in one, and the parent-death signal follows the thread that forked).
+WORKER = textwrap.dedent(
+    """
+    import asyncio, sys, threading
+    import streamrl.rollout.agent_loop  # first, as in the worker: it registers the loops, the gateway's too
+    from streamrl.rollout.gateway.config import GatewayConfig
+    from streamrl.rollout.gateway.loop import run_program
+    cfg = GatewayConfig(command=sys.argv[1:], timeout_s=120)
+    call = run_program(cfg, "http://127.0.0.1:1/v1", "token", {"messages": []})
+    loop = threading.Thread(target=asyncio.run, args=(call,))
+    loop.start()
+    loop.join()
+    """
+)
+
+
+def test_a_sigkilled_worker_leaves_no_command_process_behind(tmp_path):
+    """After a worker dies its trajectories resume in another worker: a surviving program (or a tool it
+    started) would run twice, both against the same environment and files."""
+    pids = tmp_path / "pids"
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, sys.executable, "-c", LEAVER, str(pids), "hang"])
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 30.0
+        while len(started) < 3 and time.monotonic() < deadline and worker.poll() is None:
+            time.sleep(0.05)
+            started = [int(p) for p in pids.read_text().split()] if pids.exists() else []
+        assert len(started) == 3, f"the command did not start (worker exit status {worker.poll()})"
+        worker.kill()
+        worker.wait(10)
+        deadline = time.monotonic() + 5.0
+        while any(map(_alive, started)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        left = _reap_check(started)
+    assert left == [], "alive after the worker was SIGKILLed: the program, its child and its setsid child"
