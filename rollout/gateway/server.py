@@ -3,7 +3,8 @@ worker's sessions.
 
 Owns the FastAPI app, the uvicorn server it runs on (a task on the worker's own event loop, so the
 handlers call the sessions, the engines and the cancel Event directly; no thread, no Ray), the check of
-each session's own bearer token, the request size limit and the table of live sessions. Routes, per
+each session's own bearer token, the request size limit, the parse of a body (JSON text: not too deep,
+no lone surrogates; `parse_body`) and the table of live sessions. Routes, per
 session and attempt:
 
     GET  /s/{session}/{attempt}/v1/models
@@ -44,6 +45,10 @@ from streamrl.rollout.gateway.session import CallStats, Session, call_key
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 2.0  # `stop` lets calls in flight finish this long, then cancels them
+# The deepest nesting of arrays and objects a body may have. Real requests (messages, content blocks,
+# tool schemas) stay far below; deeper ones would hit Python's recursion limit in the parser or in
+# whatever walks the body later, a 500 its client would retry.
+MAX_JSON_DEPTH = 128
 
 
 # The counters of `GatewayServer.metrics` (`rollout/gateway/<name>`, declared in core/catalogue.py).
@@ -189,10 +194,7 @@ class GatewayServer:
             if size > limit:
                 raise GatewayError(413, f"request body exceeds the limit of {limit} bytes")
             chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except ValueError as exc:
-            raise protocol.bad_request(f"the body is not valid JSON: {exc}") from None
+        return parse_body(b"".join(chunks))
 
     async def chat(self, api: str, request: Request, session_id: str, attempt: int) -> Response:
         started = time.perf_counter()
@@ -234,6 +236,54 @@ class GatewayServer:
         self.counts["num_errors"] += 1
         retry = "true" if err.status in protocol.RETRYABLE else "false"
         return JSONResponse(protocol.error_body(api, err), status_code=err.status, headers={"x-should-retry": retry})
+
+
+def parse_body(raw: bytes) -> Any:
+    """A request body as JSON, or a 400 that says what is wrong with it: not JSON, nested deeper than
+    `MAX_JSON_DEPTH`, or a string (value or key) holding a lone surrogate (`"\\ud800"` is valid JSON
+    but no text: the tokenizer and every UTF-8 encoder refuse it). These are the client's to fix, so
+    they must not come back as a retryable 500."""
+    too_deep = protocol.bad_request(f"the body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise too_deep from None
+    except ValueError as exc:
+        raise protocol.bad_request(f"the body is not valid JSON: {exc}") from None
+    level, depth = [body] if type(body) in (dict, list) else [], 0  # a level at a time: no recursion
+    while level:
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            raise too_deep
+        level = [item for c in level for item in (c.values() if type(c) is dict else c) if type(item) in (dict, list)]
+    try:  # all strings at once, at C speed; the slow walk below only names the culprit
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        where, char = _lone_surrogate(body)
+        raise protocol.bad_request(
+            f"{where} holds a lone surrogate (U+{ord(char):04X}), which is not text: send the character itself, "
+            "or both halves of its surrogate pair"
+        ) from exc
+    return body
+
+
+def _lone_surrogate(body: Any) -> tuple[str, str]:
+    """Where in `body` the first string (or key) that is not valid text is, and its bad character."""
+    todo: list[tuple[Any, str]] = [(body, "")]
+    while todo:
+        value, where = todo.pop()
+        texts = [(value, where)] if isinstance(value, str) else []
+        if isinstance(value, dict):
+            texts += [(key, f"a key of {where or 'the body'}") for key in value]
+            todo += [(item, f"{where}.{key[:64]}".removeprefix(".")) for key, item in value.items()]
+        elif isinstance(value, list):
+            todo += [(item, f"{where}[{i}]") for i, item in enumerate(value)]
+        for text, place in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return place or "the body", text[exc.start]
+    raise AssertionError("no string of the body failed to encode")
 
 
 def build_app(gateway: GatewayServer) -> FastAPI:

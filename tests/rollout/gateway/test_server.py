@@ -158,3 +158,36 @@ async def test_unknown_session_stale_attempt_and_oversized_body(make_gateway):
         r = await http.post(f"{root}/{gw.session.session_id}/1/v1/messages", json=big | {"max_tokens": 5})
         assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
     assert gw.engine.requests_seen == []
+
+
+# Bodies no retry can fix, as raw bytes: the SDKs would refuse to send them. The first two nest past the
+# JSON parser's recursion limit and past the gateway's own; the others hold lone surrogates, escaped
+# or as raw UTF-8 bytes (the parser passes those through), in a value and in a key.
+UNFIXABLE = {
+    "deep": (b'{"model":"p","messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deeper than 128 levels"),
+    "deep_tools": (
+        b'{"model":"p","messages":[{"role":"user","content":"hi"}],"tools":' + b"[" * 500 + b"]" * 500 + b"}",
+        "deeper than 128 levels",
+    ),
+    "surrogate": (b'{"model":"p","messages":[{"role":"user","content":"hi \\ud800"}]}', "messages[0].content"),
+    "surrogate_bytes": (b'{"model":"p","messages":[{"role":"user","content":"hi \xed\xb0\x80"}]}', "U+DC00"),
+    "surrogate_key": (b'{"model":"p","messages":[{"role":"user","content":"hi"}],"metadata":{"\\udfff":1}}', "a key"),
+}
+
+
+@pytest.mark.parametrize("api", ["chat/completions", "messages"])
+async def test_deep_json_and_lone_surrogates_get_a_final_400_not_a_retried_500(make_gateway, api):
+    gw = await make_gateway([ANSWER])
+    headers = {"authorization": f"Bearer {gw.api_key}", "content-type": "application/json"}
+    async with httpx.AsyncClient(headers=headers, timeout=30) as http:
+        for name, (body, says) in UNFIXABLE.items():
+            if api == "messages":
+                body = body[:-1] + b',"max_tokens":5}'
+            r = await http.post(f"{gw.base_url}/{api}", content=body)
+            assert r.status_code == 400, f"{name}: {r.status_code} {r.text[:200]}"
+            assert r.headers["x-should-retry"] == "false"
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error" and says in error["message"], f"{name}: {error}"
+        fine = b'{"model":"p","messages":[{"role":"user","content":"hi \\ud83d\\ude00"}],"max_tokens":5}'
+        assert (await http.post(f"{gw.base_url}/{api}", content=fine)).status_code == 200  # a whole pair
+    assert gw.session.state.num_calls == 1
