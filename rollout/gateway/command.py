@@ -13,8 +13,13 @@ is killed then, at the timeout, on cancellation, or when the worker dies.
 
 Its stdout and stderr are kept up to `max_output_bytes` each (the first and last halves; the bytes
 between are counted and dropped), so a program that writes without end costs the worker no memory.
-The reward is the last non-blank line of its stdout when that parses as a number, else None (the
-reward function scores the conversation).
+
+Its reward is what it writes to the file named by `STREAMRL_REWARD_FILE` (one number; a file of its
+own in a fresh private directory, read once the command exits). No file or an empty one: None, and the
+reward function scores the conversation. Stdout is not a reward channel, because programs print what
+the model says (a math agent's last line is often the model's answer, a number): a bare number on its
+last line still counts when no reward file was written, as the gateway docs promised, but with a
+warning, once per worker, since that number may be the model's own.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import json
 import logging
 import os
 import signal
+import stat
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +54,9 @@ DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 SUPERVISOR = str(Path(__file__).with_name("supervisor.py"))  # run as a script: standard library only
 EXIT_POLL_S = 0.02  # how often a running command's supervisor is checked for its exit
 GRACE_S = 1.0  # after the supervisor exits or is told to, how long its pipes may take to close
+REWARD_FILE_ENV = "STREAMRL_REWARD_FILE"
+MAX_REWARD_FILE_BYTES = 1024  # a number, with room for whitespace: more is not a reward
+_warned_bare_number = False  # the stdout fallback's warning is given once per worker process
 
 
 class ProgramError(RuntimeError):
@@ -57,7 +67,9 @@ def _ignore() -> None:
     """A command that writes a lot is not killed for it (its output is only cut): its timeout bounds it."""
 
 
-def command_env(cfg: GatewayConfig, base_url: str, token: str, sample: dict[str, Any]) -> dict[str, str]:
+def command_env(
+    cfg: GatewayConfig, base_url: str, token: str, sample: dict[str, Any], reward_file: Path
+) -> dict[str, str]:
     """The command's whole environment (see the module docstring)."""
     env = {name: os.environ[name] for name in (*BASE_ENV, *cfg.env_passthrough) if name in os.environ}
     env.setdefault("PATH", DEFAULT_PATH)
@@ -69,15 +81,23 @@ def command_env(cfg: GatewayConfig, base_url: str, token: str, sample: dict[str,
         "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
         "ANTHROPIC_API_KEY": token,
         "STREAMRL_SAMPLE": json.dumps({name: sample[name] for name in COMMAND_SAMPLE_FIELDS if name in sample}),
+        REWARD_FILE_ENV: str(reward_file),
     }
 
 
 async def run_command(cfg: GatewayConfig, base_url: str, token: str, sample: dict[str, Any]) -> float | None:
     """Run the command once for a sample, under its supervisor; returns its reward (None: none given)."""
+    with tempfile.TemporaryDirectory(prefix="streamrl-reward-", ignore_cleanup_errors=True) as private:  # 0700
+        return await _run(cfg, base_url, token, sample, Path(private) / "reward")
+
+
+async def _run(
+    cfg: GatewayConfig, base_url: str, token: str, sample: dict[str, Any], reward_file: Path
+) -> float | None:
     assert cfg.command is not None
     proc = await asyncio.create_subprocess_exec(
         *[sys.executable, "-I", "-S", SUPERVISOR, str(os.getpid()), *cfg.command],
-        env=command_env(cfg, base_url, token, sample),
+        env=command_env(cfg, base_url, token, sample, reward_file),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -100,12 +120,56 @@ async def run_command(cfg: GatewayConfig, base_url: str, token: str, sample: dic
     if proc.returncode != 0:
         tail = err.text()[-500:]
         raise ProgramError(f"command {cfg.command[0]} exited with {proc.returncode}: {tail}")
-    lines = [line for line in out.text().splitlines() if line.strip()]
+    return read_reward(cfg.command[0], reward_file, out.text())
+
+
+def read_reward(name: str, reward_file: Path, stdout: str) -> float | None:
+    """The reward of command `name` once it exited 0 (see the module docstring). What the command left
+    at `reward_file` is opened without following a link or waiting on a FIFO and read up to a bound:
+    anything but a small regular file holding one finite number fails the program."""
+    try:
+        fd = os.open(reward_file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return _bare_number(name, stdout)
+    except OSError as exc:  # ELOOP: a symbolic link
+        raise ProgramError(f"command {name}: cannot read its reward file: {exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ProgramError(f"command {name}: its reward file ${REWARD_FILE_ENV} is not a regular file")
+        raw = f.read(MAX_REWARD_FILE_BYTES + 1)
+    if len(raw) > MAX_REWARD_FILE_BYTES:
+        raise ProgramError(f"command {name} wrote over {MAX_REWARD_FILE_BYTES} bytes to ${REWARD_FILE_ENV}")
+    text = raw.decode("utf-8", "replace").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ProgramError(f"command {name} wrote {text[:80]!r} to ${REWARD_FILE_ENV}: not one number") from None
+    return finite(f"the reward of command {name}", value)
+
+
+def _bare_number(name: str, stdout: str) -> float | None:
+    """The old protocol: a number alone on the last non-blank stdout line is the reward (a warning)."""
+    global _warned_bare_number
+    lines = [line for line in stdout.splitlines() if line.strip()]
     try:
         value = float(lines[-1]) if lines else None
     except ValueError:
         return None
-    return None if value is None else finite(f"the reward of command {cfg.command[0]}", value)
+    if value is None:
+        return None
+    if not _warned_bare_number:
+        _warned_bare_number = True
+        logger.warning(
+            "command %s wrote no reward file; the bare number on its last stdout line (%s) is taken as its "
+            "reward. Write the reward to $%s instead: a number the program prints last (the model's answer, "
+            "a tool's output) would otherwise be trained on as a reward. (warned once per worker)",
+            name,
+            lines[-1].strip()[:40],
+            REWARD_FILE_ENV,
+        )
+    return finite(f"the reward of command {name}", value)
 
 
 async def _exited(proc: asyncio.subprocess.Process) -> int:

@@ -32,14 +32,14 @@ class GatewayConfig(BaseModel):
     program: str | None = None
     # A command line run per sample with STREAMRL_BASE_URL / OPENAI_BASE_URL / OPENAI_API_KEY /
     # ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY / STREAMRL_SAMPLE (JSON, without the ground truth) in its
-    # environment; its reward is the last stdout line when that parses as a number, else the reward
-    # function's.
+    # environment; its reward is the number it writes to the file named by STREAMRL_REWARD_FILE, else
+    # the reward function's (`command.py`: a bare number on the last stdout line, the old way, warns).
     command: list[str] | None = None
     # Worker environment variables a command also gets. Its environment is otherwise minimal (PATH,
     # HOME, TMPDIR, locale, its session; `command.py`): everything in it reaches the model's tools.
     env_passthrough: list[str] = Field(default_factory=list)
     # Bytes of a command's stdout and of its stderr kept (the first and last halves; the rest is counted
-    # and dropped): its last stdout line is the reward, its stderr's end goes into a failure's message.
+    # and dropped): its stderr's end goes into a failure's message.
     max_output_bytes: int = Field(64 * 1024, ge=1024)
     # Sync `program`s running at once in a worker process (daemon threads of their own; one past its
     # timeout holds its thread until it returns, and later ones wait for a free one).

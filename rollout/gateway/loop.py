@@ -9,8 +9,8 @@ token record into the trajectory (`session.py`). The program is either
   gateway's own bounded pool, `program_threads`; a sync program past its timeout fails the trajectory
   but its thread runs on), returning the reward or None; or
 - `rollout.agent.gateway.command = [...]`: a child process (`command.py`) with the URLs, the token
-  and the sample without its ground truth (JSON) in a minimal environment; the last line of its
-  stdout is the reward when it parses as a number.
+  and the sample without its ground truth (JSON) in a minimal environment; its reward is the number
+  it writes to the file named by `STREAMRL_REWARD_FILE`.
 
 The reward is the program's, or when it gives none the configured reward function's on the final
 conversation (the session's messages, the final answer included). A program that raises fails the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -16,6 +17,8 @@ import tracemalloc
 
 import pytest
 
+from streamrl.rollout.agent_loop.scoring import RewardError
+from streamrl.rollout.gateway import command
 from streamrl.rollout.gateway.config import GatewayConfig
 from streamrl.rollout.gateway.loop import GatewayAgentLoop, ProgramError, close_gateway, run_program
 from streamrl.rollout.types import TrajectoryStatus
@@ -69,7 +72,13 @@ async def test_a_command_and_its_shells_get_no_ground_truth_and_none_of_the_work
     assert "STREAMRL_TEST_WORKER_SECRET" not in env and "sk-worker-secret" not in json.dumps(env)
     assert env["STREAMRL_TEST_PASSED"] == "wanted"
     own = {"STREAMRL_BASE_URL", "STREAMRL_API_KEY", "OPENAI_BASE_URL", "OPENAI_API_KEY"}
-    own |= {"ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "STREAMRL_SAMPLE", "STREAMRL_TEST_PASSED"}
+    own |= {
+        "ANTHROPIC_BASE_URL",
+        "ANTHROPIC_API_KEY",
+        "STREAMRL_SAMPLE",
+        "STREAMRL_REWARD_FILE",
+        "STREAMRL_TEST_PASSED",
+    }
     base = {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "LC_CTYPE", "TZ"}
     shell = {"PWD", "SHLVL", "_", "OLDPWD"}  # what `sh` itself sets
     assert set(env) - own - base - shell == set()
@@ -190,3 +199,58 @@ def test_a_sigkilled_worker_leaves_no_command_process_behind(tmp_path):
             worker.kill()
         left = _reap_check(started)
     assert left == [], "alive after the worker was SIGKILLed: the program, its child and its setsid child"
+
+
+# Writes argv[1] (unless "-") to its reward file, then prints argv[2] as its last stdout line.
+REWARDER = textwrap.dedent(
+    """
+    import os, sys
+    if sys.argv[1] != "-":
+        with open(os.environ["STREAMRL_REWARD_FILE"], "w") as f:
+            f.write(sys.argv[1])
+    print("agent log line")
+    print(sys.argv[2])
+    """
+)
+
+
+async def _reward_of(*argv: str) -> float | None:
+    cfg = GatewayConfig(command=[sys.executable, "-c", REWARDER, *argv], timeout_s=30)
+    return await run_program(cfg, "http://127.0.0.1:1/v1", "token", {"messages": []})
+
+
+async def test_a_command_reward_is_its_reward_file_not_the_number_it_prints_last():
+    """A math agent that prints the model's final answer last ("84") is not rewarded 84."""
+    assert await _reward_of("0.75\n", "84") == 0.75
+    assert await _reward_of("", "84") is None  # an empty file: no reward, the reward function scores
+
+
+async def test_a_bare_number_on_the_last_line_counts_only_with_a_warning(caplog, monkeypatch):
+    monkeypatch.setattr(command, "_warned_bare_number", False)
+    with caplog.at_level(logging.WARNING, logger=command.__name__):
+        assert await _reward_of("-", "84") == 84.0  # the old protocol, which the docs promised
+        assert await _reward_of("-", "0.5") == 0.5
+    warnings = [r.getMessage() for r in caplog.records if "STREAMRL_REWARD_FILE" in r.getMessage()]
+    assert len(warnings) == 1 and "(84)" in warnings[0], warnings  # once per worker process
+    assert await _reward_of("-", "no number") is None
+
+
+@pytest.mark.parametrize(
+    ("written", "says"),
+    [("correct", "not one number"), ("0.5 0.5", "not one number"), ("nan", "non-finite"), ("1" * 2000, "over")],
+)
+async def test_a_reward_file_that_is_not_one_finite_number_fails_the_program(written, says):
+    with pytest.raises((ProgramError, RewardError), match=says):
+        await _reward_of(written, "0.5")
+
+
+async def test_a_reward_file_replaced_by_a_fifo_or_a_link_fails_without_hanging(tmp_path):
+    """A model's shell can touch the file: the worker must not block opening a FIFO nobody writes, nor
+    read through a link."""
+    target = tmp_path / "elsewhere"
+    target.write_text("1.0")
+    for make in ("os.mkfifo(p)", f"os.symlink({str(target)!r}, p)"):
+        program = f"import os; p = os.environ['STREAMRL_REWARD_FILE']; {make}"
+        cfg = GatewayConfig(command=[sys.executable, "-c", program], timeout_s=30)
+        with pytest.raises(ProgramError, match="reward file"):
+            await asyncio.wait_for(run_program(cfg, "http://127.0.0.1:1/v1", "token", {"messages": []}), 10)
