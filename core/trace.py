@@ -16,6 +16,10 @@ every `COST_EVERY` events or `COST_EVERY_S` seconds, writes a counter event (`pi
 `tracer <host>-<pid>`) with the running totals and the time of the shard's first event. The summary
 divides one by the other: the share of each process's traced time that went to tracing.
 
+A trace never fails what it traces: a shard that cannot be created or written (ENOSPC, EIO) drops the
+event, counts the failed write (`num_write_errors`, and `write_errors` in the shard's next cost
+counter) and logs once per process; the append, the sync or the step it would have recorded goes on.
+
 Off unless the run's config says `trace.enabled = true`. The driver calls `configure`; an actor
 process finds its run through `RUN_DIR_ENV` (set for every actor by `ray.init`) and reads the switch
 from the run's `RunInfo` (`core.run_dir`) once, at its first event. Off, `span` returns a shared no-op
@@ -25,10 +29,12 @@ context and `instant` / `complete` return after one global lookup: cheap enough 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -41,6 +47,21 @@ COST_EVERY = 512  # events between two cost counters of a shard
 COST_EVERY_S = 5.0  # ... or seconds, whichever comes first (a quiet process still reports)
 
 _UNSET: Any = object()
+logger = logging.getLogger(__name__)
+_num_write_errors = 0  # writes of this process's trace that failed (every shard it had)
+
+
+def _write_failed(path: Path, exc: Exception) -> None:
+    """Count a write lost to an error of the trace's own file; warn at the process's first."""
+    global _num_write_errors
+    _num_write_errors += 1
+    if _num_write_errors == 1:
+        logger.warning("trace: cannot write %s (%s): events are dropped and counted, the run goes on", path, exc)
+
+
+def num_write_errors() -> int:
+    """Writes of this process's trace (events, cost counters, a shard's creation) that failed."""
+    return _num_write_errors
 
 
 class _Shard:
@@ -55,6 +76,7 @@ class _Shard:
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (lives with the process)
         self._lock = threading.Lock()
         self.events = 0
+        self.write_errors = 0
         self.cost_ns = 0
         self.first_us: int | None = None
         self._last_us = 0
@@ -64,18 +86,31 @@ class _Shard:
         """Append `event`; `started_ns` (`perf_counter_ns`) is when its caller began making it."""
         line = json.dumps(event, separators=(",", ":"), default=str) + "\n"
         with self._lock:
-            self._file.write(line)
+            if not self._guarded(self._file.write, line):
+                return
             self.events += 1
             self.first_us = event["ts"] if self.first_us is None else self.first_us
             self._last_us = max(self._last_us, event["ts"] + event.get("dur", 0))
             if self.events % COST_EVERY == 0 or time.monotonic() - self._counted_at >= COST_EVERY_S:
-                self._write_cost()
+                self._guarded(self._write_cost)
             self.cost_ns += time.perf_counter_ns() - started_ns
+
+    def _guarded(self, write: Callable[..., object], *args: Any) -> bool:
+        """One write to the shard's file; an error of the file is counted, never raised (module docstring).
+        ValueError: a shard `configure` closed under a thread still writing to it."""
+        try:
+            write(*args)
+        except (OSError, ValueError) as exc:
+            self.write_errors += 1
+            _write_failed(self.path, exc)
+            return False
+        return True
 
     def _write_cost(self) -> None:
         """The running totals as a Chrome counter event, stamped with the last event's time (so that
         counters never widen the trace's window). Called under the lock."""
         args = {"events": self.events, "cost_us": self.cost_ns // 1000, "since_us": self.first_us}
+        args |= {"write_errors": self.write_errors} if self.write_errors else {}
         event = {"ph": "C", "name": f"{TRACER} {self.track}", "cat": TRACER, "ts": self._last_us}
         self._file.write(json.dumps(event | {"pid": TRACER, "tid": self.track, "args": args}) + "\n")
         self._counted_at = time.monotonic()
@@ -83,8 +118,8 @@ class _Shard:
     def close(self) -> None:
         with self._lock:
             if self.events:
-                self._write_cost()
-            self._file.close()
+                self._guarded(self._write_cost)
+            self._guarded(self._file.close)  # closes the file even when its last flush fails
 
 
 _shard: _Shard | None = _UNSET
@@ -109,7 +144,13 @@ def _from_env() -> _Shard | None:
     except (OSError, ValueError):
         return None
     trace_cfg = info.config.get("trace", {})
-    return _Shard(Path(run_dir)) if isinstance(trace_cfg, dict) and trace_cfg.get("enabled") else None
+    if not (isinstance(trace_cfg, dict) and trace_cfg.get("enabled")):
+        return None
+    try:
+        return _Shard(Path(run_dir))
+    except OSError as exc:  # this process goes untraced rather than failing its first traced call
+        _write_failed(RunDir(run_dir).trace, exc)
+        return None
 
 
 def _current() -> _Shard | None:
