@@ -1,6 +1,7 @@
 """Levers for a faster learner step on CPU, measured on the shape `make run` trains.
 
     python -m bench.levers [--rounds 3] [--out bench/results/levers.json]
+    python -m bench.levers --shared-prefix [--rounds 7]   # only the shared-prefix learner, key `shared_prefix`
 
 The batch is one GRPO group as the default trains it: 4 sequences that share one 310-token prompt
 (the tool schema and the system prompt) and have 140 response tokens each, on SmolLM2-135M with the
@@ -8,12 +9,18 @@ default learner (one sequence per micro-batch, activation checkpointing, a 128-t
 decoupled correction with log-linear proximal policy). Each round runs every variant once, in
 turn (so a slow spell of the shared machine touches all alike), after one warm-up step each:
 
-- `fp32`: the default;
+- `fp32`: the default learner on rows whose prompts differ (so `shared_prefix` finds nothing to share);
 - `bf16_autocast`: `learner.dtype = "bfloat16"` (the master weights and AdamW stay fp32);
 - `shared_prefix_bound`: the same group with the prompt computed once: 4 sequences of 16 prompt +
-  140 response tokens plus the 310-token prompt alone. The learner cannot train this way today (the
-  responses would need the prompt's keys and values with their gradients); the time is what such a
-  step would cost at best.
+  140 response tokens plus the 310-token prompt alone: the time such a step costs at best, before
+  the learner could train that way.
+
+`--shared-prefix` measures the learner option that does train this way (`learner.shared_prefix`,
+learner/shared_prefix.py) on the same group with one prompt shared by its 4 rows: `dense` (the option
+off), `shared` (on, the default's micro_batch_tokens = 640: the packed group of 870 tokens is cut into
+two chunks of 2 rows, each repeating the prompt) and `shared_1024` (micro_batch_tokens = 1024: the
+whole group in one micro-batch). Each round starts with another variant. It writes the key
+`shared_prefix` into the existing results file (a full run keeps that key).
 
 Also measured: how far bf16 autocast moves the log-probs of the same weights (what the correction
 would see as off-policy noise): |Δ log p| over response tokens (mean, p99, max) and the share of
@@ -38,11 +45,16 @@ PROMPT, RESPONSE, GROUP = 310, 140, 4
 BOUND_PROMPT = 16  # what each response keeps of its prompt in the shared-prefix bound
 
 
-def group_batch(vocab: int, prompt_lens: list[int], response_lens: list[int], seed: int = 0) -> SimpleNamespace:
-    """A buffer-shaped batch (what `TrainingEngine.step` takes) of sequences `prompt + response`."""
+def group_batch(
+    vocab: int, prompt_lens: list[int], response_lens: list[int], seed: int = 0, *, one_prompt: bool = False
+) -> SimpleNamespace:
+    """A buffer-shaped batch (what `TrainingEngine.step` takes) of sequences `prompt + response`;
+    with `one_prompt` every row has row 0's prompt tokens, as a GRPO group does."""
     rng = np.random.default_rng(seed)
     n, width = len(prompt_lens), max(p + r for p, r in zip(prompt_lens, response_lens))
     ids = rng.integers(0, vocab, (n, width), dtype=np.int64)
+    if one_prompt:
+        ids[:, : prompt_lens[0]] = ids[0, : prompt_lens[0]]
     attention = np.zeros((n, width), np.int8)
     loss = np.zeros((n, width), np.int8)
     for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
@@ -64,7 +76,7 @@ def group_batch(vocab: int, prompt_lens: list[int], response_lens: list[int], se
     )
 
 
-def make_engine(model: str, dtype: str):
+def make_engine(model: str, dtype: str, *, shared_prefix: bool = False, micro_batch_tokens: int = 640):
     from streamrl.learner.config import LearnerConfig
     from streamrl.learner.engine import TrainingEngine
 
@@ -73,10 +85,11 @@ def make_engine(model: str, dtype: str):
         algo="grpo",
         dtype=dtype,
         lr=1e-7,  # the weights barely move: every variant times the same model
-        micro_batch_tokens=640,
+        micro_batch_tokens=micro_batch_tokens,
         gradient_checkpointing=True,
         logits_chunk_tokens=128,
         correction={"mode": "decoupled", "prox": "loglinear"},
+        shared_prefix=shared_prefix,
     )
     return TrainingEngine(cfg)
 
@@ -116,6 +129,62 @@ def logprob_mismatch(engine, batch) -> dict[str, float]:
     }
 
 
+def forwarded_tokens(engine, batch) -> list[int]:
+    """Tokens each micro-batch of the training pass forwards (a packed group: its prompt once)."""
+    import torch
+
+    tb = engine.to_train_batch(batch)
+    return [
+        sum(s.num_tokens for s in plan.segments) if plan.segments else int(tb.seq_lens[plan.rows].sum())
+        for plan in engine.train_micro_batches(tb, torch.arange(tb.batch_size))
+    ]
+
+
+def shared_prefix_bench(model: str, rounds: int) -> dict:
+    """Interleaved rounds of the dense and the shared-prefix learner step on one shared-prompt group;
+    the CPU pressure (bench.machine.cpu_pressure) before each round says how shared the machine was."""
+    import torch
+
+    from bench.machine import cpu_pressure
+
+    variants = {
+        "dense": make_engine(model, "float32"),
+        "shared": make_engine(model, "float32", shared_prefix=True),
+        "shared_1024": make_engine(model, "float32", shared_prefix=True, micro_batch_tokens=1024),
+    }
+    batch = group_batch(
+        variants["dense"].policy.lm.config.vocab_size, [PROMPT] * GROUP, [RESPONSE] * GROUP, one_prompt=True
+    )
+    for engine in variants.values():
+        timed_step(engine, batch)  # warm-up
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    pressure: list[float | None] = []
+    names = list(variants)
+    for i in range(rounds):  # each round starts with another variant: a slow spell hits all alike
+        pressure.append(cpu_pressure())
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            runs[name].append(timed_step(variants[name], batch))
+    base = statistics.median(s for s, _ in runs["dense"])
+    return {
+        "batch": {"group_size": GROUP, "prompt_tokens": PROMPT, "response_tokens": RESPONSE, "one_prompt": True},
+        "torch_threads": torch.get_num_threads(),
+        "cpu_pressure_before_round": pressure,
+        "variants": {
+            name: {
+                "shared_prefix": variants[name].shared_prefix,
+                "micro_batch_tokens": variants[name].cfg.micro_batch_tokens,
+                "forwarded_tokens_per_micro_batch": forwarded_tokens(variants[name], batch),
+                "step_s": [s for s, _ in values],
+                "step_s_median": statistics.median(s for s, _ in values),
+                "speedup_vs_dense": base / statistics.median(s for s, _ in values),
+                "step_peak_rise_gb_max": max(m for _, m in values),
+                "step_peak_rise_gb_median": statistics.median(m for _, m in values),
+            }
+            for name, values in runs.items()
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.machine import machine
 
@@ -123,9 +192,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default="smollm2", help="tiny: a quick check of the script")
     parser.add_argument("--out", default="bench/results/levers.json")
+    parser.add_argument(
+        "--shared-prefix", action="store_true", help="only the shared-prefix learner (key shared_prefix)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     t0 = time.monotonic()
+    command = "python -m bench.levers " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.shared_prefix:
+        out = Path(args.out)
+        results = json.loads(out.read_text()) if out.exists() else {}
+        part = {"command": command, "machine": machine(), "date": time.strftime("%Y-%m-%d"), "model": args.model}
+        part.update(shared_prefix_bench(args.model, args.rounds))
+        part["wall_s"] = time.monotonic() - t0
+        results["shared_prefix"] = part
+        out.write_text(json.dumps(results, indent=1) + "\n")
+        for name, v in part["variants"].items():
+            print(
+                f"{name}: {v['step_s_median']:.1f} s/step ({v['speedup_vs_dense']:.2f}x dense), "
+                f"tokens {v['forwarded_tokens_per_micro_batch']}, step peak +{v['step_peak_rise_gb_max']:.2f} GB"
+            )
+        print(f"wrote {out}")
+        return 0
     fp32, bf16 = make_engine(args.model, "float32"), make_engine(args.model, "bfloat16")
     vocab = fp32.policy.lm.config.vocab_size
     full = group_batch(vocab, [PROMPT] * GROUP, [RESPONSE] * GROUP)
@@ -139,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[name].append(timed_step(engine, batch))
     base = statistics.median(s for s, _ in runs["fp32"])
     result = {
-        "command": "python -m bench.levers " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
         "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
         "model": args.model,
@@ -158,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.monotonic() - t0,
     }
     out = Path(args.out)
+    if out.exists() and "shared_prefix" in (kept := json.loads(out.read_text())):
+        result["shared_prefix"] = kept["shared_prefix"]  # measured on its own (--shared-prefix)
     out.write_text(json.dumps(result, indent=1) + "\n")
     for name, v in result["variants"].items():
         speed, rise = v["speedup_vs_fp32"], v["step_peak_rise_gb_max"]
