@@ -9,7 +9,7 @@ default learner (one sequence per micro-batch, activation checkpointing, a 128-t
 decoupled correction with log-linear proximal policy). Each round runs every variant once, in
 turn (so a slow spell of the shared machine touches all alike), after one warm-up step each:
 
-- `fp32`: the default learner on rows whose prompts differ (so `shared_prefix` finds nothing to share);
+- `fp32`: the default learner with `shared_prefix` off (each row forwards its own prompt);
 - `bf16_autocast`: `learner.dtype = "bfloat16"` (the master weights and AdamW stay fp32);
 - `shared_prefix_bound`: the same group with the prompt computed once: 4 sequences of 16 prompt +
   140 response tokens plus the 310-token prompt alone: the time such a step costs at best, before
