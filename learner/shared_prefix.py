@@ -247,7 +247,7 @@ def packed_forward(
     if mb.images is not None and any(r is not None and r.num_images for r in mb.images):
         raise ValueError("learner.shared_prefix packs text only: this micro-batch has images")
     layout = PackedLayout.build(mb, segments)
-    implementation = policy.lm.config._attn_implementation
+    implementation = str(policy.lm.config._attn_implementation)  # checked at engine start: sdpa or eager
     dtype = next(policy.parameters()).dtype
     flat = policy(
         layout.input_ids,
