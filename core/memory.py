@@ -4,7 +4,7 @@ Readers: `rss_gb` (resident now), `peak_rss_gb` (VmHWM, the high-water mark sinc
 `reset_peak_rss`), `cuda_peak_gb` (torch's peak allocation on the current GPU) and `peak_memory_gb`,
 which picks the one that bounds the device the learner computes on.
 
-Why the learner's RSS grew step after step on CPU (issue 9): glibc malloc. Every thread that
+Why the learner's RSS would grow step after step on CPU: glibc malloc. Every thread that
 allocates (the actor's event loop, torch's intra-op threads, gloo/weight-sync threads) gets an arena
 of its own, up to 8 per core, and glibc raises its mmap threshold to the size of each freed mmapped
 block (up to 32 MB), so after the first step the 1-32 MB activation and gradient tensors of a step
@@ -14,7 +14,7 @@ halves: `learner_runtime_env()` caps the arenas and pins the mmap threshold for 
 process (environment variables glibc reads at start-up, hence a Ray `runtime_env`), and
 `trim_allocator()` (malloc_trim) hands free pages back after every step.
 
-The threshold is 128 KB, not the 4 MB it was until session 9: a one-sequence micro-batch's
+The threshold is 128 KB, not 4 MB: a one-sequence micro-batch's
 activation and gradient tensors of SmolLM2 are 0.4-3.5 MB, so under 4 MB they came from the heap,
 where the gradients allocated during backward pinned the freed activations below them and the
 resident set rose by ≈ 1.2 GiB within a step. Mmapped, each tensor goes back to the kernel when

@@ -1,4 +1,4 @@
-"""Image inputs of the learner forward (docs/multimodal.md, step 4).
+"""Image inputs of the learner forward (docs/multimodal.md, "How an image travels").
 
 A VLM row is its token ids (placeholders already expanded, what the model saw at rollout) plus the
 pixels of its images. The learner owns the model's processor and builds the pixels itself from the

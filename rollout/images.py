@@ -9,7 +9,7 @@ store the bytes once.
 `ImageStore` keeps the bytes in memory and, given a directory, also writes each image once as
 `<dir>/<sha256[:2]>/<sha256>` (write-then-rename, so a crash never leaves a partial file); a store
 opened on the same directory in another process finds them there. It is the worker's small local
-store; the buffer's durable image log (docs/multimodal.md, step 3) replaces the directory later.
+store; the buffer's durable image log (docs/multimodal.md, "How an image travels") holds them for training and resume.
 Given `max_bytes` the memory part is an LRU cache: past the bound the least recently used images go,
 except those `pinned()` names (a rollout worker pins the images of every trajectory it holds: their
 rows still carry the bytes to the buffer) and the `KEEP_NEWEST` newest (a prompt's images between

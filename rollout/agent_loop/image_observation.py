@@ -1,7 +1,7 @@
 """Images in tool and interaction responses: what the observation message holds, and when an image
 is refused.
 
-Return shapes (docs/multimodal.md, step 1):
+Return shapes (docs/multimodal.md, "Images in your own data"):
 - a tool returns `ToolExecution(text=..., images=[SOURCE, ...])` (a function tool may also return a
   list of content parts, see `rollout.tools.function.to_execution`); SOURCE is a local path, a
   `data:image/...;base64,` URL, plain base64, encoded bytes or a PIL image. The executor admits the
