@@ -66,6 +66,11 @@ def register(sub: Any) -> None:
     p.add_argument("--no-overlap", action="store_true", help="engines pause for the whole weight transfer")
     p.add_argument("--steps", type=int, default=12, help="simulated learner steps per configuration")
     p.add_argument("--batch", type=int, help="trajectories per learner step (default 32 per GPU)")
+    p.add_argument(
+        "--correction",
+        default="decoupled",
+        help="the staleness correction whose measured cost of lag prices async's steps (staleness lab)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_plan)
 
