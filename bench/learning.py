@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from streamrl.core.run_dir import RunDir
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/learning_smollm2.toml"
 SYNC_OVERRIDES = ["trainer.sync_generation_groups=8", "buffer.max_staleness=0", "buffer.over_age=evict"]
@@ -77,8 +79,8 @@ def train(
 
 def finished_wall_s(run_dir: Path) -> float:
     """A finished run's wall time from its own record: the run's elapsed time at its last metrics line."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return float(json.loads(lines[-1])["elapsed_s"]) if lines else 0.0
+    rows = RunDir(run_dir).metric_records()
+    return float(rows[-1]["elapsed_s"]) if rows else 0.0
 
 
 def curve(run_dir: Path) -> list[dict[str, Any]]:
@@ -153,19 +155,46 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "curve_wall": mean_curve(done, "elapsed_s"),
             "curve_step": mean_curve(done, "served_step"),
             "rise_target_met": result.diff >= 0.10 and result.p_value < 0.05,
+            "gradient_share": [r["gradient_share"] for r in done],
         }
     if "async" in out and "sync" in out:
         target = out["sync"]["after"]
         reach = time_to_reach(out["async"]["curve_wall"], target)
         sync_s = out["sync"]["train_s_mean"]
+        per_seed = seed_speedups(runs)
         out["async_vs_sync"] = {
             "sync_final_reward": target,
             "async_time_to_it_s": reach,
             "sync_time_s": sync_s,
             "ratio": reach / sync_s if reach is not None else None,
+            "speedup": sync_s / reach if reach else None,  # sync's time / async's time to sync's final reward
+            "speedup_per_seed": per_seed,  # each seed's async against the same seed's sync (None: never reached)
             "target_met": reach is not None and reach <= 0.5 * sync_s,
         }
     return out
+
+
+def seed_speedups(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Per seed run in both modes: the sync run's training time over the time the async run first
+    reaches the sync run's final held-out reward (its own points, linear between evaluations)."""
+    by = {(r["mode"], r["seed"]): r for r in runs if r["exit_code"] == 0 and len(r["curve"]) >= 2}
+    out: dict[str, float | None] = {}
+    for seed in sorted({seed for mode, seed in by if mode == "sync" and ("async", seed) in by}):
+        sync, fast = by[("sync", seed)]["curve"], by[("async", seed)]["curve"]
+        reach = time_to_reach([(p["elapsed_s"], p["reward"]) for p in fast], sync[-1]["reward"])
+        out[str(seed)] = sync[-1]["elapsed_s"] / reach if reach else None
+    return out
+
+
+def gradient_share(run_dir: Path) -> dict[str, float] | None:
+    """The run's last buffer counters: trajectories generated (finished members of settled groups),
+    trained (members of groups the learner used) and their share."""
+    rows = RunDir(run_dir).metric_records() if RunDir(run_dir).metrics.exists() else []
+    for row in reversed(rows):
+        if "buffer/trajectories_generated" in row:
+            keys = ("buffer/trajectories_generated", "buffer/trajectories_trained", "buffer/gradient_share")
+            return {k.split("/", 1)[1]: float(row[k]) for k in keys}
+    return None
 
 
 def plot(summary: dict[str, Any], path: Path, title: str) -> None:
@@ -242,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         for mode in args.modes:  # interleaved, so a slow spell of the machine touches both modes alike
             done_dir = Path(args.from_runs or args.keep or root) / f"{mode}-s{seed}"
-            if args.from_runs or (args.reuse_finished and (done_dir / "accounting.json").exists()):
+            finished = RunDir(done_dir).accounting.exists()
+            if args.from_runs or (args.reuse_finished and finished):
                 run_dir, wall, rc = done_dir, finished_wall_s(done_dir), 0
-                if not (run_dir / "accounting.json").exists():
+                if not finished:
                     continue  # not finished: left out
             else:
                 overrides = args.overrides + (args.sync_overrides if mode == "sync" else args.async_overrides)
@@ -252,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
                     args.config, mode, seed, root, args.steps, args.eval_every, overrides, root / "train.log"
                 )
             points = curve(run_dir) if run_dir.exists() else []
-            runs.append({"mode": mode, "seed": seed, "exit_code": rc, "wall_s": wall, "curve": points})
+            share = gradient_share(run_dir) if run_dir.exists() else None
+            runs.append(
+                {"mode": mode, "seed": seed, "exit_code": rc, "wall_s": wall, "curve": points, "gradient_share": share}
+            )
             line = " ".join(f"{p['served_step']}:{p['reward']:.3f}" for p in points)
             print(f"{mode} seed {seed}: rc={rc} {wall:.0f}s held-out by step {line}", flush=True)
     summary = summarize(runs)

@@ -129,6 +129,7 @@ class GroupTable:
         self.num_accepted = 0  # finished trajectories kept for training (READY or CONSUMED groups)
         self.num_in_flight = 0  # members of OPEN groups, finished or not: admitted, not yet accepted
         self.generated_lengths: Counter[int] = Counter()  # length bucket -> finished members of settled groups
+        self.num_trained = 0  # finished members of groups the learner has used at least once
 
     def check_overflow(self, trajectory_ids: list[str], group_ids: list[str]) -> None:
         """Raise ValueError before any mutation if these rows' new trajectories overflow a group."""
@@ -263,6 +264,8 @@ class GroupTable:
         group.reward_std = (sum([(r - mean) ** 2 for r in rewards]) / len(rewards)) ** 0.5
         group.num_uses = max([len(m.consume_steps) for m in finished])
         self.num_accepted += len(finished)
+        if group.num_uses:
+            self.num_trained += len(finished)
         if group.num_uses >= self.reuse:  # consumed before a restart: every member's row dies
             return self._close(group, GroupPhase.CONSUMED)
         self._move(group, GroupPhase.READY)
@@ -275,6 +278,8 @@ class GroupTable:
         for m in group.finished:
             m.consume_steps.append(learner_step)
         group.num_uses += 1
+        if group.num_uses == 1:
+            self.num_trained += len(group.finished)
         if group.num_uses >= self.reuse:
             return self._close(group, GroupPhase.CONSUMED)
         self.ready.pop(group.group_id)
@@ -321,6 +326,12 @@ class GroupTable:
             if m is not None and m.status is TrajectoryStatus.PARTIAL:
                 out.append(m.row)
         return out
+
+    def partial_attempt(self, trajectory_id: str) -> int | None:
+        """The current attempt of a running trajectory (its latest row partial, its group open), else None."""
+        group = self.trajectories.get(trajectory_id)
+        m = group.members.get(trajectory_id) if group is not None and group.phase is GroupPhase.OPEN else None
+        return m.attempt if m is not None and m.status is TrajectoryStatus.PARTIAL else None
 
     def resumable_ids(self) -> list[str]:
         return [m.trajectory_id for m in self._resumable()]

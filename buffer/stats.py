@@ -87,6 +87,10 @@ class BufferStats:
             "buffer/recovery_problems": len(recovery.lines()) - 1,
         }
         out.update({f"buffer/groups_{phase.value}": n for phase, n in g.counts.items()})
+        generated = sum(g.generated_lengths.values())
+        out["buffer/trajectories_generated"] = generated  # finished members of settled groups
+        out["buffer/trajectories_trained"] = g.num_trained  # ... of groups the learner used
+        out["buffer/gradient_share"] = g.num_trained / generated if generated else 0.0
         out.update(self.staleness())
         out.update(self.lengths(g.generated_lengths))
         return {k: float(v) for k, v in out.items()}

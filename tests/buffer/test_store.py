@@ -72,6 +72,20 @@ def test_dapo_filter_drops_uniform_reward_groups_with_metric():
     assert buf.stats()["buffer/accepted_trajectories"] == 2  # filtered ones do not take admission capacity
 
 
+def test_gradient_share_counts_generated_trajectories_that_reached_the_learner():
+    buf = _buf(filter_uniform_reward_groups=True, reuse=2)
+    buf.append(make_group("same", 2, rewards=[1.0, 1.0]) + make_group("diff", 2, rewards=[0.0, 1.0]))
+    buf.append(make_group("late", 2, rewards=[0.0, 1.0]))
+    stats = buf.stats()
+    assert (stats["buffer/trajectories_generated"], stats["buffer/trajectories_trained"]) == (6, 0)
+    buf.sample(served_version=0, learner_step=1)
+    buf.sample(served_version=0, learner_step=2)  # "diff" again (reuse 2) or "late": each counted once
+    buf.sample(served_version=0, learner_step=3)
+    stats = buf.stats()
+    assert stats["buffer/trajectories_trained"] == 4  # the filtered group never reaches a gradient
+    assert stats["buffer/gradient_share"] == pytest.approx(4 / 6)
+
+
 def test_group_overflow_is_a_clear_error_and_late_rows_are_ignored():
     buf = _buf()
     buf.append(make_group("a", 2))
