@@ -48,33 +48,65 @@ ASYNC_OVERRIDES = ["buffer.max_staleness=7"]
 
 
 def train(
-    config: str, mode: str, seed: int, root: Path, steps: int, eval_every: int, overrides: list[str], log: Path
+    config: str,
+    mode: str,
+    seed: int,
+    root: Path,
+    steps: int,
+    eval_every: int,
+    overrides: list[str],
+    log: Path,
+    *,
+    offline_eval: bool = False,
 ) -> tuple[Path, float, int]:
-    """One `streamrl train`; (run dir, wall seconds, exit code)."""
+    """One `streamrl train`; (run dir, wall seconds, exit code). With `offline_eval` the run evaluates
+    nothing itself and keeps a checkpoint every `eval_every` steps; `evaluate_offline` scores them."""
     name = f"{mode}-s{seed}"
+    schedule = (
+        ["eval.num_prompts=0", f"trainer.checkpoint_every={eval_every}"]
+        if offline_eval
+        else [f"eval.every_steps={eval_every}", f"trainer.checkpoint_every={steps}"]
+    )
     args = [
         f"trainer.mode={mode}",
         f"trainer.seed={seed}",
         f"trainer.total_steps={steps}",
-        f"eval.every_steps={eval_every}",
         f"trainer.run_root={root}",
         f"trainer.run_name={name}",
-        f"trainer.checkpoint_every={steps}",
+        *schedule,
         "wandb.enabled=false",
         *overrides,
     ]
+    t0 = time.monotonic()
+    rc = _cli(["train", "--config", config, *args], log)
+    return root / name, time.monotonic() - t0, rc
+
+
+def evaluate_offline(run_dir: Path, num_prompts: int, log: Path) -> int:
+    """`streamrl eval` of the run's base model and every checkpoint on one engine, after the run: the
+    evaluation takes no engine time from training, in either mode (RUN_DIR/eval_offline/)."""
+    return _cli(
+        ["eval", str(run_dir), "--checkpoint", "base", "--checkpoint", "all", f"eval.num_prompts={num_prompts}"], log
+    )
+
+
+def _cli(args: list[str], log: Path) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
-    t0 = time.monotonic()
     with open(log, "ab") as out:
-        rc = subprocess.run(
-            [sys.executable, "-m", "streamrl.streaming.cli", "train", "--config", config, *args],
+        return subprocess.run(
+            [sys.executable, "-m", "streamrl.streaming.cli", *args],
             cwd=REPO,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
         ).returncode
-    return root / name, time.monotonic() - t0, rc
+
+
+def eval_prompts(config: str) -> int:
+    from streamrl.streaming.config import load_config
+
+    return load_config(str(REPO / config), []).eval.num_prompts
 
 
 def finished_wall_s(run_dir: Path) -> float:
@@ -84,11 +116,37 @@ def finished_wall_s(run_dir: Path) -> float:
 
 
 def curve(run_dir: Path) -> list[dict[str, Any]]:
-    """Every evaluation of a run: served step, version, training wall time, avg reward, per-prompt scores."""
+    """Every evaluation of a run: served step, version, training wall time, avg reward, per-prompt scores.
+    A run evaluated offline (`evaluate_offline`) is read from its checkpoints' evaluations, each placed at
+    the training time its learner step ended (the base model at 0)."""
     import pyarrow.parquet as pq
 
     from streamrl.streaming.heldout import evaluated_steps, read_evaluation
 
+    run = RunDir(run_dir)
+    offline = sorted(run.eval_offline.glob("*.parquet")) if run.eval_offline.exists() else []
+    if offline and not evaluated_steps(run_dir):
+        ended = {
+            int(r["learner_step"]): float(r["elapsed_s"])
+            for r in run.metric_records()
+            if any(k.startswith("learner/") for k in r)
+        }
+        points = []
+        for path in offline:
+            meta = pq.read_table(path, columns=["served_step", "eval_seconds"]).to_pylist()[0]
+            scores = read_evaluation(path)
+            step = int(meta["served_step"])
+            points.append(
+                {
+                    "served_step": step,
+                    "policy_version": step,
+                    "elapsed_s": ended[step] if step else 0.0,
+                    "eval_seconds": meta["eval_seconds"],
+                    "reward": statistics.fmean(scores.values()),
+                    "scores": scores,
+                }
+            )
+        return sorted(points, key=lambda p: p["served_step"])
     points = []
     for step, path in sorted(evaluated_steps(run_dir).items()):
         meta = pq.read_table(path, columns=["policy_version", "run_elapsed_s", "eval_seconds"]).to_pylist()[0]
@@ -251,6 +309,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plot", default=None, help="default: the --out path with .png")
     parser.add_argument("--keep", default=None, help="keep the run directories in this folder")
     parser.add_argument(
+        "--offline-eval",
+        action="store_true",
+        help="evaluate checkpoints (every --eval-every steps) after each run instead of during it, so the "
+        "evaluation's engine time and its hold on weight syncs touch neither mode's training time",
+    )
+    parser.add_argument(
         "--from-runs",
         default=None,
         metavar="DIR",
@@ -279,8 +343,18 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 overrides = args.overrides + (args.sync_overrides if mode == "sync" else args.async_overrides)
                 run_dir, wall, rc = train(
-                    args.config, mode, seed, root, args.steps, args.eval_every, overrides, root / "train.log"
+                    args.config,
+                    mode,
+                    seed,
+                    root,
+                    args.steps,
+                    args.eval_every,
+                    overrides,
+                    root / "train.log",
+                    offline_eval=args.offline_eval,
                 )
+                if rc == 0 and args.offline_eval:
+                    rc = evaluate_offline(run_dir, eval_prompts(args.config), root / "train.log")
             points = curve(run_dir) if run_dir.exists() else []
             share = gradient_share(run_dir) if run_dir.exists() else None
             runs.append(

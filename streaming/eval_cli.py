@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,20 +59,30 @@ def run_targets(run_dir: Path, which: list[str]) -> list[Target]:
     return list({t.label: t for t in out}.values())  # each once, in the order asked
 
 
-async def evaluate_model(cfg, target: Target, records) -> tuple[EvalSummary, Path | None, list]:
+async def evaluate_models(
+    cfg, targets: list[Target], records, report: Callable[[Target, EvalSummary, list, float], None]
+) -> None:
+    """Every target on one local engine: built on the first target's weights, each later target's
+    loaded in place (they are checkpoints of one run, so one architecture). `report` gets each
+    target's summary, trajectories and the seconds its evaluation took (without the engine's start)
+    as soon as it is done."""
     from streamrl.rollout.engine import make_engine
     from streamrl.streaming.heldout import heldout_metrics, run_heldout
 
-    engine = make_engine(cfg.rollout.engine.model_copy(update={"model": target.model_path}), "engine-0")
+    engine = make_engine(cfg.rollout.engine.model_copy(update={"model": targets[0].model_path}), "engine-0")
     try:
-        t0 = time.monotonic()
-        trajectories = await run_heldout(
-            cfg, target.model_path, [engine], records, timeout_s=cfg.trainer.step_timeout_s
-        )
-        summary, _ = heldout_metrics(
-            trajectories, records, k=cfg.eval.k, threshold=cfg.eval.pass_threshold, seconds=time.monotonic() - t0
-        )
-        return summary, None, trajectories
+        for i, target in enumerate(targets):
+            if i:
+                await engine.load_weights_from_path(target.model_path, policy_version=i)
+            t0 = time.monotonic()
+            trajectories = await run_heldout(
+                cfg, target.model_path, [engine], records, timeout_s=cfg.trainer.step_timeout_s
+            )
+            seconds = time.monotonic() - t0
+            summary, _ = heldout_metrics(
+                trajectories, records, k=cfg.eval.k, threshold=cfg.eval.pass_threshold, seconds=seconds
+            )
+            report(target, summary, trajectories, seconds)
     finally:
         await engine.shutdown()
 
@@ -106,23 +117,25 @@ def eval_main(
         f"{'model':<14} {'step':>5} {'avg@k':>7} {'pass@1':>7} {f'pass@{cfg.eval.k}':>7} {f'pass^{cfg.eval.k}':>7}"
         f"  ({len(records)} prompts x {cfg.eval.k} samples, temperature {cfg.eval.temperature})"
     )
-    for target in targets:
-        t0 = time.monotonic()
-        summary, _, trajectories = asyncio.run(evaluate_model(cfg, target, records))
+
+    def report(target: Target, summary: EvalSummary, trajectories: list, seconds: float) -> None:
         write_rows(
             out_dir / f"{target.label}.parquet",
             trajectories,
             served_step=target.served_step,
             policy_version=-1,
             started_elapsed_s=0.0,
-            seconds=time.monotonic() - t0,
+            seconds=seconds,
         )
         rewards = per_prompt_rewards(trajectories, records, cfg.eval.k)
         scores.append({p: sum(r) / len(r) for p, r in rewards.items()})
         print(
             f"{target.label:<14} {target.served_step:>5} {summary.avg_reward:>7.3f} {summary.pass_at_1:>7.3f} "
-            f"{summary.pass_at_k:>7.3f} {summary.pass_hat_k:>7.3f}"
+            f"{summary.pass_at_k:>7.3f} {summary.pass_hat_k:>7.3f}",
+            flush=True,
         )
+
+    asyncio.run(evaluate_models(cfg, targets, records, report))
     if len(scores) >= 2:
         print(f"{targets[0].label} -> {targets[-1].label}: {compare(scores[0], scores[-1]).line()}")
     print(f"rows written to {out_dir}")

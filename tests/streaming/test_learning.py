@@ -86,30 +86,24 @@ def test_the_pinned_held_out_reward_rises_far_beyond_seed_noise(tmp_path):
     assert all(x.get("eval/num_abandoned", 0) == 0 for x in logged)
     assert "reward at step 0 -> step 25:" in log.read_text()  # the summary line compares the first and the last
 
-    # `streamrl eval` re-evaluates the run offline: the base model and the last checkpoint, same metrics
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "streamrl.streaming.cli",
-            "eval",
-            str(run_dir),
-            "--checkpoint",
-            "base",
-            "--checkpoint",
-            "latest",
-            "eval.num_prompts=16",
-            "eval.k=2",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    offline = {p.stem: pq.read_table(p).to_pylist() for p in (run_dir / "eval_offline").glob("*.parquet")}
+    # `streamrl eval` re-evaluates the run offline: the base model and the last checkpoint, same metrics,
+    # on one engine (the checkpoint's weights loaded in place after the base's evaluation)
+    def offline_eval(out_dir: Path, *targets: str) -> dict[str, list[dict]]:
+        args = [a for t in targets for a in ("--checkpoint", t)]
+        out = subprocess.run(
+            [sys.executable, "-m", "streamrl.streaming.cli", "eval", str(run_dir), *args, "--out", str(out_dir)]
+            + ["eval.num_prompts=16", "eval.k=2"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert f"{targets[0]} -> " in out.stdout
+        return {p.stem: pq.read_table(p).to_pylist() for p in out_dir.glob("*.parquet")}
+
+    offline = offline_eval(tmp_path / "both", "base", "latest")
     assert sorted(offline) == ["base", "step_000025"] and all(len(rows) == 32 for rows in offline.values())
     offline_result = compare(_per_prompt(offline["base"]), _per_prompt(offline["step_000025"]))
-    assert offline_result.diff >= MIN_RISE, offline_result.line()
-    assert "base -> step_000025:" in out.stdout
+    assert offline_result.diff >= MIN_RISE, offline_result.line()  # fails if the checkpoint never replaced the base
