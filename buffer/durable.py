@@ -1,11 +1,12 @@
-"""`BufferDir`: a durable buffer's directory: its single-writer lock, its three logs (trajectories,
-consumption, images), its manifest, and the sticky failure of any of them.
+"""`BufferDir`: a durable buffer's directory: its single-writer lock, its four logs (trajectories,
+consumption, images, journal), its manifest, and the sticky failure of any of them.
 
 `ReplayBuffer` decides *what* is written and when it is acknowledged; this class owns *where*. Opening
 takes the lock; recovery reads the manifest, then the consumption log (`consumption`), then the
-trajectory log (`trajectories`), and `start` opens fresh segments (each process writes its own) and
-rewrites the manifest. A failed write or fsync of any log (`buffer.log.LogFailedError`) makes every
-later `raise_if_failed` raise: nothing written after it is ever acknowledged.
+trajectory log (`trajectories`) and the journal (`journal`), and `start` opens fresh segments (each
+process writes its own; the journal's on its first write) and rewrites the manifest. A failed write
+or fsync of any log (`buffer.log.LogFailedError`) makes every later `raise_if_failed` raise: nothing
+written after it is ever acknowledged.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from streamrl.buffer.images import IMAGES_PREFIX, ImageLog
+from streamrl.buffer.journal import JOURNAL_PREFIX, JOURNAL_SCHEMA
 from streamrl.buffer.log import LogFailedError, SegmentWriter, read_segments
 from streamrl.buffer.manifest import (
     CONSUMED_PREFIX,
@@ -46,7 +48,8 @@ class BufferDir:
         self._lock: DirLock | None = DirLock(root)
         self.traj: SegmentWriter | None = None
         self.cons: SegmentWriter | None = None
-        self._old_segments: dict[str, list[dict]] = {TRAJ_PREFIX: [], CONSUMED_PREFIX: []}  # written before this open
+        self.journal_log: SegmentWriter | None = None  # opened by the first journal write: most runs have none
+        self._old_segments: dict[str, list[dict]] = {TRAJ_PREFIX: [], CONSUMED_PREFIX: [], JOURNAL_PREFIX: []}
         self._manifest_segments = 0  # trajectory segments listed by the last manifest write
         self._manifest_image_segments = 0
         self.error: BaseException | None = None  # the first failure of a log write: every later call raises
@@ -101,6 +104,20 @@ class BufferDir:
             yield batch
         self._old_segments[TRAJ_PREFIX] = [{"name": n, "num_frames": k} for n, k in seen.items()]
 
+    def journal(self) -> Iterator[pa.RecordBatch]:
+        """Every verified journal frame, in write order."""
+        seen: Counter[str] = Counter()
+        for name, batch in read_segments(
+            self.root,
+            prefix=JOURNAL_PREFIX,
+            schema=JOURNAL_SCHEMA,
+            report=self.report,
+            expected=self._expected(JOURNAL_PREFIX),
+        ):
+            seen[name] += 1
+            yield batch
+        self._old_segments[JOURNAL_PREFIX] = [{"name": n, "num_frames": k} for n, k in seen.items()]
+
     def start(self, resume_learner_step: int | None) -> None:
         """Open this process's segments, record a consumption rollback, write the manifest (fsync'd)."""
         self.traj = SegmentWriter(
@@ -133,13 +150,32 @@ class BufferDir:
         _, cons = self._writers()
         cons.write(records)
 
+    def write_journal(self, records: pa.RecordBatch, *, fsync: bool) -> None:
+        """Write journal records in the caller's thread (they are small) and flush them to the OS; with
+        `fsync`, fsync them too. A failure fails the directory for good (`buffer.log`)."""
+        if self.journal_log is None:
+            self.journal_log = SegmentWriter(
+                self.root, prefix=JOURNAL_PREFIX, schema=JOURNAL_SCHEMA, segment_max_bytes=self._segment_max_bytes
+            )
+        segments = len(self.journal_log.segments)
+        try:
+            self.journal_log.write(records)
+            if fsync:
+                self.journal_log.sync()
+        except LogFailedError as e:
+            self.fail(e)
+            raise
+        if len(self.journal_log.segments) != segments:
+            self.write_manifest(sync=False)
+
     def fail(self, error: BaseException) -> None:
         self.error = self.error or error
 
     def raise_if_failed(self) -> None:
         """LogFailedError if any log failed (sticky: the buffer is done; see `buffer.log`)."""
         if self.error is None:
-            failed = [w.error for w in (self.traj, self.cons, self.images) if w is not None and w.error]
+            logs = (self.traj, self.cons, self.images, self.journal_log)
+            failed = [w.error for w in logs if w is not None and w.error]
             self.error = failed[0] if failed else None
         if self.error is None:
             return
@@ -171,8 +207,9 @@ class BufferDir:
         """Checkpoint: fsync the logs (images first: rows reference them) when `fsync`, write the manifest."""
         if fsync:
             traj, cons = self._writers()
-            for log in (self.images, traj, cons):
-                log.sync()
+            for log in (self.images, traj, cons, self.journal_log):
+                if log is not None:
+                    log.sync()
         self.write_manifest(sync=fsync)
 
     def close(self, *, fsync: bool) -> None:
@@ -181,7 +218,7 @@ class BufferDir:
         if self._lock is None:
             return
         try:
-            for log in (self.images, self.traj, self.cons):
+            for log in (self.images, self.traj, self.cons, self.journal_log):
                 if log is not None:
                     log.close()
             if self.error is None:
@@ -197,9 +234,11 @@ class BufferDir:
     def write_manifest(self, *, sync: bool) -> None:
         segments = {}
         self._manifest_segments = len(self.traj.segments) if self.traj else 0
-        for prefix, writer in ((TRAJ_PREFIX, self.traj), (CONSUMED_PREFIX, self.cons)):
+        logs = ((TRAJ_PREFIX, self.traj), (CONSUMED_PREFIX, self.cons), (JOURNAL_PREFIX, self.journal_log))
+        for prefix, writer in logs:
             current = [{"name": s.name, "num_frames": s.num_frames} for s in writer.segments] if writer else []
-            segments[prefix] = self._old_segments[prefix] + current
+            if prefix != JOURNAL_PREFIX or self._old_segments[prefix] or current:  # a run without one: unchanged
+                segments[prefix] = self._old_segments[prefix] + current
         self._manifest_image_segments = self.images.num_segments_written
         if self.images.segments:  # a text-only run's manifest is unchanged
             segments[IMAGES_PREFIX] = self.images.segments

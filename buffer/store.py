@@ -17,6 +17,11 @@ nothing unconsumed is skipped. If the learner restarts from an older checkpoint,
 directory itself (lock, logs, manifest, a failed write's sticky error) is
 `buffer.durable.BufferDir`.
 
+Journal: a running trajectory may also append `JournalRecord`s (`append_journal`: durable when it
+returns, fenced by attempt like rows), one per step it must make durable before acting on it, instead
+of a whole partial row each time; they are kept (`journal`) until the trajectory's final row arrives
+and recovered with the rows (`buffer/journal.py`).
+
 Images: rows reference images by sha256 (`image_refs`); their bytes come with the `append` call and
 go to the write-once image log (`buffer/images.py`) before the rows go anywhere; `sample` attaches
 them (`SampledBatch.images`). Trajectory segments of schema "1" recover with empty image columns,
@@ -42,6 +47,7 @@ from streamrl.buffer.config import BufferConfig, OverAgePolicy
 from streamrl.buffer.durable import BufferDir
 from streamrl.buffer.groups import GroupPhase, GroupState, GroupTable, RowColumns
 from streamrl.buffer.images import ImageLog
+from streamrl.buffer.journal import JournalTable, batch_to_records, records_to_batch
 from streamrl.buffer.manifest import consume_records
 from streamrl.buffer.rows import RowStore
 from streamrl.buffer.sampling import choose_groups
@@ -55,7 +61,7 @@ from streamrl.buffer.schema import (
 from streamrl.buffer.stats import BufferStats
 from streamrl.buffer.types import ImageBlob, RecoveryReport, SampledBatch
 from streamrl.core.versions import trajectory_lag
-from streamrl.rollout.types import Trajectory, TrajectoryStatus
+from streamrl.rollout.types import JournalRecord, Trajectory, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +90,7 @@ class ReplayBuffer:
         self.recovery_report = RecoveryReport()
         root = Path(cfg.root_dir) if cfg.root_dir is not None else None
         self._images = ImageLog(root, segment_max_bytes=cfg.segment_max_bytes)
+        self._journal = JournalTable()
         self._dir: BufferDir | None = None
         if root is not None:
             self._dir = BufferDir(root, images=self._images, segment_max_bytes=cfg.segment_max_bytes)
@@ -140,6 +147,22 @@ class ReplayBuffer:
         else:
             self.poll()
 
+    def append_journal(self, records: list[JournalRecord]) -> None:
+        """Add journal records of running trajectories; returns once they are in the log (and fsynced,
+        with `fsync_durable_appends`), after every row appended before them. Raises ValueError, changing
+        nothing, for a record of a trajectory that is not running, of an older attempt than its rows',
+        or out of `seq` order (`JournalTable.check`)."""
+        self._raise_if_failed()
+        self._journal.check(records, {r.trajectory_id: self._groups.partial_attempt(r.trajectory_id) for r in records})
+        if self._dir is not None:
+            self.flush()  # the rows a record continues are durable before it
+            self._dir.write_journal(records_to_batch(records), fsync=self.cfg.fsync_durable_appends)
+        self._journal.add(records)
+
+    def journal(self, trajectory_id: str) -> list[JournalRecord]:
+        """The journal of a running trajectory, in `seq` order (empty once it finished or failed)."""
+        return self._journal.records(trajectory_id)
+
     def get_image(self, sha256: str) -> bytes:
         """Encoded bytes of a stored image (resume of a parked trajectory, the viewer). KeyError if absent."""
         return self._images.get(sha256)
@@ -149,6 +172,7 @@ class ReplayBuffer:
         (group overflow) before mutating anything."""
         tids = batch.column("trajectory_id").to_pylist()
         gids = batch.column("group_id").to_pylist()
+        statuses = batch.column("status").to_pylist()
         self._groups.check_overflow(tids, gids)
         tokens = (
             batch.column("num_prompt_tokens").to_numpy().astype(np.int64)
@@ -163,7 +187,7 @@ class ReplayBuffer:
                 first_row=first,
                 trajectory_ids=tids,
                 group_ids=gids,
-                statuses=[_STATUS[s] for s in batch.column("status").to_pylist()],
+                statuses=[_STATUS[s] for s in statuses],
                 sample_index=batch.column("sample_index").to_numpy().tolist(),
                 num_tokens=tokens.tolist(),
                 rewards=batch.column("reward").to_numpy().tolist(),
@@ -173,6 +197,9 @@ class ReplayBuffer:
         )
         if dead:
             self._rows.kill(dead)
+        partial = TrajectoryStatus.PARTIAL.value  # a final row ends its journal (unless it was refused as stale)
+        ended = [t for t, s in zip(tids, statuses) if s != partial]
+        self._journal.drop([t for t in ended if self._groups.partial_attempt(t) is None])
         if self.cfg.max_batch_tokens is not None:
             self._count_oversized(set(gids), self.cfg.max_batch_tokens)
         return cid
@@ -419,7 +446,7 @@ class ReplayBuffer:
         )
 
     def memory_bytes(self) -> int:
-        return self._rows.nbytes + self._images.nbytes
+        return self._rows.nbytes + self._images.nbytes + self._journal.nbytes
 
     def stats(self) -> dict[str, float]:
         return self._stats.snapshot(
@@ -442,6 +469,9 @@ class ReplayBuffer:
         for batch in directory.trajectories():
             self._images.note_refs(image_refs_of(batch))
             self._ingest(batch)
+        for batch in directory.journal():
+            self._journal.add(batch_to_records(batch))
+        self._journal.keep_only(set(self._groups.resumable_ids()))
         orphans = len(self._groups.preloaded_steps)
         if orphans:
             msg = f"{orphans} consumption records refer to trajectories whose rows were not recovered"

@@ -198,8 +198,9 @@ class AgentData(BaseModel):
     # worker again after its previous holder died (`Pipeline.resubmit_orphans`). Every row carries it;
     # the buffer refuses rows of an attempt older than the newest it holds (`buffer.groups`).
     attempt: int = Field(default=0, ge=0)
-    # A gateway session's state (`rollout.gateway.session.GatewayState` as JSON: journal of answered
-    # calls, forked segments, pending choices); None for every other agent loop.
+    # A gateway session's state (`rollout.gateway.journal.GatewayState` as JSON: journal of answered
+    # calls, forked segments, pending choices), written when the program ends; while it runs, each
+    # answered call is a `JournalRecord` instead. None for every other agent loop.
     gateway: dict[str, Any] | None = None
 
     def to_json(self) -> str:
@@ -287,6 +288,23 @@ class AgentData(BaseModel):
                     f"trajectory {self.trajectory_id}: {num_runs} image placeholder runs in prompt + response "
                     f"but {len(self.images)} images"
                 )
+
+
+@dataclass(kw_only=True, slots=True)
+class JournalRecord:
+    """One entry of a running trajectory's append-only journal: a step an agent loop made durable
+    without writing the whole trajectory again (the gateway: one answered call, `rollout.gateway.journal`).
+
+    The buffer keeps a trajectory's records, in `seq` order, while its latest row is partial, and drops
+    them once a final row arrives; a resumed attempt reads them back (`AgentContext.read_journal`) and
+    folds them onto the row it resumed from. Records are fenced like rows: one of an attempt older than
+    the trajectory's current one is refused. `payload` is the loop's own record as JSON; the buffer
+    never looks inside."""
+
+    trajectory_id: str
+    attempt: int  # the attempt that wrote it
+    seq: int  # 0, 1, 2, ... per trajectory, across its attempts
+    payload: str
 
 
 @dataclass(kw_only=True, slots=True)

@@ -44,6 +44,7 @@ from streamrl.rollout.types import (
     AgentData,
     AgentState,
     FinishReason,
+    JournalRecord,
     Trajectory,
     TrajectoryStatus,
 )
@@ -94,6 +95,11 @@ class AgentContext:
     "a tool's side effect happens at most once" hold across worker death and job restart; without
     it, that holds within one process only.
 
+    `append_journal`, when set, makes one `JournalRecord` of a running trajectory durable (the
+    gateway's answered call, before its response leaves), returning only once it is: a step that
+    costs its own bytes, not a whole partial row. `read_journal(trajectory_id)` returns the records a
+    resumed trajectory folds onto the row it resumed from (`buffer/journal.py`).
+
     `processor` (the policy's `AutoProcessor`) is set for a VLM policy only; image prompts need it and
     `images`, the worker's store of image bytes by hash. `fetch_images(sha256s) -> [bytes]` (same
     order) fills the store with images it lacks, e.g. when a parked trajectory resumes in a worker
@@ -111,6 +117,8 @@ class AgentContext:
     interactions: dict[str, Any] = field(default_factory=dict)
     reward_fn: Callable[[Any], float] | None = None
     snapshot: Callable[[AgentData], Awaitable[None]] | None = None
+    append_journal: Callable[[JournalRecord], Awaitable[None]] | None = None
+    read_journal: Callable[[str], Awaitable[list[JournalRecord]]] | None = None
     cancel: asyncio.Event = field(default_factory=asyncio.Event)
     counters: LoopCounters = field(default_factory=LoopCounters)
     num_in_engine: int = 0  # loops with an engine request in flight (pause waits for 0)

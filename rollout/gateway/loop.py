@@ -20,9 +20,10 @@ finish reason `length` and the reward function scores it.
 A weight sync never parks this loop: its state is INTERACTING while the program runs (the worker's
 pause only waits for its engine requests, which park in place inside the session), so the program
 keeps running and its calls only take longer. On a crash the program dies with the worker; the
-trajectory resumes from its last durable snapshot (every answered call, when `durable_journal`) in a
-new attempt: the program runs again from the start, and its calls that repeat journaled ones are
-answered from the journal (`Session.lookup`) instead of being sampled again.
+trajectory resumes in a new attempt from its last row with the journal's records folded on top (every
+answered call, when `durable_journal`; `Session.recover`): the program runs again from the start, and
+its calls that repeat journaled ones are answered from the journal (`Session.lookup`) instead of being
+sampled again.
 """
 
 from __future__ import annotations
@@ -139,12 +140,11 @@ class GatewayAgentLoop(AgentLoopBase):
         session = Session(self.ctx, data, cfg, honor_sampling=cfg.honor_request_sampling)
         state = session.state
         if data.state is AgentState.PENDING:
-            state.sample_messages = list(data.messages)
-        else:  # a resume in another attempt: the program starts over, the journal answers its repeats
+            state.sample_messages = list(data.messages)  # before the journal's records change them
+        # A resume in another attempt: the program starts over and the journal answers its repeats.
+        if await session.recover() or data.state is not AgentState.PENDING:
             state.num_restarts += 1
-            state.attempt = data.attempt
         data.state = AgentState.INTERACTING
-        session.save()
         server.add(session)
         finish = FinishReason.STOP
         try:
@@ -152,6 +152,7 @@ class GatewayAgentLoop(AgentLoopBase):
                 cfg, server.base_url(session), session.token, sample_of(data, state.sample_messages)
             )
         except Exception as exc:
+            session.save()  # the failed row shows the session as it ended
             if session.failed is not None:
                 raise session.failed from exc
             if not state.length_exceeded:
@@ -161,6 +162,7 @@ class GatewayAgentLoop(AgentLoopBase):
         finally:
             server.remove(session)
         if session.failed is not None:
+            session.save()
             raise session.failed
         async with session.lock:
             session.finish()

@@ -3,8 +3,8 @@
 Owns the token record of a session (the `AgentData` of its trajectory: `prompt_ids`, then observation
 tokens with mask 0 and sampled tokens with mask 1, their behaviour log-probs and per-token policy
 versions) and the session's `GatewayState` (journal of answered calls, forked segments, the sampled
-choices of the last call, counters), kept in `AgentData.gateway` so that it travels with every
-snapshot and partial row.
+choices of the last call, counters; `journal.py`), written into `AgentData.gateway` when the program
+ends.
 
 How a call is placed on the record (`Session._place`):
 - the first call renders its messages with the model's chat template: that is `prompt_ids`;
@@ -14,10 +14,12 @@ How a call is placed on the record (`Session._place`):
   whole conversation again, and appended with mask 0;
 - otherwise, a call whose full rendering starts with the record's token ids exactly also extends it
   (the suffix is appended with mask 0);
-- otherwise the agent rewrote its history: the session *forks*, the current record is kept as a
-  finished-with segment (`GatewayState.segments`, counted in `num_forks`) and a new record starts from
+- otherwise the agent rewrote its history: the session *forks*, the current record is left behind
+  (its size summarised in `GatewayState.segments`, counted in `num_forks`) and a new record starts from
   this call's rendering. Nothing is ever silently re-tokenized.
-The model always samples from the record itself, so what is trained is exactly what was sampled.
+The model always samples from the record itself, so what is trained is exactly what was sampled. The
+response budget (`response_length`) is the session's, not a record's: the response tokens of the
+records it forked away from count against it, so rewriting history never buys more sampling.
 
 With `n > 1` every choice is kept until the next call shows which one the agent continued with; that
 one joins the record, the others are counted (`num_unused_choices`). At the end (or when the next call
@@ -30,12 +32,14 @@ tokens so far with the budget left. The HTTP call only takes longer; later token
 version.
 
 Exactly-once answers: every answered call is journaled (`JournalEntry`, keyed by a hash of session,
-attempt, path and request body) and, with `durable_journal`, made durable through `AgentContext.snapshot`
-before its response leaves. A retry of the same call (same key) gets the journaled answer and samples
-nothing. After a crash the trajectory resumes from its last durable snapshot with a new attempt; the
+attempt, path and request body) and, with `durable_journal`, its record (`journal.CallRecord`: the
+answer and the call's delta of the token record, never the whole session) is appended durably through
+`AgentContext.append_journal` before its response leaves; only then does the session change. A retry
+of the same call (same key) gets the journaled answer and samples nothing. After a crash the trajectory
+resumes in a new attempt from its last row, with the journal's records folded on top (`recover`); the
 restarted program's calls that match a journaled call of an earlier attempt by body are answered from
 the journal (replay), so a deterministic program reaches the point where it died without sampling
-again. A snapshot that fails fails the session: no answer is sent that is not durable.
+again. An append that fails fails the session: no answer is sent that is not durable.
 """
 
 from __future__ import annotations
@@ -50,64 +54,17 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, Field
-
 from streamrl.core.faults import ahit
 from streamrl.rollout.engine.base import SamplingParams
-from streamrl.rollout.gateway import protocol
+from streamrl.rollout.gateway import journal, protocol
 from streamrl.rollout.gateway.config import GatewayConfig
+from streamrl.rollout.gateway.journal import Branch, CallRecord, GatewayState, JournalEntry, Placement
 from streamrl.rollout.gateway.protocol import ChatCall, Choice, GatewayError, ToolCallOut
 from streamrl.rollout.types import AgentData
 
 logger = logging.getLogger(__name__)
 
 PARK_POLL_S = 0.005  # how often a parked generation looks whether the sync is over
-
-
-class Segment(BaseModel):
-    """A token record the session forked away from (the agent rewrote its history)."""
-
-    prompt_ids: list[int] = Field(default_factory=list)
-    response_ids: list[int] = Field(default_factory=list)
-    response_mask: list[int] = Field(default_factory=list)
-    behavior_logprobs: list[float] = Field(default_factory=list)
-    policy_versions: list[int] = Field(default_factory=list)
-    messages: list[dict[str, Any]] = Field(default_factory=list)
-
-
-class Branch(BaseModel):
-    """One sampled choice of the last call, not yet on the record."""
-
-    message: dict[str, Any]
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-
-
-class JournalEntry(BaseModel):
-    key: str  # sha256 of session, attempt, path, body (without the stream flags)
-    body_sha: str  # sha256 of path and body only: matches the same call made by a later attempt
-    attempt: int
-    api: str
-    response: dict[str, Any]  # the non-streamed response object; a stream is rendered from it
-
-
-class GatewayState(BaseModel):
-    session_id: str
-    attempt: int = 0  # the attempt of the program run the session serves now
-    sample_messages: list[dict[str, Any]] = Field(default_factory=list)  # the dataset prompt, for the program
-    tools_sha: str | None = None  # the tools the current record was rendered with
-    branches: list[Branch] = Field(default_factory=list)
-    journal: list[JournalEntry] = Field(default_factory=list)
-    segments: list[Segment] = Field(default_factory=list)
-    num_calls: int = 0  # calls that sampled
-    num_forks: int = 0
-    num_retries_answered: int = 0  # calls answered from the journal by key
-    num_replayed: int = 0  # calls of a restarted program answered from an earlier attempt's journal
-    num_unused_choices: int = 0
-    num_interrupts: int = 0  # generations aborted by a weight sync and continued
-    num_restarts: int = 0  # program runs after the first (a resume in another attempt)
-    length_exceeded: bool = False  # a call was refused for the context budget
 
 
 def session_id_for(trajectory_id: str) -> str:
@@ -135,6 +92,7 @@ class CallStats:
     journal: str | None = None  # "retry": this attempt's journal answered it; "replay": an earlier attempt's
     forked: bool = False  # the call rewrote the history: the session forked
     synced: bool = False  # a weight sync parked or interrupted its generation
+    num_interrupts: int = 0  # generations of the call a weight sync aborted and continued
     engine_s: float = 0.0  # seconds with a generation of the call in the engine or parked for a sync
 
     _active: int = 0  # generations of the call running now (n > 1 runs them side by side)
@@ -173,6 +131,10 @@ class Session:
         self.lock = asyncio.Lock()
         self.failed: BaseException | None = None
         self.stats = CallStats()  # of the call being answered (calls of one session answer one at a time)
+        self._by_key: dict[str, JournalEntry] = {}  # this attempt's answers (retries)
+        self._by_body: dict[str, JournalEntry] = {}  # earlier attempts' answers (replays)
+        self._canonical: list[tuple] = []  # the record's messages as `protocol.canonical_message`s
+        self._reindex()
 
     @property
     def session_id(self) -> str:
@@ -183,29 +145,51 @@ class Session:
         return self.state.attempt
 
     def save(self) -> None:
-        """Write the state into the AgentData (before every snapshot and at the end)."""
+        """Write the state into the AgentData (when the program ended: the trajectory's final row)."""
         self.data.gateway = self.state.model_dump(mode="json")
+
+    async def recover(self) -> int:
+        """Serve the trajectory's current attempt: fold the journal records earlier attempts made
+        durable onto the row it resumed from (`journal.fold`), so their calls are answered again from
+        the journal. Returns how many records were folded."""
+        self.state.attempt = self.data.attempt
+        records = []
+        if self.data.attempt > 0 and self.ctx.read_journal is not None:
+            records = await self.ctx.read_journal(self.data.trajectory_id)
+        applied = journal.fold(self.data, self.state, records)
+        self._reindex()
+        return applied
+
+    def _reindex(self) -> None:
+        self._by_key = {e.key: e for e in reversed(self.state.journal)}
+        self._by_body = {e.body_sha: e for e in reversed(self.state.journal) if e.attempt < self.state.attempt}
+        self._canonical = [protocol.canonical_message(m) for m in self.data.messages]
 
     # ---- answering ----------------------------------------------------------------------------
 
     def lookup(self, key: str, body_sha: str) -> dict[str, Any] | None:
         """The journaled answer of this call, or of the same call made by an earlier attempt."""
-        for entry in self.state.journal:
-            if entry.key == key:
-                self.state.num_retries_answered += 1
-                self.stats.journal = "retry"
-                return entry.response
-        for entry in self.state.journal:
-            if entry.body_sha == body_sha and entry.attempt < self.state.attempt:
-                self.state.num_replayed += 1
-                self.stats.journal = "replay"
-                self.state.journal.append(entry.model_copy(update={"key": key, "attempt": self.state.attempt}))
-                return entry.response
+        entry = self._by_key.get(key)
+        if entry is not None:
+            self.state.num_retries_answered += 1
+            self.stats.journal = "retry"
+            return entry.response
+        entry = self._by_body.get(body_sha)
+        if entry is not None:
+            self.state.num_replayed += 1
+            self.stats.journal = "replay"
+            again = entry.model_copy(update={"key": key, "attempt": self.state.attempt})
+            self.state.journal.append(again)  # its retries are answered by key (it is durable as `entry`)
+            self._by_key[key] = again
+            return entry.response
         return None
 
     async def complete(self, call: ChatCall, key: str, body_sha: str, stats: CallStats | None = None) -> dict[str, Any]:
         """Answer `call`: from the journal when it was answered before, else sample, journal (durably)
-        and return the response object of the call's API. `stats` receives what answering it took."""
+        and return the response object of the call's API. `stats` receives what answering it took.
+        Nothing of the session changes until the call's record is durable, so a call that fails (an
+        engine error, a refused budget, a raise) leaves no trace and its retry is placed like a first
+        try (only `length_exceeded` stays: the loop reads it)."""
         async with self.lock:
             self.stats = stats if stats is not None else CallStats()
             if self.failed is not None:
@@ -213,34 +197,16 @@ class Session:
             answer = self.lookup(key, body_sha)
             if answer is not None:
                 return answer
-            before = (self.data.model_copy(deep=True), self.state.model_copy(deep=True))
-            try:
-                response = await self._answer(call, key, body_sha)
-            except BaseException:
-                if self.failed is None:  # the call left no trace: its retry is placed like a first try
-                    self._restore(*before)
-                raise
+            response = await self._answer(call, key, body_sha)
             await ahit("gateway.before_answer")  # a fresh answer only: a crash here is one call of progress
             return response
 
-    def _restore(self, data: AgentData, state: GatewayState) -> None:
-        """Put the record and the state back as they were before a call that failed (an engine
-        error, a refused budget, a raise): without this its retry would find the record already
-        extended by the call's own messages and fork. `length_exceeded` stays: the loop reads it."""
-        length_exceeded = self.state.length_exceeded
-        for name in AgentData.model_fields:
-            setattr(self.data, name, getattr(data, name))
-        for name in GatewayState.model_fields:
-            setattr(self.state, name, getattr(state, name))
-        self.state.length_exceeded = length_exceeded
-
     async def _answer(self, call: ChatCall, key: str, body_sha: str) -> dict[str, Any]:
-        """Sample the call on the record, journal it and make the journal durable."""
-        forks = self.state.num_forks
-        prompt = self._place(call)
-        self.stats.forked = self.state.num_forks > forks
+        """Sample the call on the record, make its journal record durable, then apply it."""
+        placement, prompt, budget = self._place(call)
+        self.stats.forked = placement.kind == "fork"
         self.stats.sampled = True
-        choices = await asyncio.gather(*(self._sample(call, prompt, i) for i in range(call.n)))
+        choices = await asyncio.gather(*(self._sample(call, prompt, budget, i) for i in range(call.n)))
         await ahit("gateway.before_journal")
         if call.api == "anthropic":
             response = protocol.anthropic_message(f"msg_{key[:24]}", call.model, choices[0], len(prompt))
@@ -248,22 +214,45 @@ class Session:
             response = protocol.openai_completion(
                 f"chatcmpl-{key[:24]}", call.model, choices, len(prompt), logprobs=call.logprobs
             )
-        self.state.branches = [
-            Branch(message=c.message(), token_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions)
-            for c in choices
-        ]
-        self.state.num_calls += 1
-        self.state.journal.append(
-            JournalEntry(key=key, body_sha=body_sha, attempt=self.state.attempt, api=call.api, response=response)
+        record = CallRecord(
+            entry=JournalEntry(key=key, body_sha=body_sha, attempt=self.state.attempt, api=call.api, response=response),
+            placement=placement,
+            branches=[
+                Branch(message=c.message(), token_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions)
+                for c in choices
+            ],
+            num_interrupts=self.stats.num_interrupts,
         )
-        self.save()
-        if self.cfg.durable_journal and self.ctx.snapshot is not None:
-            try:
-                await self.ctx.snapshot(self.data.model_copy(deep=True))
-            except Exception as exc:  # not durable: this answer must never be sent
-                self.failed = exc
-                raise GatewayError(500, f"the session's journal could not be made durable: {exc!r}") from exc
+        await self._make_durable(record)
+        self._apply(record)
         return response
+
+    async def _make_durable(self, record: CallRecord) -> None:
+        """Append the call's record to the trajectory's journal (`AgentContext.append_journal`). One
+        that fails, or is cancelled with its fate unknown, fails the session: no answer is sent that
+        is not durable, and no later record may follow one that might be missing."""
+        if not self.cfg.durable_journal or self.ctx.append_journal is None:
+            return
+        try:
+            await self.ctx.append_journal(journal.to_journal_record(self.data, self.state, record))
+        except BaseException as exc:
+            self.failed = exc
+            if not isinstance(exc, Exception):
+                raise
+            raise GatewayError(500, f"the session's journal could not be made durable: {exc!r}") from exc
+
+    def _apply(self, record: CallRecord) -> None:
+        """`journal.apply`, keeping the canonical messages and the answers by key in step."""
+        p = record.placement
+        if p.chosen is not None:
+            self._canonical.append(protocol.canonical_message(self.state.branches[p.chosen].message))
+        journal.apply(self.data, self.state, record)
+        if p.kind == "extend":
+            del self._canonical[p.keep_messages :]
+            self._canonical.extend(protocol.canonical_message(m) for m in p.messages)
+        else:
+            self._canonical = [protocol.canonical_message(m) for m in self.data.messages]
+        self._by_key[record.entry.key] = record.entry
 
     # ---- the token record ---------------------------------------------------------------------
 
@@ -278,87 +267,84 @@ class Session:
             )
         return ids
 
-    def _commit_branch(self, call: ChatCall | None) -> None:
-        """Put the choice the agent continued with (or choice 0) on the record."""
-        if not self.state.branches:
-            return
-        data, branches = self.data, self.state.branches
-        chosen = branches[0]
-        if call is not None:
-            n = len(data.messages)
-            head = [protocol.canonical_message(m) for m in call.messages[: n + 1]]
-            for b in branches:
-                if head == [protocol.canonical_message(m) for m in [*data.messages, b.message]]:
-                    chosen = b
-                    break
-        data.append_sampled(chosen.token_ids, chosen.logprobs, chosen.versions)
-        data.messages.append(chosen.message)
-        data.num_assistant_turns += 1
-        self.state.num_unused_choices += len(branches) - 1
-        self.state.branches = []
+    def _chosen(self, call: ChatCall) -> int | None:
+        """The pending choice the agent continued with (the one its messages repeat), else 0; None
+        when no choice is pending."""
+        branches = self.state.branches
+        if not branches:
+            return None
+        n = len(self._canonical)
+        if len(call.messages) > n and journal.common_prefix(self._canonical, call.messages[:n]) == n:
+            sent = protocol.canonical_message(call.messages[n])
+            for i, b in enumerate(branches):
+                if protocol.canonical_message(b.message) == sent:
+                    return i
+        return 0
 
-    def _extension(self, call: ChatCall, tools_sha: str) -> list[int] | None:
-        """Observation ids that take the record to this call's prompt, or None (a fork)."""
+    def _num_response_tokens(self) -> int:
+        """Response tokens the session holds so far, across every record it forked away from."""
+        return self.state.num_forked_response_tokens + len(self.data.response_ids)
+
+    def _place(self, call: ChatCall) -> tuple[Placement, list[int], int]:
+        """Where this call goes on the record (start, extend or fork; see the module doc), without
+        changing anything: (placement, the prompt ids to sample after, response tokens left)."""
+        data, state = self.data, self.state
+        tools_sha = _sha(call.tools)
+        limit = self.ctx.cfg.response_length
+        if not data.prompt_ids:
+            ids = self._encode_prompt(call)
+            placement = Placement(kind="start", ids=ids, messages=list(call.messages), tools_sha=tools_sha)
+            return placement, list(ids), limit - self._num_response_tokens()
+        chosen = self._chosen(call)
+        branch = state.branches[chosen] if chosen is not None else None
+        tail = branch.token_ids if branch is not None else []
+        canonical = [*self._canonical, protocol.canonical_message(branch.message)] if branch else self._canonical
+        keep = journal.common_prefix(canonical, call.messages)
+        used = self._num_response_tokens() + len(tail)
+        ids = self._extension(call, tools_sha, tail, len(canonical) if keep == len(canonical) else None)
+        if ids is not None:
+            if used + len(ids) >= limit:
+                state.length_exceeded = True
+                raise protocol.bad_request(
+                    f"the conversation would pass this session's budget of {limit} response tokens",
+                    "messages",
+                    "context_length_exceeded",
+                )
+            placement = Placement(
+                kind="extend",
+                chosen=chosen,
+                ids=ids,
+                keep_messages=keep,
+                messages=list(call.messages[keep:]),
+                tools_sha=state.tools_sha,
+            )
+            return placement, data.prompt_ids + data.response_ids + tail + ids, limit - used - len(ids)
+        prompt_ids = self._encode_prompt(call)  # a refused fork changes nothing
+        logger.info("gateway session %s forks (segment %d)", state.session_id, len(state.segments) + 1)
+        placement = Placement(
+            kind="fork", chosen=chosen, ids=prompt_ids, messages=list(call.messages), tools_sha=tools_sha
+        )
+        return placement, list(prompt_ids), limit - used
+
+    def _extension(self, call: ChatCall, tools_sha: str, tail: list[int], history: int | None) -> list[int] | None:
+        """Observation ids that take the record (plus `tail`, the choice joining it) to this call's
+        prompt, or None (a fork). `history`: the record's number of messages (its answer joining it
+        included) when the call begins with all of them, else None."""
         data = self.data
-        n = len(data.messages)
-        same_history = len(call.messages) > n and [protocol.canonical_message(m) for m in call.messages[:n]] == [
-            protocol.canonical_message(m) for m in data.messages
-        ]
-        if same_history and tools_sha == self.state.tools_sha:
-            new = call.messages[n:]
-            after_eos = bool(data.response_ids) and data.response_ids[-1] == self.ctx.tokenizer.eos_token_id
+        if history is not None and len(call.messages) > history and tools_sha == self.state.tools_sha:
+            new = call.messages[history:]
+            last = tail[-1:] or data.response_ids[-1:]
+            after_eos = bool(last) and last[0] == self.ctx.tokenizer.eos_token_id
             return self.ctx.encoder.encode_new_messages(new, after_eos=after_eos)
-        record = data.prompt_ids + data.response_ids
+        record = data.prompt_ids + data.response_ids + tail
         full = self.ctx.encoder.encode_prompt(call.messages, call.tools)
         if len(full) > len(record) and full[: len(record)] == record:
             return full[len(record) :]
         return None
 
-    def _place(self, call: ChatCall) -> list[int]:
-        """Bring the record to this call's prompt (start, extend or fork); returns the prompt ids."""
-        data, state = self.data, self.state
-        tools_sha = _sha(call.tools)
-        self._commit_branch(call)
-        if data.prompt_ids:
-            ids = self._extension(call, tools_sha)
-            if ids is not None:
-                if len(data.response_ids) + len(ids) >= self.ctx.cfg.response_length:
-                    state.length_exceeded = True
-                    raise protocol.bad_request(
-                        f"the conversation would pass this session's budget of {self.ctx.cfg.response_length} "
-                        "response tokens",
-                        "messages",
-                        "context_length_exceeded",
-                    )
-                data.append_observation(ids)
-                data.num_user_turns += 1
-                data.messages = list(call.messages)
-                return data.prompt_ids + data.response_ids
-            prompt_ids = self._encode_prompt(call)  # before anything changes: a refused fork keeps the record
-            state.segments.append(
-                Segment(
-                    prompt_ids=data.prompt_ids,
-                    response_ids=data.response_ids,
-                    response_mask=data.response_mask,
-                    behavior_logprobs=data.behavior_logprobs,
-                    policy_versions=data.policy_versions,
-                    messages=data.messages,
-                )
-            )
-            state.num_forks += 1
-            logger.info("gateway session %s forked (segment %d)", state.session_id, len(state.segments))
-            data.response_ids, data.response_mask, data.behavior_logprobs, data.policy_versions = [], [], [], []
-            data.num_assistant_turns = data.num_user_turns = 0
-        else:
-            prompt_ids = self._encode_prompt(call)
-        data.prompt_ids = prompt_ids
-        data.messages = list(call.messages)
-        state.tools_sha = tools_sha
-        return list(prompt_ids)
-
     def finish(self) -> None:
         """The program ended: the last call's choice 0 joins the record (unless continued already)."""
-        self._commit_branch(None)
+        journal.commit_branch(self.data, self.state, None)
         self.save()
 
     # ---- sampling -----------------------------------------------------------------------------
@@ -381,8 +367,7 @@ class Session:
             stop=list(call.stop),
         )
 
-    async def _sample(self, call: ChatCall, prompt: list[int], index: int) -> Choice:
-        budget = self.ctx.cfg.response_length - len(self.data.response_ids)
+    async def _sample(self, call: ChatCall, prompt: list[int], budget: int, index: int) -> Choice:
         max_tokens = min(call.max_tokens or self.ctx.cfg.max_tokens_per_turn, budget)
         if max_tokens <= 0:
             self.state.length_exceeded = True
@@ -468,7 +453,7 @@ class Session:
             ctx.counters.num_generated_tokens += len(output.token_ids)
             if not output.aborted:
                 return tokens, logprobs, versions, output.finish_reason
-            self.state.num_interrupts += 1
+            self.stats.num_interrupts += 1
             self.stats.synced = True
             ctx.counters.num_interrupts += 1
             ctx.counters.num_reprefill_tokens += len(prompt) + len(tokens)

@@ -39,7 +39,7 @@ from streamrl.buffer.schema import normalize_batch, trajectories_to_batch
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.buffer.types import BufferProgress, ImageBlob, SampledBatch
 from streamrl.core import trace
-from streamrl.rollout.types import Trajectory, TrajectoryStatus
+from streamrl.rollout.types import JournalRecord, Trajectory, TrajectoryStatus
 
 if TYPE_CHECKING:
     import ray
@@ -113,6 +113,17 @@ class BufferActor:
             _trace_appended(batch, durable)
         await self._notify_changed()
         return True
+
+    async def append_journal(self, records: list[JournalRecord]) -> None:
+        """Append journal records of running trajectories; returns once they are durable (never
+        backpressured: they continue work admission already counted). ValueError: refused, see
+        `ReplayBuffer.append_journal`."""
+        self._check_flusher()
+        self.buffer.append_journal(records)
+
+    async def journal(self, trajectory_id: str) -> list[JournalRecord]:
+        """A running trajectory's journal records, in order (what its resumed attempt folds)."""
+        return self.buffer.journal(trajectory_id)
 
     def _fits(self, batch: pa.RecordBatch) -> bool:
         return self.buffer.has_room(self.buffer.num_new_rows(batch))

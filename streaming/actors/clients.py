@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import ray
 
     from streamrl.buffer.types import BufferProgress, ImageBlob
-    from streamrl.rollout.types import AgentData, RolloutOutcomes, Trajectory
+    from streamrl.rollout.types import AgentData, JournalRecord, RolloutOutcomes, Trajectory
     from streamrl.streaming.actors.engine import RayEngineClient
     from streamrl.streaming.actors.learner import Trained
     from streamrl.streaming.config import ActorTimeouts
@@ -92,6 +92,14 @@ class BufferClient(ActorClient):
         kw = {} if images is None else {"images": images}
         ref = ray.put(trajectories_to_batch(rows))
         return await self._call("append", ref, wait_s, durable, timeout_s=wait_s + self.timeout_s, **kw)
+
+    async def append_journal(self, records: list[JournalRecord]) -> None:
+        """Append a running trajectory's journal records; returns once they are durable."""
+        await self._call("append_journal", records)
+
+    async def journal(self, trajectory_id: str) -> list[JournalRecord]:
+        """A running trajectory's journal records, in `seq` order."""
+        return await self._call("journal", trajectory_id)
 
     async def get_images(self, sha256s: list[str]) -> list[bytes]:
         """Encoded bytes of stored images, in the order asked (a parked image trajectory resumed)."""

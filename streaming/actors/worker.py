@@ -101,7 +101,9 @@ class RolloutWorkerActor:
             server.mark_unhealthy(engine_id, reason="kept out by the driver")
         self.engine_cfg = cfg.rollout.engine
         ctx = build_agent_context(cfg, model_path, server)
-        ctx.snapshot = self._snapshot  # I5: tool intents (and the gateway's answers) are durable first
+        ctx.snapshot = self._snapshot  # I5: tool intents are durable first
+        ctx.append_journal = self._append_journal  # and the gateway's answers
+        ctx.read_journal = self.buffer.journal
         ctx.fetch_images = self._fetch_images
         if ctx.tools is not None:
             from streamrl.core.faults import hit
@@ -131,8 +133,7 @@ class RolloutWorkerActor:
 
     async def _snapshot(self, data: Any) -> None:
         """Make a trajectory's state durable (a partial row flushed to the buffer's log): its journaled
-        tool intents before the tools run, or the gateway's journaled answer before it is sent.
-        Raising fails the trajectory; the tool never runs, the answer is never sent."""
+        tool intents before the tools run. Raising fails the trajectory; the tool never runs."""
         from streamrl.rollout.types import TrajectoryStatus
 
         ctx = self.worker.ctx
@@ -141,6 +142,11 @@ class RolloutWorkerActor:
         ok = await self.buffer.append_rows([row], wait_s=self.append_timeout_s, durable=True, images=images)
         if not ok:
             raise RuntimeError(f"snapshot of {data.trajectory_id} was not made durable")
+
+    async def _append_journal(self, record: Any) -> None:
+        """Make one journal record durable (the gateway's answered call, before it is sent). Raising
+        fails the trajectory; the answer is never sent."""
+        await self.buffer.append_journal([record])
 
     async def _fetch_images(self, sha256s: list[str]) -> list[bytes]:
         """Bytes of images this worker lacks (a parked trajectory resumed here), from the buffer."""

@@ -3,11 +3,13 @@ tokenizer and chat template, and the real gateway server (uvicorn on 127.0.0.1, 
 the test's event loop, with one live session.
 
 `Gateway.openai()` / `.anthropic()` are the official async SDK clients pointed at the session, with
-retries off unless asked for, so a test sees each status code as the server sent it."""
+retries off unless asked for, so a test sees each status code as the server sent it. The context's
+journal hooks write to `Gateway.journal` (`MemoryJournal`: what the buffer keeps of a running
+trajectory), so every answered call is made "durable" there before it is sent."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest_asyncio
@@ -22,7 +24,7 @@ from streamrl.rollout.gateway.session import Session
 from streamrl.rollout.parsers import get_parser
 from streamrl.rollout.rewards import get_reward_fn
 from streamrl.rollout.server_manager import ServerManager
-from streamrl.rollout.types import AgentData, AgentState
+from streamrl.rollout.types import AgentData, AgentState, JournalRecord
 from tests.rollout.test_agent_loop import turn_script
 
 CALC_TOOL = {
@@ -65,11 +67,32 @@ def new_data(tid: str = "g0/0", attempt: int = 0) -> AgentData:
 
 
 @dataclass
+class MemoryJournal:
+    """The journal hooks of a worker, over a list (the buffer's `append_journal` / `journal`)."""
+
+    records: list[JournalRecord] = field(default_factory=list)
+
+    async def append(self, record: JournalRecord) -> None:
+        self.records.append(record)
+
+    async def read(self, trajectory_id: str) -> list[JournalRecord]:
+        return [r for r in self.records if r.trajectory_id == trajectory_id]
+
+    def wire(self, ctx: AgentContext) -> None:
+        ctx.append_journal, ctx.read_journal = self.append, self.read
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(len(r.payload.encode()) for r in self.records)
+
+
+@dataclass
 class Gateway:
     server: GatewayServer
     session: Session
     ctx: AgentContext
     engine: FakeEngine
+    journal: MemoryJournal
 
     @property
     def data(self) -> AgentData:
@@ -98,10 +121,12 @@ class Gateway:
         kw.setdefault("max_retries", 0)
         return anthropic.AsyncAnthropic(base_url=self.base_url.removesuffix("/v1"), **kw)
 
-    def open_session(self, data: AgentData) -> Session:
-        """A session for `data` (replacing the live one), as the gateway loop opens it."""
+    async def open_session(self, data: AgentData) -> Session:
+        """A session for `data` (replacing the live one), as the gateway loop opens it: a resumed
+        attempt's folds the journal's records of the earlier ones."""
         self.server.remove(self.session)
         self.session = Session(self.ctx, data, self.ctx.cfg.gateway)
+        await self.session.recover()
         data.state = AgentState.INTERACTING
         self.server.add(self.session)
         return self.session
@@ -109,13 +134,15 @@ class Gateway:
 
 async def start_gateway(tokenizer, engine: FakeEngine, **gateway_kw: Any) -> Gateway:
     ctx = gateway_ctx(tokenizer, engine, gateway=GatewayConfig(**gateway_kw))
+    journal = MemoryJournal()
+    journal.wire(ctx)
     server = GatewayServer(ctx.cfg.gateway)
     await server.start()
     data = new_data()
     data.state = AgentState.INTERACTING
     session = Session(ctx, data, ctx.cfg.gateway)
     server.add(session)
-    return Gateway(server=server, session=session, ctx=ctx, engine=engine)
+    return Gateway(server=server, session=session, ctx=ctx, engine=engine, journal=journal)
 
 
 @pytest_asyncio.fixture

@@ -80,7 +80,7 @@ async def test_a_program_cannot_read_or_append_to_a_sibling_session(tiny_tokeniz
 async def test_each_session_has_its_own_token_and_only_that_one_opens_it(make_gateway):
     gw = await make_gateway([ANSWER])
     first = gw.session
-    second = gw.open_session(new_data("g0/1"))
+    second = await gw.open_session(new_data("g0/1"))
     gw.server.add(first)  # both live
     assert first.token != second.token and len(second.token) >= 32
     root = f"http://127.0.0.1:{gw.server.port}/s"

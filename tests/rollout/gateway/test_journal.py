@@ -1,7 +1,7 @@
 """Exactly-once answers: a retried identical call gets the journaled answer, never a new sample; the
-journal entry is durable (the context's snapshot hook returned) before the response leaves; a snapshot
-that fails fails the session instead of sending an answer that is not durable; a resumed trajectory's
-restarted program gets its earlier calls answered from the journal."""
+call's journal record is durable (the context's `append_journal` hook returned) before the response
+leaves; an append that fails fails the session instead of sending an answer that is not durable; a
+resumed trajectory's restarted program gets its earlier calls answered from the journal."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import asyncio
 import openai
 import pytest
 
-from streamrl.rollout.types import AgentData
+from streamrl.rollout.gateway.journal import CallRecord
+from streamrl.rollout.types import JournalRecord
+from tests.rollout.gateway.conftest import new_data
 from tests.rollout.test_agent_loop import ANSWER
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,37 +43,40 @@ async def test_an_sdk_retry_after_a_client_timeout_is_answered_once(make_gateway
     assert gw.session.state.num_retries_answered >= 1 and len(gw.session.state.journal) == 1
 
 
-async def test_the_journal_entry_is_durable_before_the_response(make_gateway):
+async def test_the_journal_record_is_durable_before_the_response(make_gateway):
     gw = await make_gateway([ANSWER])
     release = asyncio.Event()
-    snapshots: list[str] = []
+    records: list[JournalRecord] = []
 
-    async def snapshot(data: AgentData) -> None:
-        snapshots.append(data.to_json())
-        await release.wait()  # the buffer's flush takes its time
+    async def append(record: JournalRecord) -> None:
+        records.append(record)
+        await release.wait()  # the buffer's write and fsync take their time
 
-    gw.ctx.snapshot = snapshot
+    gw.ctx.append_journal = append
     call = asyncio.create_task(gw.openai().chat.completions.create(model="p", messages=USER))
     for _ in range(2000):
-        if snapshots:
+        if records:
             break
         await asyncio.sleep(0.002)
     await asyncio.sleep(0.05)
-    assert not call.done()  # no answer before the snapshot returned
+    assert not call.done()  # no answer before the append returned
+    assert gw.session.state.num_calls == 0 and not gw.data.prompt_ids  # nor any change to the session
     release.set()
     out = await call
-    (journal,) = AgentData.from_json(snapshots[0]).gateway["journal"]
-    assert journal["response"]["id"] == out.id
-    assert journal["response"]["choices"][0]["message"]["content"] == out.choices[0].message.content
+    (record,) = records
+    assert (record.trajectory_id, record.attempt, record.seq) == (gw.data.trajectory_id, 0, 0)
+    entry = CallRecord.model_validate_json(record.payload).entry
+    assert entry.response["id"] == out.id
+    assert entry.response["choices"][0]["message"]["content"] == out.choices[0].message.content
 
 
-async def test_a_failed_snapshot_fails_the_session_and_sends_no_answer(make_gateway):
+async def test_a_failed_append_fails_the_session_and_sends_no_answer(make_gateway):
     gw = await make_gateway([ANSWER])
 
-    async def broken(data: AgentData) -> None:
+    async def broken(record: JournalRecord) -> None:
         raise OSError("buffer log: no space left on device")
 
-    gw.ctx.snapshot = broken
+    gw.ctx.append_journal = broken
     client = gw.openai()
     with pytest.raises(openai.InternalServerError):
         await client.chat.completions.create(model="p", messages=USER)
@@ -82,19 +87,11 @@ async def test_a_failed_snapshot_fails_the_session_and_sends_no_answer(make_gate
 
 async def test_a_restarted_program_replays_from_the_journal_of_an_earlier_attempt(make_gateway):
     gw = await make_gateway(["The answer is 84.", "Yes, I am sure."])
-    snapshots: list[str] = []
-
-    async def snapshot(data: AgentData) -> None:
-        snapshots.append(data.to_json())
-
-    gw.ctx.snapshot = snapshot
     client = gw.openai()
     first = await client.chat.completions.create(model="p", messages=USER)
-    # The worker dies; the trajectory resumes from its last durable row in attempt 1.
-    data = AgentData.from_json(snapshots[-1])
-    data.attempt = 1
-    session = gw.open_session(data)
-    session.state.attempt = 1
+    # The worker dies; the trajectory resumes in attempt 1 from its admission row and the journal.
+    session = await gw.open_session(new_data(attempt=1))
+    assert session.state.attempt == 1 and session.state.num_records == 1
     client = gw.openai()  # the new attempt's URL
     assert "/1/v1" in str(client.base_url)
     replayed = await client.chat.completions.create(model="p", messages=USER)
@@ -103,3 +100,4 @@ async def test_a_restarted_program_replays_from_the_journal_of_an_earlier_attemp
     more = [*USER, replayed.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
     out = await client.chat.completions.create(model="p", messages=more)
     assert out.choices[0].message.content == "Yes, I am sure." and session.state.num_forks == 0
+    assert [(r.attempt, r.seq) for r in gw.journal.records] == [(0, 0), (1, 1)]

@@ -79,8 +79,9 @@ async def test_a_history_rewrite_forks_and_is_counted(make_gateway, tiny_tokeniz
     assert state.num_forks == 1
     (segment,) = state.segments
     old_response = tiny_tokenizer.encode(a.choices[0].message.content, add_special_tokens=False)
-    assert segment.prompt_ids == old_prompt and segment.response_ids == old_response + [tiny_tokenizer.eos_token_id]
-    assert segment.response_mask == [1] * len(segment.response_ids)
+    # Only its size is kept: the budget counts it, training takes the last record.
+    assert segment.num_prompt_tokens == len(old_prompt) and segment.num_messages == 2
+    assert segment.num_response_tokens == segment.num_sampled_tokens == len(old_response) + 1  # + eos
     # The new segment starts from this call's own rendering: no observation tokens, nothing re-tokenized.
     assert gw.data.prompt_ids == gw.ctx.encoder.encode_prompt(edited, None)
     gw.session.finish()
