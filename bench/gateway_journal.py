@@ -60,9 +60,9 @@ class _Hooks:
         self.buffer.append(batch, durable=True)
         self.buffer_s += time.perf_counter() - t0
 
-    async def append_journal(self, records: list) -> None:
+    async def append_journal(self, record: Any) -> None:
         t0 = time.perf_counter()
-        self.buffer.append_journal(records)
+        self.buffer.append_journal([record])
         self.buffer_s += time.perf_counter() - t0
 
 

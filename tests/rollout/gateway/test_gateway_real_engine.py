@@ -136,11 +136,11 @@ async def test_a_call_interrupted_by_a_real_sync_returns_normally_and_records_wh
     (segment,) = state["segments"]
     hello_ids = tiny_tokenizer.apply_chat_template(HELLO, add_generation_prompt=True, tokenize=True, return_dict=False)
     count_ids = tiny_tokenizer.apply_chat_template(COUNT, add_generation_prompt=True, tokenize=True, return_dict=False)
-    assert segment["prompt_ids"] == list(hello_ids) and traj.prompt_ids == list(count_ids)
+    assert segment["num_prompt_tokens"] == len(hello_ids) and traj.prompt_ids == list(count_ids)
 
     # Engine requests in order: hello, the long call (aborted by the sync, then continued), the last call.
     (_, p0, hello), (_, p1, cut), (_, p2, rest), (_, p3, last) = engine.calls
-    assert p0 == segment["prompt_ids"] and segment["response_ids"] == hello.token_ids
+    assert p0 == list(hello_ids) and segment["num_sampled_tokens"] == len(hello.token_ids)
     assert cut.aborted and 3 <= len(cut.token_ids) and not rest.aborted
     assert p1 == traj.prompt_ids and p2 == traj.prompt_ids + cut.token_ids  # continued from what was kept
     n_long = len(cut.token_ids) + len(rest.token_ids)

@@ -1,11 +1,12 @@
 """A rollout worker killed mid-session, on the real actor path: a `RolloutWorkerActor` (Ray) runs the
 `gateway` agent loop, whose OpenAI-SDK program makes three chained calls; every answered call is made
-durable in the real `BufferActor` before it is sent. The worker process dies (SIGKILL, the
-`gateway.before_answer` fault point) with its second answer durable and never sent. The trajectory is
-resubmitted as the driver does (`Pipeline.resubmit_orphans`: the next attempt recorded durably, then
-handed to a new worker); the new worker re-runs the program from the start, and its repeats of the two
-journaled calls get the journaled answers (the one no client ever saw included) without a new sample;
-only the third call samples, and the session's one record continues (no fork).
+durable in the real `BufferActor` (a record of the trajectory's journal) before it is sent. The worker
+process dies (SIGKILL, the `gateway.before_answer` fault point) with its second answer durable and never
+sent. The trajectory is resubmitted as the driver does (`Pipeline.resubmit_orphans`: the next attempt
+recorded durably, then handed to a new worker); the new worker folds the journal onto the admission row,
+re-runs the program from the start, and its repeats of the two journaled calls get the journaled answers
+(the one no client ever saw included) without a new sample; only the third call samples, and the
+session's one record continues (no fork).
 
 The engine is a FakeEngine in a Ray actor (every sample a new text, counted), so the test runs without
 vLLM; the worker, the buffer, the kill and the resubmission are the real ones."""
@@ -123,6 +124,7 @@ async def test_a_killed_workers_journaled_answer_reaches_the_rerun_program_witho
 ):
     import ray
 
+    from streamrl.rollout.gateway.journal import CallRecord
     from streamrl.rollout.types import AgentData, TrajectoryStatus
     from streamrl.streaming.actors.buffer import create_buffer_actor
     from streamrl.streaming.actors.clients import BufferClient
@@ -154,7 +156,7 @@ async def test_a_killed_workers_journaled_answer_reaches_the_rerun_program_witho
 
         await _until(dead)
         (row,) = await buffer.resumable(["kill/0"])
-        journal = row.agent_data().gateway["journal"]
+        journal = [CallRecord.model_validate_json(r.payload).entry for r in await buffer.journal("kill/0")]
         assert row.attempt == 0 and len(journal) == 2  # both answers durable before the death
         assert await engine.num_requests.remote() == 2
         before = read_answers(ledger)
@@ -184,7 +186,7 @@ async def test_a_killed_workers_journaled_answer_reaches_the_rerun_program_witho
     rerun = [x for x in answers if x["attempt"] == 1]
     assert [x["call"] for x in rerun] == [0, 1, 2]
     assert (rerun[0]["answer"], rerun[0]["id"]) == (before[0]["answer"], before[0]["id"])  # the journal's
-    unsent = journal[1]["response"]
+    unsent = journal[1].response
     assert (rerun[1]["answer"], rerun[1]["id"]) == (unsent["choices"][0]["message"]["content"], unsent["id"])
     assert [x["answer"] for x in rerun] == ["Sample 0.", "Sample 1.", "Sample 2."]  # only the third sampled anew
     traj = batch.table.to_pylist()[0]
