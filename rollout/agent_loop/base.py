@@ -126,6 +126,7 @@ class AgentContext:
     images: ImageStore | None = None
     fetch_images: Callable[[list[str]], Awaitable[list[bytes]]] | None = None
     max_images: int | None = None
+    gateway: Any = None  # rollout.gateway.server.GatewayServer of this worker, made by its first gateway loop
 
     @property
     def image_token_id(self) -> int | None:

@@ -43,39 +43,30 @@ from streamrl.rollout.types import AgentData, AgentState, FinishReason
 
 logger = logging.getLogger(__name__)
 
-_SERVERS: dict[int, tuple[Any, Any]] = {}  # id(AgentContext) -> (context, GatewayServer)
-_LOCK: asyncio.Lock | None = None
 _PROGRAM_THREADS: ToolThreads | None = None  # `program_threads`
 
 
 async def gateway_server(ctx: Any, cfg: GatewayConfig) -> Any:
-    """The worker's gateway server (started on first use, on the running event loop)."""
-    global _LOCK
+    """The worker's gateway server, `ctx.gateway` (made by the first gateway loop, started once on the
+    running event loop; the loops that arrive meanwhile wait for the same start)."""
     from streamrl.rollout.gateway.server import GatewayServer
 
-    if _LOCK is None:
-        _LOCK = asyncio.Lock()
-    async with _LOCK:
-        entry = _SERVERS.get(id(ctx))
-        if entry is not None and entry[0] is ctx:
-            return entry[1]
-        server = GatewayServer(cfg)
-        await server.start()
-        _SERVERS[id(ctx)] = (ctx, server)
-        return server
+    if ctx.gateway is None:
+        ctx.gateway = GatewayServer(cfg)
+    await ctx.gateway.ensure_started()
+    return ctx.gateway
 
 
 async def close_gateway(ctx: Any) -> None:
     """Stop the context's gateway server (worker shutdown, tests)."""
-    entry = _SERVERS.pop(id(ctx), None)
-    if entry is not None:
-        await entry[1].stop()
+    server, ctx.gateway = ctx.gateway, None
+    if server is not None:
+        await server.stop()
 
 
 def gateway_metrics(ctx: Any) -> dict[str, float]:
     """The `rollout/gateway/*` counters of the context's server ({} until a gateway loop started it)."""
-    entry = _SERVERS.get(id(ctx))
-    return entry[1].metrics() if entry is not None and entry[0] is ctx else {}
+    return ctx.gateway.metrics() if ctx.gateway is not None and ctx.gateway.port is not None else {}
 
 
 def program_threads(limit: int) -> ToolThreads:

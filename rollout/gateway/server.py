@@ -82,9 +82,16 @@ class GatewayServer:
         self.counts = dict.fromkeys(COUNTERS, 0.0)  # totals since start (the driver takes increments)
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
+        self._starting: asyncio.Task | None = None  # `ensure_started`'s one start
         self.app = build_app(self)
 
     # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def ensure_started(self) -> None:
+        """Start the server unless it is started or starting (then wait for that start)."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self.start())
+        await asyncio.shield(self._starting)
 
     async def start(self) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -111,6 +118,8 @@ class GatewayServer:
     async def stop(self) -> None:
         """Stop listening; calls still in flight after `STOP_GRACE_S` are cancelled (their clients see
         the connection drop and may retry against the trajectory's next attempt)."""
+        if self._starting is not None and not self._starting.done():
+            await asyncio.gather(self._starting, return_exceptions=True)  # then stop what it started
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             try:

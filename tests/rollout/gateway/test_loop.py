@@ -14,7 +14,7 @@ import pytest
 
 from streamrl.rollout.engine.fake import FakeEngine
 from streamrl.rollout.gateway.config import GatewayConfig
-from streamrl.rollout.gateway.loop import GatewayAgentLoop, ProgramError, close_gateway
+from streamrl.rollout.gateway.loop import GatewayAgentLoop, ProgramError, close_gateway, gateway_metrics, gateway_server
 from streamrl.rollout.types import AgentState, FinishReason, TrajectoryStatus
 from streamrl.rollout.worker import RolloutWorker
 from tests.rollout.gateway.conftest import CALC_TOOL, gateway_ctx, new_data
@@ -158,3 +158,16 @@ async def test_a_worker_pause_does_not_wait_for_a_program_between_calls(tiny_tok
     (traj,) = rows
     assert traj.status is TrajectoryStatus.FINISHED and traj.reward == 1.0
     assert sorted({v for v, m in zip(traj.policy_versions, traj.response_mask) if m}) == [0, 1]
+
+
+async def test_the_server_is_the_contexts_own_started_once(tiny_tokenizer):
+    ctx, other = (gateway_ctx(tiny_tokenizer, FakeEngine()) for _ in range(2))
+    assert gateway_metrics(ctx) == {}
+    servers = await asyncio.gather(*(gateway_server(ctx, ctx.cfg.gateway) for _ in range(3)))
+    try:
+        assert servers[0] is servers[1] is servers[2] is ctx.gateway and ctx.gateway.port is not None
+        assert other.gateway is None and gateway_metrics(other) == {}  # another worker's context has none
+        assert gateway_metrics(ctx)["rollout/gateway/num_sessions"] == 0.0
+    finally:
+        await close_gateway(ctx)
+    assert ctx.gateway is None and gateway_metrics(ctx) == {}
