@@ -6,15 +6,15 @@ what the gateway costs per call.
    loop) for `--steps` learner steps. From the run's own log: calls the gateway received, sampled and
    answered with an error; retries answered from the journal and replays; forks; calls a weight sync
    parked or interrupted; the in-run overhead (handler time outside the engine, the durable journal
-   snapshot included); trajectories finished / failed and rows trained.
+   append included); trajectories finished / failed and rows trained.
 2. Overhead, side by side on one engine: an in-process vLLM engine on the same model (prefix caching
    off, so neither path reuses the other's KV) answers the same greedy request two ways, in alternating
    order: a direct call through the worker's `ServerManager` on the pre-rendered token ids (what a
    built-in agent loop sends), and an `openai` SDK chat-completions call to a gateway session (HTTP,
    JSON, chat-template rendering, tool-call parsing, journal, response). Both sample the same tokens
    (checked); the difference is the gateway's overhead per call: median and p99 over `--pairs` pairs.
-   This engine has no buffer behind it, so this number leaves out the durable journal snapshot, which
-   the in-run overhead of part 1 includes.
+   This engine has no buffer behind it, so this number leaves out the durable journal append, which
+   the in-run overhead of part 1 includes (`bench/gateway_journal.py` measures the journal alone).
 
 Writes bench/results/gateway.json with the command and the machine.
 

@@ -45,8 +45,8 @@ class GatewayConfig(BaseModel):
     # timeout holds its thread until it returns, and later ones wait for a free one).
     max_sync_programs: int = Field(32, gt=0)
     timeout_s: float = Field(600.0, gt=0)  # a program still running after this fails its trajectory
-    # Make every answered call durable (`AgentContext.snapshot`, a flushed partial row) before its
-    # response is sent. Off: retries are still answered from the journal within this process.
+    # Make every answered call durable (`AgentContext.append_journal`, one record in the buffer's journal
+    # log) before its response is sent. Off: retries are still answered from the journal within this process.
     durable_journal: bool = True
 
     @model_validator(mode="after")

@@ -16,8 +16,9 @@ Errors come in the calling API's own error body, with the status codes the offic
 410 (an attempt the session has moved past), 413 (body too large) are final, and `x-should-retry: false`
 says so; 500 and 503 are retried.
 
-A crash takes the server with the worker: its sessions' state is in their trajectories (last durable
-snapshot), and the resumed trajectories get a new server, port and attempt in another worker.
+A crash takes the server with the worker: its sessions' state is in their trajectories (the last row
+and the journal's records of the answered calls), and the resumed trajectories get a new server, port
+and attempt in another worker.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ class GatewayServer:
 
     def account(self, stats: CallStats, elapsed_s: float) -> None:
         """Count one answered call. Its overhead is the handler's time outside the engine (parsing,
-        rendering, the journal's durable snapshot, the response), for sampled calls only."""
+        rendering, the journal's durable append, the response), for sampled calls only."""
         c = self.counts
         c["num_sampled"] += stats.sampled
         c["num_retries_answered"] += stats.journal == "retry"
