@@ -1,19 +1,20 @@
 """Admission control and staleness: pure functions on ints and numpy arrays, no I/O.
 
-`served_version` is the version of the weights the engines serve when the buffer is asked (what the
-next sampled token would carry; the learner has just produced it): the policy_version label when
-sampling, the learner step when admitting (`Pipeline` passes `served_step`, which ignores the label
-offset a resume adds).
+Two numbers name "what the engines serve now", in two units, and each function says which it takes:
+`served_version` is the policy_version label of the served weights (what the next sampled token
+would carry: sampling and lags count in labels), `served_step` is the learner step that produced them
+(admission counts in steps: `Pipeline` passes `DriverState.served_step`, which leaves out the label
+offset a resume adds, so a resume does not raise capacity by the labels it skipped).
 
 Lag of a token = served_version - policy_version of the weights that sampled it. A trajectory's lag
 is taken against its *oldest* sampled token (`min_policy_version`): a multi-turn trajectory that was
 interrupted and resumed across weight updates carries several versions, and the first turn is the
 stalest part of it. Observation tokens (policy_version -1) have no lag.
 
-Admission (AReaL's staleness manager, counted in trajectories): when the learner is at version v and
-consumes `batch_size` trajectories per step in FIFO order, the trajectory that starts now is consumed
-at the latest at version `(num_accepted + num_running) // batch_size`. Bounding that by
-`v + max_staleness` gives
+Admission (AReaL's staleness manager, counted in trajectories): when the engines serve the weights of
+learner step v (`served_step`) and the learner consumes `batch_size` trajectories per step in FIFO
+order, the trajectory that starts now is consumed at the latest at step
+`(num_accepted + num_running) // batch_size`. Bounding that by `v + max_staleness` gives
 
     capacity = (max_staleness + v + 1) * batch_size - (num_accepted + num_running)
 
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 
 def rollout_capacity(
     *,
-    served_version: int,
+    served_step: int,
     max_staleness: int,
     batch_size: int,
     num_running: int,
@@ -59,16 +60,17 @@ def rollout_capacity(
 ) -> int:
     """How many new trajectories may start now (a multiple of `group_size`, >= 0).
 
+    served_step: learner step of the weights the engines serve (not their label, see the module docstring).
     num_running: admitted and not yet accepted: every member of a group that is still open
         (generating, in tools, parked as a partial row, or finished while its siblings run).
     num_accepted: finished since the run began and kept for training (consumed or waiting).
     max_concurrent: limit on trajectories running at once (compared with num_running).
     """
-    if min(served_version, max_staleness, num_running, num_accepted) < 0:
-        raise ValueError("served_version, max_staleness, num_running and num_accepted must be >= 0")
+    if min(served_step, max_staleness, num_running, num_accepted) < 0:
+        raise ValueError("served_step, max_staleness, num_running and num_accepted must be >= 0")
     if batch_size <= 0 or group_size <= 0 or reuse <= 0:
         raise ValueError("batch_size, group_size and reuse must be > 0")
-    capacity = (max_staleness + served_version + 1) * batch_size // reuse - (num_accepted + num_running)
+    capacity = (max_staleness + served_step + 1) * batch_size // reuse - (num_accepted + num_running)
     if max_concurrent is not None:
         capacity = min(capacity, max_concurrent - num_running)
     return max(0, capacity // group_size * group_size)
@@ -83,7 +85,7 @@ def length_bucket(num_tokens: int) -> int:
 def buffer_capacity(
     cfg: BufferConfig,
     *,
-    served_version: int,
+    served_step: int,
     num_in_flight: int,
     num_accepted: int,
     num_partial: int,
@@ -95,7 +97,7 @@ def buffer_capacity(
     under `cfg.capacity_rows` live rows, in whole groups. Pure, so the simulator (`streamrl.sim`) admits
     exactly as a run does."""
     cap = rollout_capacity(
-        served_version=served_version,
+        served_step=served_step,
         max_staleness=cfg.max_staleness,
         batch_size=cfg.batch_size,
         num_running=num_in_flight,

@@ -429,15 +429,16 @@ class ReplayBuffer:
         change admission capacity (what the driver's waits long-poll on, `BufferActor.wait_progress`)."""
         return self._counts["rows_appended"] + self._counts["batches_sampled"] + self._counts["evicted_over_age"]
 
-    def capacity(self, *, served_version: int, max_concurrent: int | None = None) -> int:
-        """Admission: how many trajectories may start now (see `buffer.admission.rollout_capacity`).
+    def capacity(self, *, served_step: int, max_concurrent: int | None = None) -> int:
+        """Admission: how many trajectories may start now (see `buffer.admission.rollout_capacity`),
+        with the engines serving the weights of learner step `served_step` (a step, not a label).
 
         Counts come from the buffer itself (every admitted group has rows here from admission on), so
         they survive restarts; `max_concurrent` bounds the trajectories still running (partial rows)
         and `capacity_rows` the live rows (an admitted group's rows are accepted without waiting)."""
         return buffer_capacity(
             self.cfg,
-            served_version=served_version,
+            served_step=served_step,
             num_in_flight=self._groups.num_in_flight,
             num_accepted=self._groups.num_accepted,
             num_partial=self._groups.num_partial,

@@ -113,7 +113,7 @@ class SimPipeline:
         live = g.num_in_flight + g.num_ready_trajectories if self.cfg.buffer.capacity_rows else 0  # the rows held
         cap = buffer_capacity(
             self.cfg.buffer,
-            served_version=self.policy_version,
+            served_step=self.policy_version,  # the simulator labels weights by their step: no resume offset
             num_in_flight=g.num_in_flight,
             num_accepted=g.num_accepted,
             num_partial=g.num_partial,

@@ -95,7 +95,7 @@ class Pipeline:
         """Whole groups that may start now (AReaL capacity, counted by the buffer: every admitted
         group has rows there from its admission on, so the count survives restarts)."""
         cap = await self.buffer.capacity(
-            served_version=self.state.served_step,
+            served_step=self.state.served_step,
             max_concurrent=self.cfg.rollout.max_concurrent_per_worker * len(self.workers),
         )
         return cap // self.cfg.group_size

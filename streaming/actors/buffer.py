@@ -188,8 +188,8 @@ class BufferActor:
     async def num_ready(self) -> int:
         return self.buffer.num_ready()
 
-    async def capacity(self, served_version: int, max_concurrent: int | None = None) -> int:
-        return self.buffer.capacity(served_version=served_version, max_concurrent=max_concurrent)
+    async def capacity(self, served_step: int, max_concurrent: int | None = None) -> int:
+        return self.buffer.capacity(served_step=served_step, max_concurrent=max_concurrent)
 
     async def stats(self) -> dict[str, float]:
         out = self.buffer.stats()

@@ -63,9 +63,10 @@ class ActorClient:
 
 
 class BufferClient(ActorClient):
-    async def capacity(self, *, served_version: int, max_concurrent: int) -> int:
-        """Trajectories that may start now (`buffer.admission.rollout_capacity`)."""
-        return await self._call("capacity", served_version=served_version, max_concurrent=max_concurrent)
+    async def capacity(self, *, served_step: int, max_concurrent: int) -> int:
+        """Trajectories that may start now (`buffer.admission.rollout_capacity`); `served_step` is the
+        learner step of the served weights (admission counts steps), unlike `sample`'s label."""
+        return await self._call("capacity", served_step=served_step, max_concurrent=max_concurrent)
 
     async def has_group(self, group_id: str) -> bool:
         """Whether the group has any row (admission idempotence across restarts)."""
@@ -107,7 +108,8 @@ class BufferClient(ActorClient):
 
     async def sample(self, *, served_version: int, learner_step: int) -> ray.ObjectRef | None:
         """A reference to the next batch (it goes from the buffer to the learner, never through the
-        driver), or None when no complete batch is ready. Its consumption is recorded at `learner_step`."""
+        driver), or None when no complete batch is ready. Its lags count from `served_version`, the served
+        weights' label; its consumption is recorded at `learner_step`."""
         count, batch = self.handle.sample_counted.options(num_returns=2).remote(served_version, learner_step)
         return batch if await asyncio.wait_for(count, self.timeout_s) else None
 

@@ -11,28 +11,28 @@ from streamrl.core.versions import lag_fractions, lag_histogram, token_lag, traj
 
 def test_capacity_at_start_is_one_batch_per_allowed_version():
     # (0 + 0 + 1) * 8 - 0 = 8
-    assert rollout_capacity(served_version=0, max_staleness=0, batch_size=8, num_running=0, num_accepted=0) == 8
+    assert rollout_capacity(served_step=0, max_staleness=0, batch_size=8, num_running=0, num_accepted=0) == 8
     # (2 + 0 + 1) * 8 - (0 + 5) = 19
-    assert rollout_capacity(served_version=0, max_staleness=2, batch_size=8, num_running=5, num_accepted=0) == 19
+    assert rollout_capacity(served_step=0, max_staleness=2, batch_size=8, num_running=5, num_accepted=0) == 19
 
 
 def test_capacity_tracks_learner_progress():
     # learner at v3 consumed 3*16 = 48, 10 more accepted, 20 running: (1 + 3 + 1) * 16 - (58 + 20) = 2
-    assert rollout_capacity(served_version=3, max_staleness=1, batch_size=16, num_running=20, num_accepted=58) == 2
+    assert rollout_capacity(served_step=3, max_staleness=1, batch_size=16, num_running=20, num_accepted=58) == 2
     # over-subscribed never goes negative: (0 + 1 + 1) * 4 - (6 + 9) = -7 -> 0
-    assert rollout_capacity(served_version=1, max_staleness=0, batch_size=4, num_running=9, num_accepted=6) == 0
+    assert rollout_capacity(served_step=1, max_staleness=0, batch_size=4, num_running=9, num_accepted=6) == 0
 
 
 def test_capacity_rounds_down_to_whole_groups_and_respects_concurrency():
     # (1 + 2 + 1) * 16 - (40 + 6) = 18 -> groups of 4 -> 16
     assert (
-        rollout_capacity(served_version=2, max_staleness=1, batch_size=16, num_running=6, num_accepted=40, group_size=4)
+        rollout_capacity(served_step=2, max_staleness=1, batch_size=16, num_running=6, num_accepted=40, group_size=4)
         == 16
     )
     # concurrency: min(18, 12 - 6 = 6) = 6 -> groups of 4 -> 4
     assert (
         rollout_capacity(
-            served_version=2,
+            served_step=2,
             max_staleness=1,
             batch_size=16,
             num_running=6,
@@ -46,9 +46,9 @@ def test_capacity_rounds_down_to_whole_groups_and_respects_concurrency():
 
 def test_capacity_rejects_bad_input():
     with pytest.raises(ValueError):
-        rollout_capacity(served_version=-1, max_staleness=0, batch_size=1, num_running=0, num_accepted=0)
+        rollout_capacity(served_step=-1, max_staleness=0, batch_size=1, num_running=0, num_accepted=0)
     with pytest.raises(ValueError):
-        rollout_capacity(served_version=0, max_staleness=0, batch_size=0, num_running=0, num_accepted=0)
+        rollout_capacity(served_step=0, max_staleness=0, batch_size=0, num_running=0, num_accepted=0)
 
 
 def test_token_lag_marks_observation_tokens():

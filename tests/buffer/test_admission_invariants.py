@@ -29,20 +29,20 @@ def _admit(buf: ReplayBuffer, gid: str, version: int, n: int) -> None:
 def test_finished_members_of_open_groups_count_as_in_flight():
     """max_staleness=0, batch 16, groups of 8: after 7/8 finish in two groups nothing may start."""
     buf = _buf(batch_size=16, group_size=8, max_staleness=0)
-    assert buf.capacity(served_version=0) == 16
+    assert buf.capacity(served_step=0) == 16
     for gid in ("a", "b"):
         _admit(buf, gid, 0, 8)
         buf.append([make_traj(gid, i, version=0) for i in range(7)])  # 7 of 8 finished, 1 still running
-    assert buf.capacity(served_version=0) == 0
+    assert buf.capacity(served_step=0) == 0
 
 
 def test_capacity_counts_fresh_trajectories_per_step_under_reuse():
     """reuse=2: each step consumes batch/2 fresh trajectories, so capacity grows batch/2 per version."""
     buf = _buf(batch_size=4, group_size=2, max_staleness=0, reuse=2)
-    assert buf.capacity(served_version=0) == 2
-    assert buf.capacity(served_version=1) == 4
+    assert buf.capacity(served_step=0) == 2
+    assert buf.capacity(served_step=1) == 4
     buf.append(make_group("a", 2))
-    assert buf.capacity(served_version=1) == 2
+    assert buf.capacity(served_step=1) == 2
 
 
 def test_long_group_that_finishes_late_is_trained_not_evicted():

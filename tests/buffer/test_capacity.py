@@ -24,7 +24,7 @@ def test_finished_rows_replacing_partial_rows_are_accepted_by_a_full_buffer():
         try:
             for g in "abc":  # admitted before the buffer filled: 6 partial rows, over the capacity
                 assert await actor.append([make_traj(g, i, status=P) for i in range(2)])
-            assert actor.buffer.stats()["buffer/live_rows"] == 6 and actor.buffer.capacity(served_version=0) == 0
+            assert actor.buffer.stats()["buffer/live_rows"] == 6 and actor.buffer.capacity(served_step=0) == 0
             batches = []
             for g in "abc":
                 for i in range(2):
@@ -49,11 +49,11 @@ def test_new_rows_still_wait_for_room():
 
 def test_admission_keeps_within_capacity_rows():
     buf = ReplayBuffer(BufferConfig(batch_size=4, group_size=2, capacity_rows=7, max_staleness=4))
-    assert buf.capacity(served_version=0) == 6  # the staleness formula alone would allow 20
+    assert buf.capacity(served_step=0) == 6  # the staleness formula alone would allow 20
     buf.append([make_traj("a", i, status=P) for i in range(2)])
-    assert buf.capacity(served_version=0) == 4
+    assert buf.capacity(served_step=0) == 4
     buf.append([make_traj(g, i, status=P) for g in "bc" for i in range(2)])
-    assert buf.capacity(served_version=0) == 0  # 6 live rows: one row of room is not a group
+    assert buf.capacity(served_step=0) == 0  # 6 live rows: one row of room is not a group
 
 
 @pytest.mark.parametrize("kw", [{"capacity_rows": 5}, {"capacity_rows": 2, "max_batch_tokens": 100}])

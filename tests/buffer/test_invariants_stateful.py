@@ -69,7 +69,7 @@ class BufferMachine(RuleBasedStateMachine):
 
     @rule()
     def admit(self):
-        if self.buf.capacity(served_version=self.step) < G:
+        if self.buf.capacity(served_step=self.step) < G:
             return
         gid = _gid(self.cursor)
         rows = [make_traj(gid, i, status=TrajectoryStatus.PARTIAL, num_response=0) for i in range(G)]
@@ -153,7 +153,7 @@ class BufferMachine(RuleBasedStateMachine):
         stats = self.buf.stats()
         accepted = int(stats["buffer/accepted_trajectories"])
         expected = (MAX_STALENESS + self.step + 1) * BATCH - (accepted + open_members)
-        assert self.buf.capacity(served_version=self.step) == max(0, expected // G * G)
+        assert self.buf.capacity(served_step=self.step) == max(0, expected // G * G)
         assert stats["buffer/evicted_over_age"] == 0  # over-age groups are trained, not dropped
 
 

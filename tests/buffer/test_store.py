@@ -177,7 +177,7 @@ def test_capacity_uses_accepted_and_in_flight_counts():
     buf.append(make_group("a", 2) + make_group("b", 2))
     buf.append([make_traj("c", 0, status=TrajectoryStatus.PARTIAL), make_traj("c", 1)])
     # (1 + 0 + 1) * 4 - (4 accepted + 2 in flight: c/0 partial, c/1 finished in an open group) = 2
-    assert buf.capacity(served_version=0) == 2
+    assert buf.capacity(served_step=0) == 2
 
 
 def test_padded_batch_layout():

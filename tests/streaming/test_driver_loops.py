@@ -59,8 +59,8 @@ class FakeBuffer:
         self.rb = ReplayBuffer(cfg)
         self.sampled: list = []
 
-    async def capacity(self, *, served_version: int, max_concurrent: int) -> int:
-        return self.rb.capacity(served_version=served_version, max_concurrent=max_concurrent)
+    async def capacity(self, *, served_step: int, max_concurrent: int) -> int:
+        return self.rb.capacity(served_step=served_step, max_concurrent=max_concurrent)
 
     async def has_group(self, group_id: str) -> bool:
         return self.rb.has_groups([group_id])[0]
