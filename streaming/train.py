@@ -159,9 +159,11 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
     if resuming:  # versions continue above every label the buffer or the driver has seen (I4)
         state.rewind_to_checkpoint(await buffer.max_policy_version())
         state.save(RunDir(run_dir).driver_state)
-    engine_path = model_path
+    # The engines serve the checkpoint's weights under its policy version from their first request: an
+    # in-process engine builds from its hf/ folder, a server engine loads it into its server first.
+    engine_path, weights = model_path, None
     if from_ckpt and state.checkpoint is not None:
-        engine_path = str(Checkpoint(step=state.checkpoint_step, path=Path(state.checkpoint)).hf)
+        engine_path = weights = str(Checkpoint(step=state.checkpoint_step, path=Path(state.checkpoint)).hf)
     engine_cfg = cfg.rollout.engine.model_copy(update={"model": engine_path})
     start_version = state.policy_version
     engines = [
@@ -169,6 +171,7 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
             cfg.placement.engine_config(engine_cfg.for_engine(i), i, cfg.rollout.num_engines),
             f"engine-{i}",
             policy_version=start_version,
+            weights=weights,
             timeouts=cfg.trainer.actor_timeouts,
         )
         for i in range(cfg.rollout.num_engines)

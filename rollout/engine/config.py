@@ -113,6 +113,12 @@ class EngineConfig(BaseModel):
         if self.server_command is not None and len(self.server_urls) != 1:
             raise ValueError("rollout.engine.server_command starts one server: give exactly one server_urls entry")
 
+    @property
+    def builds_model(self) -> bool:
+        """Whether the engine builds its model from `model` (in-process vLLM); a server backend's server
+        serves what it was started with until weights are loaded into it."""
+        return self.backend == "vllm"
+
     def for_engine(self, index: int) -> EngineConfig:
         """The config of engine `index`: a server backend keeps only that engine's URL."""
         if self.backend == "vllm":

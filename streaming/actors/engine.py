@@ -54,10 +54,14 @@ def _remember(lru: OrderedDict[str, None], key: str) -> None:
 class EngineActor:
     """Ray async actor body: one engine (`make_engine`) per actor process (wrap with `ray.remote` to use)."""
 
-    def __init__(self, cfg: EngineConfig, engine_id: str, policy_version: int = 0) -> None:
+    def __init__(self, cfg: EngineConfig, engine_id: str, policy_version: int = 0, weights: str | None = None) -> None:
+        """`weights`: a folder the engine serves as `policy_version` before it answers any call (a resumed
+        run's checkpoint). An in-process engine builds its model from `cfg.model`, which names it too; a
+        server serves what it was started with, so a server engine loads it into its server first."""
         self._cfg = cfg
         self._engine_id = engine_id
         self._policy_version = policy_version
+        self._weights = weights
         self._engine: Any = None
         self._starting: asyncio.Task[Any] | None = None
         # Aborts that arrived before their generate (calls may interleave in an async actor) are
@@ -83,7 +87,11 @@ class EngineActor:
             from streamrl.streaming.placement import pin_part
 
             pin_part(self._cfg.cpu_cores)
-        self._engine = make_engine(self._cfg, self._engine_id, policy_version=self._policy_version)
+        engine = make_engine(self._cfg, self._engine_id, policy_version=self._policy_version)
+        if self._weights is not None and not self._cfg.builds_model:
+            # every call awaits this build: nothing is sampled under the label before the weights are in
+            await engine.load_weights_from_path(self._weights, self._policy_version)
+        self._engine = engine
 
     async def _ready(self) -> Any:
         await self.start()
@@ -240,9 +248,16 @@ class RayEngineClient(InferenceEngine):
 
     @classmethod
     def launch(
-        cls, cfg: EngineConfig, engine_id: str, *, policy_version: int = 0, timeouts: ActorTimeouts | None = None
+        cls,
+        cfg: EngineConfig,
+        engine_id: str,
+        *,
+        policy_version: int = 0,
+        weights: str | None = None,
+        timeouts: ActorTimeouts | None = None,
     ) -> RayEngineClient:
-        """Create the actor (needs `ray.init` done); returns without waiting for the engine to load."""
+        """Create the actor (needs `ray.init` done); returns without waiting for the engine to load.
+        `weights`: what it serves as `policy_version` before its first call (`EngineActor`)."""
         import ray
 
         actor_cls = ray.remote(EngineActor).options(
@@ -251,7 +266,7 @@ class RayEngineClient(InferenceEngine):
             resources=cfg.resources or None,
             max_concurrency=MAX_CONCURRENCY,
         )
-        actor = actor_cls.remote(cfg, engine_id, policy_version)
+        actor = actor_cls.remote(cfg, engine_id, policy_version, weights)
         return cls(actor, engine_id, cfg=cfg, policy_version=policy_version, timeouts=timeouts)
 
     async def _call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:

@@ -167,6 +167,30 @@ async def test_keep_pause_and_weight_reload_switch_versions(server_engine, hf_mo
     assert restored.token_ids == base.token_ids
 
 
+async def test_a_resumed_engine_actor_serves_the_checkpoint_from_its_first_request(
+    server_engine, hf_model, tiny_model_path, tmp_path
+):
+    """A resumed run's engine actor over this server (`weights`: the checkpoint's hf/ folder, as
+    streaming/train.py passes it): its first request is sampled from the checkpoint's weights under
+    the checkpoint's version, not from what the server was started with."""
+    from transformers import AutoModelForCausalLM
+
+    from streamrl.streaming.actors.engine import EngineActor
+
+    checkpoint = sharpened_weights(tiny_model_path, tmp_path / "hf", scale=40.0, seed=1)
+    expected = hf_greedy(AutoModelForCausalLM.from_pretrained(checkpoint, dtype="float32").eval(), PROMPT, 20)
+    assert expected != hf_greedy(hf_model, PROMPT, 20)
+    version = server_engine.policy_version + 5
+    cfg = server_engine.cfg.model_copy(update={"server_command": None, "model": str(checkpoint)})
+    actor = EngineActor(cfg, "resumed-0", version, weights=str(checkpoint))
+    try:
+        out = await actor.generate("resumed-first", PROMPT, SamplingParams(max_tokens=20, temperature=0.0))
+        assert out.token_ids == expected and out.policy_versions == [version] * 20
+    finally:
+        await actor.shutdown()  # the server stays: this engine did not start it
+        await server_engine.load_weights_from_path(str(tiny_model_path), version + 1)
+
+
 async def test_agent_loops_through_a_filesystem_weight_sync(server_engine, tiny_tokenizer, tiny_model_path, tmp_path):
     """The rollout worker's agent loops on the server engine, interrupted by a real weight sync (the
     filesystem transport staging, checksumming and committing inside the server through
