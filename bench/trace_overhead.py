@@ -3,6 +3,7 @@ run with `trace.enabled` on and off, interleaved seed by seed (on/off, then off/
 drifts of a shared machine hit both sides alike. Writes bench/results/trace_overhead.json.
 
     python -m bench.trace_overhead [--steps N] [--seeds K] [--latency S] [--out F] [OVERRIDE ...]
+    python -m bench.trace_overhead --reader-memory [--trace-mb 80] [--before REV] [--out F]
 
 OVERRIDEs go to every run alike (e.g. the GPU placement of bench/gpu_session.sh's `trace` step).
 
@@ -17,6 +18,11 @@ a shared 2-core machine:
 - accounted: the tracer's seconds per event timed here writing real events to a real shard, times the
   events per second the traced runs recorded, as a share of the machine's cores.
 The environment's latency defaults to the calibrated one recorded in bench/results/async_vs_sync.json.
+
+`--reader-memory` measures the readers instead: the peak RSS of `streamrl trace` and of the report's
+timeline, each in a fresh process, on a synthetic trace of `--trace-mb` (`synthetic_trace`), for this
+checkout and, with `--before REV`, for the readers of commit REV; it sets the result file's
+`reader_memory` key and keeps the rest.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -59,16 +66,167 @@ def event_cost_s(n: int = 20000) -> float:
     return cost
 
 
+def synthetic_trace(run_dir: Path, num_bytes: int, *, num_engines: int = 2, seed: int = 0) -> int:
+    """Write a trace shaped like a real run's into RUN_DIR/trace/ until it holds `num_bytes`; returns
+    the bytes written. Its shards are the processes a run has (driver, engines, two rollout workers,
+    buffer, learner), each with the events its part records (core.trace) and a cost counter every
+    `COST_EVERY` lines: trajectories of four turns (admitted, queued, generate / tool per turn,
+    appended, sampled, trained), a learner step with a weight sync every 64 trajectories, and the
+    engines' busy spans between syncs. The readers' memory checks use it (a real run of this size
+    takes hours)."""
+    from streamrl.core.run_dir import RunDir
+    from streamrl.core.trace import COST_EVERY, TRACER
+
+    folder = RunDir(run_dir).trace
+    folder.mkdir(parents=True, exist_ok=True)
+    names = ["driver", *(f"engine-{i}" for i in range(num_engines)), "worker-0", "worker-1", "buffer", "learner"]
+    files = {name: open(folder / f"node-{i + 100}.jsonl", "w", encoding="utf-8") for i, name in enumerate(names)}
+    lines = dict.fromkeys(names, 0)
+    first: dict[str, int] = {}
+    rng = random.Random(seed)
+    written = 0
+    t0 = 1_700_000_000 * 1_000_000
+
+    def emit(shard: str, event: dict) -> None:
+        nonlocal written
+        line = json.dumps(event, separators=(",", ":")) + "\n"
+        files[shard].write(line)
+        written += len(line)
+        lines[shard] += 1
+        first.setdefault(shard, event["ts"])
+        if lines[shard] % COST_EVERY == 0:
+            track = f"node-{names.index(shard) + 100}"
+            args = {"events": lines[shard], "cost_us": lines[shard] * 7, "since_us": first[shard]}
+            counter = {"ph": "C", "name": f"{TRACER} {track}", "cat": TRACER, "ts": event["ts"], "pid": TRACER}
+            files[shard].write(json.dumps(counter | {"tid": track, "args": args}, separators=(",", ":")) + "\n")
+
+    def span(shard: str, name: str, pid: str, tid: str, ts: int, dur: int, **args: object) -> None:
+        emit(shard, {"ph": "X", "name": name, "cat": pid, "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args})
+
+    def point(shard: str, name: str, tid: str, ts: int, **args: object) -> None:
+        event = {"ph": "i", "s": "t", "name": name, "cat": "trajectory", "ts": ts, "pid": "trajectory", "tid": tid}
+        emit(shard, event | {"args": args})
+
+    k = 0
+    try:
+        while written < num_bytes:
+            step = version = k // 64
+            tid, worker, engine = f"arith-{k}-0@e0/{k % 8}", f"worker-{k % 2}", f"engine-{k % num_engines}"
+            at = t0 + k * 50_000
+            point("driver", "admitted", tid, at, attempt=0)
+            span(worker, "queued", "trajectory", tid, at, 2_000, attempt=0)
+            at += 2_000
+            for _ in range(4):
+                dur = rng.randint(20_000, 400_000)
+                args = {"attempt": 0, "engine": engine, "min_version": version, "max_version": version}
+                span(worker, "generate", "trajectory", tid, at, dur, **args, tokens=rng.randint(8, 256), aborted=False)
+                span(worker, "tool", "trajectory", tid, at + dur, 5_000, attempt=0, calls=1)
+                at += dur + 5_000
+            point("buffer", "appended", tid, at, status="finished", min_version=version, max_version=version)
+            point("buffer", "sampled", tid, at + 1_000_000, learner_step=step + 1)
+            point("learner", "trained", tid, at + 2_000_000, learner_step=step + 1, lag=0)
+            if k % 64 == 63:  # the engines idle through the step's weight sync: their busy spans end
+                for i in range(num_engines):
+                    span(f"engine-{i}", "busy", "engine", f"engine-{i}", at - 3_100_000, 3_100_000, requests=64)
+                span("learner", "train_step", "learner", "learner", at, 1_500_000, learner_step=step + 1)
+                span("driver", "train_step", "driver", "driver", at, 1_500_000, learner_step=step + 1)
+                span("learner", "sync", "sync", "sync", at + 1_500_000, 300_000, policy_version=version + 1)
+                span("learner", "paused", "sync", "sync", at + 1_600_000, 100_000, policy_version=version + 1)
+            k += 1
+    finally:
+        for f in files.values():
+            f.close()
+    return written
+
+
+# Run in a fresh process by `reader_peak_rss`: argv = reader, small run dir, big run dir.
+_READ = """
+import contextlib, io, json, resource, sys
+from pathlib import Path
+
+
+def read(run_dir):
+    with contextlib.redirect_stdout(io.StringIO()):
+        if sys.argv[1] == "cli":
+            from streamrl.streaming.cli import main
+
+            assert main(["trace", run_dir, "--json"]) == 0
+        else:
+            from streamrl.observability.report_timeline import timeline_blocks
+
+            problems = []
+            assert timeline_blocks(Path(run_dir), problems) and not problems, problems
+
+
+read(sys.argv[2])  # imports and lazy set-up paid on a small trace first
+baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+read(sys.argv[3])
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"baseline_rss_mb": baseline / 1024, "peak_rss_mb": peak / 1024}))
+"""
+READERS = ("cli", "report")  # `streamrl trace RUN_DIR --json` (merge + summary), the report's timeline
+
+
+def reader_peak_rss(reader: str, small: Path, big: Path, *, code_root: Path | None = None) -> dict[str, float]:
+    """Peak RSS (MB) of a fresh process running `reader` (`READERS`) on the trace of `big`, and its
+    baseline: the peak after a first read of `small`, which pays the imports and the lazy set-up.
+    `code_root`: a folder holding another checkout as `streamrl/` (to measure an older reader)."""
+    env = dict(os.environ)
+    if code_root is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(code_root), env.get("PYTHONPATH")) if p)
+    argv = [sys.executable, "-c", _READ, reader, str(small), str(big)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {reader} reader failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def reader_memory(trace_mb: float, before: str | None, argv: list[str]) -> dict:
+    """Peak RSS and wall time of each reader on one synthetic trace, now and at commit `before`."""
+    with tempfile.TemporaryDirectory(prefix="streamrl-trace-read-") as tmp:
+        root = Path(tmp)
+        small, big = root / "small", root / "big"
+        synthetic_trace(small, 200_000)
+        size = synthetic_trace(big, int(trace_mb * 1e6))
+        sides: dict[str, Path | None] = {"after": None}
+        if before is not None:
+            code = root / "before" / "streamrl"
+            code.mkdir(parents=True)
+            archive = subprocess.run(["git", "archive", before], cwd=REPO, capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(code)], input=archive, check=True)
+            sides = {"before": code.parent, **sides}
+        readers: dict[str, dict[str, dict[str, float]]] = {}
+        for side, code_root in sides.items():
+            for reader in READERS:
+                started = time.monotonic()
+                rss = reader_peak_rss(reader, small, big, code_root=code_root)
+                rss |= {"wall_s": time.monotonic() - started, "grown_mb": rss["peak_rss_mb"] - rss["baseline_rss_mb"]}
+                readers.setdefault(side, {})[reader] = rss
+                print(json.dumps({side: {reader: rss}}), file=sys.stderr, flush=True)
+    git = ["git", "rev-parse", "HEAD"]
+    return {
+        "command": " ".join(["python", "-m", "bench.trace_overhead", *argv]),
+        "commit": subprocess.run(git, cwd=REPO, capture_output=True, text=True).stdout.strip(),
+        "before_commit": before,
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
+        "load_average_at_end": os.getloadavg(),
+        "trace": {"bytes": size, "shape": "bench.trace_overhead.synthetic_trace: 7 shards, 4-turn trajectories"},
+        "readers": {"cli": "streamrl trace RUN_DIR --json", "report": "the report's lifecycle timeline"},
+        "measure": "peak RSS of a fresh process (ru_maxrss) after reading the trace; baseline: after a 0.2 MB one",
+        "results": readers,
+    }
+
+
 def trace_rate(run_dir: Path) -> dict[str, float]:
     """The events a traced run recorded, and per second of its trace (first event to last: engine
     start-up records nothing, so the run's wall time would understate the rate)."""
-    from streamrl.observability.trace_summary import tracer_cost
-    from streamrl.observability.tracing import read_trace
+    from streamrl.observability.trace_summary import trace_totals, tracer_cost
+    from streamrl.observability.tracing import open_trace
 
-    trace = read_trace(run_dir)
-    seconds = max((trace.end_us - trace.start_us) / 1e6, 1e-9)
-    rate = {"trace_events": len(trace.events), "trace_s": seconds, "events_per_s": len(trace.events) / seconds}
-    return rate | {"in_situ": tracer_cost(trace)}
+    totals = trace_totals(open_trace(run_dir))
+    seconds = max((totals.end_us - totals.start_us) / 1e6, 1e-9)
+    rate = {"trace_events": totals.num_events, "trace_s": seconds, "events_per_s": totals.num_events / seconds}
+    return rate | {"in_situ": tracer_cost(totals)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-seed", type=int, default=0, help="the first pair's seed (to add pairs)")
     parser.add_argument("--latency", type=float, default=None, help="median environment latency (s)")
     parser.add_argument("--out", default=str(RESULT))
+    parser.add_argument("--reader-memory", action="store_true", help="measure the readers' peak RSS instead")
+    parser.add_argument("--trace-mb", type=float, default=80.0, help="--reader-memory: the synthetic trace's size")
+    parser.add_argument("--before", default=None, help="--reader-memory: also measure the readers of this commit")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run (key=value)")
     args = parser.parse_args(argv)
+    if args.reader_memory:
+        result = reader_memory(args.trace_mb, args.before, argv if argv is not None else sys.argv[1:])
+        out = Path(args.out)
+        kept = json.loads(out.read_text()) if out.exists() else {}
+        out.write_text(json.dumps(kept | {"reader_memory": result}, indent=2) + "\n")
+        print(json.dumps(result["results"], indent=2))
+        return 0
     recorded = json.loads((REPO / "bench" / "results" / "async_vs_sync.json").read_text())["workload"]
     env = dict(recorded["environment"])
     if args.latency is not None:

@@ -6,6 +6,10 @@ one JSON object per line, written line-buffered (each event reaches the OS as so
 a SIGKILLed process loses nothing it recorded); `streamrl trace RUN_DIR` merges the shards into one
 Chrome trace-event file (`observability.tracing`). One clock for all: wall-clock epoch microseconds.
 
+The trace is bounded on disk (`core.trace_segments`): a shard rotates to a new segment file past
+`trace.max_shard_mb` (`SHARD_MB`), and past `trace.max_total_mb` (`TOTAL_MB`) the oldest closed
+segments are deleted, each deletion recorded in the trace folder's ledger for the readers to report.
+
 An event is a Chrome trace event whose `pid` and `tid` are names, not numbers: `pid` the kind of
 track (`trajectory`, `engine`, `learner`, `sync`, `buffer`, `driver`), `tid` the track itself (a
 trajectory id, `engine-0`, ...). The exporter numbers them and names the rows. `args` carry what joins
@@ -22,8 +26,9 @@ counter) and logs once per process; the append, the sync or the step it would ha
 
 Off unless the run's config says `trace.enabled = true`. The driver calls `configure`; an actor
 process finds its run through `RUN_DIR_ENV` (set for every actor by `ray.init`) and reads the switch
-from the run's `RunInfo` (`core.run_dir`) once, at its first event. Off, `span` returns a shared no-op
-context and `instant` / `complete` return after one global lookup: cheap enough to leave in hot paths.
+and the limits from the run's `RunInfo` (`core.run_dir`) once, at its first event. Off, `span`
+returns a shared no-op context and `instant` / `complete` return after one global lookup: cheap
+enough to leave in hot paths.
 """
 
 from __future__ import annotations
@@ -39,12 +44,18 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
+from streamrl.core import trace_segments
 from streamrl.core.run_dir import RunDir
 
 RUN_DIR_ENV = "STREAMRL_RUN_DIR"  # the run directory, for every actor process of the run
 TRACER = "tracer"  # the `pid` of the tracer's own cost counters
 COST_EVERY = 512  # events between two cost counters of a shard
 COST_EVERY_S = 5.0  # ... or seconds, whichever comes first (a quiet process still reports)
+# At the rate of the async benchmark (bench/results/trace_overhead.json: ~150 events/s of ~200 bytes,
+# ~30 KB/s for the whole run) the busiest process fills a segment in under an hour and the cap holds
+# the last ~9 hours: enough to diagnose, and a bound on the disk a forgotten `trace.enabled` takes.
+SHARD_MB = 32.0  # `trace.max_shard_mb`: a process's shard starts a new segment past this size
+TOTAL_MB = 1024.0  # `trace.max_total_mb`: past this, the oldest closed segments are deleted
 
 _UNSET: Any = object()
 logger = logging.getLogger(__name__)
@@ -65,18 +76,24 @@ def num_write_errors() -> int:
 
 
 class _Shard:
-    """This process's shard: an append-only, line-buffered JSONL file (one lock: threads share it),
-    and the tracer's own cost in this process (events written, nanoseconds spent making them)."""
+    """This process's shard: append-only, line-buffered JSONL segment files (one lock: threads share
+    it), rotated past `max_shard_mb`; and the tracer's own cost in this process (events written,
+    nanoseconds spent making them, rotations and the drops for the cap included)."""
 
-    def __init__(self, run_dir: Path) -> None:
-        folder = RunDir(run_dir).trace
-        folder.mkdir(parents=True, exist_ok=True)
+    def __init__(self, run_dir: Path, max_shard_mb: float = SHARD_MB, max_total_mb: float = TOTAL_MB) -> None:
+        self.folder = RunDir(run_dir).trace
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.track = f"{socket.gethostname()}-{os.getpid()}"
-        self.path = folder / f"{self.track}.jsonl"
+        self.max_shard_bytes = int(max_shard_mb * trace_segments.MB)
+        self.max_total_bytes = int(max_total_mb * trace_segments.MB)
+        self.segment = trace_segments.next_index(self.folder, self.track)
+        self.path = trace_segments.segment_path(self.folder, self.track, self.segment)
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (lives with the process)
+        self._bytes = 0  # written to the current segment
         self._lock = threading.Lock()
         self.events = 0
         self.write_errors = 0
+        self.num_dropped = 0  # segments this process deleted for the cap
         self.cost_ns = 0
         self.first_us: int | None = None
         self._last_us = 0
@@ -89,11 +106,31 @@ class _Shard:
             if not self._guarded(self._file.write, line):
                 return
             self.events += 1
+            self._bytes += len(line)  # ASCII: json.dumps escapes the rest
             self.first_us = event["ts"] if self.first_us is None else self.first_us
             self._last_us = max(self._last_us, event["ts"] + event.get("dur", 0))
             if self.events % COST_EVERY == 0 or time.monotonic() - self._counted_at >= COST_EVERY_S:
                 self._guarded(self._write_cost)
+            if self._bytes >= self.max_shard_bytes:
+                self._guarded(self._rotate)
             self.cost_ns += time.perf_counter_ns() - started_ns
+
+    def _rotate(self) -> None:
+        """Go on in the next segment, then hold the folder to its cap. Called under the lock. A new
+        segment that cannot be opened leaves the current one in use (retried a segment's size later)."""
+        self._bytes = 0
+        path = trace_segments.segment_path(self.folder, self.track, self.segment + 1)
+        new = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (lives with the process)
+        old, self._file, self.path, self.segment = self._file, new, path, self.segment + 1
+        old.close()
+        dropped = trace_segments.drop_past_cap(self.folder, self.max_total_bytes, by=self.track)
+        if dropped and not self.num_dropped:
+            logger.info(
+                "trace: past trace.max_total_mb = %g, deleting the oldest segments (recorded in %s)",
+                self.max_total_bytes / trace_segments.MB,
+                self.folder / trace_segments.DROPPED,
+            )
+        self.num_dropped += len(dropped)
 
     def _guarded(self, write: Callable[..., object], *args: Any) -> bool:
         """One write to the shard's file; an error of the file is counted, never raised (module docstring).
@@ -125,13 +162,20 @@ class _Shard:
 _shard: _Shard | None = _UNSET
 
 
-def configure(run_dir: str | Path | None) -> None:
-    """Trace this process into `run_dir` (None: tracing off here). The driver calls it with the
-    run's config; actor processes need not (`_from_env`)."""
+def configure(run_dir: str | Path | None, *, max_shard_mb: float = SHARD_MB, max_total_mb: float = TOTAL_MB) -> None:
+    """Trace this process into `run_dir` (None: tracing off here), within the run's disk limits. The
+    driver calls it with the run's config; actor processes need not (`_from_env`)."""
     global _shard
     if isinstance(_shard, _Shard):
         _shard.close()
-    _shard = _Shard(Path(run_dir)) if run_dir is not None else None
+    _shard = _Shard(Path(run_dir), max_shard_mb, max_total_mb) if run_dir is not None else None
+
+
+def _limit(trace_cfg: dict[str, Any], key: str, default: float) -> float:
+    """A positive number from the run's saved `[trace]` (validated when the run started), else `default`."""
+    value = trace_cfg.get(key)
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+    return float(value) if ok else default
 
 
 def _from_env() -> _Shard | None:
@@ -146,8 +190,9 @@ def _from_env() -> _Shard | None:
     trace_cfg = info.config.get("trace", {})
     if not (isinstance(trace_cfg, dict) and trace_cfg.get("enabled")):
         return None
+    limits = _limit(trace_cfg, "max_shard_mb", SHARD_MB), _limit(trace_cfg, "max_total_mb", TOTAL_MB)
     try:
-        return _Shard(Path(run_dir))
+        return _Shard(Path(run_dir), *limits)
     except OSError as exc:  # this process goes untraced rather than failing its first traced call
         _write_failed(RunDir(run_dir).trace, exc)
         return None
@@ -233,6 +278,8 @@ def span(name: str, cat: str, track: str, **args: Any) -> AbstractContextManager
 
 __all__ = [
     "RUN_DIR_ENV",
+    "SHARD_MB",
+    "TOTAL_MB",
     "TRACER",
     "complete",
     "configure",

@@ -1,9 +1,11 @@
 """The report's lifecycle-trace section: a timeline picture of one window of a traced run (engines
 busy, learner steps, weight syncs, and the longest trajectories phase by phase), drawn from the
-merged trace (`observability.tracing`). A run without a trace gets no section: its page is unchanged.
+run's trace (`observability.tracing`). A run without a trace gets no section: its page is unchanged.
 
 The window starts at the first learner step (engine start-up is the same in every run and says
 nothing) and lasts at most `WINDOW_S`; the longest trajectories are those with the most time inside it.
+The trace is streamed (the end-of-run report must not take the memory of a long run's whole trace):
+a pass finds the window, one adds up the window's totals, and one collects the rows' spans.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from streamrl.core.run_dir import RunDir
 from streamrl.observability.report_figures import FigureBlock, to_svg
-from streamrl.observability.trace_summary import summarize, trajectory_lives
-from streamrl.observability.tracing import Trace, read_trace, windowed
+from streamrl.observability.trace_summary import TRAJECTORY, TrajectoryLife, summary_of, trace_totals, trajectory_lives
+from streamrl.observability.tracing import Events, TraceStream, open_trace
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -35,42 +37,54 @@ PHASE_COLORS = {
 PART_ROWS = (("engine", "busy", "#1f77b4"), ("learner", "train_step", "#2ca02c"), ("sync", "paused", "#8c564b"))
 
 
-def window_of(trace: Trace) -> tuple[float, float]:
-    """Seconds from the trace's start: the first learner step, then at most `WINDOW_S`."""
-    steps = [e["ts"] for e in trace.events if e["pid"] == "learner" and e["name"] == "train_step"]
-    lo = (min(steps) - trace.start_us) / 1e6 if steps else 0.0
+Bars = list[tuple[float, float, str]]  # (start s from the window's start, length s, colour)
+
+
+def window_of(trace: Events) -> tuple[float, float]:
+    """Seconds from the trace's start: the first learner step, then at most `WINDOW_S` (one pass)."""
+    start, first_step = None, None
+    for e in trace:
+        start = e["ts"] if start is None else min(start, e["ts"])
+        if e["pid"] == "learner" and e["name"] == "train_step":
+            first_step = e["ts"] if first_step is None else min(first_step, e["ts"])
+    lo = (first_step - start) / 1e6 if first_step is not None and start is not None else 0.0
     return lo, lo + WINDOW_S
 
 
-def _rows(trace: Trace) -> list[tuple[str, list[tuple[float, float, str]]]]:
-    """(label, [(start s, length s, colour)]) per row, top to bottom, times from the window's start."""
-    origin = trace.start_us
-    rows: list[tuple[str, list[tuple[float, float, str]]]] = []
-    for kind, name, colour in PART_ROWS:
-        tracks: dict[str, list[tuple[float, float, str]]] = {}
-        for e in trace.events:
-            if e["pid"] == kind and e["name"] == name and e.get("ph") == "X":
-                tracks.setdefault(str(e["tid"]), []).append(((e["ts"] - origin) / 1e6, e["dur"] / 1e6, colour))
-        rows += [(f"{track} ({name})", bars) for track, bars in sorted(tracks.items())]
-    lives = trajectory_lives(trace)
-    longest = sorted(lives.values(), key=lambda life: life.seconds, reverse=True)[:NUM_TRAJECTORIES]
-    for life in longest:
+def _rows(trace: Events, origin_us: int, longest: list[str]) -> tuple[list[tuple[str, Bars]], list[TrajectoryLife]]:
+    """One pass: (label, bars) per row, top to bottom (engines busy, learner steps, syncs paused, then
+    the `longest` trajectories phase by phase), and those trajectories' lives."""
+    tracks: dict[tuple[str, str], Bars] = {}
+    colours = {(kind, name): colour for kind, name, colour in PART_ROWS}
+    ids, theirs = set(longest), []
+    for e in trace:
+        colour = colours.get((e["pid"], e["name"]))
+        if colour is not None and e.get("ph") == "X":
+            bar = ((e["ts"] - origin_us) / 1e6, e["dur"] / 1e6, colour)
+            tracks.setdefault((e["pid"], str(e["tid"])), []).append(bar)
+        elif e["pid"] == TRAJECTORY and str(e["tid"]) in ids:
+            theirs.append(e)
+    rows: list[tuple[str, Bars]] = []
+    for kind, name, _ in PART_ROWS:
+        rows += [(f"{track} ({name})", bars) for (k, track), bars in sorted(tracks.items()) if k == kind]
+    found = trajectory_lives(theirs)
+    lives = [found[tid] for tid in longest if tid in found]
+    for life in lives:
         bars = [
-            ((e["ts"] - origin) / 1e6, e["dur"] / 1e6, PHASE_COLORS[e["name"]])
-            for e in trace.events
-            if e["pid"] == "trajectory" and e["tid"] == life.trajectory_id and e["name"] in PHASE_COLORS
+            ((ts - origin_us) / 1e6, d / 1e6, PHASE_COLORS[name]) for name, ts, d in life.spans if name in PHASE_COLORS
         ]
         step = f" → step {life.trained_step}" if life.trained_step is not None else ""
         rows.append((f"{life.trajectory_id}{step}", bars))
-    return rows
+    return rows, lives
 
 
-def plot_trace_timeline(trace: Trace) -> Figure | None:
-    """The window's timeline, or None when nothing in it has a duration."""
+def plot_trace_timeline(rows: list[tuple[str, Bars]]) -> Figure | None:
+    """The window's timeline from its rows (label, bars) top to bottom, or None when nothing in it
+    has a duration."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    rows = [(label, bars) for label, bars in _rows(trace) if bars]
+    rows = [(label, bars) for label, bars in rows if bars]
     if not rows:
         return None
     fig = Figure(figsize=(12.0, 0.9 + 0.28 * len(rows)), layout="constrained")
@@ -106,12 +120,14 @@ def timeline_blocks(run_dir: str | Path, problems: list[str]) -> list[FigureBloc
         return []
     block = FigureBlock(anchor="lifecycle", title="Lifecycle trace", empty="the trace has no spans")
     try:
-        full = read_trace(run_dir)
+        full: TraceStream = open_trace(run_dir)
         window = window_of(full)
-        trace = windowed(full, window)
-        fig = plot_trace_timeline(trace)
+        trace = full.windowed(window)
+        totals = trace_totals(trace)
+        rows, lives = _rows(trace, totals.start_us, totals.longest(NUM_TRAJECTORIES))
+        fig = plot_trace_timeline(rows)
         if fig is not None:
-            block.svg, block.caption = to_svg(fig), _caption(summarize(trace), window)
+            block.svg, block.caption = to_svg(fig), _caption(summary_of(totals, lives, trace), window)
     except Exception as exc:  # fault boundary: the trace must never lose the report
         logger.warning("report figure lifecycle failed: %s", exc)
         problems.append(f"figure 'Lifecycle trace' failed: {type(exc).__name__}: {exc}")

@@ -148,7 +148,10 @@ async def health_loop(pipeline: Pipeline) -> None:
 
 def start_trace(pipeline: Pipeline) -> None:
     """This process's lifecycle trace (the actors find theirs from the run's config on their own)."""
-    trace.configure(pipeline.run_dir if pipeline.cfg.trace.enabled else None)
+    cfg = pipeline.cfg.trace
+    trace.configure(
+        pipeline.run_dir if cfg.enabled else None, max_shard_mb=cfg.max_shard_mb, max_total_mb=cfg.max_total_mb
+    )
 
 
 async def run_async(pipeline: Pipeline) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 
 from streamrl.core.trace import COST_EVERY, TRACER
+from streamrl.core.trace_segments import segment_of
 from streamrl.observability.trace_summary import trajectory_lives
 from streamrl.observability.tracing import Trace, read_trace
 
@@ -82,22 +83,25 @@ def check_lifecycle_trace(run_dir: Path, latest: pd.DataFrame) -> None:
 
 def check_cost_counters(trace: Trace) -> None:
     """Each process's tracer counted its own events: its last cost counter (written at least every
-    COST_EVERY events, in the shard named after the process) counts the events before it in that shard.
-    A run this long has some: a process writes one at its first event 5 s after the last."""
+    COST_EVERY events, in the shard named after the process) counts the events before it in that
+    shard's segments. A run this long has some: a process writes one at its first event 5 s after the last."""
+    shards: dict[str, list[dict[str, Any]]] = {}
+    for segment in trace.shards:  # each track's segments in the order they were written
+        lines = [json.loads(line) for line in segment.read_text().splitlines() if line.endswith("}")]
+        shards.setdefault(segment_of(segment)[0], []).extend(lines)
     checked = 0
-    for shard in trace.shards:
-        lines = [json.loads(line) for line in shard.read_text().splitlines() if line.endswith("}")]
+    for track, lines in shards.items():
         counters = [e for e in lines if e["pid"] == TRACER]
         recorded = len(lines) - len(counters)
         if recorded < COST_EVERY and not counters:
             continue
-        assert counters, f"{shard.name}: {recorded} events and no cost counter"
+        assert counters, f"{track}: {recorded} events and no cost counter"
         counts = [c["args"]["events"] for c in counters]
         if counts != sorted(counts):
-            continue  # a pid reused by the resumed run: two processes appended to one shard
+            continue  # a pid reused by the resumed run: two processes' shards under one name
         last = counters[-1]["args"]
-        assert counters[-1]["tid"] == shard.stem, (shard.name, counters[-1]["tid"])
-        assert recorded - COST_EVERY < last["events"] <= recorded, (shard.name, recorded, last)
-        assert last["cost_us"] > 0, (shard.name, last)
+        assert counters[-1]["tid"] == track, (track, counters[-1]["tid"])
+        assert recorded - COST_EVERY < last["events"] <= recorded, (track, recorded, last)
+        assert last["cost_us"] > 0, (track, last)
         checked += 1
     assert checked, "no process wrote a cost counter"
