@@ -203,7 +203,7 @@ class Pipeline:
         with trace.span("publish", "driver", "driver", learner_step=self.state.learner_step):
             published = await self.learner.publish()
         metrics, self.state.policy_version = dict(published.metrics), published.policy_version
-        self.dropped_engines = await self.learner.dropped_engines()
+        self.dropped_engines = dict(published.dropped_engines)
         metrics["sync/num_engines_excluded"] = float(len(self.dropped_engines))
         if self.state.policy_version > self.state.version_high_water:
             self.state.version_high_water = self.state.policy_version

@@ -7,8 +7,8 @@ in the single-process `LearnerActor`, or — with an FSDP learner group — in l
 (`streaming/actors/learner_backends.py`), because the transport's rank 0 must be where the gathered
 tensors are. Failure semantics are the coordinator's: a failed sync returns the old version, which
 keeps serving, and is retried at the next publish; a dead engine leaves the sync set (named in
-`dropped_engines`, for the driver to take out of routing) and the run goes on with the others;
-with no engine left, `publish` raises `NoHealthyEngineError`.
+the `Published` record's `dropped_engines`, for the driver to take out of routing) and the run goes
+on with the others; with no engine left, `publish` raises `NoHealthyEngineError`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from streamrl.core.aio import gather_within
+from streamrl.weight_sync.types import Published
 
 if TYPE_CHECKING:
     import torch
@@ -29,16 +29,6 @@ if TYPE_CHECKING:
     from streamrl.weight_sync.transport import SyncEngine
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Published:
-    """One publish, across the actor boundary: the policy_version the engines serve afterwards
-    (control: the new one, or the old one when the sync failed) and its `sync/*` metrics
-    (observability only)."""
-
-    policy_version: int
-    metrics: dict[str, float]
 
 
 class WorkerSet:
@@ -111,6 +101,10 @@ class WeightPublisher:
         """engine_id (`engine-{i}`, the rollout workers' names too) -> why it left the sync set."""
         return dict(self.coordinator.dropped)
 
+    def unchanged(self) -> Published:
+        """The record of a publish that sends nothing: what is served now, the engines out, no metrics."""
+        return Published(policy_version=self.served_version, dropped_engines=self.dropped_engines, metrics={})
+
     def set_workers(self, workers: Sequence[PausableWorkers]) -> None:
         """Replace the pausable set after a preempted rollout worker was replaced."""
         self.workers.workers = list(workers)
@@ -126,24 +120,26 @@ class WeightPublisher:
     async def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], target: int) -> Published:
         """Move `named_tensors` into every engine as `target` (transactional).
 
-        Returns the policy_version served afterwards (`target`, or the old one if the sync failed)
-        and `sync/*` metrics. A `target` not above the served version is a no-op. Raises
-        `NoHealthyEngineError` ("no healthy inference engine left: ...") when every engine is gone.
-        With `publish_lag` k the weights of `target - k` are sent instead (labelled so), none before
-        the run has k older versions."""
+        Returns the policy_version served afterwards (`target`, or the old one if the sync failed),
+        the engines out of the sync set and `sync/*` metrics. A `target` not above the served version
+        is a no-op. Raises `NoHealthyEngineError` ("no healthy inference engine left: ...") when every
+        engine is gone. With `publish_lag` k the weights of `target - k` are sent instead (labelled so),
+        none before the run has k older versions."""
         if self.lagged is not None:
             behind = self.lagged.push(target, named_tensors)
             if behind is None:
-                return Published(policy_version=self.served_version, metrics={})
+                return self.unchanged()
             target, named_tensors = behind
         if target <= self.served_version:
-            return Published(policy_version=self.served_version, metrics={})
+            return self.unchanged()
         result = await self.coordinator.sync(named_tensors, target)
         if not result.ok:
             logger.error("weight sync to policy_version %d failed: %s", target, result.error)
         if result.dropped_engine_ids:
             logger.error("engines %s left the sync set: %s", result.dropped_engine_ids, self.dropped_engines)
-        return Published(policy_version=self.served_version, metrics=self.coordinator.metrics())
+        return Published(
+            policy_version=self.served_version, dropped_engines=self.dropped_engines, metrics=self.coordinator.metrics()
+        )
 
     async def close(self) -> None:
         await self.coordinator.close()

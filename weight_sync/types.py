@@ -2,7 +2,8 @@
 
 The `SyncManifest` travels first (as JSON through `collective_rpc`): it names every tensor, its shape,
 dtype and place in a flat per-dtype bucket, the bucket checksums and the policy_version being
-published. Engines answer with a `StageReport` per worker; the coordinator returns a `SyncResult`.
+published. Engines answer with a `StageReport` per worker; the coordinator returns a `SyncResult`,
+and the publisher (in the learner) returns one `Published` per publish to the driver.
 
 Invariants: buckets hold one dtype each; tensor slots inside a bucket start at multiples of
 `SLOT_ALIGN` bytes and the gaps are zero, so a bucket checksum equals the (wrapping) sum of its
@@ -119,6 +120,20 @@ class SyncResult:
             "sync/num_engines_dropped": float(len(self.dropped_engine_ids)),
             "sync/policy_version": float(self.policy_version),
         }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Published:
+    """One publish, across the learner's actor boundary: everything the driver learns from it.
+
+    Control: `policy_version`, the label the engines serve afterwards (the new one; the old one when the
+    sync failed or there was nothing new to send), and `dropped_engines`, every engine out of the sync
+    set now (engine_id -> why; the driver keeps them out of routing, and one that answers again rejoins
+    at a later sync). Observability only: `metrics`, the sync's `sync/*` (empty when nothing was sent)."""
+
+    policy_version: int
+    dropped_engines: dict[str, str]
+    metrics: dict[str, float]
 
 
 class WeightSyncError(RuntimeError):

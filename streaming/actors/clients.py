@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from streamrl.streaming.actors.engine import RayEngineClient
     from streamrl.streaming.actors.learner import Trained
     from streamrl.streaming.config import ActorTimeouts
-    from streamrl.weight_sync.publisher import Published
+    from streamrl.weight_sync.types import Published
 
 
 class ActorClient:
@@ -145,11 +145,8 @@ class LearnerClient(ActorClient):
         return await self._call("train_step", batch)
 
     async def publish(self) -> Published:
+        """The served version, the engines weight sync dropped (they may rejoin at a later sync) and `sync/*`."""
         return await self._call("publish")
-
-    async def dropped_engines(self) -> dict[str, str]:
-        """engine_id -> why weight sync dropped it (it may rejoin at a later sync)."""
-        return await self._call("dropped_engines")
 
     async def save_checkpoint(self, path: str) -> None:
         await self._call("save_checkpoint", path)

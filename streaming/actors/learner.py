@@ -22,7 +22,7 @@ import ray
 from streamrl.core import trace
 from streamrl.rollout.types import Trajectory
 from streamrl.streaming.config import StreamRLConfig
-from streamrl.weight_sync.publisher import Published
+from streamrl.weight_sync.types import Published
 
 if TYPE_CHECKING:
     from streamrl.buffer.types import SampledBatch
@@ -149,12 +149,13 @@ class LearnerActor:
         """Move the current weights into every engine (transactional).
 
         Returns the policy_version the engines serve afterwards (the new one, or the old one if the
-        sync failed: it is retried at the next publish) and `sync/*` metrics. When every step since
-        the engines got their weights was skipped as non-finite, the weights are unchanged and
-        nothing is sent."""
+        sync failed: it is retried at the next publish), the engines out of the sync set and `sync/*`
+        metrics. When every step since the engines got their weights was skipped as non-finite, the
+        weights are unchanged and nothing is sent."""
         assert self.served_version is not None, "connect() first"
         if not self.weights_changed:
-            return Published(policy_version=self.served_version, metrics={})
+            dropped = await self.learner.dropped_engines()
+            return Published(policy_version=self.served_version, dropped_engines=dropped, metrics={})
         with trace.span("publish", "learner", "learner", learner_version=self.learner.policy_version) as s:
             published = await self.learner.publish()
             s.set(policy_version=published.policy_version)
@@ -162,10 +163,6 @@ class LearnerActor:
         # a failed sync, or one that sent older weights (weight_sync.publish_lag), leaves newer ones to send
         self.weights_changed = published.policy_version < self.learner.policy_version
         return published
-
-    async def dropped_engines(self) -> dict[str, str]:
-        """engine_id -> why weight sync dropped it from the sync set (it may rejoin at a later sync)."""
-        return await self.learner.dropped_engines()
 
     async def save_checkpoint(self, path: str) -> None:
         await self.learner.save_checkpoint(path)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from streamrl.core.aio import gather_within
 from streamrl.learner.group import LearnerWorker
 from streamrl.learner.types import StepResult
-from streamrl.weight_sync.publisher import Published
+from streamrl.weight_sync.types import Published
 
 if TYPE_CHECKING:
     from streamrl.learner.config import LearnerConfig
@@ -179,9 +179,7 @@ class PublishingLearnerWorker(LearnerWorker):
             published = self._loop.run_until_complete(self.publisher.publish(tensors, target))
         finally:
             del tensors  # the only unsharded copy; free it before training resumes
-        return Published(
-            policy_version=published.policy_version, metrics={**published.metrics, "sync/gather_s": gather_s}
-        )
+        return replace(published, metrics={**published.metrics, "sync/gather_s": gather_s})
 
     def dropped_engines(self) -> dict[str, str]:
         return {} if self.publisher is None else self.publisher.dropped_engines
@@ -269,7 +267,9 @@ class GroupLearner:
         assert self.served_version is not None, "connect() first"
         target = self.group.policy_version
         if target <= self.served_version:  # decided here, so either every rank gathers or none does
-            return Published(policy_version=self.served_version, metrics={})
+            return Published(
+                policy_version=self.served_version, dropped_engines=await self.dropped_engines(), metrics={}
+            )
         refs = [self.group.rank0.publish.remote(target)]
         refs += self.group.start_join_sync_gather()
         published, *_ = await self._wait(refs)

@@ -26,7 +26,7 @@ from streamrl.streaming.driver import run_async, run_sync
 from streamrl.streaming.driver_state import DriverState
 from streamrl.streaming.pipeline import Pipeline
 from streamrl.streaming.prompts import PromptStream
-from streamrl.weight_sync.publisher import Published
+from streamrl.weight_sync.types import Published
 
 TIMEOUT_S = 60
 
@@ -113,6 +113,7 @@ class FakeLearner:
     version: int = 0
     published: list[int] = field(default_factory=list)
     on_step: object = None  # awaited after each step (a slow learner)
+    dropped: dict[str, str] = field(default_factory=dict)  # engines out of the sync set, as a publish reports them
 
     async def train_step(self, batch) -> Trained:
         self.version += 1
@@ -123,10 +124,7 @@ class FakeLearner:
     async def publish(self) -> Published:
         self.served.version = self.version
         self.published.append(self.version)
-        return Published(policy_version=self.version, metrics={})
-
-    async def dropped_engines(self) -> dict[str, str]:
-        return {}
+        return Published(policy_version=self.version, dropped_engines=dict(self.dropped), metrics={})
 
     async def save_checkpoint(self, path: str) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -361,6 +359,20 @@ async def test_async_loops_train_whole_fresh_groups_and_admit_each_prompt_once(t
 
 
 @pytest.mark.timeout(TIMEOUT_S)
+async def test_a_publish_record_alone_tells_the_driver_which_engines_leave_routing(tmp_path):
+    """The driver learns the dropped engines from the publish's own record: no second call."""
+    pipeline, _, learner = _pipeline(tmp_path)
+    try:
+        learner.dropped = {"engine-1": "resume failed: no answer within 5.0s"}
+        metrics = await pipeline.publish_weights()
+        assert pipeline.kept_out == ["engine-1"] and metrics["sync/num_engines_excluded"] == 1.0
+        learner.dropped = {}  # it answered a ping before the next sync: back in the set
+        metrics = await pipeline.publish_weights()
+        assert pipeline.kept_out == [] and metrics["sync/num_engines_excluded"] == 0.0
+    finally:
+        pipeline.metrics.close()
+
+
 async def test_sync_loop_trains_on_policy(tmp_path):
     pipeline, buffer, learner = _pipeline(tmp_path, "trainer.mode=sync", "trainer.total_steps=4")
     try:

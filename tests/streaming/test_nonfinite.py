@@ -15,7 +15,7 @@ from streamrl.streaming.actors.learner import LearnerActor, Trained
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver import run_async
 from streamrl.streaming.errors import NonFiniteTrainingError, explain_failure
-from streamrl.weight_sync.publisher import Published
+from streamrl.weight_sync.types import Published
 from tests.buffer.helpers import make_group
 from tests.streaming.test_driver_loops import TIMEOUT_S, _pipeline
 
@@ -37,7 +37,10 @@ class SkippingBackend:
 
     async def publish(self) -> Published:
         self.num_publishes += 1
-        return Published(policy_version=self.policy_version, metrics={"sync/total_s": 0.1})
+        return Published(policy_version=self.policy_version, dropped_engines={}, metrics={"sync/total_s": 0.1})
+
+    async def dropped_engines(self) -> dict[str, str]:
+        return {}
 
 
 def _sampled_batch():
@@ -56,7 +59,10 @@ async def test_the_learner_actor_publishes_nothing_after_skipped_steps(monkeypat
     backend.skips = [True, False, True, True]
     trained = await actor.train_step(_sampled_batch())
     assert trained.skipped_nonfinite
-    assert await actor.publish() == Published(policy_version=0, metrics={}) and backend.num_publishes == 0
+    assert (
+        await actor.publish() == Published(policy_version=0, dropped_engines={}, metrics={})
+        and backend.num_publishes == 0
+    )
     assert not (await actor.train_step(_sampled_batch())).skipped_nonfinite
     assert (await actor.publish()).policy_version == 2 and backend.num_publishes == 1
     await actor.train_step(_sampled_batch())
