@@ -90,13 +90,24 @@ class WeightSyncCoordinator:
         self.dropped: dict[str, str] = {}  # engine_id -> why it left the sync set (and should leave routing)
         self.workers = workers
         self.transport = transport if transport is not None else make_transport(config)
-        self.policy_version = max(e.policy_version for e in engines)
+        self._served_version = max(e.policy_version for e in engines)
         self.num_syncs = 0
         self.num_failed = 0
         self.num_versions_skipped = 0  # versions the engines never served: they went straight to a newer one
         self.last_result: SyncResult | None = None
         self._epoch = 0
         self._lock = asyncio.Lock()
+
+    @property
+    def served_version(self) -> int:
+        """The policy_version every engine in the sync set serves. Only a committed sync moves it: this
+        is its one mutable holder in the learner's process, everyone else reads it (through the publisher)."""
+        return self._served_version
+
+    def is_new(self, target: int) -> bool:
+        """Whether `target` is anything to send: labels only go up (a sync never relabels or rolls the
+        engines back), so a target at or below the served label is nothing new. The one place that decides."""
+        return target > self._served_version
 
     @property
     def engines(self) -> list[SyncEngine]:
@@ -109,16 +120,16 @@ class WeightSyncCoordinator:
         """Publish `named_tensors` as `policy_version` (default: current + 1). A failed sync does not
         raise (see `SyncResult.ok/error`); raises ValueError for bad input and NoHealthyEngineError when
         no engine is left to sync."""
-        target = self.policy_version + 1 if policy_version is None else policy_version
-        if target <= self.policy_version:
-            raise ValueError(f"policy_version must increase: serving {self.policy_version}, asked for {target}")
+        target = self._served_version + 1 if policy_version is None else policy_version
+        if not self.is_new(target):
+            raise ValueError(f"policy_version must increase: serving {self._served_version}, asked for {target}")
         tensors = list(named_tensors)
         if not tensors:
             raise ValueError("no tensors to sync")
         async with self._lock:
             await self._readmit()
             self._check_engines_left()
-            served_before = self.policy_version
+            served_before = self._served_version
             result = await self._sync(tensors, target)
             self._count(result, served_before)
             if not result.ok and result.dropped_engine_ids and self.engines:
@@ -171,7 +182,7 @@ class WeightSyncCoordinator:
         timeouts = self.config.timeouts
         engines = self.engines
         self._epoch = epoch = max(self._epoch + 1, time.time_ns())  # fresh and increasing across coordinators
-        result = SyncResult(ok=False, policy_version=self.policy_version, engine_ids=[e.engine_id for e in engines])
+        result = SyncResult(ok=False, policy_version=self._served_version, engine_ids=[e.engine_id for e in engines])
         drops: dict[str, str] = {}
         started, wall = time.monotonic(), {"sync": time.time()}  # wall: the lifecycle trace's clock
         paused_at: float | None = None  # set once the pause was sent: from then on, resume in `finally`
@@ -188,10 +199,10 @@ class WeightSyncCoordinator:
             if len(drops) == len(engines):
                 raise WeightSyncError("load", f"commit failed on every engine: {drops}")
             result.ok, result.policy_version = True, target
-            self.policy_version = target
+            self._served_version = target
         except WeightSyncError as exc:
             result.error, result.failed_phase = str(exc), exc.phase
-            logger.error("%s; engines keep serving policy_version %d", exc, self.policy_version)
+            logger.error("%s; engines keep serving policy_version %d", exc, self._served_version)
         finally:
             t0, wall["resume"] = time.monotonic(), time.time()
             try:

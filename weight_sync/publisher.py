@@ -2,7 +2,10 @@
 
 It owns what must outlive one sync: a `WeightSyncCoordinator` over the engines (the clients of
 the engine actors it is given; the transport's group is reused while the engine set is unchanged), the
-rollout workers (their clients) it pauses and resumes, and the policy_version the engines serve. It lives
+rollout workers (their clients) it pauses and resumes, and the policy_version the engines serve: its
+coordinator holds that label, the only copy in the learner's process, and decides whether a target
+is new to the engines; the learner actor and a learner group ask here (`served_version`,
+`nothing_new`, `unchanged`) and are told in the `Published` record of every publish. It lives
 in the single-process `LearnerActor`, or — with an FSDP learner group — in learner rank 0
 (`streaming/actors/learner_backends.py`), because the transport's rank 0 must be where the gathered
 tensors are. Failure semantics are the coordinator's: a failed sync returns the old version, which
@@ -94,7 +97,8 @@ class WeightPublisher:
 
     @property
     def served_version(self) -> int:
-        return self.coordinator.policy_version
+        """The policy_version the engines serve (read-only: a committed sync moves it, in the coordinator)."""
+        return self.coordinator.served_version
 
     @property
     def dropped_engines(self) -> dict[str, str]:
@@ -104,6 +108,11 @@ class WeightPublisher:
     def unchanged(self) -> Published:
         """The record of a publish that sends nothing: what is served now, the engines out, no metrics."""
         return Published(policy_version=self.served_version, dropped_engines=self.dropped_engines, metrics={})
+
+    def nothing_new(self, target: int) -> Published | None:
+        """`unchanged()` when `target` is nothing new to the engines (`WeightSyncCoordinator.is_new`),
+        None when publishing it sends weights. A learner group asks this before its ranks gather."""
+        return None if self.coordinator.is_new(target) else self.unchanged()
 
     def set_workers(self, workers: Sequence[PausableWorkers]) -> None:
         """Replace the pausable set after a preempted rollout worker was replaced."""
@@ -130,8 +139,8 @@ class WeightPublisher:
             if behind is None:
                 return self.unchanged()
             target, named_tensors = behind
-        if target <= self.served_version:
-            return self.unchanged()
+        if (same := self.nothing_new(target)) is not None:
+            return same
         result = await self.coordinator.sync(named_tensors, target)
         if not result.ok:
             logger.error("weight sync to policy_version %d failed: %s", target, result.error)

@@ -68,8 +68,9 @@ class LearnerActor:
         self.learner = backend(self.cfg, init_checkpoint)
         self.busy_s = 0.0
         self.started = time.monotonic()
-        self.served_version: int | None = None  # what the engines serve (set by connect)
-        self.weights_changed = False  # a step changed the weights since the engines got them
+        # a step changed the weights since the engines got them (what they serve: `Published.policy_version`,
+        # held by the weight publisher alone)
+        self.weights_changed = False
 
     def policy_version(self) -> int:
         return self.learner.policy_version
@@ -131,7 +132,7 @@ class LearnerActor:
     async def connect(self, engines: list, workers: list, policy_version: int) -> None:
         """Set up weight sync over the engine actors and rollout worker actors (engines serve `policy_version`)."""
         await self.learner.connect(engines, workers, policy_version)
-        self.served_version, self.weights_changed = policy_version, False
+        self.weights_changed = False
 
     async def set_workers(self, workers: list) -> None:
         """Replace the pausable set after a preempted worker was replaced."""
@@ -151,15 +152,13 @@ class LearnerActor:
         Returns the policy_version the engines serve afterwards (the new one, or the old one if the
         sync failed: it is retried at the next publish), the engines out of the sync set and `sync/*`
         metrics. When every step since the engines got their weights was skipped as non-finite, the
-        weights are unchanged and nothing is sent."""
-        assert self.served_version is not None, "connect() first"
+        weights are unchanged and nothing is sent; whether a newer label is anything to send is the
+        weight publisher's to decide (`WeightPublisher.nothing_new`)."""
         if not self.weights_changed:
-            dropped = await self.learner.dropped_engines()
-            return Published(policy_version=self.served_version, dropped_engines=dropped, metrics={})
+            return await self.learner.unchanged()
         with trace.span("publish", "learner", "learner", learner_version=self.learner.policy_version) as s:
             published = await self.learner.publish()
             s.set(policy_version=published.policy_version)
-        self.served_version = published.policy_version
         # a failed sync, or one that sent older weights (weight_sync.publish_lag), leaves newer ones to send
         self.weights_changed = published.policy_version < self.learner.policy_version
         return published

@@ -13,6 +13,9 @@ the engines' dtype when they serve bf16/fp16 (halving that copy and the bytes on
 engines would round identically on load). The gathers are bounded by the process-group timeout,
 every sync phase by `weight_sync.timeouts`, and every await here by `trainer.step_timeout_s`.
 
+Neither keeps the served policy_version: the `WeightPublisher` holds it (in this process, or in
+rank 0's) and decides whether a target is new; both ask it, and return its `Published` records.
+
 Both expose the same async methods; LearnerActor picks one at construction. After every train step
 each learner process trims its allocator and reports `memory/learner_peak_gb` and
 `memory/learner_rss_gb` (`core/memory.py`; a group reports its fullest rank).
@@ -108,8 +111,10 @@ class LocalLearner:
         finally:
             trim_allocator()  # staging buffers of the sync go back to the OS before the next step
 
-    async def dropped_engines(self) -> dict[str, str]:
-        return {} if self.publisher is None else self.publisher.dropped_engines
+    async def unchanged(self) -> Published:
+        """What a publish that sends nothing returns (`WeightPublisher.unchanged`)."""
+        assert self.publisher is not None, "connect() first"
+        return self.publisher.unchanged()
 
     async def save_checkpoint(self, path: str) -> None:
         self.engine.save_checkpoint(path)
@@ -181,8 +186,14 @@ class PublishingLearnerWorker(LearnerWorker):
             del tensors  # the only unsharded copy; free it before training resumes
         return replace(published, metrics={**published.metrics, "sync/gather_s": gather_s})
 
-    def dropped_engines(self) -> dict[str, str]:
-        return {} if self.publisher is None else self.publisher.dropped_engines
+    def nothing_new(self, target: int) -> Published | None:
+        """`WeightPublisher.nothing_new`: asked before a publish, so that every rank gathers or none does."""
+        assert self.publisher is not None, "connect() first"
+        return self.publisher.nothing_new(target)
+
+    def unchanged(self) -> Published:
+        assert self.publisher is not None, "connect() first"
+        return self.publisher.unchanged()
 
     def close_publisher(self) -> None:
         """Release the weight-sync group (engines drop their side too); safe to call twice."""
@@ -215,7 +226,6 @@ class GroupLearner:
         )
         if init_checkpoint is not None:
             self.group.load_checkpoint(init_checkpoint)
-        self.served_version: int | None = None  # set by connect()
 
     @property
     def policy_version(self) -> int:
@@ -249,7 +259,6 @@ class GroupLearner:
             policy_version,
         )
         await self._wait([ref])
-        self.served_version = policy_version
 
     async def set_workers(self, workers: list[Any]) -> None:
         await self._wait([self.group.rank0.set_workers.remote(workers)])
@@ -264,20 +273,18 @@ class GroupLearner:
         return await self._wait(self.group.start_node_ids())
 
     async def publish(self) -> Published:
-        assert self.served_version is not None, "connect() first"
         target = self.group.policy_version
-        if target <= self.served_version:  # decided here, so either every rank gathers or none does
-            return Published(
-                policy_version=self.served_version, dropped_engines=await self.dropped_engines(), metrics={}
-            )
+        # rank 0's publisher decides before any rank gathers, so that every rank gathers or none does
+        (same,) = await self._wait([self.group.rank0.nothing_new.remote(target)])
+        if same is not None:
+            return same
         refs = [self.group.rank0.publish.remote(target)]
         refs += self.group.start_join_sync_gather()
         published, *_ = await self._wait(refs)
-        self.served_version = published.policy_version
         return published
 
-    async def dropped_engines(self) -> dict[str, str]:
-        return (await self._wait([self.group.rank0.dropped_engines.remote()]))[0]
+    async def unchanged(self) -> Published:
+        return (await self._wait([self.group.rank0.unchanged.remote()]))[0]
 
     async def save_checkpoint(self, path: str) -> None:
         await self._wait(self.group.start_save_checkpoint(path))

@@ -25,6 +25,7 @@ class SkippingBackend:
 
     def __init__(self, cfg: StreamRLConfig, init_checkpoint: str | None) -> None:
         self.policy_version = 0
+        self.served = 0  # what the engines serve: the publisher's label, as the real backends ask it
         self.skips: list[bool] = []
         self.num_publishes = 0
 
@@ -37,10 +38,11 @@ class SkippingBackend:
 
     async def publish(self) -> Published:
         self.num_publishes += 1
-        return Published(policy_version=self.policy_version, dropped_engines={}, metrics={"sync/total_s": 0.1})
+        self.served = self.policy_version
+        return Published(policy_version=self.served, dropped_engines={}, metrics={"sync/total_s": 0.1})
 
-    async def dropped_engines(self) -> dict[str, str]:
-        return {}
+    async def unchanged(self) -> Published:
+        return Published(policy_version=self.served, dropped_engines={}, metrics={})
 
 
 def _sampled_batch():

@@ -10,6 +10,7 @@ import torch
 
 from streamrl.streaming.config import load_config
 from streamrl.weight_sync.config import WeightSyncConfig
+from streamrl.weight_sync.coordinator import WeightSyncCoordinator
 from streamrl.weight_sync.publisher import LaggedWeights, WeightPublisher
 from streamrl.weight_sync.types import SyncResult
 
@@ -31,19 +32,24 @@ def test_lagged_weights_return_the_version_k_behind_as_it_was():
 
 
 class RecordingCoordinator:
+    """The coordinator's label and its rule, with a sync that only records what it was sent."""
+
+    served_version = WeightSyncCoordinator.served_version
+    is_new = WeightSyncCoordinator.is_new
+
     def __init__(self) -> None:
-        self.policy_version = 0
+        self._served_version = 0
         self.sent: list[tuple[int, float]] = []
         self.dropped: dict[str, str] = {}
 
     async def sync(self, named_tensors, target: int) -> SyncResult:
         ((name, tensor),) = list(named_tensors)
         self.sent.append((target, float(tensor[0])))
-        self.policy_version = target
+        self._served_version = target
         return SyncResult(ok=True, policy_version=target, engine_ids=["engine-0"])
 
     def metrics(self) -> dict[str, float]:
-        return {"sync/policy_version": float(self.policy_version)}
+        return {"sync/policy_version": float(self.served_version)}
 
 
 @pytest.mark.parametrize("lag", [0, 1, 3])

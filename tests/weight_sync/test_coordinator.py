@@ -41,7 +41,7 @@ async def test_one_broadcast_updates_two_engines_in_protocol_order():
     weights = toy_weights(1)
     result = await coordinator.sync(weights)
     assert result.ok, result.error
-    assert result.policy_version == 1 and coordinator.policy_version == 1
+    assert result.policy_version == 1 and coordinator.served_version == 1
     assert result.num_bytes > 0 and result.transfer_s > 0
     for engine in engines:
         _assert_loaded(engine, weights)

@@ -34,7 +34,7 @@ async def test_added_engine_reaches_the_next_version_and_a_removed_one_is_left_a
     joining = ThreadEngine("e2")
     joining.policy_version = -1  # base weights: below every real version until a sync commits it
     assert await coordinator.add_engines([joining, ThreadEngine("e1")]) == ["e2"]  # a known id is ignored
-    assert joining.worker.loaded == {} and coordinator.policy_version == 1  # nothing moves before a sync
+    assert joining.worker.loaded == {} and coordinator.served_version == 1  # nothing moves before a sync
 
     result = await coordinator.sync(toy_weights(2))
     assert result.ok, result.error

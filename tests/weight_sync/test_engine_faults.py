@@ -80,7 +80,7 @@ def _assert_consistent(coordinator: WeightSyncCoordinator, engines: list[ThreadE
     """Every engine left in the sync set serves the coordinator's version under that label; no engine
     anywhere samples new weights under an old label (it relabels with the load, or refuses to sample)."""
     for engine in coordinator.engines:
-        assert engine.policy_version == coordinator.policy_version, engine.engine_id
+        assert engine.policy_version == coordinator.served_version, engine.engine_id
     for engine in engines:
         if engine._fence.out_of_service is not None:
             continue  # refuses to sample (checked by the callers)
@@ -99,7 +99,7 @@ async def test_commit_that_fails_once_on_one_engine_is_repaired_before_resume(fa
     weights = toy_weights(1)
     result = await coordinator.sync(weights)
     assert result.ok and result.policy_version == 1 and result.dropped_engine_ids == [], result.error
-    assert coordinator.policy_version == 1 and coordinator.engines == [good, flaky]
+    assert coordinator.served_version == 1 and coordinator.engines == [good, flaky]
     _assert_consistent(coordinator, [good, flaky], {0: [], 1: weights})
     # Repaired before generation resumed: both labels flipped before any engine resumed.
     first_resume = events.index(("good", "resume"))

@@ -92,7 +92,7 @@ async def test_one_broadcast_updates_two_engines_to_hf_greedy(engines, hf_model)
     expected = hf_greedy(hf_model, weights, PROMPT, NUM_GREEDY)
     assert expected != hf_greedy(hf_model, list(hf_model.named_parameters()), PROMPT, NUM_GREEDY)
     coordinator = WeightSyncCoordinator(config(), engines)
-    before = coordinator.policy_version
+    before = coordinator.served_version
     result = await coordinator.sync(weights)
     assert result.ok, result.error
     assert result.num_bytes >= sum(t.nbytes for _, t in weights)
@@ -108,7 +108,7 @@ async def test_corrupted_bucket_is_rejected_and_old_weights_keep_serving(engines
     good = perturbed(hf_model, seed=2)
     coordinator = WeightSyncCoordinator(config(), engines)
     assert (await coordinator.sync(good)).ok
-    version = coordinator.policy_version
+    version = coordinator.served_version
 
     def corrupt(bucket_index: int, flat: torch.Tensor) -> None:
         if bucket_index == 0:
