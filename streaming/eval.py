@@ -17,6 +17,7 @@ from typing import Any
 from streamrl.rollout.types import Trajectory
 
 logger = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 15.0  # how often a running evaluation or rollout says how far it is
 
 
 def token_runs(traj: Trajectory) -> list[tuple[int, int, list[int]]]:
@@ -70,11 +71,16 @@ async def rollouts_on(
     worker = RolloutWorker(
         build_agent_context(cfg, model_path, server), sink, max_concurrent=cfg.rollout.max_concurrent_per_worker
     )
+    total = len(records) * group_size
     try:
         for record in records:
             for data in make_group(record, 0, group_size, cfg.rollout.agent.default_interaction):
                 worker.submit(data)
-        await worker.wait_idle(timeout_s=timeout_s)
+        reporter = asyncio.create_task(_report_progress(results, total))
+        try:
+            await worker.wait_idle(timeout_s=timeout_s)
+        finally:
+            reporter.cancel()
         worker.check()
         for err in worker.errors:
             logger.error("failed trajectory: %s", err)
@@ -83,6 +89,18 @@ async def rollouts_on(
         if worker.ctx.tools is not None:  # its MCP servers and sandboxes end with it
             await asyncio.to_thread(worker.ctx.tools.close)
     return results
+
+
+async def _report_progress(results: list[Trajectory], total: int, every_s: float = PROGRESS_EVERY_S) -> None:
+    """A console line every `every_s` while rollouts run: samples done, elapsed time, an ETA."""
+    from streamrl.observability.logs import format_duration
+
+    started = time.monotonic()
+    while True:
+        await asyncio.sleep(every_s)
+        done, elapsed = len(results), time.monotonic() - started
+        eta = f" · eta {format_duration(elapsed / done * (total - done))}" if done else ""
+        logger.info("rollouts: %d/%d samples done · %s elapsed%s", done, total, format_duration(elapsed), eta)
 
 
 async def run_rollouts(cfg: Any, records: list, *, group_size: int) -> list[Trajectory]:

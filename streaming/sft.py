@@ -22,17 +22,21 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from streamrl.core.atomic import build_once
+from streamrl.observability.logs import format_duration
 from streamrl.streaming.errors import StreamRLError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+PROGRESS = "[progress]"  # marks the child's lines that the parent shows on the console
+PROGRESS_POLL_S = 1.0
 
 
 def assistant_mask(tokenizer: Any, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int]]:
@@ -87,6 +91,7 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr)
     model.train()
     pad = tokenizer.pad_token_id or 0
+    started = time.monotonic()
     for step in range(cfg.sft.num_steps):
         batch = [examples[(step * cfg.sft.batch_size + j) % len(examples)] for j in range(cfg.sft.batch_size)]
         width = max(len(ids) for ids, _ in batch)
@@ -100,8 +105,17 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
         optim.zero_grad(set_to_none=True)
-        if step % 10 == 0 or step == cfg.sft.num_steps - 1:
-            logger.info("sft step %d/%d loss %.4f", step + 1, cfg.sft.num_steps, loss.item())
+        done, elapsed = step + 1, time.monotonic() - started
+        eta = elapsed / done * (cfg.sft.num_steps - done)
+        logger.info(
+            "%s sft step %d/%d · loss %.4f · %s elapsed · eta %s",
+            PROGRESS,
+            done,
+            cfg.sft.num_steps,
+            loss.item(),
+            format_duration(elapsed),
+            format_duration(eta),
+        )
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 
@@ -120,7 +134,7 @@ def maybe_warm_up(cfg: Any, model_path: str) -> Path:
     final = cache_root() / "sft" / f"{Path(model_path).name}-{key}"
 
     def train(tmp: Path) -> None:
-        logger.info("SFT warm-up of %s (%d steps)", model_path, cfg.sft.num_steps)
+        logger.info("%s SFT warm-up of %s (%d steps)", PROGRESS, Path(model_path).name, cfg.sft.num_steps)
         _train(model_path, tmp, cfg, cfg.data.seed)
 
     warmed = build_once(final, train, rebuild=not cfg.sft.skip_if_cached)
@@ -131,6 +145,7 @@ def maybe_warm_up(cfg: Any, model_path: str) -> Path:
 def _prepare_in_process(cfg: Any) -> Path:
     from streamrl.models import resolve_model
 
+    logger.info("%s model %r: converting or building it (cached after the first run)", PROGRESS, cfg.model)
     path = resolve_model(cfg.model)
     path = maybe_warm_up(cfg, str(path)) if cfg.sft.enabled else path
     check_prompt_lengths(cfg, path)
@@ -235,16 +250,48 @@ def prepare_model(cfg: Any, *, log_file: str | Path | None = None) -> str:
 
 
 def _run_child(cmd: list[str], log: Path | None, *, status: str) -> int:
-    """Run `cmd` to completion with its output appended to `log` (None: this console); a spinner
-    on a terminal meanwhile. Returns the exit code."""
+    """Run `cmd` to completion with its output appended to `log` (None: this console). Meanwhile the
+    child's progress lines (marked `PROGRESS`: the conversion, each warm-up step with its ETA) reach
+    the console: as the spinner's text on a terminal, else as log lines. Returns the exit code."""
     from streamrl.observability.logs import console
 
     if log is None:
         return subprocess.run(cmd, check=False).returncode
     log.parent.mkdir(parents=True, exist_ok=True)
-    spinner = console().status(status) if console().is_terminal else nullcontext()
-    with open(log, "ab") as out, spinner:
-        return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+    spinner = console().status(status) if console().is_terminal else None
+    with open(log, "ab") as out, spinner or nullcontext():
+        start = out.tell()
+        child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        follow = ProgressFollower(log, start)
+        while True:
+            try:
+                rc = child.wait(timeout=PROGRESS_POLL_S)
+            except subprocess.TimeoutExpired:
+                rc = None
+            for line in follow.new_lines():
+                if spinner is not None:
+                    spinner.update(f"{status}: {line}")
+                else:
+                    logger.info("%s", line)
+            if rc is not None:
+                return rc
+
+
+class ProgressFollower:
+    """Reads a growing log from an offset and returns the text of its new `PROGRESS` lines (a partial
+    last line waits for its end)."""
+
+    def __init__(self, path: Path, offset: int) -> None:
+        self.path, self.offset, self._partial = path, offset, b""
+
+    def new_lines(self) -> list[str]:
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        self.offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        marker = PROGRESS.encode()
+        return [line.split(marker, 1)[1].decode(errors="replace").strip() for line in lines if marker in line]
 
 
 def main(argv: list[str] | None = None) -> int:

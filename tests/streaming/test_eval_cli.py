@@ -54,3 +54,28 @@ def test_bad_invocations_are_one_clear_error(tmp_path, capsys):
     assert "not a streamrl run directory" in capsys.readouterr().err
     assert main(["eval"]) == 2
     assert "a RUN_DIR or --config" in capsys.readouterr().err
+
+
+async def test_running_rollouts_report_their_progress(caplog):
+    import asyncio
+    import logging
+
+    from streamrl.streaming.eval import _report_progress
+
+    results: list = []
+
+    async def line_with(text: str) -> str:
+        for _ in range(500):  # at most 5 s
+            found = [r.getMessage() for r in caplog.records if text in r.getMessage()]
+            if found:
+                return found[0]
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"no progress line with {text!r}: {caplog.text}")
+
+    with caplog.at_level(logging.INFO, logger="streamrl.streaming.eval"):
+        task = asyncio.create_task(_report_progress(results, total=4, every_s=0.01))
+        first = await line_with("rollouts: 0/4 samples done")
+        results.extend([object(), object()])
+        later = await line_with("rollouts: 2/4 samples done")
+        task.cancel()
+    assert "eta" not in first and " · eta " in later

@@ -4,6 +4,7 @@ naming the knob), `explain_failure` on constructed Ray exceptions, and the model
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -226,19 +227,37 @@ def test_prepare_model_returns_a_ready_folder_without_a_child(tiny_model_path, m
 
 
 @pytest.mark.timeout(120)
-def test_prepare_model_builds_in_a_child_and_reports_its_failure(tmp_path, monkeypatch):
+def test_prepare_model_builds_in_a_child_and_reports_its_failure(tmp_path, monkeypatch, caplog):
     from streamrl.streaming.sft import prepare_model
 
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("STREAMRL_CACHE", str(tmp_path / "cache"))  # an empty cache: "tiny" must be built
-    built = prepare_model(_cfg("configs/tiny.toml"), log_file=tmp_path / "ok.log")
+    with caplog.at_level(logging.INFO, logger="streamrl.streaming.sft"):
+        built = prepare_model(_cfg("configs/tiny.toml"), log_file=tmp_path / "ok.log")
     assert built == str(tmp_path / "cache/models/tiny-v1") and (Path(built) / "model.safetensors").exists()
     assert "model ready" in (tmp_path / "ok.log").read_text()  # resolved in the child
+    # the child's progress reaches this process's console while its output goes to the log
+    assert "model 'tiny': converting or building it" in caplog.text
     cfg = _cfg("configs/tiny.toml", "sft.enabled=true", f"model={tmp_path / 'missing'}")
     log = tmp_path / "logs" / "prepare_model.log"
     with pytest.raises(StreamRLError) as err:
         prepare_model(cfg, log_file=log)
     assert "exit code 1" in str(err.value) and "neither a built-in" in str(err.value) and str(log) in str(err.value)
+
+
+def test_progress_lines_are_followed_as_the_log_grows(tmp_path):
+    from streamrl.streaming.sft import PROGRESS, ProgressFollower
+
+    log = tmp_path / "child.log"
+    log.write_bytes(b"old run [progress] not ours\n")
+    follow = ProgressFollower(log, log.stat().st_size)
+    with open(log, "ab") as f:
+        f.write(f"noise\n12:00 INFO x: {PROGRESS} sft step 1/8 · loss 1.0\n12:01 INFO x: {PROGRESS} sft st".encode())
+    assert follow.new_lines() == ["sft step 1/8 · loss 1.0"]  # the unfinished line waits
+    with open(log, "ab") as f:
+        f.write(b"ep 2/8\n")
+    assert follow.new_lines() == ["sft step 2/8"]
+    assert follow.new_lines() == []
 
 
 def test_explain_failure_for_every_engine_gone(tmp_path):
