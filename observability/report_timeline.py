@@ -104,8 +104,15 @@ def plot_trace_timeline(rows: list[tuple[str, Bars]]) -> Figure | None:
 
 def _caption(summary: dict[str, Any], window: tuple[float, float]) -> str:
     busy = ", ".join(f"{k} {v:.0%}" for k, v in summary["engine_busy"].items()) or "-"
+    dropped = summary["dropped"]
+    gone = (
+        f"The trace no longer holds its oldest {dropped['events']} events (trace.max_total_mb). "
+        if dropped["segments"]
+        else ""
+    )
     return (
-        f"Window {window[0]:.0f}–{window[0] + summary['window_s']:.0f} s of the trace (from the first learner step). "
+        gone
+        + f"Window {window[0]:.0f}–{window[0] + summary['window_s']:.0f} s of the trace (from the first learner step). "
         f"Engine busy {busy}; learner busy {summary['learner_busy']:.0%}; syncs held generation paused "
         f"{summary['sync_pause_share']:.1%} of the window. Rows below the parts: the {NUM_TRAJECTORIES} longest "
         "trajectories in the window: queued, generating, running tools, waiting for the environment, parked. "
