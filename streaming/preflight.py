@@ -5,7 +5,9 @@
 in one sentence naming the knobs, a run that cannot fit: more than the Ray cluster's `memory`
 resource when `RAY_ADDRESS` names a cluster, else more than this machine's RAM up to the fraction at
 which Ray's memory monitor kills parts. It warns when other processes leave less than that free now.
-`streamrl train --dry-run` prints the resolved config and the table and starts nothing.
+`streamrl train --dry-run` prints the resolved config and the table and starts nothing. For a run with
+the code interpreter both also say which sandbox isolation this machine gives and how its memory and
+process limits hold (`sandbox_isolation`: a trivial program run through the layer finds out).
 
 Parts on a GPU (CUDA engines' weights and KV cache, a CUDA learner's model) are listed but only their
 host-side process counts against RAM; GPU memory is vLLM's `gpu_memory_utilization` to manage.
@@ -400,7 +402,43 @@ def check(cfg: StreamRLConfig) -> Estimate:
             est.available_bytes / GiB,
             est.host_bytes / GiB,
         )
+    for line in sandbox_isolation(cfg):
+        logger.info("%s", line)
     return est
+
+
+CODE_INTERPRETER = "streamrl.rollout.tools.code_interpreter.CodeInterpreterTool"
+
+
+def sandbox_isolation(cfg: StreamRLConfig) -> list[str]:
+    """One line per code-interpreter tool of the run's tool config: its sandbox's isolation layer on
+    this machine and how its memory and process limits hold (for all the sandbox's processes
+    together, and by what), found as the worker's tool will find them (`sandbox.describe`)."""
+    import yaml
+
+    from streamrl.rollout.tools.code_interpreter import CodeInterpreterConfig
+    from streamrl.rollout.tools.config import ToolConfigFile
+    from streamrl.rollout.tools.sandbox import IsolationUnavailable, describe
+
+    path = cfg.rollout.agent.tool_config
+    if not path or not Path(path).is_file():
+        return []
+    try:
+        entries = ToolConfigFile.model_validate(yaml.safe_load(Path(path).read_text()) or {}).tools
+        configs = [
+            CodeInterpreterConfig.model_validate(e.config)
+            for e in entries
+            if (e.class_name or "").replace(":", ".") == CODE_INTERPRETER
+        ]
+    except (yaml.YAMLError, ValueError):
+        return []  # the tool loader says what is wrong, where it builds the tools
+    lines = []
+    for config in configs:
+        try:
+            lines.append(f"code interpreter sandbox: {describe(config.sandbox_settings()).line()}")
+        except IsolationUnavailable as exc:
+            lines.append(f"code interpreter sandbox: refused: {exc}")
+    return lines
 
 
 def resolve_config(config: str | None, overrides: list[str], resume: str | None) -> StreamRLConfig:
@@ -420,4 +458,5 @@ def dry_run(config: str | None, overrides: list[str], resume: str | None) -> str
     cfg = resolve_config(config, overrides, resume)
     est = estimate(cfg)
     verdict = "" if est.fits else f"\nstreamrl train would refuse: {est.refusal()}"
-    return f"resolved config:\n{dump_config(cfg)}\n\n{est.table()}{verdict}"
+    sandboxes = "".join(f"\n{line}" for line in sandbox_isolation(cfg))
+    return f"resolved config:\n{dump_config(cfg)}\n\n{est.table()}{verdict}{sandboxes}"

@@ -1,7 +1,8 @@
-"""The code-interpreter sandbox's lifetime and budgets: a sandbox dies with the worker that started
-it, leftovers of a dead worker are swept, memory and processes are bounded per sandbox (a cgroup v2
-where one is writable; the per-process fallback elsewhere), the number of sandboxes running at once is
-capped, and the sandbox's /proc shows neither the host's paths nor the stages' command lines.
+"""The code-interpreter sandbox's lifetime: a sandbox dies with the worker that started it and with
+its supervisor, leftovers of a dead worker are swept (only from records this user wrote, for process
+groups this user's workers started), the number of sandboxes running at once is capped, and the
+sandbox's /proc shows neither the host's paths nor the stages' command lines. Its memory and process
+limits: `test_sandbox_limits.py`.
 
 Process checks use the helpers of `test_sandbox.py`: this process is the child subreaper while they
 run, so a sandbox that outlives its worker is re-parented here and still found.
@@ -11,12 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -141,6 +146,105 @@ def test_the_sweep_kills_the_sandboxes_of_dead_workers_only(tmp_path):
                 proc.wait()
 
 
+# A program that sends a sleep off with setsid, then kills its supervisor and waits to be killed.
+KILLS_SUPERVISOR = (
+    "import os, signal, subprocess\n"
+    "sleep = subprocess.Popen(['sleep', '{tag}'], start_new_session=True, stdout=subprocess.DEVNULL,\n"
+    "                         stderr=subprocess.DEVNULL)\n"
+    "print(sleep.pid, flush=True)\nos.kill(os.getppid(), signal.SIGKILL)\nsignal.pause()"
+)
+
+
+def _running(pid: int, tag: str) -> bool:
+    """Whether `pid` is still the (not zombie) process whose command line names `tag`."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z" and tag.encode() in cmdline
+
+
+async def test_a_program_that_kills_its_supervisor_leaves_no_process_behind(tmp_path):
+    """With isolation "none" the program runs as the trainer's user and can kill its supervisor; what it
+    sent off with setsid must not outlive that. Checked after the run, `close` and the sweep."""
+    tag = _tag()
+    sandbox = Sandbox(SandboxSettings(isolation="none", registry_dir=str(tmp_path / "registry")))
+    result = await asyncio.wait_for(sandbox.run(KILLS_SUPERVISOR.format(tag=tag), timeout_s=5.0), 30)
+    sandbox.close()
+    sandbox_reaper.sweep(tmp_path / "registry")
+    pid = int(result.stdout.split()[0])
+    _wait_until(lambda: not _running(pid, tag), 5, "the setsid sleep died with the supervisor")
+
+
+def _planted(root: Path, owner: str, key: str) -> Path:
+    (root / owner).mkdir(parents=True, exist_ok=True)
+    record = root / owner / key
+    record.touch()
+    return record
+
+
+def _start_time(pid: int) -> int:
+    key = sandbox_reaper.process_key(pid)
+    assert key is not None
+    return int(key.split("-")[1])
+
+
+def test_the_default_registry_is_a_private_directory_of_this_user(tmp_path, monkeypatch, caplog):
+    """The records live in `<tmp>/streamrl-sandboxes-<uid>`, mode 0700, owned by this user; a directory
+    of that name open to other users is not used (the records go to a fresh private one), and one set
+    in the settings is refused."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    root = sandbox_reaper.default_registry()
+    assert root == tmp_path / f"streamrl-sandboxes-{os.geteuid()}"
+    info = root.lstat()
+    assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.geteuid()
+    root.chmod(0o777)  # as if planted: anyone may write records into it
+    with caplog.at_level(logging.WARNING):
+        sandbox = Sandbox(SandboxSettings(isolation="none"))
+    assert sandbox.registry.root != root and stat.S_IMODE(sandbox.registry.root.lstat().st_mode) == 0o700
+    assert "not used" in caplog.text
+    with pytest.raises(ValueError, match="open to other users"):
+        Sandbox(SandboxSettings(isolation="none", registry_dir=str(root)))
+
+
+def test_the_sweep_ignores_records_it_cannot_trust(tmp_path):
+    """A record kills its process group only when all of it is this user's: a registry directory no
+    one else may write, owner folders and records owned by this user, and a leader that is alive with
+    the recorded start time, runs as this user, leads its own group and started after its worker."""
+    tag = _tag()
+    victims = [subprocess.Popen(["sleep", tag], start_new_session=True) for _ in range(4)]
+    as_other = os.geteuid() == 0  # root can run a process, and own a folder, as another user
+    if as_other:
+        victims.append(subprocess.Popen(["sleep", tag], start_new_session=True, user=65534, group=65534))
+    try:
+        open_root = tmp_path / "open"
+        open_root.mkdir(mode=0o700)
+        _planted(open_root, "999999999-1", sandbox_reaper.process_key(victims[0].pid))
+        open_root.chmod(0o777)
+        assert sandbox_reaper.sweep(open_root) == 0  # anyone could have written this record
+
+        root = tmp_path / "private"
+        root.mkdir(mode=0o700)
+        first = _start_time(victims[1].pid)
+        _planted(root, "999999998-1", f"{victims[1].pid}-{first + 1}")  # another process's start time
+        _planted(root, f"999999997-{_start_time(victims[2].pid) + 100}", sandbox_reaper.process_key(victims[2].pid))
+        os.symlink(root / "999999998-1", root / "999999996-1")  # a folder that is not a folder
+        _planted(root, "999999995-1", "x").unlink()
+        os.symlink(tmp_path / "elsewhere", root / "999999995-1" / sandbox_reaper.process_key(victims[3].pid))
+        if as_other:
+            _planted(root, "999999994-1", sandbox_reaper.process_key(victims[4].pid))  # not this user's process
+            other = _planted(root, "999999993-1", sandbox_reaper.process_key(victims[3].pid))
+            os.chown(other, 65534, 65534)  # a record this user did not write
+            os.chown(other.parent, 65534, 65534)
+        assert sandbox_reaper.sweep(root) == 0
+        assert [v.poll() for v in victims] == [None] * len(victims)  # none was killed
+    finally:
+        for victim in victims:
+            victim.kill()
+            victim.wait(5)
+
+
 @pytest.fixture
 def restore_slots():
     yield
@@ -159,52 +263,6 @@ async def test_the_cap_bounds_how_many_sandboxes_run_at_once(restore_slots):
     assert overlap <= 2 and SLOTS.peak <= 2
     assert sum(r.queued_s > 0.2 for r in results) >= 2  # the others waited for a slot
     assert SLOTS.num_held == 0
-
-
-ALLOCATE = """
-import os
-def child(mb):
-    try:
-        block = bytearray(mb << 20)
-        block[::4096] = b"x" * len(block[::4096])  # touch every page: resident, not just reserved
-        os._exit(0)
-    except MemoryError:
-        os._exit(7)
-codes = []
-for mb in {sizes}:
-    pid = os.fork()
-    if pid == 0:
-        child(mb)
-    codes.append(pid)
-print([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in codes], flush=True)
-"""
-
-
-async def test_a_cgroup_budget_bounds_all_the_processes_of_a_sandbox_together():
-    sandbox = Sandbox(SandboxSettings(limits=SandboxLimits(memory_mb=256, processes=16, cpu_s=20)))
-    if sandbox.budget != "cgroup":
-        pytest.skip(f"no writable cgroup v2 with memory and pids controllers here: {sandbox.budget_reason}")
-    result = await sandbox.run(ALLOCATE.format(sizes=[150] * 4), timeout_s=60)  # each fits RLIMIT_AS, all do not
-    assert result.memory_exceeded and result.exit_code is None, result
-    tool = CodeInterpreterTool({**FAST, "memory_mb": 256, "timeout_s": 20})
-    [out] = await _run(tool, ALLOCATE.format(sizes=[150] * 4))
-    assert out.startswith("Error: the code ran out of memory (limit 256 MB for all its processes together)")
-
-
-async def test_without_a_cgroup_the_documented_fallback_limits_each_process():
-    """The fallback: RLIMIT_AS per process (a sandbox may hold up to memory_mb x processes) and
-    RLIMIT_NPROC for the number of processes."""
-    sandbox = Sandbox(SandboxSettings(cgroup=False, limits=SandboxLimits(memory_mb=256, processes=8, cpu_s=20)))
-    assert sandbox.budget == "rlimit" and sandbox.budget_reason == "cgroup budgets are turned off"
-    result = await sandbox.run(ALLOCATE.format(sizes=[150, 150, 150, 400]), timeout_s=60)
-    assert result.stdout == "[0, 0, 0, 7]\n", result  # three under the limit each, together over it; one over it alone
-    if NAMESPACED:
-        forks = (
-            "import os, time\nn = 0\ntry:\n    while n < 50:\n        if os.fork() == 0:\n"
-            "            time.sleep(5)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)"
-        )
-        result = await sandbox.run(forks, timeout_s=60)
-        assert int(result.stdout) < 8
 
 
 @needs_namespaces

@@ -20,14 +20,18 @@ What each layer adds (see `bench/sandbox.py` for the escape attempts each one st
 - always, whatever the layer: a cleared environment (no API keys), a fresh working directory, a
   wall-clock timeout that kills the whole sandbox, stdout/stderr capped in bytes (the middle
   is cut) and a kill when a program writes far more than the cap.
-- lifetime and budget, whatever the layer: every stage of the chain dies with its parent
-  (`PR_SET_PDEATHSIG`), so a worker killed outright takes its sandboxes along (with "none" the first
-  stage supervises: the subreaper of everything the program starts, setsid or orphaned, it kills all
-  of it when the program ends, the worker dies or the worker kills the sandbox), and a record of each
-  running sandbox lets the next worker sweep what a dead one left (`sandbox/reaper.py`); one memory and
-  pids budget per sandbox in a cgroup v2 where one is writable (`sandbox_cgroup.py`; elsewhere the
-  per-process limits above are the documented fallback); at most `max_concurrent` sandboxes of this
-  process run at once (`SLOTS`), the others wait;
+- lifetime, whatever the layer: every stage of the chain dies with its parent (`PR_SET_PDEATHSIG`),
+  so a worker killed outright takes its sandboxes along. With "none" the first stage supervises: the
+  subreaper and the tracer (ptrace) of everything the program starts, setsid or orphaned, it kills all
+  of it when the program ends, the worker dies or the worker kills the sandbox, and the kernel kills
+  all of it when the supervisor itself is killed (`sandbox/watch.py`). A record of each running
+  sandbox lets the next worker sweep what a dead one left (`sandbox/reaper.py`);
+- budget, whatever the layer: `memory_mb` and `processes` bound all the processes of a sandbox
+  together. A cgroup v2 does it where one is writable (`sandbox/cgroup.py`); elsewhere the sandbox's
+  first process adds up its processes' memory (`sandbox/watch.py`), and their number is bounded by
+  RLIMIT_NPROC in the sandbox's user namespace or, with "none", by the supervisor's count at each fork.
+  `describe` says which holds on this machine. At most `max_concurrent` sandboxes of this process run
+  at once (`SLOTS`), the others wait;
 - what the program sees of itself: /proc is mounted with hidepid, so init (non-dumpable) and its
   command line are hidden; a virtual environment appears at `VENV_MOUNT`, not at its host path; the
   hostname is `HOSTNAME`. The unshare layer also runs the program in a user namespace of its own,
@@ -41,7 +45,7 @@ which is why it imports only the standard library at module level):
     parent ──► launch ──► unshare ──► setup: pid 1 (mounts, pivot_root) = init ──fork──► (nested user
                                                                 namespace) trampoline ──execve──► program
     parent ──► launch ──execve──► bwrap ──► init ──fork──► trampoline ──execve──► program
-    parent ──► launch = supervisor ──fork──► trampoline ──execve──► program     (isolation = "none")
+    parent ──► launch = supervisor (tracer) ──fork──► trampoline ──execve──► program   (isolation = "none")
 
 Init (pid 1 of the sandbox) drops privileges, forks the program and exits with its status, or
 128 + the signal that killed it. When the trainer runs as root, `launch` first enters a user
@@ -69,6 +73,7 @@ from pathlib import Path
 from streamrl.rollout.tools.sandbox import cgroup as sandbox_cgroup
 from streamrl.rollout.tools.sandbox import reaper as sandbox_reaper
 from streamrl.rollout.tools.sandbox import stages as sandbox_stages
+from streamrl.rollout.tools.sandbox import watch as sandbox_watch
 from streamrl.rollout.tools.sandbox.execute import (  # noqa: F401 (re-exported)
     SAFE_PATH,
     SandboxResult,
@@ -101,11 +106,11 @@ class IsolationUnavailable(ValueError):
 
 @dataclass(kw_only=True, slots=True)
 class SandboxLimits:
-    memory_mb: int = 1024  # the whole sandbox's memory with a cgroup budget; always RLIMIT_AS of each process
+    memory_mb: int = 1024  # all the sandbox's processes together (cgroup, else watched); also RLIMIT_AS of each
     cpu_s: int = 10  # RLIMIT_CPU: SIGXCPU at cpu_s, SIGKILL one second later
     file_mb: int = 16  # RLIMIT_FSIZE: larger writes fail with EFBIG
     open_files: int = 64  # RLIMIT_NOFILE
-    processes: int = 32  # pids.max of the cgroup; RLIMIT_NPROC in namespaced layers (per user namespace)
+    processes: int = 32  # processes and threads together: pids.max, RLIMIT_NPROC per user namespace, or traced
     disk_mb: int = 64  # size of each private tmpfs (/workspace, /tmp); namespaced layers only
 
 
@@ -122,13 +127,29 @@ class SandboxSettings:
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     max_concurrent: int = DEFAULT_MAX_CONCURRENT  # sandboxes running at once in this process
     cgroup: bool = True  # one memory and pids budget per sandbox where a cgroup v2 is writable
-    registry_dir: str | None = None  # records of running sandboxes (sandbox_reaper); None: the default
+    registry_dir: str | None = None  # records of running sandboxes, private to this user; None: the default
 
 
 @dataclass(kw_only=True, slots=True)
 class ProbeReport:
     layer: str | None  # the layer chosen, None when none works
     tried: dict[str, str]  # layer -> "ok" or why it does not work
+
+
+@dataclass(kw_only=True, slots=True)
+class IsolationReport:
+    """How the sandboxes of some settings are bounded on this machine: the layer, and for each limit
+    whether it holds for all the sandbox's processes together (every layer has a way) and by what."""
+
+    layer: str
+    memory: str  # how memory_mb holds
+    processes: str  # how processes holds
+    leftovers: str  # what ends the processes a program leaves behind
+
+    def line(self) -> str:
+        return (
+            f"isolation {self.layer}; memory: {self.memory}; processes: {self.processes}; leftovers: {self.leftovers}"
+        )
 
 
 # -- probe ------------------------------------------------------------------------------------------
@@ -194,23 +215,22 @@ class Sandbox:
         self.cgroups, self.budget_reason = (
             sandbox_cgroup.CgroupBudget.open() if settings.cgroup else (None, "cgroup budgets are turned off")
         )
-        registry_dir = Path(settings.registry_dir) if settings.registry_dir else sandbox_reaper.DEFAULT_REGISTRY
-        self.registry = sandbox_reaper.SandboxRegistry(registry_dir)
-        sandbox_reaper.sweep(registry_dir, self.cgroups)
+        self.registry = sandbox_reaper.SandboxRegistry(sandbox_reaper.registry_root(settings.registry_dir))
+        sandbox_reaper.sweep(self.registry.root, self.cgroups)
         self.report = probe(settings)
-        if self.report.layer is None:
-            reasons = "; ".join(f"{k}: {v}" for k, v in self.report.tried.items())
-            raise IsolationUnavailable(
-                f"no sandbox isolation is available ({reasons}). Install bubblewrap or allow unprivileged user "
-                'namespaces, or set isolation = "none" to run model code without isolation (not recommended).'
-            )
-        self.layer: str = self.report.layer
+        self.layer: str = _chosen(self.report)
+        trace = _check_trace() if self.layer == "none" else None
+        self.isolation = _isolation(self.layer, settings, cgroup=self.cgroups is not None, trace=trace)
+        logger.info("sandbox: %s", self.isolation.line())
+        if trace not in (None, "ok"):
+            logger.warning("sandbox isolation none without ptrace here (%s): %s", trace, self.isolation.leftovers)
         SLOTS.resize(settings.max_concurrent)
 
     @property
     def budget(self) -> str:
-        """ "cgroup": memory and processes bounded per sandbox; "rlimit": per process (the fallback)."""
-        return "cgroup" if self.cgroups is not None else "rlimit"
+        """Who bounds the memory of all a sandbox's processes together: "cgroup" (the kernel) or "watch"
+        (the sandbox's first process, `sandbox/watch.py`); `isolation` says how each limit holds."""
+        return "cgroup" if self.cgroups is not None else "watch"
 
     async def run(self, program: str, stdin: bytes = b"", *, timeout_s: float) -> SandboxResult:
         """Run `program` (Python source) with `stdin`; never raises for what the program does."""
@@ -227,7 +247,7 @@ class Sandbox:
                     exceeded = cgroup is not None and sandbox_cgroup.oom_killed(cgroup)
                     if cgroup is not None:
                         sandbox_cgroup.remove(cgroup, wait_s=0.5)  # the run's processes are gone already
-            return dataclasses.replace(result, memory_exceeded=exceeded, queued_s=queued_s)
+            return dataclasses.replace(result, memory_exceeded=result.memory_exceeded or exceeded, queued_s=queued_s)
         finally:
             SLOTS.release()
 
@@ -237,13 +257,76 @@ class Sandbox:
         limits = self.settings.limits
         try:
             return self.cgroups.create(self.registry.owner, memory_mb=limits.memory_mb, processes=limits.processes)
-        except OSError as exc:  # the kernel refused this once: the per-process limits still hold
-            logger.warning("sandbox cgroup not created (%s); this run has per-process limits only", exc)
+        except OSError as exc:  # the kernel refused this once: the sandbox's first process watches the budget
+            logger.warning("sandbox cgroup not created (%s); this run's first process watches its budget", exc)
             return None
 
     def close(self) -> None:
         """Kill the sandboxes this object runs (each call that ran one then returns its result)."""
         self.registry.kill_owned()
+
+
+# -- what bounds a sandbox here ----------------------------------------------------------------------
+
+
+def describe(settings: SandboxSettings) -> IsolationReport:
+    """How a sandbox of `settings` is bounded on this machine, found as building a `Sandbox` finds it
+    (probing the layers, the cgroup and, for "none", ptrace) but sweeping nothing; IsolationUnavailable
+    when no layer works and "none" was not chosen."""
+    layer = _chosen(probe(settings))
+    cgroups, _ = sandbox_cgroup.CgroupBudget.open() if settings.cgroup else (None, "")
+    trace = _check_trace() if layer == "none" else None
+    return _isolation(layer, settings, cgroup=cgroups is not None, trace=trace)
+
+
+def _chosen(report: ProbeReport) -> str:
+    if report.layer is None:
+        reasons = "; ".join(f"{k}: {v}" for k, v in report.tried.items())
+        raise IsolationUnavailable(
+            f"no sandbox isolation is available ({reasons}). Install bubblewrap or allow unprivileged user "
+            'namespaces, or set isolation = "none" to run model code without isolation (not recommended).'
+        )
+    return report.layer
+
+
+def _isolation(layer: str, settings: SandboxSettings, *, cgroup: bool, trace: str | None) -> IsolationReport:
+    """What bounds a sandbox of `layer`: `cgroup` whether a cgroup budget is used, `trace` ("none"
+    only) "ok" when the supervisor may trace its program, else why not."""
+    watched = f"every {sandbox_watch.WATCH_S * 1000:.0f} ms"
+    if cgroup:
+        memory = "all processes together: the cgroup's memory.max"
+        processes = "all processes together: the cgroup's pids.max"
+    elif layer != "none":
+        memory = f"all processes together: checked {watched} by the sandbox's init (a burst can pass it that long)"
+        processes = "all processes together: RLIMIT_NPROC in the sandbox's user namespace"
+        if layer == "bwrap" and os.geteuid() == 0:  # no user namespace: the sandbox uid's count
+            processes = f"all sandboxes together: RLIMIT_NPROC of uid {settings.sandbox_uid}"
+    else:
+        memory = f"all processes together: checked {watched} by the supervisor (a burst can pass it that long)"
+        processes = "all processes together: counted at each fork by the supervisor (ptrace)"
+        if trace != "ok":
+            processes = f"all processes together: counted {watched} by the supervisor (no ptrace here: {trace})"
+    memory += "; RLIMIT_AS of each process"
+    if layer != "none":
+        leftovers = "the pid namespace: every process dies with the sandbox"
+    elif trace == "ok":
+        leftovers = "the supervisor traces every process (ptrace): all die with it, even when the program kills it"
+    else:
+        leftovers = (
+            f"the supervisor's subreaper only (no ptrace here: {trace}): a program that kills its supervisor "
+            "can leave processes behind"
+        )
+    return IsolationReport(layer=layer, memory=memory, processes=processes, leftovers=leftovers)
+
+
+def _check_trace() -> str:
+    """ "ok" when the "none" supervisor may trace its program on this machine, else why not."""
+    argv = [os.path.realpath(sys.executable), "-I", "-S", "-c", _child_source(), "check-trace", "{}"]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30, env={"PATH": _SAFE_PATH})
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    return out.stdout.strip() or out.stderr.strip()[-200:] or f"exit status {out.returncode}"
 
 
 # -- the parent side: commands ----------------------------------------------------------------------
@@ -388,6 +471,7 @@ def _ancestors(path: str) -> list[str]:
 
 @lru_cache(maxsize=1)
 def _child_source() -> str:
-    """The stages' program: the whole of `sandbox/stages.py`."""
-    with open(sandbox_stages.__file__, encoding="utf-8") as f:
-        return f.read()
+    """The stages' program: the whole of `sandbox/stages.py`, then of `sandbox/watch.py`, then the call
+    that runs the stage its command line names."""
+    parts = [Path(str(module.__file__)).read_text(encoding="utf-8") for module in (sandbox_stages, sandbox_watch)]
+    return "\n".join([*parts, "main(sys.argv[1], sys.argv[2])\n"])

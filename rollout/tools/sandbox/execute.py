@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from streamrl.core.aio import observe_outcome
 from streamrl.rollout.tools.sandbox.reaper import SandboxRegistry
 from streamrl.rollout.tools.sandbox.stages import _MARKER, SETUP_FAILED, SIGNAL_BASE
+from streamrl.rollout.tools.sandbox.watch import LIMIT_EXCEEDED, LIMIT_MARKER
 
 if TYPE_CHECKING:
     from streamrl.rollout.tools.sandbox import SandboxSettings
@@ -28,7 +29,8 @@ _GRACE_S = 2.0  # after a kill, how long the pipes may take to close
 @dataclass(kw_only=True, slots=True)
 class SandboxResult:
     """One run. `exit_code` is None when a signal (`signal`) or the sandbox (`timed_out`,
-    `output_killed`) ended the program; `setup_error` is set when the sandbox itself failed."""
+    `output_killed`, `memory_exceeded`, `processes_exceeded`) ended the program; `setup_error` is set
+    when the sandbox itself failed."""
 
     stdout: str
     stderr: str
@@ -40,7 +42,8 @@ class SandboxResult:
     wall_s: float
     layer: str
     setup_error: str | None = None
-    memory_exceeded: bool = False  # the sandbox's cgroup went over its memory budget and was killed
+    memory_exceeded: bool = False  # the sandbox went over its memory budget and was killed (cgroup or watch)
+    processes_exceeded: bool = False  # the supervisor stopped the sandbox at a fork past its process limit
     queued_s: float = 0.0  # waiting for a free sandbox slot (the per-process cap), not in wall_s
 
 
@@ -167,14 +170,20 @@ def _result(
     setup_error = None
     if rc == SETUP_FAILED and _MARKER in stderr:
         setup_error = stderr[stderr.index(_MARKER) :].strip()[:2000]
+    over = None  # "memory" or "processes": the sandbox's first process stopped it (`watch.py`)
+    if rc == LIMIT_EXCEEDED and LIMIT_MARKER in stderr:
+        over = stderr[stderr.rindex(LIMIT_MARKER) + len(LIMIT_MARKER) :].split(":")[0].strip()
     sig = None
     if rc is not None and rc < 0:
         sig = -rc
     elif rc is not None and SIGNAL_BASE < rc < SIGNAL_BASE + 65:
         sig = rc - SIGNAL_BASE
+    elif over is not None:
+        sig = signal.SIGKILL
     ended_by_sandbox = timed_out or flooded or sig is not None or setup_error is not None
     return SandboxResult(
         stdout=out.text(), stderr=stderr, exit_code=None if ended_by_sandbox else rc, signal=sig,
         timed_out=timed_out, output_killed=flooded and not timed_out, truncated_bytes=out.cut + err.cut,
-        wall_s=wall_s, layer=layer, setup_error=setup_error,
+        wall_s=wall_s, layer=layer, setup_error=setup_error, memory_exceeded=over == "memory",
+        processes_exceeded=over == "processes",
     )  # fmt: skip

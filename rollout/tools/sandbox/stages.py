@@ -2,9 +2,11 @@
 build the isolation and exec the program (launch -> setup -> init -> trampoline; with isolation
 "none", launch -> supervise -> trampoline).
 
-This file is not only imported: `sandbox._child_source()` runs the whole of it as the stages'
-program (`python -c <this file> <stage> <spec>`), so it stays standard library only, with only
-json/os/resource/sys at module level.
+This file is not only imported: `sandbox._child_source()` runs the whole of it, followed by
+`watch.py` (what init and the supervisor do while the program runs), as the stages' program
+(`python -c <source> <stage> <spec>`), so it stays standard library only, with only
+json/os/resource/sys at module level. Its functions call watch.py's by their bare names, which the
+program defines by the time a stage runs (the import below is for the type checker only).
 """
 
 from __future__ import annotations
@@ -17,6 +19,15 @@ import sys
 TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: the stages import nothing more (module docstring)
 if TYPE_CHECKING:
     from typing import NoReturn
+
+    from streamrl.rollout.tools.sandbox.watch import (
+        Budget,
+        LimitExceeded,
+        Tracer,
+        kill_descendants,
+        stop_over_limit,
+        wait_for,
+    )
 
 # -- the child side: stages ------------------------------------------------------------------------
 # Everything from here to the end is the stages' program (`_child_source`): standard library only,
@@ -326,10 +337,13 @@ def _stage_init(spec: dict, proc_fd: int | None = None) -> None:
             _stage_trampoline(spec)
     else:
         pid = nested[0]
-    while True:
-        reaped, status = os.waitpid(-1, 0)
-        if reaped == pid:
-            _exit_like(status)
+    # Without a cgroup, init adds up the memory of the sandbox's processes (their number is bounded by
+    # RLIMIT_NPROC, counted in the sandbox's user namespace).
+    budget = None if spec["cgroup"] else Budget(os.getpid(), memory_mb=spec["limits"]["memory_mb"])
+    try:
+        _exit_like(wait_for(pid, None, budget))
+    except LimitExceeded as exc:
+        stop_over_limit(exc)
 
 
 def _fork_nested(spec: dict, proc_fd: int) -> tuple[int, int]:
@@ -395,7 +409,7 @@ def _arm_supervisor() -> None:
     import signal
 
     def stop(signum: int, frame: object) -> None:
-        _kill_descendants()
+        kill_descendants()
         os._exit(SIGNAL_BASE + signal.SIGKILL)
 
     signal.signal(signal.SIGTERM, stop)
@@ -406,68 +420,61 @@ def _arm_supervisor() -> None:
 
 def _stage_supervise(spec: dict) -> None:
     """Isolation "none": what the pid namespace's death does in the other layers, done by hand. Fork
-    the program (it dies with this stage) and wait for it; once it ends, or the worker dies or kills
-    the sandbox (SIGTERM, `_arm_supervisor`), kill every process still below this one, the ones that
-    left the process group included, then exit like the program."""
+    the program (it dies with this stage), trace it (`Tracer`: the kernel kills every process of it
+    when this stage dies, however) and wait for it; once it ends, goes over its budget, or the worker
+    dies or kills the sandbox (SIGTERM, `_arm_supervisor`), kill every process still below this one,
+    the ones that left the process group included, then exit like the program. Where ptrace is not
+    allowed the subreaper alone finds them, and a budget walk every `WATCH_S` counts them."""
     import signal
 
+    go_r, go_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.close(go_w)
+        if os.read(go_r, 1) != b"1":  # the supervisor died before the program was traced
+            os._exit(SETUP_FAILED)
+        os.close(go_r)
         _stage_trampoline(spec)
+    os.close(go_r)
+    limits, bounded = spec["limits"], spec["cgroup"] is not None  # a cgroup counts processes and memory
+    try:
+        tracer = Tracer(pid, None if bounded else limits["processes"])
+    except OSError:
+        tracer = None
+    os.write(go_w, b"1")
+    os.close(go_w)
     null = os.open(os.devnull, os.O_RDWR)  # the pipes are the program's: the worker reads them to EOF
     os.dup2(null, 0)
     os.dup2(null, 1)
     os.close(null)
-    while True:
-        reaped, status = os.waitpid(-1, 0)
-        if reaped == pid:
-            break
-    _kill_descendants()
+    budget = None
+    if not bounded:
+        budget = Budget(os.getpid(), memory_mb=limits["memory_mb"], processes=None if tracer else limits["processes"])
+    try:
+        status = wait_for(pid, tracer, budget)
+    except LimitExceeded as exc:
+        stop_over_limit(exc)
+    kill_descendants()
     _exit_like(status)
 
 
-def _kill_descendants() -> None:
-    """SIGKILL every live process below this one and reap what is re-parented here, pass after pass,
-    until none is left (a process forked between two passes is found by the next one)."""
-    import time
+def _stage_check_trace(spec: dict) -> None:
+    """Print "ok" when this process may trace a child it forks, as the "none" supervisor does, else
+    why not (`sandbox.describe`)."""
+    import signal
 
-    while True:
-        below = _descendants(os.getpid())
-        for pid in below:
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        except ChildProcessError:
-            pass
-        if not below:
-            return
-        time.sleep(0.005)
-
-
-def _descendants(root: int) -> list[int]:
-    """The live (not zombie) processes below `root`, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
-            if state != "Z":
-                children.setdefault(int(ppid), []).append(int(entry))
-    found, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
+    pid = os.fork()
+    if pid == 0:
+        signal.pause()  # until killed
+        os._exit(0)
+    try:
+        Tracer(pid, None)
+        print("ok")
+    except OSError as exc:
+        print(exc)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
 
 
 def _drop_privileges(uid: int | None, *, groups: bool = True) -> None:
@@ -544,8 +551,10 @@ def _set_limits(limits: dict, *, nproc: bool) -> None:
         resource.setrlimit(res, (soft, hard))
 
 
-if __name__ == "__main__":
-    _stage, _spec_json = sys.argv[1], sys.argv[2]
-    {"launch": _stage_launch, "setup": _stage_setup, "init": _stage_init, "trampoline": _stage_trampoline}[_stage](
-        json.loads(_spec_json)
-    )
+def main(stage: str, spec_json: str) -> None:
+    """Run one stage: the stages' program ends with `main(sys.argv[1], sys.argv[2])`."""
+    stages = {
+        "launch": _stage_launch, "setup": _stage_setup, "init": _stage_init, "trampoline": _stage_trampoline,
+        "check-trace": _stage_check_trace,
+    }  # fmt: skip
+    stages[stage](json.loads(spec_json))
