@@ -315,6 +315,8 @@ def _error_line(
         return (
             f"the code ran out of memory (limit {config.memory_mb} MB for all its processes together) and was stopped"
         )
+    if result.processes_exceeded:
+        return f"the code started more than {config.max_processes} processes and threads together and was stopped"
     if not report.replayed and num_replayed:  # stopped before the new cell began: the replay's fault
         if result.timed_out or result.exit_code == 3 or result.signal in (signal.SIGALRM, signal.SIGXCPU):
             return (f"re-running the {num_replayed} earlier cell(s) to restore the state took longer than the "

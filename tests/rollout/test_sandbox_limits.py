@@ -103,6 +103,9 @@ async def test_no_layer_lets_a_program_run_more_processes_than_its_limit(isolati
     if sandbox.layer == "none":
         assert result.processes_exceeded and result.exit_code is None and result.stdout == "", result
         assert "over the sandbox's limit of 32" in result.stderr
+        tool = CodeInterpreterTool({**FAST, "isolation": "none", "cgroup": False, "max_processes": 32})
+        [out] = await _run(tool, FORKS.format(tag=_tag()))
+        assert out.startswith("Error: the code started more than 32 processes and threads together"), out
     else:
         assert 0 < int(result.stdout) < 32 and not result.processes_exceeded, result
     assert _pids_with(tag) == []  # the children went with it
