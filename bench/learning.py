@@ -2,9 +2,12 @@
 
 SmolLM2-135M on the calculator task (`configs/learning_smollm2.toml`: the warm-up teaches both ways to
 answer, the tool or at once, and RL learns that on 4-digit problems only the tool pays; every tool
-call has a log-normal latency with a long tail) is trained by `streamrl train` in async and in sync
-mode, for several seeds. Every run evaluates the same held-out prompts (pinned: one policy version per
-evaluation, `RUN_DIR/eval/`) at served step 0, every `--eval-every` steps and at the end.
+call has the latency of a real coding agent's tools: median 2 s, p99 60 s) is trained by `streamrl train`
+in async and in sync mode, for several seeds. Each run keeps a checkpoint every `--eval-every` steps;
+after it, `streamrl eval` scores its base model and every checkpoint on the same held-out prompts on one
+engine (`RUN_DIR/eval_offline/`), and each score is placed at the training time its step ended. So the
+evaluation takes no engine time from training and holds no weight sync, in either mode
+(`--eval-during-training` evaluates inside the runs instead, version-pinned, as `[eval]` does).
 
 Reported (bench/results/learning.json, learning.png):
 - per mode: the held-out reward before training and at the end, pooled over seeds as (seed, prompt)
@@ -19,7 +22,7 @@ The sync baseline is verl's DAPO recipe, not one group at a time: each generatio
 the whole round, and trains on groups with a signal; leftovers are evicted as stale (max_staleness 0),
 so every trained token is on-policy. Rounds repeat while the filter leaves no full batch.
 
-    python -m bench.learning [--seeds 0 1 2] [--modes async sync] [--steps 8] [--eval-every 4]
+    python -m bench.learning [--seeds 0 1 2] [--modes async sync] [--steps 8] [--eval-every 2]
                              [--config configs/learning_smollm2.toml] [--sync-overrides ...] [key=value ...]
 """
 
@@ -57,7 +60,7 @@ def train(
     overrides: list[str],
     log: Path,
     *,
-    offline_eval: bool = False,
+    offline_eval: bool = True,
 ) -> tuple[Path, float, int]:
     """One `streamrl train`; (run dir, wall seconds, exit code). With `offline_eval` the run evaluates
     nothing itself and keeps a checkpoint every `eval_every` steps; `evaluate_offline` scores them."""
@@ -287,7 +290,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument(
         "--sync-overrides",
         nargs="*",
@@ -309,10 +312,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plot", default=None, help="default: the --out path with .png")
     parser.add_argument("--keep", default=None, help="keep the run directories in this folder")
     parser.add_argument(
-        "--offline-eval",
-        action="store_true",
-        help="evaluate checkpoints (every --eval-every steps) after each run instead of during it, so the "
-        "evaluation's engine time and its hold on weight syncs touch neither mode's training time",
+        "--eval-during-training",
+        dest="offline_eval",
+        action="store_false",
+        help="evaluate during the runs (eval.every_steps) instead of scoring their checkpoints (one every "
+        "--eval-every steps) after each run; during a run the evaluation shares the engines and holds the "
+        "next weight sync, which costs async more than sync",
     )
     parser.add_argument(
         "--from-runs",
