@@ -66,7 +66,7 @@ def train(
     nothing itself and keeps a checkpoint every `eval_every` steps; `evaluate_offline` scores them."""
     name = f"{mode}-s{seed}"
     schedule = (
-        ["eval.num_prompts=0", f"trainer.checkpoint_every={eval_every}"]
+        ["eval.num_prompts=0", f"trainer.checkpoint_every={eval_every}", "trainer.keep_checkpoints=0"]
         if offline_eval
         else [f"eval.every_steps={eval_every}", f"trainer.checkpoint_every={steps}"]
     )
