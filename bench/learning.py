@@ -87,10 +87,14 @@ def train(
 
 def evaluate_offline(run_dir: Path, num_prompts: int, log: Path) -> int:
     """`streamrl eval` of the run's base model and every checkpoint on one engine, after the run: the
-    evaluation takes no engine time from training, in either mode (RUN_DIR/eval_offline/)."""
-    return _cli(
-        ["eval", str(run_dir), "--checkpoint", "base", "--checkpoint", "all", f"eval.num_prompts={num_prompts}"], log
-    )
+    evaluation takes no engine time from training, in either mode (RUN_DIR/eval_offline/). The
+    checkpoints' optimizer states (1 GB each for SmolLM2) go afterwards: the weights stay for a look,
+    but a checkpoint without its state is no longer whole, so streamrl eval skips it from then on."""
+    args = ["eval", str(run_dir), "--checkpoint", "base", "--checkpoint", "all", f"eval.num_prompts={num_prompts}"]
+    rc = _cli(args, log)
+    for state in RunDir(run_dir).checkpoints.glob("*/optimizer.pt"):
+        state.unlink()
+    return rc
 
 
 def _cli(args: list[str], log: Path) -> int:
