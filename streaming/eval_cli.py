@@ -63,16 +63,17 @@ async def evaluate_models(
     cfg, targets: list[Target], records, report: Callable[[Target, EvalSummary, list, float], None]
 ) -> None:
     """Every target on one local engine: built on the first target's weights, each later target's
-    loaded in place (they are checkpoints of one run, so one architecture). `report` gets each
-    target's summary, trajectories and the seconds its evaluation took (without the engine's start)
-    as soon as it is done."""
+    loaded in place (they are checkpoints of one run, so one architecture). A server backend's server
+    starts on whatever its command names, so there every target's weights are loaded, the first's too.
+    `report` gets each target's summary, trajectories and the seconds its evaluation took (without the
+    engine's start) as soon as it is done."""
     from streamrl.rollout.engine import make_engine
     from streamrl.streaming.heldout import heldout_metrics, run_heldout
 
     engine = make_engine(cfg.rollout.engine.model_copy(update={"model": targets[0].model_path}), "engine-0")
     try:
         for i, target in enumerate(targets):
-            if i:
+            if i or not cfg.rollout.engine.builds_model:
                 await engine.load_weights_from_path(target.model_path, policy_version=i)
             t0 = time.monotonic()
             trajectories = await run_heldout(

@@ -79,3 +79,54 @@ async def test_running_rollouts_report_their_progress(caplog):
         later = await line_with("rollouts: 2/4 samples done")
         task.cancel()
     assert "eta" not in first and " · eta " in later
+
+
+@pytest.mark.parametrize("backend", ["vllm", "vllm_server"])
+async def test_one_engine_scores_every_target_with_its_own_weights(backend, monkeypatch):
+    """The engine starts on the first target; every later target's weights are loaded in place, and
+    with a server backend (whose server started on its own command's model) the first's too."""
+    from types import SimpleNamespace
+
+    import streamrl.rollout.engine as engines
+    import streamrl.streaming.heldout as heldout
+    from streamrl.streaming.eval_cli import Target, evaluate_models
+
+    calls: list = []
+
+    class Engine:
+        async def load_weights_from_path(self, path, policy_version):
+            calls.append(("load", path))
+
+        async def shutdown(self):
+            calls.append(("shutdown",))
+
+    async def run_heldout(cfg, model_path, engines_, records, timeout_s):
+        calls.append(("score", model_path))
+        return []
+
+    monkeypatch.setattr(engines, "make_engine", lambda cfg, engine_id: calls.append(("build", cfg.model)) or Engine())
+    monkeypatch.setattr(heldout, "run_heldout", run_heldout)
+    monkeypatch.setattr(heldout, "heldout_metrics", lambda *a, **k: ("summary", {}))
+    engine_cfg = SimpleNamespace(
+        builds_model=backend == "vllm", model_copy=lambda update: SimpleNamespace(model=update["model"])
+    )
+    cfg = SimpleNamespace(
+        rollout=SimpleNamespace(engine=engine_cfg),
+        trainer=SimpleNamespace(step_timeout_s=60),
+        eval=SimpleNamespace(k=1, pass_threshold=1.0),
+    )
+    targets = [Target(label=f"t{i}", model_path=f"/m{i}", served_step=i) for i in range(3)]
+    reported = []
+    await evaluate_models(cfg, targets, [], lambda t, *rest: reported.append(t.label))
+    first = [("load", "/m0")] if backend != "vllm" else []
+    assert calls == [
+        ("build", "/m0"),
+        *first,
+        ("score", "/m0"),
+        ("load", "/m1"),
+        ("score", "/m1"),
+        ("load", "/m2"),
+        ("score", "/m2"),
+        ("shutdown",),
+    ]
+    assert reported == ["t0", "t1", "t2"]
