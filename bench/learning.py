@@ -91,6 +91,7 @@ def evaluate_offline(run_dir: Path, num_prompts: int, log: Path) -> int:
     checkpoints' optimizer states (1 GB each for SmolLM2) go afterwards: the weights stay for a look,
     but a checkpoint without its state is no longer whole, so streamrl eval skips it from then on."""
     args = ["eval", str(run_dir), "--checkpoint", "base", "--checkpoint", "all", f"eval.num_prompts={num_prompts}"]
+    args.append(f"rollout.max_concurrent_per_worker={num_prompts}")  # every prompt at once: tools wait in parallel
     rc = _cli(args, log)
     for state in RunDir(run_dir).checkpoints.glob("*/optimizer.pt"):
         state.unlink()
