@@ -55,8 +55,9 @@ test-fast: install
 bench: install
 	$(PY) -m bench.run_all
 
-# SmolLM2 learns in async and in sync mode, 3 seeds each, pinned held-out evaluation:
-# bench/results/learning.json + learning.png (about 90 min on 2 cores)
+# SmolLM2 learns in async and in sync mode behind agent-like tool latency, 3 seeds each, checkpoints
+# scored on held-out prompts every 2 steps: bench/results/learning.json + learning.png (about 2.5 h on
+# 2 quiet cores)
 learn-bench: install
 	$(PY) -m bench.learning
 
