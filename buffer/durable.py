@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -88,35 +89,26 @@ class BufferDir:
 
     def trajectories(self) -> Iterator[pa.RecordBatch]:
         """Every verified trajectory frame, in write order, in `TRAJECTORY_SCHEMA`."""
-        seen: Counter[str] = Counter()
-        for name, batch in read_segments(
-            self.root,
-            prefix=TRAJ_PREFIX,
-            schema=TRAJECTORY_SCHEMA,
-            report=self.report,
-            expected=self._expected(TRAJ_PREFIX),
-            legacy_schemas=LEGACY_SCHEMAS,
-        ):
-            seen[name] += 1
+        for batch in self._frames(TRAJ_PREFIX, TRAJECTORY_SCHEMA, legacy_schemas=LEGACY_SCHEMAS):
             if not batch.schema.equals(TRAJECTORY_SCHEMA):
                 batch = normalize_batch(batch)  # an older schema version: adds attempt 0 / empty image columns
             self.report.num_rows += batch.num_rows
             yield batch
-        self._old_segments[TRAJ_PREFIX] = [{"name": n, "num_frames": k} for n, k in seen.items()]
 
     def journal(self) -> Iterator[pa.RecordBatch]:
         """Every verified journal frame, in write order."""
+        yield from self._frames(JOURNAL_PREFIX, JOURNAL_SCHEMA)
+
+    def _frames(self, prefix: str, schema: pa.Schema, **kw: Any) -> Iterator[pa.RecordBatch]:
+        """The verified frames of one log, in write order; afterwards its old segments are recorded
+        (name, frames) for the manifest this process writes."""
         seen: Counter[str] = Counter()
         for name, batch in read_segments(
-            self.root,
-            prefix=JOURNAL_PREFIX,
-            schema=JOURNAL_SCHEMA,
-            report=self.report,
-            expected=self._expected(JOURNAL_PREFIX),
+            self.root, prefix=prefix, schema=schema, report=self.report, expected=self._expected(prefix), **kw
         ):
             seen[name] += 1
             yield batch
-        self._old_segments[JOURNAL_PREFIX] = [{"name": n, "num_frames": k} for n, k in seen.items()]
+        self._old_segments[prefix] = [{"name": n, "num_frames": k} for n, k in seen.items()]
 
     def start(self, resume_learner_step: int | None) -> None:
         """Open this process's segments, record a consumption rollback, write the manifest (fsync'd)."""
