@@ -4,14 +4,16 @@ with the real recovery code and check what it promised.
 
     python -m bench.crash_consistency [--states 2000] [--seed 0] [--out bench/results/crash_consistency.json]
 
-The workload (`record_workload`) is the durable part of a short run, in `Pipeline.checkpoint`'s order:
+The workload (`record_workload`) is the durable part of a short run, in the pipeline's order:
 a buffer log (`ReplayBuffer` on `RUN_DIR/buffer`, small segments so they roll) gets groups appended
 with `durable=True`, each followed by the admission cursor saved in `driver_state.json`, a batch
-sampled per step, and at each step a sealed learner checkpoint folder
-(`atomic_dir(sync=True)`), `ReplayBuffer.checkpoint()`, the checkpoint recorded in the `DriverState`
-(oldest dropped past `keep_checkpoints=2`), `DriverState.save` and the dropped folder deleted; halfway
-the buffer is closed and reopened with `resume_learner_step` (a clean restart), and the run ends with
-one more group and `close()`. Crash states come from `bench.crashsim`. `check_state` recovers a state
+sampled per step, and for each step a sealed learner checkpoint folder (`atomic_dir(sync=True)`),
+`ReplayBuffer.checkpoint()`, the checkpoint recorded in the `DriverState` (oldest dropped past
+`keep_checkpoints=2`), `DriverState.save` and the dropped folder deleted (`Pipeline.settle_checkpoint`).
+As with `trainer.async_checkpoint`, a step's checkpoint is written and recorded only after the next
+step's admissions and batch; halfway it is settled at once and the buffer is closed and reopened with
+`resume_learner_step` (a clean restart), and the run ends with its last checkpoint settled, one more
+group and `close()`. Crash states come from `bench.crashsim`. `check_state` recovers a state
 as `streamrl train --resume` does and reports each broken promise:
 
 - `driver_state.json` is the state of the last save that returned, or of the one in progress;
@@ -48,6 +50,7 @@ from streamrl.core.atomic import SEAL, atomic_dir, make_dirs
 from streamrl.core.run_dir import CHECKPOINT_HF, CHECKPOINT_STATE, Checkpoint, RunDir
 from streamrl.rollout.types import FinishReason, Trajectory
 from streamrl.streaming.checkpoints import (
+    CheckpointRecord,
     delete_checkpoints,
     drop_old_checkpoints,
     record_checkpoint,
@@ -128,6 +131,9 @@ class Workload:
     seal_checkpoints: bool = True
     fsync_buffer: bool = True
     fsync_durable_appends: bool = True
+    # trainer.async_checkpoint: a step's checkpoint folder is written and recorded after the next
+    # step's admissions and batch (the latest a background write can land), not before them
+    async_checkpoint: bool = True
 
 
 def record_workload(root: Path, workload: Workload | None = None) -> Trace:
@@ -140,6 +146,7 @@ def record_workload(root: Path, workload: Workload | None = None) -> Trace:
         cfg = buffer_config(run, fsync=workload.fsync_buffer, fsync_durable=workload.fsync_durable_appends)
         buf = ReplayBuffer(cfg)
         state, appended = DriverState(), []
+        in_flight: CheckpointRecord | None = None  # snapshot taken, folder not yet written (async_checkpoint)
         _save(rec, workload, state, state_path)
         for step, groups in STEPS:
             for gid in groups:  # admission: the group's rows durably, then the cursor (Pipeline.admit_next_group)
@@ -152,19 +159,20 @@ def record_workload(root: Path, workload: Workload | None = None) -> Trace:
                 _save(rec, workload, state, state_path)
             batch = buf.sample(served_version=0, learner_step=step)
             rec.mark("consumed", (step, sorted(set(batch.table.column("group_id").to_pylist()))))
+            if in_flight is not None:  # the previous step's checkpoint, written while this step trained
+                _settle(rec, workload, buf, state, in_flight, appended, state_path)
             step_dir = RunDir(run).checkpoint(step)
             make_dirs(step_dir.parent, sync=True)  # as Pipeline.checkpoint does
-            atomic_dir(step_dir, _write_checkpoint(step), sync=workload.seal_checkpoints)
-            buf.checkpoint()
-            rec.mark("synced", list(appended))
             state.learner_step = state.policy_version = step
-            record_checkpoint(state, step_dir)
-            dropped = drop_old_checkpoints(state, 2)
-            _save(rec, workload, state, state_path)
-            delete_checkpoints(dropped)
+            in_flight = CheckpointRecord.at(state, step_dir)
+            if not workload.async_checkpoint or step == REOPEN_AFTER_STEP:  # a clean restart waits for it
+                _settle(rec, workload, buf, state, in_flight, appended, state_path)
+                in_flight = None
             if step == REOPEN_AFTER_STEP:
                 buf.close()
                 buf = ReplayBuffer(cfg, resume_learner_step=step)
+        if in_flight is not None:  # the run ends once its last checkpoint is recorded
+            _settle(rec, workload, buf, state, in_flight, appended, state_path)
         buf.append(trajectories(LAST_GROUP), durable=True)
         rec.mark("flushed", LAST_GROUP)
         if workload.fsync_durable_appends:
@@ -174,6 +182,26 @@ def record_workload(root: Path, workload: Workload | None = None) -> Trace:
         buf.close()
         rec.mark("synced", appended + [LAST_GROUP])
     return rec.trace
+
+
+def _settle(
+    rec: Recorder,
+    workload: Workload,
+    buf: ReplayBuffer,
+    state: DriverState,
+    record: CheckpointRecord,
+    appended: list[str],
+    state_path: Path,
+) -> None:
+    """The learner's write of `record`'s folder, then `Pipeline.settle_checkpoint`'s order: the buffer
+    made durable, the record, the state saved, the dropped folder deleted."""
+    atomic_dir(Path(record.path), _write_checkpoint(record.step), sync=workload.seal_checkpoints)
+    buf.checkpoint()
+    rec.mark("synced", list(appended))
+    record_checkpoint(state, record)
+    dropped = drop_old_checkpoints(state, 2)
+    _save(rec, workload, state, state_path)
+    delete_checkpoints(dropped)
 
 
 def _save(rec: Recorder, workload: Workload, state: DriverState, path: Path) -> None:

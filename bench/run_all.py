@@ -13,6 +13,7 @@ import time
 BENCHMARKS = [
     "bench.buffer",
     "bench.learner",
+    "bench.checkpoint_async",
     "bench.weight_sync",
     "bench.async_vs_sync",
     "bench.trace_overhead",  # reads the latency async_vs_sync calibrated

@@ -74,6 +74,13 @@ class GroupState:
     reward_std: float = 0.0
     num_partial_members: int = 0  # members whose latest row is PARTIAL (the group settles at 0)
 
+    @property
+    def finished_rewards(self) -> tuple[float, ...]:
+        """The rewards of the members whose latest row is FINISHED, in sample_index order (in any phase:
+        `finished` holds them only while the group is sampled)."""
+        members = sorted(self.members.values(), key=_sample_index)
+        return tuple(m.reward for m in members if m.status is TrajectoryStatus.FINISHED)
+
 
 @dataclass(kw_only=True, slots=True)
 class RowColumns:
@@ -130,6 +137,7 @@ class GroupTable:
         self.num_in_flight = 0  # members of OPEN groups, finished or not: admitted, not yet accepted
         self.generated_lengths: Counter[int] = Counter()  # length bucket -> finished members of settled groups
         self.num_trained = 0  # finished members of groups the learner has used at least once
+        self.settled: list[GroupState] = []  # every group that left OPEN, in the order it did
 
     def check_overflow(self, trajectory_ids: list[str], group_ids: list[str]) -> None:
         """Raise ValueError before any mutation if these rows' new trajectories overflow a group."""
@@ -241,6 +249,7 @@ class GroupTable:
 
     def _settle(self, group: GroupState) -> list[int]:
         self.num_in_flight -= len(group.members)
+        self.settled.append(group)
         finished: list[TrajState] = []
         failed_rows: list[int] = []
         for m in group.members.values():

@@ -59,7 +59,7 @@ from streamrl.buffer.schema import (
     trajectories_to_batch,
 )
 from streamrl.buffer.stats import BufferStats
-from streamrl.buffer.types import ImageBlob, RecoveryReport, SampledBatch
+from streamrl.buffer.types import GroupOutcome, ImageBlob, RecoveryReport, SampledBatch, SettledGroups
 from streamrl.core.versions import trajectory_lag
 from streamrl.rollout.types import JournalRecord, Trajectory, TrajectoryStatus
 
@@ -405,6 +405,17 @@ class ReplayBuffer:
     def has_groups(self, group_ids: list[str]) -> list[bool]:
         """Whether each group has any row (admission idempotence after a restart)."""
         return [gid in self._groups.groups for gid in group_ids]
+
+    def settled_groups(self, start: int = 0) -> SettledGroups:
+        """The rewards of the groups settled since the `start`-th one (`SettledGroups`): what the
+        driver's prompt filter derives each prompt's pass rate from, incrementally while the run goes
+        and from 0 after a restart (the recovered log settles every group again)."""
+        groups = self._groups.settled[start:]
+        return SettledGroups(
+            outcomes=[GroupOutcome(group_id=g.group_id, rewards=g.finished_rewards) for g in groups],
+            next_start=start + len(groups),
+            num_in_flight=self._groups.num_in_flight,
+        )
 
     def num_ready(self) -> int:
         """Finished trajectories in complete groups waiting to be sampled (staleness not applied)."""

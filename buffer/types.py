@@ -93,6 +93,26 @@ class BufferProgress:
     changes: int = 0  # `ReplayBuffer.num_changes`: pass it back to `wait_progress` to wait for the next one
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupOutcome:
+    """The rewards of one settled group (it left OPEN: ready, filtered, dropped, ...). Its failed
+    members are left out: a failure says nothing about how hard the prompt is."""
+
+    group_id: str
+    rewards: tuple[float, ...]  # [num_finished] the finished members' rewards, sample_index order
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SettledGroups:
+    """`ReplayBuffer.settled_groups`: the outcomes of the groups settled since the `start`-th one, in
+    settle order (a recovered buffer settles its groups again, in log order). Read from 0 on a fresh
+    reader, it is every settled group of the run, so whatever is derived from it survives a restart."""
+
+    outcomes: list[GroupOutcome]  # [num_settled_since_start]
+    next_start: int  # pass back as `start` to read only the groups settled after these
+    num_in_flight: int  # trajectories of open groups when read: 0 = no outcome is still to come
+
+
 @dataclass(kw_only=True, slots=True)
 class RecoveryReport:
     """What recovery found in a buffer directory; every problem has a human-readable line."""

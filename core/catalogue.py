@@ -85,6 +85,7 @@ TOOLSET = "rollout.agent.tool_config is set"
 MCP = "the tool config has an `mcp:` entry"
 EVAL = "eval.num_prompts > 0, on the evaluation lines only"
 GATEWAY = "rollout.agent.gateway is set (the gateway agent loop)"
+FILTER = "data.prompt_filter.enabled"
 METRICS: tuple[Metric, ...] = (
     # ---- the line itself (streaming.metrics.MetricsLogger)
     M("time", "unix s", R.LAST, "wall clock when the line was logged"),
@@ -360,6 +361,30 @@ METRICS: tuple[Metric, ...] = (
         "fraction",
         R.LAST,
         "share of generated trajectories that reached a gradient (trained / generated)",
+    ),
+    # ---- the prompt filter (streaming.prompt_filter.PromptFilter.metrics)
+    M("data/prompts_easy", "prompts", R.LAST, "prompts whose recent pass rate is >= easy_pass_rate", when=FILTER),
+    M("data/prompts_hard", "prompts", R.LAST, "prompts whose recent pass rate is <= hard_pass_rate", when=FILTER),
+    M(
+        "data/prompts_retired",
+        "prompts",
+        R.LAST,
+        "prompts of a difficulty admitted with probability 0: none of their appearances is admitted now",
+        when=FILTER,
+    ),
+    M(
+        "data/prompts_skipped_easy",
+        "appearances",
+        R.TOTAL,
+        "prompt appearances passed over at admission as easy (saved with the cursor: survives a resume)",
+        when=FILTER,
+    ),
+    M(
+        "data/prompts_skipped_hard",
+        "appearances",
+        R.TOTAL,
+        "prompt appearances passed over at admission as hard (saved with the cursor: survives a resume)",
+        when=FILTER,
     ),
     M("staleness/batch_token_lag_mean", "steps", R.MEAN, "token lag of the last sampled batch"),
     M("staleness/batch_token_lag_max", "steps", R.MAX, "largest token lag of the last sampled batch"),

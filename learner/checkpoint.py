@@ -42,6 +42,8 @@ from __future__ import annotations
 import json
 import logging
 import random
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
@@ -53,6 +55,8 @@ from streamrl.core.run_dir import CHECKPOINT_HF, CHECKPOINT_STATE
 from streamrl.learner.sharded import full_tensor
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from streamrl.learner.types import TrainState
 
 logger = logging.getLogger(__name__)
@@ -107,41 +111,157 @@ def _optimizer_state(ts: TrainState) -> dict:
     return get_optimizer_state_dict(ts.policy, ts.optimizer, options=opts)
 
 
-def save_checkpoint(ts: TrainState, directory: Path) -> Path:
+@dataclass(kw_only=True, slots=True)
+class Snapshot:
+    """Everything a checkpoint holds, copied off the live training state: CPU tensors and plain
+    values that the next optimizer step cannot change, so a background thread can write them while
+    the learner trains on (`CheckpointWriter`)."""
+
+    directory: Path
+    lm: PreTrainedModel  # for its config and file layout only: the weights written are `lm_state`'s
+    tokenizer: Any
+    lm_state: dict[str, torch.Tensor]
+    head_state: dict[str, torch.Tensor] | None
+    optimizer_state: dict
+    scheduler_state: dict
+    rng: dict
+    meta: dict[str, Any]  # state.json: policy_version, num_optimizer_steps, the learner config
+
+    @property
+    def policy_version(self) -> int:
+        return int(self.meta["policy_version"])
+
+
+def take_snapshot(ts: TrainState, directory: Path) -> Snapshot | None:
+    """Copy the checkpoint's state off the live model and optimizer (every rank takes part in the
+    gathers under FSDP; rank 0 gets the snapshot, other ranks None). Costs one copy of the weights,
+    the value head and the optimizer state in host memory until the snapshot is written."""
     lm_state = _full_lm_state(ts)
-    optim_state = _optimizer_state(ts)
+    optimizer_state = _optimizer_state(ts)
     head = ts.policy.value_head
-    head_state = None
-    if head is not None:
-        head_state = {k: full_tensor(v).cpu() for k, v in head.state_dict().items()}
-    if ts.rank == 0:
+    head_state = None if head is None else {k: full_tensor(v).cpu() for k, v in head.state_dict().items()}
+    if ts.rank != 0:
+        return None
+    return Snapshot(
+        directory=Path(directory),
+        lm=ts.policy.lm,
+        tokenizer=ts.tokenizer,
+        # gathered full states (FSDP) are fresh host tensors already; a single process's are the live ones
+        lm_state=_cloned(ts.policy.lm.state_dict()) if lm_state is None else lm_state,
+        head_state=None if head_state is None else _cloned(head_state),
+        optimizer_state=optimizer_state if ts.is_distributed else _cloned(optimizer_state),
+        scheduler_state=_cloned(ts.scheduler.state_dict()),
+        rng=_rng_state(ts),
+        meta={
+            "policy_version": ts.policy_version,
+            "num_optimizer_steps": ts.num_optimizer_steps,
+            "config": ts.cfg.model_dump(mode="json"),
+        },
+    )
 
-        def write(tmp: Path) -> None:
-            _write_hf(ts, tmp / CHECKPOINT_HF, lm_state)
-            if head_state is not None:
-                _save_pt(head_state, tmp / "value_head.pt")
-            _save_pt(optim_state, tmp / "optimizer.pt")
-            _save_pt(ts.scheduler.state_dict(), tmp / "scheduler.pt")
-            _save_pt(_rng_state(ts), tmp / "rng.pt")
-            state = {
-                "policy_version": ts.policy_version,
-                "num_optimizer_steps": ts.num_optimizer_steps,
-                "config": ts.cfg.model_dump(mode="json"),
-            }
-            write_file(tmp / CHECKPOINT_STATE, json.dumps(state, indent=2), log=f"{LOG}/{CHECKPOINT_STATE}")
 
-        try:
-            atomic_dir(directory, write, sync=True, log=LOG)
-        except WriteFailedError as e:
-            raise CheckpointWriteError(
-                e.errno,
-                f"saving the checkpoint of policy_version={ts.policy_version} failed: {e.strerror}. The run stops "
-                f"here; free or fix the disk, then restart the run with --resume (it starts from the newest "
-                f"complete checkpoint; no acknowledged row is lost)",
-            ) from e
-        logger.info("saved checkpoint policy_version=%d to %s", ts.policy_version, directory)
+def _cloned(state: Any) -> Any:
+    """A deep copy whose tensors are detached CPU clones; tensors that share storage (tied
+    embeddings) stay shared, so the files written are those of the live state."""
+    memo: dict[tuple, torch.Tensor] = {}
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            # state_dict() detaches each entry into a new tensor object: the storage tells tied ones
+            key = (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape, value.stride(), value.dtype)
+            if key not in memo:
+                memo[key] = value.detach().to("cpu", copy=True)
+            return memo[key]
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [copy(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(copy(v) for v in value)
+        return value
+
+    return copy(state)
+
+
+def write_snapshot(snap: Snapshot) -> Path:
+    """Write and seal the snapshot's checkpoint folder (module doc); raises `CheckpointWriteError`."""
+
+    def write(tmp: Path) -> None:
+        out = tmp / CHECKPOINT_HF
+        snap.lm.save_pretrained(out, state_dict=snap.lm_state, safe_serialization=True)
+        snap.tokenizer.save_pretrained(out)
+        if snap.head_state is not None:
+            _save_pt(snap.head_state, tmp / "value_head.pt")
+        _save_pt(snap.optimizer_state, tmp / "optimizer.pt")
+        _save_pt(snap.scheduler_state, tmp / "scheduler.pt")
+        _save_pt(snap.rng, tmp / "rng.pt")
+        write_file(tmp / CHECKPOINT_STATE, json.dumps(snap.meta, indent=2), log=f"{LOG}/{CHECKPOINT_STATE}")
+
+    try:
+        atomic_dir(snap.directory, write, sync=True, log=LOG)
+    except WriteFailedError as e:
+        raise CheckpointWriteError(
+            e.errno,
+            f"saving the checkpoint of policy_version={snap.policy_version} failed: {e.strerror}. The run stops "
+            f"here; free or fix the disk, then restart the run with --resume (it starts from the newest "
+            f"complete checkpoint; no acknowledged row is lost)",
+        ) from e
+    logger.info("saved checkpoint policy_version=%d to %s", snap.policy_version, snap.directory)
+    return snap.directory
+
+
+def save_checkpoint(ts: TrainState, directory: Path) -> Path:
+    """Snapshot and write, on the caller's thread; every rank returns once the folder is sealed."""
+    snap = take_snapshot(ts, directory)
+    if snap is not None:
+        write_snapshot(snap)
     _barrier(ts)
     return directory
+
+
+class CheckpointWriter:
+    """Writes snapshots on one background thread, one at a time, so the learner trains on while a
+    checkpoint goes to disk (`trainer.async_checkpoint`).
+
+    `start` takes the snapshot on the caller's thread (the training path pays for the copy only)
+    and first waits for the previous write, so at most one snapshot is held besides the live state.
+    `wait` returns the written folder, or raises the write's error (`CheckpointWriteError`): the
+    caller records a checkpoint only after `wait` returned it, so a crash or a failed write leaves
+    the run's records naming complete checkpoints only. A process that dies mid-write leaves an
+    unsealed temporary sibling that nothing reads."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future[Path] | None = None
+
+    def start(self, ts: TrainState, directory: Path) -> None:
+        self.wait()
+        snap = take_snapshot(ts, directory)
+        if snap is None:  # not rank 0: its part (the gathers) is done
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._pending = self._pool.submit(write_snapshot, snap)
+
+    @property
+    def busy(self) -> bool:
+        """A write started and not yet collected by `wait` is still running."""
+        return self._pending is not None and not self._pending.done()
+
+    def wait(self) -> Path | None:
+        """The folder of the write in flight once it is sealed (None when none is), or its error."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def close(self) -> None:
+        """Finish the write in flight (its error is logged: closing is not the place to raise it)."""
+        try:
+            self.wait()
+        except OSError:
+            logger.exception("the last checkpoint write failed")
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 def _save_pt(obj: object, path: Path) -> None:

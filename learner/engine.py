@@ -90,6 +90,7 @@ class TrainingEngine:
         from streamrl.models import resolve_model
 
         self.cfg = cfg
+        self.checkpoint_writer = ckpt.CheckpointWriter()
         dist = torch.distributed
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world_size > 1 else 0
@@ -444,7 +445,24 @@ class TrainingEngine:
 
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Weights, optimiser, scheduler, RNG, step and policy_version; write-then-rename."""
+        self.checkpoint_writer.wait()  # one writer per folder: a write in flight lands first
         return ckpt.save_checkpoint(self.train_state(), Path(directory))
+
+    def start_checkpoint(self, directory: str | Path) -> None:
+        """Snapshot the checkpoint now and write it on a background thread while training goes on
+        (`checkpoint.CheckpointWriter`); `finish_checkpoint` collects it."""
+        self.checkpoint_writer.start(self.train_state(), Path(directory))
+
+    def finish_checkpoint(self) -> str | None:
+        """The folder of the checkpoint in flight once sealed (None if none, or not rank 0); raises
+        `CheckpointWriteError` when its write failed."""
+        path = self.checkpoint_writer.wait()
+        return None if path is None else str(path)
+
+    @property
+    def checkpoint_busy(self) -> bool:
+        """A checkpoint write is still running (`finish_checkpoint` would wait)."""
+        return self.checkpoint_writer.busy
 
     def load_checkpoint(self, directory: str | Path) -> None:
         self.policy_version, self.num_optimizer_steps = ckpt.load_checkpoint(self.train_state(), Path(directory))

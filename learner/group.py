@@ -140,6 +140,16 @@ class LearnerWorker:
     def save_checkpoint(self, directory: str) -> None:
         self.engine.save_checkpoint(directory)
 
+    def start_checkpoint(self, directory: str) -> None:
+        """Every rank joins the snapshot's gathers; rank 0 then writes it in the background."""
+        self.engine.start_checkpoint(directory)
+
+    def finish_checkpoint(self) -> str | None:
+        return self.engine.finish_checkpoint()
+
+    def checkpoint_busy(self) -> bool:
+        return self.engine.checkpoint_busy
+
     def load_checkpoint(self, directory: str) -> int:
         self.engine.load_checkpoint(directory)
         return self.engine.policy_version
@@ -251,6 +261,10 @@ class LearnerGroup:
 
     def start_save_checkpoint(self, directory: str | Path) -> list[Any]:
         return [w.save_checkpoint.remote(str(directory)) for w in self.workers]
+
+    def start_snapshot(self, directory: str | Path) -> list[Any]:
+        """Every rank's part of `TrainingEngine.start_checkpoint` (rank 0 writes in the background)."""
+        return [w.start_checkpoint.remote(str(directory)) for w in self.workers]
 
     def start_save_hf(self, directory: str | Path) -> list[Any]:
         return [w.save_hf.remote(str(directory)) for w in self.workers]

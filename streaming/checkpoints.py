@@ -1,9 +1,15 @@
 """The run's learner checkpoints: which ones it keeps, and which one a resume starts from.
 
-`Pipeline.checkpoint` writes `RUN_DIR/checkpoints/step_NNNNNN` (the learner seals it: `learner.checkpoint`),
-makes the buffer durable, then records the checkpoint in `DriverState.checkpoints` (oldest first) and
-points the state's `checkpoint*` fields at it. The state is saved before anything is deleted: the
-oldest records past `trainer.keep_checkpoints` leave the state first, their folders after, so a crash
+`Pipeline.checkpoint` has the learner snapshot its state for `RUN_DIR/checkpoints/step_NNNNNN`; the
+learner writes and seals it (`learner.checkpoint`), on a background thread with
+`trainer.async_checkpoint` (the default) while it trains the next steps. `Pipeline.settle_checkpoint`,
+after a later step or at the end of the run, waits for the seal, makes the buffer durable, then
+records the checkpoint in `DriverState.checkpoints` (oldest first, each with the step and version
+label it was taken at) and points the state's `checkpoint*` fields at it. Nothing is recorded before
+the folder is sealed, so a crash during the write leaves the records naming the older complete
+checkpoints only (the unsealed temporary folder is never read), and a failed write stops the run as
+below. The state is saved before anything is deleted: the oldest records past
+`trainer.keep_checkpoints` leave the state first, their folders after, so a crash
 in between leaves at worst a folder nobody references, never a reference to a deleted folder.
 
 A resume starts from the newest recorded checkpoint that is complete (`core.run_dir.why_incomplete`,
@@ -53,15 +59,20 @@ class CheckpointRecord:
     policy_version: int  # the version label the engines served when it was taken
     version_offset: int  # its weights' label - step
 
+    @classmethod
+    def at(cls, state: DriverState, path: Path) -> CheckpointRecord:
+        """The checkpoint at `path` of the state's current step and served version."""
+        return cls(
+            path=str(path),
+            step=state.learner_step,
+            policy_version=state.policy_version,
+            version_offset=state.version_offset,
+        )
 
-def record_checkpoint(state: DriverState, path: Path) -> None:
-    """The checkpoint at `path` (written and sealed) of the state's current step is the newest one."""
-    record = CheckpointRecord(
-        path=str(path),
-        step=state.learner_step,
-        policy_version=state.policy_version,
-        version_offset=state.version_offset,
-    )
+
+def record_checkpoint(state: DriverState, record: CheckpointRecord) -> None:
+    """The checkpoint of `record` (written and sealed; its step may be behind the state's, the
+    learner having trained on while it was written) is the newest one."""
     state.checkpoints = [r for r in state.checkpoints if r.path != record.path] + [record]
     _point_at(state, record)
 

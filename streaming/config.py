@@ -20,6 +20,7 @@ from streamrl.observability.metrics import WandbConfig
 from streamrl.observability.tracing import TraceConfig
 from streamrl.rollout.config import RolloutConfig
 from streamrl.streaming.placement import PlacementConfig
+from streamrl.streaming.prompt_filter import PromptFilterConfig
 from streamrl.weight_sync.config import BackendKind, WeightSyncConfig
 
 GENERATED_SOURCES = ("arithmetic", "dots")  # data.source values drawn by a generator, not read from a file
@@ -37,6 +38,8 @@ class DataConfig(BaseModel):
     seed: int = 0
     shuffle: bool = True
     num_epochs: int = Field(100, gt=0)  # the data iterator cycles; total_steps ends the run
+    # Online difficulty filtering: skip the appearances of prompts every sample solves (or none does).
+    prompt_filter: PromptFilterConfig = Field(default_factory=PromptFilterConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -116,6 +119,10 @@ class TrainerConfig(BaseModel):
     )  # learner steps: one buffer batch each (num_minibatches x ppo_epochs optimiser steps)
     sync_every: int = Field(1, gt=0)  # publish weights every K learner steps
     checkpoint_every: int = Field(5, gt=0)
+    # The learner copies a checkpoint's state (weights, optimizer, RNG) in host memory and writes it on
+    # a background thread while it trains on; the run records it once sealed (streaming/checkpoints.py).
+    # Costs one extra copy of the weights and optimizer state until the write ends. False: write inline.
+    async_checkpoint: bool = True
     # Complete checkpoints kept in RUN_DIR/checkpoints (the oldest go once a new one is complete); 0 = all.
     # Two leave a resume an older one to fall back to when the newest is torn (streaming/checkpoints.py).
     keep_checkpoints: int = Field(2, ge=0)

@@ -67,7 +67,9 @@ async def learner_loop(pipeline: Pipeline) -> None:
             faults.hit("publish.after")
         if pipeline.state.learner_step % cfg.checkpoint_every == 0 or pipeline.state.learner_step == cfg.total_steps:
             await pipeline.checkpoint()
+        await pipeline.settle_checkpoint(wait=False)  # record a checkpoint written meanwhile
         await pipeline.log_step(metrics)
+    await pipeline.settle_checkpoint()
     pipeline.done = True
 
 
@@ -194,5 +196,7 @@ async def run_sync(pipeline: Pipeline) -> None:
         metrics.update(await publish(pipeline))
         if pipeline.state.learner_step % cfg.checkpoint_every == 0 or pipeline.state.learner_step == cfg.total_steps:
             await pipeline.checkpoint()
+        await pipeline.settle_checkpoint(wait=False)  # record a checkpoint written meanwhile
         await pipeline.log_step(metrics)
+    await pipeline.settle_checkpoint()
     pipeline.done = True

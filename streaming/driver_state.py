@@ -1,6 +1,7 @@
 """The driver's part of a whole-system checkpoint: learner step, the served policy version and its
-label offset, the data cursor and the checkpoints kept. Saved atomically and fsynced as
-RUN_DIR/driver_state.json after every admitted group and checkpoint; `--resume` starts from it.
+label offset, the data cursor (with the prompts the prompt filter skipped) and the checkpoints kept.
+Saved atomically and fsynced as RUN_DIR/driver_state.json after every admitted group and checkpoint;
+`--resume` starts from it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class DriverState:
     version_high_water: int = 0
     cursor: int = 0  # prompts admitted (saved once the admitted group's rows are durable)
     num_admitted: int = 0  # trajectories admitted
+    # Prompts the prompt filter passed over (streaming.prompt_filter), saved with the cursor past them.
+    num_prompts_skipped_easy: int = 0
+    num_prompts_skipped_hard: int = 0
     checkpoint: str | None = None  # directory of the latest complete checkpoint
     checkpoint_step: int = 0  # learner_step / policy_version of that checkpoint: a resume restarts there
     checkpoint_policy_version: int = 0

@@ -2,12 +2,13 @@
 durable only: the buffer's log and the files of the run directory. The chaos suite runs it after
 every scenario; `python -m streamrl.streaming.invariants RUN_DIR` prints the report.
 
-Counts (all must be 0): prompts lost (I1: one of the first `cursor` prompts has no rows), prompts
-duplicated (a group beyond the cursor, or with more than `group_size` trajectories), trajectories
-consumed twice or outside a learner step's full batch, stranded trajectories (I2, from the end-of-run
-accounting), version violations (I4: a trajectory whose versions decrease, or a label above the
-high-water mark the driver saved, or a sampled token labelled below 0: weights no sync published), tool
-side effects repeated (I5: when the run's tools keep a ledger at `RUN_DIR/tool_ledger.jsonl`
+Counts (all must be 0): prompts lost (I1: one of the first `cursor` prompts has no rows, and the
+prompt filter's skips saved with the cursor do not explain it), prompts duplicated (a group beyond
+the cursor, or with more than `group_size` trajectories), trajectories consumed twice or outside a
+learner step's full batch, stranded trajectories (I2, from the end-of-run accounting), version
+violations (I4: a trajectory whose versions decrease, or a label above the high-water mark the
+driver saved, or a sampled token labelled below 0: weights no sync published), tool side effects
+repeated (I5: when the run's tools keep a ledger at `RUN_DIR/tool_ledger.jsonl`
 (`rollout.tools.ledger`), a (trajectory, call id) with more than one line, or a finished trajectory
 with more ledger lines than tool calls), gateway calls answered differently (exactly-once answers:
 when the run's gateway clients record what they were told at `RUN_DIR/answer_ledger.jsonl`
@@ -63,6 +64,7 @@ class InvariantReport:
 def check_run(run_dir: str | Path) -> InvariantReport:
     from streamrl.buffer.cli import load_frame
     from streamrl.streaming.config import StreamRLConfig
+    from streamrl.streaming.prompt_filter import unexplained_skips
     from streamrl.streaming.prompts import first_group_ids
 
     run = RunDir.open(run_dir)
@@ -72,10 +74,16 @@ def check_run(run_dir: str | Path) -> InvariantReport:
     frame = load_frame(run.buffer)
     latest = frame[frame["is_latest"]]
 
-    # I1: the groups are exactly the first `cursor` prompts, each with group_size trajectories.
+    # I1: the groups are exactly the first `cursor` prompts (but the prompt filter's skips, counted with
+    # the cursor), each with group_size trajectories.
     expected = set(first_group_ids(cfg.data, state.cursor))
     present = set(latest["group_id"])
     lost, extra = sorted(expected - present), sorted(present - expected)
+    if cfg.data.prompt_filter.enabled:
+        skipped = state.num_prompts_skipped_easy + state.num_prompts_skipped_hard
+        lost = unexplained_skips(
+            lost, present, num_skipped=skipped, min_appearances=cfg.data.prompt_filter.min_appearances
+        )
     sizes = latest.groupby("group_id")["trajectory_id"].nunique()
     oversized = sorted(sizes[sizes > cfg.buffer.group_size].index)
     report.prompts_lost, report.prompts_duplicated = len(lost), len(extra) + len(oversized)

@@ -22,7 +22,12 @@ from streamrl.core import faults, trace
 from streamrl.core.atomic import make_dirs
 from streamrl.core.run_dir import Accounting, RunDir, write_json
 from streamrl.streaming import step_metrics
-from streamrl.streaming.checkpoints import delete_checkpoints, drop_old_checkpoints, record_checkpoint
+from streamrl.streaming.checkpoints import (
+    CheckpointRecord,
+    delete_checkpoints,
+    drop_old_checkpoints,
+    record_checkpoint,
+)
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver_state import DriverState
 from streamrl.streaming.elastic import EngineFleet, admit_joined, check_engines, retire_dead
@@ -40,6 +45,7 @@ if TYPE_CHECKING:
     from streamrl.streaming.actors.engine import RayEngineClient
     from streamrl.streaming.failures import FailureWindow
     from streamrl.streaming.heldout import Evaluator
+    from streamrl.streaming.prompt_filter import PromptFilter
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +60,7 @@ class Pipeline:
     buffer: BufferClient
     learner: LearnerClient
     stream: PromptStream
+    prompt_filter: PromptFilter | None = None  # online difficulty filtering (streaming.prompt_filter); None: off
     metrics: MetricsLogger
     # builds a replacement rollout worker (default: a RolloutWorkerActor, `make_worker`)
     new_worker: Callable[[Pipeline, str], WorkerClient] = field(
@@ -80,6 +87,7 @@ class Pipeline:
     num_nonfinite_in_row: int = 0  # learner steps skipped for a non-finite loss / gradient, in a row
     failures: FailureWindow | None = None  # failed share of the newest trajectories (streaming.failures)
     fleet: EngineFleet = field(default_factory=EngineFleet)  # engines joining / retired (streaming.elastic)
+    checkpoint_in_flight: CheckpointRecord | None = None  # started, not yet sealed and recorded
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -121,15 +129,23 @@ class Pipeline:
 
     @property
     def prompts_exhausted(self) -> bool:
-        return self.stream.peek() is None
+        """No prompt is left to admit: the stream ended, or the prompt filter retired every prompt for good."""
+        return self.stream.peek() is None or (self.prompt_filter is not None and self.prompt_filter.exhausted)
 
     async def admit_next_group(self) -> bool:
         """Append the next prompt's group as PENDING rows, durably, then save the cursor, then hand
         the group to a worker. A crash anywhere leaves the cursor at or behind the durable rows, and
-        a prompt whose rows are already in the buffer is skipped, not admitted twice (I1)."""
+        a prompt whose rows are already in the buffer is skipped, not admitted twice (I1). Prompts the
+        prompt filter skips are passed first, counted in the state saved with the cursor past them."""
         from streamrl.rollout.types import TrajectoryStatus
 
-        item = self.stream.peek()
+        if self.prompt_filter is None:
+            item = self.stream.peek()
+        else:
+            item = await self.prompt_filter.next_prompt(self.stream, self.buffer, self.state)
+            if self.state.cursor != self.stream.cursor:  # skips: their count and the cursor in one write
+                self.state.cursor = self.stream.cursor
+                self.state.save(RunDir(self.run_dir).driver_state)
         if item is None:
             return False
         record, epoch = item
@@ -215,18 +231,36 @@ class Pipeline:
 
     # ---- checkpoint / resume ------------------------------------------------------------------
 
-    async def checkpoint(self) -> Path:
-        """Learner (HF weights + optimizer state), buffer (fsync), then the driver state pointer."""
+    async def checkpoint(self) -> None:
+        """Checkpoint the current learner step (`streaming.checkpoints`): the learner snapshots its
+        state and, with `trainer.async_checkpoint`, writes it in the background while training goes
+        on; `settle_checkpoint` records it once sealed. One write at a time: a write still in flight
+        is settled first."""
+        await self.settle_checkpoint()
         step_dir = RunDir(self.run_dir).checkpoint(self.state.learner_step)
         make_dirs(step_dir.parent, sync=True)  # durable: the saved state will name a folder inside it
-        await self.learner.save_checkpoint(str(step_dir))
+        await self.learner.start_checkpoint(str(step_dir))
+        self.checkpoint_in_flight = CheckpointRecord.at(self.state, step_dir)
+        if not self.cfg.trainer.async_checkpoint:
+            await self.settle_checkpoint()
+
+    async def settle_checkpoint(self, *, wait: bool = True) -> Path | None:
+        """Record the checkpoint in flight once the learner has sealed it: the buffer made durable,
+        the record in the driver state, the state saved, then old checkpoints deleted. With
+        `wait=False` a write still running is left for a later call. Returns the recorded folder.
+        A failed write raises its `CheckpointWriteError` and records nothing."""
+        record = self.checkpoint_in_flight
+        if record is None or (not wait and await self.learner.checkpoint_busy()):
+            return None
+        self.checkpoint_in_flight = None
+        await self.learner.finish_checkpoint()
         await self.buffer.checkpoint()
-        record_checkpoint(self.state, step_dir)
+        record_checkpoint(self.state, record)
         dropped = drop_old_checkpoints(self.state, self.cfg.trainer.keep_checkpoints)
         self.state.elapsed_s = self.total_elapsed_s
         self.state.save(RunDir(self.run_dir).driver_state)
         delete_checkpoints(dropped)  # only once the saved state no longer names them
-        return step_dir
+        return Path(record.path)
 
     @property
     def kept_out(self) -> list[str]:
@@ -442,6 +476,8 @@ class Pipeline:
         metrics.update(step_metrics.rollout_interval_metrics(metrics, elapsed - self._last_log_elapsed))
         self._last_log_elapsed = elapsed
         metrics["invariants/stranded_checks"] = float(self.num_stranded_checks)
+        if self.prompt_filter is not None:
+            metrics.update(self.prompt_filter.metrics(self.state))
         stats = await self._answers(self.engines, "actor_stats", missing=True)
         metrics.update(step_metrics.engine_metrics(stats))
         metrics.update(await self.memory_metrics())

@@ -36,6 +36,7 @@ GiB = 1024**3
 # fp32 weights 4 + gradients 4 + AdamW exp_avg 4 + exp_avg_sq 4.
 OPTIMIZER_BYTES_PER_PARAM = 16
 REFERENCE_BYTES_PER_PARAM = 4  # a frozen fp32 copy for the KL term (learner.use_reference)
+SNAPSHOT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW moments copied for a background checkpoint write
 # Activations kept for backward, per token × decoder layer × hidden unit, fp32: measured 94-96 B for
 # SmolLM2 at 2048 and 4096 tokens (peak RSS of forward + backward on CPU, gradients excluded), and
 # 45 B with learner.gradient_checkpointing (the allocator keeps much of the recomputation); rounded up.
@@ -276,6 +277,15 @@ def learner_parts(cfg: StreamRLConfig, dims: ModelDims, *, on_gpu: bool) -> list
             name="learner process", bytes=LEARNER_PROCESS_BYTES * ranks, how="python + torch + transformers" + per_rank
         ),
     ]
+    if cfg.trainer.async_checkpoint:
+        parts.append(
+            Part(
+                name="learner checkpoint snapshot",
+                bytes=SNAPSHOT_BYTES_PER_PARAM * params,
+                knobs=("trainer.async_checkpoint=false",),
+                how=f"{SNAPSHOT_BYTES_PER_PARAM} B/param: fp32 weights + AdamW moments, in host memory while written",
+            )
+        )
     if lc.use_reference:
         parts.insert(
             1,

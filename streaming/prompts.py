@@ -65,6 +65,13 @@ def group_id_for(record: PromptRecord, epoch: int) -> str:
     return f"{record.group_id}@e{epoch}"
 
 
+def parse_group_id(group_id: str) -> tuple[str, int] | None:
+    """(the prompt's `PromptRecord.group_id`, the epoch) of a group id `group_id_for` made; None for
+    any other form. The prompt's id is the same in every epoch: it names the prompt across the run."""
+    prompt, sep, epoch = group_id.rpartition("@e")
+    return (prompt, int(epoch)) if sep and prompt and epoch.isascii() and epoch.isdigit() else None
+
+
 def make_group(record: PromptRecord, epoch: int, group_size: int, interaction: str | None) -> list[AgentData]:
     """The `group_size` AgentData (PENDING) of one prompt."""
     gid = group_id_for(record, epoch)

@@ -48,6 +48,7 @@ SAFE_ON_RESUME: tuple[str, ...] = (
     "trainer.actor_timeouts.",
     "trainer.stall_timeout_s",
     "trainer.checkpoint_every",
+    "trainer.async_checkpoint",
     "trainer.keep_checkpoints",
     "trainer.log_samples_every",
     "trainer.max_failed_fraction",

@@ -138,6 +138,7 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
     from streamrl.streaming.actors.buffer import create_buffer_actor
     from streamrl.streaming.actors.clients import BufferClient
     from streamrl.streaming.actors.engine import RayEngineClient
+    from streamrl.streaming.prompt_filter import PromptFilter
     from streamrl.streaming.prompts import PromptStream
 
     resuming = state is not None
@@ -190,6 +191,8 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
         buffer=buffer,
         learner=learner,
         stream=stream,
+        # a resume rebuilds it from the recovered buffer's groups at its first admission
+        prompt_filter=PromptFilter.for_run(cfg.data.prompt_filter, records, seed=cfg.data.seed),
         metrics=metrics,
         state=state,
         elapsed_base_s=state.elapsed_s,
@@ -226,9 +229,21 @@ async def _train(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) 
         await pipeline.evaluator.drain()
     finally:
         await pipeline.evaluator.close()  # a failed run does not wait for its evaluation
+        await _settle_checkpoint_on_failure(pipeline)
         pipeline.metrics.close()
         await pipeline.shutdown()
     return pipeline.state
+
+
+async def _settle_checkpoint_on_failure(pipeline: Pipeline) -> None:
+    """A run that failed while a checkpoint was being written records it if the write succeeds (a
+    resume then retrains less); a failed write or a lost learner leaves the older records."""
+    if pipeline.checkpoint_in_flight is None:
+        return
+    try:
+        await pipeline.settle_checkpoint()
+    except Exception:
+        logger.exception("the checkpoint written when the run failed could not be recorded")
 
 
 def finished_already(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> bool:

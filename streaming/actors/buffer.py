@@ -37,7 +37,7 @@ from streamrl.buffer import arrow_compute as pc
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.schema import normalize_batch, trajectories_to_batch
 from streamrl.buffer.store import ReplayBuffer
-from streamrl.buffer.types import BufferProgress, ImageBlob, SampledBatch
+from streamrl.buffer.types import BufferProgress, ImageBlob, SampledBatch, SettledGroups
 from streamrl.core import trace
 from streamrl.rollout.types import JournalRecord, Trajectory, TrajectoryStatus
 
@@ -161,6 +161,10 @@ class BufferActor:
 
     async def has_groups(self, group_ids: list[str]) -> list[bool]:
         return self.buffer.has_groups(group_ids)
+
+    async def settled_groups(self, start: int) -> SettledGroups:
+        """The rewards of the groups settled since the `start`-th one (the driver's prompt filter)."""
+        return self.buffer.settled_groups(start)
 
     async def progress(self) -> BufferProgress:
         """Trajectories in flight and rows appended so far: cheap, for the driver's stall checks."""

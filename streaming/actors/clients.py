@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import ray
 
-    from streamrl.buffer.types import BufferProgress, ImageBlob
+    from streamrl.buffer.types import BufferProgress, ImageBlob, SettledGroups
     from streamrl.rollout.types import AgentData, JournalRecord, RolloutOutcomes, Trajectory
     from streamrl.streaming.actors.engine import RayEngineClient
     from streamrl.streaming.actors.learner import Trained
@@ -113,6 +113,10 @@ class BufferClient(ActorClient):
         count, batch = self.handle.sample_counted.options(num_returns=2).remote(served_version, learner_step)
         return batch if await asyncio.wait_for(count, self.timeout_s) else None
 
+    async def settled_groups(self, start: int) -> SettledGroups:
+        """The rewards of the groups settled since the `start`-th one (`ReplayBuffer.settled_groups`)."""
+        return await self._call("settled_groups", start, timeout_s=self.timeouts.query_s)
+
     async def progress(self) -> BufferProgress:
         return await self._call("progress")
 
@@ -148,8 +152,16 @@ class LearnerClient(ActorClient):
         """The served version, the engines weight sync dropped (they may rejoin at a later sync) and `sync/*`."""
         return await self._call("publish")
 
-    async def save_checkpoint(self, path: str) -> None:
-        await self._call("save_checkpoint", path)
+    async def start_checkpoint(self, path: str) -> None:
+        """The learner snapshots its state for the checkpoint at `path` and writes it in the background."""
+        await self._call("start_checkpoint", path)
+
+    async def finish_checkpoint(self) -> str | None:
+        """Wait for the checkpoint write in flight: its folder once sealed (None if none), or its error."""
+        return await self._call("finish_checkpoint")
+
+    async def checkpoint_busy(self) -> bool:
+        return await self._call("checkpoint_busy", timeout_s=self.timeouts.query_s)
 
     async def policy_version(self) -> int:
         return await self._call("policy_version")

@@ -163,8 +163,16 @@ class LearnerActor:
         self.weights_changed = published.policy_version < self.learner.policy_version
         return published
 
-    async def save_checkpoint(self, path: str) -> None:
-        await self.learner.save_checkpoint(path)
+    async def start_checkpoint(self, path: str) -> None:
+        """Snapshot the learner's state into the checkpoint at `path`, written in the background."""
+        await self.learner.start_checkpoint(path)
+
+    async def finish_checkpoint(self) -> str | None:
+        """The checkpoint in flight, once sealed (None if none); raises its write's error."""
+        return await self.learner.finish_checkpoint()
+
+    async def checkpoint_busy(self) -> bool:
+        return await self.learner.checkpoint_busy()
 
     async def save_hf(self, path: str) -> None:
         await self.learner.save_hf(path)

@@ -116,8 +116,14 @@ class LocalLearner:
         assert self.publisher is not None, "connect() first"
         return self.publisher.unchanged()
 
-    async def save_checkpoint(self, path: str) -> None:
-        self.engine.save_checkpoint(path)
+    async def start_checkpoint(self, path: str) -> None:
+        self.engine.start_checkpoint(path)
+
+    async def finish_checkpoint(self) -> str | None:
+        return await asyncio.to_thread(self.engine.finish_checkpoint)  # the actor answers meanwhile
+
+    async def checkpoint_busy(self) -> bool:
+        return self.engine.checkpoint_busy
 
     async def save_hf(self, path: str) -> None:
         self.engine.save_hf(path)
@@ -286,8 +292,14 @@ class GroupLearner:
     async def unchanged(self) -> Published:
         return (await self._wait([self.group.rank0.unchanged.remote()]))[0]
 
-    async def save_checkpoint(self, path: str) -> None:
-        await self._wait(self.group.start_save_checkpoint(path))
+    async def start_checkpoint(self, path: str) -> None:
+        await self._wait(self.group.start_snapshot(path))
+
+    async def finish_checkpoint(self) -> str | None:
+        return (await self._wait([self.group.rank0.finish_checkpoint.remote()]))[0]
+
+    async def checkpoint_busy(self) -> bool:
+        return (await self._wait([self.group.rank0.checkpoint_busy.remote()]))[0]
 
     async def save_hf(self, path: str) -> None:
         await self._wait(self.group.start_save_hf(path))

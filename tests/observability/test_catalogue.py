@@ -15,7 +15,7 @@ from streamrl.streaming.step_metrics import rollout_interval_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("streaming", "observability", "rollout", "buffer", "learner", "weight_sync", "sim")
-NAMESPACES = "rollout|learner|buffer|staleness|engine|sync|memory|is|length|time|metrics|invariants"
+NAMESPACES = "rollout|learner|buffer|staleness|engine|sync|memory|is|length|time|metrics|invariants|data"
 # A complete key in a plain string literal (f-strings and prefixes such as "memory/" are not keys).
 KEY_LITERAL = re.compile(rf'(?<![fFrRbB\w])"((?:{NAMESPACES})/[\w/.+-]*[a-zA-Z0-9+])"')
 SAMPLES = {

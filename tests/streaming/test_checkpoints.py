@@ -25,7 +25,7 @@ class SealingLearner:
     def __init__(self, inner) -> None:
         self.inner = inner
 
-    async def save_checkpoint(self, path: str) -> None:
+    async def start_checkpoint(self, path: str) -> None:
         atomic_dir(path, lambda d: (d / "optimizer.pt").write_bytes(b"x" * 64), sync=True)
 
     def __getattr__(self, name):
@@ -58,7 +58,7 @@ def _run_dir_with_checkpoints(tmp_path: Path, steps: list[int]) -> tuple[Path, D
         state.learner_step, state.policy_version = step, step + 10
         path = run_dir / "checkpoints" / f"step_{step:06d}"
         atomic_dir(path, lambda d: (d / "optimizer.pt").write_bytes(b"x" * 64), sync=True)
-        record_checkpoint(state, path)
+        record_checkpoint(state, CheckpointRecord.at(state, path))
     state.learner_step, state.policy_version = steps[-1] + 2, steps[-1] + 12  # trained on past the last one
     state.version_high_water = state.policy_version
     state.save(run_dir / "driver_state.json")
@@ -104,3 +104,113 @@ def test_a_state_without_checkpoint_records_checks_its_one_pointer(tmp_path):
     (folder / "state.json").unlink()
     use_newest_complete(state)
     assert state.checkpoint is None and state.checkpoint_version_offset == 0
+
+
+class GatedLearner(SealingLearner):
+    """Seals a checkpoint only once `gate` is set (those named in `held`, or all if None), as a
+    background write that is still running."""
+
+    def __init__(self, inner, held: set[str] | None = None) -> None:
+        super().__init__(inner)
+        self.gate, self.held, self.started = asyncio.Event(), held, None
+        self.names: list[str] = []  # every checkpoint started
+
+    def _held(self, path: str | None) -> bool:
+        return path is not None and (self.held is None or Path(path).name in self.held) and not self.gate.is_set()
+
+    async def start_checkpoint(self, path: str) -> None:
+        self.started = path
+        self.names.append(Path(path).name)
+
+    async def checkpoint_busy(self) -> bool:
+        return self._held(self.started)
+
+    async def finish_checkpoint(self) -> str | None:
+        path, self.started = self.started, None
+        if path is not None:
+            if self._held(path):
+                await self.gate.wait()
+            await SealingLearner.start_checkpoint(self, path)
+        return path
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+async def test_a_checkpoint_is_recorded_once_sealed_with_the_step_it_was_taken_at(tmp_path):
+    """While the write runs the learner trains on and the saved state names the older checkpoint only;
+    once sealed, the record carries the step and label of the snapshot, not of the steps after it."""
+    pipeline, _, learner = _pipeline(tmp_path, "trainer.keep_checkpoints=0")
+    pipeline.learner = gated = GatedLearner(learner)
+    state_file = tmp_path / "driver_state.json"
+    try:
+        gated.gate.set()
+        pipeline.state.learner_step, pipeline.state.policy_version = 3, 3
+        await pipeline.checkpoint()
+        assert await pipeline.settle_checkpoint(wait=False) == tmp_path / "checkpoints" / "step_000003"
+        gated.gate.clear()
+        pipeline.state.learner_step, pipeline.state.policy_version = 6, 6
+        await pipeline.checkpoint()
+        pipeline.state.learner_step, pipeline.state.policy_version = 7, 7  # trained on during the write
+        assert await pipeline.settle_checkpoint(wait=False) is None
+        saved = DriverState.load(state_file)
+        assert [r.step for r in saved.checkpoints] == [3] and saved.checkpoint_step == 3  # a crash now resumes at 3
+        gated.gate.set()
+        assert await pipeline.settle_checkpoint(wait=False) == tmp_path / "checkpoints" / "step_000006"
+        saved = DriverState.load(state_file)
+        assert [(r.step, r.policy_version) for r in saved.checkpoints] == [(3, 3), (6, 6)]
+        assert (saved.checkpoint_step, saved.checkpoint_policy_version) == (6, 6)
+        assert await pipeline.settle_checkpoint() is None  # nothing in flight
+    finally:
+        pipeline.metrics.close()
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+async def test_a_run_ends_only_after_its_last_checkpoint_is_recorded(tmp_path):
+    """The learner loop's last checkpoint is still being written when the last step ends: the run
+    waits for it, and the saved state names the final step."""
+    pipeline, _, learner = _pipeline(tmp_path, "trainer.checkpoint_every=4")
+    pipeline.learner = gated = GatedLearner(learner, held={"step_000008"})
+    loop = asyncio.create_task(run_async(pipeline))
+    try:
+        while "step_000008" not in gated.names:
+            await asyncio.sleep(0.01)
+            assert not loop.done(), loop.exception() if loop.done() else None
+        await asyncio.sleep(0.2)
+        assert not loop.done()  # held by the write
+        gated.gate.set()
+        await asyncio.wait_for(loop, TIMEOUT_S)
+    finally:
+        loop.cancel()
+        pipeline.metrics.close()
+    saved = DriverState.load(tmp_path / "driver_state.json")
+    assert saved.checkpoint_step == 8 and [r.step for r in saved.checkpoints] == [4, 8]
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("write_fails", [False, True])
+async def test_a_failed_run_records_the_checkpoint_it_was_writing(tmp_path, caplog, write_fails):
+    """The run failed for another reason while a checkpoint was being written: a write that succeeds
+    is recorded (a resume retrains less); one that fails is logged, records nothing and does not mask
+    the run's own error."""
+    from streamrl.learner.checkpoint import CheckpointWriteError
+    from streamrl.streaming.train import _settle_checkpoint_on_failure
+
+    pipeline, _, learner = _pipeline(tmp_path)
+    pipeline.learner = gated = GatedLearner(learner)
+    if write_fails:
+
+        async def fail() -> str:
+            raise CheckpointWriteError(28, "saving the checkpoint of policy_version=2 failed: ENOSPC")
+
+        gated.finish_checkpoint = fail
+    gated.gate.set()
+    try:
+        pipeline.state.learner_step, pipeline.state.policy_version = 2, 2
+        await pipeline.checkpoint()
+        await _settle_checkpoint_on_failure(pipeline)
+    finally:
+        pipeline.metrics.close()
+    assert pipeline.checkpoint_in_flight is None
+    if write_fails:
+        assert "could not be recorded" in caplog.text and not (tmp_path / "driver_state.json").exists()
+    else:
+        assert DriverState.load(tmp_path / "driver_state.json").checkpoint_step == 2

@@ -114,6 +114,7 @@ class FakeLearner:
     published: list[int] = field(default_factory=list)
     on_step: object = None  # awaited after each step (a slow learner)
     dropped: dict[str, str] = field(default_factory=dict)  # engines out of the sync set, as a publish reports them
+    checkpoint_path: str | None = None  # the checkpoint started and not yet finished
 
     async def train_step(self, batch) -> Trained:
         self.version += 1
@@ -126,8 +127,16 @@ class FakeLearner:
         self.published.append(self.version)
         return Published(policy_version=self.version, dropped_engines=dict(self.dropped), metrics={})
 
-    async def save_checkpoint(self, path: str) -> None:
+    async def start_checkpoint(self, path: str) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
+        self.checkpoint_path = path
+
+    async def finish_checkpoint(self) -> str | None:
+        path, self.checkpoint_path = self.checkpoint_path, None
+        return path
+
+    async def checkpoint_busy(self) -> bool:
+        return False
 
     async def set_workers(self, workers) -> None:
         self.workers = workers

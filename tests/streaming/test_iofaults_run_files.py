@@ -22,8 +22,8 @@ from safetensors.torch import save_file
 from streamrl.core import iofaults
 from streamrl.core.atomic import SEAL, WriteFailedError, unsealed_reason
 from streamrl.core.iofaults import Fault, FaultKind, FaultPlan
-from streamrl.learner.checkpoint import CheckpointWriteError, load_checkpoint, save_checkpoint
-from streamrl.streaming.checkpoints import record_checkpoint, use_newest_complete
+from streamrl.learner.checkpoint import CheckpointWriteError, CheckpointWriter, load_checkpoint, save_checkpoint
+from streamrl.streaming.checkpoints import CheckpointRecord, record_checkpoint, use_newest_complete
 from streamrl.streaming.driver import run_async
 from streamrl.streaming.pipeline import DriverState
 from tests.streaming.test_driver_loops import TIMEOUT_S, _pipeline
@@ -113,7 +113,7 @@ def _run_with_one_checkpoint(tmp_path: Path) -> tuple[Path, SimpleNamespace, dic
     first = tmp_path / "checkpoints" / "step_000001"
     save_checkpoint(ts, first)
     state = DriverState(learner_step=1, policy_version=1)
-    record_checkpoint(state, first)
+    record_checkpoint(state, CheckpointRecord.at(state, first))
     state.save(tmp_path / "driver_state.json")
     return first, ts, _weights(ts), state
 
@@ -145,7 +145,7 @@ def test_a_failed_checkpoint_write_stops_clearly_and_is_never_resumed_from(tmp_p
     # by a buggy caller), the resume's selection still refuses it
     assert _resumed_checkpoint(tmp_path) == first and unsealed_reason(first) is None
     state.learner_step = state.policy_version = 2
-    record_checkpoint(state, second)
+    record_checkpoint(state, CheckpointRecord.at(state, second))
     state.save(tmp_path / "driver_state.json")
     assert _resumed_checkpoint(tmp_path) == first
     # and the checkpoint it resumes from loads whole: step 1's weights
@@ -241,15 +241,23 @@ def test_the_plan_syntax_names_checkpoint_and_run_file_targets():
 
 
 class CheckpointingLearner:
-    """The driver tests' FakeLearner, whose checkpoints are the real learner's (`save_checkpoint` of a
-    tiny train state), so a checkpoint fault hits the real writer inside `Pipeline.checkpoint`."""
+    """The driver tests' FakeLearner, whose checkpoints are the real learner's (a `CheckpointWriter`
+    of a tiny train state, writing on its background thread), so a checkpoint fault hits the real
+    writer behind `Pipeline.checkpoint` / `settle_checkpoint`."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.ts = inner, _train_state()
+        self.inner, self.ts, self.writer = inner, _train_state(), CheckpointWriter()
 
-    async def save_checkpoint(self, path: str) -> None:
+    async def start_checkpoint(self, path: str) -> None:
         self.ts.policy_version = self.inner.version
-        save_checkpoint(self.ts, Path(path))
+        self.writer.start(self.ts, Path(path))
+
+    async def finish_checkpoint(self) -> str | None:
+        path = await asyncio.to_thread(self.writer.wait)
+        return None if path is None else str(path)
+
+    async def checkpoint_busy(self) -> bool:
+        return self.writer.busy
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
