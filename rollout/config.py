@@ -44,7 +44,25 @@ class AgentConfig(BaseModel):
     # fails its trajectory (rollout/agent_loop/scoring.py).
     reward_timeout_s: float = Field(30.0, gt=0)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    # A running trajectory's tokens become durable at least this often (seconds): once this long has
+    # passed since its last durable row, a partial row is appended (durably) before its next turn, and
+    # a generation still running then is cut there, its streamed tokens kept and the same turn
+    # continued by a new request, as after a weight-sync interrupt. A crash then loses at most this
+    # much of a trajectory's work. Each cut costs a re-prefill of the trajectory so far. None: rows
+    # are written at parks, before non-idempotent tools and at the end only.
+    progress_every_s: float | None = Field(None, gt=0)
     gateway: GatewayConfig | None = None  # the `gateway` agent loop's server and user program (docs/gateway.md)
+
+    @model_validator(mode="after")
+    def _check_progress(self) -> AgentConfig:
+        if self.progress_every_s is not None and self.sampling.seed is not None:
+            raise ValueError(
+                "rollout.agent.progress_every_s cuts generations at timed points and continues each with a new "
+                "request; with rollout.agent.sampling.seed every continuation would restart the same random stream "
+                "(its tokens correlated with the turn's first ones) at points that differ from run to run: unset "
+                "one of the two"
+            )
+        return self
 
 
 class RolloutConfig(BaseModel):

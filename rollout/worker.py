@@ -344,6 +344,8 @@ class RolloutWorker:
             "rollout/num_tool_calls_interrupted": c.num_tool_calls_interrupted,
             "rollout/num_generated_tokens": c.num_generated_tokens,
             "rollout/num_reprefill_tokens": c.num_reprefill_tokens,
+            "rollout/num_progress_rows": c.num_progress_rows,
+            "rollout/num_progress_cuts": c.num_progress_cuts,
             **self.ctx.server.stats().metrics(),
             **(self.ctx.tools.metrics() if self.ctx.tools is not None else {}),
             **gateway_metrics(self.ctx),

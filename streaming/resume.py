@@ -49,6 +49,7 @@ SAFE_ON_RESUME: tuple[str, ...] = (
     "trainer.stall_timeout_s",
     "trainer.checkpoint_every",
     "trainer.async_checkpoint",
+    "rollout.agent.progress_every_s",
     "trainer.keep_checkpoints",
     "trainer.log_samples_every",
     "trainer.max_failed_fraction",

@@ -81,7 +81,9 @@ class LoopCounters:
     num_tool_errors: int = 0
     num_tool_calls_interrupted: int = 0  # in doubt after a resume, not idempotent: answered, not re-run
     num_generated_tokens: int = 0
-    num_reprefill_tokens: int = 0  # prompt tokens re-sent to an engine after an interrupt
+    num_reprefill_tokens: int = 0  # prompt tokens re-sent to an engine after an interrupt or a progress cut
+    num_progress_rows: int = 0  # partial rows made durable because `progress_every_s` had passed
+    num_progress_cuts: int = 0  # generations cut for such a row (the turn went on with a new request)
 
 
 @dataclass(kw_only=True)
@@ -152,11 +154,15 @@ class AgentLoopBase(abc.ABC):
 
     def __init__(self, ctx: AgentContext) -> None:
         self.ctx = ctx
+        # the trajectory's newest durable state: when, and how many response tokens it held (`make_durable`)
+        self.durable_at, self.durable_tokens = time.monotonic(), 0
 
     async def run(self, data: AgentData) -> Trajectory:
         """Drive `data` to TERMINATED, or park it (partial row) when the cancel event is set."""
         if not data.created_at:
             data.created_at = time.time()
+        # it starts from a durable row: its admission's PENDING row, or the partial row it resumes from
+        self.durable_at, self.durable_tokens = time.monotonic(), len(data.response_ids)
         try:
             await self._run(data)
         except Parked:
@@ -220,12 +226,49 @@ class AgentLoopBase(abc.ABC):
         total_left = self.ctx.cfg.response_length - len(data.response_ids)
         return max(min(turn_left, total_left), 0)
 
+    async def make_durable(self, data: AgentData) -> None:
+        """Make the trajectory's current state durable: a partial row appended and fsynced through
+        the context's snapshot hook (the caller checks there is one)."""
+        assert self.ctx.snapshot is not None
+        await self.ctx.snapshot(data.model_copy(deep=True))
+        self.durable_at, self.durable_tokens = time.monotonic(), len(data.response_ids)
+
+    def progress_due_in(self, data: AgentData) -> float | None:
+        """Seconds until the trajectory's progress is due to be made durable (`progress_every_s`);
+        None when progress rows are off or there is nowhere to write them."""
+        every = self.ctx.cfg.progress_every_s
+        if every is None or self.ctx.snapshot is None:
+            return None
+        return self.durable_at + every - time.monotonic()
+
+    async def save_progress_if_due(self, data: AgentData) -> None:
+        """A partial row before the next generation when `progress_every_s` has passed since the last
+        durable one and the trajectory has grown since (tool results, finished turns)."""
+        due = self.progress_due_in(data)
+        if due is not None and due <= 0 and len(data.response_ids) > self.durable_tokens:
+            await self.make_durable(data)
+            self.ctx.counters.num_progress_rows += 1
+
     async def generate_turn(self, data: AgentData) -> str:
         """Sample (the rest of) one assistant turn; returns the engine's finish reason.
 
         Parks before sending if a pause is pending, and mid-generation if one arrives: the engine
-        request is aborted and the streamed tokens are appended before parking.
+        request is aborted and the streamed tokens are appended before parking. With
+        `progress_every_s`, a generation still running when the trajectory's progress is due is cut
+        the same way, its tokens made durable, and the turn goes on with a new request.
         """
+        while True:
+            await self.save_progress_if_due(data)
+            finish = await self._sample(data)
+            if finish is not None:
+                return finish
+            await self.make_durable(data)  # cut for progress: the tokens so far, then the rest of the turn
+            self.ctx.counters.num_progress_rows += 1
+            self.ctx.counters.num_progress_cuts += 1
+
+    async def _sample(self, data: AgentData) -> str | None:
+        """One engine request for (the rest of) the turn: its finish reason, or None when it was cut
+        because the trajectory's progress fell due (its streamed tokens appended)."""
         image_kw: dict[str, Any] = {}
         if data.images:  # text-only trajectories call the engine exactly as before
             data.check_aligned(image_token_id=self.ctx.image_token_id)
@@ -246,7 +289,7 @@ class AgentLoopBase(abc.ABC):
         )
         data.request_id = f"{data.trajectory_id}-{uuid.uuid4().hex[:8]}"
         prompt = data.prompt_ids + data.response_ids
-        if data.num_interrupts and len(data.response_ids) > data.turn_start:
+        if len(data.response_ids) > data.turn_start:  # the turn resumes after an interrupt or a cut
             self.ctx.counters.num_reprefill_tokens += len(prompt)
         t0, started = time.monotonic(), time.time()
         self.ctx.num_in_engine += 1
@@ -254,14 +297,17 @@ class AgentLoopBase(abc.ABC):
             self.ctx.server.generate(data.trajectory_id, data.request_id, prompt, sampling, **image_kw)
         )
         cancel = asyncio.ensure_future(self.ctx.cancel.wait())
+        due = self.progress_due_in(data)
+        progress = asyncio.ensure_future(asyncio.sleep(max(due, 0.0) if due is not None else 1e9))
         try:
-            done, _ = await asyncio.wait({gen, cancel}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({gen, cancel, progress}, return_when=asyncio.FIRST_COMPLETED)
             if gen not in done:
                 await self.ctx.server.abort(data.request_id)
             output, engine_id = await gen
         finally:
             self.ctx.num_in_engine -= 1
             cancel.cancel()
+            progress.cancel()
             if not gen.done():
                 gen.cancel()
         data.generate_s += time.monotonic() - t0
@@ -271,7 +317,9 @@ class AgentLoopBase(abc.ABC):
         if trace.enabled():
             trace_generate(data, started, engine_id, output)
         if output.aborted:
-            raise Parked()
+            if self.ctx.cancel.is_set() or not progress.done():
+                raise Parked()  # a pause (or the engine) ended the request: park
+            return None
         return output.finish_reason
 
     def out_of_room(self, data: AgentData) -> bool:

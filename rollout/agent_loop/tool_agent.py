@@ -227,7 +227,7 @@ class ToolAgentLoop(AgentLoopBase):
             ToolJournalEntry(call_id=c.call_id, name=c.name, arguments=c.arguments) for c in intents
         )
         if self.ctx.snapshot is not None and any(not tools.is_idempotent(c.name) for c in intents):
-            await self.ctx.snapshot(data.model_copy(deep=True))
+            await self.make_durable(data)
             faults.hit("tool.before_run")  # the intents are durable, no tool has run
         return {c.call_id for c in intents}
 
