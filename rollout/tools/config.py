@@ -1,10 +1,11 @@
 """Load a YAML tool config into a `ToolRegistry`; accepts our short format and verl's format.
 
-Ours refers to built-in tools by short name and passes their (validated) config:
+Ours refers to the library's built-in tools by short name, to any other tool class by its import
+path, and passes their (validated) config:
 
     tools:
       - name: calculator
-      - name: sleep
+      - class_name: streamrl.workloads.tools.sleep_tool:SleepTool
         config: {latency_s: 0.5, jitter_s: 0.1}
 
 verl's names a class and carries the OpenAI schema (`type: native` is the only kind supported):
@@ -61,9 +62,9 @@ from streamrl.rollout.tools.executor import DEFAULT_MAX_RESULT_CHARS, ToolRegist
 from streamrl.rollout.tools.function import FunctionTool
 from streamrl.rollout.tools.mcp import MCPServerConfig, MCPToolset, close_toolsets  # the SDK loads lazily
 
+# The library's own tools, by name; a workload's tool is named by its `class_name` (configs/tools/sleep.yaml).
 BUILTIN_TOOLS: dict[str, str] = {
     "calculator": "streamrl.rollout.tools.calculator:CalculatorTool",
-    "sleep": "streamrl.workloads.tools.sleep_tool:SleepTool",
 }
 
 

@@ -311,7 +311,7 @@ def test_load_our_format_with_rename_and_custom_class(tmp_path):
     path.write_text(
         "max_result_chars: 100\n"
         "tools:\n"
-        "  - name: sleep\n"
+        "  - class_name: streamrl.workloads.tools.sleep_tool:SleepTool\n"
         "    config: {latency_s: 0.0}\n"
         "  - name: calc2\n"
         "    class_name: streamrl.rollout.tools.calculator:CalculatorTool\n"
@@ -328,7 +328,11 @@ def test_load_our_format_with_rename_and_custom_class(tmp_path):
     [
         ({"tools": [{"name": "wolfram"}]}, "unknown built-in tool 'wolfram'"),
         ({"tools": [{"config": {}}]}, "needs `name`"),
-        ({"tools": [{"name": "sleep", "config": {"latency": 1}}]}, "latency"),
+        (
+            {"tools": [{"class_name": "streamrl.workloads.tools.sleep_tool:SleepTool", "config": {"latency": 1}}]},
+            "latency",
+        ),
+        ({"tools": [{"name": "sleep"}]}, "unknown built-in tool 'sleep'"),  # a workload's tool, not the library's
         ({"tools": [{"class_name": "verl.tools.gsm8k_tool.Gsm8kTool"}]}, "cannot import module"),
         ({"tools": [{"class_name": "streamrl.rollout.types.ToolCall"}]}, "not a subclass"),
         ({"tools": [{"name": "calculator", "config": {"type": "mcp"}}]}, "only 'native'"),
