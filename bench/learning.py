@@ -204,9 +204,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         done = [r for r in runs if r["mode"] == mode and r["exit_code"] == 0 and len(r["curve"]) >= 2]
         if not done:
             continue
-        result = compare(pooled(done, 0), pooled(done, -1))
+        scored = [r for r in done if "scores" in r["curve"][0]]  # runs merged from an older JSON may lack them
+        result = compare(pooled(scored, 0), pooled(scored, -1))
         out[mode] = {
             "num_seeds": len(done),
+            "tested_seeds": [r["seed"] for r in scored],  # the runs whose per-prompt scores the test pools
             "before": result.before,
             "after": result.after,
             "rise": result.diff,
@@ -236,8 +238,34 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "speedup": sync_s / reach if reach else None,  # sync's time / async's time to sync's final reward
             "speedup_per_seed": per_seed,  # each seed's async against the same seed's sync (None: never reached)
             "target_met": reach is not None and reach <= 0.5 * sync_s,
+            "same_reward": same_reward(out["sync"]["curve_wall"], out["async"]["curve_wall"]),
+            "same_reward_per_seed": seed_same_rewards(runs),
         }
     return out
+
+
+def same_reward(sync: list[tuple], fast: list[tuple]) -> dict[str, float | None]:
+    """Both curves' first time to the lower of their final rewards (each on its way up, linear
+    between evaluations) and their ratio, sync's time over async's: the time to the same reward,
+    where `speedup` sets sync's whole run against async's first arrival at sync's final reward."""
+    target = min(sync[-1][1], fast[-1][1])
+    sync_s, async_s = time_to_reach(sync, target), time_to_reach(fast, target)
+    return {
+        "reward": target,
+        "sync_time_s": sync_s,
+        "async_time_s": async_s,
+        "ratio": sync_s / async_s if sync_s and async_s else None,
+    }
+
+
+def seed_same_rewards(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """`same_reward` per seed run in both modes, on each run's own points."""
+    by = {(r["mode"], r["seed"]): r for r in runs if r["exit_code"] == 0 and len(r["curve"]) >= 2}
+    points = lambda run: [(p["elapsed_s"], p["reward"]) for p in run["curve"]]  # noqa: E731
+    return {
+        str(seed): same_reward(points(by[("sync", seed)]), points(by[("async", seed)]))
+        for seed in sorted({seed for mode, seed in by if mode == "sync" and ("async", seed) in by})
+    }
 
 
 def seed_speedups(runs: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -250,6 +278,17 @@ def seed_speedups(runs: list[dict[str, Any]]) -> dict[str, float | None]:
         reach = time_to_reach([(p["elapsed_s"], p["reward"]) for p in fast], sync[-1]["reward"])
         out[str(seed)] = sync[-1]["elapsed_s"] / reach if reach else None
     return out
+
+
+def merged_runs(path: Path, have: set[tuple[str, int]]) -> list[dict[str, Any]]:
+    """The runs of an earlier result JSON that are not in `have`, each marked with the commit and
+    command it came from."""
+    earlier = json.loads(path.read_text())
+    return [
+        r | {"merged_from": {"commit": earlier["commit"], "command": earlier["command"]}}
+        for r in earlier["runs"]
+        if (r["mode"], r["seed"]) not in have
+    ]
 
 
 def gradient_share(run_dir: Path) -> dict[str, float] | None:
@@ -330,6 +369,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="DIR",
         help="train nothing: summarize the <mode>-s<seed> run directories already in DIR",
     )
+    parser.add_argument(
+        "--merge",
+        default=None,
+        metavar="JSON",
+        help="add the runs of an earlier result JSON whose (mode, seed) this command does not run",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for every run")
     return parser.parse_args(argv)
 
@@ -372,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             line = " ".join(f"{p['served_step']}:{p['reward']:.3f}" for p in points)
             print(f"{mode} seed {seed}: rc={rc} {wall:.0f}s held-out by step {line}", flush=True)
+    if args.merge:
+        runs += merged_runs(Path(args.merge), {(r["mode"], r["seed"]) for r in runs})
     summary = summarize(runs)
     result = {
         "command": "python -m bench.learning " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -387,11 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
         "total_wall_s": time.monotonic() - t_start,
         "summary": summary,
-        "runs": [
-            {k: v for k, v in r.items() if k != "curve"}
-            | {"curve": [{k: v for k, v in p.items() if k != "scores"} for p in r["curve"]]}
-            for r in runs
-        ],
+        "runs": runs,  # each curve point with its per-prompt scores, so a later run can merge these
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

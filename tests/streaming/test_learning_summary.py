@@ -53,3 +53,39 @@ def test_a_regime_map_cell_reads_the_speedup_and_its_seed_interval(tmp_path):
     assert got["seeds_not_reached"] == 0 and got["num_seeds"] == 2
     grid = build({("none", "shared"): str(path)})
     assert sum(c["measured"] for c in grid["cells"]) == 1 and len(grid["cells"]) == 6
+
+
+def test_time_to_the_same_reward_reads_both_curves_on_their_way_up():
+    """Sync first crosses async's lower final reward 0.4 at 200 s, async at 150 s: ratio 4/3, although
+    sync's whole run (800 s) is what `speedup` compares against."""
+    runs = [
+        _run("sync", 0, [(0, 0.0), (400, 0.8), (800, 0.5)]),  # up to 0.8, then down to 0.5
+        _run("async", 0, [(0, 0.0), (100, 0.2), (200, 0.6), (300, 0.4)]),
+    ]
+    same = summarize(runs)["async_vs_sync"]["same_reward"]
+    assert same["reward"] == pytest.approx(0.4)
+    assert same["sync_time_s"] == pytest.approx(200.0) and same["async_time_s"] == pytest.approx(150.0)
+    assert same["ratio"] == pytest.approx(200 / 150)
+    assert summarize(runs)["async_vs_sync"]["same_reward_per_seed"]["0"]["ratio"] == pytest.approx(200 / 150)
+
+
+def test_runs_merged_from_an_earlier_result_join_the_curves_and_not_the_paired_test(tmp_path):
+    """A seed from an earlier JSON (its points without per-prompt scores) counts in the mean curves
+    and the speed-ups; the rise test pools only the runs that carry scores."""
+    import json
+
+    from bench.learning import merged_runs
+
+    earlier = _run("async", 0, [(0, 0.0), (100, 0.5)])
+    for point in earlier["curve"]:
+        del point["scores"]
+    path = tmp_path / "learning.json"
+    path.write_text(json.dumps({"commit": "abc", "command": "python -m bench.learning", "runs": [earlier]}))
+    runs = [_run("async", 1, [(0, 0.0), (100, 0.3)])]
+    runs += merged_runs(path, {("async", 1)})
+    assert [r["seed"] for r in runs] == [1, 0] and runs[1]["merged_from"]["commit"] == "abc"
+    assert merged_runs(path, {("async", 0)}) == []
+    summary = summarize(runs)["async"]
+    assert summary["num_seeds"] == 2 and summary["tested_seeds"] == [1]
+    assert summary["after"] == pytest.approx(0.3)  # the test's pairs: seed 1 only
+    assert summary["curve_wall"][-1][1] == pytest.approx(0.4)  # the mean curve: both seeds
