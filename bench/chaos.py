@@ -83,6 +83,10 @@ def scenarios(seed: int) -> dict[str, list[str]]:
         # (a tiny-model job is ~20 s of start-up, then admission, steps and checkpoints; a resume
         # is ~40 s of recovery first).
         "sigkill": [f"sigkill_after={n(25, 60, 'l')}", f"sigkill_after={n(35, 70, 'm')}"],
+        # I1/I2/I4 with durable generation progress: the same SIGKILLs while every running trajectory
+        # writes a partial row every 2 s and long generations are cut there (rollout.agent.progress_every_s):
+        # the resumed trajectories continue from mid-turn rows, token for token.
+        "progress": [f"sigkill_after={n(25, 60, 'w')}", f"sigkill_after={n(35, 70, 'x')}"],
         # I2/I6: the job killed mid-admission while appends are slow, then a slow sink (every few
         # appends wait seconds: rows land during pauses and syncs) that also raises now and then.
         "slow_sink": [
@@ -113,6 +117,7 @@ SCENARIO_OVERRIDES = {
     # long enough that both kills (25-70 s into a segment) land mid-run on a fast machine too: on a
     # 2-core AMD EPYC 8 steps, and later 30 (53 s), finished before the first kill (0 faults injected)
     "sigkill": ["trainer.total_steps=120"],
+    "progress": ["trainer.total_steps=120", "rollout.agent.progress_every_s=2"],
     # The tiny model warmed up on calculator transcripts (cached once per STREAMRL_CACHE; under a
     # minute) calls the calculator in most trajectories; easy problems keep it on the format.
     "io": IO_OVERRIDES,
