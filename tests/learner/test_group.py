@@ -10,6 +10,10 @@ from streamrl.learner.engine import TrainingEngine
 from tests.learner.test_engine import _batch
 
 
+def _files(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def _sync_names(engine) -> list[tuple[str, tuple[int, ...], float]]:
     return [(n, tuple(t.shape), float(t.double().sum())) for n, t in engine.named_parameters_for_sync()]
 
@@ -53,6 +57,12 @@ def test_two_rank_fsdp_group_matches_single_process(ray_cluster, tmp_path):
         group.save_hf(tmp_path / "hf")
         assert (tmp_path / "hf" / "model.safetensors").exists()
         group.save_checkpoint(tmp_path / "ckpt")
+        # the same state checkpointed in the background (every rank gathers, rank 0 writes) while the
+        # group trains on: the files are those of the inline save
+        group._wait(group.start_snapshot(tmp_path / "background"))
+        group.train_step(_batch(versions=(1,) * 4, seed=5))
+        assert group._wait([group.rank0.finish_checkpoint.remote()]) == [str(tmp_path / "background")]
+        assert _files(tmp_path / "background") == _files(tmp_path / "ckpt")
         group.load_checkpoint(tmp_path / "ckpt")
         assert group.policy_version == 1
     finally:
