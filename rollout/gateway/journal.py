@@ -49,12 +49,23 @@ class Branch(BaseModel):
     versions: list[int]
 
 
+class ResponseLink(BaseModel):
+    """A stored Responses-API answer's place in its conversation (`responses.py`): the conversation of
+    response `previous` (None: nothing), then `messages`, then this answer's output. `previous` is the one
+    the call named (`previous_response_id`) or, for a call that sent its whole conversation again, the
+    last stored response it begins with, so a record holds only the call's new input, never the history."""
+
+    previous: str | None = None
+    messages: list[dict[str, Any]]  # OpenAI chat format; the call's instructions are not part of it
+
+
 class JournalEntry(BaseModel):
     key: str  # sha256 of session, attempt, path, body (without the stream flags)
     body_sha: str  # sha256 of path and body only: matches the same call made by a later attempt
     attempt: int
     api: str
     response: dict[str, Any]  # the non-streamed response object; a stream is rendered from it
+    link: ResponseLink | None = None  # a Responses-API answer kept for `previous_response_id` (`store`)
 
 
 class Placement(BaseModel):

@@ -1,5 +1,5 @@
-"""The two wire formats the gateway speaks, OpenAI chat completions and Anthropic messages, and the one
-call shape inside (`ChatCall`, `Choice`).
+"""The two chat wire formats the gateway speaks, OpenAI chat completions and Anthropic messages, and the
+one call shape inside (`ChatCall`, `Choice`). The OpenAI Responses API, the third, is `responses.py`.
 
 Owns: validating a request body into a `ChatCall` (messages in the OpenAI chat format the chat template
 reads, tools as OpenAI function schemas, sampling parameters), writing an answer back as each API's
@@ -70,7 +70,7 @@ def error_body(api: str, err: GatewayError) -> dict[str, Any]:
 class ChatCall:
     """One chat call, whichever API it came through."""
 
-    api: str  # "openai" | "anthropic"
+    api: str  # "openai" | "anthropic" | "responses"
     model: str
     messages: list[dict[str, Any]]  # OpenAI chat format; text content only
     tools: list[dict[str, Any]] | None = None  # OpenAI function tool schemas
@@ -85,6 +85,25 @@ class ChatCall:
     logprobs: bool = False
     stream: bool = False
     include_usage: bool = False  # OpenAI `stream_options.include_usage`
+    # A Responses-API call (`responses.py`): `messages` are empty until the session resolves its
+    # `previous_response_id` against the responses it stored (`responses.conversation`).
+    responses: ResponsesInput | None = None
+
+
+@dataclass(kw_only=True)
+class ResponsesInput:
+    """What a Responses-API call adds to the chat call: its own input and how it joins stored responses."""
+
+    messages: list[dict[str, Any]]  # this call's `input` as OpenAI chat messages (instructions excluded)
+    instructions: str | None = None  # a system message ahead of the whole conversation, this call only
+    previous_response_id: str | None = None  # the stored response whose conversation comes first
+    store: bool = True  # keep the answer for a later call's `previous_response_id`
+    # Echoed in the response object as the request gave them.
+    tools: list[dict[str, Any]] = field(default_factory=list)  # Responses-shape function tools
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    top_logprobs: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)

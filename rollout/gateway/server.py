@@ -9,6 +9,8 @@ session and attempt:
 
     GET  /s/{session}/{attempt}/v1/models
     POST /s/{session}/{attempt}/v1/chat/completions    (OpenAI; stream=true answers server-sent events)
+    POST /s/{session}/{attempt}/v1/responses           (OpenAI Responses, `responses.py`; stream=true likewise)
+    GET  /s/{session}/{attempt}/v1/responses/{id}      (a response the session stored)
     POST /s/{session}/{attempt}/v1/messages            (Anthropic; stream=true likewise)
 
 Errors come in the calling API's own error body, with the status codes the official clients act on:
@@ -38,7 +40,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from streamrl.rollout.gateway import protocol
+from streamrl.rollout.gateway import protocol, responses
 from streamrl.rollout.gateway.config import GatewayConfig
 from streamrl.rollout.gateway.protocol import GatewayError
 from streamrl.rollout.gateway.session import CallStats, Session, call_key
@@ -215,6 +217,8 @@ class GatewayServer:
             body = await self.body(request)
             if api == "anthropic":
                 call = protocol.parse_anthropic(body)
+            elif api == "responses":
+                call = responses.parse(body)
             else:
                 call = protocol.parse_openai(body, max_choices=self.cfg.max_choices)
             stream, include_usage = call.stream, call.include_usage
@@ -229,11 +233,12 @@ class GatewayServer:
             reply: Response = JSONResponse(response)
             self.account(stats, time.perf_counter() - started)
             return reply
-        events = (
-            protocol.anthropic_events(response)
-            if api == "anthropic"
-            else protocol.openai_events(response, include_usage=include_usage)
-        )
+        if api == "anthropic":
+            events = protocol.anthropic_events(response)
+        elif api == "responses":
+            events = responses.events(response)
+        else:
+            events = protocol.openai_events(response, include_usage=include_usage)
 
         async def send() -> Any:
             for event in events:
@@ -311,6 +316,20 @@ def build_app(gateway: GatewayServer) -> FastAPI:
     @app.post("/s/{session_id}/{attempt}/v1/chat/completions")
     async def chat_completions(request: Request, session_id: str, attempt: int) -> Response:
         return await gateway.chat("openai", request, session_id, attempt)
+
+    @app.post("/s/{session_id}/{attempt}/v1/responses")
+    async def create_response(request: Request, session_id: str, attempt: int) -> Response:
+        return await gateway.chat("responses", request, session_id, attempt)
+
+    @app.get("/s/{session_id}/{attempt}/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, session_id: str, attempt: int, response_id: str) -> Response:
+        try:
+            stored = gateway.authorize(request, session_id, attempt).stored_response(response_id)
+        except GatewayError as err:
+            return gateway.error("responses", err)
+        if stored is None:
+            return gateway.error("responses", GatewayError(404, f"Response with id {response_id!r} not found."))
+        return JSONResponse(stored)
 
     @app.post("/s/{session_id}/{attempt}/v1/messages")
     async def messages(request: Request, session_id: str, attempt: int) -> Response:

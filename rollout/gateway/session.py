@@ -25,6 +25,10 @@ With `n > 1` every choice is kept until the next call shows which one the agent 
 one joins the record, the others are counted (`num_unused_choices`). At the end (or when the next call
 continues none of them) choice 0 joins.
 
+A Responses-API call (`responses.py`) is answered the same way once the session has resolved its
+conversation: its `previous_response_id` names a response the session stored (`journal.ResponseLink` on
+that answer's journal entry), whose input and output come before the call's own input.
+
 Generation is interruptible the way the agent loops' is (`AgentLoopBase.generate_turn`): while the
 worker's cancel Event is set (a weight sync) no request is sent; a request in flight when it is set is
 aborted, its streamed tokens kept, and once the Event clears the generation continues from prompt +
@@ -51,12 +55,12 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from streamrl.core.faults import ahit
 from streamrl.rollout.engine.base import SamplingParams
-from streamrl.rollout.gateway import journal, protocol
+from streamrl.rollout.gateway import journal, protocol, responses
 from streamrl.rollout.gateway.config import GatewayConfig
 from streamrl.rollout.gateway.journal import Branch, CallRecord, GatewayState, JournalEntry, Placement
 from streamrl.rollout.gateway.protocol import ChatCall, Choice, GatewayError, ToolCallOut
@@ -134,6 +138,7 @@ class Session:
         self._by_key: dict[str, JournalEntry] = {}  # this attempt's answers (retries)
         self._by_body: dict[str, JournalEntry] = {}  # earlier attempts' answers (replays)
         self._canonical: list[tuple] = []  # the record's messages as `protocol.canonical_message`s
+        self._stored: dict[str, JournalEntry] = {}  # stored Responses answers by id, the latest last
         self._reindex()
 
     @property
@@ -164,6 +169,20 @@ class Session:
         self._by_key = {e.key: e for e in reversed(self.state.journal)}
         self._by_body = {e.body_sha: e for e in reversed(self.state.journal) if e.attempt < self.state.attempt}
         self._canonical = [protocol.canonical_message(m) for m in self.data.messages]
+        self._stored = {}
+        for entry in self.state.journal:
+            self._store(entry)
+
+    def _store(self, entry: JournalEntry) -> None:
+        """Keep a Responses answer stored with `store` for `previous_response_id` (latest last)."""
+        if entry.link is not None:
+            self._stored.pop(entry.response["id"], None)
+            self._stored[entry.response["id"]] = entry
+
+    def stored_response(self, response_id: str) -> dict[str, Any] | None:
+        """A stored Responses answer by its id (`GET /v1/responses/{id}`)."""
+        entry = self._stored.get(response_id)
+        return None if entry is None else entry.response
 
     # ---- answering ----------------------------------------------------------------------------
 
@@ -181,6 +200,7 @@ class Session:
             again = entry.model_copy(update={"key": key, "attempt": self.state.attempt})
             self.state.journal.append(again)  # its retries are answered by key (it is durable as `entry`)
             self._by_key[key] = again
+            self._store(again)
             return entry.response
         return None
 
@@ -197,6 +217,8 @@ class Session:
             answer = self.lookup(key, body_sha)
             if answer is not None:
                 return answer
+            if call.responses is not None:  # a Responses call: its conversation from the stored responses
+                call = replace(call, messages=responses.conversation(self._stored, call.responses))
             response = await self._answer(call, key, body_sha)
             await ahit("gateway.before_answer")  # a fresh answer only: a crash here is one call of progress
             return response
@@ -208,14 +230,21 @@ class Session:
         self.stats.sampled = True
         choices = await asyncio.gather(*(self._sample(call, prompt, budget, i) for i in range(call.n)))
         await ahit("gateway.before_journal")
+        link = None
         if call.api == "anthropic":
             response = protocol.anthropic_message(f"msg_{key[:24]}", call.model, choices[0], len(prompt))
+        elif call.responses is not None:
+            response = responses.response_object(f"resp_{key[:24]}", call, choices[0], len(prompt))
+            link = responses.link(self._stored, call.responses)
         else:
             response = protocol.openai_completion(
                 f"chatcmpl-{key[:24]}", call.model, choices, len(prompt), logprobs=call.logprobs
             )
+        entry = JournalEntry(
+            key=key, body_sha=body_sha, attempt=self.state.attempt, api=call.api, response=response, link=link
+        )
         record = CallRecord(
-            entry=JournalEntry(key=key, body_sha=body_sha, attempt=self.state.attempt, api=call.api, response=response),
+            entry=entry,
             placement=placement,
             branches=[
                 Branch(message=c.message(), token_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions)
@@ -253,6 +282,7 @@ class Session:
         else:
             self._canonical = [protocol.canonical_message(m) for m in self.data.messages]
         self._by_key[record.entry.key] = record.entry
+        self._store(record.entry)
 
     # ---- the token record ---------------------------------------------------------------------
 
