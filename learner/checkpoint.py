@@ -3,6 +3,7 @@
 Checkpoint layout (`save_checkpoint(dir)`):
 
     dir/hf/                  save_pretrained weights + config + tokenizer (vLLM can load it)
+    dir/adapter.pt           LoRA only: the adapter's weights (peft's `get_peft_model_state_dict`)
     dir/value_head.pt        PPO value head state_dict
     dir/optimizer.pt         AdamW state (FQN-keyed full state under FSDP)
     dir/scheduler.pt         LambdaLR state
@@ -11,9 +12,13 @@ Checkpoint layout (`save_checkpoint(dir)`):
     dir/SEALED.json          written last: every other file and its size (`core.atomic.seal_dir`)
 
 Weights are fp32 safetensors and the optimiser state is saved as is, so on CPU a resumed engine
-takes bit-identical steps. Under FSDP rank 0 gathers full state dicts and writes; loading
-broadcasts from rank 0. A checkpoint is sealed (fsynced, then its manifest) before it is renamed
-into place: it survives a lost machine whole, or is recognisably torn.
+takes bit-identical steps. With LoRA (`learner.lora`) `hf/` holds the merged model (what the engines
+serve and `streamrl eval` loads) and `adapter.pt` the adapter; a resume keeps the base weights it
+loaded from `learner.model`, restores the adapter from `adapter.pt`, and checks that base + adapter
+merge to the `hf/` weights (a resume on another base model is refused, not trained on). Under FSDP
+rank 0 gathers full state dicts and writes; loading broadcasts from rank 0. A checkpoint is sealed
+(fsynced, then its manifest) before it is renamed into place: it survives a lost machine whole, or is
+recognisably torn.
 
 A failed write stops the run, it never leaves a checkpoint a resume would take. Every file of ours
 (`*.pt`, `state.json`, the seal) is written and fsynced through the I/O plan (`core.iofaults`, as
@@ -62,6 +67,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOG = "ckpt"  # the checkpoint files' I/O-plan target prefix: `ckpt/optimizer.pt`, `ckpt/SEALED.json`, ...
+ADAPTER_FILE = "adapter.pt"
 
 
 class CheckpointWriteError(WriteFailedError):
@@ -95,7 +101,7 @@ def _write_hf(ts: TrainState, out: Path, state: dict[str, torch.Tensor] | None) 
 
 
 def save_hf(ts: TrainState, directory: Path) -> Path:
-    state = _full_lm_state(ts)
+    state = _full_lm_state(ts) if ts.lora is None else ts.lora.merged_state_dict()[0]
     if ts.rank == 0:
         atomic_dir(directory, lambda tmp: _write_hf(ts, tmp, state))
     _barrier(ts)
@@ -120,8 +126,9 @@ class Snapshot:
     directory: Path
     lm: PreTrainedModel  # for its config and file layout only: the weights written are `lm_state`'s
     tokenizer: Any
-    lm_state: dict[str, torch.Tensor]
+    lm_state: dict[str, torch.Tensor]  # with LoRA: the merged model's
     head_state: dict[str, torch.Tensor] | None
+    adapter_state: dict[str, torch.Tensor] | None  # LoRA only
     optimizer_state: dict
     scheduler_state: dict
     rng: dict
@@ -142,13 +149,18 @@ def take_snapshot(ts: TrainState, directory: Path) -> Snapshot | None:
     head_state = None if head is None else {k: full_tensor(v).cpu() for k, v in head.state_dict().items()}
     if ts.rank != 0:
         return None
+    # gathered full states (FSDP) are fresh host tensors already; a single process's are the live ones
+    if ts.lora is not None:
+        lm_state = _merged_copy(ts)
+    elif lm_state is None:
+        lm_state = _cloned(ts.policy.lm.state_dict())
     return Snapshot(
         directory=Path(directory),
         lm=ts.policy.lm,
         tokenizer=ts.tokenizer,
-        # gathered full states (FSDP) are fresh host tensors already; a single process's are the live ones
-        lm_state=_cloned(ts.policy.lm.state_dict()) if lm_state is None else lm_state,
+        lm_state=lm_state,
         head_state=None if head_state is None else _cloned(head_state),
+        adapter_state=None if ts.lora is None else _cloned(ts.lora.adapter_state()),
         optimizer_state=optimizer_state if ts.is_distributed else _cloned(optimizer_state),
         scheduler_state=_cloned(ts.scheduler.state_dict()),
         rng=_rng_state(ts),
@@ -158,6 +170,14 @@ def take_snapshot(ts: TrainState, directory: Path) -> Snapshot | None:
             "config": ts.cfg.model_dump(mode="json"),
         },
     )
+
+
+def _merged_copy(ts: TrainState) -> dict[str, torch.Tensor]:
+    """The merged model's state dict sharing no storage with the live model: merged entries are new
+    tensors already, the frozen rest is cloned (its tied weights still shared, as `_cloned` keeps them)."""
+    state, merged = ts.lora.merged_state_dict()
+    frozen = _cloned({k: v for k, v in state.items() if k not in merged})
+    return {k: v if k in merged else frozen[k] for k, v in state.items()}
 
 
 def _cloned(state: Any) -> Any:
@@ -190,6 +210,8 @@ def write_snapshot(snap: Snapshot) -> Path:
         out = tmp / CHECKPOINT_HF
         snap.lm.save_pretrained(out, state_dict=snap.lm_state, safe_serialization=True)
         snap.tokenizer.save_pretrained(out)
+        if snap.adapter_state is not None:
+            _save_pt(snap.adapter_state, tmp / ADAPTER_FILE)
         if snap.head_state is not None:
             _save_pt(snap.head_state, tmp / "value_head.pt")
         _save_pt(snap.optimizer_state, tmp / "optimizer.pt")
@@ -326,8 +348,19 @@ def load_checkpoint(ts: TrainState, directory: Path) -> tuple[int, int]:
     head_state = _load(directory / "value_head.pt") if (directory / "value_head.pt").exists() else None
     if (head_state is None) != (ts.policy.value_head is None):
         raise ValueError("checkpoint and config disagree on the value head (algo ppo vs grpo)")
+    has_adapter = (directory / ADAPTER_FILE).exists()
+    if has_adapter != (ts.lora is not None):
+        raise ValueError(
+            f"checkpoint and config disagree on LoRA: {directory} {'holds' if has_adapter else 'has no'} "
+            f"{ADAPTER_FILE}, learner.lora is {'unset' if ts.lora is None else 'set'}"
+        )
     optim_state = _load(directory / "optimizer.pt")
-    if ts.is_distributed:
+    if ts.lora is not None:  # one process (LearnerConfig refuses LoRA with FSDP)
+        _load_adapter(ts, directory, lm_state)
+        if head_state is not None:
+            ts.policy.value_head.load_state_dict(head_state)
+        ts.optimizer.load_state_dict(optim_state)
+    elif ts.is_distributed:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             ValueType,
@@ -353,6 +386,20 @@ def load_checkpoint(ts: TrainState, directory: Path) -> tuple[int, int]:
     _set_rng_state(ts, _load(directory / "rng.pt"))
     logger.info("loaded checkpoint policy_version=%d from %s", int(meta["policy_version"]), directory)
     return int(meta["policy_version"]), int(meta["num_optimizer_steps"])
+
+
+def _load_adapter(ts: TrainState, directory: Path, merged: dict[str, torch.Tensor]) -> None:
+    """Restore the adapter from `adapter.pt` onto the base weights this engine loaded, and check that
+    they merge to the checkpoint's `hf/` weights: a different base would serve wrong weights silently."""
+    ts.lora.load_adapter_state(_load(directory / ADAPTER_FILE))
+    for name, tensor in ts.lora.merged_parameters():
+        saved = merged.get(name)
+        if saved is None or not torch.allclose(saved.to(tensor.device), tensor, rtol=1e-5, atol=1e-6):
+            raise ValueError(
+                f"{directory}: base weights + adapter do not merge to the checkpoint's {CHECKPOINT_HF}/ weights "
+                f"({name} {'is missing there' if saved is None else 'differs'}); resume a LoRA run on the base "
+                "model it started from (learner.model)"
+            )
 
 
 def _barrier(ts: TrainState) -> None:

@@ -1,9 +1,9 @@
-"""Learner configuration: optimisation, PPO/GRPO loss knobs and the staleness correction.
+"""Learner configuration: optimisation, PPO/GRPO loss knobs, the staleness correction and LoRA.
 
 `LearnerConfig` is the `[learner]` table of a run file; `CorrectionConfig` its `[learner.correction]`
-sub-table. Every knob the pure functions in `advantages.py`, `losses.py` and `correction.py` read is
-declared here with its constraint, so a bad run file fails at load time with a pydantic error instead
-of halfway through a step.
+sub-table, `LoraConfig` its `[learner.lora]` sub-table (absent: full fine-tuning). Every knob the
+pure functions in `advantages.py`, `losses.py` and `correction.py` read is declared here with its
+constraint, so a bad run file fails at load time with a pydantic error instead of halfway through a step.
 """
 
 from __future__ import annotations
@@ -194,6 +194,44 @@ class CorrectionConfig(BaseModel):
         return self.recipe().rejection is Rejection.M2
 
 
+class LoraSync(StrEnum):
+    """What a publish sends the engines when the learner trains a LoRA adapter."""
+
+    MERGED = "merged"  # the merged weights W + B·A·α/r under the base model's names, as a full fine-tune sends
+    ADAPTER = "adapter"  # the adapter alone, loaded into vLLM as a versioned LoRA (not built: see _check)
+
+
+# The attention and MLP projections of Llama-style decoders (Llama, Qwen2, Mistral, SmolLM2).
+LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(BaseModel):
+    """LoRA on the policy LM (`learner/lora.py`, docs/lora.md): each target Linear W gains a trainable
+    low-rank update B·A scaled by alpha / rank; W itself stays frozen."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(default=16, gt=0)  # r: A is [r, in], B is [out, r]
+    alpha: int = Field(default=32, gt=0)  # the update is scaled by alpha / rank
+    dropout: float = Field(default=0.0, ge=0, lt=1)  # on the adapter's input, training pass only
+    # Module names (the last component, as peft matches them) whose nn.Linear layers get an adapter.
+    target_modules: list[str] = Field(default_factory=lambda: list(LLAMA_PROJECTIONS), min_length=1)
+    sync: LoraSync = LoraSync.MERGED
+
+    @model_validator(mode="after")
+    def _check(self) -> LoraConfig:
+        if self.sync is LoraSync.ADAPTER:
+            raise ValueError(
+                'learner.lora.sync = "adapter" is not built: the engines would need vLLM LoRA serving '
+                "(enable_lora, max_lora_rank), a weight-sync path that sends only the adapter and loads it "
+                "under a new adapter name per policy_version, and eviction of an old adapter only once no "
+                'in-flight request uses it. Use sync = "merged": the engines receive the merged weights'
+            )
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"learner.lora.target_modules has duplicates: {self.target_modules}")
+        return self
+
+
 class LearnerConfig(BaseModel):
     """The training engine: model, optimiser, schedule, micro-batching and the PPO/GRPO loss."""
 
@@ -284,6 +322,8 @@ class LearnerConfig(BaseModel):
     use_turn_scores: bool = True  # per-turn scores join the return (PPO: at their turn's last token)
 
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+    # LoRA adapter training with merged-weight sync (docs/lora.md); None: every weight trains.
+    lora: LoraConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:
@@ -300,6 +340,14 @@ class LearnerConfig(BaseModel):
             raise ValueError("device='cuda' needs num_gpus_per_worker > 0 (or unset: 1)")
         if self.device == "cuda" and self.num_workers > 1 and gpus not in (None, 1):
             raise ValueError(f"an FSDP rank uses exactly one GPU: num_gpus_per_worker must be 1, got {gpus}")
+        if self.lora is not None and self.num_workers > 1:
+            raise ValueError(
+                f"learner.lora with num_workers={self.num_workers} is not built: the merged-weight sync, the "
+                "adapter checkpoint and its resume run in one learner process (FSDP2 would shard frozen base "
+                "weights and adapters in one unit, and each merged weight would need its base and adapter "
+                "gathered together); none of that is written or tested. Use num_workers = 1: one process "
+                "holds the frozen weights once and gradients and AdamW moments for the adapter only"
+            )
         return self
 
     def resolved_num_gpus_per_worker(self, device: str) -> float:

@@ -24,6 +24,10 @@ every rank runs the same number of micro-batch passes (collectives must match).
 A vision-language model (`learner.model.is_vision_model`) also loads its processor: batches with
 images get their pixels built from the image bytes (`TrainBatch.from_padded(..., processor=)`), and
 every forward — training pass, no-grad recompute, reference — receives each row's pixels.
+
+With `learner.lora` the policy LM carries a LoRA adapter (`learner.lora`): the optimiser holds the
+adapter's parameters (and PPO's value head) only, the base weights stay frozen, and the weights that
+leave the engine (`named_parameters_for_sync`, `save_hf`, checkpoints' `hf/`) are the merged ones.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from streamrl.learner import checkpoint as ckpt
 from streamrl.learner.config import Algo, LearnerConfig, LossAggMode, LRSchedule
 from streamrl.learner.correction import CorrectionTerms, loglinear_prox_logp, policy_ratio, staleness_correction
 from streamrl.learner.is_metrics import TokenStats, correction_metrics
+from streamrl.learner.lora import LoraAdapter
 from streamrl.learner.losses import aggregate, kl_penalty, ppo_policy_loss, value_loss
 from streamrl.learner.model import (
     PolicyModel,
@@ -109,6 +114,8 @@ class TrainingEngine:
 
             self.processor = AutoProcessor.from_pretrained(self.model_path)
         lm = load_lm(self.model_path, self.device, gradient_checkpointing=cfg.gradient_checkpointing)
+        # the adapter goes into `lm` in place, before anything wraps it; it freezes every base weight
+        self.lora = LoraAdapter(lm, cfg.lora) if cfg.lora is not None else None
         chunk = cfg.logits_chunk_tokens
         self.policy = PolicyModel(lm, with_value_head=cfg.algo == Algo.PPO, logits_chunk_tokens=chunk).to(self.device)
         # the training pass forwards each group's shared prompt once (learner.shared_prefix); a VLM's
@@ -128,8 +135,9 @@ class TrainingEngine:
             shard(self.policy)
             if self.reference is not None:
                 shard(self.reference)
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]  # all of them without LoRA
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+            trainable, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
         self.generator = torch.Generator().manual_seed(cfg.seed)
@@ -419,7 +427,12 @@ class TrainingEngine:
         is all-gathered on its own (`learner.sharded.full_tensor`), so at most one unsharded parameter is alive
         beyond the shards; every rank must iterate (the gather is collective), rank 0 sends.
         Tied weights appear once (under the input-embedding name), as in the HF checkpoint.
+        With LoRA: the merged weights under the base model's names (`LoraAdapter.merged_parameters`),
+        each target's W + B·A·α/r a new tensor, every other parameter the live one.
         """
+        if self.lora is not None:
+            yield from self.lora.merged_parameters()
+            return
         for name, param in self.policy.lm.named_parameters():
             yield name, full_tensor(param).detach()
 
@@ -437,6 +450,7 @@ class TrainingEngine:
             is_distributed=self.is_distributed,
             policy_version=self.policy_version,
             num_optimizer_steps=self.num_optimizer_steps,
+            lora=self.lora,
         )
 
     def save_hf(self, directory: str | Path) -> Path:

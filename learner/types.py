@@ -41,6 +41,7 @@ class TrainState:
     is_distributed: bool
     policy_version: int
     num_optimizer_steps: int
+    lora: Any = None  # learner.lora.LoraAdapter of `policy` (None: full fine-tuning)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GiB = 1024**3
+WEIGHT_BYTES_PER_PARAM = 4  # fp32 master weights; all a frozen (LoRA base) parameter holds
 # fp32 weights 4 + gradients 4 + AdamW exp_avg 4 + exp_avg_sq 4.
 OPTIMIZER_BYTES_PER_PARAM = 16
 REFERENCE_BYTES_PER_PARAM = 4  # a frozen fp32 copy for the KL term (learner.use_reference)
@@ -241,22 +242,64 @@ def _cuda_device(device: str, cluster_gpus: float | None) -> bool:
     return not cpu_build and Path("/proc/driver/nvidia/version").exists()
 
 
+def _target_shapes(dims: ModelDims, targets: list[str]) -> list[tuple[int, int]]:
+    """(in, out) of each LoRA target Linear of one decoder layer, as the Llama/Qwen2 projections have
+    them (a target of another name is counted as hidden → hidden)."""
+    h, inner = dims.hidden_size, dims.intermediate_size
+    q, kv = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+    shapes = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inner),
+        "up_proj": (h, inner),
+        "down_proj": (inner, h),
+    }
+    return [shapes.get(t, (h, h)) for t in targets]
+
+
+def lora_params(dims: ModelDims, rank: int, targets: list[str]) -> int:
+    """LoRA adapter parameters: r·(in + out) per target Linear of every decoder layer."""
+    return dims.num_layers * sum(rank * (i + o) for i, o in _target_shapes(dims, targets))
+
+
+def lora_target_params(dims: ModelDims, targets: list[str]) -> int:
+    """Parameters of the target weights themselves: what a merged copy of them holds."""
+    return dims.num_layers * sum(i * o for i, o in _target_shapes(dims, targets))
+
+
+def _weights_part(cfg: StreamRLConfig, dims: ModelDims, trained: int, on_gpu: bool) -> Part:
+    """Weights, gradients and AdamW moments: of every parameter, or with LoRA the frozen weights alone
+    (no gradient, no moments) and all three for the `trained` adapter parameters."""
+    params, lora = dims.num_params, cfg.learner.lora
+    if lora is None:
+        how = f"{OPTIMIZER_BYTES_PER_PARAM} B/param × {params / 1e6:.1f}M params (fp32)"
+        return Part(
+            name="learner weights+grads+AdamW", bytes=OPTIMIZER_BYTES_PER_PARAM * params, on_gpu=on_gpu, how=how
+        )
+    return Part(
+        name="learner weights+grads+AdamW",
+        bytes=WEIGHT_BYTES_PER_PARAM * params + OPTIMIZER_BYTES_PER_PARAM * trained,
+        on_gpu=on_gpu,
+        knobs=("learner.lora.rank", "learner.lora.target_modules"),
+        how=f"{WEIGHT_BYTES_PER_PARAM} B/param × {params / 1e6:.1f}M frozen params + {OPTIMIZER_BYTES_PER_PARAM} "
+        f"B/param × {trained / 1e6:.2f}M LoRA params (rank {lora.rank}, fp32)",
+    )
+
+
 def learner_parts(cfg: StreamRLConfig, dims: ModelDims, *, on_gpu: bool) -> list[Part]:
-    """Weights + grads + AdamW (sharded over ranks), and per rank: one padded micro-batch's
-    activations, one logits chunk, the process."""
+    """Weights + grads + AdamW (sharded over ranks; with LoRA, for the adapter only), and per rank: one
+    padded micro-batch's activations, one logits chunk, the process."""
     lc, params, ranks = cfg.learner, dims.num_params, cfg.learner.num_workers
     seq = cfg.rollout.max_model_len
     tokens = min(max(lc.micro_batch_tokens, seq), cfg.buffer.batch_size * seq)
     chunk = min(getattr(lc, "logits_chunk_tokens", DEFAULT_LOGITS_CHUNK_TOKENS) or tokens, tokens)
     act_bytes = CHECKPOINTED_ACTIVATION_BYTES if lc.gradient_checkpointing else ACTIVATION_BYTES
     per_rank = f" per rank × {ranks}" if ranks > 1 else ""
+    trained = params if lc.lora is None else lora_params(dims, lc.lora.rank, lc.lora.target_modules)
     parts = [
-        Part(
-            name="learner weights+grads+AdamW",
-            bytes=OPTIMIZER_BYTES_PER_PARAM * params,
-            on_gpu=on_gpu,
-            how=f"{OPTIMIZER_BYTES_PER_PARAM} B/param × {params / 1e6:.1f}M params (fp32)",
-        ),
+        _weights_part(cfg, dims, trained, on_gpu),
         Part(
             name="learner activations",
             bytes=tokens * dims.hidden_size * dims.num_layers * act_bytes * ranks,
@@ -277,13 +320,31 @@ def learner_parts(cfg: StreamRLConfig, dims: ModelDims, *, on_gpu: bool) -> list
             name="learner process", bytes=LEARNER_PROCESS_BYTES * ranks, how="python + torch + transformers" + per_rank
         ),
     ]
+    if lc.lora is not None:  # a publish (and an export) holds W + B·A·α/r of every target at once
+        merged = lora_target_params(dims, lc.lora.target_modules)
+        parts.append(
+            Part(
+                name="learner merged LoRA weights",
+                bytes=WEIGHT_BYTES_PER_PARAM * merged,
+                on_gpu=on_gpu,
+                knobs=("learner.lora.target_modules",),
+                how=f"{WEIGHT_BYTES_PER_PARAM} B/param × {merged / 1e6:.1f}M target weights, merged for each publish",
+            )
+        )
     if cfg.trainer.async_checkpoint:
+        snapshot_how = f"{SNAPSHOT_BYTES_PER_PARAM} B/param: fp32 weights + AdamW moments, in host memory while written"
+        if lc.lora is not None:
+            snapshot_how = (
+                f"{WEIGHT_BYTES_PER_PARAM} B/param merged fp32 weights + AdamW moments of the "
+                f"{trained / 1e6:.2f}M LoRA params, in host memory while written"
+            )
         parts.append(
             Part(
                 name="learner checkpoint snapshot",
-                bytes=SNAPSHOT_BYTES_PER_PARAM * params,
+                # the weights (merged, with LoRA) of every parameter, AdamW moments of the trained ones
+                bytes=WEIGHT_BYTES_PER_PARAM * params + (SNAPSHOT_BYTES_PER_PARAM - WEIGHT_BYTES_PER_PARAM) * trained,
                 knobs=("trainer.async_checkpoint=false",),
-                how=f"{SNAPSHOT_BYTES_PER_PARAM} B/param: fp32 weights + AdamW moments, in host memory while written",
+                how=snapshot_how,
             )
         )
     if lc.use_reference:

@@ -68,6 +68,7 @@ def _train_state(seed: int = 0) -> SimpleNamespace:
         rank=0,
         policy_version=0,
         num_optimizer_steps=0,
+        lora=None,
     )
     _step(ts)
     return ts
