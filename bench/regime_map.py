@@ -26,6 +26,7 @@ LATENCIES = ["none", "p50 2 s, p99 20 s", "p50 2 s, p99 60 s (agentic)"]
 PLACEMENTS = ["shared", "dedicated"]
 # The results that make the map, by (tool latency, placement): bench/results/ paths.
 CELLS = {
+    ("p50 2 s, p99 20 s", "shared"): "bench/results/learning_slow_tools.json",
     ("p50 2 s, p99 60 s (agentic)", "shared"): "bench/results/learning.json",
 }
 
@@ -37,7 +38,9 @@ def cell(path: Path) -> dict[str, Any]:
     summary = result["summary"]
     if "async" not in summary or "sync" not in summary:
         raise ValueError(f"{path} holds no async-and-sync comparison")
-    sync_final, sync_s = summary["sync"]["after"], summary["sync"]["train_s_mean"]
+    versus = summary.get("async_vs_sync", {})  # older results lack some of its fields
+    sync_final = versus.get("sync_final_reward", summary["sync"]["after"])
+    sync_s = versus.get("sync_time_s", summary["sync"]["train_s_mean"])
     reach = time_to_reach(summary["async"]["curve_wall"], sync_final)
     per_seed = seed_speedups(runs)
     reached = [v for v in per_seed.values() if v is not None]
@@ -52,7 +55,9 @@ def cell(path: Path) -> dict[str, Any]:
         "speedup_per_seed": per_seed,
         "seed_interval": [min(reached), max(reached)] if reached else None,
         "seeds_not_reached": sum(v is None for v in per_seed.values()),
-        "async_final_reward": summary["async"]["after"],
+        "async_final_reward": summary["async"]["curve_wall"][-1][1],
+        # both curves' first time to the lower final reward, sync's over async's (bench.learning.same_reward)
+        "same_reward_ratio": versus.get("same_reward", {}).get("ratio"),
     }
 
 
@@ -91,6 +96,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
             if c["seeds_not_reached"]:
                 seeds += f", {c['seeds_not_reached']} not"
             text = f"{c['speedup']:.2f}x\n{seeds}\n({c['num_seeds']} seeds)"
+            if c.get("same_reward_ratio") is not None:
+                text += f"\nto the same reward: {c['same_reward_ratio']:.2f}x"
         ax.add_patch(plt.Rectangle((x - 0.48, y - 0.48), 0.96, 0.96, color=color, alpha=0.6))
         ax.text(x, y, text, ha="center", va="center", fontsize=8)
     ax.set_xlim(-0.5, len(places) - 0.5)
