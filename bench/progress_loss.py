@@ -93,6 +93,7 @@ async def trial(engine: Any, tokenizer: Any, records: list, every_s: float | Non
     # the crash: count first, then stop everything
     held = {d.trajectory_id: sampled(d.response_mask) for d in submitted}
     in_flight = sum(len(r.token_ids) for r in engine._requests.values())  # streamed, not yet returned
+    running = len(worker._active)  # trajectories holding a slot: the ones a crash interrupts
     elapsed = time.monotonic() - start
     counters = ctx.counters
     await worker.shutdown()  # cancels every loop, as a killed process stops them
@@ -101,7 +102,6 @@ async def trial(engine: Any, tokenizer: Any, records: list, every_s: float | Non
     buffer.close()
     produced = sum(held.values()) + in_flight
     kept = sum(durable.get(tid, 0) for tid in held)
-    started = sum(1 for d in submitted if d.response_ids or d.trajectory_id in durable)
     return {
         "progress_every_s": every_s,
         "crash_at_s": round(elapsed, 2),
@@ -109,7 +109,7 @@ async def trial(engine: Any, tokenizer: Any, records: list, every_s: float | Non
         "durable_sampled_tokens": kept,
         "tokens_lost": produced - kept,
         "tokens_in_flight_at_crash": in_flight,
-        "trajectories_started": started,
+        "trajectories_running_at_crash": running,
         "trajectories_finished": worker.num_finished,
         "sampled_tokens_per_s": produced / elapsed,
         "progress_rows": counters.num_progress_rows,
@@ -153,7 +153,7 @@ async def run(args) -> dict:
         summary["off" if every is None else f"{every:g}s"] = {
             "tokens_lost_mean": statistics.fmean(t["tokens_lost"] for t in mine),
             "tokens_lost_per_trajectory": statistics.fmean(
-                t["tokens_lost"] / max(t["trajectories_started"] - t["trajectories_finished"], 1) for t in mine
+                t["tokens_lost"] / max(t["trajectories_running_at_crash"], 1) for t in mine
             ),
             "lost_share": statistics.fmean(t["tokens_lost"] / max(t["sampled_tokens"], 1) for t in mine),
             "sampled_tokens_per_s": statistics.fmean(t["sampled_tokens_per_s"] for t in mine),
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, s in result["summary"].items():
         print(
             f"progress {name}: {s['tokens_lost_mean']:.0f} tokens lost per crash "
-            f"({s['lost_share']:.0%} of those sampled, {s['tokens_lost_per_trajectory']:.0f} per unfinished "
+            f"({s['lost_share']:.0%} of those sampled, {s['tokens_lost_per_trajectory']:.0f} per running "
             f"trajectory), {s['sampled_tokens_per_s']:.1f} sampled tokens/s, {s['progress_cuts_mean']:.0f} cuts"
         )
     print(f"wrote {args.out}")
