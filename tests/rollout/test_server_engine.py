@@ -225,9 +225,24 @@ async def test_agent_loops_through_a_filesystem_weight_sync(server_engine, tiny_
 
     worker = RolloutWorker(ctx, sink, max_concurrent=4)
 
+    submitted: list[str] = []
+
     def mid_turn() -> bool:
+        # The loops start at the first look, once the weights are staged: started before the sync, on a
+        # fast machine they can pass the window during staging and finish (3 one-turn loops never come
+        # back to it). ~400 tokens/s here: 800-token turns leave seconds to catch two between 1 and 400.
+        if not submitted:
+            for i in range(3):
+                submitted.append(f"srv/{i}")
+                worker.submit(
+                    AgentData(
+                        trajectory_id=f"srv/{i}",
+                        group_id="srv",
+                        sample_index=i,
+                        messages=[{"role": "user", "content": f"Count to {i + 3}."}],
+                    )
+                )
         states = [d for d in worker._states.values() if d.state is AgentState.GENERATING and d.request_id]
-        # ~400 tokens/s here: 800-token turns leave seconds to catch two of them between 1 and 400
         return sum(1 <= server_engine.num_streamed_tokens(d.request_id) <= 400 for d in states) >= 2
 
     # the pause waits for every loop to park through the server's HTTP streams: a loaded machine's
@@ -240,15 +255,6 @@ async def test_agent_loops_through_a_filesystem_weight_sync(server_engine, tiny_
     )
     coordinator = WeightSyncCoordinator(sync_cfg, [server_engine], workers=PauseWhen(worker, ready=mid_turn))
     v0 = server_engine.policy_version
-    for i in range(3):
-        worker.submit(
-            AgentData(
-                trajectory_id=f"srv/{i}",
-                group_id="srv",
-                sample_index=i,
-                messages=[{"role": "user", "content": f"Count to {i + 3}."}],
-            )
-        )
     try:
         result = await coordinator.sync(_perturbed(tiny_model_path, seed=3), v0 + 1)
         assert result.ok, result.error
