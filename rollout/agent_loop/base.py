@@ -298,16 +298,19 @@ class AgentLoopBase(abc.ABC):
         )
         cancel = asyncio.ensure_future(self.ctx.cancel.wait())
         due = self.progress_due_in(data)
-        progress = asyncio.ensure_future(asyncio.sleep(max(due, 0.0) if due is not None else 1e9))
+        waiters = {gen, cancel}
+        if due is not None:  # progress rows on: the generation is cut when the trajectory's progress falls due
+            waiters.add(asyncio.ensure_future(asyncio.sleep(max(due, 0.0))))
         try:
-            done, _ = await asyncio.wait({gen, cancel, progress}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            cut = gen not in done and cancel not in done  # only the progress timer fired
             if gen not in done:
                 await self.ctx.server.abort(data.request_id)
             output, engine_id = await gen
         finally:
             self.ctx.num_in_engine -= 1
-            cancel.cancel()
-            progress.cancel()
+            for waiter in waiters - {gen}:
+                waiter.cancel()
             if not gen.done():
                 gen.cancel()
         data.generate_s += time.monotonic() - t0
@@ -317,7 +320,7 @@ class AgentLoopBase(abc.ABC):
         if trace.enabled():
             trace_generate(data, started, engine_id, output)
         if output.aborted:
-            if self.ctx.cancel.is_set() or not progress.done():
+            if self.ctx.cancel.is_set() or not cut:
                 raise Parked()  # a pause (or the engine) ended the request: park
             return None
         return output.finish_reason
