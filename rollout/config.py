@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from streamrl.rollout.engine.base import SEED_MAX, SEED_MIN
 from streamrl.rollout.engine.config import EngineConfig
 from streamrl.rollout.gateway.config import GatewayConfig
+from streamrl.rollout.verifiers.config import VerifiersConfig
 
 
 class SamplingConfig(BaseModel):
@@ -52,6 +53,8 @@ class AgentConfig(BaseModel):
     # are written at parks, before non-idempotent tools and at the end only.
     progress_every_s: float | None = Field(None, gt=0)
     gateway: GatewayConfig | None = None  # the `gateway` agent loop's server and user program (docs/gateway.md)
+    # A verifiers environment run through the gateway, its dataset the prompt stream (docs/verifiers.md)
+    verifiers: VerifiersConfig | None = None
 
     @model_validator(mode="after")
     def _check_progress(self) -> AgentConfig:

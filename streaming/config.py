@@ -19,6 +19,9 @@ from streamrl.learner.config import LearnerConfig
 from streamrl.observability.metrics import WandbConfig
 from streamrl.observability.tracing import TraceConfig
 from streamrl.rollout.config import RolloutConfig
+from streamrl.rollout.gateway.config import GatewayConfig
+from streamrl.rollout.verifiers.config import SOURCE as VERIFIERS_SOURCE
+from streamrl.rollout.verifiers.config import PreparedVerifiers, check_sources
 from streamrl.streaming.placement import PlacementConfig
 from streamrl.streaming.prompt_filter import PromptFilterConfig
 from streamrl.weight_sync.config import BackendKind, WeightSyncConfig
@@ -167,6 +170,21 @@ class StreamRLConfig(BaseModel):
         one place a run resolves its model), validated again so the components get it too."""
         return StreamRLConfig.model_validate(self.model_dump() | {"model": model_path})
 
+    def with_verifiers(self, prepared: PreparedVerifiers, gateway: GatewayConfig) -> StreamRLConfig:
+        """This config training on its prepared verifiers environment (`rollout/verifiers/prepare.py`):
+        the dumped splits as `data.source` (and `eval.source` where it says "verifiers"), the gateway
+        running the environment's runner, and `prepared` recorded; validated again."""
+        raw = self.model_dump(mode="json")
+        raw["data"]["source"] = prepared.train_file
+        if self.eval.source == VERIFIERS_SOURCE:
+            if prepared.eval_file is None:
+                raise ValueError(f'eval.source = "{VERIFIERS_SOURCE}" but the environment has no eval dataset')
+            raw["eval"]["source"] = prepared.eval_file
+        agent = raw["rollout"]["agent"]
+        agent["gateway"] = gateway.model_dump(mode="json")
+        agent["verifiers"]["prepared"] = prepared.model_dump(mode="json")
+        return StreamRLConfig.model_validate(raw)
+
     @model_validator(mode="after")
     def _propagate(self) -> StreamRLConfig:
         # the one place the root `model` reaches the components that load it
@@ -186,6 +204,8 @@ class StreamRLConfig(BaseModel):
         self._check_nccl_gpus()
         self._check_sync_rounds()
         self._check_placement()
+        agent = self.rollout.agent
+        check_sources(agent.verifiers, agent.gateway, self.data.source, self.eval.source)  # docs/verifiers.md
         if self.eval.enabled and self.eval.source is None and self.data.source not in GENERATED_SOURCES:
             raise ValueError(
                 f"eval.num_prompts={self.eval.num_prompts} with data.source a dataset ({self.data.source!r}): "

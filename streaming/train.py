@@ -67,6 +67,10 @@ def open_run(
         check_prompts(
             run_dir, info, load_records(cfg.data.source, cfg.data.num_prompts, cfg.data.seed, cfg.data.difficulty)
         )
+        if cfg.rollout.agent.verifiers is not None:  # its venv may have left the cache since
+            from streamrl.rollout.verifiers.prepare import ensure_prepared
+
+            ensure_prepared(cfg.rollout.agent.verifiers)
         state_path = RunDir(run_dir).driver_state
         state = DriverState.load(state_path) if state_path.exists() else DriverState()
         use_newest_complete(state)  # a torn newest checkpoint: resume from the one before
@@ -81,6 +85,10 @@ def open_run(
             "or choose another trainer.run_name"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.rollout.agent.verifiers is not None:  # its venv and dataset, before anything starts
+        from streamrl.rollout.verifiers.prepare import prepare_environment
+
+        cfg = cfg.with_verifiers(*prepare_environment(cfg.rollout.agent.verifiers, cfg.rollout.agent.gateway, run_dir))
     return cfg, run_dir, None
 
 

@@ -19,4 +19,9 @@ def load_records(source: str, num_prompts: int, seed: int, difficulty: Difficult
         from streamrl.rollout.data.dots import make_dots_dataset
 
         return make_dots_dataset(num_prompts, seed)
+    if source == "verifiers":  # rollout/verifiers/prepare.py replaces it with the dumped split's file
+        raise ValueError(
+            'data.source = "verifiers" is the environment\'s dataset, written by the preparation phase of '
+            "`streamrl train` into the run directory: train first (or `streamrl eval RUN_DIR` on a run)"
+        )
     return load_prompts(source)
