@@ -3,7 +3,9 @@
 The learning benchmark's async runs (`configs/learning_smollm2.toml`: SmolLM2-135M, the calculator
 behind agent-like tool latency, engines, buffer, weight sync with partial rollouts) are trained again
 with `buffer.max_staleness` in {0, 1, 2, 4} and the default correction (AReaL's decoupled PPO), and
-with the correction off (`learner.correction.mode=none`: the PPO ratio against the behaviour policy).
+with the correction off (`learner.correction.mode=none`: the PPO ratio against the behaviour policy),
+and with `buffer.admission = "expected"` (eN), which counts in-flight groups by the share the DAPO
+filter keeps, so a small bound no longer shrinks the window of groups in flight.
 Each run's checkpoints are scored after it on the same 128 held-out prompts as the learning
 benchmark (`bench.learning.evaluate_offline`), so every point is a version-pinned held-out reward at
 a learner step, comparable with `bench/results/learning.json`, whose runs supply two more settings:
@@ -46,6 +48,9 @@ SETTINGS: dict[str, list[str]] = {
     "s4": ["buffer.max_staleness=4"],
     "s7": ["buffer.max_staleness=7"],
     "none2": ["buffer.max_staleness=2", "learner.correction.mode=none"],
+    # admission = "expected": in-flight groups counted by the share the DAPO filter keeps (buffer.admission)
+    "e1": ["buffer.max_staleness=1", "buffer.admission=expected"],
+    "e2": ["buffer.max_staleness=2", "buffer.admission=expected"],
     "none7": ["buffer.max_staleness=7", "learner.correction.mode=none"],
 }
 REFERENCE = REPO / "bench/results/learning.json"
@@ -155,7 +160,7 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True, layout="constrained")
     panels = (
-        (axes[0], ["sync", "s0", "s1", "s2", "s4", "s7"], "decoupled correction, by max_staleness"),
+        (axes[0], ["sync", "s0", "s1", "s2", "s4", "s7", "e1", "e2"], "decoupled correction, by max_staleness"),
         (axes[1], ["sync", "s2", "none2", "s7", "none7"], "correction on (sN) against off (noneN)"),
     )
     for ax, names, label in panels:

@@ -31,6 +31,20 @@ learner r times, so only batch_size / r fresh trajectories are consumed per step
 
 bounds the lag at a trajectory's first use.
 
+With the DAPO filter on (`filter_uniform_reward_groups`) most groups can be dropped when they settle:
+early in a run nearly every group's samples get the same reward. The bound above still counts each
+of them as a trajectory the learner will consume, so a small `max_staleness` keeps a small window of
+groups in flight, most of which are then dropped, and the learner starves while the engines idle.
+`admission = "expected"` counts each in-flight trajectory by `kept_share` q, the recent share of
+settled groups kept for training (`GroupTable.kept_share`: (kept + 1) / (settled + 1) over the last
+`admission_window` groups, so 1 before any settles and never 0):
+
+    capacity = ((max_staleness + v + 1) * batch_size // r - num_accepted) / q - num_in_flight
+
+which bounds the *expected* step at which a new trajectory is consumed by `v + max_staleness`: the
+window widens by 1 / q exactly as the filter drops, and a group that still ends up older than the
+bound meets the `over_age` policy below. With q = 1 it is the bound.
+
 The bound holds when groups are consumed in start order. They finish in another order (a long group
 started at v can settle after shorter groups started at v + 2), so a group can still end up older
 than `max_staleness` when it is sampled: the buffer samples the oldest-started ready group first, and
@@ -41,7 +55,10 @@ length bucket (`length_bucket`).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
+
+from streamrl.buffer.config import AdmissionRule
 
 if TYPE_CHECKING:
     from streamrl.buffer.config import BufferConfig
@@ -57,6 +74,7 @@ def rollout_capacity(
     group_size: int = 1,
     max_concurrent: int | None = None,
     reuse: int = 1,
+    kept_share: float = 1.0,
 ) -> int:
     """How many new trajectories may start now (a multiple of `group_size`, >= 0).
 
@@ -65,12 +83,17 @@ def rollout_capacity(
         (generating, in tools, parked as a partial row, or finished while its siblings run).
     num_accepted: finished since the run began and kept for training (consumed or waiting).
     max_concurrent: limit on trajectories running at once (compared with num_running).
+    kept_share: in (0, 1], the expected share of in-flight trajectories the learner will consume
+        (1: all of them, the hard bound; see the module docstring).
     """
     if min(served_step, max_staleness, num_running, num_accepted) < 0:
         raise ValueError("served_step, max_staleness, num_running and num_accepted must be >= 0")
     if batch_size <= 0 or group_size <= 0 or reuse <= 0:
         raise ValueError("batch_size, group_size and reuse must be > 0")
-    capacity = (max_staleness + served_step + 1) * batch_size // reuse - (num_accepted + num_running)
+    if not 0 < kept_share <= 1:
+        raise ValueError(f"kept_share is in (0, 1], got {kept_share}")
+    budget = (max_staleness + served_step + 1) * batch_size // reuse - num_accepted
+    capacity = math.floor(budget / kept_share) - num_running if budget > 0 else budget - num_running
     if max_concurrent is not None:
         capacity = min(capacity, max_concurrent - num_running)
     return max(0, capacity // group_size * group_size)
@@ -91,10 +114,12 @@ def buffer_capacity(
     num_partial: int,
     num_live_rows: int,
     max_concurrent: int | None = None,
+    kept_share: float = 1.0,
 ) -> int:
     """The buffer's whole admission rule (`ReplayBuffer.capacity`) on plain counts: the staleness
-    capacity, cut to the room left under `max_concurrent` running trajectories (partial rows) and
-    under `cfg.capacity_rows` live rows, in whole groups. Pure, so the simulator (`streamrl.sim`) admits
+    capacity (with `cfg.admission = "expected"`, in-flight groups counted by `kept_share`), cut to the
+    room left under `max_concurrent` running trajectories (partial rows) and under `cfg.capacity_rows`
+    live rows, in whole groups. Pure, so the simulator (`streamrl.sim`) admits
     exactly as a run does."""
     cap = rollout_capacity(
         served_step=served_step,
@@ -104,6 +129,7 @@ def buffer_capacity(
         num_accepted=num_accepted,
         group_size=cfg.group_size,
         reuse=cfg.reuse,
+        kept_share=kept_share if cfg.admission is AdmissionRule.EXPECTED else 1.0,
     )
     if max_concurrent is not None:
         room = max(max_concurrent - num_partial, 0)

@@ -31,6 +31,15 @@ class SamplingPolicy(StrEnum):
     PRIORITIZED = "prioritized"  # weight = (reward std + priority_eps) * lag_decay ** lag
 
 
+class AdmissionRule(StrEnum):
+    """How admission counts the groups still in flight (`buffer.admission.rollout_capacity`)."""
+
+    BOUND = "bound"  # every admitted trajectory will be consumed: max_staleness is a hard bound at start
+    # each in-flight trajectory counts by the recent share of settled groups kept for training, so
+    # groups the DAPO filter drops no longer shrink the window: max_staleness holds in expectation
+    EXPECTED = "expected"
+
+
 class OverAgePolicy(StrEnum):
     TRAIN = "train"  # sample it anyway; the learner's lag-aware correction handles the extra lag
     EVICT = "evict"  # drop from memory (the rows stay in the log), counted and logged
@@ -52,6 +61,8 @@ class BufferConfig(BaseModel):
     seed: int = 0
 
     filter_uniform_reward_groups: bool = False  # DAPO dynamic sampling: drop all-equal-reward groups
+    admission: AdmissionRule = AdmissionRule.BOUND
+    admission_window: int = Field(default=16, gt=0)  # "expected": settled groups the kept share is read over
     min_finished_per_group: int = Field(default=1, ge=1)  # groups with fewer finished members are dropped
     # A group older than max_staleness when sampled (it started early and finished late: long
     # trajectories). "train" (default) keeps them in the data; dropping them biases towards short ones.

@@ -281,6 +281,14 @@ class GroupTable:
         self.ready[group.group_id] = group
         return failed_rows
 
+    def kept_share(self, window: int) -> float:
+        """(kept + 1) / (settled + 1) over the last `window` settled groups: the expected share of an
+        in-flight group's trajectories the learner will consume (`admission = "expected"`). Kept means
+        not dropped or DAPO-filtered when it settled; 1.0 before any group settles, never 0."""
+        recent = self.settled[-window:]
+        kept = sum(1 for g in recent if g.phase not in (GroupPhase.FILTERED, GroupPhase.DROPPED))
+        return (kept + 1) / (len(recent) + 1)
+
     def consume(self, group: GroupState, learner_step: int) -> list[int]:
         """Record one use of a READY group at `learner_step`; returns rows that died."""
         assert group.phase is GroupPhase.READY, f"consuming group {group.group_id} in phase {group.phase}"

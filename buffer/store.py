@@ -455,6 +455,7 @@ class ReplayBuffer:
             num_partial=self._groups.num_partial,
             num_live_rows=self._rows.num_live,
             max_concurrent=max_concurrent,
+            kept_share=self._groups.kept_share(self.cfg.admission_window),
         )
 
     def memory_bytes(self) -> int:

@@ -119,6 +119,7 @@ class SimPipeline:
             num_partial=g.num_partial,
             num_live_rows=live,
             max_concurrent=self.cfg.max_concurrent,
+            kept_share=g.kept_share(self.cfg.buffer.admission_window),
         )
         for _ in range(cap // self.cfg.buffer.group_size):
             self._admit_group()

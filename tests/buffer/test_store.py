@@ -233,3 +233,28 @@ def test_a_sample_that_finds_no_batch_writes_nothing_and_one_that_does_flushes_f
     reopened = _buf(root_dir=str(tmp_path))
     assert reopened.stats()["buffer/recovered_rows"] == 2 and reopened.stats()["buffer/trajectories_consumed"] == 2
     reopened.close()
+
+
+def test_expected_admission_reads_the_kept_share_of_recent_groups():
+    from streamrl.buffer.config import AdmissionRule
+
+    def settle(buf: ReplayBuffer, names: list[str], kept: set[str]) -> None:
+        for name in names:
+            buf.append(make_group(name, 2, rewards=[0.0, 1.0] if name in kept else [0.0, 0.0]))
+
+    bound = _buf(filter_uniform_reward_groups=True, max_staleness=1)
+    expected = _buf(filter_uniform_reward_groups=True, max_staleness=1, admission=AdmissionRule.EXPECTED)
+    expected_small = _buf(
+        filter_uniform_reward_groups=True, max_staleness=1, admission=AdmissionRule.EXPECTED, admission_window=2
+    )
+    for buf in (bound, expected, expected_small):
+        assert buf.capacity(served_step=0) == 4  # nothing settled yet: (1 + 0 + 1) * 2, the bound
+        settle(buf, ["f1", "f2", "k1", "f3", "f4"], kept={"k1"})  # 1 of 5 groups kept
+    assert bound.capacity(served_step=0) == 2  # the kept group's 2 trajectories are accepted: 4 - 2
+    # (4 - 2) / ((1 + 1) / (5 + 1)) = 6 trajectories, in whole groups of 2
+    assert expected.capacity(served_step=0) == 6
+    # the last 2 settled were both filtered: (4 - 2) / (1 / 3) = 6 as well; a kept group then moves it
+    assert expected_small.capacity(served_step=0) == 6
+    settle(expected_small, ["k2"], kept={"k2"})  # window [f4, k2]: (1 + 1) / 3, 4 accepted: budget 0
+    assert expected_small.capacity(served_step=0) == 0
+    assert expected_small.capacity(served_step=1) == 2  # (1 + 1 + 1) * 2 - 4 = 2, / (2 / 3) = 3, whole groups: 2
