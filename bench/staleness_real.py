@@ -64,10 +64,15 @@ def token_lag_shares(run_dir: Path) -> dict[str, float]:
     return {k.removeprefix(LAG_KEY): statistics.fmean(float(r.get(k, 0.0)) for r in rows) for k in buckets}
 
 
+def finished(run_dir: Path) -> bool:
+    """Trained and scored earlier in this folder: read, not trained again."""
+    return RunDir(run_dir).accounting.exists() and any(RunDir(run_dir).eval_offline.glob("*.parquet"))
+
+
 def run_one(name: str, seed: int, root: Path, steps: int, eval_every: int, log: Path) -> dict[str, Any]:
     run_dir = root / name / f"async-s{seed}"
-    if RunDir(run_dir).accounting.exists() and any(RunDir(run_dir).eval_offline.glob("*.parquet")):
-        rc, wall = 0, 0.0  # finished and scored earlier in this folder: read, not trained again
+    if finished(run_dir):
+        rc, wall = 0, 0.0
     else:
         (root / name).mkdir(parents=True, exist_ok=True)
         run_dir, wall, rc = train(CONFIG, "async", seed, root / name, steps, eval_every, SETTINGS[name], log)
@@ -191,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=4)
     parser.add_argument("--keep", default=None, help="keep the run directories here; finished runs are read again")
     parser.add_argument("--reference", default=str(REFERENCE), help="learning.json whose s7 and sync runs join")
+    parser.add_argument("--only-finished", action="store_true", help="train nothing: summarize the finished runs")
     parser.add_argument("--out", default=str(REPO / "bench/results/staleness_real.json"))
     args = parser.parse_args(argv)
     root = Path(args.keep or tempfile.mkdtemp(prefix="streamrl-staleness-"))
@@ -199,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for seed in args.seeds:
         for name in args.settings:  # seeds outermost: a cut-short sweep still covers every setting once
+            if args.only_finished and not finished(root / name / f"async-s{seed}"):
+                continue
             run = run_one(name, seed, root, args.steps, args.eval_every, root / "train.log")
             runs.append(run)
             line = " ".join(f"{p['served_step']}:{p['reward']:.3f}" for p in run["curve"])
