@@ -36,7 +36,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.learning import CONFIG, REPO, curve, eval_prompts, evaluate_offline, gradient_share, train
+from bench.learning import (
+    CONFIG,
+    REPO,
+    curve,
+    eval_prompts,
+    evaluate_offline,
+    gradient_share,
+    mean_curve,
+    same_reward,
+    time_to_reach,
+    train,
+)
 from bench.machine import machine
 from streamrl.core.run_dir import RunDir
 
@@ -122,6 +133,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
     done = [r for r in runs if r["exit_code"] == 0 and len(r["curve"]) >= 2]
     sync = by_step([r for r in done if r["setting"] == "sync"])
+    sync_runs = [r for r in done if r["setting"] == "sync"]
+    sync_wall = mean_curve(sync_runs, "elapsed_s") if sync_runs else None
     out: dict[str, Any] = {}
     for name in sorted({r["setting"] for r in done}):
         mine = [r for r in done if r["setting"] == name]
@@ -152,9 +165,28 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             if lags
             else None,
             "within_sync_spread": within,  # mean at or above sync's lowest seed at every evaluated step
+            "time_to_reward": time_against_sync(mean_curve(mine, "elapsed_s"), sync_wall)
+            if sync_wall and name != "sync"
+            else None,
             "per_step_target_met": bool(within) and all(within.values()),
         }
     return out
+
+
+def time_against_sync(wall: list[tuple], sync_wall: list[tuple]) -> dict[str, Any]:
+    """The learning benchmark's two readings against sync's seed-mean curve: `speedup` (sync's training
+    time over this setting's first time at sync's final reward) and `same_reward` (both curves' first
+    time to the lower final reward). Training time only; the sync runs are the learning benchmark's,
+    made on another day, so the machine's load may differ (`machine` of each JSON)."""
+    target, sync_s = sync_wall[-1][1], sync_wall[-1][0]
+    reach = time_to_reach(wall, target)
+    return {
+        "sync_final_reward": target,
+        "time_to_it_s": reach,
+        "sync_time_s": sync_s,
+        "speedup": sync_s / reach if reach else None,
+        "same_reward": same_reward(sync_wall, wall),
+    }
 
 
 def plot(summary: dict[str, Any], path: Path, title: str) -> None:
