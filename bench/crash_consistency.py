@@ -110,6 +110,13 @@ def _write_checkpoint(step: int) -> Callable[[Path], None]:
     return write
 
 
+# Two groups per trajectory segment: a segment's header is ~2.5 KB and one group's frame ~4 KB, so a
+# segment rolls once its second group is written. A segment that rolled after every group would seal
+# (fsync) each durable append whatever `fsync_durable_appends` says, and the check of that protocol
+# would see nothing to catch.
+SEGMENT_MAX_BYTES = 8000
+
+
 def buffer_config(run: Path, *, fsync: bool = True, fsync_durable: bool = True) -> BufferConfig:
     return BufferConfig(
         root_dir=str(RunDir(run).buffer),
@@ -117,7 +124,7 @@ def buffer_config(run: Path, *, fsync: bool = True, fsync_durable: bool = True) 
         group_size=2,
         flush_every_rows=10_000,
         flush_every_ms=1e9,
-        segment_max_bytes=6000,
+        segment_max_bytes=SEGMENT_MAX_BYTES,
         fsync_on_checkpoint=fsync,
         fsync_durable_appends=fsync_durable,
     )

@@ -12,6 +12,7 @@ import pyarrow as pa
 from streamrl.buffer import arrow_compute as pc
 from streamrl.buffer.schema import list_row_starts
 from streamrl.buffer.types import PaddedBatch
+from streamrl.rollout.token_side import SideKind, TokenSide, padded_side
 from streamrl.rollout.types import OBSERVATION_VERSION
 
 
@@ -78,4 +79,13 @@ def pad_table(table: pa.Table | pa.RecordBatch, *, images: list[list[bytes]] | N
         group_ids=group_col.to_pylist(),
         turn_scores=table.column("turn_scores").to_pylist(),
         images=images if any(refs) else None,
+        routed_experts=_padded_routes(table, width),
     )
+
+
+def _padded_routes(table: pa.Table, width: int) -> np.ndarray | None:
+    """[B, T, L, K] int16 routes of the rows' `token_side` (-1: none), None when no row has routes."""
+    if "token_side" not in table.schema.names or table.column("token_side").null_count == table.num_rows:
+        return None
+    sides = [None if v is None else TokenSide.model_validate(v) for v in table.column("token_side").to_pylist()]
+    return padded_side([s if s is not None and s.kind is SideKind.ROUTED_EXPERTS else None for s in sides], width)

@@ -15,10 +15,14 @@ buffer's image log (`buffer/images.py`). They are the last two fields of `rollou
 trajectory's first submission, +1 each time the driver resubmits it after its worker died. The buffer
 refuses rows of an attempt older than the newest it holds for their trajectory (`buffer.groups`).
 
-Schema versions: "1" had no image columns, "2" no `attempt` column. A segment written under either is
-read with its schema (`LEGACY_SCHEMAS`) and `normalize_batch` adds what is missing: empty image
-columns, and attempt 0 (before attempts existed every row was its trajectory's first attempt, as far
-as anything recorded says).
+`token_side` (after `attempt`) is the row's per-token side data (`rollout.token_side.TokenSide`: the
+routed experts of an MoE engine), a nullable struct of kind, dtype, per-token shape and the rows as
+bytes; null for a dense model's rows. It has at most one row per prompt + response token.
+
+Schema versions: "1" had no image columns, "2" no `attempt` column, "3" no `token_side` column. A
+segment written under any of them is read with its schema (`LEGACY_SCHEMAS`) and `normalize_batch`
+adds what is missing: empty image columns, attempt 0 (before attempts existed every row was its
+trajectory's first attempt, as far as anything recorded says) and a null `token_side`.
 
 Four derived columns follow the record's fields (`DERIVED_FIELDS`): prompt/response token counts and
 the min/max policy_version of the row. They are always recomputed here from the list columns
@@ -49,9 +53,18 @@ import numpy as np
 import pyarrow as pa
 
 from streamrl.buffer import arrow_compute as pc
+from streamrl.rollout.token_side import SideKind
 from streamrl.rollout.types import OBSERVATION_VERSION, FinishReason, Trajectory, TrajectoryStatus
 
-SCHEMA_VERSION = "3"
+SCHEMA_VERSION = "4"
+TOKEN_SIDE_TYPE = pa.struct(
+    [
+        pa.field("kind", pa.string(), nullable=False),  # SideKind value
+        pa.field("dtype", pa.string(), nullable=False),  # "uint8" | "int16"
+        pa.field("shape", pa.list_(pa.int32()), nullable=False),  # per-token row shape
+        pa.field("data", pa.large_binary(), nullable=False),  # [num_tokens, *shape] C-order
+    ]
+)
 
 # name -> (arrow type, numpy dtype of the list values) for the per-token and per-turn list columns.
 _LIST_COLUMNS: dict[str, tuple[pa.DataType, type]] = {
@@ -87,6 +100,7 @@ RECORD_FIELDS: list[pa.Field] = [
     pa.field("finished_at", pa.float64(), nullable=False),
     pa.field("agent_data_json", pa.string(), nullable=True),  # partial rows only
     pa.field("attempt", pa.int32(), nullable=False),  # fencing number (see the module docstring)
+    pa.field("token_side", TOKEN_SIDE_TYPE, nullable=True),  # per-token side data; null: none (dense model)
 ]
 DERIVED_FIELDS: list[pa.Field] = [
     pa.field("num_prompt_tokens", pa.int32(), nullable=False),
@@ -102,10 +116,16 @@ IMAGE_FIELD_NAMES = tuple(f.name for f in IMAGE_FIELDS)
 TRAJECTORY_SCHEMA = pa.schema(
     RECORD_FIELDS + IMAGE_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": SCHEMA_VERSION}
 )
-_RECORD_FIELDS_V2 = [f for f in RECORD_FIELDS if f.name != "attempt"]
+_RECORD_FIELDS_V3 = [f for f in RECORD_FIELDS if f.name != "token_side"]
+TRAJECTORY_SCHEMA_V3 = pa.schema(_RECORD_FIELDS_V3 + IMAGE_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": "3"})
+_RECORD_FIELDS_V2 = [f for f in _RECORD_FIELDS_V3 if f.name != "attempt"]
 TRAJECTORY_SCHEMA_V2 = pa.schema(_RECORD_FIELDS_V2 + IMAGE_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": "2"})
 TRAJECTORY_SCHEMA_V1 = pa.schema(_RECORD_FIELDS_V2 + DERIVED_FIELDS, metadata={"streamrl.schema": "1"})
-LEGACY_SCHEMAS = (TRAJECTORY_SCHEMA_V2, TRAJECTORY_SCHEMA_V1)  # older on-disk schemas recovery still reads
+LEGACY_SCHEMAS = (
+    TRAJECTORY_SCHEMA_V3,
+    TRAJECTORY_SCHEMA_V2,
+    TRAJECTORY_SCHEMA_V1,
+)  # older on-disk schemas recovery still reads
 _BASE_FIELD_NAMES = tuple(f.name for f in RECORD_FIELDS)
 RECORD_FIELD_NAMES = _BASE_FIELD_NAMES + IMAGE_FIELD_NAMES
 VALIDATED_KEY = b"streamrl.validated"  # schema metadata: crc32 (hex) of the stamped bytes
@@ -148,6 +168,8 @@ def trajectories_to_batch(trajectories: list[Trajectory]) -> pa.RecordBatch:
             columns[f.name] = pa.array([list(v) for v in values], type=f.type)
         elif f.name in _ENUMS:
             columns[f.name] = pa.array([_ENUMS[f.name](v).value for v in values], type=pa.string())
+        elif f.name == "token_side":
+            columns[f.name] = pa.array([None if v is None else v.model_dump() for v in values], type=f.type)
         else:
             columns[f.name] = pa.array(values, type=f.type)
     if not trajectories:
@@ -242,6 +264,7 @@ def normalize_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
     cols = dict(zip(RECORD_FIELD_NAMES, arrays))
     _check_enums(cols)
     _check_images(cols)
+    _check_token_side(cols)
     if len(cols["attempt"]) and pc.min(cols["attempt"]).as_py() < 0:
         raise ValueError("column 'attempt' must be >= 0 (0 for a trajectory's first submission)")
     ids = cols["trajectory_id"]
@@ -288,6 +311,8 @@ def _with_added_columns(data: pa.RecordBatch) -> pa.RecordBatch:
     predating them): `attempt` 0 and empty image columns."""
     if "attempt" not in data.schema.names:
         data = data.append_column(TRAJECTORY_SCHEMA.field("attempt"), pa.array(np.zeros(data.num_rows, np.int32)))
+    if "token_side" not in data.schema.names:
+        data = data.append_column(TRAJECTORY_SCHEMA.field("token_side"), pa.nulls(data.num_rows, TOKEN_SIDE_TYPE))
     for f in IMAGE_FIELDS:
         if f.name not in data.schema.names:
             empty = pa.ListArray.from_arrays(
@@ -309,6 +334,26 @@ def _check_images(cols: dict[str, pa.Array]) -> None:
     tokens = counts.flatten().to_numpy(zero_copy_only=False)
     if len(tokens) and int(tokens.min()) <= 0:
         raise ValueError("num_image_tokens must be > 0 for every image")
+
+
+def _check_token_side(cols: dict[str, pa.Array]) -> None:
+    """Each non-null row: a known kind and dtype, whole rows of its shape, none past the sequence."""
+    side = cols["token_side"]
+    if side.null_count == len(side):
+        return
+    seq_lens = list_lengths(cols["prompt_ids"]) + list_lengths(cols["response_ids"])
+    for i, value in enumerate(side.to_pylist()):
+        if value is None:
+            continue
+        tid = cols["trajectory_id"][i].as_py()
+        if value["kind"] not in {k.value for k in SideKind} or value["dtype"] not in ("uint8", "int16"):
+            raise ValueError(f"trajectory {tid!r}: token_side of unknown kind/dtype {value['kind']}/{value['dtype']}")
+        row = int(np.prod(value["shape"])) * np.dtype(value["dtype"]).itemsize
+        if row <= 0 or len(value["data"]) % row or len(value["data"]) // row > seq_lens[i]:
+            raise ValueError(
+                f"trajectory {tid!r}: token_side holds {len(value['data'])} bytes, not whole rows of {row} bytes "
+                f"for at most {seq_lens[i]} tokens"
+            )
 
 
 def _check_enums(cols: dict[str, pa.Array]) -> None:

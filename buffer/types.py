@@ -33,6 +33,9 @@ class PaddedBatch:
     group_ids: list[str]  # [B]
     turn_scores: list[list[float]]  # [B][num_scored_turns]
     images: list[list[bytes]] | None = None  # [B][num_images] encoded bytes, placeholder order; None: no row has images
+    # int16 [B, T, num_moe_layers, top_k] experts each token was routed through when generated, -1 where
+    # unknown (routed live); None: no row has routes (a dense model)
+    routed_experts: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:

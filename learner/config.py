@@ -198,7 +198,9 @@ class LoraSync(StrEnum):
     """What a publish sends the engines when the learner trains a LoRA adapter."""
 
     MERGED = "merged"  # the merged weights W + B·A·α/r under the base model's names, as a full fine-tune sends
-    ADAPTER = "adapter"  # the adapter alone, loaded into vLLM as a versioned LoRA (not built: see _check)
+    # the adapter alone (A and B of each target), loaded into each engine as a new LoRA adapter per
+    # policy_version; needs engines that serve LoRA (rollout.engine.backend = "vllm", checked by the run config)
+    ADAPTER = "adapter"
 
 
 # The attention and MLP projections of Llama-style decoders (Llama, Qwen2, Mistral, SmolLM2).
@@ -220,13 +222,6 @@ class LoraConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> LoraConfig:
-        if self.sync is LoraSync.ADAPTER:
-            raise ValueError(
-                'learner.lora.sync = "adapter" is not built: the engines would need vLLM LoRA serving '
-                "(enable_lora, max_lora_rank), a weight-sync path that sends only the adapter and loads it "
-                "under a new adapter name per policy_version, and eviction of an old adapter only once no "
-                'in-flight request uses it. Use sync = "merged": the engines receive the merged weights'
-            )
         if len(set(self.target_modules)) != len(self.target_modules):
             raise ValueError(f"learner.lora.target_modules has duplicates: {self.target_modules}")
         return self
@@ -322,7 +317,7 @@ class LearnerConfig(BaseModel):
     use_turn_scores: bool = True  # per-turn scores join the return (PPO: at their turn's last token)
 
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
-    # LoRA adapter training with merged-weight sync (docs/lora.md); None: every weight trains.
+    # LoRA adapter training, synced merged or as the adapter alone (docs/lora.md); None: every weight trains.
     lora: LoraConfig | None = None
 
     @model_validator(mode="after")

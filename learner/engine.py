@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from streamrl.learner import checkpoint as ckpt
-from streamrl.learner.config import Algo, LearnerConfig, LossAggMode, LRSchedule
+from streamrl.learner.config import Algo, LearnerConfig, LoraSync, LossAggMode, LRSchedule
 from streamrl.learner.correction import CorrectionTerms, loglinear_prox_logp, policy_ratio, staleness_correction
 from streamrl.learner.is_metrics import TokenStats, correction_metrics
 from streamrl.learner.lora import LoraAdapter
@@ -187,6 +187,7 @@ class TrainingEngine:
         return TrainBatch.from_padded(batch, self.device, processor=self.processor)
 
     def forward(self, model: PolicyModel, mb: TrainBatch, *, with_entropy: bool = False) -> Any:
+        """`model` on a micro-batch; the policy replays the engine's routes, the reference routes live."""
         with self._autocast():
             return model(
                 mb.input_ids,
@@ -195,6 +196,7 @@ class TrainingEngine:
                 temperature=self.cfg.temperature,
                 with_entropy=with_entropy,
                 entropy_requires_grad=self.cfg.entropy_coef > 0,
+                routes=mb.routed_experts if model is self.policy else None,
             )
 
     def train_forward(self, mb: TrainBatch, plan: MicroBatchPlan) -> Any:
@@ -428,10 +430,12 @@ class TrainingEngine:
         beyond the shards; every rank must iterate (the gather is collective), rank 0 sends.
         Tied weights appear once (under the input-embedding name), as in the HF checkpoint.
         With LoRA: the merged weights under the base model's names (`LoraAdapter.merged_parameters`),
-        each target's W + B·A·α/r a new tensor, every other parameter the live one.
+        each target's W + B·A·α/r a new tensor, every other parameter the live one; with
+        `lora.sync = "adapter"` the adapter's A and B alone, under peft's names (`LoraAdapter.adapter_tensors`).
         """
         if self.lora is not None:
-            yield from self.lora.merged_parameters()
+            adapter_only = self.cfg.lora is not None and self.cfg.lora.sync is LoraSync.ADAPTER
+            yield from self.lora.adapter_tensors() if adapter_only else self.lora.merged_parameters()
             return
         for name, param in self.policy.lm.named_parameters():
             yield name, full_tensor(param).detach()

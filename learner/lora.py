@@ -17,6 +17,10 @@ adapter tensors left out — what a full fine-tune with those weights would send
 weight-sync transports and vLLM's loader see no difference. A merged weight is computed per tensor
 from the live W and adapter, never by merging in place: W + Δ − Δ is not W in floating point, and
 the frozen base must stay exactly the weights the run started from.
+
+With `learner.lora.sync = "adapter"` a publish sends `adapter_state()` instead: A and B of every target
+under peft's names (`base_model.model.<path>.lora_A.weight`), the names a saved peft adapter holds and
+vLLM's LoRA loader reads; the engines add the base weights they already serve.
 """
 
 from __future__ import annotations
@@ -128,6 +132,11 @@ class LoraAdapter:
         from peft import get_peft_model_state_dict
 
         return get_peft_model_state_dict(self.peft, adapter_name=ADAPTER)
+
+    def adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(peft name, tensor) of every A and B, detached: what an adapter sync sends (module doc)."""
+        for name, tensor in self.adapter_state().items():
+            yield name, tensor.detach()
 
     def load_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
         """Copy `adapter_state()`'s output into the adapter; ValueError when it is not this adapter's."""

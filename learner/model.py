@@ -10,6 +10,9 @@ base model — vision tower, connector, image features scattered into the placeh
 decoder — on the rows' pixels (`learner.vision`), then the same LM head; a text-only LM runs its
 decoder alone. Either way the head sees [B, T, H] hidden states aligned with `input_ids`.
 
+An MoE policy replays the engine's routes (`routes`, [B, T, num_moe_layers, top_k]) through its
+routers (`learner.moe_replay`); a dense one has no `route_replay` and takes no routes.
+
 Memory: full-vocabulary logits are the largest tensors of a step ([B, T, V] float32: 0.8 GB for
 4096 tokens of a 49k vocabulary, and autograd keeps several of them for backward). With
 `logits_chunk_tokens > 0` the LM head runs on chunks of that many token positions
@@ -33,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from streamrl.learner.lm_head import chunked_head_logprobs, fused_head_applies
 from streamrl.learner.losses import token_logprobs_and_entropy
+from streamrl.learner.moe_replay import RouteReplay, enable_replay_checkpointing
 from streamrl.learner.vision import collate_images, is_vision_config
 
 if TYPE_CHECKING:
@@ -73,6 +77,10 @@ class PolicyModel(nn.Module):
         # head's weight: its gather and gradient reduction hook the head module's own calls
         self.fused_head = True
         self.is_vision = is_vision_config(lm.config)
+        # wraps the routers of an MoE model so a forward can replay recorded routes; None for a dense model
+        self.route_replay = RouteReplay.attach(lm)
+        if self.route_replay is not None and getattr(lm, "is_gradient_checkpointing", False):
+            enable_replay_checkpointing(lm, self.route_replay)  # recomputed layers replay their routes too
         hidden = lm.config.get_text_config().hidden_size
         self.value_head = nn.Linear(hidden, 1) if with_value_head else None
         if self.value_head is not None:
@@ -89,9 +97,31 @@ class PolicyModel(nn.Module):
         with_entropy: bool = False,
         entropy_requires_grad: bool = True,
         packed: PackedTokens | None = None,
+        routes: torch.Tensor | None = None,  # [B, T, num_moe_layers, top_k] expert ids to replay, -1 = live
     ) -> ForwardOut:
         """Log-probs, entropies and values of every token ([B, T]), or with `packed` of the tokens it
         names ([N]: one module call either way, so FSDP's root hooks gather embeddings and heads)."""
+        if routes is not None and self.route_replay is None:
+            raise ValueError("routes given for a model without MoE routers (a dense policy replays nothing)")
+        if self.route_replay is not None:
+            with self.route_replay.routes(routes):
+                return self._forward(
+                    input_ids, attention_mask, images, temperature, with_entropy, entropy_requires_grad, packed
+                )
+        return self._forward(
+            input_ids, attention_mask, images, temperature, with_entropy, entropy_requires_grad, packed
+        )
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        images: Sequence[RowImages | None] | None,
+        temperature: float,
+        with_entropy: bool,
+        entropy_requires_grad: bool,
+        packed: PackedTokens | None,
+    ) -> ForwardOut:
         if packed is not None:
             return self._packed_forward(
                 input_ids, attention_mask, packed, temperature, with_entropy, entropy_requires_grad

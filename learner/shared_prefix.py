@@ -161,6 +161,8 @@ class PackedLayout:
     targets: torch.Tensor  # [N] the scored token ids
     out_row: torch.Tensor  # [N] micro-batch row of each scored token
     out_col: torch.Tensor  # [N] its position in the row
+    # [S, W, num_moe_layers, top_k] recorded routes laid out like `input_ids` (-1: padding, live); None: none
+    routes: torch.Tensor | None = None
 
     @classmethod
     def build(cls, mb: TrainBatch, segments: Sequence[Segment]) -> PackedLayout:
@@ -171,15 +173,23 @@ class PackedLayout:
         branch = torch.full_like(ids, -1)
         source, targets, out_row, out_col = [], [], [], []
         seq_lens = mb.seq_lens.tolist()
+        recorded = mb.routed_experts
+        routes = None if recorded is None else recorded.new_full((len(segments), width, *recorded.shape[2:]), -1)
         for s, seg in enumerate(segments):
             p = seg.prefix_len
             ids[s, :p] = mb.input_ids[seg.rows[0], :p]
+            if routes is not None:
+                assert recorded is not None
+                routes[s, :p] = recorded[seg.rows[0], :p]
             pos[s, :p] = torch.arange(p, device=device)
             branch[s, :p] = 0
             start = p
             for b, r in enumerate(seg.rows, start=1):
                 n = seq_lens[r]
                 ids[s, start : start + n - p] = mb.input_ids[r, p:n]
+                if routes is not None:
+                    assert recorded is not None
+                    routes[s, start : start + n - p] = recorded[r, p:n]
                 pos[s, start : start + n - p] = torch.arange(p, n, device=device)
                 branch[s, start : start + n - p] = b
                 cols = torch.arange(max(p, 1), n, device=device)  # tokens scored
@@ -199,6 +209,7 @@ class PackedLayout:
             targets=torch.cat(targets),
             out_row=torch.cat(out_row),
             out_col=torch.cat(out_col),
+            routes=routes,
         )
 
     def attention_mask(self, implementation: str, dtype: torch.dtype) -> torch.Tensor:  # [S, 1, W, W]
@@ -256,6 +267,7 @@ def packed_forward(
         with_entropy=with_entropy,
         entropy_requires_grad=entropy_requires_grad,
         packed=PackedTokens(position_ids=layout.position_ids, source=layout.source, targets=layout.targets),
+        routes=layout.routes,
     )
 
     def place(scored: torch.Tensor) -> torch.Tensor:  # [N] → [b, T]

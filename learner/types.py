@@ -5,6 +5,9 @@ with the same attributes works, so the learner never imports the buffer package.
 
 Conventions (shared with the buffer):
 - sequences are prompt + response tokens, right-padded to T;
+- `routed_experts[b, t]` (MoE engines only) are the [num_moe_layers, top_k] experts token t was routed
+  through when the engine generated it, -1 where unknown; the policy's forward replays them
+  (`learner.moe_replay`);
 - `loss_mask[b, t] == 1` iff token t was sampled by the policy; `behavior_logprobs[b, t]` is the
   logprob of token t under the behavior policy and `policy_versions[b, t]` its weights' version
   (-1 where the mask is 0);
@@ -71,6 +74,8 @@ class TrainBatch:
     turn_scores: list[list[float]] = field(default_factory=list)  # [B][num_scored_turns]
     # [B]; row b's image inputs (None: no image in row b). None for a text-only batch.
     images: list[RowImages | None] | None = None
+    # [B, T, num_moe_layers, top_k] int64 recorded expert ids, -1 = route live; None: no routes (dense)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -105,6 +110,9 @@ class TrainBatch:
             group_index=t("group_index", torch.int64),
             prompt_lens=t("prompt_lens", torch.int64) if getattr(padded, "prompt_lens", None) is not None else None,
             turn_scores=[list(map(float, s)) for s in getattr(padded, "turn_scores", None) or []],
+            routed_experts=t("routed_experts", torch.int64)
+            if getattr(padded, "routed_experts", None) is not None
+            else None,
         )
         raw_images = getattr(padded, "images", None) or [[] for _ in range(batch.batch_size)]
         has_images = any(len(row) for row in raw_images)
@@ -135,6 +143,11 @@ class TrainBatch:
                 raise ValueError(f"{name} must be [B={shape[0]}], got {tuple(value.shape)}")
         if self.turn_scores and len(self.turn_scores) != shape[0]:
             raise ValueError(f"turn_scores has {len(self.turn_scores)} rows for batch size {shape[0]}")
+        routes = self.routed_experts
+        if routes is not None and (routes.dim() != 4 or routes.shape[:2] != shape):
+            raise ValueError(
+                f"routed_experts must be [B, T, layers, top_k] with [B, T]={tuple(shape)}, got {tuple(routes.shape)}"
+            )
         if self.images is not None and len(self.images) != shape[0]:
             raise ValueError(f"images has {len(self.images)} rows for batch size {shape[0]}")
         if bool((self.loss_mask[:, 0] != 0).any()):
@@ -164,4 +177,5 @@ class TrainBatch:
             prompt_lens=None if self.prompt_lens is None else self.prompt_lens[index],
             turn_scores=[self.turn_scores[i] for i in rows] if self.turn_scores else [],
             images=[self.images[i] for i in rows] if self.images is not None else None,
+            routed_experts=None if self.routed_experts is None else self.routed_experts[index, :width],
         )

@@ -19,7 +19,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("STREAMRL_CACHE", Path.home() / ".cache" / "streamrl"))
 
 
-BUILT_IN = {"tiny": "tiny", "tiny-vlm": "tiny-vlm", "smollm2": "smollm2-135m-instruct"}  # name -> cache folder stem
+BUILT_IN = {
+    "tiny": "tiny",
+    "tiny-moe": "tiny-moe",
+    "tiny-vlm": "tiny-vlm",
+    "smollm2": "smollm2-135m-instruct",
+}  # name -> cache folder stem
 
 
 def _cache_folder(stem: str) -> Path:
@@ -46,6 +51,10 @@ def resolve_model(name_or_path: str) -> Path:
         from streamrl.models.tiny import build_tiny_model
 
         return _cached_build(BUILT_IN["tiny"], build_tiny_model)
+    if name_or_path == "tiny-moe":  # a random-weight Qwen3-MoE (models/tiny_moe.py, docs/moe.md)
+        from streamrl.models.tiny_moe import build_tiny_moe_model
+
+        return _cached_build(BUILT_IN["tiny-moe"], build_tiny_moe_model)
     if name_or_path == "tiny-vlm":  # a random-weight Idefics3 (models/tiny_vlm.py, docs/multimodal.md)
         from streamrl.models.tiny_vlm import resolve_tiny_vlm
 
@@ -55,5 +64,6 @@ def resolve_model(name_or_path: str) -> Path:
 
         return _cached_build(BUILT_IN["smollm2"], convert_smollm2)
     raise ValueError(
-        f"model {name_or_path!r} is neither a built-in ('tiny', 'tiny-vlm', 'smollm2') nor a HF folder with config.json"
+        f"model {name_or_path!r} is neither a built-in ({', '.join(repr(n) for n in BUILT_IN)}) "
+        "nor a HF folder with config.json"
     )

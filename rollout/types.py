@@ -10,6 +10,8 @@ Invariants (stated once, checked by `Trajectory.validate()` and `AgentData.check
 - where `response_mask == 0` (tool / interaction / user tokens) the logprob is 0.0 and the
   policy_version is -1; where it is 1 the policy_version is >= 0;
 - `len(prompt_ids) + len(response_ids) <= max_model_len` of the run;
+- `token_side` (per-token side data an engine produced, `rollout.token_side`) has at most one row per
+  token of `prompt_ids + response_ids`;
 - images: `prompt_ids` / `response_ids` hold the *expanded* ids (each image is one run of the model's
   image placeholder token, what the model saw), and the number of such runs in
   `prompt_ids + response_ids` equals `len(AgentData.images)`, in the same order. Checked by
@@ -28,6 +30,7 @@ from typing import Any
 from pydantic import AliasChoices, BaseModel, Field
 
 from streamrl.core.versions import OBSERVATION_VERSION
+from streamrl.rollout.token_side import TokenSide, merge_first
 
 
 class AgentState(StrEnum):
@@ -170,6 +173,8 @@ class AgentData(BaseModel):
     policy_versions: list[int] = Field(default_factory=list)  # [num_response_tokens]
     turn_start: int = 0
     images: list[ImageRef] = Field(default_factory=list)  # [num_images]; placeholder order
+    # Side data of prompt + response tokens (routed experts of an MoE engine); None: the engine made none.
+    token_side: TokenSide | None = None  # [<= num_prompt_tokens + num_response_tokens] rows
 
     num_assistant_turns: int = 0
     num_user_turns: int = 0
@@ -254,6 +259,7 @@ class AgentData(BaseModel):
             finished_at=time.time(),
             agent_data_json=self.to_json() if partial else None,
             attempt=self.attempt,
+            token_side=self.token_side,
             image_refs=image_refs,
             num_image_tokens=num_image_tokens,
         )
@@ -264,6 +270,11 @@ class AgentData(BaseModel):
         self.response_mask.extend([1] * len(token_ids))
         self.behavior_logprobs.extend(logprobs)
         self.policy_versions.extend(versions)
+
+    def record_side(self, side: TokenSide | None) -> None:
+        """Keep an engine request's side data (rows from position 0 of prompt + response); each
+        position keeps the first row recorded for it, the one its token was generated with."""
+        self.token_side = merge_first(self.token_side, side)
 
     def append_observation(self, token_ids: list[int]) -> None:
         n = len(token_ids)
@@ -280,6 +291,10 @@ class AgentData(BaseModel):
             raise AssertionError(
                 f"per-token arrays misaligned: ids={n} mask={len(self.response_mask)} "
                 f"logprobs={len(self.behavior_logprobs)} versions={len(self.policy_versions)}"
+            )
+        if self.token_side is not None and self.token_side.num_tokens > len(self.prompt_ids) + n:
+            raise AssertionError(
+                f"token side data has {self.token_side.num_tokens} rows for {len(self.prompt_ids) + n} tokens"
             )
         if image_token_id is not None:
             num_runs = count_image_runs(self.prompt_ids + self.response_ids, image_token_id)
@@ -339,6 +354,7 @@ class Trajectory:
     finished_at: float = 0.0
     agent_data_json: str | None = None  # resumable AgentData (partial rows)
     attempt: int = 0  # `AgentData.attempt` of the worker that wrote the row (fencing; older ones are refused)
+    token_side: TokenSide | None = None  # [<= num_prompt_tokens + num_response_tokens] rows (`AgentData.token_side`)
     image_refs: list[str] = field(default_factory=list)  # [num_images] sha256 hex, placeholder order
     num_image_tokens: list[int] = field(default_factory=list)  # [num_images] placeholder tokens of each
 
@@ -372,6 +388,8 @@ class Trajectory:
                 assert v == OBSERVATION_VERSION and lp == 0.0, "observation token with a version/logprob"
         if max_model_len is not None:
             assert len(self.prompt_ids) + n <= max_model_len, "trajectory longer than max_model_len"
+        if self.token_side is not None:
+            assert self.token_side.num_tokens <= len(self.prompt_ids) + n, "token side rows past the sequence"
         if self.status is TrajectoryStatus.PARTIAL:
             assert self.agent_data_json is not None, "partial row without AgentData"
 
@@ -383,6 +401,8 @@ class Trajectory:
         kwargs = {f.name: row[f.name] for f in dataclasses.fields(cls) if f.name in row}
         kwargs["status"] = TrajectoryStatus(kwargs.get("status", TrajectoryStatus.FINISHED))
         kwargs["finish_reason"] = FinishReason(kwargs.get("finish_reason", FinishReason.STOP))
+        if isinstance(kwargs.get("token_side"), dict):  # an Arrow row's struct
+            kwargs["token_side"] = TokenSide.model_validate(kwargs["token_side"])
         return cls(**kwargs)
 
     def agent_data(self) -> AgentData:

@@ -15,10 +15,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from streamrl.buffer.config import BufferConfig
-from streamrl.learner.config import LearnerConfig
+from streamrl.learner.config import LearnerConfig, LoraSync
 from streamrl.observability.metrics import WandbConfig
 from streamrl.observability.tracing import TraceConfig
 from streamrl.rollout.config import RolloutConfig
+from streamrl.rollout.engine.config import VLLM_LORA_RANKS, LoraServing
 from streamrl.rollout.gateway.config import GatewayConfig
 from streamrl.rollout.verifiers.config import SOURCE as VERIFIERS_SOURCE
 from streamrl.rollout.verifiers.config import PreparedVerifiers, check_sources
@@ -200,6 +201,7 @@ class StreamRLConfig(BaseModel):
                 "depends on scheduling"
             )
         self._check_images()
+        self._check_lora_sync()
         self._check_server_backend()
         self._check_nccl_gpus()
         self._check_sync_rounds()
@@ -253,6 +255,55 @@ class StreamRLConfig(BaseModel):
             raise ValueError(
                 'data.source = "dots" (image prompts) needs a VLM served with images: set '
                 'rollout.engine.max_images_per_prompt >= 1 (and model = "tiny-vlm" or a VLM folder)'
+            )
+
+    def _check_lora_sync(self) -> None:
+        """`learner.lora.sync = "adapter"` needs engines that serve LoRA adapters: in-process vLLM with
+        the worker extension (which loads each synced adapter). It sets `rollout.engine.lora` (vLLM's
+        `max_lora_rank` the smallest one that fits the adapter's rank). Refused: a server backend, a VLM
+        (vLLM applies LoRA to the language model only, so the vision tower's adapters would be dropped
+        silently) and `weight_sync.publish_lag` (a resume serves the checkpoint's adapter at once,
+        which a refilling lag window would hold back)."""
+        lora, engine = self.learner.lora, self.rollout.engine
+        adapter_sync = lora is not None and lora.sync is LoraSync.ADAPTER
+        if not adapter_sync:
+            if engine.lora is not None:
+                raise ValueError(
+                    'rollout.engine.lora serves LoRA adapters, which only learner.lora.sync = "adapter" sends; '
+                    "remove it (the merged sync and full fine-tuning reload the engines' weights instead)"
+                )
+            return
+        assert lora is not None
+        if engine.backend != "vllm" or not engine.worker_extension_cls:
+            raise ValueError(
+                f'learner.lora.sync = "adapter" needs engines that serve LoRA adapters: rollout.engine.backend = '
+                f'"vllm" with its worker extension (got backend {engine.backend!r}, worker_extension_cls '
+                f"{engine.worker_extension_cls!r}). An inference-server backend takes weights from disk only: use "
+                'learner.lora.sync = "merged"'
+            )
+        images = self.rollout.engine.max_images_per_prompt
+        if images > 0 or self.model == "tiny-vlm":
+            raise ValueError(
+                f'learner.lora.sync = "adapter" with a VLM (model {self.model!r}, max_images_per_prompt={images}): '
+                "vLLM serves LoRA on the language model only and would drop the vision tower's adapters; use "
+                'learner.lora.sync = "merged"'
+            )
+        if self.weight_sync.publish_lag:
+            raise ValueError(
+                f'learner.lora.sync = "adapter" with weight_sync.publish_lag={self.weight_sync.publish_lag} is not '
+                "built: a resume must serve the checkpoint's adapter before the lag window refills; use "
+                'learner.lora.sync = "merged"'
+            )
+        fits = [r for r in VLLM_LORA_RANKS if r >= lora.rank]
+        if not fits:
+            raise ValueError(
+                f"learner.lora.rank={lora.rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}"
+            )
+        if engine.lora is None:
+            engine.lora = LoraServing(max_lora_rank=fits[0])
+        elif engine.lora.max_lora_rank < lora.rank:
+            raise ValueError(
+                f"rollout.engine.lora.max_lora_rank={engine.lora.max_lora_rank} < learner.lora.rank={lora.rank}"
             )
 
     def _check_server_backend(self) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from streamrl.learner.config import LoraSync
 from streamrl.streaming.errors import join_or
 
 if TYPE_CHECKING:
@@ -89,8 +90,9 @@ def vision_params(vision: dict[str, Any], text_hidden: int, scale_factor: int) -
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ModelDims:
-    """What memory depends on, from a decoder-only HF config (Llama/Qwen2/Mistral layout), or a VLM
-    config whose `text_config` has that layout (its vision tower counted in `vision_params`)."""
+    """What memory depends on, from a decoder-only HF config (Llama/Qwen2/Mistral layout, or its MoE
+    form: Qwen2-MoE, Qwen3-MoE, Mixtral, every layer sparse), or a VLM config whose `text_config` has
+    that layout (its vision tower counted in `vision_params`)."""
 
     vocab_size: int
     hidden_size: int
@@ -101,7 +103,11 @@ class ModelDims:
     head_dim: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3's RMSNorm of each head's query and key (head_dim weights each)
     vision_params: int = 0  # vision tower + connector of a VLM; 0 for a text model
+    num_experts: int = 0  # routed experts of each MoE layer; 0: a dense model (one SwiGLU MLP per layer)
+    expert_intermediate_size: int = 0  # each expert's SwiGLU width
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert; 0: none
 
     @classmethod
     def from_hf_config(cls, c: dict[str, Any]) -> ModelDims:
@@ -111,6 +117,7 @@ class ModelDims:
             extra = vision_params(c["vision_config"], dims.hidden_size, int(c.get("scale_factor", 1)))
             return dataclasses.replace(dims, vision_params=extra)
         heads = int(c["num_attention_heads"])
+        experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
         return cls(
             vocab_size=int(c["vocab_size"]),
             hidden_size=int(c["hidden_size"]),
@@ -121,24 +128,50 @@ class ModelDims:
             head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False)),
+            qk_norm=c.get("model_type") in ("qwen3", "qwen3_moe"),
+            num_experts=experts,
+            expert_intermediate_size=int(c.get("moe_intermediate_size") or c["intermediate_size"]) if experts else 0,
+            shared_expert_intermediate_size=int(c.get("shared_expert_intermediate_size") or 0) if experts else 0,
         )
 
     @property
     def num_params(self) -> int:
-        """Embedding + layers (attention, SwiGLU MLP, two norms) + final norm + untied LM head."""
+        """Embedding + layers (attention, SwiGLU MLP or MoE block, two norms) + final norm + untied LM head."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
-        layer = attention + 3 * h * self.intermediate_size + 2 * h
+        attention += 2 * self.head_dim if self.qk_norm else 0
+        layer = attention + self.mlp_params + 2 * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * layer + h + head + self.vision_params
+
+    @property
+    def mlp_params(self) -> int:
+        """One layer's SwiGLU MLP, or its MoE block: the router (hidden × experts) and every expert's
+        SwiGLU, plus a shared expert and its gate where the model has one."""
+        h = self.hidden_size
+        if not self.num_experts:
+            return 3 * h * self.intermediate_size
+        shared = self.shared_expert_intermediate_size
+        return (
+            h * self.num_experts
+            + self.num_experts * 3 * h * self.expert_intermediate_size
+            + (3 * h * shared + h if shared else 0)
+        )
 
 
 def model_dims(model: str) -> ModelDims:
     """Dims of a built-in model name or a HF folder, without loading (or building) weights."""
+    from streamrl.models import BUILT_IN
     from streamrl.models.tiny import TINY_CONFIG, TINY_VOCAB
 
     if model == "tiny":
         return ModelDims.from_hf_config({"model_type": "qwen2", "vocab_size": TINY_VOCAB, **TINY_CONFIG})
+    if model == "tiny-moe":
+        from streamrl.models.template import TOOL_TAG_TOKENS
+        from streamrl.models.tiny_moe import TINY_MOE_CONFIG
+
+        vocab = TINY_VOCAB + len(TOOL_TAG_TOKENS)  # built with the tiny tokenizer's full length (tool tags too)
+        return ModelDims.from_hf_config({"model_type": "qwen3_moe", "vocab_size": vocab, **TINY_MOE_CONFIG})
     if model == "tiny-vlm":
         from streamrl.models import tiny_vlm
         from streamrl.models.template import TOOL_TAG_TOKENS
@@ -159,7 +192,8 @@ def model_dims(model: str) -> ModelDims:
     path = Path(model).expanduser() / "config.json"
     if not path.exists():
         raise ValueError(
-            f"model {model!r} is neither a built-in ('tiny', 'tiny-vlm', 'smollm2') nor a HF folder with config.json"
+            f"model {model!r} is neither a built-in ({', '.join(repr(n) for n in BUILT_IN)}) nor a HF folder with "
+            "config.json"
         )
     try:
         return ModelDims.from_hf_config(json.loads(path.read_text()))
@@ -320,15 +354,16 @@ def learner_parts(cfg: StreamRLConfig, dims: ModelDims, *, on_gpu: bool) -> list
             name="learner process", bytes=LEARNER_PROCESS_BYTES * ranks, how="python + torch + transformers" + per_rank
         ),
     ]
-    if lc.lora is not None:  # a publish (and an export) holds W + B·A·α/r of every target at once
+    if lc.lora is not None:  # a merged publish and every export hold W + B·A·α/r of every target at once
         merged = lora_target_params(dims, lc.lora.target_modules)
+        when = "each publish" if lc.lora.sync is LoraSync.MERGED else "each checkpoint's hf/ export"
         parts.append(
             Part(
                 name="learner merged LoRA weights",
                 bytes=WEIGHT_BYTES_PER_PARAM * merged,
                 on_gpu=on_gpu,
                 knobs=("learner.lora.target_modules",),
-                how=f"{WEIGHT_BYTES_PER_PARAM} B/param × {merged / 1e6:.1f}M target weights, merged for each publish",
+                how=f"{WEIGHT_BYTES_PER_PARAM} B/param × {merged / 1e6:.1f}M target weights, merged for {when}",
             )
         )
     if cfg.trainer.async_checkpoint:

@@ -168,18 +168,14 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
     if resuming:  # versions continue above every label the buffer or the driver has seen (I4)
         state.rewind_to_checkpoint(await buffer.max_policy_version())
         state.save(RunDir(run_dir).driver_state)
-    # The engines serve the checkpoint's weights under its policy version from their first request: an
-    # in-process engine builds from its hf/ folder, a server engine loads it into its server first.
-    engine_path, weights = model_path, None
-    if from_ckpt and state.checkpoint is not None:
-        engine_path = weights = str(Checkpoint(step=state.checkpoint_step, path=Path(state.checkpoint)).hf)
+    engine_path, weights, engine_version = engine_start(cfg, state, from_ckpt=from_ckpt)
     engine_cfg = cfg.rollout.engine.model_copy(update={"model": engine_path})
     start_version = state.policy_version
     engines = [
         RayEngineClient.launch(
             cfg.placement.engine_config(engine_cfg.for_engine(i), i, cfg.rollout.num_engines),
             f"engine-{i}",
-            policy_version=start_version,
+            policy_version=engine_version,
             weights=weights,
             timeouts=cfg.trainer.actor_timeouts,
         )
@@ -212,7 +208,9 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
     learner.timeout_s = startup  # the first calls wait for the learner actor to load the model
     if await learner.policy_version() != start_version:
         await learner.set_policy_version(start_version)
-    await learner.connect(engines, pipeline.workers, start_version)
+    await learner.connect(engines, pipeline.workers, engine_version)
+    if engine_version != start_version:  # a LoRA adapter resume: the checkpoint's adapter, before any request
+        await serve_checkpoint_adapter(learner, start_version)
     learner.timeout_s = timeout_s
     await pipeline.write_placement()
     if resuming:
@@ -220,6 +218,38 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
         n = await pipeline.resubmit_orphans()
         logger.info("resumed run at learner step %d: %d unfinished trajectories resubmitted", state.learner_step, n)
     return pipeline
+
+
+def engine_start(cfg: StreamRLConfig, state: DriverState, *, from_ckpt: bool) -> tuple[str, str | None, int]:
+    """(model folder, weights folder or None, policy_version) the engines start with.
+
+    Without a checkpoint: the run's model at the driver's version. A resume from one: its weights under
+    its policy version from the first request (an in-process engine builds from its hf/ folder, a server
+    engine loads it into its server first); with LoRA adapter sync the base model instead, as a joining
+    engine (`JOINING_VERSION`): `serve_checkpoint_adapter` then publishes the checkpoint's adapter into
+    it before any worker starts."""
+    from streamrl.learner.config import LoraSync
+    from streamrl.streaming.actors.engine import JOINING_VERSION
+
+    if not from_ckpt or state.checkpoint is None:
+        return cfg.model, None, state.policy_version
+    lora = cfg.learner.lora
+    if lora is not None and lora.sync is LoraSync.ADAPTER:
+        return cfg.model, None, JOINING_VERSION
+    hf = str(Checkpoint(step=state.checkpoint_step, path=Path(state.checkpoint)).hf)
+    return hf, hf, state.policy_version
+
+
+async def serve_checkpoint_adapter(learner: LearnerClient, policy_version: int) -> None:
+    """Publish the resumed learner's adapter (restored from the checkpoint) as `policy_version` into
+    the engines started on the base model; the run does not start without it."""
+    published = await learner.publish()
+    if published.policy_version != policy_version:
+        raise RuntimeError(
+            f"the checkpoint's LoRA adapter (policy_version {policy_version}) could not be loaded into the engines; "
+            f"they serve {published.policy_version}, dropped: {published.dropped_engines}"
+        )
+    logger.info("engines serve the checkpoint's LoRA adapter as policy_version %d", policy_version)
 
 
 async def _train(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> DriverState:

@@ -86,9 +86,10 @@ INTERFACES = {
         "rollout.tools.sandbox.stages",
         "rollout.tools.schema",
     },
-    ("buffer", "rollout"): {"rollout.types"},  # the records the buffer stores
+    ("buffer", "rollout"): {"rollout.types", "rollout.token_side"},  # the records the buffer stores
     ("learner", "models"): {"models", "models.multimodal"},
-    ("weight_sync", "rollout"): {"rollout.engine.base", "rollout.engine.vllm_compat"},  # the engines it updates
+    # the engines it updates; its worker extension carries the engine's route capture
+    ("weight_sync", "rollout"): {"rollout.engine.base", "rollout.engine.vllm_compat", "rollout.engine.route_capture"},
     ("observability", "rollout"): {"rollout.types"},
     ("observability", "buffer"): {"buffer.types", "buffer.images", "buffer.log"},  # the report reads buffers
     # the simulator decides with the buffer's own admission, group and batching code, and reads run buffers

@@ -36,6 +36,11 @@ Pause modes (`WeightSyncConfig.pause_mode`):
   swap (on KV computed by the old weights). Rollout workers are not touched.
 
 The KV prefix cache is safe across versions because engines salt requests with the policy_version.
+
+LoRA adapter sync (`adapter` given): the tensors are the adapter's A and B only and the same phases run
+(transfer, checksums, pause, commit, resume); the commit loads them as a new adapter named after the
+version instead of reloading weights in place, and each engine keeps an older adapter until no
+request that names it is left (`rollout.engine.adapters`).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from streamrl.core import trace
 from streamrl.rollout.engine.base import NoHealthyEngineError, PauseMode
 from streamrl.weight_sync.config import WeightSyncConfig
 from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, make_transport, rpc_all
-from streamrl.weight_sync.types import SyncResult, WeightSyncError
+from streamrl.weight_sync.types import AdapterSpec, SyncResult, WeightSyncError
 
 if TYPE_CHECKING:
     import torch
@@ -115,11 +120,16 @@ class WeightSyncCoordinator:
         return [e for e in self.all_engines if e.engine_id not in self.dropped]
 
     async def sync(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], policy_version: int | None = None
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        policy_version: int | None = None,
+        *,
+        adapter: AdapterSpec | None = None,
     ) -> SyncResult:
-        """Publish `named_tensors` as `policy_version` (default: current + 1). A failed sync does not
-        raise (see `SyncResult.ok/error`); raises ValueError for bad input and NoHealthyEngineError when
-        no engine is left to sync."""
+        """Publish `named_tensors` as `policy_version` (default: current + 1); with `adapter` they are a
+        LoRA adapter's A and B, which every engine serves as a new adapter of that version on its base
+        weights. A failed sync does not raise (see `SyncResult.ok/error`); raises ValueError for bad
+        input and NoHealthyEngineError when no engine is left to sync."""
         target = self._served_version + 1 if policy_version is None else policy_version
         if not self.is_new(target):
             raise ValueError(f"policy_version must increase: serving {self._served_version}, asked for {target}")
@@ -130,12 +140,12 @@ class WeightSyncCoordinator:
             await self._readmit()
             self._check_engines_left()
             served_before = self._served_version
-            result = await self._sync(tensors, target)
+            result = await self._sync(tensors, target, adapter)
             self._count(result, served_before)
             if not result.ok and result.dropped_engine_ids and self.engines:
                 logger.warning("retrying policy_version %d on the %d engines left", target, len(self.engines))
                 dropped = result.dropped_engine_ids
-                result = await self._sync(tensors, target)
+                result = await self._sync(tensors, target, adapter)
                 result.dropped_engine_ids = dropped + result.dropped_engine_ids
                 self._count(result, served_before)
             self._check_engines_left()
@@ -178,7 +188,9 @@ class WeightSyncCoordinator:
             reasons = "; ".join(f"{eid}: {why}" for eid, why in self.dropped.items())
             raise NoHealthyEngineError(f"no healthy inference engine left: {reasons}")
 
-    async def _sync(self, tensors: list[tuple[str, torch.Tensor]], target: int) -> SyncResult:
+    async def _sync(
+        self, tensors: list[tuple[str, torch.Tensor]], target: int, adapter: AdapterSpec | None
+    ) -> SyncResult:
         timeouts = self.config.timeouts
         engines = self.engines
         self._epoch = epoch = max(self._epoch + 1, time.time_ns())  # fresh and increasing across coordinators
@@ -188,11 +200,11 @@ class WeightSyncCoordinator:
         paused_at: float | None = None  # set once the pause was sent: from then on, resume in `finally`
         try:
             if self.config.overlap:  # stage while serving: generation goes on until the commit
-                await self._stage(engines, tensors, target, result)
+                await self._stage(engines, tensors, target, adapter, result)
             paused_at, wall["paused"] = time.monotonic(), time.time()
             result.pause_s = await _timed(self._pause(engines, epoch), timeouts.pause, "pause")
             if not self.config.overlap:
-                await self._stage(engines, tensors, target, result)
+                await self._stage(engines, tensors, target, adapter, result)
             t0 = time.monotonic()
             drops |= await self._commit(engines, target, epoch)
             result.load_s = time.monotonic() - t0
@@ -234,12 +246,17 @@ class WeightSyncCoordinator:
         return result
 
     async def _stage(
-        self, engines: Sequence[SyncEngine], tensors: list[tuple[str, torch.Tensor]], target: int, result: SyncResult
+        self,
+        engines: Sequence[SyncEngine],
+        tensors: list[tuple[str, torch.Tensor]],
+        target: int,
+        adapter: AdapterSpec | None,
+        result: SyncResult,
     ) -> None:
         """Transfer into every engine's staging copy, then check every checksum (raises WeightSyncError)."""
         with trace.span("stage", "sync", "sync", policy_version=target) as span:
             t0 = time.monotonic()
-            outcome = await self.transport.send(engines, tensors, target)
+            outcome = await self.transport.send(engines, tensors, target, adapter=adapter)
             result.transfer_s = time.monotonic() - t0
             result.num_bytes = outcome.manifest.num_bytes
             span.set(bytes=result.num_bytes)

@@ -32,7 +32,7 @@ from streamrl.weight_sync.group import (
     resolve_backend,
 )
 from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, finish_staging, rpc_all
-from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncError
+from streamrl.weight_sync.types import AdapterSpec, StageReport, SyncManifest, WeightSyncError
 
 if TYPE_CHECKING:
     import torch
@@ -61,14 +61,20 @@ class DistributedTransport(WeightTransport):
         return self._group is not None
 
     async def _send(
-        self, engines: Sequence[SyncEngine], tensors: NamedTensors, policy_version: int, *, timeout_s: float
+        self,
+        engines: Sequence[SyncEngine],
+        tensors: NamedTensors,
+        policy_version: int,
+        *,
+        adapter: AdapterSpec | None,
+        timeout_s: float,
     ) -> TransferOutcome:
         backend = resolve_backend(self.config.backend, tensors[0][1].device)
         group = await self._ensure_group(engines, backend)
         buckets = plan_buckets(
             tensors, self.config.bucket_bytes, self.config.zero_copy_bytes, self.config.wire_torch_dtype
         )
-        manifest = SyncManifest(policy_version=policy_version, buckets=buckets)
+        manifest = SyncManifest(policy_version=policy_version, buckets=buckets, adapter=adapter)
         started = time.monotonic()
         args = [(manifest.to_json(), self.config.verify_checksum)] * len(engines)
         # overlap: engines receive in a background thread (generation goes on) and `finish` joins it.

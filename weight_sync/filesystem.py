@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from streamrl.core.atomic import atomic_dir
 from streamrl.weight_sync.buckets import checksum, pack_bucket, plan_buckets, wire_dtype_of
 from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, finish_staging, rpc_all
-from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncError
+from streamrl.weight_sync.types import AdapterSpec, StageReport, SyncManifest, WeightSyncError
 
 if TYPE_CHECKING:
     import torch
@@ -37,11 +37,17 @@ class FilesystemTransport(WeightTransport):
         return Path(self.config.fs_dir) / f"v{policy_version}"
 
     async def _send(
-        self, engines: Sequence[SyncEngine], tensors: NamedTensors, policy_version: int, *, timeout_s: float
+        self,
+        engines: Sequence[SyncEngine],
+        tensors: NamedTensors,
+        policy_version: int,
+        *,
+        adapter: AdapterSpec | None,
+        timeout_s: float,
     ) -> TransferOutcome:
         try:
             manifest, folder = await asyncio.wait_for(
-                asyncio.to_thread(self._write_version, tensors, policy_version), timeout=timeout_s
+                asyncio.to_thread(self._write_version, tensors, policy_version, adapter), timeout=timeout_s
             )
         except TimeoutError as exc:
             raise WeightSyncError("transfer", f"writing v{policy_version} took longer than {timeout_s:.1f}s") from exc
@@ -62,13 +68,15 @@ class FilesystemTransport(WeightTransport):
         self._prune(keep=policy_version)
         return TransferOutcome(manifest=manifest, reports=[[StageReport.from_dict(r) for r in e] for e in raw])
 
-    def _write_version(self, tensors: list[tuple[str, torch.Tensor]], policy_version: int) -> tuple[SyncManifest, Path]:
+    def _write_version(
+        self, tensors: list[tuple[str, torch.Tensor]], policy_version: int, adapter: AdapterSpec | None
+    ) -> tuple[SyncManifest, Path]:
         from safetensors.torch import save_file
 
         buckets = plan_buckets(
             tensors, self.config.bucket_bytes, self.config.zero_copy_bytes, self.config.wire_torch_dtype
         )
-        manifest = SyncManifest(policy_version=policy_version, buckets=buckets)
+        manifest = SyncManifest(policy_version=policy_version, buckets=buckets, adapter=adapter)
         by_name = dict(tensors)
         if self.config.verify_checksum:
             for bucket in manifest.buckets:

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from streamrl.core.aio import gather_within
-from streamrl.weight_sync.types import Published
+from streamrl.weight_sync.types import AdapterSpec, Published
 
 if TYPE_CHECKING:
     import torch
@@ -126,8 +126,11 @@ class WeightPublisher:
         """Drained or dead engines leave the sync set for good."""
         return await self.coordinator.remove_engines(engine_ids)
 
-    async def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], target: int) -> Published:
-        """Move `named_tensors` into every engine as `target` (transactional).
+    async def publish(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], target: int, *, adapter: AdapterSpec | None = None
+    ) -> Published:
+        """Move `named_tensors` into every engine as `target` (transactional); with `adapter` they are a
+        LoRA adapter's A and B, served by the engines as a new adapter (`WeightSyncCoordinator.sync`).
 
         Returns the policy_version served afterwards (`target`, or the old one if the sync failed),
         the engines out of the sync set and `sync/*` metrics. A `target` not above the served version
@@ -141,7 +144,7 @@ class WeightPublisher:
             target, named_tensors = behind
         if (same := self.nothing_new(target)) is not None:
             return same
-        result = await self.coordinator.sync(named_tensors, target)
+        result = await self.coordinator.sync(named_tensors, target, adapter=adapter)
         if not result.ok:
             logger.error("weight sync to policy_version %d failed: %s", target, result.error)
         if result.dropped_engine_ids:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from streamrl.core.aio import gather_within
 from streamrl.weight_sync.config import TransportKind, WeightSyncConfig
-from streamrl.weight_sync.types import StageReport, SyncManifest, WeightSyncError
+from streamrl.weight_sync.types import AdapterSpec, StageReport, SyncManifest, WeightSyncError
 
 if TYPE_CHECKING:
     import torch
@@ -59,20 +59,35 @@ class WeightTransport(abc.ABC):
         self.config = config
 
     async def send(
-        self, engines: Sequence[SyncEngine], named_tensors: Sequence[tuple[str, torch.Tensor]], policy_version: int
+        self,
+        engines: Sequence[SyncEngine],
+        named_tensors: Sequence[tuple[str, torch.Tensor]],
+        policy_version: int,
+        *,
+        adapter: AdapterSpec | None = None,
     ) -> TransferOutcome:
         """Stage `named_tensors` as `policy_version` in every engine worker, within the transfer timeout;
-        raises WeightSyncError (ValueError for no tensors)."""
+        `adapter`: they are a LoRA adapter's A and B (its manifest says so). Raises WeightSyncError
+        (ValueError for no tensors)."""
         tensors = list(named_tensors)
         if not tensors:
             raise ValueError("no tensors to sync")
-        return await self._send(engines, tensors, policy_version, timeout_s=self.config.timeouts.transfer)
+        return await self._send(
+            engines, tensors, policy_version, adapter=adapter, timeout_s=self.config.timeouts.transfer
+        )
 
     @abc.abstractmethod
     async def _send(
-        self, engines: Sequence[SyncEngine], tensors: NamedTensors, policy_version: int, *, timeout_s: float
+        self,
+        engines: Sequence[SyncEngine],
+        tensors: NamedTensors,
+        policy_version: int,
+        *,
+        adapter: AdapterSpec | None,
+        timeout_s: float,
     ) -> TransferOutcome:
-        """The transport's own `send`: `tensors` is not empty and the whole transfer has `timeout_s`."""
+        """The transport's own `send`: `tensors` is not empty, the manifest carries `adapter`, and the
+        whole transfer has `timeout_s`."""
 
     async def reset(self, engines: Sequence[SyncEngine]) -> None:  # noqa: B027 - stateless transports
         """Forget connection state after a failure so the next `send` rebuilds it."""

@@ -2,8 +2,9 @@
 
 The `SyncManifest` travels first (as JSON through `collective_rpc`): it names every tensor, its shape,
 dtype and place in a flat per-dtype bucket, the bucket checksums and the policy_version being
-published. Engines answer with a `StageReport` per worker; the coordinator returns a `SyncResult`,
-and the publisher (in the learner) returns one `Published` per publish to the driver.
+published, and for a LoRA adapter sync the adapter's `AdapterSpec`. Engines answer with a
+`StageReport` per worker; the coordinator returns a `SyncResult`, and the publisher (in the learner)
+returns one `Published` per publish to the driver.
 
 Invariants: buckets hold one dtype each; tensor slots inside a bucket start at multiples of
 `SLOT_ALIGN` bytes and the gaps are zero, so a bucket checksum equals the (wrapping) sum of its
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 SLOT_ALIGN = 8  # bytes; checksums sum 64-bit words
 
@@ -36,10 +38,52 @@ class BucketMeta:
     checksum: int | None = None  # buckets.checksum (position-weighted word sum), unsigned; None = not computed
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdapterSpec:
+    """A LoRA adapter sync's peft config: the tensors are its A and B matrices under peft's names, and
+    the engines serve them as a new adapter (`adapter_name`, `adapter_id`) on their base weights."""
+
+    rank: int
+    alpha: int
+    target_modules: list[str]  # [num_targets], module names as peft matches them
+
+    def peft_config(self, base_model: str) -> dict[str, Any]:
+        """The `adapter_config.json` of a saved peft LoRA adapter (what vLLM's loader reads)."""
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": 0.0,
+            "target_modules": list(self.target_modules),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "modules_to_save": None,
+            "use_rslora": False,
+            "use_dora": False,
+        }
+
+
+def adapter_name(policy_version: int) -> str:
+    """The engine-side name of the adapter that serves `policy_version` (vLLM caches adapters by name
+    and id, so every version gets its own: a reused name could serve stale weights)."""
+    return f"policy-v{policy_version}"
+
+
+def adapter_id(policy_version: int) -> int:
+    """vLLM's integer id of that adapter (ids start at 1)."""
+    return policy_version + 1
+
+
 @dataclass(kw_only=True, slots=True)
 class SyncManifest:
+    """`adapter` is set for a LoRA adapter sync (the buckets then hold its A and B only) and None for
+    full weights."""
+
     policy_version: int
     buckets: list[BucketMeta]  # [num_buckets], in broadcast order
+    adapter: AdapterSpec | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -69,7 +113,12 @@ class SyncManifest:
             )
             for b in raw["buckets"]
         ]
-        return cls(policy_version=raw["policy_version"], buckets=buckets)
+        adapter = raw.get("adapter")
+        return cls(
+            policy_version=raw["policy_version"],
+            buckets=buckets,
+            adapter=None if adapter is None else AdapterSpec(**adapter),
+        )
 
 
 @dataclass(kw_only=True, slots=True)

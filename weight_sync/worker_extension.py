@@ -5,13 +5,16 @@ the engines stay transactional: `receive_weights` (or `stage_weights_from_path`)
 weights in flat buffers and reports their checksums; the coordinator compares them with the
 learner's, then either `commit_weights` (load in place through vLLM's supported
 `reload_weights(weights_iterator=...)` path; the engine calls it and flips its version label in the
-same step) or `discard_weights` (old weights keep serving).
+same step) or `discard_weights` (old weights keep serving). A LoRA adapter sync (the manifest names an
+adapter) stages the same way and commits by adding a new adapter instead (`adapter_loader`).
 With `weight_sync.overlap` the receive runs in a background thread of the engine process
 (`begin_receive_weights` returns at once, `finish_receive_weights` joins it), so the engine keeps
 generating while the weights arrive and are checksummed; only the commit needs the engine paused.
 Tensors never travel as RPC arguments (vLLM would turn them into lists); only the manifest does.
 
 Configure with `worker_extension_cls="streamrl.weight_sync.worker_extension.WeightSyncWorkerExtension"`.
+The same extension carries the engine's routed-expert capture for MoE models
+(`rollout.engine.route_capture`), off until the engine enables it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from streamrl.rollout.engine.route_capture import RouteCaptureExtension
+from streamrl.weight_sync.adapter_loader import AdapterLoaderExtension
 from streamrl.weight_sync.buckets import checksum, empty_bucket, pack_bucket, unpack_bucket
 from streamrl.weight_sync.types import SLOT_ALIGN, StageReport, SyncManifest
 
@@ -37,7 +42,7 @@ WORKER_EXTENSION_CLS = "streamrl.weight_sync.worker_extension.WeightSyncWorkerEx
 _CHAIN = 0x9E3779B97F4A7C15  # odd (the 64-bit golden ratio): `weights_checksum` folds parameters in order
 
 
-class WeightSyncWorkerExtension:
+class WeightSyncWorkerExtension(RouteCaptureExtension, AdapterLoaderExtension):
     """Mixin for vLLM workers; relies on the worker's `rank`, `model_runner` and `reload_weights`."""
 
     _ws_group: WeightGroup | None = None
@@ -184,6 +189,17 @@ class WeightSyncWorkerExtension:
         weights = itertools.chain.from_iterable(
             unpack_bucket(b, buf) for b, buf in zip(manifest.buckets, buffers, strict=True)
         )
+        if manifest.adapter is not None:  # a LoRA adapter: served as a new adapter, the base untouched
+            adapter = self.load_adapter(manifest.policy_version, manifest.adapter, weights)
+            self._ws_staged = None
+            load_s = time.monotonic() - started
+            logger.info("loaded adapter %s in %.3fs", adapter["name"], load_s)
+            return {
+                "policy_version": policy_version,
+                "load_s": load_s,
+                "num_bytes": manifest.num_bytes,
+                "adapter": adapter,
+            }
         self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
         reload_s = time.monotonic() - started
         self.refresh_packed_embeddings()

@@ -316,6 +316,7 @@ class AgentLoopBase(abc.ABC):
         data.generate_s += time.monotonic() - t0
         data.engine_id = engine_id
         data.append_sampled(output.token_ids, output.logprobs, output.policy_versions)
+        data.record_side(output.token_side)  # routes of every position, the first recorded kept
         self.ctx.counters.num_generated_tokens += len(output.token_ids)
         if trace.enabled():
             trace_generate(data, started, engine_id, output)

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from streamrl.rollout.token_side import TokenSide
+
 logger = logging.getLogger(__name__)
 
 
@@ -94,6 +96,9 @@ class GenerationOutput:
     finish_reason: str  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0  # prompt tokens the model saw (image placeholders expanded) == len(prompt_ids)
     num_cached_tokens: int = 0  # prefix-cache hits, for re-prefill accounting
+    # routed experts of prompt + new tokens from position 0 (`rollout.token_side`; MoE engines recording
+    # routes only): the last new token was never forwarded and has no row
+    token_side: TokenSide | None = None
 
     @property
     def aborted(self) -> bool:

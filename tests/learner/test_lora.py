@@ -294,8 +294,6 @@ def test_a_resume_on_another_base_or_without_lora_is_refused(tmp_path):
 
 
 def test_config_refuses_what_is_not_built():
-    with pytest.raises(ValidationError, match='sync = "adapter" is not built'):
-        _cfg(lora={"sync": "adapter"})
     with pytest.raises(ValidationError, match="num_workers=2 is not built"):
         _cfg(num_workers=2)
     with pytest.raises(ValidationError, match="extra"):

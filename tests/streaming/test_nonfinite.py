@@ -72,6 +72,21 @@ async def test_the_learner_actor_publishes_nothing_after_skipped_steps(monkeypat
     assert (await actor.publish()).policy_version == 2 and backend.num_publishes == 1  # nothing new since
 
 
+async def test_engines_connected_at_another_version_get_the_learner_s_weights_at_the_next_publish(monkeypatch):
+    """A LoRA adapter resume connects engines that serve the base model (-1) to a learner at 6."""
+    from streamrl.streaming.actors import learner_backends
+
+    monkeypatch.setattr(learner_backends, "LocalLearner", SkippingBackend)
+    actor = LearnerActor.__ray_actor_class__(StreamRLConfig())
+    backend = actor.learner
+    backend.policy_version = 6
+    await actor.connect([], [], -1)
+    assert (await actor.publish()).policy_version == 6 and backend.num_publishes == 1
+    assert (await actor.publish()).policy_version == 6 and backend.num_publishes == 1  # nothing new since
+    await actor.connect([], [], 6)  # engines that serve the learner's weights: nothing to send
+    assert (await actor.publish()).policy_version == 6 and backend.num_publishes == 1
+
+
 class SkippingLearner:
     """Wraps test_driver_loops' FakeLearner: steps listed in `skipped` come back skipped."""
 

@@ -190,8 +190,8 @@ async def test_engine_staging_different_weights_fails_verification(tmp_path, mon
     config = _config(transport=TransportKind.FILESYSTEM, fs_dir=str(tmp_path))
     write = FilesystemTransport._write_version
 
-    def write_then_swap(self, tensors, policy_version):
-        manifest, folder = write(self, tensors, policy_version)
+    def write_then_swap(self, tensors, policy_version, adapter):
+        manifest, folder = write(self, tensors, policy_version, adapter)
         save_file(dict(toy_weights(99)), str(folder / "model.safetensors"))
         return manifest, folder
 
