@@ -35,7 +35,7 @@ run: install
 # finding, after running all three. pyrefly reads the checkout through a git-ignored link
 # .cache/typecheck/streamrl -> the repo root, so each module has its one installed name
 # (streamrl.<package>.<module>, the package-dir mapping) and `streamrl.` imports resolve to it.
-LINT_PACKAGES := core models workloads buffer learner observability rollout sim streaming weight_sync
+LINT_PACKAGES := core models engines tools workloads buffer learner observability rollout sim streaming weight_sync
 lint: install
 	@mkdir -p .cache/typecheck && ln -sfn ../.. .cache/typecheck/streamrl
 	@status=0; \

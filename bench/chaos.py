@@ -136,7 +136,7 @@ SCENARIO_OVERRIDES = {
 
 
 def _ledger_tools(root: Path, run_dir: Path, run_name: str) -> list[str]:
-    """The override that gives a run the side-effect calculator (rollout.tools.ledger) under the
+    """The override that gives a run the side-effect calculator (workloads.tools.ledger) under the
     calculator's name, its ledger in the run directory (streaming.invariants checks I5 from it)."""
     path = root / f"{run_name}.tools.yaml"
     path.write_text(
@@ -484,7 +484,7 @@ def run_kill_suite(args: argparse.Namespace, argv: list[str]) -> int:
         "wall_s": round(time.monotonic() - t0, 1),
         "summary": summarize(results),
         "note": "tool side effects: the `tools` scenario runs a tool-calling tiny model (SFT warm-up) whose "
-        "calculator appends an fsynced ledger line per execution (rollout.tools.ledger); the checker "
+        "calculator appends an fsynced ledger line per execution (workloads.tools.ledger); the checker "
         "counts (trajectory, call id) pairs run more than once",
         "results": [asdict(r) for r in results],
     }

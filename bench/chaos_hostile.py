@@ -176,8 +176,8 @@ def image_bomb_check(tmp: Path) -> dict:
     process must not grow by the 108 MB a decode would take."""
     from bench.hostile import bomb_png
     from streamrl.rollout.images import ImageStore
-    from streamrl.rollout.tools.config import load_tool_config
-    from streamrl.rollout.types import ToolCall
+    from streamrl.tools.config import load_tool_config
+    from streamrl.tools.types import ToolCall
 
     bomb_png()  # built before the baseline: its compression is not the executor's memory
     store = ImageStore(tmp / "images")
@@ -210,8 +210,8 @@ def tool_check(num_calls: int = 3) -> dict:
 
     from bench import hostile
     from streamrl.observability.safe_text import SafeFormatter
-    from streamrl.rollout.tools.config import load_tool_config
-    from streamrl.rollout.types import ToolCall
+    from streamrl.tools.config import load_tool_config
+    from streamrl.tools.types import ToolCall
 
     registry = load_tool_config({"tools": [{"function": "bench.hostile:calculator", "name": "calculator"}]})
     by_bucket: dict[str, list[str]] = {"hang": [], "escapes": [], None: []}

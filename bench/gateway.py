@@ -108,11 +108,11 @@ async def _gateway_ctx(model_path: str):
     """An engine on `model_path` behind a ServerManager, the agent context and a started gateway."""
     from transformers import AutoTokenizer
 
+    from streamrl.engines.config import EngineConfig
+    from streamrl.engines.vllm_engine import VLLMEngine
     from streamrl.rollout.agent_loop import AgentContext
     from streamrl.rollout.agent_loop.observation import ObservationEncoder
     from streamrl.rollout.config import AgentConfig, SamplingConfig
-    from streamrl.rollout.engine.config import EngineConfig
-    from streamrl.rollout.engine.vllm_engine import VLLMEngine
     from streamrl.rollout.gateway.config import GatewayConfig
     from streamrl.rollout.gateway.server import GatewayServer
     from streamrl.rollout.parsers import get_parser
@@ -143,7 +143,7 @@ async def _gateway_ctx(model_path: str):
 async def _pair(ctx: Any, server: Any, client: Any, i: int, messages: list, tools: list, max_tokens: int):
     """(direct s, gateway s, the gateway handler's own overhead s, same tokens?) for one prompt, the order
     alternating with i."""
-    from streamrl.rollout.engine.base import SamplingParams
+    from streamrl.engines.base import SamplingParams
     from streamrl.rollout.gateway.session import Session
     from streamrl.rollout.types import AgentData, AgentState
 

@@ -70,10 +70,10 @@ async def session_cost(num_calls: int, tokenizer: Any, root: Path) -> dict[str, 
     """Run one session of `num_calls` calls; bytes written and per-call overhead."""
     from streamrl.buffer.config import BufferConfig
     from streamrl.buffer.store import ReplayBuffer
+    from streamrl.engines.fake import FakeEngine
     from streamrl.rollout.agent_loop import AgentContext
     from streamrl.rollout.agent_loop.observation import ObservationEncoder
     from streamrl.rollout.config import AgentConfig
-    from streamrl.rollout.engine.fake import FakeEngine
     from streamrl.rollout.gateway import protocol
     from streamrl.rollout.gateway.config import GatewayConfig
     from streamrl.rollout.gateway.session import CallStats, Session, call_key

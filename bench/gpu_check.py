@@ -102,7 +102,7 @@ def server_overrides(work: Path, model: Path, *, num_gpus: int) -> list[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    from streamrl.rollout.engine.server_process import vllm_serve_command
+    from streamrl.engines.server_process import vllm_serve_command
 
     memory = "0.3" if num_gpus == 1 else "0.85"
     command = vllm_serve_command(

@@ -69,7 +69,7 @@ def calculator(expression: str) -> str:
     Args:
         expression: the expression, e.g. "3 * (4 + 5)".
     """
-    from streamrl.rollout.tools.calculator import CalculatorError, evaluate_expression
+    from streamrl.tools.calculator import CalculatorError, evaluate_expression
 
     hostility = TOOL_BUCKETS.get(bucket(expression, 6))
     if hostility == "hang":
@@ -88,7 +88,7 @@ def calculator(expression: str) -> str:
 @functools.cache
 def bomb_png(side: int = 6_000) -> bytes:
     """A valid PNG of ~100 KB that decodes to `side` x `side` black RGB pixels (108 MB at 6k: 36
-    megapixels, over the image cap, `rollout.images.DEFAULT_MAX_IMAGE_PIXELS`, under PIL's own limit
+    megapixels, over the image cap, `models.multimodal.DEFAULT_MAX_IMAGE_PIXELS`, under PIL's own limit
     of ~89, so the cap is what refuses it)."""
     import struct
 

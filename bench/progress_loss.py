@@ -121,10 +121,10 @@ async def trial(engine: Any, tokenizer: Any, records: list, every_s: float | Non
 async def run(args) -> dict:
     from transformers import AutoTokenizer
 
+    from streamrl.engines.config import EngineConfig
+    from streamrl.engines.vllm_engine import VLLMEngine
     from streamrl.models import resolve_model
     from streamrl.rollout.data import load_records
-    from streamrl.rollout.engine.config import EngineConfig
-    from streamrl.rollout.engine.vllm_engine import VLLMEngine
 
     model_path = str(resolve_model(args.model))
     cfg = EngineConfig(

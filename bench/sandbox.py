@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import machine
-from streamrl.rollout.tools.code_interpreter import CodeInterpreterTool
+from streamrl.tools.code_interpreter import CodeInterpreterTool
 from streamrl.workloads.tools.sandbox_escapes import (
     ATTEMPTS,
     Harness,

@@ -81,9 +81,9 @@ def _hf_weights(model_path: Path) -> list[tuple[str, Any]]:
 
 async def _warm_engine(model_path: Path, engine_id: str) -> Any:
     """A CPU `VLLMEngine` with the weight-sync worker extension, after one short greedy request."""
-    from streamrl.rollout.engine.base import SamplingParams
-    from streamrl.rollout.engine.config import EngineConfig
-    from streamrl.rollout.engine.vllm_engine import VLLMEngine
+    from streamrl.engines.base import SamplingParams
+    from streamrl.engines.config import EngineConfig
+    from streamrl.engines.vllm_engine import VLLMEngine
     from streamrl.weight_sync import WORKER_EXTENSION_CLS
 
     cfg = EngineConfig(
@@ -99,7 +99,7 @@ async def _warm_engine(model_path: Path, engine_id: str) -> Any:
 
 
 async def bench_engine_sync(model_name: str, model_path: Path) -> dict[str, Any]:
-    from streamrl.rollout.engine.base import PauseMode, SamplingParams
+    from streamrl.engines.base import PauseMode, SamplingParams
     from streamrl.weight_sync import WeightSyncConfig, WeightSyncCoordinator
 
     weights = _hf_weights(model_path)
@@ -215,7 +215,7 @@ async def bench_overlap(model_name: str, model_path: Path, repeats: int, num_req
     is reduced to one `pause` that counts the tokens streamed since the sync started (generated
     while the weights were transferred and verified) and aborts the requests (their tokens are kept:
     0 discarded when every aborted output has a log-prob per token)."""
-    from streamrl.rollout.engine.base import SamplingParams
+    from streamrl.engines.base import SamplingParams
     from streamrl.weight_sync import WeightSyncConfig, WeightSyncCoordinator
 
     weights = _hf_weights(model_path)

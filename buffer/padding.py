@@ -12,7 +12,7 @@ import pyarrow as pa
 from streamrl.buffer import arrow_compute as pc
 from streamrl.buffer.schema import list_row_starts
 from streamrl.buffer.types import PaddedBatch
-from streamrl.rollout.token_side import SideKind, TokenSide, padded_side
+from streamrl.engines.token_side import SideKind, TokenSide, padded_side
 from streamrl.rollout.types import OBSERVATION_VERSION
 
 

@@ -15,7 +15,7 @@ buffer's image log (`buffer/images.py`). They are the last two fields of `rollou
 trajectory's first submission, +1 each time the driver resubmits it after its worker died. The buffer
 refuses rows of an attempt older than the newest it holds for their trajectory (`buffer.groups`).
 
-`token_side` (after `attempt`) is the row's per-token side data (`rollout.token_side.TokenSide`: the
+`token_side` (after `attempt`) is the row's per-token side data (`engines.token_side.TokenSide`: the
 routed experts of an MoE engine), a nullable struct of kind, dtype, per-token shape and the rows as
 bytes; null for a dense model's rows. It has at most one row per prompt + response token.
 
@@ -53,7 +53,7 @@ import numpy as np
 import pyarrow as pa
 
 from streamrl.buffer import arrow_compute as pc
-from streamrl.rollout.token_side import SideKind
+from streamrl.engines.token_side import SideKind
 from streamrl.rollout.types import OBSERVATION_VERSION, FinishReason, Trajectory, TrajectoryStatus
 
 SCHEMA_VERSION = "4"

@@ -17,6 +17,8 @@ against vLLM and the HF processor (tests/rollout/test_tiny_vlm.py); the Qwen2-VL
 but untested here (its processor needs torchvision, which this venv lacks). `expand_image_tokens` and
 `collapse_image_tokens` convert between the two id views, so a multi-turn trajectory can keep the
 expanded ids (what the model saw) and still hand the engine the collapsed ones.
+
+`count_image_runs` and `image_run_lengths` count the images of expanded ids.
 """
 
 from __future__ import annotations
@@ -27,6 +29,26 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
     from PIL.Image import Image
+
+
+def count_image_runs(token_ids: list[int], image_token_id: int) -> int:
+    """Images in expanded ids: maximal runs of `image_token_id` (one per image for Idefics3 and
+    Qwen2-VL: adjacent images are separated by their wrapper tokens)."""
+    return sum(t == image_token_id and (i == 0 or token_ids[i - 1] != image_token_id) for i, t in enumerate(token_ids))
+
+
+def image_run_lengths(token_ids: list[int], image_token_id: int) -> list[int]:
+    """Length of each maximal run of `image_token_id` in expanded ids, in order: one entry per image
+    (`Trajectory.num_image_tokens`). `len(image_run_lengths(...)) == count_image_runs(...)`."""
+    runs: list[int] = []
+    for i, t in enumerate(token_ids):
+        if t != image_token_id:
+            continue
+        if i > 0 and token_ids[i - 1] == image_token_id:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs
 
 
 @dataclass(kw_only=True, slots=True)

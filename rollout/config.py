@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from streamrl.rollout.engine.base import SEED_MAX, SEED_MIN
-from streamrl.rollout.engine.config import EngineConfig
+from streamrl.engines.base import SEED_MAX, SEED_MIN
+from streamrl.engines.config import EngineConfig
 from streamrl.rollout.gateway.config import GatewayConfig
 from streamrl.rollout.verifiers.config import VerifiersConfig
 

@@ -32,8 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamrl.core.registry import Registry
-from streamrl.rollout.tools.config import import_object
+from streamrl.core.registry import Registry, import_object
 
 
 @dataclass(kw_only=True, slots=True)

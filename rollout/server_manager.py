@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from streamrl.rollout.engine.base import (
+from streamrl.engines.base import (
     EngineStats,
     GenerationOutput,
     ImageInput,

@@ -10,7 +10,7 @@ Invariants (stated once, checked by `Trajectory.validate()` and `AgentData.check
 - where `response_mask == 0` (tool / interaction / user tokens) the logprob is 0.0 and the
   policy_version is -1; where it is 1 the policy_version is >= 0;
 - `len(prompt_ids) + len(response_ids) <= max_model_len` of the run;
-- `token_side` (per-token side data an engine produced, `rollout.token_side`) has at most one row per
+- `token_side` (per-token side data an engine produced, `engines.token_side`) has at most one row per
   token of `prompt_ids + response_ids`;
 - images: `prompt_ids` / `response_ids` hold the *expanded* ids (each image is one run of the model's
   image placeholder token, what the model saw), and the number of such runs in
@@ -30,7 +30,10 @@ from typing import Any
 from pydantic import AliasChoices, BaseModel, Field
 
 from streamrl.core.versions import OBSERVATION_VERSION
-from streamrl.rollout.token_side import TokenSide, merge_first
+from streamrl.engines.token_side import TokenSide, merge_first
+from streamrl.models.images import ImageRef
+from streamrl.models.multimodal import count_image_runs, image_run_lengths
+from streamrl.tools.types import ToolCall, ToolJournalEntry, ToolResult
 
 
 class AgentState(StrEnum):
@@ -54,88 +57,6 @@ class FinishReason(StrEnum):
     INTERACTION_DONE = "interaction_done"  # the interaction terminated the episode
     ABORT = "abort"  # interrupted (partial rows only)
     ERROR = "error"  # failed trajectory
-
-
-class ImageRef(BaseModel):
-    """One image of a trajectory, by content. The encoded bytes live in a content-addressed store
-    (`rollout.images.ImageStore`, later the buffer's image log) under `sha256`; `AgentData` and the
-    messages only ever hold this reference, never pixels, so JSON round-trips stay lossless."""
-
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")  # hex digest of the encoded bytes
-    width: int = Field(gt=0)
-    height: int = Field(gt=0)
-    mime: str = "image/png"
-
-
-def count_image_runs(token_ids: list[int], image_token_id: int) -> int:
-    """Images in expanded ids: maximal runs of `image_token_id` (one per image for Idefics3 and
-    Qwen2-VL: adjacent images are separated by their wrapper tokens)."""
-    return sum(t == image_token_id and (i == 0 or token_ids[i - 1] != image_token_id) for i, t in enumerate(token_ids))
-
-
-def image_run_lengths(token_ids: list[int], image_token_id: int) -> list[int]:
-    """Length of each maximal run of `image_token_id` in expanded ids, in order: one entry per image
-    (`Trajectory.num_image_tokens`). `len(image_run_lengths(...)) == count_image_runs(...)`."""
-    runs: list[int] = []
-    for i, t in enumerate(token_ids):
-        if t != image_token_id:
-            continue
-        if i > 0 and token_ids[i - 1] == image_token_id:
-            runs[-1] += 1
-        else:
-            runs.append(1)
-    return runs
-
-
-class ToolCall(BaseModel):
-    """One parsed tool call of an assistant turn (hermes / harmony alike)."""
-
-    call_id: str
-    name: str
-    arguments: dict[str, Any] = Field(default_factory=dict)
-    # Set when parsing or validation failed: the loop answers with an error observation instead.
-    error: str | None = None
-
-
-class ToolResult(BaseModel):
-    """The recorded outcome of a tool call; recorded before the observation is appended so a resume
-    never executes the same call twice.
-
-    `images` are the images the tool returned, admitted into the worker's `ImageStore` (bytes by
-    hash, never in this record); the observation shows them before `text`, and they join
-    `AgentData.images` in that order when the observation is appended. Empty for a text-only policy:
-    there an image-returning call is an error result instead."""
-
-    call_id: str
-    name: str
-    text: str
-    reward: float = 0.0
-    is_error: bool = False
-    latency_s: float = 0.0
-    images: list[ImageRef] = Field(default_factory=list)  # [num_images]; observation order
-
-
-class ToolCallStatus(StrEnum):
-    INTENT = "intent"  # recorded (durably, via the snapshot hook) before the tool runs; outcome unknown
-    DONE = "done"  # the tool returned (or failed/timed out); `result` is what the model sees
-    INTERRUPTED = "interrupted"  # in doubt after a resume and not idempotent: never re-run
-
-
-class ToolJournalEntry(BaseModel):
-    """One call that reaches a tool's `execute`; the at-most-once record of its side effect.
-
-    Malformed, unknown or over-the-limit calls never reach a tool and have no entry (their error
-    results are in `AgentData.tool_results` only). An entry still in INTENT when a trajectory resumes
-    may or may not have had its effect: it is re-run only if the tool is idempotent."""
-
-    call_id: str
-    name: str
-    arguments: dict[str, Any] = Field(default_factory=dict)  # validated against the tool's schema
-    status: ToolCallStatus = ToolCallStatus.INTENT
-    result: ToolResult | None = None  # set with the status change away from INTENT
-
-    def call(self) -> ToolCall:
-        return ToolCall(call_id=self.call_id, name=self.name, arguments=self.arguments)
 
 
 class AgentData(BaseModel):

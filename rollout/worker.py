@@ -31,8 +31,8 @@ from collections.abc import Awaitable, Callable
 
 from streamrl.core import trace
 from streamrl.core.aio import gather_within
+from streamrl.engines.base import PauseMode
 from streamrl.rollout.agent_loop import AgentContext, get_agent_loop_cls
-from streamrl.rollout.engine.base import PauseMode
 from streamrl.rollout.gateway.loop import gateway_metrics
 from streamrl.rollout.types import AgentData, AgentState, FinishReason, RolloutOutcomes, Trajectory, TrajectoryStatus
 
@@ -215,7 +215,7 @@ class RolloutWorker:
     async def pause(self, timeout_s: float = 60.0, epoch: int | None = None) -> None:
         """Hold admissions and (abort mode) park every loop that uses the engine; see module doc.
 
-        `epoch` is the weight sync's fencing token (as for engines, `rollout.engine.base.SyncFence`):
+        `epoch` is the weight sync's fencing token (as for engines, `engines.base.SyncFence`):
         a remote pause that timed out at the coordinator still runs here, possibly after its resume.
         A pause not newer than an applied resume is ignored, and one overtaken by its resume while
         parking stops waiting, so a late pause never leaves the worker holding its trajectories."""

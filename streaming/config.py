@@ -15,11 +15,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from streamrl.buffer.config import BufferConfig
+from streamrl.engines.config import VLLM_LORA_RANKS, LoraServing
 from streamrl.learner.config import LearnerConfig, LoraSync
 from streamrl.observability.metrics import WandbConfig
 from streamrl.observability.tracing import TraceConfig
 from streamrl.rollout.config import RolloutConfig
-from streamrl.rollout.engine.config import VLLM_LORA_RANKS, LoraServing
 from streamrl.rollout.gateway.config import GatewayConfig
 from streamrl.rollout.verifiers.config import SOURCE as VERIFIERS_SOURCE
 from streamrl.rollout.verifiers.config import PreparedVerifiers, check_sources

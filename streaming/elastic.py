@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from streamrl.core.run_dir import RunDir, read_json, write_json
 
 if TYPE_CHECKING:
-    from streamrl.rollout.engine.config import EngineConfig
+    from streamrl.engines.config import EngineConfig
     from streamrl.streaming.actors.engine import RayEngineClient
     from streamrl.streaming.pipeline import Pipeline
 
@@ -254,7 +254,7 @@ async def check_engines(engines: list[Any]) -> list[Any]:
     that is merely slow to answer is not dead; one dead among live ones is retired (`retire_dead`)."""
     import ray
 
-    from streamrl.rollout.engine.base import NoHealthyEngineError
+    from streamrl.engines.base import NoHealthyEngineError
 
     dead, why = [], []
     for i, engine in enumerate(engines):

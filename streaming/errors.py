@@ -107,7 +107,7 @@ def explain_failure(exc: BaseException, run_dir: str | Path) -> str | None:
     """One sentence for a part killed for memory, for every engine gone, or for a `StreamRLError` (too
     many non-finite learner steps or failed trajectories), anywhere in `exc`'s chain; None for
     anything else."""
-    from streamrl.rollout.engine.base import NoHealthyEngineError
+    from streamrl.engines.base import NoHealthyEngineError
 
     resume = f"continue the run with: streamrl train --resume {shlex.quote(str(run_dir))}"
     if complete := next((e for e in exception_chain(exc) if isinstance(e, StreamRLError)), None):

@@ -106,7 +106,7 @@ async def _report_progress(results: list[Trajectory], total: int, every_s: float
 async def run_rollouts(cfg: Any, records: list, *, group_size: int) -> list[Trajectory]:
     """Run `group_size` trajectories per record on one local engine; returns finished trajectories.
     `cfg.model` is a resolved folder (`StreamRLConfig.with_model`)."""
-    from streamrl.rollout.engine import make_engine
+    from streamrl.engines import make_engine
 
     engine = make_engine(cfg.rollout.engine, "engine-0")
     try:

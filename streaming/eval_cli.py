@@ -67,7 +67,7 @@ async def evaluate_models(
     starts on whatever its command names, so there every target's weights are loaded, the first's too.
     `report` gets each target's summary, trajectories and the seconds its evaluation took (without the
     engine's start) as soon as it is done."""
-    from streamrl.rollout.engine import make_engine
+    from streamrl.engines import make_engine
     from streamrl.streaming.heldout import heldout_metrics, run_heldout
 
     engine = make_engine(cfg.rollout.engine.model_copy(update={"model": targets[0].model_path}), "engine-0")

@@ -9,7 +9,7 @@ learner step's full batch, stranded trajectories (I2, from the end-of-run accoun
 violations (I4: a trajectory whose versions decrease, or a label above the high-water mark the
 driver saved, or a sampled token labelled below 0: weights no sync published), tool side effects
 repeated (I5: when the run's tools keep a ledger at `RUN_DIR/tool_ledger.jsonl`
-(`rollout.tools.ledger`), a (trajectory, call id) with more than one line, or a finished trajectory
+(`workloads.tools.ledger`), a (trajectory, call id) with more than one line, or a finished trajectory
 with more ledger lines than tool calls), gateway calls answered differently (exactly-once answers:
 when the run's gateway clients record what they were told at `RUN_DIR/answer_ledger.jsonl`
 (`workloads.answer_ledger`), a journal key whose clients got more than one distinct answer; also

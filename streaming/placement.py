@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
-    from streamrl.rollout.engine.config import EngineConfig
+    from streamrl.engines.config import EngineConfig
 
 
 class PlacementConfig(BaseModel):

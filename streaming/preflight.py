@@ -513,7 +513,7 @@ def check(cfg: StreamRLConfig) -> Estimate:
     return est
 
 
-CODE_INTERPRETER = "streamrl.rollout.tools.code_interpreter.CodeInterpreterTool"
+CODE_INTERPRETER = "streamrl.tools.code_interpreter.CodeInterpreterTool"
 
 
 def sandbox_isolation(cfg: StreamRLConfig) -> list[str]:
@@ -522,9 +522,9 @@ def sandbox_isolation(cfg: StreamRLConfig) -> list[str]:
     together, and by what), found as the worker's tool will find them (`sandbox.describe`)."""
     import yaml
 
-    from streamrl.rollout.tools.code_interpreter import CodeInterpreterConfig
-    from streamrl.rollout.tools.config import ToolConfigFile
-    from streamrl.rollout.tools.sandbox import IsolationUnavailable, describe
+    from streamrl.tools.code_interpreter import CodeInterpreterConfig
+    from streamrl.tools.config import ToolConfigFile
+    from streamrl.tools.sandbox import IsolationUnavailable, describe
 
     path = cfg.rollout.agent.tool_config
     if not path or not Path(path).is_file():

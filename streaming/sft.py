@@ -73,7 +73,7 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from streamrl.rollout.data.loaders import CODE_INTERPRETER, make_arithmetic_dataset, make_tool_sft_transcripts
-    from streamrl.rollout.tools.config import load_tool_config
+    from streamrl.tools.config import load_tool_config
 
     torch.manual_seed(seed)
     tokenizer = cast(
@@ -123,10 +123,10 @@ def _train(model_path: str, out_dir: Path, cfg: Any, seed: int) -> None:
 def maybe_warm_up(cfg: Any, model_path: str) -> Path:
     """Return a warmed-up model folder (built once, cached) for `model_path`."""
     from streamrl.models import cache_root
-    from streamrl.rollout.tools.config import load_tool_config
+    from streamrl.tools.config import load_tool_config
 
     # Keyed by what the transcripts render (the tool schemas), not by the tool config's path: a
-    # config naming another class under the same schema (rollout.tools.ledger) reuses the warm-up.
+    # config naming another class under the same schema (workloads.tools.ledger) reuses the warm-up.
     tools = load_tool_config(cfg.rollout.agent.tool_config).schemas() if cfg.rollout.agent.tool_config else None
     key = hashlib.sha256(
         json.dumps([str(model_path), cfg.sft.model_dump(mode="json"), tools, cfg.data.seed], sort_keys=True).encode()
@@ -161,7 +161,7 @@ def check_prompt_lengths(cfg: Any, model_path: str | Path, *, sample: int = 32) 
 
     from streamrl.rollout.agent_loop.observation import ObservationEncoder
     from streamrl.rollout.data import load_records
-    from streamrl.rollout.tools.config import load_tool_config
+    from streamrl.tools.config import load_tool_config
 
     agent = cfg.rollout.agent
     tools = load_tool_config(agent.tool_config).schemas() if agent.tool_config else None

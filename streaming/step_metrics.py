@@ -14,7 +14,7 @@ from streamrl.core import catalogue
 from streamrl.core.catalogue import Reduction
 
 if TYPE_CHECKING:
-    from streamrl.rollout.engine.base import EngineStats
+    from streamrl.engines.base import EngineStats
 
 
 def sum_metrics(parts: Iterable[dict[str, float]]) -> dict[str, float]:

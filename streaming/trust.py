@@ -45,7 +45,7 @@ class CodeReference:
 
 
 def module_of(path: str) -> str:
-    """`pkg.mod` of an import path `pkg.mod:attr` or `pkg.mod.Attr` (as rollout.tools.config.import_object reads it)."""
+    """`pkg.mod` of an import path `pkg.mod:attr` or `pkg.mod.Attr` (as core.registry.import_object reads it)."""
     path = path.removeprefix("verl:")
     module, sep, _ = path.partition(":")
     return module if sep else path.rpartition(".")[0] or path

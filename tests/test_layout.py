@@ -17,12 +17,14 @@ REPO = Path(__file__).resolve().parents[1]
 TOP = (
     "buffer",
     "core",
+    "engines",
     "learner",
     "models",
     "observability",
     "rollout",
     "sim",
     "streaming",
+    "tools",
     "weight_sync",
     "workloads",
 )
@@ -65,6 +67,8 @@ def test_the_namespace_imports_outside_the_checkout_and_the_bare_names_do_not(tm
 LAYERS = (
     "core",
     "models",
+    "engines",
+    "tools",
     "rollout",
     "workloads",
     "buffer",
@@ -77,19 +81,35 @@ LAYERS = (
 # What a library package may use of another library package: its interface, not a primitive that
 # happens to live there (primitives belong in `core`). `streaming` is not listed: it wires everything.
 INTERFACES = {
-    ("rollout", "models"): {"models", "models.multimodal"},  # resolve_model, templates, image processing
-    ("workloads", "rollout"): {  # example tools and environments: the tool and interaction interfaces
-        "rollout.interactions.base",
-        "rollout.tools.base",
-        "rollout.tools.calculator",
-        "rollout.tools.executor",
-        "rollout.tools.sandbox.stages",
-        "rollout.tools.schema",
+    # resolve_model, image bytes and references (`models.images`), image tokens and templates
+    ("engines", "models"): {"models", "models.images", "models.multimodal"},
+    ("tools", "models"): {"models.images"},  # the images a tool returns
+    ("rollout", "models"): {"models", "models.images", "models.multimodal"},
+    # the engine interface and config it drives, and the per-token side data an engine returns
+    ("rollout", "engines"): {"engines.base", "engines.config", "engines.token_side"},
+    # the tool records and interfaces the agent loop drives; the parsers build `tools.types.ToolCall`s
+    ("rollout", "tools"): {
+        "tools.types",
+        "tools.schema",  # validate_call: a parsed call against the tools' schemas
+        "tools.instances",  # per-trajectory instance state, shared by tools and interactions
+        "tools.calculator",  # the generated arithmetic tasks compute their answers with it
+        "tools.slots",  # the gateway runs agent programs in the tools' bounded threads
+        "tools.sandbox.execute",  # the gateway caps its programs' output as the sandbox does
     },
-    ("buffer", "rollout"): {"rollout.types", "rollout.token_side"},  # the records the buffer stores
+    # example tools and environments: the tool and interaction interfaces
+    ("workloads", "tools"): {
+        "tools.base",
+        "tools.calculator",
+        "tools.executor",
+        "tools.sandbox.stages",
+        "tools.schema",
+    },
+    ("workloads", "rollout"): {"rollout.interactions.base"},
+    ("buffer", "rollout"): {"rollout.types"},  # the records the buffer stores
+    ("buffer", "engines"): {"engines.token_side"},  # the per-token side data stored with them
     ("learner", "models"): {"models", "models.multimodal"},
     # the engines it updates; its worker extension carries the engine's route capture
-    ("weight_sync", "rollout"): {"rollout.engine.base", "rollout.engine.vllm_compat", "rollout.engine.route_capture"},
+    ("weight_sync", "engines"): {"engines.base", "engines.vllm_compat", "engines.route_capture"},
     ("observability", "rollout"): {"rollout.types"},
     ("observability", "buffer"): {"buffer.types", "buffer.images", "buffer.log"},  # the report reads buffers
     # the simulator decides with the buffer's own admission, group and batching code, and reads run buffers
@@ -100,9 +120,10 @@ INTERFACES = {
 
 # Modules a lower package names but never imports, because another program loads them by that name:
 # vLLM mixes the weight-sync receiver into its worker processes from the engine config's
-# `worker_extension_cls` (also passed to `vllm serve`). The one reference against the layers; it goes
-# when the engines get a room of their own below `weight_sync` with the receiver's engine half.
-NAMED_PLUGINS = {("rollout", "weight_sync"): {"weight_sync.worker_extension"}}
+# `worker_extension_cls` (also passed to `vllm serve`). The one reference against the layers: the
+# receiver runs inside the engine's processes but is the weight transport's far end, so it lives with
+# the transports in `weight_sync`, above the engines that name it.
+NAMED_PLUGINS = {("engines", "weight_sync"): {"weight_sync.worker_extension"}}
 
 
 def layered_edges() -> dict[tuple[str, str], set[tuple[str, str]]]:
@@ -310,6 +331,28 @@ def test_library_packages_use_each_other_only_through_their_interfaces():
         if module not in INTERFACES.get((a, b), set())
     }
     assert stray == set(), draw(edges)
+
+
+def private_names_imported() -> set[str]:
+    """`file: module.name` for every `from streamrl.<other package>... import _name` of the library
+    packages: a name with a leading underscore is its module's own business, not an interface."""
+    found = set()
+    for top in LAYERS:
+        for path in (REPO / top).rglob("*.py"):
+            for node in ast.walk(syntax.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("streamrl."):
+                    if node.module.split(".")[1] != top:
+                        found |= {
+                            f"{path.relative_to(REPO)}: {node.module}.{a.name}"
+                            for a in node.names
+                            if a.name.startswith("_")
+                        }
+    return found
+
+
+def test_no_package_imports_a_private_name_of_another():
+    """The interface check reads modules; this one reads the names imported from them."""
+    assert private_names_imported() == set()
 
 
 def test_core_imports_no_other_package_and_nothing_heavy():

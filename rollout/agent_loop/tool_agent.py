@@ -37,15 +37,8 @@ from streamrl.core import faults, trace
 from streamrl.rollout.agent_loop.base import AgentLoopBase, Parked, register
 from streamrl.rollout.agent_loop.image_observation import cap_tool_images, reply_content, tool_message
 from streamrl.rollout.agent_loop.scoring import finite
-from streamrl.rollout.types import (
-    AgentData,
-    AgentState,
-    FinishReason,
-    ToolCall,
-    ToolCallStatus,
-    ToolJournalEntry,
-    ToolResult,
-)
+from streamrl.rollout.types import AgentData, AgentState, FinishReason
+from streamrl.tools.types import ToolCall, ToolCallStatus, ToolJournalEntry, ToolResult
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +141,7 @@ class ToolAgentLoop(AgentLoopBase):
 
     def _validate(self, data: AgentData, calls: list[ToolCall]) -> list[ToolCall]:
         """Prefix call ids with the turn (unique per trajectory) and validate against schemas."""
-        from streamrl.rollout.parsers import validate_call
+        from streamrl.tools.schema import validate_call
 
         schemas = self.ctx.tools.schemas()
         out = []

@@ -30,7 +30,7 @@ def draw_dots(count: int, rng: random.Random) -> bytes:
     """PNG bytes of `count` non-overlapping black dots on white, jittered inside random grid cells."""
     from PIL import Image, ImageDraw
 
-    from streamrl.rollout.images import encode_png
+    from streamrl.models.images import encode_png
 
     if not 1 <= count <= MAX_DOTS:
         raise ValueError(f"count must be in 1..{MAX_DOTS}, got {count}")

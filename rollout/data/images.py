@@ -51,7 +51,7 @@ def _image_parts(content: str, sources: Iterator[str]) -> list[dict[str, Any]]:
 
 
 def _image_source(image: Any, where: str) -> str:
-    """One `images` entry as a source the agent loop reads (`rollout.images.load_image_source`).
+    """One `images` entry as a source the agent loop reads (`models.images.load_image_source`).
 
     Entries come as HF datasets' Image feature stores them in parquet (`{"bytes": ..., "path": ...}`:
     the bytes, when present, are the image and become a base64 data URL, so nothing is lost when the
@@ -71,7 +71,7 @@ def _image_source(image: Any, where: str) -> str:
     from PIL import Image as PILImage
 
     if isinstance(image, PILImage.Image):
-        from streamrl.rollout.images import encode_png
+        from streamrl.models.images import encode_png
 
         return _data_url(encode_png(image), where)
     raise ValueError(
@@ -91,7 +91,7 @@ def _path_source(path: str, where: str) -> str:
 
 
 def _checked_data_url(url: str, where: str) -> str:
-    from streamrl.rollout.images import load_image_source
+    from streamrl.models.images import load_image_source
 
     try:
         data = load_image_source(url)
@@ -107,7 +107,7 @@ def _data_url(data: bytes, where: str) -> str:
 
 def _describe(data: bytes, where: str) -> str:
     """The mime type of encoded image bytes; ValueError naming the entry if PIL cannot identify them."""
-    from streamrl.rollout.images import describe_image
+    from streamrl.models.images import describe_image
 
     try:
         return describe_image(data).mime

@@ -39,8 +39,8 @@ from typing import Any, Literal
 
 from streamrl.rollout.data.images import with_images
 from streamrl.rollout.rewards import answers_match
-from streamrl.rollout.tools.calculator import evaluate_expression, format_number
 from streamrl.rollout.types import PromptRecord
+from streamrl.tools.calculator import evaluate_expression, format_number
 
 _ROLES = {"system", "user", "assistant", "tool"}
 _ID_COLUMNS = ("group_id", "id", "uid")
@@ -134,7 +134,7 @@ def _is_content(content: Any) -> bool:
     """A string, or content parts (imported only then: the image module pulls in the engine types)."""
     if isinstance(content, str):
         return True
-    from streamrl.rollout.images import is_content_parts
+    from streamrl.models.images import is_content_parts
 
     return bool(content) and is_content_parts(content)
 
@@ -387,7 +387,7 @@ def expression_for(question: str) -> str:
     raise ValueError(f"not a question from make_arithmetic_dataset: {question[:80]!r}")
 
 
-CODE_INTERPRETER = "code_interpreter"  # rollout.tools.code_interpreter's default tool name
+CODE_INTERPRETER = "code_interpreter"  # tools.code_interpreter's default tool name
 
 
 def make_tool_sft_transcripts(

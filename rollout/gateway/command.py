@@ -39,7 +39,7 @@ from typing import Any
 from streamrl.core.aio import observe_outcome
 from streamrl.rollout.agent_loop.scoring import finite
 from streamrl.rollout.gateway.config import GatewayConfig
-from streamrl.rollout.tools.sandbox.execute import _CappedStream
+from streamrl.tools.sandbox.execute import CappedStream
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ async def _run(
     assert proc.stdout is not None and proc.stderr is not None, "started with pipes"
     # Only the first and last halves of `max_output_bytes` of each stream are kept, the rest counted:
     # a program's output is read into the worker's memory, and it may write without end.
-    out, err = (_CappedStream(cfg.max_output_bytes, sys.maxsize, _ignore) for _ in range(2))
+    out, err = (CappedStream(cfg.max_output_bytes, sys.maxsize, _ignore) for _ in range(2))
     drains = asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr))
     observe_outcome(drains)  # the output is read from `out` and `err`, whatever ended the drains
     try:

@@ -38,8 +38,8 @@ from streamrl.rollout.agent_loop.scoring import finite
 from streamrl.rollout.gateway.command import ProgramError, run_command
 from streamrl.rollout.gateway.config import GatewayConfig
 from streamrl.rollout.gateway.session import Session
-from streamrl.rollout.tools.slots import ToolThreads
 from streamrl.rollout.types import AgentData, AgentState, FinishReason
+from streamrl.tools.slots import ToolThreads
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ async def run_program(cfg: GatewayConfig, base_url: str, api_key: str, sample: d
         return await run_command(cfg, base_url, api_key, sample)
     if cfg.program is None:
         raise ValueError("rollout.agent.gateway needs a `program` or a `command` for the gateway agent loop")
-    from streamrl.rollout.tools.config import import_object
+    from streamrl.core.registry import import_object
 
     fn = import_object(cfg.program)
     if inspect.iscoroutinefunction(fn):

@@ -59,7 +59,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from streamrl.core.faults import ahit
-from streamrl.rollout.engine.base import SamplingParams
+from streamrl.engines.base import SamplingParams
 from streamrl.rollout.gateway import journal, protocol, responses
 from streamrl.rollout.gateway.config import GatewayConfig
 from streamrl.rollout.gateway.journal import Branch, CallRecord, GatewayState, JournalEntry, Placement

@@ -11,7 +11,7 @@ kernel sends it when the worker dies (PR_SET_PDEATHSIG), so a killed worker leav
 
 Run as a script with the standard library only (`-I -S`: nothing of the worker's environment or
 packages is imported). The sandbox's isolation "none" supervises its programs the same way
-(`rollout/tools/sandbox/stages.py`), for its own stage chain.
+(`tools/sandbox/stages.py`), for its own stage chain.
 """
 
 from __future__ import annotations

@@ -30,9 +30,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from streamrl.core.registry import Registry
-from streamrl.rollout.instances import InstanceStore
-from streamrl.rollout.tools.config import import_object
+from streamrl.core.registry import Registry, import_object
+from streamrl.tools.instances import InstanceStore
 
 
 class BaseInteraction(abc.ABC):

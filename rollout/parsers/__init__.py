@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from streamrl.rollout.parsers.base import ParsedTurn, ToolParser, get_parser, register_parser, validate_call
+from streamrl.rollout.parsers.base import ParsedTurn, ToolParser, get_parser, register_parser
 from streamrl.rollout.parsers.harmony import HarmonyToolParser
 from streamrl.rollout.parsers.hermes import HermesToolParser
 
@@ -13,5 +13,4 @@ __all__ = [
     "ToolParser",
     "get_parser",
     "register_parser",
-    "validate_call",
 ]

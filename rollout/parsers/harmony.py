@@ -31,7 +31,7 @@ from streamrl.rollout.parsers.base import (
     make_error_call,
     register_parser,
 )
-from streamrl.rollout.types import ToolCall
+from streamrl.tools.types import ToolCall
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"

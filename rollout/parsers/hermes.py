@@ -20,7 +20,7 @@ from streamrl.rollout.parsers.base import (
     make_error_call,
     register_parser,
 )
-from streamrl.rollout.types import ToolCall
+from streamrl.tools.types import ToolCall
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"

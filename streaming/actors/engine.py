@@ -24,7 +24,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from streamrl.core import trace
-from streamrl.rollout.engine.base import (
+from streamrl.engines.base import (
     EngineCounters,
     EngineStats,
     GenerationOutput,
@@ -33,7 +33,7 @@ from streamrl.rollout.engine.base import (
     PauseMode,
     SamplingParams,
 )
-from streamrl.rollout.engine.config import EngineConfig
+from streamrl.engines.config import EngineConfig
 
 if TYPE_CHECKING:
     from streamrl.streaming.config import ActorTimeouts
@@ -81,7 +81,7 @@ class EngineActor:
         return self._engine.device
 
     async def _build(self) -> None:
-        from streamrl.rollout.engine import make_engine
+        from streamrl.engines import make_engine
 
         if self._cfg.cpu_cores is not None:  # before vLLM starts its threads (it fixes torch's pool size)
             from streamrl.streaming.placement import pin_part

@@ -35,8 +35,8 @@ from streamrl.learner.types import StepResult
 from streamrl.weight_sync.types import Published
 
 if TYPE_CHECKING:
+    from streamrl.engines.config import EngineConfig
     from streamrl.learner.config import LearnerConfig
-    from streamrl.rollout.engine.config import EngineConfig
     from streamrl.streaming.config import StreamRLConfig
     from streamrl.weight_sync.config import WeightSyncConfig
     from streamrl.weight_sync.publisher import WeightPublisher

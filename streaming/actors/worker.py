@@ -37,7 +37,7 @@ def build_agent_context(cfg: Any, model_path: str, server: Any) -> Any:
     from streamrl.rollout.interactions import load_interaction_config
     from streamrl.rollout.parsers import get_parser
     from streamrl.rollout.rewards import get_reward_fn
-    from streamrl.rollout.tools.config import load_tool_config
+    from streamrl.tools.config import load_tool_config
 
     agent = cfg.rollout.agent
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -86,7 +86,7 @@ class RolloutWorkerActor:
         engine_ids: list[str] | None = None,
         keep_out: list[str] | None = None,
     ) -> None:
-        from streamrl.rollout.engine.base import PauseMode
+        from streamrl.engines.base import PauseMode
         from streamrl.rollout.server_manager import ServerManager
         from streamrl.rollout.worker import RolloutWorker
         from streamrl.streaming.actors.clients import BufferClient

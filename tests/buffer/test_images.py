@@ -24,7 +24,8 @@ from streamrl.buffer.schema import (
 )
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.buffer.types import ImageBlob, RecoveryReport
-from streamrl.rollout.images import ImageStore, encode_png
+from streamrl.models.images import encode_png
+from streamrl.rollout.images import ImageStore
 from streamrl.rollout.types import Trajectory
 from tests.buffer.helpers import make_group, make_traj
 

@@ -20,7 +20,8 @@ from streamrl.buffer.schema import (
     record_field_names,
     trajectories_to_batch,
 )
-from streamrl.rollout.types import AgentData, AgentState, FinishReason, ToolResult, Trajectory, TrajectoryStatus
+from streamrl.rollout.types import AgentData, AgentState, FinishReason, Trajectory, TrajectoryStatus
+from streamrl.tools.types import ToolResult
 from tests.buffer.helpers import make_traj
 
 

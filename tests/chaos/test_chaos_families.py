@@ -89,7 +89,7 @@ def test_the_hostile_scenario_names_its_reward_and_function_tool(tmp_path, monke
     (args,) = seen
     assert "rollout.agent.reward_fn=bench.hostile:mixed_reward" in args and "rollout.agent.tool_timeout_s=2" in args
     tool_config = next(a for a in args if a.startswith("rollout.agent.tool_config="))
-    from streamrl.rollout.tools.config import load_tool_config
+    from streamrl.tools.config import load_tool_config
 
     registry = load_tool_config(tool_config.split("=", 1)[1])
     assert registry.names == ["calculator"]

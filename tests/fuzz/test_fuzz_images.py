@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamrl.rollout.images import describe_image, load_image_source, read_response_image
+from streamrl.models.images import describe_image, load_image_source, read_response_image
 
 
 def _png(width: int, height: int, mode: str) -> bytes:

@@ -15,9 +15,9 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
+from streamrl.engines.config import EngineConfig, LoraServing
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.engine import TrainingEngine
-from streamrl.rollout.engine.config import EngineConfig, LoraServing
 from streamrl.streaming.actors.learner_backends import adapter_spec
 from streamrl.streaming.config import StreamRLConfig
 from streamrl.streaming.driver_state import DriverState

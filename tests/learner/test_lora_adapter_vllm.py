@@ -27,10 +27,10 @@ import pytest
 import pytest_asyncio
 import torch
 
+from streamrl.engines.base import SamplingParams
+from streamrl.engines.config import LoraServing
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.engine import TrainingEngine
-from streamrl.rollout.engine.base import SamplingParams
-from streamrl.rollout.engine.config import LoraServing
 from streamrl.streaming.actors.learner_backends import adapter_spec
 from streamrl.weight_sync.config import SyncTimeouts, WeightSyncConfig
 from streamrl.weight_sync.coordinator import WeightSyncCoordinator

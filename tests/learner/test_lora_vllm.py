@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
+from streamrl.engines.base import SamplingParams
 from streamrl.learner.config import LearnerConfig
 from streamrl.learner.engine import TrainingEngine
-from streamrl.rollout.engine.base import SamplingParams
 from streamrl.weight_sync.config import SyncTimeouts, WeightSyncConfig
 from streamrl.weight_sync.coordinator import WeightSyncCoordinator
 from streamrl.weight_sync.worker_extension import WORKER_EXTENSION_CLS

@@ -136,7 +136,7 @@ def test_rollout_interval_metrics():
 
 
 def test_worker_increments_and_engine_metrics():
-    from streamrl.rollout.engine.base import EngineStats
+    from streamrl.engines.base import EngineStats
     from streamrl.streaming.step_metrics import engine_metrics, sum_metrics, worker_increments
 
     totals = sum_metrics([{"rollout/num_finished": 5.0, "rollout/num_running": 2.0}, {"rollout/num_finished": 3.0}])

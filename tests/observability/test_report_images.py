@@ -16,9 +16,10 @@ from PIL import Image
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.buffer.types import ImageBlob
+from streamrl.models.images import encode_png
 from streamrl.observability.report import write_report
 from streamrl.observability.report_tokens import ImageTokens, image_spans
-from streamrl.rollout.images import ImageStore, encode_png
+from streamrl.rollout.images import ImageStore
 from tests.observability.report_images_helpers import (
     OBS_TEXT,
     encode,

@@ -67,7 +67,7 @@ def test_the_console_log_handler_escapes_what_it_prints(monkeypatch):
     monkeypatch.setattr(logs.sys, "stderr", buf)
     try:
         logs.setup_console(verbose=True)
-        logging.getLogger("streamrl.rollout.tools").warning("tool raised: %s", OSC52 + CLEAR)
+        logging.getLogger("streamrl.tools").warning("tool raised: %s", OSC52 + CLEAR)
     finally:
         root.handlers[:] = saved[1]
         root.setLevel(saved[0])
@@ -84,7 +84,7 @@ def test_actor_log_files_escape_what_a_tool_logs(tmp_path):
 
     code = (
         "import logging; from streamrl.observability import logs; logs.setup_worker_logging(); "
-        f"logging.getLogger('streamrl.rollout.tools').warning('tool output: %s', {OSC52 + CLEAR!r})"
+        f"logging.getLogger('streamrl.tools').warning('tool output: %s', {OSC52 + CLEAR!r})"
     )
     env = {**__import__("os").environ, logs.LOG_DIR_ENV: str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)

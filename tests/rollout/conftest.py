@@ -37,7 +37,7 @@ def hf_vlm(vlm_path):
 @pytest_asyncio.fixture(scope="package", loop_scope="session")
 async def vlm_engine(vlm_path):
     """The project's `VLLMEngine` on the tiny VLM (in process, up to 2 images per prompt)."""
-    from streamrl.rollout.engine.vllm_engine import VLLMEngine
+    from streamrl.engines.vllm_engine import VLLMEngine
     from tests.fixtures.vllm import cpu_engine_config, skip_without_vllm
 
     skip_without_vllm()

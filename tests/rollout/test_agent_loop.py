@@ -10,16 +10,16 @@ import asyncio
 
 import pytest
 
+from streamrl.engines.fake import FakeEngine
 from streamrl.rollout.agent_loop import AgentContext, ToolAgentLoop
 from streamrl.rollout.agent_loop.observation import ObservationEncoder, truncate_text
 from streamrl.rollout.config import AgentConfig
-from streamrl.rollout.engine.fake import FakeEngine
 from streamrl.rollout.parsers import get_parser
 from streamrl.rollout.rewards import get_reward_fn
 from streamrl.rollout.server_manager import ServerManager
-from streamrl.rollout.tools.config import load_tool_config
 from streamrl.rollout.types import AgentData, AgentState, FinishReason, TrajectoryStatus
 from streamrl.rollout.worker import RolloutWorker
+from streamrl.tools.config import load_tool_config
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n</tool_call>'
 ANSWER = "The answer is \\boxed{84}."

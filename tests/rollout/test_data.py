@@ -19,7 +19,7 @@ from streamrl.rollout.data.loaders import (
 )
 from streamrl.rollout.parsers import get_parser
 from streamrl.rollout.rewards import RewardInput, math_answer
-from streamrl.rollout.tools import evaluate_expression, format_number
+from streamrl.tools import evaluate_expression, format_number
 
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
 
@@ -215,7 +215,7 @@ def test_sft_transcripts_reject_foreign_or_wrong_records():
 async def test_code_interpreter_transcripts_show_what_the_real_sandbox_prints():
     """The warm-up teaches the model a cell and an observation; the observation is exactly what the
     real code interpreter answers for that cell (so SFT does not teach a tool that does not exist)."""
-    from streamrl.rollout.tools.code_interpreter import CodeInterpreterTool
+    from streamrl.tools.code_interpreter import CodeInterpreterTool
 
     records = make_arithmetic_dataset(6, seed=11)
     tool = CodeInterpreterTool()

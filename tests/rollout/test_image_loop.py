@@ -9,10 +9,11 @@ import base64
 
 import pytest
 
+from streamrl.engines.fake import FakeEngine
+from streamrl.models.images import encode_png
 from streamrl.rollout.agent_loop import AgentContext, SingleTurnAgentLoop
 from streamrl.rollout.agent_loop.image_prompt import load_image_source
-from streamrl.rollout.engine.fake import FakeEngine
-from streamrl.rollout.images import ImageStore, encode_png
+from streamrl.rollout.images import ImageStore
 from streamrl.rollout.types import AgentData, AgentState, TrajectoryStatus
 from tests.rollout.vlm_context import vlm_context
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from streamrl.models.images import encode_png
 from streamrl.rollout import images as images_module
-from streamrl.rollout.images import ImageStore, encode_png
+from streamrl.rollout.images import ImageStore
 from streamrl.rollout.types import AgentData
 from streamrl.rollout.worker import RolloutWorker
 

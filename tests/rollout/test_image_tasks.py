@@ -9,8 +9,8 @@ import random
 
 import pytest
 
+from streamrl.models.images import load_image_source
 from streamrl.rollout.data.dots import IMAGE_SIZE, MAX_DOTS, draw_dots, make_dots_dataset
-from streamrl.rollout.images import load_image_source
 from streamrl.rollout.rewards import RewardInput, math_answer
 
 

@@ -10,10 +10,12 @@ import pickle
 
 import pytest
 
-from streamrl.rollout.engine import EngineConfig, FakeEngine, ImageInput, SamplingParams
-from streamrl.rollout.images import ImageStore, decode_image, encode_png
+from streamrl.engines import EngineConfig, FakeEngine, ImageInput, SamplingParams
+from streamrl.models.images import ImageRef, decode_image, encode_png
+from streamrl.models.multimodal import count_image_runs
+from streamrl.rollout.images import ImageStore
 from streamrl.rollout.server_manager import ServerManager
-from streamrl.rollout.types import AgentData, ImageRef, count_image_runs
+from streamrl.rollout.types import AgentData
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,7 +70,8 @@ def test_trajectory_row_carries_image_refs_and_placeholder_counts():
     """An image trajectory's row names its images (placeholder order) and each run's length; without
     the model's image token it is refused (never a silent text row); a misaligned finished or partial
     row raises; a failed one is written without image columns; a text trajectory converts as before."""
-    from streamrl.rollout.types import TrajectoryStatus, image_run_lengths
+    from streamrl.models.multimodal import image_run_lengths
+    from streamrl.rollout.types import TrajectoryStatus
 
     store = ImageStore()
     red, green = store.put(png((255, 0, 0))), store.put(png((0, 255, 0)))

@@ -22,9 +22,9 @@ from pathlib import Path
 import mcp_types
 import pytest
 
-from streamrl.rollout.tools import ToolRegistry, load_tool_config
-from streamrl.rollout.tools.base import ToolExecution
-from streamrl.rollout.tools.mcp import (
+from streamrl.tools import ToolRegistry, load_tool_config
+from streamrl.tools.base import ToolExecution
+from streamrl.tools.mcp import (
     MCPCounters,
     MCPTool,
     MCPToolset,
@@ -36,7 +36,7 @@ from streamrl.rollout.tools.mcp import (
     result_text,
     toolsets,
 )
-from streamrl.rollout.types import ToolCall
+from streamrl.tools.types import ToolCall
 
 SERVER = "streamrl.workloads.tools.mcp_example_server"
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tools"
@@ -384,7 +384,8 @@ def _solid_png(width: int, height: int, color: str) -> bytes:
 
 
 async def test_a_server_image_reaches_the_execution_and_the_image_store(registry):
-    from streamrl.rollout.images import ImageStore, decode_image, image_sha256, load_image_source
+    from streamrl.models.images import decode_image, image_sha256, load_image_source
+    from streamrl.rollout.images import ImageStore
 
     expected = _solid_png(5, 3, "#10a0f0")
     execution = await registry.tools["solid_color"].execute("t", {"width": 5, "height": 3, "color": "#10a0f0"})
@@ -422,9 +423,10 @@ async def test_an_mcp_image_joins_the_trajectory_through_the_agent_loop(registry
     """`ToolAgentLoop` with the tiny VLM's processor on FakeEngine: the model calls `solid_color`, the
     tool message shows the image as an `image_ref` part before the text, `AgentData.images` grows by
     one and the next generate sends the server's bytes. A text-only policy gets the error observation."""
+    from streamrl.engines.fake import FakeEngine
+    from streamrl.models.images import image_sha256
     from streamrl.rollout.agent_loop import ToolAgentLoop
-    from streamrl.rollout.engine.fake import FakeEngine
-    from streamrl.rollout.images import ImageStore, image_sha256
+    from streamrl.rollout.images import ImageStore
     from streamrl.rollout.types import AgentData, TrajectoryStatus
     from tests.rollout.test_agent_loop import turn_script
     from tests.rollout.vlm_context import vlm_context
@@ -536,7 +538,7 @@ async def test_a_garbage_collected_toolset_stops_its_server():
 
 MCP_PARENT = """
 import sys, time
-from streamrl.rollout.tools.mcp import MCPToolset
+from streamrl.tools.mcp import MCPToolset
 toolset = MCPToolset({"command": "sh", "args": ["-c", sys.argv[1]]})
 toolset.tools()
 print("listed", flush=True)

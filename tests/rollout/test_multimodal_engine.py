@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from streamrl.rollout.engine.base import ImageInput, PauseMode, PromptMismatchError, SamplingParams
+from streamrl.engines.base import ImageInput, PauseMode, PromptMismatchError, SamplingParams
 from streamrl.rollout.images import ImageStore
 from streamrl.rollout.types import AgentData
 
@@ -33,7 +33,7 @@ def _chat(img, text: str = "what is this?") -> list[dict]:
 
 
 def _png(img) -> bytes:
-    from streamrl.rollout.images import encode_png
+    from streamrl.models.images import encode_png
 
     return encode_png(img)
 

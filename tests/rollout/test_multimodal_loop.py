@@ -16,11 +16,12 @@ import pytest
 
 from streamrl.buffer.config import BufferConfig
 from streamrl.buffer.store import ReplayBuffer
+from streamrl.engines.base import PauseMode
+from streamrl.models.images import decode_image, encode_png
 from streamrl.rollout.agent_loop import AgentContext, SingleTurnAgentLoop
 from streamrl.rollout.agent_loop.observation import ObservationEncoder
 from streamrl.rollout.config import AgentConfig
-from streamrl.rollout.engine.base import PauseMode
-from streamrl.rollout.images import ImageStore, decode_image, encode_png
+from streamrl.rollout.images import ImageStore
 from streamrl.rollout.server_manager import ServerManager
 from streamrl.rollout.types import AgentData, AgentState, TrajectoryStatus
 from streamrl.streaming.actors.worker import image_blobs

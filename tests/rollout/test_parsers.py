@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamrl.rollout.parsers import ParsedTurn, get_parser, validate_call
-from streamrl.rollout.types import ToolCall
+from streamrl.rollout.parsers import ParsedTurn, get_parser
+from streamrl.tools.schema import validate_call
+from streamrl.tools.types import ToolCall
 
 CALC_SCHEMA = {
     "type": "function",

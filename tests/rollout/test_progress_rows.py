@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from streamrl.engines.fake import FakeEngine
 from streamrl.rollout.agent_loop import ToolAgentLoop
-from streamrl.rollout.engine.fake import FakeEngine
 from streamrl.rollout.types import AgentData, AgentState, FinishReason, TrajectoryStatus
 from tests.rollout.test_agent_loop import ANSWER, CALL, SLOW_CALL, make_ctx, new_data, turn_script
 

@@ -20,20 +20,16 @@ import base64
 
 import pytest
 
+from streamrl.engines.fake import FakeEngine
+from streamrl.models.images import decode_image, encode_png
+from streamrl.models.multimodal import image_run_lengths
 from streamrl.rollout.agent_loop import AgentContext, ToolAgentLoop
-from streamrl.rollout.engine.fake import FakeEngine
-from streamrl.rollout.images import ImageStore, decode_image, encode_png
+from streamrl.rollout.images import ImageStore
 from streamrl.rollout.interactions.base import BaseInteraction, num_replies
-from streamrl.rollout.tools import ToolRegistry
-from streamrl.rollout.tools.base import BaseTool, ToolExecution
-from streamrl.rollout.types import (
-    AgentData,
-    AgentState,
-    FinishReason,
-    ToolCallStatus,
-    TrajectoryStatus,
-    image_run_lengths,
-)
+from streamrl.rollout.types import AgentData, AgentState, FinishReason, TrajectoryStatus
+from streamrl.tools import ToolRegistry
+from streamrl.tools.base import BaseTool, ToolExecution
+from streamrl.tools.types import ToolCallStatus
 from tests.rollout.test_agent_loop import turn_script
 from tests.rollout.vlm_context import vlm_context
 
@@ -178,8 +174,8 @@ async def test_tool_and_interaction_images_join_the_trajectory_in_placeholder_or
 def test_function_tools_and_verl_responses_return_images():
     from types import SimpleNamespace
 
-    from streamrl.rollout.tools.executor import coerce_execution
-    from streamrl.rollout.tools.function import to_execution
+    from streamrl.tools.executor import coerce_execution
+    from streamrl.tools.function import to_execution
 
     parts = [{"type": "text", "text": "a"}, {"type": "image", "image": "x"}, {"type": "text", "text": "b"}]
     assert to_execution(parts) == ToolExecution(text="a\nb", images=["x"])
@@ -189,7 +185,7 @@ def test_function_tools_and_verl_responses_return_images():
 
 
 async def test_executor_admits_all_sources_or_none():
-    from streamrl.rollout.types import ToolCall
+    from streamrl.tools.types import ToolCall
 
     store = ImageStore()
     ok = SnapTool([T, _image((1, 2, 3)), "data:image/png;base64," + base64.b64encode(E).decode()])
@@ -345,7 +341,7 @@ class FirstTurnCalls:
 
     def parse(self, text: str):
         from streamrl.rollout.parsers.base import ParsedTurn
-        from streamrl.rollout.types import ToolCall
+        from streamrl.tools.types import ToolCall
 
         self.num_parsed += 1
         calls = [ToolCall(call_id="c", name="snap", arguments={})] if self.num_parsed == 1 else []

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from streamrl.rollout.engine import EngineConfig, FakeEngine, SamplingParams
+from streamrl.engines import EngineConfig, FakeEngine, SamplingParams
 from streamrl.rollout.server_manager import NoHealthyEngineError, ServerManager
 
 SAMPLING = SamplingParams(max_tokens=4)

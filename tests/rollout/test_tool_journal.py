@@ -13,19 +13,12 @@ import asyncio
 
 import pytest
 
+from streamrl.engines.fake import FakeEngine
 from streamrl.rollout.agent_loop import AgentContext, ToolAgentLoop
-from streamrl.rollout.engine.fake import FakeEngine
-from streamrl.rollout.tools import ToolRegistry
-from streamrl.rollout.tools.base import BaseTool, ToolExecution
-from streamrl.rollout.types import (
-    AgentData,
-    AgentState,
-    FinishReason,
-    ToolCallStatus,
-    ToolJournalEntry,
-    ToolResult,
-    TrajectoryStatus,
-)
+from streamrl.rollout.types import AgentData, AgentState, FinishReason, TrajectoryStatus
+from streamrl.tools import ToolRegistry
+from streamrl.tools.base import BaseTool, ToolExecution
+from streamrl.tools.types import ToolCallStatus, ToolJournalEntry, ToolResult
 from tests.rollout.test_agent_loop import ANSWER, make_ctx, new_data, turn_script
 
 COUNT = '<tool_call>\n{"name": "counter", "arguments": {}}\n</tool_call>'

@@ -18,20 +18,20 @@ import time
 import pytest
 from PIL import Image
 
-from streamrl.rollout.data.images import with_images
-from streamrl.rollout.images import (
+from streamrl.models.images import (
     DEFAULT_MAX_IMAGE_PIXELS,
-    ImageStore,
     ImageTooLarge,
     decode_image,
     describe_image,
     encode_png,
     read_response_image,
 )
-from streamrl.rollout.tools import ToolRegistry
-from streamrl.rollout.tools.function import FunctionTool
-from streamrl.rollout.tools.slots import Slots
-from streamrl.rollout.types import ToolCall
+from streamrl.rollout.data.images import with_images
+from streamrl.rollout.images import ImageStore
+from streamrl.tools import ToolRegistry
+from streamrl.tools.function import FunctionTool
+from streamrl.tools.slots import Slots
+from streamrl.tools.types import ToolCall
 
 RELEASE = threading.Event()  # set at the end of a test: the hung functions return
 

@@ -272,10 +272,11 @@ async def test_a_verl_image_row_is_admitted_by_the_agent_loop(processor, tmp_pat
 
     from PIL import Image
 
+    from streamrl.engines.fake import FakeEngine
+    from streamrl.models.images import decode_image, image_sha256
     from streamrl.models.multimodal import render_image_chat
     from streamrl.rollout.agent_loop import SingleTurnAgentLoop
-    from streamrl.rollout.engine.fake import FakeEngine
-    from streamrl.rollout.images import ImageStore, decode_image, image_sha256
+    from streamrl.rollout.images import ImageStore
     from streamrl.rollout.types import TrajectoryStatus
     from streamrl.streaming.prompts import make_group
     from tests.rollout.vlm_context import vlm_context
@@ -494,8 +495,8 @@ async def test_a_verl_row_reaches_the_verl_scorer_through_the_agent_loop(tmp_pat
     RewardInput at trajectory end: the scorer sees the row's data_source, raw ground truth and extra_info."""
     from dataclasses import replace
 
+    from streamrl.engines.fake import FakeEngine
     from streamrl.rollout.agent_loop import ToolAgentLoop
-    from streamrl.rollout.engine.fake import FakeEngine
     from streamrl.rollout.types import AgentData
     from streamrl.streaming.prompts import make_group
     from tests.rollout.test_agent_loop import make_ctx, turn_script

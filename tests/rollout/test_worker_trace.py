@@ -9,7 +9,7 @@ import json
 import pytest
 
 from streamrl.core import trace
-from streamrl.rollout.engine.fake import FakeEngine
+from streamrl.engines.fake import FakeEngine
 from streamrl.rollout.types import TrajectoryStatus
 from streamrl.rollout.worker import RolloutWorker
 from tests.rollout.test_agent_loop import ANSWER, CALL, make_ctx, new_data, turn_script

@@ -129,7 +129,7 @@ async def test_no_engine_alive_is_a_clear_error_not_a_livelock():
     """Found by `make chaos` (engine scenario, seed 0): the only engine died before the first sync,
     every trajectory then failed at once, rows kept arriving, and the run cycled through 77 epochs
     of prompts for 10 minutes. The health check now stops it."""
-    from streamrl.rollout.engine.base import NoHealthyEngineError
+    from streamrl.engines.base import NoHealthyEngineError
 
     with pytest.raises(NoHealthyEngineError, match="no inference engine is alive: engine-0: RayActorError"):
         await _engines_pipeline("dead")()

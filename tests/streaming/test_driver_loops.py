@@ -16,9 +16,9 @@ import ray
 
 from streamrl.buffer.store import ReplayBuffer
 from streamrl.buffer.types import BufferProgress
+from streamrl.engines.base import EngineStats
 from streamrl.observability.metrics import MetricsLogger
 from streamrl.rollout.data import load_records
-from streamrl.rollout.engine.base import EngineStats
 from streamrl.rollout.types import AgentData, FinishReason, RolloutOutcomes, Trajectory, TrajectoryStatus
 from streamrl.streaming.actors.learner import Trained
 from streamrl.streaming.config import load_config

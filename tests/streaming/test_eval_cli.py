@@ -87,7 +87,7 @@ async def test_one_engine_scores_every_target_with_its_own_weights(backend, monk
     with a server backend (whose server started on its own command's model) the first's too."""
     from types import SimpleNamespace
 
-    import streamrl.rollout.engine as engines
+    import streamrl.engines as engines
     import streamrl.streaming.heldout as heldout
     from streamrl.streaming.eval_cli import Target, evaluate_models
 

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
+from streamrl.engines.fake import FakeEngine
 from streamrl.rollout.data import load_records
 from streamrl.rollout.data.loaders import messages_hash
-from streamrl.rollout.engine.fake import FakeEngine
 from streamrl.rollout.types import PromptRecord, Trajectory, TrajectoryStatus
 from streamrl.streaming.config import load_config
 from streamrl.streaming.heldout import (

@@ -132,7 +132,7 @@ def _hf_greedy(path) -> list[int]:
 
 
 async def _served(client, tag: str):
-    from streamrl.rollout.engine.base import SamplingParams
+    from streamrl.engines.base import SamplingParams
 
     sampling = SamplingParams(max_tokens=NUM_GREEDY, temperature=0.0)
     return await client.generate(f"greedy-{tag}-{time.monotonic_ns()}", PROMPT, sampling)

@@ -92,7 +92,7 @@ def test_engine_and_learner_threads_run_on_disjoint_cores(ray_cluster, tiny_mode
 
     skip_without_vllm()
     from streamrl.core.memory import learner_runtime_env
-    from streamrl.rollout.engine.base import SamplingParams
+    from streamrl.engines.base import SamplingParams
     from streamrl.streaming.actors.engine import RayEngineClient
     from streamrl.streaming.actors.learner import LearnerActor, learner_actor_options
 

@@ -297,7 +297,7 @@ def test_progress_lines_are_followed_as_the_log_grows(tmp_path):
 
 
 def test_explain_failure_for_every_engine_gone(tmp_path):
-    from streamrl.rollout.engine.base import NoHealthyEngineError
+    from streamrl.engines.base import NoHealthyEngineError
 
     run_dir = tmp_path / "runs" / "r"
     text = explain_failure(
@@ -357,8 +357,8 @@ def test_image_prompts_are_measured_with_their_placeholder_runs():
     from transformers import AutoProcessor
 
     from streamrl.models import resolve_model
+    from streamrl.models.images import decode_image, load_image_source
     from streamrl.rollout.data import load_records
-    from streamrl.rollout.images import decode_image, load_image_source
     from streamrl.streaming.sft import check_prompt_lengths
 
     folder = resolve_model("tiny-vlm")

@@ -2,7 +2,7 @@
 checkpoint's policy version. An in-process engine builds its model from the checkpoint's `hf/`
 folder; a server serves what it was started with (the base model), so the engine actor loads the
 checkpoint into it first. The parts are real (the engine actor's body, `SGLangServerEngine`, HTTP)
-but for the server: tests/rollout/fake_sglang.py, whose tokens depend on how many weight loads it had."""
+but for the server: tests/engines/fake_sglang.py, whose tokens depend on how many weight loads it had."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.rollout.engine.base import SamplingParams
-from streamrl.rollout.engine.config import EngineConfig
+from streamrl.engines.base import SamplingParams
+from streamrl.engines.config import EngineConfig
 from streamrl.streaming.actors.engine import EngineActor
-from tests.rollout.fake_sglang import FakeSGLang, token_at
+from tests.engines.fake_sglang import FakeSGLang, token_at
 
 pytestmark = pytest.mark.timeout(60)
 

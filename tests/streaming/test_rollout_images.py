@@ -8,7 +8,8 @@ import dataclasses
 
 import pytest
 
-from streamrl.rollout.images import ImageStore, encode_png
+from streamrl.models.images import encode_png
+from streamrl.rollout.images import ImageStore
 from streamrl.rollout.types import Trajectory
 from streamrl.streaming.actors.worker import build_agent_context, image_blobs
 from streamrl.streaming.config import load_config

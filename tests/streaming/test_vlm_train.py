@@ -90,7 +90,7 @@ def _record_png(record) -> bytes:
 
 def _hf_inputs(processor, record):
     """The HF processor's own rendering of the prompt: ids with the placeholders expanded + pixels."""
-    from streamrl.rollout.images import decode_image
+    from streamrl.models.images import decode_image
 
     parts = [{"type": "image"} if p["type"] == "image" else p for p in record.messages[0]["content"]]
     text = processor.tokenizer.apply_chat_template(

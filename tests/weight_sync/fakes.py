@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from streamrl.rollout.engine.base import PauseMode
-from streamrl.rollout.engine.fake import FakeEngine
+from streamrl.engines.base import PauseMode
+from streamrl.engines.fake import FakeEngine
 from streamrl.weight_sync.worker_extension import WeightSyncWorkerExtension
 
 

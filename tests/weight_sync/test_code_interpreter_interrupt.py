@@ -35,12 +35,12 @@ def _weights(path) -> list[tuple[str, torch.Tensor]]:
 
 async def test_sync_mid_cell_runs_every_cell_once_and_resumes(vllm_engine, tiny_tokenizer, tiny_model_path):
     from streamrl.rollout.data.loaders import make_arithmetic_dataset
-    from streamrl.rollout.tools.config import load_tool_config
     from streamrl.rollout.types import AgentState, TrajectoryStatus
     from streamrl.rollout.worker import RolloutWorker
     from streamrl.streaming.config import load_config
     from streamrl.streaming.prompts import make_group
     from streamrl.streaming.sft import maybe_warm_up
+    from streamrl.tools.config import load_tool_config
     from streamrl.weight_sync.config import WeightSyncConfig
     from streamrl.weight_sync.coordinator import WeightSyncCoordinator
 
@@ -87,7 +87,7 @@ async def test_sync_mid_cell_runs_every_cell_once_and_resumes(vllm_engine, tiny_
 def _count_cells(interpreter, runs: Counter[tuple[str, str]], outputs: dict[tuple[str, str], str]) -> None:
     """Make every cell take at least CELL_DELAY_S and count it per (trajectory, call id) as it starts,
     keeping its output."""
-    from streamrl.rollout.tools.executor import current_call
+    from streamrl.tools.executor import current_call
 
     real_execute = interpreter.execute
 

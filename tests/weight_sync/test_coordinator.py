@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from streamrl.rollout.engine.base import PauseMode
+from streamrl.engines.base import PauseMode
 from streamrl.weight_sync.config import SyncTimeouts, TransportKind, WeightSyncConfig
 from streamrl.weight_sync.coordinator import WeightSyncCoordinator
 from streamrl.weight_sync.distributed import DistributedTransport

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from streamrl.rollout.engine.base import NoHealthyEngineError, PauseMode, SamplingParams
+from streamrl.engines.base import NoHealthyEngineError, PauseMode, SamplingParams
 from streamrl.weight_sync.config import SyncTimeouts, WeightSyncConfig
 from streamrl.weight_sync.coordinator import WeightSyncCoordinator
 from tests.weight_sync.fakes import ActorLike, DyingEngine, RecordingWorkers, ThreadEngine, toy_weights

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from streamrl.rollout.engine.base import PauseMode, SamplingParams
+from streamrl.engines.base import PauseMode, SamplingParams
 from streamrl.weight_sync.config import SyncTimeouts, TransportKind, WeightSyncConfig
 from streamrl.weight_sync.coordinator import WeightSyncCoordinator
 from streamrl.weight_sync.distributed import DistributedTransport

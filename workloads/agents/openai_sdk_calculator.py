@@ -32,7 +32,7 @@ from agents import (
 )
 from openai import AsyncOpenAI
 
-from streamrl.rollout.tools.calculator import CalculatorError, evaluate_expression, format_number
+from streamrl.tools.calculator import CalculatorError, evaluate_expression, format_number
 
 set_tracing_disabled(True)
 

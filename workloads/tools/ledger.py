@@ -24,9 +24,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from streamrl.rollout.tools.base import ToolExecution
-from streamrl.rollout.tools.calculator import CalculatorConfig, CalculatorTool
-from streamrl.rollout.tools.executor import current_call
+from streamrl.tools.base import ToolExecution
+from streamrl.tools.calculator import CalculatorConfig, CalculatorTool
+from streamrl.tools.executor import current_call
 
 
 class LedgerConfig(CalculatorConfig):

@@ -1,5 +1,5 @@
 """The escape attempts the code-interpreter sandbox must block: one catalogue for the tests
-(`tests/rollout/test_sandbox.py`) and the benchmark (`bench/sandbox.py`).
+(`tests/tools/test_sandbox.py`) and the benchmark (`bench/sandbox.py`).
 
 Every attempt is model-style code run through `CodeInterpreterTool.execute`, and every verdict is
 taken from outside the sandbox wherever the effect is observable there: the harness opens a
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamrl.rollout.tools.base import ToolExecution
-from streamrl.rollout.tools.sandbox.stages import HOSTNAME
+from streamrl.tools.base import ToolExecution
+from streamrl.tools.sandbox.stages import HOSTNAME
 
 SECRET_ENV = "STREAMRL_FAKE_API_KEY"
 PROJECT_FILE = Path(__file__).resolve().parents[2] / "pyproject.toml"  # a real file of the repository

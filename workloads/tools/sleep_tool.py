@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from streamrl.rollout.tools.base import BaseTool, ToolExecution
-from streamrl.rollout.tools.schema import OpenAIFunctionToolSchema
+from streamrl.tools.base import BaseTool, ToolExecution
+from streamrl.tools.schema import OpenAIFunctionToolSchema
 
 
 class SleepToolConfig(BaseModel):

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest_asyncio
 
+from streamrl.engines.fake import FakeEngine
 from streamrl.rollout.agent_loop import AgentContext
 from streamrl.rollout.agent_loop.observation import ObservationEncoder
 from streamrl.rollout.config import AgentConfig
-from streamrl.rollout.engine.fake import FakeEngine
 from streamrl.rollout.gateway.config import GatewayConfig
 from streamrl.rollout.gateway.server import GatewayServer
 from streamrl.rollout.gateway.session import Session

@@ -14,8 +14,8 @@ import openai
 import pytest
 import torch
 
-from streamrl.rollout.engine.base import GenerationOutput
-from tests.rollout.test_vllm_engine import hf_logprobs
+from streamrl.engines.base import GenerationOutput
+from tests.engines.test_vllm_engine import hf_logprobs
 from tests.weight_sync.fakes import PauseWhen
 from tests.weight_sync.test_interrupt_resume import _original, _perturbed
 

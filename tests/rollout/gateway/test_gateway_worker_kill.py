@@ -58,7 +58,7 @@ def engine_actor_class():
         def __init__(self, model_path: str) -> None:
             from transformers import AutoTokenizer
 
-            from streamrl.rollout.engine.fake import FakeEngine
+            from streamrl.engines.fake import FakeEngine
 
             tok = AutoTokenizer.from_pretrained(model_path)
             counter = itertools.count()

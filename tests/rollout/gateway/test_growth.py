@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from streamrl.rollout.engine.fake import FakeEngine
+from streamrl.engines.fake import FakeEngine
 from streamrl.rollout.gateway import protocol
 from streamrl.rollout.gateway.session import CallStats, Session, call_key
 from streamrl.rollout.types import AgentData, AgentState

@@ -12,7 +12,7 @@ import textwrap
 import openai
 import pytest
 
-from streamrl.rollout.engine.fake import FakeEngine
+from streamrl.engines.fake import FakeEngine
 from streamrl.rollout.gateway.config import GatewayConfig
 from streamrl.rollout.gateway.loop import GatewayAgentLoop, ProgramError, close_gateway, gateway_metrics, gateway_server
 from streamrl.rollout.types import AgentState, FinishReason, TrajectoryStatus

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from streamrl.rollout.engine.fake import FakeEngine, fake_logprob
+from streamrl.engines.fake import FakeEngine, fake_logprob
 from streamrl.rollout.gateway import responses
 from streamrl.rollout.gateway.journal import CallRecord
 from streamrl.rollout.gateway.session import CallStats, Session, call_key

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from streamrl.rollout.engine.fake import fake_logprob
+from streamrl.engines.fake import fake_logprob
 from streamrl.rollout.types import TrajectoryStatus
 from tests.rollout.gateway.conftest import CALC_TOOL
 from tests.rollout.test_agent_loop import ANSWER, CALL

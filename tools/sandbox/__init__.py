@@ -1,0 +1,477 @@
+"""Run untrusted Python in a sandbox that fails closed: isolation probe, limits, capped killable runs.
+
+The code-interpreter tool runs model-written code with this module. Isolation is layered, and the
+layer is chosen once, at start-up, by actually running a trivial program through it (`probe`):
+bubblewrap if it works, else Linux namespaces through `unshare` (as root, unshare first: see
+`probe`), else nothing — and "nothing" is a refusal (`IsolationUnavailable`) unless the user set
+`isolation = "none"` explicitly, which keeps the limits, timeout, output cap and cleared environment.
+
+What each layer adds (see `bench/sandbox.py` for the escape attempts each one stops):
+- user namespace: the program has no capabilities (bounding set dropped, root locked out of them by
+  securebits, no_new_privs), and when the trainer runs as root it runs as an unprivileged uid;
+- mount namespace: a new root (tmpfs) holding only the system directories and the interpreter,
+  bind-mounted read-only; a private, size-limited /workspace and /tmp; a read-only /proc that shows
+  only the sandbox's processes; no /home, /root, /work, host /tmp, project or secrets;
+- network namespace: only a down loopback, so no connection reaches the host or the internet;
+- pid (+ ipc, uts) namespace: the host's processes are invisible and unkillable, and when the
+  namespace's init exits or is killed every process in it dies;
+- resource limits, set in the child by the trampoline (not `preexec_fn`, which is unsafe in a
+  threaded parent): address space, CPU seconds, file size, open files, processes, no core dumps;
+- always, whatever the layer: a cleared environment (no API keys), a fresh working directory, a
+  wall-clock timeout that kills the whole sandbox, stdout/stderr capped in bytes (the middle
+  is cut) and a kill when a program writes far more than the cap.
+- lifetime, whatever the layer: every stage of the chain dies with its parent (`PR_SET_PDEATHSIG`),
+  so a worker killed outright takes its sandboxes along. With "none" the first stage supervises: the
+  subreaper and the tracer (ptrace) of everything the program starts, setsid or orphaned, it kills all
+  of it when the program ends, the worker dies or the worker kills the sandbox, and the kernel kills
+  all of it when the supervisor itself is killed (`sandbox/watch.py`). A record of each running
+  sandbox lets the next worker sweep what a dead one left (`sandbox/reaper.py`);
+- budget, whatever the layer: `memory_mb` and `processes` bound all the processes of a sandbox
+  together. A cgroup v2 does it where one is writable (`sandbox/cgroup.py`); elsewhere the sandbox's
+  first process adds up its processes' memory (`sandbox/watch.py`), and their number is bounded by
+  RLIMIT_NPROC in the sandbox's user namespace or, with "none", by the supervisor's count at each fork.
+  `describe` says which holds on this machine. At most `max_concurrent` sandboxes of this process run
+  at once (`SLOTS`), the others wait;
+- what the program sees of itself: /proc is mounted with hidepid, so init (non-dumpable) and its
+  command line are hidden; a virtual environment appears at `VENV_MOUNT`, not at its host path; the
+  hostname is `HOSTNAME`. The unshare layer also runs the program in a user namespace of its own,
+  nested in the sandbox's, whose uid map names only the program's uid (not root, not the trainer's
+  uid), in a cgroup namespace (/proc/self/cgroup shows "/"), and shows `MASKED_PROC` (the kernel's
+  command line and config, the boot id, ...) empty. What stays visible, and why: docs/security.md.
+
+The chain of processes (every stage is this file, run as `python -I -S -c <source> <stage> <spec>`,
+which is why it imports only the standard library at module level):
+
+    parent ──► launch ──► unshare ──► setup: pid 1 (mounts, pivot_root) = init ──fork──► (nested user
+                                                                namespace) trampoline ──execve──► program
+    parent ──► launch ──execve──► bwrap ──► init ──fork──► trampoline ──execve──► program
+    parent ──► launch = supervisor (tracer) ──fork──► trampoline ──execve──► program   (isolation = "none")
+
+Init (pid 1 of the sandbox) drops privileges, forks the program and exits with its status, or
+128 + the signal that killed it. When the trainer runs as root, `launch` first enters a user
+namespace whose uid map (written from outside, which needs root) holds both root and the sandbox
+uid, so the setup can still read a root-only interpreter path while the program runs unprivileged.
+In the unshare layer init forks the program's process into a user namespace of its own, nested in
+that one, and maps only the program's uid there (`sandbox/stages.py`, `_fork_nested`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from streamrl.tools.sandbox import cgroup as sandbox_cgroup
+from streamrl.tools.sandbox import reaper as sandbox_reaper
+from streamrl.tools.sandbox import stages as sandbox_stages
+from streamrl.tools.sandbox import watch as sandbox_watch
+from streamrl.tools.sandbox.execute import (  # noqa: F401 (re-exported)
+    SAFE_PATH,
+    CappedStream,
+    SandboxResult,
+    _execute,
+    _killpg,
+)
+from streamrl.tools.sandbox.stages import HOSTNAME, WORKSPACE
+from streamrl.tools.slots import Slots
+
+logger = logging.getLogger(__name__)
+
+ISOLATION_CHOICES = ("auto", "bwrap", "unshare", "none")
+_SAFE_PATH = SAFE_PATH
+VENV_MOUNT = "/opt/venv"  # where the program's virtual environment appears (its host path stays hidden)
+DEFAULT_MAX_CONCURRENT = 16
+# Sandboxes running at once in this process, whatever Sandbox started them (one worker builds one
+# code interpreter; the last one built sets the limit).
+SLOTS = Slots(DEFAULT_MAX_CONCURRENT)
+# System paths made visible read-only (those that exist; symlinks such as /bin -> usr/bin are copied).
+_SYSTEM_PATHS = (
+    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+    "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives",
+)  # fmt: skip
+
+
+class IsolationUnavailable(ValueError):
+    """No isolation layer works and `isolation = "none"` was not chosen: the sandbox refuses to start."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SandboxLimits:
+    memory_mb: int = 1024  # all the sandbox's processes together (cgroup, else watched); also RLIMIT_AS of each
+    cpu_s: int = 10  # RLIMIT_CPU: SIGXCPU at cpu_s, SIGKILL one second later
+    file_mb: int = 16  # RLIMIT_FSIZE: larger writes fail with EFBIG
+    open_files: int = 64  # RLIMIT_NOFILE
+    processes: int = 32  # processes and threads together: pids.max, RLIMIT_NPROC per user namespace, or traced
+    disk_mb: int = 64  # size of each private tmpfs (/workspace, /tmp); namespaced layers only
+
+
+@dataclass(kw_only=True, slots=True)
+class SandboxSettings:
+    isolation: str = "auto"  # one of ISOLATION_CHOICES
+    python: str | None = None  # interpreter of the program; None: this process's interpreter
+    bwrap_path: str = "bwrap"
+    unshare_path: str = "unshare"
+    ro_paths: tuple[str, ...] = ()  # extra host paths shown read-only (e.g. a model-tools venv)
+    sandbox_uid: int = 65534  # the program's uid when the trainer runs as root (namespaced layers)
+    max_output_bytes: int = 8192  # per stream; the middle of longer output is cut
+    kill_output_bytes: int = 4 << 20  # a stream longer than this kills the program
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT  # sandboxes running at once in this process
+    cgroup: bool = True  # one memory and pids budget per sandbox where a cgroup v2 is writable
+    registry_dir: str | None = None  # records of running sandboxes, private to this user; None: the default
+
+
+@dataclass(kw_only=True, slots=True)
+class ProbeReport:
+    layer: str | None  # the layer chosen, None when none works
+    tried: dict[str, str]  # layer -> "ok" or why it does not work
+
+
+@dataclass(kw_only=True, slots=True)
+class IsolationReport:
+    """How the sandboxes of some settings are bounded on this machine: the layer, and for each limit
+    whether it holds for all the sandbox's processes together (every layer has a way) and by what."""
+
+    layer: str
+    memory: str  # how memory_mb holds
+    processes: str  # how processes holds
+    leftovers: str  # what ends the processes a program leaves behind
+
+    def line(self) -> str:
+        return (
+            f"isolation {self.layer}; memory: {self.memory}; processes: {self.processes}; leftovers: {self.leftovers}"
+        )
+
+
+# -- probe ------------------------------------------------------------------------------------------
+
+
+def probe(settings: SandboxSettings) -> ProbeReport:
+    """Try the layers `settings.isolation` allows, best first, by running a trivial program in each.
+
+    Best is bwrap, then unshare; except as root, where unshare comes first: bwrap run by root makes
+    no user namespace (one would map the program to root), so its program shares RLIMIT_NPROC with
+    every process of the sandbox uid and may create user namespaces of its own."""
+    if settings.isolation not in ISOLATION_CHOICES:
+        raise ValueError(f"isolation must be one of {ISOLATION_CHOICES}, got {settings.isolation!r}")
+    candidates = (settings.isolation,)
+    if settings.isolation == "auto":  # as root, bwrap cannot give the program a user namespace of its
+        candidates = ("unshare", "bwrap") if os.geteuid() == 0 else ("bwrap", "unshare")  # own
+    tried: dict[str, str] = {}
+    for layer in candidates:
+        reason = _try_layer(layer, settings)
+        tried[layer] = reason or "ok"
+        if reason is None:
+            return ProbeReport(layer=layer, tried=tried)
+    return ProbeReport(layer=None, tried=tried)
+
+
+def _try_layer(layer: str, settings: SandboxSettings) -> str | None:
+    """None when `layer` runs a trivial program correctly, else why not."""
+    token = "streamrl-sandbox-ok"
+    with tempfile.TemporaryDirectory(prefix="streamrl-sandbox-probe-", ignore_cleanup_errors=True) as tmp:
+        try:
+            argv = _argv_for(layer, settings, f"print({token!r})", tmp)
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env={"PATH": _SAFE_PATH}, start_new_session=True)  # fmt: skip
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            return str(exc)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            _killpg(proc.pid)
+            proc.communicate()
+            return "the probe program did not finish in 30 s"
+    if proc.returncode == 0 and out.decode(errors="replace").strip() == token:
+        return None
+    detail = err.decode(errors="replace").strip()[-500:] or out.decode(errors="replace").strip()[-200:]
+    return f"probe exited with status {proc.returncode}: {detail}"
+
+
+# -- the sandbox ------------------------------------------------------------------------------------
+
+
+class Sandbox:
+    """A probed isolation layer, its settings and each run's budget. `run` is safe to call
+    concurrently; at most `settings.max_concurrent` runs of this process go at once (`SLOTS`), the
+    others wait. Building one also kills what workers that died left running (`sandbox_reaper.sweep`);
+    `close` kills this process's running sandboxes (the worker's shutdown)."""
+
+    def __init__(self, settings: SandboxSettings) -> None:
+        if settings.sandbox_uid <= 0:
+            raise ValueError(f"sandbox_uid must be a positive uid, got {settings.sandbox_uid}")
+        if settings.max_concurrent <= 0:
+            raise ValueError(f"max_concurrent must be positive, got {settings.max_concurrent}")
+        self.settings = settings
+        self.cgroups, self.budget_reason = (
+            sandbox_cgroup.CgroupBudget.open() if settings.cgroup else (None, "cgroup budgets are turned off")
+        )
+        self.registry = sandbox_reaper.SandboxRegistry(sandbox_reaper.registry_root(settings.registry_dir))
+        sandbox_reaper.sweep(self.registry.root, self.cgroups)
+        self.report = probe(settings)
+        self.layer: str = _chosen(self.report)
+        trace = _check_trace() if self.layer == "none" else None
+        self.isolation = _isolation(self.layer, settings, cgroup=self.cgroups is not None, trace=trace)
+        logger.info("sandbox: %s", self.isolation.line())
+        if trace not in (None, "ok"):
+            logger.warning("sandbox isolation none without ptrace here (%s): %s", trace, self.isolation.leftovers)
+        SLOTS.resize(settings.max_concurrent)
+
+    @property
+    def budget(self) -> str:
+        """Who bounds the memory of all a sandbox's processes together: "cgroup" (the kernel) or "watch"
+        (the sandbox's first process, `sandbox/watch.py`); `isolation` says how each limit holds."""
+        return "cgroup" if self.cgroups is not None else "watch"
+
+    async def run(self, program: str, stdin: bytes = b"", *, timeout_s: float) -> SandboxResult:
+        """Run `program` (Python source) with `stdin`; never raises for what the program does."""
+        queued = time.perf_counter()
+        await SLOTS.acquire()
+        try:
+            queued_s = time.perf_counter() - queued
+            with tempfile.TemporaryDirectory(prefix="streamrl-sandbox-", ignore_cleanup_errors=True) as tmp:
+                cgroup = self._new_cgroup()
+                try:
+                    argv = _argv_for(self.layer, self.settings, program, tmp, cgroup)
+                    result = await _execute(argv, stdin, timeout_s, self.settings, self.layer, self.registry)
+                finally:
+                    exceeded = cgroup is not None and sandbox_cgroup.oom_killed(cgroup)
+                    if cgroup is not None:
+                        sandbox_cgroup.remove(cgroup, wait_s=0.5)  # the run's processes are gone already
+            return dataclasses.replace(result, memory_exceeded=result.memory_exceeded or exceeded, queued_s=queued_s)
+        finally:
+            SLOTS.release()
+
+    def _new_cgroup(self) -> Path | None:
+        if self.cgroups is None:
+            return None
+        limits = self.settings.limits
+        try:
+            return self.cgroups.create(self.registry.owner, memory_mb=limits.memory_mb, processes=limits.processes)
+        except OSError as exc:  # the kernel refused this once: the sandbox's first process watches the budget
+            logger.warning("sandbox cgroup not created (%s); this run's first process watches its budget", exc)
+            return None
+
+    def close(self) -> None:
+        """Kill the sandboxes this object runs (each call that ran one then returns its result)."""
+        self.registry.kill_owned()
+
+
+# -- what bounds a sandbox here ----------------------------------------------------------------------
+
+
+def describe(settings: SandboxSettings) -> IsolationReport:
+    """How a sandbox of `settings` is bounded on this machine, found as building a `Sandbox` finds it
+    (probing the layers, the cgroup and, for "none", ptrace) but sweeping nothing; IsolationUnavailable
+    when no layer works and "none" was not chosen."""
+    layer = _chosen(probe(settings))
+    cgroups, _ = sandbox_cgroup.CgroupBudget.open() if settings.cgroup else (None, "")
+    trace = _check_trace() if layer == "none" else None
+    return _isolation(layer, settings, cgroup=cgroups is not None, trace=trace)
+
+
+def _chosen(report: ProbeReport) -> str:
+    if report.layer is None:
+        reasons = "; ".join(f"{k}: {v}" for k, v in report.tried.items())
+        raise IsolationUnavailable(
+            f"no sandbox isolation is available ({reasons}). Install bubblewrap or allow unprivileged user "
+            'namespaces, or set isolation = "none" to run model code without isolation (not recommended).'
+        )
+    return report.layer
+
+
+def _isolation(layer: str, settings: SandboxSettings, *, cgroup: bool, trace: str | None) -> IsolationReport:
+    """What bounds a sandbox of `layer`: `cgroup` whether a cgroup budget is used, `trace` ("none"
+    only) "ok" when the supervisor may trace its program, else why not."""
+    watched = f"every {sandbox_watch.WATCH_S * 1000:.0f} ms"
+    if cgroup:
+        memory = "all processes together: the cgroup's memory.max"
+        processes = "all processes together: the cgroup's pids.max"
+    elif layer != "none":
+        memory = f"all processes together: checked {watched} by the sandbox's init (a burst can pass it that long)"
+        processes = "all processes together: RLIMIT_NPROC in the sandbox's user namespace"
+        if layer == "bwrap" and os.geteuid() == 0:  # no user namespace: the sandbox uid's count
+            processes = f"all sandboxes together: RLIMIT_NPROC of uid {settings.sandbox_uid}"
+    else:
+        memory = f"all processes together: checked {watched} by the supervisor (a burst can pass it that long)"
+        processes = "all processes together: counted at each fork by the supervisor (ptrace)"
+        if trace != "ok":
+            processes = f"all processes together: counted {watched} by the supervisor (no ptrace here: {trace})"
+    memory += "; RLIMIT_AS of each process"
+    if layer != "none":
+        leftovers = "the pid namespace: every process dies with the sandbox"
+    elif trace == "ok":
+        leftovers = "the supervisor traces every process (ptrace): all die with it, even when the program kills it"
+    else:
+        leftovers = (
+            f"the supervisor's subreaper only (no ptrace here: {trace}): a program that kills its supervisor "
+            "can leave processes behind"
+        )
+    return IsolationReport(layer=layer, memory=memory, processes=processes, leftovers=leftovers)
+
+
+def _check_trace() -> str:
+    """ "ok" when the "none" supervisor may trace its program on this machine, else why not."""
+    argv = [os.path.realpath(sys.executable), "-I", "-S", "-c", _child_source(), "check-trace", "{}"]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30, env={"PATH": _SAFE_PATH})
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    return out.stdout.strip() or out.stderr.strip()[-200:] or f"exit status {out.returncode}"
+
+
+# -- the parent side: commands ----------------------------------------------------------------------
+
+
+def _argv_for(layer: str, settings: SandboxSettings, program: str, tmp: str, cgroup: Path | None = None) -> list[str]:
+    """The command line of one run: the first stage (`launch`), whatever the layer. `tmp` is an empty
+    host directory it may use (the mount point of the new root, or the workdir when isolation is
+    "none"); `cgroup` the run's budget, which the first stage joins."""
+    stage = [os.path.realpath(sys.executable), "-I", "-S", "-c", _child_source()]
+    spec = _spec(layer, settings, program, tmp)
+    spec["cgroup"] = None if cgroup is None else str(cgroup)
+    if layer == "unshare":
+        spec["unshare"] = _which(settings.unshare_path)
+    elif layer == "bwrap":
+        spec["bwrap"] = _bwrap_argv(_which(settings.bwrap_path), spec, stage)
+    elif layer != "none":
+        raise ValueError(f"unknown isolation layer {layer!r}")
+    return [*stage, "launch", json.dumps(spec)]
+
+
+def _spec(layer: str, settings: SandboxSettings, program: str, tmp: str) -> dict:
+    python = _exec_path(settings.python or sys.executable)
+    venv = _venv_of(python) if layer != "none" else None
+    workdir = tmp if layer == "none" else WORKSPACE
+    root = os.geteuid() == 0
+    return {
+        "layer": layer,
+        "parent": os.getpid(),  # the first stage checks it is still its parent once it will die with it
+        "python": python if venv is None else VENV_MOUNT + python[len(venv) :],
+        "program": program,
+        "root": tmp,  # unshare: mount point of the new root
+        "workdir": workdir,
+        "uid": settings.sandbox_uid if root and layer != "none" else None,
+        "limits": asdict(settings.limits),
+        "mounts": _mounts(python, settings.ro_paths, venv) if layer != "none" else [],
+        "env": _program_env(workdir, "/tmp" if layer != "none" else tmp),
+    }
+
+
+def _venv_of(python: str) -> str | None:
+    """The virtual environment `python` (an `_exec_path`) belongs to, if any: the sandbox shows it at
+    `VENV_MOUNT`, so neither the program's argv nor its `sys.prefix` names the host's path."""
+    prefix, base = _python_prefix_pair(python)
+    if prefix == base or not python.startswith(prefix.rstrip("/") + "/"):
+        return None
+    return prefix
+
+
+def _program_env(home: str, tmpdir: str) -> dict[str, str]:
+    """The program's whole environment: nothing of the trainer's (API keys, tokens) gets in."""
+    return {
+        "PATH": _SAFE_PATH, "HOME": home, "TMPDIR": tmpdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONIOENCODING": "utf-8",
+        "PYTHONNOUSERSITE": "1", "PYTHONSAFEPATH": "1", "MPLBACKEND": "Agg",
+        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+    }  # fmt: skip
+
+
+def _exec_path(python: str) -> str:
+    """`python` with its directory resolved (a venv's bin/python symlink is kept: it selects the venv)."""
+    found = shutil.which(python)
+    if found is None:
+        raise ValueError(f"python interpreter {python!r} not found")
+    return os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(found))), os.path.basename(found))
+
+
+def _which(binary: str) -> str:
+    found = shutil.which(binary)
+    if found is None:
+        raise ValueError(f"{binary!r} not found")
+    return os.path.abspath(found)
+
+
+@lru_cache(maxsize=16)
+def _python_prefix_pair(python: str) -> tuple[str, str]:
+    """`sys.prefix` and `sys.base_prefix` of `python`, resolved."""
+    code = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix]))"
+    out = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, timeout=30, check=True)
+    prefix, base = json.loads(out.stdout)
+    return os.path.realpath(prefix), os.path.realpath(base)
+
+
+@lru_cache(maxsize=16)
+def _python_prefixes(python: str) -> tuple[str, ...]:
+    code = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]))"
+    out = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, timeout=30, check=True)
+    return tuple(sorted({os.path.realpath(p) for p in json.loads(out.stdout)}))
+
+
+def _mounts(python: str, extra: tuple[str, ...], venv: str | None = None) -> list[dict[str, str]]:
+    """What the new root shows: system paths, both interpreters' prefixes, `extra`; all read-only.
+    The program's `venv` is shown at `VENV_MOUNT` only."""
+    stage_python = os.path.realpath(sys.executable)
+    mounts, paths = [], set()
+    for path in _SYSTEM_PATHS:
+        if os.path.islink(path):
+            mounts.append({"kind": "symlink", "path": path, "target": os.readlink(path)})
+        elif os.path.exists(path):
+            paths.add(path)
+    paths.update(p for p in _python_prefixes(python) + _python_prefixes(stage_python) if p != venv)
+    paths.update(p for p in map(os.path.realpath, extra) if os.path.exists(p))
+    for path in sorted(paths):  # a path under another one is already visible through it
+        if not any(path.startswith(other.rstrip("/") + "/") for other in paths):
+            mounts.append({"kind": "bind", "path": path})
+    if venv is not None:
+        mounts.append({"kind": "bind", "path": venv, "at": VENV_MOUNT})
+    return mounts
+
+
+def _bwrap_argv(bwrap: str, spec: dict, stage: list[str]) -> list[str]:
+    """As root, bwrap gets no user namespace (it would map the program to root): init switches to the
+    sandbox uid instead, whose RLIMIT_NPROC is then shared by concurrent sandboxes."""
+    if spec["uid"] is None:
+        argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns"]
+    else:
+        argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    argv += ["--as-pid-1", "--die-with-parent", "--proc", "/proc", "--dev", "/dev"]  # init is pid 1
+    argv += ["--hostname", HOSTNAME]  # both variants unshare the uts namespace
+    size = str(spec["limits"]["disk_mb"] << 20)
+    for path in ("/tmp", WORKSPACE):  # before the binds: an interpreter under /tmp stays visible
+        argv += ["--perms", "1777", "--size", size, "--tmpfs", path]
+    parents = {os.path.dirname(m.get("at", m["path"])) for m in spec["mounts"]}
+    for parent in sorted({a for p in parents for a in _ancestors(p)}):  # else bwrap copies e.g. /root's 0700
+        argv += ["--perms", "0755", "--dir", parent]
+    for mount in spec["mounts"]:
+        if mount["kind"] == "symlink":
+            argv += ["--symlink", mount["target"], mount["path"]]
+        else:
+            argv += ["--ro-bind", mount["path"], mount.get("at", mount["path"])]
+    argv += ["--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv", "--setenv", "PATH", _SAFE_PATH]
+    return [*argv, "--", *stage, "init", json.dumps(spec)]
+
+
+def _ancestors(path: str) -> list[str]:
+    out = []
+    while path not in ("/", ""):
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
+
+
+@lru_cache(maxsize=1)
+def _child_source() -> str:
+    """The stages' program: the whole of `sandbox/stages.py`, then of `sandbox/watch.py`, then the call
+    that runs the stage its command line names."""
+    parts = [Path(str(module.__file__)).read_text(encoding="utf-8") for module in (sandbox_stages, sandbox_watch)]
+    return "\n".join([*parts, "main(sys.argv[1], sys.argv[2])\n"])
