@@ -42,6 +42,7 @@ from bench.learning import (
     curve,
     eval_prompts,
     evaluate_offline,
+    finished_wall_s,
     gradient_share,
     mean_curve,
     same_reward,
@@ -83,7 +84,7 @@ def finished(run_dir: Path) -> bool:
 def run_one(name: str, seed: int, root: Path, steps: int, eval_every: int, log: Path) -> dict[str, Any]:
     run_dir = root / name / f"async-s{seed}"
     if finished(run_dir):
-        rc, wall = 0, 0.0
+        rc, wall = 0, finished_wall_s(run_dir)
     else:
         (root / name).mkdir(parents=True, exist_ok=True)
         run_dir, wall, rc = train(CONFIG, "async", seed, root / name, steps, eval_every, SETTINGS[name], log)
