@@ -200,7 +200,8 @@ def test_config_rules():
     ok = {"transport": "filesystem", "verify_checksum": False}
     cfg = StreamRLConfig.model_validate({"rollout": {"engine": server}, "weight_sync": ok})
     # The memory preflight leaves out a server the user runs.
-    from streamrl.streaming.preflight import estimate_parts, model_dims
+    from streamrl.models.dims import model_dims
+    from streamrl.streaming.preflight import estimate_parts
 
     names = [p.name for p in estimate_parts(cfg, model_dims("tiny"))]
     assert "rollout workers (×1)" in names and not [n for n in names if n.startswith("engine")]

@@ -312,8 +312,9 @@ def test_an_unknown_or_tied_target_module_is_refused_with_the_model_s_names():
 
 
 def test_preflight_counts_adapter_moments_only():
+    from streamrl.models.dims import lora_params, lora_target_params, model_dims
     from streamrl.streaming.config import StreamRLConfig
-    from streamrl.streaming.preflight import estimate_parts, lora_params, lora_target_params, model_dims
+    from streamrl.streaming.preflight import estimate_parts
 
     dims, targets = model_dims("tiny"), ["q_proj", "v_proj", "down_proj"]
     engine = TrainingEngine(_cfg(lora={"rank": 4, "target_modules": targets}))

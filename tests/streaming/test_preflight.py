@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from ray.exceptions import OutOfMemoryError, RayActorError
 
+from streamrl.models.dims import SMOLLM2_CONFIG, ModelDims, model_dims
 from streamrl.streaming import preflight
 from streamrl.streaming.config import load_config
 from streamrl.streaming.errors import StreamRLError, exception_chain, explain_failure
-from streamrl.streaming.preflight import GiB, ModelDims, estimate_parts, model_dims
+from streamrl.streaming.preflight import GiB, estimate_parts
 
 REPO = Path(__file__).resolve().parents[2]
 # Ray 2.55+ memory-monitor text (src/ray/raylet/node_manager.cc), as an actor call surfaces it.
@@ -48,7 +49,7 @@ def test_param_count_from_config_dims_matches_the_weights(tiny_model_path):
         stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     assert model_dims(str(tiny_model_path)).num_params == stored  # Qwen2: q/k/v biases, tied head
     assert model_dims("smollm2").num_params == 134_515_008  # SmolLM2-135M-Instruct as converted
-    untied = ModelDims.from_hf_config({**preflight.SMOLLM2_CONFIG, "tie_word_embeddings": False})
+    untied = ModelDims.from_hf_config({**SMOLLM2_CONFIG, "tie_word_embeddings": False})
     assert untied.num_params == 134_515_008 + 49152 * 576
 
 
