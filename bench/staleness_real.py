@@ -192,16 +192,16 @@ def time_against_sync(wall: list[tuple], sync_wall: list[tuple]) -> dict[str, An
 
 def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib
+    import numpy as np
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True, layout="constrained")
-    panels = (
-        (axes[0], ["sync", "s0", "s1", "s2", "s4", "s7", "e1", "e2"], "decoupled correction, by max_staleness"),
-        (axes[1], ["sync", "s2", "none2", "s7", "none7"], "correction on (sN) against off (noneN)"),
-    )
-    for ax, names, label in panels:
+    panels = [(["sync", "s0", "s1", "s2", "s4", "s7", "e1", "e2"], "decoupled correction, by max_staleness")]
+    if any(name.startswith("none") for name in summary):  # the second panel only where it has runs
+        panels.append((["sync", "s2", "none2", "s7", "none7"], "correction on (sN) against off (noneN)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), sharey=True, layout="constrained")
+    for ax, (names, label) in zip(np.atleast_1d(axes), panels):
         for name in names:
             if name not in summary:
                 continue
