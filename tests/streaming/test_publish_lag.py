@@ -42,7 +42,8 @@ class RecordingCoordinator:
         self.sent: list[tuple[int, float]] = []
         self.dropped: dict[str, str] = {}
 
-    async def sync(self, named_tensors, target: int) -> SyncResult:
+    async def sync(self, named_tensors, target: int, *, adapter=None) -> SyncResult:
+        assert adapter is None  # full weights: no LoRA adapter spec travels
         ((name, tensor),) = list(named_tensors)
         self.sent.append((target, float(tensor[0])))
         self._served_version = target
