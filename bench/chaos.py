@@ -4,6 +4,7 @@ async invariants from the durable log and the run directory only (`streaming/inv
 
     python -m bench.chaos [--seeds 2] [--scenarios a,b] [--out bench/results/chaos.json] [--keep DIR]
     python -m bench.chaos --families io,hostile,all_fail [--seeds 1]   # I/O faults, hostile callbacks
+    python -m bench.chaos --families server_orphan [--seeds 1]         # a server engine vs an orphan
 
 
 A scenario is a list of segments; each segment is one `streamrl train` process (the first starts the
@@ -18,7 +19,8 @@ entry `sigkill_after=S` is the runner's own fault: it SIGKILLs the whole job S s
 the job is (start-up, a sync, a step, a checkpoint), the way a preempted node would.
 
 `--families` runs the other fault families instead (`bench/chaos_families.py`: the buffer log's I/O
-faults, hostile reward and tool callbacks); `by_kind` in the results sums every kind of fault.
+faults, hostile reward and tool callbacks, a server engine restarted beside an orphan server); `by_kind`
+in the results sums every kind of fault.
 """
 
 from __future__ import annotations
@@ -240,6 +242,7 @@ class _Paths:
     config: str
     env: dict[str, str]
     timeout_s: float
+    overrides: tuple[str, ...] = ()  # the caller's own, after the scenario's
 
 
 def _base_env(run_dir: Path) -> dict[str, str]:
@@ -280,6 +283,7 @@ def _run_segment(
             f"trainer.seed={seed}",
             *OVERRIDES,
             *SCENARIO_OVERRIDES.get(name, []),
+            *paths.overrides,
             *_scenario_files(name, paths.root, run_dir, paths.run_name),
         ]
         if not RunDir(run_dir).run_info.exists()  # not started yet, or died before it was
@@ -316,9 +320,11 @@ def run_scenario(
     timeout_s: float = 600.0,
     max_clean: int = 2,
     io_faults: list[str] | None = None,
+    overrides: tuple[str, ...] = (),
 ) -> ScenarioResult:
     """Run `name`'s segments (`faulted` arms STREAMRL_FAULTS per segment; `io_faults`, aligned with
-    it, STREAMRL_IO_FAULTS), then up to `max_clean` clean resumes, and check the invariants."""
+    it, STREAMRL_IO_FAULTS), then up to `max_clean` clean resumes, and check the invariants.
+    `overrides` are config overrides of the caller's, after OVERRIDES and the scenario's."""
     from streamrl.streaming.invariants import check_run
 
     run_name = f"{name}-s{seed}"
@@ -337,6 +343,7 @@ def run_scenario(
         config=config,
         env=_base_env(run_dir),
         timeout_s=timeout_s,
+        overrides=tuple(overrides),
     )
     io_faults = io_faults or []
     if len(io_faults) > len(faulted):
@@ -401,7 +408,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--families",
         default=None,
-        help="run these fault families instead of the kill suite: io,hostile,all_fail (bench/chaos_families.py)",
+        help="run these fault families instead of the kill suite: io,hostile,all_fail,preempt,server_orphan "
+        "(bench/chaos_families.py)",
     )
     parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed.. first-seed+seeds-1")
     parser.add_argument("--by-kind", action="store_true", help="no runs: rebuild --out's by_kind summary")

@@ -1,15 +1,19 @@
 """The chaos bench's fault families beyond kills, and its summary by kind of fault.
 
-    python -m bench.chaos --families io,hostile,all_fail [--seeds 1] [--first-seed 0] [--keep DIR]
+    python -m bench.chaos --families io,hostile,all_fail,server_orphan [--seeds 1] [--first-seed 0]
+                          [--keep DIR]
 
-runs the I/O-fault family (`bench/chaos_io.py`: buffer logs, checkpoints, run files) and the
+runs the I/O-fault family (`bench/chaos_io.py`: buffer logs, checkpoints, run files), the
 hostile-callback families (`bench/chaos_hostile.py`: hostile rewards and tools, a run whose every
-trajectory fails) and appends one entry to `fault_families` in bench/results/chaos.json (earlier
-entries and the kill suite's results are kept). `by_kind` is then rebuilt from everything
-the file and its neighbours hold: kills and other armed faults (the kill suite's results), I/O faults
-and hostile callbacks (every `fault_families` entry: each holds its own runs, e.g. another seed via
-`--first-seed`), power-loss states checked (`bench/results/crash_consistency.json`) and fuzz cases
-(the `max_examples` of every test under tests/fuzz, read from the source, not re-run).
+trajectory fails) and the server-engine family (`bench/chaos_server_orphan.py`: a `server_command`
+engine killed and restarted on its port while an orphan answers there) and appends one entry to
+`fault_families` in bench/results/chaos.json (earlier entries and the kill suite's results are kept).
+`by_kind` is then rebuilt from everything the file and its neighbours hold: kills and other armed
+faults (the kill suite's results), I/O faults, hostile callbacks and server-engine cases (every
+`fault_families` entry: each holds its own runs, e.g. another seed via `--first-seed`), power-loss
+states checked (`bench/results/crash_consistency.json`), the sampled tokens a crash loses with and
+without durable generation progress (`bench/results/progress_loss.json`) and fuzz cases (the
+`max_examples` of every test under tests/fuzz, read from the source, not re-run).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from streamrl.core import syntax
 from streamrl.core.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
-FAMILIES = ("io", "hostile", "all_fail", "preempt")  # preempt: bench/chaos_preempt.py
+FAMILIES = ("io", "hostile", "all_fail", "preempt", "server_orphan")  # bench/chaos_preempt.py, chaos_server_orphan.py
 LOSS_KEYS = (
     "prompts_lost",
     "prompts_duplicated",
@@ -152,7 +156,38 @@ def fuzz_cases(fuzz_dir: Path = REPO / "tests/fuzz") -> dict[str, int]:
     return cases
 
 
-def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int]) -> dict:
+def server_orphan_counts(family_results: list[dict]) -> dict:
+    """The `server_orphan` cases summed: engines killed, orphans adopted and requests (generations,
+    weight calls) that reached a server the sending engine did not start (both must be 0)."""
+    cases = [r for r in family_results if r.get("name") == "server_orphan"]
+    total = lambda key: sum(int(r.get(key) or 0) for r in cases)  # noqa: E731
+    return {
+        "cases": len(cases),
+        "completed": sum(bool(r.get("completed")) for r in cases),
+        "kills": total("faults_injected"),
+        "orphans_adopted": total("orphans_adopted"),
+        "requests_to_foreign_servers": total("requests_to_foreign_servers"),
+        "refused_clearly": total("refused_clearly"),
+    }
+
+
+def tokens_lost_per_crash(progress: dict | None) -> dict:
+    """Sampled tokens a crash loses (mean over crash moments), per `progress_every_s` setting, from
+    bench/results/progress_loss.json: "off" is without durable generation progress."""
+    if not progress:
+        return {}
+    return {
+        setting: {
+            "tokens_lost": round(s["tokens_lost_mean"], 1),
+            "per_running_trajectory": round(s["tokens_lost_per_trajectory"], 1),
+            "share_of_sampled": round(s["lost_share"], 3),
+            "sampled_tokens_per_s": round(s["sampled_tokens_per_s"], 1),
+        }
+        for setting, s in progress.get("summary", {}).items()
+    }
+
+
+def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int], progress: dict | None = None) -> dict:
     """Faults by kind over the kill suite, the newest family entry, the power-loss simulator and the
     fuzzers, with every loss and violation count summed over the runs that report them."""
     kill_actions: dict[str, int] = {}
@@ -178,6 +213,9 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int]) -> dict:
     losses = {key: sum(int(inv.get(key) or 0) for inv in invariants) for key in LOSS_KEYS}
     losses["stranded"] = sum(int(inv.get("stranded") or 0) + int(inv.get("untracked") or 0) for inv in invariants)
     losses["hangs"] = sum(int(r.get("hangs") or 0) for r in [*data.get("results", []), *family_results])
+    orphan = server_orphan_counts(family_results)
+    losses["orphans_adopted"] = orphan["orphans_adopted"]
+    losses["requests_to_foreign_servers"] = orphan["requests_to_foreign_servers"]
     # where a non-zero count comes from: (fault_families entry, its commit, run, seed, counts)
     nonzero = [
         {
@@ -215,6 +253,8 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int]) -> dict:
         "power_loss_crash_points_checked": (crash or {}).get("num_crash_points_checked", 0),
         "fuzz_cases": sum(fuzz.values()),
         "hostile_callbacks": sum(r["hostile_callbacks"] for r in hostile),
+        "server_orphan": orphan,
+        "tokens_lost_per_crash": tokens_lost_per_crash(progress),
         "losses_and_violations": losses,
         "losses_and_violations_from": nonzero,
         "sources": {
@@ -223,6 +263,10 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int]) -> dict:
             "io_faults, hostile_callbacks": "every entry of fault_families (each its own runs and seeds)",
             "power_loss": "bench/results/crash_consistency.json (num_states_checked)",
             "fuzz_cases": "max_examples of tests/fuzz/*.py (upper bound per run, not re-run)",
+            "server_orphan": "every server_orphan entry of fault_families (engine processes, a recording stand-in "
+            "for vllm serve)",
+            "tokens_lost_per_crash": "bench/results/progress_loss.json (a real worker and engine, SmolLM2, 16 "
+            "trajectories in flight, crashed at a seeded moment; by rollout.agent.progress_every_s)",
         },
         "fuzz_cases_by_test": fuzz,
     }
@@ -232,7 +276,9 @@ def write_by_kind(out_path: Path) -> dict:
     data = json.loads(out_path.read_text()) if out_path.exists() else {}
     crash_path = REPO / "bench/results/crash_consistency.json"
     crash = json.loads(crash_path.read_text()) if crash_path.exists() else None
-    data["by_kind"] = by_kind(data, crash, fuzz_cases())
+    progress_path = REPO / "bench/results/progress_loss.json"
+    progress = json.loads(progress_path.read_text()) if progress_path.exists() else None
+    data["by_kind"] = by_kind(data, crash, fuzz_cases(), progress)
     out_path.write_text(json.dumps(data, indent=1))
     return data["by_kind"]
 
@@ -269,6 +315,12 @@ def main(
             from bench.chaos_preempt import run_preempt
 
             results.append(run_preempt(seed, root, timeout_s))
+        if "server_orphan" in families:
+            from bench.chaos_server_orphan import run_server_orphan
+
+            results.append(run_server_orphan(seed, root))
+            shown = ("name", "orphans_adopted", "requests_to_foreign_servers", "refused_clearly")
+            print(json.dumps({k: results[-1].get(k) for k in shown}), flush=True)
         if "all_fail" in families:
             results.append(run_all_fail(seed, root, timeout_s))
             print(json.dumps({k: results[-1].get(k) for k in ("name", "stopped_clearly", "rc")}), flush=True)
