@@ -80,7 +80,23 @@ def pad_table(table: pa.Table | pa.RecordBatch, *, images: list[list[bytes]] | N
         turn_scores=table.column("turn_scores").to_pylist(),
         images=images if any(refs) else None,
         routed_experts=_padded_routes(table, width),
+        teacher_logprobs=_padded_teacher(table, p_lens, width),
     )
+
+
+def _padded_teacher(table: pa.Table, prompt_lens: np.ndarray, width: int) -> np.ndarray | None:
+    """[B, T] float32 teacher log-probs at the response positions of the rows the teacher scored, NaN
+    elsewhere (prompt, padding, unscored rows); None when no row was scored."""
+    if "teacher_logprobs" not in table.schema.names or table.column("teacher_logprobs").null_count == table.num_rows:
+        return None
+    column = table.column("teacher_logprobs").chunk(0)
+    values, starts, lengths = list_row_starts(column)  # null rows: length 0 in the flattened values
+    lengths = np.where(np.asarray(column.is_valid().to_numpy(zero_copy_only=False), dtype=bool), lengths, 0)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    out = np.full((table.num_rows, width), np.nan, dtype=np.float32)
+    rows, cols = _positions(starts, lengths, prompt_lens)
+    out[rows, cols] = values
+    return out
 
 
 def _padded_routes(table: pa.Table, width: int) -> np.ndarray | None:

@@ -19,10 +19,15 @@ refuses rows of an attempt older than the newest it holds for their trajectory (
 routed experts of an MoE engine), a nullable struct of kind, dtype, per-token shape and the rows as
 bytes; null for a dense model's rows. It has at most one row per prompt + response token.
 
-Schema versions: "1" had no image columns, "2" no `attempt` column, "3" no `token_side` column. A
-segment written under any of them is read with its schema (`LEGACY_SCHEMAS`) and `normalize_batch`
-adds what is missing: empty image columns, attempt 0 (before attempts existed every row was its
-trajectory's first attempt, as far as anything recorded says) and a null `token_side`.
+`teacher_logprobs` (after `token_side`) is the distillation teacher's log-prob of every response
+token (`rollout.teacher`), float32, 0 at observation tokens; null for a row the teacher did not score
+(no teacher in the run, a partial or failed row).
+
+Schema versions: "1" had no image columns, "2" no `attempt` column, "3" no `token_side` column, "4"
+no `teacher_logprobs` column. A segment written under any of them is read with its schema
+(`LEGACY_SCHEMAS`) and `normalize_batch` adds what is missing: empty image columns, attempt 0 (before
+attempts existed every row was its trajectory's first attempt, as far as anything recorded says), a
+null `token_side` and null `teacher_logprobs`.
 
 Four derived columns follow the record's fields (`DERIVED_FIELDS`): prompt/response token counts and
 the min/max policy_version of the row. They are always recomputed here from the list columns
@@ -56,7 +61,7 @@ from streamrl.buffer import arrow_compute as pc
 from streamrl.engines.token_side import SideKind
 from streamrl.rollout.types import OBSERVATION_VERSION, FinishReason, Trajectory, TrajectoryStatus
 
-SCHEMA_VERSION = "4"
+SCHEMA_VERSION = "5"
 TOKEN_SIDE_TYPE = pa.struct(
     [
         pa.field("kind", pa.string(), nullable=False),  # SideKind value
@@ -101,6 +106,7 @@ RECORD_FIELDS: list[pa.Field] = [
     pa.field("agent_data_json", pa.string(), nullable=True),  # partial rows only
     pa.field("attempt", pa.int32(), nullable=False),  # fencing number (see the module docstring)
     pa.field("token_side", TOKEN_SIDE_TYPE, nullable=True),  # per-token side data; null: none (dense model)
+    pa.field("teacher_logprobs", pa.list_(pa.float32()), nullable=True),  # [num_response_tokens]; null: unscored
 ]
 DERIVED_FIELDS: list[pa.Field] = [
     pa.field("num_prompt_tokens", pa.int32(), nullable=False),
@@ -116,12 +122,15 @@ IMAGE_FIELD_NAMES = tuple(f.name for f in IMAGE_FIELDS)
 TRAJECTORY_SCHEMA = pa.schema(
     RECORD_FIELDS + IMAGE_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": SCHEMA_VERSION}
 )
-_RECORD_FIELDS_V3 = [f for f in RECORD_FIELDS if f.name != "token_side"]
+_RECORD_FIELDS_V4 = [f for f in RECORD_FIELDS if f.name != "teacher_logprobs"]
+TRAJECTORY_SCHEMA_V4 = pa.schema(_RECORD_FIELDS_V4 + IMAGE_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": "4"})
+_RECORD_FIELDS_V3 = [f for f in _RECORD_FIELDS_V4 if f.name != "token_side"]
 TRAJECTORY_SCHEMA_V3 = pa.schema(_RECORD_FIELDS_V3 + IMAGE_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": "3"})
 _RECORD_FIELDS_V2 = [f for f in _RECORD_FIELDS_V3 if f.name != "attempt"]
 TRAJECTORY_SCHEMA_V2 = pa.schema(_RECORD_FIELDS_V2 + IMAGE_FIELDS + DERIVED_FIELDS, metadata={"streamrl.schema": "2"})
 TRAJECTORY_SCHEMA_V1 = pa.schema(_RECORD_FIELDS_V2 + DERIVED_FIELDS, metadata={"streamrl.schema": "1"})
 LEGACY_SCHEMAS = (
+    TRAJECTORY_SCHEMA_V4,
     TRAJECTORY_SCHEMA_V3,
     TRAJECTORY_SCHEMA_V2,
     TRAJECTORY_SCHEMA_V1,
@@ -170,6 +179,8 @@ def trajectories_to_batch(trajectories: list[Trajectory]) -> pa.RecordBatch:
             columns[f.name] = pa.array([_ENUMS[f.name](v).value for v in values], type=pa.string())
         elif f.name == "token_side":
             columns[f.name] = pa.array([None if v is None else v.model_dump() for v in values], type=f.type)
+        elif f.name == "teacher_logprobs":
+            columns[f.name] = pa.array([None if v is None else np.asarray(v, np.float32) for v in values], f.type)
         else:
             columns[f.name] = pa.array(values, type=f.type)
     if not trajectories:
@@ -265,6 +276,7 @@ def normalize_batch(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
     _check_enums(cols)
     _check_images(cols)
     _check_token_side(cols)
+    _check_teacher(cols)
     if len(cols["attempt"]) and pc.min(cols["attempt"]).as_py() < 0:
         raise ValueError("column 'attempt' must be >= 0 (0 for a trajectory's first submission)")
     ids = cols["trajectory_id"]
@@ -313,6 +325,9 @@ def _with_added_columns(data: pa.RecordBatch) -> pa.RecordBatch:
         data = data.append_column(TRAJECTORY_SCHEMA.field("attempt"), pa.array(np.zeros(data.num_rows, np.int32)))
     if "token_side" not in data.schema.names:
         data = data.append_column(TRAJECTORY_SCHEMA.field("token_side"), pa.nulls(data.num_rows, TOKEN_SIDE_TYPE))
+    if "teacher_logprobs" not in data.schema.names:
+        field = TRAJECTORY_SCHEMA.field("teacher_logprobs")
+        data = data.append_column(field, pa.nulls(data.num_rows, field.type))
     for f in IMAGE_FIELDS:
         if f.name not in data.schema.names:
             empty = pa.ListArray.from_arrays(
@@ -354,6 +369,27 @@ def _check_token_side(cols: dict[str, pa.Array]) -> None:
                 f"trajectory {tid!r}: token_side holds {len(value['data'])} bytes, not whole rows of {row} bytes "
                 f"for at most {seq_lens[i]} tokens"
             )
+
+
+def _check_teacher(cols: dict[str, pa.Array]) -> None:
+    """Each non-null `teacher_logprobs` row: one finite value per response token, 0 at observation tokens."""
+    teacher = cols["teacher_logprobs"]
+    if teacher.null_count == len(teacher):
+        return
+    scored = np.asarray(teacher.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    response_lens = list_lengths(cols["response_ids"])
+    bad = np.flatnonzero(scored & (list_lengths(teacher) != response_lens))
+    if not len(bad):
+        values = teacher.flatten().to_numpy(zero_copy_only=False)  # the scored rows' values, in row order
+        in_scored = np.repeat(scored, response_lens)
+        mask = cols["response_mask"].flatten().to_numpy(zero_copy_only=False)[in_scored]
+        wrong = np.where(mask == 1, ~np.isfinite(values), values != 0)
+        bad = np.repeat(np.arange(len(scored)), response_lens)[in_scored][wrong]
+    if len(bad):
+        tid = cols["trajectory_id"][int(bad[0])].as_py()
+        raise ValueError(
+            f"trajectory {tid!r}: teacher_logprobs needs one finite value per response token, 0 at observation tokens"
+        )
 
 
 def _check_enums(cols: dict[str, pa.Array]) -> None:

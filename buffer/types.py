@@ -36,6 +36,9 @@ class PaddedBatch:
     # int16 [B, T, num_moe_layers, top_k] experts each token was routed through when generated, -1 where
     # unknown (routed live); None: no row has routes (a dense model)
     routed_experts: np.ndarray | None = None
+    # float32 [B, T] the distillation teacher's log-prob of each response token, NaN where the teacher
+    # scored nothing (prompt, padding, an unscored row); None: no row was scored
+    teacher_logprobs: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:

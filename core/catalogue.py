@@ -86,6 +86,7 @@ MCP = "the tool config has an `mcp:` entry"
 EVAL = "eval.num_prompts > 0, on the evaluation lines only"
 GATEWAY = "rollout.agent.gateway is set (the gateway agent loop)"
 FILTER = "data.prompt_filter.enabled"
+DISTILL = "[distill] is set (a teacher engine)"
 METRICS: tuple[Metric, ...] = (
     # ---- the line itself (streaming.metrics.MetricsLogger)
     M("time", "unix s", R.LAST, "wall clock when the line was logged"),
@@ -241,6 +242,32 @@ METRICS: tuple[Metric, ...] = (
         "rollout/gateway/overhead_sum_s per sampled call in the interval",
         when="the gateway sampled a call in the interval",
     ),
+    # ---- distillation (rollout.teacher: workers' counters; learner.distill: the trained batch)
+    M("distill/num_scored", "trajectories", R.COUNT, "finished trajectories the teacher scored", when=DISTILL),
+    M("distill/num_scored_tokens", "tokens", R.COUNT, "sampled tokens the teacher scored", when=DISTILL),
+    M("distill/score_s_sum", "s", R.COUNT, "seconds of the teacher's scoring requests", when=DISTILL),
+    M(
+        "distill/teacher_latency_mean_s",
+        "s",
+        R.MEAN,
+        "distill/score_s_sum per trajectory scored in the interval (one request each)",
+        when="the teacher scored a trajectory in the interval",
+    ),
+    M(
+        "distill/kl_mean",
+        "nats/token",
+        R.MEAN,
+        "mean of log π_student − log π_teacher over the step's scored tokens (a reverse-KL estimate)",
+        when=DISTILL,
+    ),
+    M(
+        "distill/teacher_share",
+        "fraction",
+        R.MEAN,
+        "the teacher's share of the advantage's magnitude, Σ|coef·k| / (Σ|coef·k| + Σ|A_task|); 0 if both are 0",
+        when=DISTILL,
+    ),
+    M("distill/coverage", "fraction", R.MEAN, "share of the step's action tokens the teacher scored", when=DISTILL),
     # ---- the trained batch (streaming.actors.learner.LearnerActor.train_step)
     M("rollout/reward_mean", "reward", R.MEAN, "mean reward of the trained batch"),
     # ---- held-out evaluation (streaming.heldout): its own lines, at step 0, every eval.every_steps and the last

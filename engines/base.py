@@ -323,6 +323,20 @@ def check_request(
     return min(sampling.max_tokens, room)
 
 
+def score_span(engine_id: str, token_ids: list[int], start: int, *, max_model_len: int) -> int:
+    """Validate a scoring request (`InferenceEngine.score`); returns how many tokens it scores. The
+    engine forwards the whole sequence and samples one token after it, so the sequence needs one
+    position of room under `max_model_len`."""
+    if not 1 <= start <= len(token_ids):
+        raise ValueError(f"score start must be in [1, {len(token_ids)}], got {start}")
+    if len(token_ids) + 1 > max_model_len:
+        raise ValueError(
+            f"engine {engine_id}: scoring {len(token_ids)} tokens needs max_model_len > {len(token_ids)}, "
+            f"got {max_model_len}"
+        )
+    return len(token_ids) - start
+
+
 class InferenceEngine(abc.ABC):
     """One inference engine (one vLLM instance, possibly tensor-parallel inside)."""
 
@@ -357,6 +371,13 @@ class InferenceEngine(abc.ABC):
         self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, images: list[ImageInput]
     ) -> GenerationOutput:
         """The engine's own sampling behind `generate` (`images` already a list)."""
+
+    async def score(self, request_id: str, token_ids: list[int], start: int) -> list[float]:
+        """Log-probs of given tokens under this engine's weights (a distillation teacher): for every
+        t in [start, len(token_ids)), log p(token_ids[t] | token_ids[:t]); `start` >= 1 (no logits
+        predict the first token). Nothing is sampled. Engines that cannot score raise
+        NotImplementedError (`score_span` checks the arguments every engine takes)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score tokens (a distillation teacher needs it)")
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:

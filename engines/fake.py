@@ -32,6 +32,7 @@ from streamrl.engines.base import (
     PauseMode,
     SamplingParams,
     SyncFence,
+    score_span,
 )
 from streamrl.models.multimodal import count_image_runs
 
@@ -78,6 +79,8 @@ class FakeEngine(InferenceEngine):
         self.requests_seen: list[tuple[str, list[int]]] = []  # (request_id, prompt_ids) in call order
         self.images_seen: list[tuple[str, list[ImageInput]]] = []  # (request_id, images) in call order
         self.image_token_id = image_token_id  # None: images are recorded, not checked against the ids
+        self.score_logprob: Callable[[int, int], float] = fake_logprob  # (position, token id) -> teacher log-prob
+        self.scored: list[tuple[str, list[int], int]] = []  # (request_id, token_ids, start) of `score` calls
         self._num_calls = 0
         self._abort_flags: dict[str, asyncio.Event] = {}
         self._running = asyncio.Event()
@@ -146,6 +149,16 @@ class FakeEngine(InferenceEngine):
             finish_reason=finish_reason,
             num_prompt_tokens=len(prompt_ids),
         )
+
+    async def score(self, request_id: str, token_ids: list[int], start: int) -> list[float]:
+        """`fake_logprob` of every scored position: a fake teacher scores a fake student's tokens
+        exactly as the student sampled them (`score_logprob` overrides it, e.g. to make a better teacher)."""
+        if self.fail_with is not None:
+            raise self.fail_with
+        self._fence.check_serving()
+        score_span(self.engine_id, token_ids, start, max_model_len=2**31)
+        self.scored.append((request_id, list(token_ids), start))
+        return [self.score_logprob(t, token_ids[t]) for t in range(start, len(token_ids))]
 
     async def _wait_running(self, aborted: asyncio.Event) -> None:
         """Block while paused, unless this request gets aborted meanwhile."""

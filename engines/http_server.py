@@ -51,6 +51,7 @@ from streamrl.engines.base import (
     SamplingParams,
     SyncFence,
     check_request,
+    score_span,
 )
 from streamrl.engines.config import EngineConfig
 from streamrl.engines.server_api import SGLangServerAPI, server_api
@@ -219,6 +220,19 @@ class ServerEngine(RequestTable, InferenceEngine):
             state.num_cached = chunk.num_cached_tokens
         if chunk.finish_reason is not None:
             state.finish_reason = chunk.finish_reason
+
+    async def score(self, request_id: str, token_ids: list[int], start: int) -> list[float]:
+        """The server's log-prob of each of `token_ids[start:]` (one non-streamed request)."""
+        self._fence.check_serving()
+        if score_span(self.engine_id, token_ids, start, max_model_len=self.cfg.max_model_len) == 0:
+            return []
+        path, body = self.api.score_request(request_id, list(token_ids))
+        self.counters.clock.enter()
+        try:
+            answer = await self._post(path, json=body)
+        finally:
+            self.counters.clock.exit()
+        return self.api.read_scores(answer, list(token_ids), start)
 
     async def abort(self, request_id: str) -> None:
         state = self._requests.get(request_id)

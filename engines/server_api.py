@@ -10,6 +10,9 @@ chunk also the prompt ids it saw). Control endpoints are vLLM's development endp
 (`VLLM_SERVER_DEV_MODE=1`): `/pause?mode=abort`, `/resume`, `/reset_prefix_cache`,
 `/collective_rpc`.
 
+Scoring given tokens (a distillation teacher, `InferenceEngine.score`): vLLM's non-streamed
+`/v1/completions` with `prompt_logprobs=0` and one sampled token; SGLang's is not built.
+
 SGLang: the native `/generate` with `input_ids`, `return_logprob` and `stream`; chunks carry the
 output ids and `meta_info.output_token_logprobs` ([logprob, token id, text] per token), cumulative
 by default and per chunk with `--incremental-streaming-output`: both are read through
@@ -60,6 +63,15 @@ class ServerAPI(abc.ABC):
     @abc.abstractmethod
     def abort_request(self, request_id: str) -> tuple[str, dict[str, Any]] | None:
         """An explicit abort call, or None where closing the stream is the abort."""
+
+    def score_request(self, request_id: str, token_ids: list[int]) -> tuple[str, dict[str, Any]]:
+        """(path, JSON body) of a non-streamed request returning the log-prob of every given token
+        (`InferenceEngine.score`, a distillation teacher)."""
+        raise NotImplementedError(f"the {self.name} client cannot score tokens (a distillation teacher needs it)")
+
+    def read_scores(self, answer: dict[str, Any], token_ids: list[int], start: int) -> list[float]:
+        """The log-probs of `token_ids[start:]` in the answer to `score_request`."""
+        raise NotImplementedError(f"the {self.name} client cannot score tokens")
 
     @abc.abstractmethod
     def pause_request(self) -> tuple[str, dict[str, Any], dict[str, Any]]:
@@ -129,6 +141,33 @@ class VLLMServerAPI(ServerAPI):
 
     def abort_request(self, request_id: str) -> tuple[str, dict[str, Any]] | None:
         return None  # vLLM aborts a streamed request when its connection closes
+
+    def score_request(self, request_id: str, token_ids: list[int]) -> tuple[str, dict[str, Any]]:
+        body = {
+            "prompt": list(token_ids),
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": 0,  # each position's own token, whatever its rank
+            "stream": False,
+            "request_id": request_id,
+        }
+        return "/v1/completions", body
+
+    def read_scores(self, answer: dict[str, Any], token_ids: list[int], start: int) -> list[float]:
+        choices = answer.get("choices") or []
+        positions = choices[0].get("prompt_logprobs") if choices else None
+        if positions is None or len(positions) != len(token_ids):
+            raise ServerProtocolError(
+                f"vLLM answered {None if positions is None else len(positions)} prompt log-probs for "
+                f"{len(token_ids)} tokens (send prompt_logprobs)"
+            )
+        out = []
+        for t in range(start, len(token_ids)):
+            entry = (positions[t] or {}).get(str(token_ids[t]))  # JSON keys: the token ids as text
+            if entry is None:
+                raise ServerProtocolError(f"vLLM prompt log-probs of position {t} do not name its token")
+            out.append(float(entry["logprob"]))
+        return out
 
     def pause_request(self) -> tuple[str, dict[str, Any], dict[str, Any]]:
         return "/pause", {"mode": "abort", "clear_cache": "false"}, {}

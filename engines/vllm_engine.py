@@ -56,6 +56,7 @@ from streamrl.engines.base import (
     RequestTable,
     SyncFence,
     check_request,
+    score_span,
 )
 from streamrl.engines.config import EngineConfig
 from streamrl.engines.token_side import SideKind, TokenSide
@@ -296,6 +297,45 @@ class VLLMEngine(RequestTable, InferenceEngine):
             num_cached_tokens=num_cached,
             token_side=routes,
         )
+
+    async def score(self, request_id: str, token_ids: list[int], start: int) -> list[float]:
+        """Teacher scoring: one request over `token_ids` with vLLM's prompt log-probs (`prompt_logprobs=0`
+        returns each position's own token, whatever its rank) and one throw-away sampled token. vLLM
+        skips the prefix cache for such a request, so every position is computed by these weights."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._fence.check_serving()
+        if score_span(self.engine_id, token_ids, start, max_model_len=self.cfg.max_model_len) == 0:
+            return []
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight on engine {self.engine_id}")
+        params = VSamplingParams(
+            max_tokens=1,
+            temperature=1.0,
+            prompt_logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            detokenize=False,
+        )
+        self._requests[request_id] = _InFlight()
+        final = None
+        self.counters.clock.enter()
+        try:
+            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params, request_id):
+                final = out
+        finally:
+            self.counters.clock.exit()
+            del self._requests[request_id]
+        prompt_logprobs = None if final is None else final.prompt_logprobs
+        if prompt_logprobs is None:
+            raise RuntimeError(f"engine {self.engine_id}: request {request_id} returned no prompt log-probs")
+        out = []
+        for t in range(start, len(token_ids)):
+            position = prompt_logprobs[t]
+            assert position is not None, "vLLM returned no log-probs for a prompt position after the first"
+            out.append(float(position[token_ids[t]].logprob))
+        return out
 
     async def _enable_routes(self) -> None:
         if self.cfg.record_routes and not self._routes_on:

@@ -1,7 +1,8 @@
 """Learner configuration: optimisation, PPO/GRPO loss knobs, the staleness correction and LoRA.
 
 `LearnerConfig` is the `[learner]` table of a run file; `CorrectionConfig` its `[learner.correction]`
-sub-table, `LoraConfig` its `[learner.lora]` sub-table (absent: full fine-tuning). Every knob the
+sub-table, `LoraConfig` its `[learner.lora]` sub-table (absent: full fine-tuning), `DistillSignal` what
+the run's `[distill]` table tells the learner (absent: no distillation). Every knob the
 pure functions in `advantages.py`, `losses.py` and `correction.py` read is declared here with its
 constraint, so a bad run file fails at load time with a pydantic error instead of halfway through a step.
 """
@@ -227,6 +228,23 @@ class LoraConfig(BaseModel):
         return self
 
 
+class DistillMode(StrEnum):
+    """How the teacher's per-token signal enters the advantage (`learner.distill`)."""
+
+    KL = "kl"  # A_t = −coef · k_t: on-policy distillation alone
+    MIXED = "mixed"  # A_t = A_task_t − coef · k_t: the task advantage plus the teacher's
+
+
+class DistillSignal(BaseModel):
+    """What the learner does with the teacher's log-probs. The run's `[distill]` table sets it
+    (`streaming.config.DistillConfig`); None: no distillation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: DistillMode = DistillMode.KL
+    coef: float = Field(default=1.0, gt=0)  # weight of the per-token reverse-KL advantage
+
+
 class LearnerConfig(BaseModel):
     """The training engine: model, optimiser, schedule, micro-batching and the PPO/GRPO loss."""
 
@@ -319,6 +337,9 @@ class LearnerConfig(BaseModel):
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     # LoRA adapter training, synced merged or as the adapter alone (docs/lora.md); None: every weight trains.
     lora: LoraConfig | None = None
+    # On-policy distillation from a teacher's per-token log-probs (docs/distillation.md); set from the
+    # run's [distill] table. None: the task advantage alone.
+    distill: DistillSignal | None = None
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:

@@ -290,6 +290,7 @@ class TrainingEngine:
                 "learner/reward_mean": float(full.rewards.mean().item()),
                 "learner/advantage_mean": inputs.advantage_mean,
                 "learner/advantage_std": inputs.advantage_std,
+                **inputs.distill,
             }
         )
         if stats:

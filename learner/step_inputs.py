@@ -28,6 +28,7 @@ from streamrl.learner.advantages import (
 )
 from streamrl.learner.config import Algo, ProxMode
 from streamrl.learner.correction import CorrectionTerms, staleness_correction
+from streamrl.learner.distill import DistillSums, distill_advantages, reverse_kl_tokens
 from streamrl.learner.types import TrainBatch
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class StepInputs:
     recompute_s: float  # time of the no-grad pass
     advantage_mean: float
     advantage_std: float
+    distill: dict[str, float]  # `distill/*` metrics of the batch; empty without a teacher
 
 
 def token_lags(batch: TrainBatch, policy_version: int) -> torch.Tensor:
@@ -153,6 +155,7 @@ def build_step_inputs(engine: ForwardRunner, full: TrainBatch) -> StepInputs:
         advantages, returns = masked_gae(token_rewards, old_values, tb.loss_mask, gamma=cfg.gamma, lam=cfg.lam)
         if cfg.whiten_advantages:
             advantages = masked_whiten(advantages, tb.loss_mask, all_reduce=engine.all_reduce)
+    advantages, distill = _with_teacher(engine, tb, advantages)
     terms = None
     prox_known = torch.zeros(tb.batch_size, dtype=torch.bool, device=tb.input_ids.device)
     if recompute:
@@ -177,4 +180,23 @@ def build_step_inputs(engine: ForwardRunner, full: TrainBatch) -> StepInputs:
         recompute_s=recompute_s,
         advantage_mean=float(adv_valid.mean().item()) if adv_valid.numel() else 0.0,
         advantage_std=float(adv_valid.std().item()) if adv_valid.numel() > 1 else 0.0,
+        distill=distill,
     )
+
+
+def _with_teacher(
+    engine: ForwardRunner, tb: TrainBatch, advantages: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The advantages with the teacher's per-token term (`learner.distill`) and its metrics over every
+    rank's tokens; unchanged (and no metrics) without `learner.distill`."""
+    signal = engine.cfg.distill
+    if signal is None:
+        return advantages, {}
+    teacher = tb.teacher_logprobs
+    if teacher is None:  # no row of this rank's batch was scored
+        teacher = torch.full_like(tb.behavior_logprobs, float("nan"))
+    k, scored = reverse_kl_tokens(tb.behavior_logprobs, teacher, tb.loss_mask)
+    sums = DistillSums.of(advantages, k, scored, tb.loss_mask, signal)
+    for name in sums.__slots__:  # the ratios cover the whole batch, not one rank's share
+        setattr(sums, name, engine.all_reduce(getattr(sums, name)))
+    return distill_advantages(advantages, k, scored, signal), sums.metrics()

@@ -10,7 +10,8 @@ Conventions (shared with the buffer):
   (`learner.moe_replay`);
 - `loss_mask[b, t] == 1` iff token t was sampled by the policy; `behavior_logprobs[b, t]` is the
   logprob of token t under the behavior policy and `policy_versions[b, t]` its weights' version
-  (-1 where the mask is 0);
+  (-1 where the mask is 0); `teacher_logprobs[b, t]` (distillation only) the teacher's logprob of the
+  same token, NaN where the teacher scored nothing;
 - the logprob of token t comes from the logits at position t-1, so position 0 never carries loss;
 - a VLM row's `input_ids` hold its image placeholders already expanded (what the model saw), and
   `images[b]` holds that row's pixels in placeholder order (`learner.vision`); text-only batches have
@@ -76,6 +77,9 @@ class TrainBatch:
     images: list[RowImages | None] | None = None
     # [B, T, num_moe_layers, top_k] int64 recorded expert ids, -1 = route live; None: no routes (dense)
     routed_experts: torch.Tensor | None = None
+    # [B, T] float32 the distillation teacher's log-prob of each response token, NaN where unscored;
+    # None: no teacher (`learner.distill`)
+    teacher_logprobs: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -113,6 +117,9 @@ class TrainBatch:
             routed_experts=t("routed_experts", torch.int64)
             if getattr(padded, "routed_experts", None) is not None
             else None,
+            teacher_logprobs=t("teacher_logprobs", torch.float32)
+            if getattr(padded, "teacher_logprobs", None) is not None
+            else None,
         )
         raw_images = getattr(padded, "images", None) or [[] for _ in range(batch.batch_size)]
         has_images = any(len(row) for row in raw_images)
@@ -134,8 +141,8 @@ class TrainBatch:
         if self.input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(self.input_ids.shape)}")
         shape = self.input_ids.shape
-        for name in ("attention_mask", "loss_mask", "behavior_logprobs", "policy_versions"):
-            if getattr(self, name).shape != shape:
+        for name in ("attention_mask", "loss_mask", "behavior_logprobs", "policy_versions", "teacher_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name).shape != shape:
                 raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected {tuple(shape)}")
         for name in ("seq_lens", "rewards", "group_index", "prompt_lens"):
             value = getattr(self, name)
@@ -178,4 +185,5 @@ class TrainBatch:
             turn_scores=[self.turn_scores[i] for i in rows] if self.turn_scores else [],
             images=[self.images[i] for i in rows] if self.images is not None else None,
             routed_experts=None if self.routed_experts is None else self.routed_experts[index, :width],
+            teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs[index, :width],
         )

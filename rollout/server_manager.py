@@ -25,8 +25,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from streamrl.engines.base import (
     EngineStats,
@@ -39,6 +40,8 @@ from streamrl.engines.base import (
 )
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 __all__ = ["NoHealthyEngineError", "ServerManager", "ServerManagerStats"]
 
@@ -155,6 +158,24 @@ class ServerManager:
     ) -> tuple[GenerationOutput, str]:
         """Generate on the trajectory's engine; returns the output and the engine id that produced it.
         `images` go with the ids unchanged (`InferenceEngine.generate`)."""
+        output, engine_id = await self._routed(
+            trajectory_key, request_id, lambda e: e.generate(request_id, prompt_ids, sampling, images=images)
+        )
+        if output.policy_versions:
+            self._newest_version = max(self._newest_version, output.policy_versions[-1])
+        return output, engine_id
+
+    async def score(self, trajectory_key: str, request_id: str, token_ids: list[int], start: int) -> list[float]:
+        """Score given tokens (`InferenceEngine.score`) on an engine chosen, health-checked and retried
+        as for `generate` (the distillation teacher's engines)."""
+        scores, _ = await self._routed(trajectory_key, request_id, lambda e: e.score(request_id, token_ids, start))
+        return scores
+
+    async def _routed(
+        self, trajectory_key: str, request_id: str, call: Callable[[InferenceEngine], Awaitable[T]]
+    ) -> tuple[T, str]:
+        """`call` on the trajectory's engine; an engine that fails (anything but ValueError or
+        TypeError: those are the request's fault) leaves routing and the call is retried elsewhere."""
         if request_id in self._in_flight:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         attempt = 0
@@ -164,7 +185,7 @@ class ServerManager:
             self._num_routed[engine_id] += 1
             self._in_flight[request_id] = engine_id
             try:
-                output = await self._engines[engine_id].generate(request_id, prompt_ids, sampling, images=images)
+                return await call(self._engines[engine_id]), engine_id
             except (ValueError, TypeError):  # bad request: the caller's bug, the engine is fine
                 raise
             except Exception as exc:  # fault boundary: the engine, not the request, is broken
@@ -174,13 +195,9 @@ class ServerManager:
                     raise
                 attempt += 1
                 self._num_retries += 1
-                continue
             finally:
                 self._outstanding[engine_id] -= 1
                 del self._in_flight[request_id]
-            if output.policy_versions:
-                self._newest_version = max(self._newest_version, output.policy_versions[-1])
-            return output, engine_id
 
     async def abort(self, request_id: str) -> None:
         """Abort a request on the engine holding it; unknown/finished ids are ignored."""

@@ -12,6 +12,8 @@ Invariants (stated once, checked by `Trajectory.validate()` and `AgentData.check
 - `len(prompt_ids) + len(response_ids) <= max_model_len` of the run;
 - `token_side` (per-token side data an engine produced, `engines.token_side`) has at most one row per
   token of `prompt_ids + response_ids`;
+- `Trajectory.teacher_logprobs`, when present, has one entry per response token, 0.0 where
+  `response_mask == 0` (only the policy's tokens are scored for distillation);
 - images: `prompt_ids` / `response_ids` hold the *expanded* ids (each image is one run of the model's
   image placeholder token, what the model saw), and the number of such runs in
   `prompt_ids + response_ids` equals `len(AgentData.images)`, in the same order. Checked by
@@ -276,6 +278,9 @@ class Trajectory:
     agent_data_json: str | None = None  # resumable AgentData (partial rows)
     attempt: int = 0  # `AgentData.attempt` of the worker that wrote the row (fencing; older ones are refused)
     token_side: TokenSide | None = None  # [<= num_prompt_tokens + num_response_tokens] rows (`AgentData.token_side`)
+    # The distillation teacher's log-prob of every response token (`rollout.teacher`), 0.0 where mask is 0;
+    # None: not scored (no teacher, or a partial / failed row)
+    teacher_logprobs: list[float] | None = None  # [num_response_tokens]
     image_refs: list[str] = field(default_factory=list)  # [num_images] sha256 hex, placeholder order
     num_image_tokens: list[int] = field(default_factory=list)  # [num_images] placeholder tokens of each
 
@@ -313,6 +318,11 @@ class Trajectory:
             assert self.token_side.num_tokens <= len(self.prompt_ids) + n, "token side rows past the sequence"
         if self.status is TrajectoryStatus.PARTIAL:
             assert self.agent_data_json is not None, "partial row without AgentData"
+        if self.teacher_logprobs is not None:
+            assert len(self.teacher_logprobs) == n, "teacher log-probs misaligned with the response"
+            assert all(m or lp == 0.0 for m, lp in zip(self.response_mask, self.teacher_logprobs)), (
+                "observation token with a teacher log-prob"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

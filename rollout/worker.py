@@ -9,6 +9,9 @@ Consumes `AgentData` (new trajectories from the driver, or partial ones to resum
   New submissions are held until `resume()`.
 - `resume()` clears the Event and relaunches every parked trajectory from its AgentData.
 
+With a distillation teacher (`teacher`), a finished trajectory is scored by the teacher before its
+row goes to the sink (`rollout.teacher`); the teacher never pauses, so scoring goes on during a sync.
+
 A trajectory belongs to exactly one place at every moment (I2): its task in `_tasks` from submission
 until its row is in the sink (a parking loop included, while its partial row is being saved), then
 — if it parked — `_held` while paused, or a new task at once if `resume()` came meanwhile. Counters
@@ -28,6 +31,7 @@ import time
 import traceback
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from streamrl.core import trace
 from streamrl.core.aio import gather_within
@@ -35,6 +39,9 @@ from streamrl.engines.base import PauseMode
 from streamrl.rollout.agent_loop import AgentContext, get_agent_loop_cls
 from streamrl.rollout.gateway.loop import gateway_metrics
 from streamrl.rollout.types import AgentData, AgentState, FinishReason, RolloutOutcomes, Trajectory, TrajectoryStatus
+
+if TYPE_CHECKING:
+    from streamrl.rollout.teacher import TeacherScorer
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +72,11 @@ class RolloutWorker:
         pause_mode: PauseMode = PauseMode.ABORT,
         worker_id: str = "worker-0",
         sink_retry_s: float = 0.5,
+        teacher: TeacherScorer | None = None,
     ) -> None:
         self.ctx = ctx
         self.sink = sink
+        self.teacher = teacher  # scores each finished trajectory before its row is written (distillation)
         self.worker_id = worker_id
         self.pause_mode = pause_mode
         self._slots = asyncio.Semaphore(max_concurrent)
@@ -127,6 +136,8 @@ class RolloutWorker:
                 loop = get_agent_loop_cls(data.agent_name)(self.ctx)
                 try:
                     traj = await loop.run(data)
+                    if self.teacher is not None and traj.status is TrajectoryStatus.FINISHED:
+                        traj = await self.teacher.score(traj)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # fault boundary: one bad trajectory must not stop the worker
@@ -349,4 +360,5 @@ class RolloutWorker:
             **self.ctx.server.stats().metrics(),
             **(self.ctx.tools.metrics() if self.ctx.tools is not None else {}),
             **gateway_metrics(self.ctx),
+            **(self.teacher.metrics() if self.teacher is not None else {}),
         }

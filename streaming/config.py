@@ -15,8 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from streamrl.buffer.config import BufferConfig
-from streamrl.engines.config import VLLM_LORA_RANKS, LoraServing
-from streamrl.learner.config import LearnerConfig, LoraSync
+from streamrl.engines.config import VLLM_LORA_RANKS, EngineConfig, LoraServing
+from streamrl.learner.config import DistillMode, DistillSignal, LearnerConfig, LoraSync
 from streamrl.observability.metrics import WandbConfig
 from streamrl.observability.tracing import TraceConfig
 from streamrl.rollout.config import RolloutConfig
@@ -150,6 +150,28 @@ class TrainerConfig(BaseModel):
     sync_generation_groups: int = Field(0, ge=0)
 
 
+class DistillConfig(BaseModel):
+    """On-policy distillation (docs/distillation.md): a teacher model on engines of its own scores every
+    sampled token of every finished trajectory, and the learner turns the scores into a per-token
+    reverse-KL advantage, alone (`mode = "kl"`) or added to the task advantage (`"mixed"`). The teacher
+    never takes part in weight sync."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    teacher: str = Field(description="'tiny', 'smollm2' or a HF folder; it must share the student's tokenizer")
+    mode: DistillMode = DistillMode.KL
+    coef: float = Field(1.0, gt=0, description="weight of the per-token reverse-KL advantage")
+    num_engines: int = Field(1, ge=1, description="teacher engines (each a Ray actor, routed like the rollout's)")
+    # The teacher engines' settings, as `rollout.engine` (its own dtype, KV cache, max_model_len, placement:
+    # num_cpus, cpu_cores, num_gpus, resources). `model` is set from `teacher`.
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @property
+    def signal(self) -> DistillSignal:
+        """What the learner needs of it."""
+        return DistillSignal(mode=self.mode, coef=self.coef)
+
+
 class StreamRLConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -165,6 +187,7 @@ class StreamRLConfig(BaseModel):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     trace: TraceConfig = Field(default_factory=TraceConfig)  # lifecycle trace (docs/trace.md)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)  # cores per part (streaming/placement.py)
+    distill: DistillConfig | None = None  # on-policy distillation from a teacher engine; None: off
 
     def with_model(self, model_path: str) -> StreamRLConfig:
         """This config with `model` set to the run's resolved folder (`streaming.sft.prepare_model`, the
@@ -206,6 +229,7 @@ class StreamRLConfig(BaseModel):
         self._check_nccl_gpus()
         self._check_sync_rounds()
         self._check_placement()
+        self._check_distill()
         agent = self.rollout.agent
         check_sources(agent.verifiers, agent.gateway, self.data.source, self.eval.source)  # docs/verifiers.md
         if self.eval.enabled and self.eval.source is None and self.data.source not in GENERATED_SOURCES:
@@ -219,6 +243,33 @@ class StreamRLConfig(BaseModel):
                 f"response_length = {self.rollout.max_model_len}"
             )
         return self
+
+    def _check_distill(self) -> None:
+        """The teacher's engines score prompt + response in one request (one position more than the
+        rollout's longest sequence), text only, with vLLM in process or behind its server (SGLang's
+        scoring is not built); the learner gets the signal."""
+        distill = self.distill
+        self.learner.distill = None if distill is None else distill.signal  # the one place the learner gets it
+        if distill is None:
+            return
+        distill.engine.model = distill.teacher
+        if distill.engine.backend == "sglang_server":
+            raise ValueError(
+                'distill.engine.backend = "sglang_server": teacher scoring is built for "vllm" (in-process) and '
+                '"vllm_server" only'
+            )
+        if distill.engine.backend != "vllm" and len(distill.engine.server_urls) != distill.num_engines:
+            raise ValueError(
+                f"distill.engine.server_urls lists {len(distill.engine.server_urls)} servers for "
+                f"distill.num_engines={distill.num_engines}: one per teacher engine"
+            )
+        if self.rollout.engine.max_images_per_prompt > 0:
+            raise ValueError("distill with a VLM policy is not built: the teacher scores text-only sequences")
+        if distill.engine.max_model_len <= self.rollout.max_model_len:
+            raise ValueError(
+                f"distill.engine.max_model_len={distill.engine.max_model_len} must exceed the rollout's prompt_length "
+                f"+ response_length = {self.rollout.max_model_len} (the teacher scores whole sequences)"
+            )
 
     def _check_placement(self) -> None:
         self.placement.engine_slice(0, self.rollout.num_engines)  # equal slices, or ValueError

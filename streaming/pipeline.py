@@ -57,6 +57,8 @@ class Pipeline:
     model_path: str
     engines: list[RayEngineClient]
     workers: list[WorkerClient]
+    # the distillation teacher's engines (`[distill]`): routed by every worker, never weight-synced
+    teachers: list[RayEngineClient] = field(default_factory=list)
     buffer: BufferClient
     learner: LearnerClient
     stream: PromptStream
@@ -512,8 +514,9 @@ def make_worker(pipeline: Pipeline, worker_id: str) -> WorkerClient:
 
     # @ray.remote makes RolloutWorkerActor an ActorClass; pyrefly types the decorated name as the plain class
     handles, ids = [e.handle for e in pipeline.engines], [e.engine_id for e in pipeline.engines]
+    teachers = {e.engine_id: e.handle for e in pipeline.teachers}
     handle = RolloutWorkerActor.options(num_cpus=0.25, name=None).remote(  # pyrefly: ignore[missing-attribute]
-        worker_id, pipeline.cfg, pipeline.model_path, handles, pipeline.buffer.handle, ids, pipeline.kept_out
+        worker_id, pipeline.cfg, pipeline.model_path, handles, pipeline.buffer.handle, ids, pipeline.kept_out, teachers
     )
     return WorkerClient(handle, timeout_s=pipeline.timeout_s, timeouts=pipeline.cfg.trainer.actor_timeouts)
 

@@ -266,12 +266,38 @@ def rollout_parts(cfg: StreamRLConfig, dims: ModelDims, *, on_gpu: bool) -> list
     ]
 
 
+def teacher_parts(cfg: StreamRLConfig, *, on_gpu: bool) -> list[Part]:
+    """The distillation teacher's engines (`[distill]`): weights, KV cache and process, as a rollout
+    engine's, with the teacher's own dims and engine settings."""
+    if cfg.distill is None:
+        return []
+    n, engine = cfg.distill.num_engines, cfg.distill.engine
+    dims = model_dims(cfg.distill.teacher)
+    weight_bytes = 2 if engine.dtype in ("bfloat16", "float16") else 4
+    return [
+        Part(
+            name=f"teacher engine weights and KV cache (×{n})",
+            bytes=n * (dims.num_params * weight_bytes + (0 if on_gpu else engine.kv_cache_space_gb * GiB)),
+            on_gpu=on_gpu,
+            knobs=("distill.num_engines", "distill.engine.kv_cache_space_gb"),
+            how=f"{dims.num_params / 1e6:.1f}M params × {weight_bytes} B ({engine.dtype}) + the KV cache",
+        ),
+        Part(
+            name=f"teacher engine process (×{n})",
+            bytes=n * ENGINE_PROCESS_BYTES,
+            knobs=("distill.num_engines",),
+            how="vLLM EngineCore beyond weights and KV cache (measured)",
+        ),
+    ]
+
+
 def estimate_parts(cfg: StreamRLConfig, dims: ModelDims, *, cluster_gpus: float | None = None) -> list[Part]:
     """Every part of the run with its memory, from the config and the model's dims alone."""
     b, seq = cfg.buffer, cfg.rollout.max_model_len
     return [
         *learner_parts(cfg, dims, on_gpu=_cuda_device(cfg.learner.device, cluster_gpus)),
         *rollout_parts(cfg, dims, on_gpu=_cuda_device(cfg.rollout.engine.device, cluster_gpus)),
+        *teacher_parts(cfg, on_gpu=cfg.distill is not None and _cuda_device(cfg.distill.engine.device, cluster_gpus)),
         Part(
             name="buffer",
             bytes=BUFFER_PROCESS_BYTES + (b.max_staleness + 2) * b.batch_size * seq * BUFFER_BYTES_PER_TOKEN,

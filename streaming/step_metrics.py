@@ -56,6 +56,8 @@ def rollout_interval_metrics(metrics: dict[str, float], interval_s: float) -> di
         out["rollout/tool_error_rate"] = metrics.get("rollout/num_tool_errors", 0.0) / calls
     if executed := metrics.get("rollout/tools/num_executed"):
         out["rollout/tools/mean_latency_s"] = metrics.get("rollout/tools/latency_sum_s", 0.0) / executed
+    if scored := metrics.get("distill/num_scored"):
+        out["distill/teacher_latency_mean_s"] = metrics.get("distill/score_s_sum", 0.0) / scored
     if sampled := metrics.get("rollout/gateway/num_sampled"):
         out["rollout/gateway/overhead_mean_ms"] = 1000.0 * metrics.get("rollout/gateway/overhead_sum_s", 0.0) / sampled
     return out

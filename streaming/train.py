@@ -27,6 +27,7 @@ from streamrl.streaming.pipeline import Pipeline, make_worker
 
 if TYPE_CHECKING:
     from streamrl.streaming.actors.clients import LearnerClient
+    from streamrl.streaming.actors.engine import RayEngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
         )
         for i in range(cfg.rollout.num_engines)
     ]
+    teachers = _launch_teachers(cfg, model_path, run_dir)
     learner = _launch_learner(cfg, state.checkpoint if from_ckpt else None)
     stream = PromptStream(
         records, seed=cfg.data.seed, shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs, cursor=state.cursor
@@ -191,6 +193,7 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
         run_dir=run_dir,
         model_path=model_path,
         engines=engines,
+        teachers=teachers,
         workers=[],
         buffer=buffer,
         learner=learner,
@@ -204,7 +207,7 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
     pipeline.fleet.engine_cfg, pipeline.fleet.next_index = engine_cfg, len(engines)  # `streamrl scale`
     pipeline.workers = [make_worker(pipeline, f"worker-{i}") for i in range(cfg.rollout.num_workers)]
     startup = cfg.rollout.engine.startup_timeout_s
-    await asyncio.gather(*[e.wait_ready() for e in engines])
+    await asyncio.gather(*[e.wait_ready() for e in [*engines, *teachers]])
     learner.timeout_s = startup  # the first calls wait for the learner actor to load the model
     if await learner.policy_version() != start_version:
         await learner.set_policy_version(start_version)
@@ -218,6 +221,28 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
         n = await pipeline.resubmit_orphans()
         logger.info("resumed run at learner step %d: %d unfinished trajectories resubmitted", state.learner_step, n)
     return pipeline
+
+
+def _launch_teachers(cfg: StreamRLConfig, model_path: str, run_dir: Path) -> list[RayEngineClient]:
+    """The distillation teacher's engine actors (none without `[distill]`): its model prepared as the
+    student's is (a built-in is built in a child process, cached), checked to read token ids as the
+    student does. They are never handed to the weight sync."""
+    from streamrl.observability.logs import log_dir
+    from streamrl.rollout.teacher import check_same_tokenizer
+    from streamrl.streaming.actors.engine import RayEngineClient
+    from streamrl.streaming.config import SFTConfig
+    from streamrl.streaming.sft import prepare_model
+
+    if cfg.distill is None:
+        return []
+    teacher_cfg = cfg.model_copy(update={"model": cfg.distill.teacher, "sft": SFTConfig()})
+    teacher_path = prepare_model(teacher_cfg, log_file=log_dir(run_dir) / "prepare_teacher.log")
+    check_same_tokenizer(model_path, teacher_path)
+    engine_cfg = cfg.distill.engine.model_copy(update={"model": teacher_path})
+    return [
+        RayEngineClient.launch(engine_cfg.for_engine(i), f"teacher-{i}", timeouts=cfg.trainer.actor_timeouts)
+        for i in range(cfg.distill.num_engines)
+    ]
 
 
 def engine_start(cfg: StreamRLConfig, state: DriverState, *, from_ckpt: bool) -> tuple[str, str | None, int]:

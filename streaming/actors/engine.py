@@ -116,6 +116,14 @@ class EngineActor:
         finally:
             self._request_ended()
 
+    async def score(self, request_id: str, token_ids: list[int], start: int) -> list[float]:
+        engine = await self._ready()
+        self._request_started()
+        try:
+            return await engine.score(request_id, token_ids, start)
+        finally:
+            self._request_ended()
+
     def _request_started(self) -> None:
         if self._in_flight == 0:
             self._busy_since, self._busy_requests = time.time(), 0
@@ -293,6 +301,9 @@ class RayEngineClient(InferenceEngine):
             except Exception as exc:  # fault boundary: the actor may be wedged or dead
                 logger.warning("engine %s: abort after timeout failed: %s", self.engine_id, exc)
             raise
+
+    async def score(self, request_id: str, token_ids: list[int], start: int) -> list[float]:
+        return await self._call("score", request_id, list(token_ids), start)
 
     async def abort(self, request_id: str) -> None:
         await self._call("abort", request_id)

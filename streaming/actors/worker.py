@@ -2,7 +2,9 @@
 
 Built from the resolved config (JSON) so it can start on any node. Its engines are `EngineActor`s
 reached through `RayEngineClient`; its sink appends each trajectory to the `BufferActor` as an Arrow
-RecordBatch passed by object ref. The learner's weight-sync coordinator pauses and resumes it.
+RecordBatch passed by object ref. The learner's weight-sync coordinator pauses and resumes it. With
+`[distill]` it also holds the teacher's engines (`rollout.teacher.TeacherScorer`), which score each
+finished trajectory before its row is appended.
 
 Images (a VLM policy, `rollout.engine.max_images_per_prompt > 0`): the worker loads the processor and
 keeps an in-memory `ImageStore`; every row it appends carries its images' bytes (`ImageBlob`s, the
@@ -74,6 +76,21 @@ def image_blobs(store: Any, traj: Any) -> list | None:
     return [ImageBlob.from_ref(store.ref(sha), store.get(sha)) for sha in dict.fromkeys(traj.image_refs)]
 
 
+def teacher_scorer(cfg: Any, teachers: dict[str, Any]) -> Any:
+    """The worker's `TeacherScorer` over the teacher's engine actors (id -> handle); None without
+    `[distill]`. Its own `ServerManager`: routing and health apart from the rollout engines'."""
+    if cfg.distill is None:
+        return None
+    if not teachers:
+        raise ValueError("[distill] is set but the worker was given no teacher engine")
+    from streamrl.rollout.server_manager import ServerManager
+    from streamrl.rollout.teacher import TeacherScorer
+    from streamrl.streaming.actors.engine import engine_clients
+
+    clients = engine_clients(list(teachers.values()), cfg.distill.engine, ids=list(teachers))
+    return TeacherScorer(ServerManager(clients))
+
+
 @ray.remote
 class RolloutWorkerActor:
     def __init__(
@@ -85,6 +102,7 @@ class RolloutWorkerActor:
         buffer: Any,
         engine_ids: list[str] | None = None,
         keep_out: list[str] | None = None,
+        teachers: dict[str, Any] | None = None,
     ) -> None:
         from streamrl.engines.base import PauseMode
         from streamrl.rollout.server_manager import ServerManager
@@ -110,12 +128,14 @@ class RolloutWorkerActor:
 
             ctx.tools.on_executed = lambda call: hit("tool.after_run")
         self.server = server
+        self.teacher = teacher_scorer(cfg, teachers or {})
         self.worker = RolloutWorker(
             ctx,
             self._sink,
             max_concurrent=cfg.rollout.max_concurrent_per_worker,
             pause_mode=PauseMode(cfg.weight_sync.pause_mode),
             worker_id=worker_id,
+            teacher=self.teacher,
         )
         if ctx.images is not None:  # a cache from here on: what it evicts comes back from the buffer's image log
             ctx.images.max_bytes, ctx.images.pinned = IMAGE_STORE_MAX_BYTES, self.worker.image_shas
@@ -183,9 +203,12 @@ class RolloutWorkerActor:
     async def route(self, keep_out: list[str]) -> list[str]:
         """Keep routing in line with weight sync (I6): engines in `keep_out` (dropped from the sync
         set, so they may serve stale or half-loaded weights) leave routing; every other unhealthy
-        engine is pinged and rejoins once it answers at the newest policy_version. Returns the
-        engines restored."""
-        return await self.server.align(keep_out)
+        engine is pinged and rejoins once it answers at the newest policy_version. The teacher's
+        engines (distillation) are probed alike. Returns the engines restored."""
+        restored = await self.server.align(keep_out)
+        if self.teacher is not None:
+            restored += await self.teacher.server.probe_unhealthy()
+        return restored
 
     async def add_engines(self, engines: list, engine_ids: list[str]) -> None:
         """Engines launched during the run: known from now on, routed to once `route` lets them in."""

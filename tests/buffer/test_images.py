@@ -86,7 +86,7 @@ def test_images_round_trip_append_sample_padded_one_copy_per_hash(tmp_path):
     buf.close()
     assert sorted(_stored_hashes(tmp_path)) == sorted([RED.sha256, GREEN.sha256])
     manifest = json.loads((tmp_path / MANIFEST).read_text())
-    assert manifest["schema_version"] == "4" and [s["num_frames"] for s in manifest["segments"][IMAGES_PREFIX]] == [1]
+    assert manifest["schema_version"] == "5" and [s["num_frames"] for s in manifest["segments"][IMAGES_PREFIX]] == [1]
 
 
 def test_memory_only_buffer_serves_images_and_mixed_batches(tmp_path):

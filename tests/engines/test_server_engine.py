@@ -86,6 +86,18 @@ async def test_tokens_and_logprobs_match_transformers(server_engine, hf_model):
     assert again.token_ids == out.token_ids  # the seed reaches the server
 
 
+async def test_the_server_scores_exactly_the_sampled_tokens(server_engine):
+    """A distillation teacher behind `vllm serve` (prompt log-probs of a non-streamed completion): with
+    the sampling weights it scores every sampled token with its behaviour log-prob, and only those."""
+    out = await server_engine.generate("score-sample", PROMPT, SamplingParams(max_tokens=16, temperature=1.0, seed=9))
+    sequence = PROMPT + out.token_ids
+    scores = await server_engine.score("score-0", sequence, len(PROMPT))
+    shifted = await server_engine.score("score-1", sequence, len(PROMPT) - 1)
+    assert len(scores) == len(out.token_ids)
+    assert max(abs(a - b) for a, b in zip(scores, out.logprobs, strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(shifted[:-1], out.logprobs, strict=True)) > 1e-2
+
+
 async def test_abort_keeps_streamed_tokens_and_reprefill_continues(server_engine, hf_model):
     greedy = SamplingParams(max_tokens=900, temperature=0.0)
     task = asyncio.create_task(server_engine.generate("to-abort", PROMPT, greedy))
