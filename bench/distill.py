@@ -48,6 +48,8 @@ def distill_overrides(args: argparse.Namespace) -> list[str]:
         f"distill.teacher={args.teacher}",
         f"distill.mode={args.mode}",
         f"distill.coef={args.coef}",
+        # the teacher's signal alone: a group whose task rewards are all equal still has one to learn from
+        *(["buffer.filter_uniform_reward_groups=false"] if args.mode == "kl" else []),
         *args.overrides,
     ]
 

@@ -270,6 +270,12 @@ class StreamRLConfig(BaseModel):
                 f"distill.engine.max_model_len={distill.engine.max_model_len} must exceed the rollout's prompt_length "
                 f"+ response_length = {self.rollout.max_model_len} (the teacher scores whole sequences)"
             )
+        if distill.mode == "kl" and self.buffer.filter_uniform_reward_groups:
+            raise ValueError(
+                'distill.mode = "kl" trains on the teacher\'s signal alone, but buffer.filter_uniform_reward_groups '
+                "drops every group whose task rewards are all equal, most of them with a teacher to learn from: "
+                'set it to false (or distill.mode = "mixed")'
+            )
 
     def _check_placement(self) -> None:
         self.placement.engine_slice(0, self.rollout.num_engines)  # equal slices, or ValueError

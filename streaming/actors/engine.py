@@ -224,7 +224,7 @@ class RayEngineClient(InferenceEngine):
 
         self.actor = actor
         self.engine_id = engine_id
-        self.policy_version = policy_version
+        self._acknowledged = policy_version
         self.cfg = cfg
         self.timeouts = timeouts or ActorTimeouts()
         self._started: asyncio.Future[Any] | None = None
@@ -233,6 +233,12 @@ class RayEngineClient(InferenceEngine):
     @property
     def handle(self) -> Any:
         return self.actor
+
+    @property
+    def policy_version(self) -> int:  # type: ignore[override]
+        """The label the engine actor last acknowledged (a commit, a load, a relabel or a ping answered):
+        a read-only copy of what the engine holds, never a second owner of it."""
+        return self._acknowledged
 
     async def _probe(self, method: str, timeout_s: float) -> Any:
         return await asyncio.wait_for(getattr(self.actor, method).remote(), timeout_s)
@@ -317,19 +323,19 @@ class RayEngineClient(InferenceEngine):
     async def commit_weights(self, policy_version: int, *, epoch: int, timeout_s: float | None = None) -> None:
         call_timeout = None if timeout_s is None else timeout_s + 30.0  # the engine-side timeout fires first
         await self._call("commit_weights", policy_version, epoch, timeout_s, timeout=call_timeout)
-        self.policy_version = policy_version
+        self._acknowledged = policy_version
 
     async def ping(self) -> int:
-        self.policy_version = await self._call("ping")
-        return self.policy_version
+        self._acknowledged = await self._call("ping")
+        return self._acknowledged
 
     async def load_weights_from_path(self, path: str, policy_version: int) -> None:
         await self._call("load_weights_from_path", str(path), policy_version)
-        self.policy_version = policy_version
+        self._acknowledged = policy_version
 
     async def set_policy_version(self, policy_version: int) -> None:
         await self._call("set_policy_version", policy_version)
-        self.policy_version = policy_version
+        self._acknowledged = policy_version
 
     async def collective_rpc(
         self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None

@@ -37,6 +37,7 @@ def test_distill_reaches_the_learner_and_the_teacher_engine():
         ),
         (["distill.coef=0"], "distill.coef"),
         (["distill.mode=forward"], "distill.mode"),
+        (["distill.mode=kl", "buffer.filter_uniform_reward_groups=true"], "filter_uniform_reward_groups"),
     ],
 )
 def test_distill_refuses_what_is_not_built(overrides, message):
