@@ -90,15 +90,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ]
     return {
         "num_seeds": len(done),
-        "before": result.before,
-        "after": result.after,
-        "rise": result.diff,
-        "ci95": [result.ci_low, result.ci_high],
-        "p_value": result.p_value,
-        "test": result.test,
-        "num_pairs": result.num_pairs,
-        "num_up": result.num_up,
-        "num_down": result.num_down,
+        **result.record(),
         "kl_first_step": kls[0] if kls else None,
         "kl_last_step": kls[-1] if kls else None,
         "teacher_latency_mean_s": statistics.fmean(latency) if latency else None,

@@ -209,15 +209,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out[mode] = {
             "num_seeds": len(done),
             "tested_seeds": [r["seed"] for r in scored],  # the runs whose per-prompt scores the test pools
-            "before": result.before,
-            "after": result.after,
-            "rise": result.diff,
-            "ci95": [result.ci_low, result.ci_high],
-            "p_value": result.p_value,
-            "test": result.test,
-            "num_pairs": result.num_pairs,
-            "num_up": result.num_up,
-            "num_down": result.num_down,
+            **result.record(),
             "wall_s_mean": statistics.fmean(r["wall_s"] for r in done),
             "train_s_mean": statistics.fmean(r["curve"][-1]["elapsed_s"] for r in done),
             "curve_wall": mean_curve(done, "elapsed_s"),

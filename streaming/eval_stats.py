@@ -116,6 +116,20 @@ class PairedComparison:
     def diff(self) -> float:
         return self.after - self.before
 
+    def record(self) -> dict[str, float | int | str | list[float]]:
+        """The comparison as a benchmark's JSON fields."""
+        return {
+            "before": self.before,
+            "after": self.after,
+            "rise": self.diff,
+            "ci95": [self.ci_low, self.ci_high],
+            "p_value": self.p_value,
+            "test": self.test,
+            "num_pairs": self.num_pairs,
+            "num_up": self.num_up,
+            "num_down": self.num_down,
+        }
+
     def line(self) -> str:
         return (
             f"{self.before:.3f} -> {self.after:.3f} ({self.diff:+.3f}, "
