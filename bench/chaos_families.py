@@ -187,6 +187,26 @@ def tokens_lost_per_crash(progress: dict | None) -> dict:
     }
 
 
+def supersede(entries: list[dict]) -> None:
+    """Mark each family result that a later entry re-ran (same name, same seed) `superseded_by` that
+    entry's index: `by_kind` counts the newest run of a (family, seed) only, and the older one stays in
+    the file as history."""
+    newest: dict[tuple[str, int], int] = {}
+    for i, entry in enumerate(entries):
+        for r in entry.get("results", []):
+            newest[(r.get("name"), r.get("seed"))] = i
+    for i, entry in enumerate(entries):
+        for r in entry.get("results", []):
+            later = newest[(r.get("name"), r.get("seed"))]
+            if later != i:
+                r["superseded_by"] = later
+
+
+def current_results(data: dict) -> list[dict]:
+    """Every family result no later entry re-ran (`supersede`)."""
+    return [r for entry in data.get("fault_families", []) for r in entry.get("results", []) if "superseded_by" not in r]
+
+
 def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int], progress: dict | None = None) -> dict:
     """Faults by kind over the kill suite, the newest family entry, the power-loss simulator and the
     fuzzers, with every loss and violation count summed over the runs that report them."""
@@ -206,7 +226,7 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int], progress: dict
         kill_actions["runner_sigkill"] = (
             kill_actions.get("runner_sigkill", 0) + r["faults_injected"] - sum(fired.values())
         )
-    family_results = [r for entry in data.get("fault_families", []) for r in entry.get("results", [])]
+    family_results = current_results(data)
     io = [r for r in family_results if r.get("name") == "io"]
     hostile = [r for r in family_results if "hostile_callbacks" in r]
     invariants = [r.get("invariants") or {} for r in [*data.get("results", []), *family_results]]
@@ -229,7 +249,8 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int], progress: dict
         }
         for i, entry in enumerate(data.get("fault_families", []))
         for r in entry.get("results", [])
-        if any(v for k, v in (r.get("invariants") or {}).items() if k in (*LOSS_KEYS, "stranded", "untracked"))
+        if "superseded_by" not in r
+        and any(v for k, v in (r.get("invariants") or {}).items() if k in (*LOSS_KEYS, "stranded", "untracked"))
     ]
     return {
         "kills": sum(kill_actions.get(k, 0) for k in ("kill_job", "kill_self", "runner_sigkill", "segment_killed")),
@@ -335,6 +356,7 @@ def main(
     }
     data = json.loads(out_path.read_text()) if out_path.exists() else {}
     data.setdefault("fault_families", []).append(entry)
+    supersede(data["fault_families"])
     out_path.write_text(json.dumps(data, indent=1))
     print(json.dumps(write_by_kind(out_path), indent=1))
     return 0

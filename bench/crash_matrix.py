@@ -37,6 +37,8 @@ import json
 import sys
 from pathlib import Path
 
+from bench.chaos_families import current_results
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench/results"
 KINDS = {
@@ -110,20 +112,19 @@ def runs_from_results(results: Path = RESULTS) -> list[dict]:
                 runs.append(_run_record(path.name, run, kinds))
             elif kinds := kill_kinds(run):
                 runs.append(_run_record(path.name, run, kinds))
-        for entry in data.get("fault_families", []):
-            for run in entry.get("results", []):
-                if run.get("name") == "io":
-                    runs.append(_run_record(f"{path.name} fault_families", run, {"disk_error"}))
-                elif run.get("name") == "preempt":
-                    kinds = {"preemption"} | ({"engine"} if run.get("engines_killed") else set())
-                    runs.append(_run_record(f"{path.name} fault_families", run, kinds))
-                elif run.get("name") == "server_orphan":
-                    record = _run_record(f"{path.name} fault_families", run, {"server_engine"})
-                    record["other_violations"] = {
-                        "orphans_adopted": int(run.get("orphans_adopted") or 0),
-                        "requests_to_foreign_servers": int(run.get("requests_to_foreign_servers") or 0),
-                    }
-                    runs.append(record)
+        for run in current_results(data):  # a re-run of a (family, seed) replaces the older run
+            if run.get("name") == "io":
+                runs.append(_run_record(f"{path.name} fault_families", run, {"disk_error"}))
+            elif run.get("name") == "preempt":
+                kinds = {"preemption"} | ({"engine"} if run.get("engines_killed") else set())
+                runs.append(_run_record(f"{path.name} fault_families", run, kinds))
+            elif run.get("name") == "server_orphan":
+                record = _run_record(f"{path.name} fault_families", run, {"server_engine"})
+                record["other_violations"] = {
+                    "orphans_adopted": int(run.get("orphans_adopted") or 0),
+                    "requests_to_foreign_servers": int(run.get("requests_to_foreign_servers") or 0),
+                }
+                runs.append(record)
     lengths = _read(results / "crash_matrix.json").get("length_bias") or {}
     crashed = (lengths.get("runs") or {}).get("crashed")
     if crashed:

@@ -82,3 +82,17 @@ def test_ks_statistic_and_quantiles_by_hand():
         crash_lengths.ks_statistic([], [1])
     out = crash_lengths.compare([10, 20, 30, 40], [10, 20, 30, 40])
     assert out["ks_statistic"] == 0.0 and out["mean_clean"] == out["mean_crashed"] == 25.0
+
+
+def test_a_family_re_run_of_the_same_seed_supersedes_the_older_result():
+    from bench.chaos_families import by_kind, supersede
+
+    old = {"name": "hostile", "seed": 0, "hostile_callbacks": 5, "invariants": {"untracked": 4}}
+    other = {"name": "hostile", "seed": 1, "hostile_callbacks": 6, "invariants": {}}
+    new = {"name": "hostile", "seed": 0, "hostile_callbacks": 7, "invariants": {"untracked": 0}}
+    entries = [{"results": [old, other]}, {"results": [new]}]
+    supersede(entries)
+    assert old["superseded_by"] == 1 and "superseded_by" not in other and "superseded_by" not in new
+    kinds = by_kind({"fault_families": entries}, None, {})
+    assert kinds["losses_and_violations"]["stranded"] == 0 and kinds["losses_and_violations_from"] == []
+    assert kinds["hostile_callbacks"] == 6 + 7  # the older seed-0 run no longer counts
