@@ -28,12 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.learning import REPO, curve, eval_prompts, evaluate_offline, pooled, train
+from bench.machine import machine
 from streamrl.core.run_dir import RunDir
 
 CONFIG = "configs/learning_smollm2.toml"
@@ -76,6 +79,14 @@ def run_seed(args: argparse.Namespace, seed: int, root: Path, num_prompts: int, 
     return record
 
 
+def merged_runs(path: Path, seeds: set[int]) -> list[dict[str, Any]]:
+    """The runs of an earlier result JSON of seeds not in `seeds`, each marked with the commit and
+    command it came from."""
+    earlier = json.loads(path.read_text())
+    source = {"commit": earlier.get("commit"), "command": earlier["command"]}
+    return [r | {"merged_from": r.get("merged_from", source)} for r in earlier["runs"] if r["seed"] not in seeds]
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The pooled rise from the base model to the last checkpoint, with its paired test."""
     from streamrl.streaming.eval_stats import compare
@@ -112,6 +123,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-prompts", type=int, default=None, help="default: the config's eval.num_prompts")
     parser.add_argument("--root", default=None, help="where the runs go (default: a fresh temporary folder)")
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--merge", default=None, help="an earlier result JSON whose runs of other seeds join these")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the run config")
     return parser.parse_args(argv)
 
@@ -126,9 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     log = root / "bench.log"
     started = time.time()
     runs = [run_seed(args, seed, root, num_prompts, log) for seed in args.seeds]
+    if args.merge:
+        runs = merged_runs(Path(args.merge), {r["seed"] for r in runs}) + runs
     result = {
         "benchmark": "distill",
-        "command": "python -m bench.distill " + " ".join(argv if argv is not None else []),
+        "command": "python -m bench.distill " + " ".join(sys.argv[1:] if argv is None else argv),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
+        "machine": machine(),
         "config": args.config,
         "student": args.model,
         "teacher": args.teacher,
