@@ -1,9 +1,11 @@
 """On-policy distillation benchmark: does a student trained only on a better teacher's per-token
 reverse KL rise on held-out prompts? (docs/distillation.md)
 
-The student is SmolLM2-135M as converted, with no SFT warm-up and no task reward in its advantage
-(`distill.mode = "kl"`); the teacher is a given checkpoint folder of the same tokenizer, e.g. the
-`hf/` folder of a `make learn-bench` run's last checkpoint. Each seed runs `streamrl train` on
+The student is SmolLM2-135M with no task reward in its advantage (`distill.mode = "kl"`; the
+reward filter off, since a group of equal rewards still has the teacher's signal), as converted or,
+with `--sft true`, after the run file's SFT warm-up on the tool-call format (held-out ≈ 0.01, where
+RL starts); the teacher is a given checkpoint folder of the same tokenizer, e.g. the `hf/` folder of
+a `make run` or `make learn-bench` run's last checkpoint. Each seed runs `streamrl train` on
 `configs/learning_smollm2.toml` with `[distill]` on and a checkpoint every `--eval-every` steps;
 `streamrl eval` then scores the base model and every checkpoint on the same held-out prompts
 (greedy, one engine, after the run).
