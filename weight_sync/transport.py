@@ -31,7 +31,11 @@ class SyncEngine(Protocol):
     `collective_rpc` (every call carrying `epoch` goes through the engine's `SyncFence`)."""
 
     engine_id: str
-    policy_version: int
+
+    @property
+    def policy_version(self) -> int:
+        """The label the engine serves (weight_sync reads it; it changes only through `commit_weights`)."""
+        ...
 
     async def collective_rpc(
         self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
