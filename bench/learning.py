@@ -44,10 +44,10 @@ from streamrl.core.run_dir import RunDir
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/learning_smollm2.toml"
 SYNC_OVERRIDES = ["trainer.sync_generation_groups=8", "buffer.max_staleness=0", "buffer.over_age=evict"]
-# The same 32 trajectories in flight as sync's round: AReaL's capacity (max_staleness + 1) x batch_size
-# = 8 x 4 (with max_staleness 2 async keeps only 3 groups in flight, and the DAPO filter, which drops
-# most groups at the start, starves the learner: the first measurement, `async_staleness2` in the JSON).
-ASYNC_OVERRIDES = ["buffer.max_staleness=7"]
+# Async runs the config's own staleness bound (max_staleness 2): the real-system sweep
+# (bench/results/staleness_real.json, docs/staleness.md) measured it level with sync per learner step,
+# where 7 (the same 32 trajectories in flight as sync's round) learned less per step.
+ASYNC_OVERRIDES: list[str] = []
 
 
 def train(
@@ -337,7 +337,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--async-overrides",
         nargs="*",
         default=ASYNC_OVERRIDES,
-        help="config overrides for the async runs only (default: as many trajectories in flight as sync)",
+        help="config overrides for the async runs only (default: none, the config's max_staleness 2)",
     )
     parser.add_argument(
         "--reuse-finished",
