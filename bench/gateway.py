@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import machine
+from streamrl.core.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/gateway_smollm2.toml"
@@ -55,7 +56,7 @@ def train(steps: int, root: Path, log: Path) -> tuple[Path, float, int]:
 
 def run_counts(run_dir: Path) -> dict[str, Any]:
     """The gateway's and the workers' counters summed over the run's metrics lines (increments)."""
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    lines = RunDir(run_dir).metric_records()
     keys = [
         "rollout/gateway/num_requests",
         "rollout/gateway/num_sampled",
