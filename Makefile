@@ -56,7 +56,7 @@ bench: install
 	$(PY) -m bench.run_all
 
 # SmolLM2 learns in async and in sync mode behind agent-like tool latency, 3 seeds each, checkpoints
-# scored on held-out prompts every 2 steps: bench/results/learning.json + learning.png (about 2.5 h on
+# scored on held-out prompts every 2 steps: bench/results/learning.json + learning.png (about 80 min on
 # 2 quiet cores)
 learn-bench: install
 	$(PY) -m bench.learning

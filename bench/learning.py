@@ -384,9 +384,9 @@ def main(argv: list[str] | None = None) -> int:
             done_dir = Path(args.from_runs or args.keep or root) / f"{mode}-s{seed}"
             finished = RunDir(done_dir).accounting.exists()
             if args.from_runs or (args.reuse_finished and finished):
-                run_dir, wall, rc = done_dir, finished_wall_s(done_dir), 0
                 if not finished:
-                    continue  # not finished: left out
+                    continue  # not finished (or never run): left out
+                run_dir, wall, rc = done_dir, finished_wall_s(done_dir), 0
             else:
                 overrides = args.overrides + (args.sync_overrides if mode == "sync" else args.async_overrides)
                 run_dir, wall, rc = train(

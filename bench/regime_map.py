@@ -23,11 +23,16 @@ from bench.learning import seed_speedups, time_to_reach
 
 REPO = Path(__file__).resolve().parents[1]
 LATENCIES = ["none", "p50 2 s, p99 20 s", "p50 2 s, p99 60 s (agentic)"]
-PLACEMENTS = ["shared", "dedicated"]
+# shared: both modes float over all cores; dedicated: both pin the engine and the learner to their own
+# cores; mixed: each mode at its best placement, async dedicated against sync shared (colocated)
+PLACEMENTS = ["shared", "dedicated", "mixed"]
+PLACEMENT_LABELS = {"shared": "shared cores", "dedicated": "dedicated cores", "mixed": "async dedicated,\nsync shared"}
 # The results that make the map, by (tool latency, placement): bench/results/ paths.
 CELLS = {
     ("p50 2 s, p99 20 s", "shared"): "bench/results/learning_slow_tools.json",
     ("p50 2 s, p99 60 s (agentic)", "shared"): "bench/results/learning.json",
+    ("p50 2 s, p99 60 s (agentic)", "dedicated"): "bench/results/learning_dedicated.json",
+    ("p50 2 s, p99 60 s (agentic)", "mixed"): "bench/results/learning_best_placement.json",
 }
 
 
@@ -82,7 +87,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     lats, places = result["latencies"], result["placements"]
-    fig, ax = plt.subplots(figsize=(7.5, 3.6), layout="constrained")
+    fig, ax = plt.subplots(figsize=(9.5, 3.8), layout="constrained")
     for c in result["cells"]:
         x, y = places.index(c["placement"]), lats.index(c["tool_latency"])
         if not c["measured"]:
@@ -102,7 +107,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.text(x, y, text, ha="center", va="center", fontsize=8)
     ax.set_xlim(-0.5, len(places) - 0.5)
     ax.set_ylim(-0.5, len(lats) - 0.5)
-    ax.set_xticks(range(len(places)), [f"{p} cores" for p in places])
+    ax.set_xticks(range(len(places)), [PLACEMENT_LABELS[p] for p in places])
     ax.set_yticks(range(len(lats)), [f"tools: {lat}" for lat in lats])
     ax.set_title("async's time to sync's final held-out reward: sync time / async time", fontsize=9)
     fig.savefig(path, dpi=110)

@@ -52,7 +52,7 @@ def test_a_regime_map_cell_reads_the_speedup_and_its_seed_interval(tmp_path):
     assert got["seed_interval"] == [pytest.approx(800 / 150), pytest.approx(800 / 100)]
     assert got["seeds_not_reached"] == 0 and got["num_seeds"] == 2
     grid = build({("none", "shared"): str(path)})
-    assert sum(c["measured"] for c in grid["cells"]) == 1 and len(grid["cells"]) == 6
+    assert sum(c["measured"] for c in grid["cells"]) == 1 and len(grid["cells"]) == 9
 
 
 def test_time_to_the_same_reward_reads_both_curves_on_their_way_up():
