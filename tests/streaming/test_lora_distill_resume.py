@@ -67,7 +67,10 @@ def _check_teacher_scores(run_dir: Path, total_steps: int) -> None:
     assert len(trained) == total_steps
     for m in trained:
         assert m["distill/coverage"] == 1.0 and 0.0 <= m["distill/teacher_share"] <= 1.0
-    assert sum(m.get("distill/num_scored", 0.0) for m in lines) >= total_steps * BATCH
+    # The counter is reported; its sum need not reach every trained row: rows scored after a segment's
+    # last metrics line are trained after the resume but reported by no line. That every trained row
+    # carries its teacher scores is read from the buffer below.
+    assert sum(m.get("distill/num_scored", 0.0) for m in lines) > 0
     assert any("distill/teacher_latency_mean_s" in m for m in lines)
     assert not catalogue.undeclared({k for m in lines for k in m})
 
