@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from streamrl.engines.base import SEED_MAX, SEED_MIN
 from streamrl.engines.config import EngineConfig
 from streamrl.rollout.gateway.config import GatewayConfig
+from streamrl.rollout.mini_swe.config import MiniSweConfig
 from streamrl.rollout.verifiers.config import VerifiersConfig
 
 
@@ -55,6 +56,8 @@ class AgentConfig(BaseModel):
     gateway: GatewayConfig | None = None  # the `gateway` agent loop's server and user program (docs/gateway.md)
     # A verifiers environment run through the gateway, its dataset the prompt stream (docs/verifiers.md)
     verifiers: VerifiersConfig | None = None
+    # The mini-swe-agent coding harness run through the gateway on repository tasks (docs/harness.md)
+    mini_swe: MiniSweConfig | None = None
 
     @model_validator(mode="after")
     def _check_progress(self) -> AgentConfig:

@@ -21,8 +21,11 @@ from streamrl.observability.metrics import WandbConfig
 from streamrl.observability.tracing import TraceConfig
 from streamrl.rollout.config import RolloutConfig
 from streamrl.rollout.gateway.config import GatewayConfig
+from streamrl.rollout.mini_swe.config import SOURCE as MINI_SWE_SOURCE
+from streamrl.rollout.mini_swe.config import MiniSweConfig
+from streamrl.rollout.mini_swe.config import check_sources as check_mini_swe
 from streamrl.rollout.verifiers.config import SOURCE as VERIFIERS_SOURCE
-from streamrl.rollout.verifiers.config import PreparedVerifiers, check_sources
+from streamrl.rollout.verifiers.config import PreparedVerifiers, VerifiersConfig, check_sources
 from streamrl.streaming.placement import PlacementConfig
 from streamrl.streaming.prompt_filter import PromptFilterConfig
 from streamrl.weight_sync.config import BackendKind, WeightSyncConfig
@@ -198,15 +201,33 @@ class StreamRLConfig(BaseModel):
         """This config training on its prepared verifiers environment (`rollout/verifiers/prepare.py`):
         the dumped splits as `data.source` (and `eval.source` where it says "verifiers"), the gateway
         running the environment's runner, and `prepared` recorded; validated again."""
+        section = self.rollout.agent.verifiers
+        assert section is not None
+        section = section.model_copy(update={"prepared": prepared})
+        return self._with_gateway_data("verifiers", section, VERIFIERS_SOURCE, gateway)
+
+    def with_mini_swe(self, prepared: MiniSweConfig, gateway: GatewayConfig) -> StreamRLConfig:
+        """This config training the coding harness on its prepared tasks (`rollout/mini_swe/prepare.py`):
+        the written prompts as `data.source` (and `eval.source` where it says "mini_swe"), the gateway
+        running the episode program, and the prepared section recorded; validated again."""
+        return self._with_gateway_data("mini_swe", prepared, MINI_SWE_SOURCE, gateway)
+
+    def _with_gateway_data(
+        self, name: str, section: VerifiersConfig | MiniSweConfig, source: str, gateway: GatewayConfig
+    ) -> StreamRLConfig:
+        """The config with `rollout.agent.<name>` = `section` (prepared: its prompt files) as the prompt
+        stream and `gateway` (its command) as the gateway loop's program."""
+        prepared = section.prepared
+        assert prepared is not None
         raw = self.model_dump(mode="json")
         raw["data"]["source"] = prepared.train_file
-        if self.eval.source == VERIFIERS_SOURCE:
+        if self.eval.source == source:
             if prepared.eval_file is None:
-                raise ValueError(f'eval.source = "{VERIFIERS_SOURCE}" but the environment has no eval dataset')
+                raise ValueError(f'eval.source = "{source}" but [rollout.agent.{name}] has no eval dataset')
             raw["eval"]["source"] = prepared.eval_file
         agent = raw["rollout"]["agent"]
         agent["gateway"] = gateway.model_dump(mode="json")
-        agent["verifiers"]["prepared"] = prepared.model_dump(mode="json")
+        agent[name] = section.model_dump(mode="json")
         return StreamRLConfig.model_validate(raw)
 
     @model_validator(mode="after")
@@ -231,7 +252,10 @@ class StreamRLConfig(BaseModel):
         self._check_placement()
         self._check_distill()
         agent = self.rollout.agent
+        if agent.verifiers is not None and agent.mini_swe is not None:
+            raise ValueError("[rollout.agent.verifiers] and [rollout.agent.mini_swe] both run as the gateway's command")
         check_sources(agent.verifiers, agent.gateway, self.data.source, self.eval.source)  # docs/verifiers.md
+        check_mini_swe(agent.mini_swe, agent.gateway, self.data.source, self.eval.source)  # docs/harness.md
         if self.eval.enabled and self.eval.source is None and self.data.source not in GENERATED_SOURCES:
             raise ValueError(
                 f"eval.num_prompts={self.eval.num_prompts} with data.source a dataset ({self.data.source!r}): "

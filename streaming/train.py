@@ -72,6 +72,10 @@ def open_run(
             from streamrl.rollout.verifiers.prepare import ensure_prepared
 
             ensure_prepared(cfg.rollout.agent.verifiers)
+        if cfg.rollout.agent.mini_swe is not None:  # the harness's venv, likewise
+            from streamrl.rollout.mini_swe.prepare import ensure_prepared as ensure_harness
+
+            ensure_harness(cfg.rollout.agent.mini_swe)
         state_path = RunDir(run_dir).driver_state
         state = DriverState.load(state_path) if state_path.exists() else DriverState()
         use_newest_complete(state)  # a torn newest checkpoint: resume from the one before
@@ -90,6 +94,10 @@ def open_run(
         from streamrl.rollout.verifiers.prepare import prepare_environment
 
         cfg = cfg.with_verifiers(*prepare_environment(cfg.rollout.agent.verifiers, cfg.rollout.agent.gateway, run_dir))
+    if cfg.rollout.agent.mini_swe is not None:  # the harness's venv and the tasks' prompts
+        from streamrl.rollout.mini_swe.prepare import prepare_mini_swe
+
+        cfg = cfg.with_mini_swe(*prepare_mini_swe(cfg.rollout.agent.mini_swe, cfg.rollout.agent.gateway, run_dir))
     return cfg, run_dir, None
 
 

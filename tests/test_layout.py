@@ -95,6 +95,7 @@ INTERFACES = {
         "tools.calculator",  # the generated arithmetic tasks compute their answers with it
         "tools.slots",  # the gateway runs agent programs in the tools' bounded threads
         "tools.sandbox.execute",  # the gateway caps its programs' output as the sandbox does
+        "tools.sandbox",  # a coding harness's shell commands run in the sandbox (rollout/mini_swe/shell.py)
     },
     # example tools and environments: the tool and interaction interfaces
     ("workloads", "tools"): {

@@ -66,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -232,8 +233,15 @@ class Sandbox:
         (the sandbox's first process, `sandbox/watch.py`); `isolation` says how each limit holds."""
         return "cgroup" if self.cgroups is not None else "watch"
 
-    async def run(self, program: str, stdin: bytes = b"", *, timeout_s: float) -> SandboxResult:
-        """Run `program` (Python source) with `stdin`; never raises for what the program does."""
+    async def run(
+        self, program: str, stdin: bytes = b"", *, timeout_s: float, folders: Mapping[str, str] | None = None
+    ) -> SandboxResult:
+        """Run `program` (Python source) with `stdin`; never raises for what the program does.
+
+        `folders` (name -> host directory) are shown read-write in the program's working directory as
+        `./<name>`: what a program edits across runs (a repository). They are bound, not copied, so they
+        are not counted in `disk_mb`; when the trainer runs as root the program runs as `sandbox_uid`
+        and can write only what that uid may. With isolation "none" each is a symbolic link there."""
         queued = time.perf_counter()
         await SLOTS.acquire()
         try:
@@ -241,7 +249,7 @@ class Sandbox:
             with tempfile.TemporaryDirectory(prefix="streamrl-sandbox-", ignore_cleanup_errors=True) as tmp:
                 cgroup = self._new_cgroup()
                 try:
-                    argv = _argv_for(self.layer, self.settings, program, tmp, cgroup)
+                    argv = _argv_for(self.layer, self.settings, program, tmp, cgroup, folders)
                     result = await _execute(argv, stdin, timeout_s, self.settings, self.layer, self.registry)
                 finally:
                     exceeded = cgroup is not None and sandbox_cgroup.oom_killed(cgroup)
@@ -332,12 +340,26 @@ def _check_trace() -> str:
 # -- the parent side: commands ----------------------------------------------------------------------
 
 
-def _argv_for(layer: str, settings: SandboxSettings, program: str, tmp: str, cgroup: Path | None = None) -> list[str]:
+def _argv_for(
+    layer: str,
+    settings: SandboxSettings,
+    program: str,
+    tmp: str,
+    cgroup: Path | None = None,
+    folders: Mapping[str, str] | None = None,
+) -> list[str]:
     """The command line of one run: the first stage (`launch`), whatever the layer. `tmp` is an empty
     host directory it may use (the mount point of the new root, or the workdir when isolation is
-    "none"); `cgroup` the run's budget, which the first stage joins."""
+    "none"); `cgroup` the run's budget, which the first stage joins; `folders` see `Sandbox.run`."""
     stage = [os.path.realpath(sys.executable), "-I", "-S", "-c", _child_source()]
     spec = _spec(layer, settings, program, tmp)
+    for name, host in (folders or {}).items():
+        if not name or name in (".", "..") or "/" in name or not os.path.isdir(host):
+            raise ValueError(f"sandbox folder {name!r}: a plain name and an existing host directory, got {host!r}")
+        if layer == "none":  # nothing is mounted: the workdir links to it
+            os.symlink(os.path.realpath(host), os.path.join(tmp, name))
+        else:
+            spec["mounts"].append({"kind": "bind_rw", "path": os.path.realpath(host), "at": f"{WORKSPACE}/{name}"})
     spec["cgroup"] = None if cgroup is None else str(cgroup)
     if layer == "unshare":
         spec["unshare"] = _which(settings.unshare_path)
@@ -449,12 +471,14 @@ def _bwrap_argv(bwrap: str, spec: dict, stage: list[str]) -> list[str]:
     size = str(spec["limits"]["disk_mb"] << 20)
     for path in ("/tmp", WORKSPACE):  # before the binds: an interpreter under /tmp stays visible
         argv += ["--perms", "1777", "--size", size, "--tmpfs", path]
-    parents = {os.path.dirname(m.get("at", m["path"])) for m in spec["mounts"]}
+    parents = {os.path.dirname(m.get("at", m["path"])) for m in spec["mounts"] if m["kind"] != "bind_rw"}
     for parent in sorted({a for p in parents for a in _ancestors(p)}):  # else bwrap copies e.g. /root's 0700
         argv += ["--perms", "0755", "--dir", parent]
     for mount in spec["mounts"]:
         if mount["kind"] == "symlink":
             argv += ["--symlink", mount["target"], mount["path"]]
+        elif mount["kind"] == "bind_rw":  # under the private /workspace, made above
+            argv += ["--bind", mount["path"], mount["at"]]
         else:
             argv += ["--ro-bind", mount["path"], mount.get("at", mount["path"])]
     argv += ["--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv", "--setenv", "PATH", _SAFE_PATH]

@@ -201,6 +201,9 @@ def _build_root(spec: dict, libc: _Libc) -> int:
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         if mount["kind"] == "symlink":
             os.symlink(mount["target"], dst)
+        elif mount["kind"] == "bind_rw":  # a folder the program edits (`Sandbox.run`'s `folders`)
+            os.makedirs(dst, exist_ok=True)
+            libc.mount(mount["path"], dst, None, _MS_BIND | _MS_REC)
         else:
             _bind_readonly(libc, mount["path"], dst)
     for name in _DEVICES:
