@@ -69,6 +69,9 @@ from streamrl.rollout.types import AgentData
 logger = logging.getLogger(__name__)
 
 PARK_POLL_S = 0.005  # how often a parked generation looks whether the sync is over
+# How a session's budget errors begin: OpenAI's own wording for a context overflow, which clients
+# (litellm, and through it mini-swe-agent) recognise and stop on instead of retrying the call.
+CONTEXT_EXCEEDED = "This model's maximum context length is"
 
 
 def session_id_for(trajectory_id: str) -> str:
@@ -291,7 +294,8 @@ class Session:
         if len(ids) > self.ctx.cfg.prompt_length:
             self.state.length_exceeded = True
             raise protocol.bad_request(
-                f"the prompt has {len(ids)} tokens; this session allows {self.ctx.cfg.prompt_length}",
+                f"{CONTEXT_EXCEEDED} {self.ctx.cfg.prompt_length} prompt tokens in this session; "
+                f"the prompt has {len(ids)}",
                 "messages",
                 "context_length_exceeded",
             )
@@ -336,7 +340,8 @@ class Session:
             if used + len(ids) >= limit:
                 state.length_exceeded = True
                 raise protocol.bad_request(
-                    f"the conversation would pass this session's budget of {limit} response tokens",
+                    f"{CONTEXT_EXCEEDED} reached: the conversation would pass this session's budget of "
+                    f"{limit} response tokens",
                     "messages",
                     "context_length_exceeded",
                 )
@@ -402,7 +407,9 @@ class Session:
         if max_tokens <= 0:
             self.state.length_exceeded = True
             raise protocol.bad_request(
-                "no response budget left in this session", "max_tokens", "context_length_exceeded"
+                f"{CONTEXT_EXCEEDED} reached: no response budget left in this session",
+                "max_tokens",
+                "context_length_exceeded",
             )
         tokens, logprobs, versions, finish = await self.generate(
             prompt, lambda n: self._sampling(call, n, index), max_tokens

@@ -130,10 +130,16 @@ async def test_the_tool_calling_model_class_with_minis_own_config(prepared, make
 
 
 async def test_the_end_of_the_sessions_budget_ends_the_episode_at_once(prepared, make_gateway):
-    _, gateway = prepared
+    """The gateway's budget 400 is worded as OpenAI words a context overflow, so litellm raises its
+    ContextWindowExceededError, which mini never retries: with 3 attempts per call allowed, the
+    rejected call reaches the gateway once (a plain 400 would be sent 3 times, 4-60 s apart)."""
+    cfg, gateway = prepared
+    retrying = cfg.model_copy(update={"model_attempts": 3})
+    gateway = gateway.model_copy(update={"command": episode_command(retrying, "policy")})
     gw, turn_ids = await make_gateway(RIGHT_FIX)
     gw.ctx.cfg.response_length = len(turn_ids[0]) + 20  # the first answer fits, its observation does not
     started = time.monotonic()
     assert await play(gw, gateway, "calc_add") == 0.5  # scored as the agent left the repository
-    assert time.monotonic() - started < 30  # no retries with backoff (model_attempts = 1)
+    assert (gw.server.num_requests, gw.server.num_errors) == (2, 1)  # the answer, then one rejection
+    assert time.monotonic() - started < 30
     assert (gw.session.state.num_calls, gw.session.state.num_forks) == (1, 0)
