@@ -121,6 +121,16 @@ def reference_runs(path: Path) -> list[dict[str, Any]]:
     ]
 
 
+def earlier_runs(path: Path, replaced: set[tuple[str, int]]) -> list[dict[str, Any]]:
+    """The trained runs of an earlier result at `path` (its reference runs are read again from their
+    own file), less the (setting, seed) pairs in `replaced`."""
+    if not path.exists():
+        return []
+    return [
+        r for r in json.loads(path.read_text())["runs"] if "from" not in r and (r["setting"], r["seed"]) not in replaced
+    ]
+
+
 def by_step(runs: list[dict[str, Any]]) -> dict[int, list[float]]:
     """Evaluated step -> the rewards of every seed evaluated there."""
     out: dict[int, list[float]] = {}
@@ -232,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", default=str(REFERENCE), help="learning.json whose s7 and sync runs join")
     parser.add_argument("--only-finished", action="store_true", help="train nothing: summarize the finished runs")
     parser.add_argument("--out", default=str(REPO / "bench/results/staleness_real.json"))
+    parser.add_argument(
+        "--merge", action="store_true", help="keep --out's earlier runs of the settings and seeds not trained now"
+    )
     args = parser.parse_args(argv)
     root = Path(args.keep or tempfile.mkdtemp(prefix="streamrl-staleness-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -245,12 +258,14 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
             line = " ".join(f"{p['served_step']}:{p['reward']:.3f}" for p in run["curve"])
             print(f"{name} seed {seed}: rc={run['exit_code']} {run['wall_s']:.0f}s held-out by step {line}", flush=True)
-    runs += reference_runs(Path(args.reference))
+    earlier = earlier_runs(Path(args.out), {(r["setting"], r["seed"]) for r in runs}) if args.merge else []
+    runs = [*earlier, *runs, *reference_runs(Path(args.reference))]
     summary = summarize(runs)
+    settings = list(dict.fromkeys([*(r["setting"] for r in earlier), *args.settings]))
     result = {
         "command": "python -m bench.staleness_real " + " ".join(argv if argv is not None else sys.argv[1:]),
         "config": CONFIG,
-        "settings": {name: SETTINGS[name] for name in args.settings},
+        "settings": {name: SETTINGS[name] for name in settings},
         "steps": args.steps,
         "eval_every": args.eval_every,
         "machine": machine(),
@@ -260,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "runs": runs,
     }
+    if args.merge and Path(args.out).exists():  # how and where the kept runs were made
+        result["note"] = json.loads(Path(args.out).read_text()).get("note", "")
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(summary, out.with_suffix(".png"), f"held-out reward by step, async by max_staleness ({machine()['cpu']})")
