@@ -63,3 +63,28 @@ class GatewayConfig(BaseModel):
         if self.command is not None and not self.command:
             raise ValueError("rollout.agent.gateway.command must name a program")
         return self
+
+
+def check_command_sources(
+    section: str,
+    source: str,
+    reads: str,
+    train_file: str | None,
+    gateway: GatewayConfig | None,
+    data_source: str,
+) -> None:
+    """The rules of a configured section that runs as the gateway's command and supplies the prompt
+    stream (`[rollout.agent.verifiers]`, `[rollout.agent.mini_swe]`): the gateway has no program of its
+    own, and `data.source` is `source` until the preparation phase has written `reads` to `train_file`,
+    then that file. (`source` named while the section is absent is its own check's error.)"""
+    if train_file is None and gateway is not None and (gateway.program is not None or gateway.command is not None):
+        raise ValueError(
+            f"[rollout.agent.{section}] runs as the gateway's command: leave rollout.agent.gateway.program / "
+            "command unset"
+        )
+    if train_file is None and data_source != source:
+        raise ValueError(
+            f'[rollout.agent.{section}] trains on {reads}: set data.source = "{source}" (got {data_source!r})'
+        )
+    if train_file is not None and data_source != train_file:
+        raise ValueError(f"data.source {data_source!r} is not the prepared train split of {reads} ({train_file!r})")

@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from streamrl.rollout.gateway.config import GatewayConfig
+from streamrl.rollout.gateway.config import GatewayConfig, check_command_sources
 
 SOURCE = "mini_swe"  # the data.source / eval.source value that names the tasks' prompts
 # The harness and the litellm it calls models through, pinned exactly: litellm changes often, and two of
@@ -114,17 +114,8 @@ def check_sources(
             )
         return
     prepared = mini_swe.prepared
-    if prepared is None and gateway is not None and (gateway.program is not None or gateway.command is not None):
-        raise ValueError(
-            "[rollout.agent.mini_swe] runs the harness as the gateway's command: leave "
-            "rollout.agent.gateway.program / command unset"
-        )
-    if prepared is None and data_source != SOURCE:
-        raise ValueError(
-            f'[rollout.agent.mini_swe] trains on its tasks: set data.source = "{SOURCE}" (got {data_source!r})'
-        )
-    if prepared is not None and data_source != prepared.train_file:
-        raise ValueError(f"data.source {data_source!r} is not the prepared tasks' train split {prepared.train_file!r}")
+    train_file = None if prepared is None else prepared.train_file
+    check_command_sources("mini_swe", SOURCE, "its tasks", train_file, gateway, data_source)
     timeout_s = (gateway or GatewayConfig()).timeout_s
     if mini_swe.episode_budget_s >= timeout_s:
         raise ValueError(

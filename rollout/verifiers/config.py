@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from streamrl.rollout.gateway.config import GatewayConfig
+from streamrl.rollout.gateway.config import GatewayConfig, check_command_sources
 
 SOURCE = "verifiers"  # the data.source / eval.source value that names the environment's dataset
 # The last verifiers release with the classic environment API (SingleTurnEnv, ToolEnv, MultiTurnEnv,
@@ -100,17 +100,5 @@ def check_sources(
             )
         return
     prepared = verifiers.prepared
-    if prepared is None and gateway is not None and (gateway.program is not None or gateway.command is not None):
-        raise ValueError(
-            "[rollout.agent.verifiers] runs the environment as the gateway's program: leave "
-            "rollout.agent.gateway.program / command unset"
-        )
-    if prepared is None and data_source != SOURCE:
-        raise ValueError(
-            f'[rollout.agent.verifiers] trains on the environment\'s own dataset: set data.source = "{SOURCE}" '
-            f"(got {data_source!r})"
-        )
-    if prepared is not None and data_source != prepared.train_file:
-        raise ValueError(
-            f"data.source {data_source!r} is not the prepared environment's train split {prepared.train_file!r}"
-        )
+    train_file = None if prepared is None else prepared.train_file
+    check_command_sources("verifiers", SOURCE, "the environment's own dataset", train_file, gateway, data_source)

@@ -54,6 +54,22 @@ def _token_logprobs(model, prompt: list[int], response: list[int]) -> list[float
     return lps[torch.arange(n - 1, n + len(response) - 1), torch.tensor(response)].tolist()
 
 
+def check_sampled_by_their_step(run_dir: Path, consumed, total_steps: int) -> None:
+    """With `max_staleness = 0` the rows trained at step k were sampled by version k-1 alone: every
+    consumed row has sampled tokens, all of that version, and their behaviour log-probs equal an HF
+    forward of the checkpoint of that version."""
+    policies = {v: _policy(run_dir, v) for v in range(total_steps)}
+    for _, row in consumed.iterrows():
+        mask, versions = list(row["response_mask"]), list(row["policy_versions"])
+        assert sum(mask) > 0, row["trajectory_id"]
+        assert {v for v, m in zip(versions, mask) if m} == {row["last_consume_step"] - 1}, row["trajectory_id"]
+        expected = _token_logprobs(
+            policies[row["last_consume_step"] - 1], list(row["prompt_ids"]), list(row["response_ids"])
+        )
+        diffs = [abs(row["behavior_logprobs"][i] - expected[i]) for i, m in enumerate(mask) if m]
+        assert max(diffs) < LOGPROB_ATOL, (row["trajectory_id"], max(diffs))
+
+
 def _gateway_totals(lines: list[dict]) -> dict[str, float]:
     """The gateway's counters summed over the run's log lines (each line holds its increments)."""
     totals: dict[str, float] = {}
@@ -88,14 +104,4 @@ def test_an_openai_agents_sdk_agent_trains_through_the_gateway(tmp_path):
     assert sorted(consumed["last_consume_step"].unique()) == list(range(1, TOTAL_STEPS + 1))
     assert (consumed["agent_name"] == "gateway").all() and (consumed["status"] == "finished").all()
     assert (latest["status"] != "failed").all()
-    policies = {v: _policy(run_dir, v) for v in range(TOTAL_STEPS)}
-    for _, row in consumed.iterrows():
-        mask, versions = list(row["response_mask"]), list(row["policy_versions"])
-        assert sum(mask) > 0, row["trajectory_id"]
-        # max_staleness = 0: the rows of step k were sampled by version k-1 only.
-        assert {v for v, m in zip(versions, mask) if m} == {row["last_consume_step"] - 1}, row["trajectory_id"]
-        expected = _token_logprobs(
-            policies[row["last_consume_step"] - 1], list(row["prompt_ids"]), list(row["response_ids"])
-        )
-        diffs = [abs(row["behavior_logprobs"][i] - expected[i]) for i, m in enumerate(mask) if m]
-        assert max(diffs) < LOGPROB_ATOL, (row["trajectory_id"], max(diffs))
+    check_sampled_by_their_step(run_dir, consumed, TOTAL_STEPS)

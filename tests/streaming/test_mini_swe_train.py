@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.streaming.test_gateway_train import LOGPROB_ATOL, _gateway_totals, _policy, _token_logprobs
+from tests.streaming.test_gateway_train import _gateway_totals, check_sampled_by_their_step
 from tests.streaming.test_vlm_train import _train
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -81,19 +81,11 @@ def test_mini_swe_agent_trains_unchanged_through_the_gateway(tmp_path, tiny_toke
     assert (consumed["agent_name"] == "gateway").all() and (consumed["status"] == "finished").all()
     assert {g.rpartition("@e")[0] for g in consumed["group_id"]} <= set(problems)
     baseline = _untouched_scores({task_id_of(g) for g in consumed["group_id"]})
-    policies = {v: _policy(run_dir, v) for v in range(TOTAL_STEPS)}
     for _, row in consumed.iterrows():
         prompt = tiny_tokenizer.decode(list(row["prompt_ids"]))
         assert SYSTEM_TEXT in prompt and problems[row["group_id"].rpartition("@e")[0]] in prompt  # mini's call
         assert row["reward"] == baseline[task_id_of(row["group_id"])], row["trajectory_id"]
-        mask, versions = list(row["response_mask"]), list(row["policy_versions"])
-        assert sum(mask) > 0, row["trajectory_id"]
-        assert {v for v, m in zip(versions, mask) if m} == {row["last_consume_step"] - 1}, row["trajectory_id"]
-        expected = _token_logprobs(
-            policies[row["last_consume_step"] - 1], list(row["prompt_ids"]), list(row["response_ids"])
-        )
-        diffs = [abs(row["behavior_logprobs"][i] - expected[i]) for i, m in enumerate(mask) if m]
-        assert max(diffs) < LOGPROB_ATOL, (row["trajectory_id"], max(diffs))
+    check_sampled_by_their_step(run_dir, consumed, TOTAL_STEPS)
 
     evals = [pq.read_table(p).to_pylist() for p in sorted((run_dir / "eval").glob("*.parquet"))]
     assert len(evals) >= 2  # before the first step and after the last
