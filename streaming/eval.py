@@ -122,8 +122,12 @@ def rollout_main(*, config: str | None, overrides: list[str], num_prompts: int, 
     from streamrl.models import resolve_model
     from streamrl.rollout.data import load_records
     from streamrl.streaming.config import load_config
+    from streamrl.streaming.train import prepare_harness
 
     cfg = load_config(config, overrides)
+    out_path = Path(out or f"runs/rollout-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg = prepare_harness(cfg, out_path.with_suffix("").resolve())  # a verifiers environment's or harness's dataset
     cfg = cfg.with_model(str(resolve_model(cfg.model)))  # resolved once; the engine and tokenizer load it
     records = load_records(cfg.data.source, max(num_prompts, 1), cfg.data.seed, cfg.data.difficulty)[:num_prompts]
     t0 = time.time()
@@ -134,8 +138,6 @@ def rollout_main(*, config: str | None, overrides: list[str], num_prompts: int, 
     for traj in trajs[:show]:
         console.rule(traj.trajectory_id)
         console.print(console_text(traj, tokenizer))
-    out_path = Path(out or f"runs/rollout-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "w") as f:
         for traj in trajs:
             f.write(json.dumps(traj.to_dict()) + "\n")

@@ -90,15 +90,23 @@ def open_run(
             "or choose another trainer.run_name"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.rollout.agent.verifiers is not None:  # its venv and dataset, before anything starts
+    return prepare_harness(cfg, run_dir), run_dir, None
+
+
+def prepare_harness(cfg: StreamRLConfig, folder: Path) -> StreamRLConfig:
+    """The config with its verifiers environment or coding harness prepared, before anything starts:
+    the venv built (or found in the cache), the dataset written into `folder` and made the prompt
+    stream, the gateway's command set. Unchanged without either section. `streamrl train` prepares
+    into the run directory, `streamrl rollout` into a folder beside its output."""
+    if cfg.rollout.agent.verifiers is not None:
         from streamrl.rollout.verifiers.prepare import prepare_environment
 
-        cfg = cfg.with_verifiers(*prepare_environment(cfg.rollout.agent.verifiers, cfg.rollout.agent.gateway, run_dir))
-    if cfg.rollout.agent.mini_swe is not None:  # the harness's venv and the tasks' prompts
+        cfg = cfg.with_verifiers(*prepare_environment(cfg.rollout.agent.verifiers, cfg.rollout.agent.gateway, folder))
+    if cfg.rollout.agent.mini_swe is not None:
         from streamrl.rollout.mini_swe.prepare import prepare_mini_swe
 
-        cfg = cfg.with_mini_swe(*prepare_mini_swe(cfg.rollout.agent.mini_swe, cfg.rollout.agent.gateway, run_dir))
-    return cfg, run_dir, None
+        cfg = cfg.with_mini_swe(*prepare_mini_swe(cfg.rollout.agent.mini_swe, cfg.rollout.agent.gateway, folder))
+    return cfg
 
 
 def _prepare_run(cfg: StreamRLConfig, run_dir: Path, resuming: bool) -> tuple[StreamRLConfig, list]:

@@ -22,6 +22,6 @@ def load_records(source: str, num_prompts: int, seed: int, difficulty: Difficult
     if source == "verifiers":  # rollout/verifiers/prepare.py replaces it with the dumped split's file
         raise ValueError(
             'data.source = "verifiers" is the environment\'s dataset, written by the preparation phase of '
-            "`streamrl train` into the run directory: train first (or `streamrl eval RUN_DIR` on a run)"
+            "`streamrl train` (into the run directory) or `streamrl rollout`"
         )
     return load_prompts(source)

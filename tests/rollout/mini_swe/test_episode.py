@@ -143,3 +143,33 @@ async def test_the_end_of_the_sessions_budget_ends_the_episode_at_once(prepared,
     assert (gw.server.num_requests, gw.server.num_errors) == (2, 1)  # the answer, then one rejection
     assert time.monotonic() - started < 30
     assert (gw.session.state.num_calls, gw.session.state.num_forks) == (1, 0)
+
+
+def test_streamrl_rollout_prepares_the_harness_beside_its_output(prepared, tiny_model_path, tmp_path, monkeypatch):
+    """`streamrl rollout` on a harness config prepares it as `streamrl train` does (here into a folder
+    beside its output, `r/` for `r.jsonl`): the train tasks' prompts are the records it plays, and the
+    gateway runs the harness's episode program. The agent loops themselves are `run_rollouts`, whose
+    real engine path `test_eval_cli.py` and the end-to-end runs cover; here it only records its input."""
+    import streamrl.streaming.eval as eval_module
+    from streamrl.rollout.mini_swe.tasks import load_tasks, prompt_rows
+    from streamrl.streaming.cli import main
+
+    seen = {}
+
+    async def record_input(cfg, records, *, group_size):
+        seen.update(cfg=cfg, records=records, group_size=group_size)
+        return []
+
+    monkeypatch.setattr(eval_module, "run_rollouts", record_input)
+    monkeypatch.chdir(REPO)  # the config's task folder is relative to the repository, as in `streamrl train`
+    out = tmp_path / "r.jsonl"
+    argv = ["rollout", "--config", "configs/mini_swe_tiny.toml", "--num-prompts", "2", "--out", str(out)]
+    assert main([*argv, f"model={tiny_model_path}"]) == 0
+    cfg = seen["cfg"]
+    assert cfg.data.source == str(tmp_path / "r" / "mini_swe" / "train.jsonl")
+    assert cfg.rollout.agent.mini_swe.prepared.python == prepared[0].prepared.python  # the cached venv
+    assert cfg.rollout.agent.gateway.command == episode_command(cfg.rollout.agent.mini_swe, "policy")
+    train_rows = prompt_rows(load_tasks(REPO / "workloads" / "swe_tasks"), "train")
+    assert [(r.group_id, r.messages) for r in seen["records"]] == [(t["id"], t["messages"]) for t in train_rows[:2]]
+    assert seen["group_size"] == 1
+    assert out.exists()
