@@ -123,6 +123,7 @@ def commit_branch(data: AgentData, state: GatewayState, chosen: int | None) -> N
     data.append_sampled(branch.token_ids, branch.logprobs, branch.versions)
     data.messages.append(branch.message)
     data.num_assistant_turns += 1
+    data.num_tool_calls += len(branch.message.get("tool_calls", ()))  # the model's calls; the program runs them
     state.num_unused_choices += len(state.branches) - 1
     state.branches = []
 
@@ -149,7 +150,7 @@ def apply(data: AgentData, state: GatewayState, record: CallRecord) -> None:
             )
             state.num_forks += 1
             data.response_ids, data.response_mask, data.behavior_logprobs, data.policy_versions = [], [], [], []
-            data.num_assistant_turns = data.num_user_turns = 0
+            data.num_assistant_turns = data.num_user_turns = data.num_tool_calls = 0
         data.prompt_ids = list(p.ids)
         data.messages = list(p.messages)
     state.tools_sha = p.tools_sha

@@ -27,6 +27,7 @@ async def test_the_sdk_agent_calls_its_tool_and_the_session_records_one_sequence
     data = gw.data
     # The tool's result (the SDK ran `calculator("12 * 7")`) is an observation between two sampled turns.
     assert [m["role"] for m in data.messages] == ["user", "assistant", "tool", "assistant"]
+    assert data.num_tool_calls == 1  # the model's call, counted on the record as a built-in loop counts it
     assert data.messages[2]["content"] == "84"
     runs = [m for i, m in enumerate(data.response_mask) if i == 0 or m != data.response_mask[i - 1]]
     assert runs == [1, 0, 1]

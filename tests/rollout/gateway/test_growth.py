@@ -102,6 +102,7 @@ def _record_of(data: AgentData) -> tuple:
         [protocol.canonical_message(m) for m in data.messages],
         data.num_user_turns,
         data.num_assistant_turns,
+        data.num_tool_calls,
     )
 
 

@@ -65,6 +65,19 @@ async def test_record_is_the_engines_tokens_logprobs_and_versions(make_gateway, 
     traj = data.to_trajectory(TrajectoryStatus.FINISHED)
     traj.validate(max_model_len=gw.ctx.cfg.prompt_length + gw.ctx.cfg.response_length)
     assert gw.session.state.num_forks == 0 and gw.session.state.num_calls == 2
+    assert traj.num_tool_calls == 1  # the model's call, on the record (the program ran it)
+
+
+async def test_a_fork_counts_only_the_tool_calls_of_the_new_record(make_gateway):
+    gw = await make_gateway([CALL, ANSWER])
+    client = gw.openai()
+    await client.chat.completions.create(model="p", messages=USER, tools=[CALC_TOOL])
+    # The agent drops its call from the history and asks again: a new record (the fork) begins.
+    edited = [*USER, {"role": "assistant", "content": "Let me think."}, {"role": "user", "content": "Go on."}]
+    await client.chat.completions.create(model="p", messages=edited, tools=[CALC_TOOL])
+    assert gw.session.state.num_forks == 1
+    gw.session.finish()
+    assert gw.data.num_tool_calls == 0  # the call is in the first record, which is not trained
 
 
 async def test_a_history_rewrite_forks_and_is_counted(make_gateway, tiny_tokenizer):
