@@ -75,6 +75,7 @@ PLACEHOLDERS = {
     "tokens": r"\d+",
     "part": "|".join(MEMORY_PARTS),
     "engine": r"engine-\d+",
+    "program_metric": r"[a-z0-9_]{1,48}",  # rollout.gateway.command.METRIC_NAME
 }
 
 M, R = Metric, Reduction
@@ -85,6 +86,7 @@ TOOLSET = "rollout.agent.tool_config is set"
 MCP = "the tool config has an `mcp:` entry"
 EVAL = "eval.num_prompts > 0, on the evaluation lines only"
 GATEWAY = "rollout.agent.gateway is set (the gateway agent loop)"
+PROGRAM = "a gateway command wrote $STREAMRL_METRICS_FILE (a harness's exit status, a rubric's parts)"
 FILTER = "data.prompt_filter.enabled"
 DISTILL = "[distill] is set (a teacher engine)"
 METRICS: tuple[Metric, ...] = (
@@ -241,6 +243,16 @@ METRICS: tuple[Metric, ...] = (
         R.MEAN,
         "rollout/gateway/overhead_sum_s per sampled call in the interval",
         when="the gateway sampled a call in the interval",
+    ),
+    # A gateway command's named numbers (rollout/gateway/command.py, $STREAMRL_METRICS_FILE)
+    M("rollout/program/{program_metric}/sum", "value", R.COUNT, "the samples' values of it", when=PROGRAM),
+    M("rollout/program/{program_metric}/count", "samples", R.COUNT, "samples that reported it", when=PROGRAM),
+    M(
+        "rollout/program/{program_metric}/mean",
+        "value",
+        R.MEAN,
+        "its mean over the samples that reported it in the interval (a 0/1 flag: their share)",
+        when=PROGRAM,
     ),
     # ---- distillation (rollout.teacher: workers' counters; learner.distill: the trained batch)
     M("distill/num_scored", "trajectories", R.COUNT, "finished trajectories the teacher scored", when=DISTILL),

@@ -14,6 +14,11 @@ is killed then, at the timeout, on cancellation, or when the worker dies.
 Its stdout and stderr are kept up to `max_output_bytes` each (the first and last halves; the bytes
 between are counted and dropped), so a program that writes without end costs the worker no memory.
 
+It may also leave named numbers of its sample in the file named by `STREAMRL_METRICS_FILE` (a JSON
+object such as `{"exit_submitted": 1, "steps": 3}`), which the run logs as per-sample means
+(`rollout/program/<name>/mean`): how a harness's episodes ended, what its rubric's parts scored. They
+are advisory: a file that is not such an object is ignored with a warning, and the sample stands.
+
 Its reward is what it writes to the file named by `STREAMRL_REWARD_FILE` (one number; a file of its
 own in a fresh private directory, read once the command exits). No file or an empty one: None, and the
 reward function scores the conversation. Stdout is not a reward channel, because programs print what
@@ -28,11 +33,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
+import re
 import signal
 import stat
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +64,10 @@ EXIT_POLL_S = 0.02  # how often a running command's supervisor is checked for it
 GRACE_S = 1.0  # after the supervisor exits or is told to, how long its pipes may take to close
 REWARD_FILE_ENV = "STREAMRL_REWARD_FILE"
 MAX_REWARD_FILE_BYTES = 1024  # a number, with room for whitespace: more is not a reward
+METRICS_FILE_ENV = "STREAMRL_METRICS_FILE"
+MAX_METRICS_FILE_BYTES = 4096
+MAX_METRICS_PER_SAMPLE = 16
+METRIC_NAME = re.compile(r"[a-z0-9_]{1,48}")  # one path segment of `rollout/program/<name>/...`
 _warned_bare_number = False  # the stdout fallback's warning is given once per worker process
 
 
@@ -67,9 +79,7 @@ def _ignore() -> None:
     """A command that writes a lot is not killed for it (its output is only cut): its timeout bounds it."""
 
 
-def command_env(
-    cfg: GatewayConfig, base_url: str, token: str, sample: dict[str, Any], reward_file: Path
-) -> dict[str, str]:
+def command_env(cfg: GatewayConfig, base_url: str, token: str, sample: dict[str, Any], private: Path) -> dict[str, str]:
     """The command's whole environment (see the module docstring)."""
     env = {name: os.environ[name] for name in (*BASE_ENV, *cfg.env_passthrough) if name in os.environ}
     env.setdefault("PATH", DEFAULT_PATH)
@@ -81,23 +91,32 @@ def command_env(
         "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
         "ANTHROPIC_API_KEY": token,
         "STREAMRL_SAMPLE": json.dumps({name: sample[name] for name in COMMAND_SAMPLE_FIELDS if name in sample}),
-        REWARD_FILE_ENV: str(reward_file),
+        REWARD_FILE_ENV: str(private / "reward"),
+        METRICS_FILE_ENV: str(private / "metrics"),
     }
 
 
-async def run_command(cfg: GatewayConfig, base_url: str, token: str, sample: dict[str, Any]) -> float | None:
-    """Run the command once for a sample, under its supervisor; returns its reward (None: none given)."""
-    with tempfile.TemporaryDirectory(prefix="streamrl-reward-", ignore_cleanup_errors=True) as private:  # 0700
-        return await _run(cfg, base_url, token, sample, Path(private) / "reward")
-
-
-async def _run(
-    cfg: GatewayConfig, base_url: str, token: str, sample: dict[str, Any], reward_file: Path
+async def run_command(
+    cfg: GatewayConfig,
+    base_url: str,
+    token: str,
+    sample: dict[str, Any],
+    on_metrics: Callable[[dict[str, float]], None] | None = None,
 ) -> float | None:
+    """Run the command once for a sample, under its supervisor; returns its reward (None: none given).
+    `on_metrics` gets the named numbers it left, once it exited 0 (`read_metrics`)."""
+    with tempfile.TemporaryDirectory(prefix="streamrl-reward-", ignore_cleanup_errors=True) as private:  # 0700
+        reward = await _run(cfg, base_url, token, sample, Path(private))
+        if on_metrics is not None:
+            on_metrics(read_metrics(cfg.command[0] if cfg.command else "?", Path(private) / "metrics"))
+        return reward
+
+
+async def _run(cfg: GatewayConfig, base_url: str, token: str, sample: dict[str, Any], private: Path) -> float | None:
     assert cfg.command is not None
     proc = await asyncio.create_subprocess_exec(
         *[sys.executable, "-I", "-S", SUPERVISOR, str(os.getpid()), *cfg.command],
-        env=command_env(cfg, base_url, token, sample, reward_file),
+        env=command_env(cfg, base_url, token, sample, private),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -120,7 +139,44 @@ async def _run(
     if proc.returncode != 0:
         tail = err.text()[-500:]
         raise ProgramError(f"command {cfg.command[0]} exited with {proc.returncode}: {tail}")
-    return read_reward(cfg.command[0], reward_file, out.text())
+    return read_reward(cfg.command[0], private / "reward", out.text())
+
+
+def read_metrics(name: str, metrics_file: Path) -> dict[str, float]:
+    """The named numbers command `name` left at `metrics_file` ({} when it wrote none): a JSON object
+    of at most `MAX_METRICS_PER_SAMPLE` names (`METRIC_NAME`) to finite numbers, in a small regular
+    file (opened as the reward file is). Anything else is ignored with a warning: they are advisory."""
+    try:
+        fd = os.open(metrics_file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:  # ELOOP: a symbolic link
+        return _ignored(name, f"cannot read it: {exc}")
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return _ignored(name, "not a regular file")
+        raw = f.read(MAX_METRICS_FILE_BYTES + 1)
+    if len(raw) > MAX_METRICS_FILE_BYTES:
+        return _ignored(name, f"over {MAX_METRICS_FILE_BYTES} bytes")
+    try:
+        metrics = json.loads(raw)
+    except (ValueError, RecursionError):
+        return _ignored(name, "not JSON")
+    if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS_PER_SAMPLE:
+        return _ignored(name, f"not a JSON object of at most {MAX_METRICS_PER_SAMPLE} names")
+    out = {}
+    for key, value in metrics.items():
+        if not METRIC_NAME.fullmatch(key):
+            return _ignored(name, f"name {key[:60]!r} is not {METRIC_NAME.pattern}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return _ignored(name, f"{key} = {str(value)[:60]!r} is not a finite number")
+        out[key] = float(value)
+    return out
+
+
+def _ignored(name: str, why: str) -> dict[str, float]:
+    logger.warning("command %s: its metrics file $%s is ignored: %s", name, METRICS_FILE_ENV, why)
+    return {}
 
 
 def read_reward(name: str, reward_file: Path, stdout: str) -> float | None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from streamrl.rollout.agent_loop.base import AgentLoopBase, register
@@ -99,10 +100,17 @@ def sample_of(data: AgentData, messages: list[dict[str, Any]]) -> dict[str, Any]
     }
 
 
-async def run_program(cfg: GatewayConfig, base_url: str, api_key: str, sample: dict[str, Any]) -> float | None:
-    """Run the configured program once; returns its reward (None: none given)."""
+async def run_program(
+    cfg: GatewayConfig,
+    base_url: str,
+    api_key: str,
+    sample: dict[str, Any],
+    on_metrics: Callable[[dict[str, float]], None] | None = None,
+) -> float | None:
+    """Run the configured program once; returns its reward (None: none given). A command's named
+    numbers (`command.read_metrics`) go to `on_metrics`."""
     if cfg.command is not None:
-        return await run_command(cfg, base_url, api_key, sample)
+        return await run_command(cfg, base_url, api_key, sample, on_metrics)
     if cfg.program is None:
         raise ValueError("rollout.agent.gateway needs a `program` or a `command` for the gateway agent loop")
     from streamrl.core.registry import import_object
@@ -140,7 +148,11 @@ class GatewayAgentLoop(AgentLoopBase):
         finish = FinishReason.STOP
         try:
             reward = await run_program(
-                cfg, server.base_url(session), session.token, sample_of(data, state.sample_messages)
+                cfg,
+                server.base_url(session),
+                session.token,
+                sample_of(data, state.sample_messages),
+                on_metrics=server.account_program,
             )
         except Exception as exc:
             session.save()  # the failed row shows the session as it ended

@@ -52,6 +52,7 @@ STOP_GRACE_S = 2.0  # `stop` lets calls in flight finish this long, then cancels
 # tool schemas) stay far below; deeper ones would hit Python's recursion limit in the parser or in
 # whatever walks the body later, a 500 its client would retry.
 MAX_JSON_DEPTH = 128
+MAX_PROGRAM_NAMES = 32  # distinct names of `rollout/program/<name>/*` one worker logs
 
 
 # The counters of `GatewayServer.metrics` (`rollout/gateway/<name>`, declared in core/catalogue.py).
@@ -83,6 +84,7 @@ class GatewayServer:
         self.sessions: dict[str, Session] = {}
         self.port: int | None = None
         self.counts = dict.fromkeys(COUNTERS, 0.0)  # totals since start (the driver takes increments)
+        self.program_totals: dict[str, tuple[float, int]] = {}  # a command's named numbers: (sum, samples)
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
         self._starting: asyncio.Task | None = None  # `ensure_started`'s one start
@@ -157,7 +159,19 @@ class GatewayServer:
         return {
             "rollout/gateway/num_sessions": float(len(self.sessions)),
             **{f"rollout/gateway/{name}": value for name, value in self.counts.items()},
+            **{f"rollout/program/{name}/sum": total for name, (total, _) in self.program_totals.items()},
+            **{f"rollout/program/{name}/count": float(n) for name, (_, n) in self.program_totals.items()},
         }
+
+    def account_program(self, metrics: dict[str, float]) -> None:
+        """Add one sample's named numbers (`command.read_metrics`). A worker keeps at most
+        `MAX_PROGRAM_NAMES` names, so a program inventing names cannot grow every metrics line."""
+        for name, value in metrics.items():
+            if name not in self.program_totals and len(self.program_totals) >= MAX_PROGRAM_NAMES:
+                logger.warning("program metric %r dropped: this worker has %d names already", name, MAX_PROGRAM_NAMES)
+                continue
+            total, n = self.program_totals.get(name, (0.0, 0))
+            self.program_totals[name] = (total + value, n + 1)
 
     def account(self, stats: CallStats, elapsed_s: float) -> None:
         """Count one answered call. Its overhead is the handler's time outside the engine (parsing,

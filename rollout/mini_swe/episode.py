@@ -11,7 +11,9 @@ key, `STREAMRL_SAMPLE` and `STREAMRL_REWARD_FILE` in its environment. It
    the reward file's name, and serves the agent's shell commands over the runner's stdin/stdout, each
    in a fresh sandbox on the copy;
 3. once the agent is done, however it ended, runs the task's hidden tests on the copy (`RepoShell.score`)
-   and writes the fraction that passed to the reward file.
+   and writes the fraction that passed to the reward file, and how the agent ended to the metrics file
+   (`exit_<status>` = 1, e.g. `exit_submitted`, `exit_repeatedformaterror`, `exit_limitsexceeded`, and
+   `model_calls`), which the run logs as `rollout/program/<name>/mean`.
 
 The model's calls go from mini through litellm to the gateway, so the session records exactly what the
 engine sampled; this program only carries commands and outputs. A runner that fails to start (its venv,
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -33,7 +36,10 @@ from streamrl.rollout.mini_swe.shell import RepoShell
 from streamrl.rollout.mini_swe.tasks import Task, load_task, task_id_of
 
 RUNNER = str(Path(__file__).with_name("runner.py"))  # run by the harness venv's python
+# rollout.gateway.command's names, spelled here: importing the gateway would load its server stack
+# (and its agent loops) into every episode's interpreter
 REWARD_FILE_ENV = "STREAMRL_REWARD_FILE"
+METRICS_FILE_ENV = "STREAMRL_METRICS_FILE"
 MAX_LINE_BYTES = 1 << 20  # one request of the runner (a shell command)
 
 
@@ -57,9 +63,9 @@ def runner_spec(spec: EpisodeSpec, task: Task) -> dict[str, Any]:
 
 def runner_env(home: str) -> dict[str, str]:
     """The runner's environment: this program's (the gateway's minimal one) without the reward file's
-    name and the sample, which neither mini nor anything it starts has a use for, and a private HOME
+    and metrics files' names and the sample, which neither mini nor anything it starts has a use for, and a private HOME
     (mini keeps its global config folder there) that ends with the episode."""
-    env = {k: v for k, v in os.environ.items() if k not in (REWARD_FILE_ENV, "STREAMRL_SAMPLE")}
+    env = {k: v for k, v in os.environ.items() if k not in (REWARD_FILE_ENV, METRICS_FILE_ENV, "STREAMRL_SAMPLE")}
     return env | {"HOME": home}
 
 
@@ -105,25 +111,33 @@ async def answer(spec: EpisodeSpec, shell: RepoShell, request: dict[str, Any]) -
     return reply
 
 
-async def play(spec: EpisodeSpec, sample: dict[str, Any]) -> float:
-    """The whole episode (see the module docstring); returns the reward."""
+async def play(spec: EpisodeSpec, sample: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    """The whole episode (see the module docstring); returns the reward and the episode's metrics."""
     cfg = spec.mini_swe
     task = load_task(Path(cfg.tasks) / f"{task_id_of(sample['group_id'])}.toml")
     shell = RepoShell(task, cfg.sandbox)
     try:
         with tempfile.TemporaryDirectory(prefix="streamrl-mini-swe-home-") as home:
-            await serve(spec, task, shell, home)  # however the agent ended, its repository is scored
+            done = await serve(spec, task, shell, home)  # however the agent ended, its repository is scored
         score = await shell.score(cfg.score_timeout_s)
     finally:
         shell.close()
-    return score.reward
+    return score.reward, episode_metrics(done)
+
+
+def episode_metrics(done: dict[str, Any]) -> dict[str, float]:
+    """How the agent ended, as the run's metrics (`rollout.gateway.command.read_metrics`): its exit
+    status (mini's, or the exception that ended it) as a flag `exit_<status>`, and its model calls."""
+    status = re.sub(r"[^a-z0-9]+", "_", str(done.get("exit_status") or "none").lower()).strip("_")[:40] or "none"
+    return {f"exit_{status}": 1.0, "model_calls": float(done.get("num_calls") or 0)}
 
 
 def main(argv: list[str]) -> int:
     spec = EpisodeSpec.model_validate_json(argv[1])
-    reward_file = os.environ[REWARD_FILE_ENV]
-    reward = asyncio.run(play(spec, json.loads(os.environ["STREAMRL_SAMPLE"])))
-    Path(reward_file).write_text(f"{reward!r}\n")
+    reward, metrics = asyncio.run(play(spec, json.loads(os.environ["STREAMRL_SAMPLE"])))
+    Path(os.environ[REWARD_FILE_ENV]).write_text(f"{reward!r}\n")
+    if METRICS_FILE_ENV in os.environ:  # absent when an older gateway runs the episode
+        Path(os.environ[METRICS_FILE_ENV]).write_text(json.dumps(metrics))
     return 0
 
 

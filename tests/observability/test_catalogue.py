@@ -29,6 +29,7 @@ SAMPLES = {
     "tokens": "512",
     "part": "rollout_worker",
     "engine": "engine-3",
+    "program_metric": "exit_submitted",
 }
 
 

@@ -73,6 +73,11 @@ def test_mini_swe_agent_trains_unchanged_through_the_gateway(tmp_path, tiny_toke
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     totals = _gateway_totals(lines)
     assert totals["num_sampled"] > 0 and totals["num_errors"] == 0 and totals.get("num_forks", 0) == 0
+    # How the episodes ended, from the episode program's metrics file: the tiny model never writes an
+    # action block, so mini stops each episode at its first format error, after one model call.
+    ended = {k: m[k] for m in lines for k in m if k.startswith("rollout/program/") and k.endswith("/mean")}
+    assert ended == {"rollout/program/exit_repeatedformaterror/mean": 1.0, "rollout/program/model_calls/mean": 1.0}
+    assert sum(m.get("rollout/program/model_calls/count", 0.0) for m in lines) > 0
 
     frame = load_frame(run_dir / "buffer")
     latest = frame[frame["is_latest"]]

@@ -77,6 +77,7 @@ async def test_a_command_and_its_shells_get_no_ground_truth_and_none_of_the_work
         "ANTHROPIC_API_KEY",
         "STREAMRL_SAMPLE",
         "STREAMRL_REWARD_FILE",
+        "STREAMRL_METRICS_FILE",
         "STREAMRL_TEST_PASSED",
     }
     base = {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "LC_CTYPE", "TZ"}
@@ -254,3 +255,61 @@ async def test_a_reward_file_replaced_by_a_fifo_or_a_link_fails_without_hanging(
         cfg = GatewayConfig(command=[sys.executable, "-c", program], timeout_s=30)
         with pytest.raises(ProgramError, match="reward file"):
             await asyncio.wait_for(run_program(cfg, "http://127.0.0.1:1/v1", "token", {"messages": []}), 10)
+
+
+async def _metrics_of(program: str) -> tuple[float | None, list[dict[str, float]]]:
+    """A command that runs `program` (with `p` = the metrics file's name) and writes the reward 0.5."""
+    setup = "import json, os; p = os.environ['STREAMRL_METRICS_FILE']; "
+    write_reward = "open(os.environ['STREAMRL_REWARD_FILE'], 'w').write('0.5')"
+    cfg = GatewayConfig(command=[sys.executable, "-c", f"{setup}{program}\n{write_reward}"], timeout_s=30)
+    reported: list[dict[str, float]] = []
+    reward = await asyncio.wait_for(
+        run_program(cfg, "http://127.0.0.1:1/v1", "token", {"messages": []}, on_metrics=reported.append), 10
+    )
+    return reward, reported
+
+
+async def test_a_commands_metrics_file_reports_named_numbers_beside_its_reward():
+    program = "json.dump({'exit_submitted': 1, 'model_calls': 3.5}, open(p, 'w'))"
+    assert await _metrics_of(program) == (0.5, [{"exit_submitted": 1.0, "model_calls": 3.5}])
+    assert await _metrics_of("pass") == (0.5, [{}])  # none written: nothing reported, nothing wrong
+
+
+@pytest.mark.parametrize(
+    ("program", "says"),
+    [
+        ("open(p, 'w').write('not json')", "not JSON"),
+        ("json.dump([1, 2], open(p, 'w'))", "not a JSON object"),
+        ("json.dump({f'k{i}': 1 for i in range(17)}, open(p, 'w'))", "at most 16 names"),
+        ("json.dump({'Exit/Status': 1}, open(p, 'w'))", "is not"),
+        ("json.dump({'steps': 'three'}, open(p, 'w'))", "not a finite number"),
+        ("json.dump({'steps': True}, open(p, 'w'))", "not a finite number"),
+        ("open(p, 'w').write('{\"steps\": NaN}')", "not a finite number"),
+        ("open(p, 'w').write('[' * 100000)", "over 4096 bytes"),
+        ("os.mkfifo(p)", "not a regular file"),
+        ("os.symlink('/etc/hostname', p)", "cannot read it"),
+    ],
+)
+async def test_a_metrics_file_that_is_not_named_numbers_is_ignored_and_the_sample_stands(program, says, caplog):
+    with caplog.at_level(logging.WARNING, logger=command.__name__):
+        assert await _metrics_of(program) == (0.5, [{}])
+    (warning,) = [r.getMessage() for r in caplog.records if "STREAMRL_METRICS_FILE" in r.getMessage()]
+    assert says in warning, warning
+
+
+def test_a_worker_keeps_a_bounded_set_of_program_metric_names():
+    from streamrl.rollout.gateway.server import MAX_PROGRAM_NAMES, GatewayServer
+    from streamrl.streaming.step_metrics import rollout_interval_metrics
+
+    server = GatewayServer(GatewayConfig(command=["true"]))
+    server.account_program({"exit_submitted": 1.0, "model_calls": 3.0})
+    server.account_program({"exit_limitsexceeded": 1.0, "model_calls": 5.0})
+    metrics = server.metrics()
+    assert (metrics["rollout/program/model_calls/sum"], metrics["rollout/program/model_calls/count"]) == (8.0, 2.0)
+    derived = rollout_interval_metrics(metrics, 1.0)
+    assert derived["rollout/program/model_calls/mean"] == 4.0
+    assert derived["rollout/program/exit_submitted/mean"] == 1.0  # of the samples that reported the flag
+    for i in range(2 * MAX_PROGRAM_NAMES):  # a program inventing a name per sample
+        server.account_program({f"n{i}": 1.0})
+    assert len(server.program_totals) == MAX_PROGRAM_NAMES
+    assert server.program_totals["model_calls"] == (8.0, 2)

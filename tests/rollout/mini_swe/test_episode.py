@@ -58,8 +58,9 @@ def prepared(tmp_path_factory) -> tuple[MiniSweConfig, GatewayConfig]:
     return prepare_mini_swe(cfg, GatewayConfig(timeout_s=300), tmp_path_factory.mktemp("run"))
 
 
-async def play(gw, gateway: GatewayConfig, task_id: str) -> float | None:
-    """One sample of `task_id` through the gateway command, as the gateway loop plays it."""
+async def play(gw, gateway: GatewayConfig, task_id: str) -> tuple[float | None, dict[str, float]]:
+    """One sample of `task_id` through the gateway command, as the gateway loop plays it: its reward
+    and the metrics it reported (how the agent ended)."""
     data = AgentData(
         trajectory_id=f"train-{task_id}@e0/0",
         group_id=f"train-{task_id}@e0",
@@ -68,15 +69,19 @@ async def play(gw, gateway: GatewayConfig, task_id: str) -> float | None:
     )
     session = await gw.open_session(data)
     data.state = AgentState.INTERACTING
-    reward = await run_command(gateway, gw.server.base_url(session), session.token, sample_of(data, data.messages))
+    reported = []
+    reward = await run_command(
+        gateway, gw.server.base_url(session), session.token, sample_of(data, data.messages), reported.append
+    )
     session.finish()  # the program ended: its last answer joins the record, as in the gateway loop
-    return reward
+    (metrics,) = reported
+    return reward, metrics
 
 
 async def test_a_right_fix_passes_the_hidden_tests_in_one_unforked_record(prepared, make_gateway):
     _, gateway = prepared
     gw, turn_ids = await make_gateway(RIGHT_FIX)
-    assert await play(gw, gateway, "calc_add") == 1.0
+    assert await play(gw, gateway, "calc_add") == (1.0, {"exit_submitted": 1.0, "model_calls": 3.0})
     state = gw.session.state
     assert (state.num_calls, state.num_forks) == (3, 0)
     record = gw.session.data
@@ -86,8 +91,8 @@ async def test_a_right_fix_passes_the_hidden_tests_in_one_unforked_record(prepar
 
 async def test_a_wrong_fix_and_no_fix_score_below_one(prepared, make_gateway):
     _, gateway = prepared
-    wrong = await play((await make_gateway(WRONG_FIX))[0], gateway, "calc_add")
-    untouched = await play((await make_gateway([SUBMIT]))[0], gateway, "calc_add")
+    wrong, _ = await play((await make_gateway(WRONG_FIX))[0], gateway, "calc_add")
+    untouched, _ = await play((await make_gateway([SUBMIT]))[0], gateway, "calc_add")
     assert wrong == 0.75  # add() fixed, sub() broken: 3 of 4 hidden tests
     assert untouched == 0.5  # the bug left in: 2 of 4
 
@@ -95,7 +100,7 @@ async def test_a_wrong_fix_and_no_fix_score_below_one(prepared, make_gateway):
 async def test_a_format_error_ends_the_episode_without_a_fork(prepared, make_gateway):
     _, gateway = prepared
     gw, _ = await make_gateway(["I think the bug is in calc.py."])  # no action block
-    assert await play(gw, gateway, "calc_add") == 0.5
+    assert await play(gw, gateway, "calc_add") == (0.5, {"exit_repeatedformaterror": 1.0, "model_calls": 1.0})
     assert (gw.session.state.num_calls, gw.session.state.num_forks) == (1, 0)
 
 
@@ -111,7 +116,7 @@ async def test_a_command_cannot_write_the_reward_or_leave_its_repository(
         "sed -i '3s/a - b/a + b/' calc.py && git diff --stat > diff.txt"
     )
     gw, _ = await make_gateway([action(escape), action("cat leak.txt listing.txt diff.txt"), SUBMIT])
-    assert await play(gw, gateway, "calc_add") == 1.0  # the hidden tests' score, not the 1.0 it wrote
+    assert (await play(gw, gateway, "calc_add"))[0] == 1.0  # the hidden tests' score, not the 1.0 it wrote
     assert not (outside / "pwned").exists() and not left.exists()  # the sandbox's /tmp is its own
     seen = tiny_tokenizer.decode(gw.session.data.response_ids)  # the observations are on the record
     assert "key=\n" in seen and gw.session.token not in seen  # no session key in the sandbox
@@ -125,7 +130,7 @@ async def test_the_tool_calling_model_class_with_minis_own_config(prepared, make
     gateway = gateway.model_copy(update={"command": episode_command(tools, "policy")})
     gw, _ = await make_gateway(TOOL_FIX)
     gw.ctx.cfg.prompt_length = 4096  # mini.yaml unchanged: about 2,500 tokens of the tiny model's vocabulary
-    assert await play(gw, gateway, "calc_add") == 1.0
+    assert await play(gw, gateway, "calc_add") == (1.0, {"exit_submitted": 1.0, "model_calls": 3.0})
     assert (gw.session.state.num_calls, gw.session.state.num_forks) == (3, 0)
 
 
@@ -139,7 +144,9 @@ async def test_the_end_of_the_sessions_budget_ends_the_episode_at_once(prepared,
     gw, turn_ids = await make_gateway(RIGHT_FIX)
     gw.ctx.cfg.response_length = len(turn_ids[0]) + 20  # the first answer fits, its observation does not
     started = time.monotonic()
-    assert await play(gw, gateway, "calc_add") == 0.5  # scored as the agent left the repository
+    reward, ended = await play(gw, gateway, "calc_add")
+    assert reward == 0.5  # scored as the agent left the repository
+    assert ended == {"exit_contextwindowexceedederror": 1.0, "model_calls": 2.0}  # mini counts the refused call
     assert (gw.server.num_requests, gw.server.num_errors) == (2, 1)  # the answer, then one rejection
     assert time.monotonic() - started < 30
     assert (gw.session.state.num_calls, gw.session.state.num_forks) == (1, 0)
