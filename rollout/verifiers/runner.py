@@ -12,7 +12,9 @@ environment pins. Two commands, both given the environment as one JSON argument 
 (`<id>@e<epoch>`, held-out ones prefixed `eval/`) names its dataset row. `rollout` reads the sample
 from `STREAMRL_SAMPLE`, finds its row from the group id, runs the environment's own
 `Environment.run_rollout` (its rollout, then its rubric's `score_rollout`) against the session's
-`OPENAI_BASE_URL` with the session's `OPENAI_API_KEY`, and writes the reward to `STREAMRL_REWARD_FILE`.
+`OPENAI_BASE_URL` with the session's `OPENAI_API_KEY`, and writes the reward to `STREAMRL_REWARD_FILE`
+and the rollout's `metrics` (each reward function's score, the environment's own counts) to
+`STREAMRL_METRICS_FILE`, which the run logs as `rollout/program/<name>/mean`.
 An environment whose rubric has group-level reward functions is scored as a group of one
 (`Environment.run_group` on the one input) when `group_rewards = "singleton"`, and refused otherwise.
 """
@@ -22,7 +24,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,8 @@ from typing import Any
 CLASSIC_API = ("Environment", "SingleTurnEnv", "MultiTurnEnv", "ToolEnv", "StatefulToolEnv", "Rubric")
 SPLITS = {"train": "get_dataset", "eval": "get_eval_dataset"}
 EVAL_GROUP_PREFIX = "eval/"  # held-out group ids (streaming/heldout.py)
+METRICS_FILE_ENV = "STREAMRL_METRICS_FILE"  # rollout/gateway/command.py: at most 16 names of [a-z0-9_]{1,48}
+MAX_METRICS = 16
 
 
 class RunnerError(Exception):
@@ -139,8 +145,21 @@ def find_row(env: Any, group_id: str) -> dict[str, Any]:
     return dict(dataset[index])
 
 
-async def rollout(spec: dict[str, Any], output: Path | None) -> float:
-    """Play and score the sample in STREAMRL_SAMPLE against the session; returns its reward."""
+def rollout_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """The `metrics` of verifiers' RolloutOutput (each reward function's score by its name, and what the
+    environment adds) as the gateway's metrics file takes them: names lowercased to `[a-z0-9_]`, finite
+    numbers only, the first `MAX_METRICS`."""
+    out: dict[str, float] = {}
+    for name, value in (result.get("metrics") or {}).items():
+        key = re.sub(r"[^a-z0-9]+", "_", str(name).lower()).strip("_")[:48]
+        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if key and number and len(out) < MAX_METRICS:
+            out[key] = float(value)
+    return out
+
+
+async def rollout(spec: dict[str, Any], output: Path | None) -> tuple[float, dict[str, float]]:
+    """Play and score the sample in STREAMRL_SAMPLE against the session; returns its reward and metrics."""
     env = load_env(spec)
     from verifiers.types import ClientConfig  # pyrefly: ignore[missing-import]
 
@@ -158,7 +177,7 @@ async def rollout(spec: dict[str, Any], output: Path | None) -> float:
         output.write_text(json.dumps(result, default=str))
     if result.get("error"):
         print(f"verifiers rollout error: {result['error']}", file=sys.stderr)
-    return float(result["reward"])
+    return float(result["reward"]), rollout_metrics(result)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,11 +194,13 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error("dump needs OUT_DIR")
             print(json.dumps(dump(spec, Path(args.out_dir))))
             return 0
-        reward = asyncio.run(rollout(spec, args.output))
+        reward, metrics = asyncio.run(rollout(spec, args.output))
     except RunnerError as exc:
         print(f"streamrl verifiers runner: {exc}", file=sys.stderr)
         return 2
     Path(os.environ["STREAMRL_REWARD_FILE"]).write_text(f"{reward!r}\n")
+    if METRICS_FILE_ENV in os.environ:
+        Path(os.environ[METRICS_FILE_ENV]).write_text(json.dumps(metrics))
     return 0
 
 

@@ -37,6 +37,11 @@ ENVS = str(REPO / "workloads" / "verifiers_envs")
 NUM_EXAMPLES = 3
 QUESTION = re.compile(r"What is (\d+) \* (\d+) ([+-]) (\d+)\?")
 HEADER = "<|im_start|>assistant\n"
+RUBRIC_WEIGHTS = {  # each example environment's reward functions and weights (workloads/verifiers_envs/)
+    "vf_arith_single": {"correct_answer": 1.0},
+    "vf_arith_tools": {"correct_answer": 1.0},
+    "vf_arith_stateful": {"correct_answer": 1.0, "answer_from_calculator": 0.5},
+}
 
 # verifiers' own evaluation path, in the environment's venv: `evaluate` on the eval split, one rollout per
 # example, one at a time, against the session URL; prints {example_id: reward}.
@@ -93,7 +98,7 @@ async def _evaluate(python: Path, environment: str, gw) -> dict[int, float]:
     return {int(k): v for k, v in json.loads(out.decode().strip().splitlines()[-1]).items()}
 
 
-async def _streamrl_reward(python: Path, spec: dict, gw, example_id: int) -> float | None:
+async def _streamrl_reward(python: Path, spec: dict, gw, example_id: int) -> tuple[float | None, dict[str, float]]:
     data = AgentData(
         trajectory_id=f"eval/eval-{example_id}@e0/0",
         group_id=f"eval/eval-{example_id}@e0",
@@ -103,7 +108,11 @@ async def _streamrl_reward(python: Path, spec: dict, gw, example_id: int) -> flo
     session = await gw.open_session(data)
     data.state = AgentState.INTERACTING
     cfg = GatewayConfig(command=runner_command(python, spec), timeout_s=300)
-    return await run_command(cfg, gw.server.base_url(session), session.token, sample_of(data, data.messages))
+    reported: list[dict[str, float]] = []
+    sample = sample_of(data, data.messages)
+    reward = await run_command(cfg, gw.server.base_url(session), session.token, sample, reported.append)
+    (metrics,) = reported
+    return reward, metrics
 
 
 @pytest.mark.parametrize(
@@ -120,7 +129,11 @@ async def test_the_gateway_reward_is_the_environments_own(
     assert sorted(expected) == list(range(NUM_EXAMPLES))
     got = {}
     for i in range(NUM_EXAMPLES):
-        got[i] = await _streamrl_reward(env_python, spec, gw, i)
+        got[i], metrics = await _streamrl_reward(env_python, spec, gw, i)
+        # the rubric's parts, reported beside the reward: its weighted sum is the reward
+        weights = RUBRIC_WEIGHTS[environment]
+        assert set(weights) <= set(metrics), metrics
+        assert got[i] == pytest.approx(sum(w * metrics[name] for name, w in weights.items())), metrics
         # the environment's turns are one record: a call, (a tool result, a call), no history rewrite
         assert (gw.session.state.num_calls, gw.session.state.num_forks) == (2 if uses_tools else 1, 0)
     assert got == expected
