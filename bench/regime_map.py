@@ -29,6 +29,7 @@ PLACEMENTS = ["shared", "dedicated", "mixed"]
 PLACEMENT_LABELS = {"shared": "shared cores", "dedicated": "dedicated cores", "mixed": "async dedicated,\nsync shared"}
 # The results that make the map, by (tool latency, placement): bench/results/ paths.
 CELLS = {
+    ("none", "shared"): "bench/results/learning_no_latency.json",
     ("p50 2 s, p99 20 s", "shared"): "bench/results/learning_slow_tools.json",
     ("p50 2 s, p99 60 s (agentic)", "shared"): "bench/results/learning.json",
     ("p50 2 s, p99 60 s (agentic)", "dedicated"): "bench/results/learning_dedicated.json",

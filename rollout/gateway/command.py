@@ -147,15 +147,11 @@ def read_metrics(name: str, metrics_file: Path) -> dict[str, float]:
     of at most `MAX_METRICS_PER_SAMPLE` names (`METRIC_NAME`) to finite numbers, in a small regular
     file (opened as the reward file is). Anything else is ignored with a warning: they are advisory."""
     try:
-        fd = os.open(metrics_file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return {}
-    except OSError as exc:  # ELOOP: a symbolic link
+        raw = _read_left_file(metrics_file, MAX_METRICS_FILE_BYTES)
+    except OSError as exc:
         return _ignored(name, f"cannot read it: {exc}")
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return _ignored(name, "not a regular file")
-        raw = f.read(MAX_METRICS_FILE_BYTES + 1)
+    if raw is None:
+        return {}
     if len(raw) > MAX_METRICS_FILE_BYTES:
         return _ignored(name, f"over {MAX_METRICS_FILE_BYTES} bytes")
     try:
@@ -174,6 +170,20 @@ def read_metrics(name: str, metrics_file: Path) -> dict[str, float]:
     return out
 
 
+def _read_left_file(path: Path, limit: int) -> bytes | None:
+    """What a command left at `path` (None: nothing), at most `limit` + 1 bytes. The command's tools
+    and shells could have put anything there: it is opened without following a link or waiting on a
+    FIFO, and anything but a regular file raises OSError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)  # ELOOP: a symbolic link
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError("not a regular file")
+        return f.read(limit + 1)
+
+
 def _ignored(name: str, why: str) -> dict[str, float]:
     logger.warning("command %s: its metrics file $%s is ignored: %s", name, METRICS_FILE_ENV, why)
     return {}
@@ -184,15 +194,11 @@ def read_reward(name: str, reward_file: Path, stdout: str) -> float | None:
     at `reward_file` is opened without following a link or waiting on a FIFO and read up to a bound:
     anything but a small regular file holding one finite number fails the program."""
     try:
-        fd = os.open(reward_file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except FileNotFoundError:
+        raw = _read_left_file(reward_file, MAX_REWARD_FILE_BYTES)
+    except OSError as exc:
+        raise ProgramError(f"command {name}: cannot read its reward file ${REWARD_FILE_ENV}: {exc}") from None
+    if raw is None:
         return _bare_number(name, stdout)
-    except OSError as exc:  # ELOOP: a symbolic link
-        raise ProgramError(f"command {name}: cannot read its reward file: {exc}") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ProgramError(f"command {name}: its reward file ${REWARD_FILE_ENV} is not a regular file")
-        raw = f.read(MAX_REWARD_FILE_BYTES + 1)
     if len(raw) > MAX_REWARD_FILE_BYTES:
         raise ProgramError(f"command {name} wrote over {MAX_REWARD_FILE_BYTES} bytes to ${REWARD_FILE_ENV}")
     text = raw.decode("utf-8", "replace").strip()
