@@ -245,13 +245,14 @@ METRICS: tuple[Metric, ...] = (
         when="the gateway sampled a call in the interval",
     ),
     # A gateway command's named numbers (rollout/gateway/command.py, $STREAMRL_METRICS_FILE)
-    M("rollout/program/{program_metric}/sum", "value", R.COUNT, "the samples' values of it", when=PROGRAM),
-    M("rollout/program/{program_metric}/count", "samples", R.COUNT, "samples that reported it", when=PROGRAM),
+    M("rollout/program/num_samples", "samples", R.COUNT, "samples whose command left named numbers", when=PROGRAM),
+    M("rollout/program/{program_metric}/sum", "value", R.COUNT, "its sum over those samples", when=PROGRAM),
     M(
         "rollout/program/{program_metric}/mean",
         "value",
         R.MEAN,
-        "its mean over the samples that reported it in the interval (a 0/1 flag: their share)",
+        "its mean over the interval's samples that left named numbers, 0 where a sample left out the name "
+        "(a 0/1 flag: the share of samples that set it)",
         when=PROGRAM,
     ),
     # ---- distillation (rollout.teacher: workers' counters; learner.distill: the trained batch)

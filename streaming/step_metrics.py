@@ -60,10 +60,10 @@ def rollout_interval_metrics(metrics: dict[str, float], interval_s: float) -> di
         out["distill/teacher_latency_mean_s"] = metrics.get("distill/score_s_sum", 0.0) / scored
     if sampled := metrics.get("rollout/gateway/num_sampled"):
         out["rollout/gateway/overhead_mean_ms"] = 1000.0 * metrics.get("rollout/gateway/overhead_sum_s", 0.0) / sampled
-    for key, count in metrics.items():  # a gateway command's named numbers, per sample that gave them
-        if key.startswith("rollout/program/") and key.endswith("/count") and count:
-            name = key.removesuffix("/count")
-            out[f"{name}/mean"] = metrics.get(f"{name}/sum", 0.0) / count
+    if reported := metrics.get("rollout/program/num_samples"):  # a gateway command's named numbers
+        for key, total in metrics.items():
+            if key.startswith("rollout/program/") and key.endswith("/sum"):
+                out[key.removesuffix("/sum") + "/mean"] = total / reported
     return out
 
 

@@ -84,7 +84,8 @@ class GatewayServer:
         self.sessions: dict[str, Session] = {}
         self.port: int | None = None
         self.counts = dict.fromkeys(COUNTERS, 0.0)  # totals since start (the driver takes increments)
-        self.program_totals: dict[str, tuple[float, int]] = {}  # a command's named numbers: (sum, samples)
+        self.program_sums: dict[str, float] = {}  # a command's named numbers, summed over its samples
+        self.program_samples = 0  # samples whose command left named numbers
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
         self._starting: asyncio.Task | None = None  # `ensure_started`'s one start
@@ -159,19 +160,23 @@ class GatewayServer:
         return {
             "rollout/gateway/num_sessions": float(len(self.sessions)),
             **{f"rollout/gateway/{name}": value for name, value in self.counts.items()},
-            **{f"rollout/program/{name}/sum": total for name, (total, _) in self.program_totals.items()},
-            **{f"rollout/program/{name}/count": float(n) for name, (_, n) in self.program_totals.items()},
+            **({"rollout/program/num_samples": float(self.program_samples)} if self.program_samples else {}),
+            **{f"rollout/program/{name}/sum": total for name, total in self.program_sums.items()},
         }
 
     def account_program(self, metrics: dict[str, float]) -> None:
-        """Add one sample's named numbers (`command.read_metrics`). A worker keeps at most
-        `MAX_PROGRAM_NAMES` names, so a program inventing names cannot grow every metrics line."""
+        """Add one sample's named numbers (`command.read_metrics`; none: nothing to count). A name a
+        sample did not give counts 0 for it, so a flag's mean is the share of samples that set it. A
+        worker keeps at most `MAX_PROGRAM_NAMES` names: a program inventing names cannot grow every
+        metrics line."""
+        if not metrics:
+            return
+        self.program_samples += 1
         for name, value in metrics.items():
-            if name not in self.program_totals and len(self.program_totals) >= MAX_PROGRAM_NAMES:
+            if name not in self.program_sums and len(self.program_sums) >= MAX_PROGRAM_NAMES:
                 logger.warning("program metric %r dropped: this worker has %d names already", name, MAX_PROGRAM_NAMES)
                 continue
-            total, n = self.program_totals.get(name, (0.0, 0))
-            self.program_totals[name] = (total + value, n + 1)
+            self.program_sums[name] = self.program_sums.get(name, 0.0) + value
 
     def account(self, stats: CallStats, elapsed_s: float) -> None:
         """Count one answered call. Its overhead is the handler's time outside the engine (parsing,

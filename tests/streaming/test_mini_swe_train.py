@@ -77,7 +77,7 @@ def test_mini_swe_agent_trains_unchanged_through_the_gateway(tmp_path, tiny_toke
     # action block, so mini stops each episode at its first format error, after one model call.
     ended = {k: m[k] for m in lines for k in m if k.startswith("rollout/program/") and k.endswith("/mean")}
     assert ended == {"rollout/program/exit_repeatedformaterror/mean": 1.0, "rollout/program/model_calls/mean": 1.0}
-    assert sum(m.get("rollout/program/model_calls/count", 0.0) for m in lines) > 0
+    assert sum(m.get("rollout/program/num_samples", 0.0) for m in lines) > 0
 
     frame = load_frame(run_dir / "buffer")
     latest = frame[frame["is_latest"]]

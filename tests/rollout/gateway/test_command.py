@@ -302,14 +302,18 @@ def test_a_worker_keeps_a_bounded_set_of_program_metric_names():
     from streamrl.streaming.step_metrics import rollout_interval_metrics
 
     server = GatewayServer(GatewayConfig(command=["true"]))
+    server.account_program({})  # a sample that left none: not counted
+    assert "rollout/program/num_samples" not in server.metrics()
     server.account_program({"exit_submitted": 1.0, "model_calls": 3.0})
     server.account_program({"exit_limitsexceeded": 1.0, "model_calls": 5.0})
+    server.account_program({"exit_limitsexceeded": 1.0, "model_calls": 1.0})
     metrics = server.metrics()
-    assert (metrics["rollout/program/model_calls/sum"], metrics["rollout/program/model_calls/count"]) == (8.0, 2.0)
+    assert (metrics["rollout/program/model_calls/sum"], metrics["rollout/program/num_samples"]) == (9.0, 3.0)
     derived = rollout_interval_metrics(metrics, 1.0)
-    assert derived["rollout/program/model_calls/mean"] == 4.0
-    assert derived["rollout/program/exit_submitted/mean"] == 1.0  # of the samples that reported the flag
+    assert derived["rollout/program/model_calls/mean"] == 3.0
+    assert derived["rollout/program/exit_submitted/mean"] == pytest.approx(1 / 3)  # a flag: its share
+    assert derived["rollout/program/exit_limitsexceeded/mean"] == pytest.approx(2 / 3)
     for i in range(2 * MAX_PROGRAM_NAMES):  # a program inventing a name per sample
         server.account_program({f"n{i}": 1.0})
-    assert len(server.program_totals) == MAX_PROGRAM_NAMES
-    assert server.program_totals["model_calls"] == (8.0, 2)
+    assert len(server.program_sums) == MAX_PROGRAM_NAMES
+    assert server.program_sums["model_calls"] == 9.0
