@@ -22,9 +22,15 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from streamrl.core.run_dir import RunDir
 from streamrl.streaming.driver_state import DriverState
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from streamrl.streaming.config import StreamRLConfig
 
 
 @dataclass(kw_only=True)
@@ -64,8 +70,6 @@ class InvariantReport:
 def check_run(run_dir: str | Path) -> InvariantReport:
     from streamrl.buffer.cli import load_frame
     from streamrl.streaming.config import StreamRLConfig
-    from streamrl.streaming.prompt_filter import unexplained_skips
-    from streamrl.streaming.prompts import first_group_ids
 
     run = RunDir.open(run_dir)
     cfg = StreamRLConfig.model_validate(run.info().config)
@@ -73,9 +77,21 @@ def check_run(run_dir: str | Path) -> InvariantReport:
     report = InvariantReport(run_dir=str(run_dir), learner_step=state.learner_step, cursor=state.cursor)
     frame = load_frame(run.buffer)
     latest = frame[frame["is_latest"]]
+    _check_prompts(report, cfg, state, latest)
+    _check_consumption(report, cfg, state, latest)
+    _check_accounting(report, run)
+    _check_versions(report, state, latest)
+    _check_tool_effects(report, run.tool_ledger, latest)
+    _check_answers(report, run.answer_ledger)
+    return report
 
-    # I1: the groups are exactly the first `cursor` prompts (but the prompt filter's skips, counted with
-    # the cursor), each with group_size trajectories.
+
+def _check_prompts(report: InvariantReport, cfg: StreamRLConfig, state: DriverState, latest: pd.DataFrame) -> None:
+    """I1: the groups are exactly the first `cursor` prompts (but the prompt filter's skips, counted
+    with the cursor), each with group_size trajectories."""
+    from streamrl.streaming.prompt_filter import unexplained_skips
+    from streamrl.streaming.prompts import first_group_ids
+
     expected = set(first_group_ids(cfg.data, state.cursor))
     present = set(latest["group_id"])
     lost, extra = sorted(expected - present), sorted(present - expected)
@@ -90,31 +106,38 @@ def check_run(run_dir: str | Path) -> InvariantReport:
     report.problems += [f"prompt lost: {g}" for g in lost] + [f"group beyond the cursor: {g}" for g in extra]
     report.problems += [f"group with more than group_size trajectories: {g}" for g in oversized]
 
-    # Exactly-once consumption, one full batch per learner step: `groups_per_batch` whole groups, every
-    # finished member of each (a member that failed is not trained; the group trains with the rest).
+
+def _check_consumption(report: InvariantReport, cfg: StreamRLConfig, state: DriverState, latest: pd.DataFrame) -> None:
+    """Exactly-once consumption, one full batch per learner step: `groups_per_batch` whole groups,
+    every finished member of each (a member that failed is not trained; the group trains with the rest)."""
     consumed = latest[latest["num_consumed"] > 0]
     twice = consumed[consumed["num_consumed"] > cfg.buffer.reuse]
     report.consumed_twice = len(twice)
     report.problems += [f"consumed {n} times: {t}" for t, n in zip(twice["trajectory_id"], twice["num_consumed"])]
-    if cfg.buffer.max_batch_tokens is None and cfg.buffer.reuse == 1:
-        groups_per_step = consumed.groupby("last_consume_step")["group_id"].nunique()
-        steps = set(range(1, state.learner_step + 1))
-        bad = [s for s in steps if groups_per_step.get(s, 0) != cfg.buffer.groups_per_batch]
-        bad += [s for s in groups_per_step.index if s not in steps]
-        report.problems += [f"learner step {s} consumed {groups_per_step.get(s, 0)} groups" for s in bad]
-        finished = latest[(latest["status"] == "finished") & latest["group_id"].isin(set(consumed["group_id"]))]
-        left = finished[finished["num_consumed"] == 0]
-        bad += list(left["trajectory_id"])
-        report.problems += [f"finished member of a trained group never trained: {t}" for t in left["trajectory_id"]]
-        report.bad_batches = len(bad)
+    if cfg.buffer.max_batch_tokens is not None or cfg.buffer.reuse != 1:
+        return  # batches of varying size: no count to hold them to
+    groups_per_step = consumed.groupby("last_consume_step")["group_id"].nunique()
+    steps = set(range(1, state.learner_step + 1))
+    bad = [s for s in steps if groups_per_step.get(s, 0) != cfg.buffer.groups_per_batch]
+    bad += [s for s in groups_per_step.index if s not in steps]
+    report.problems += [f"learner step {s} consumed {groups_per_step.get(s, 0)} groups" for s in bad]
+    finished = latest[(latest["status"] == "finished") & latest["group_id"].isin(set(consumed["group_id"]))]
+    left = finished[finished["num_consumed"] == 0]
+    bad += list(left["trajectory_id"])
+    report.problems += [f"finished member of a trained group never trained: {t}" for t in left["trajectory_id"]]
+    report.bad_batches = len(bad)
 
-    # I2: what the end-of-run accounting saw (absent when the last segment was killed).
+
+def _check_accounting(report: InvariantReport, run: RunDir) -> None:
+    """I2: what the end-of-run accounting saw (absent when the last segment was killed)."""
     acc = run.accounting_record()
     if acc is not None:
         report.stranded, report.untracked = len(acc["stranded"]), len(acc["untracked"])
         report.problems += [f"stranded: {t}" for t in acc["stranded"]] + [f"untracked: {t}" for t in acc["untracked"]]
 
-    # I4: versions never decrease inside a trajectory and never exceed the saved high-water mark.
+
+def _check_versions(report: InvariantReport, state: DriverState, latest: pd.DataFrame) -> None:
+    """I4: versions never decrease inside a trajectory and never exceed the saved high-water mark."""
     high = max(state.version_high_water, state.policy_version)
     for tid, versions, mask in zip(latest["trajectory_id"], latest["policy_versions"], latest["response_mask"]):
         sampled = [int(v) for v, m in zip(versions, mask) if m]
@@ -123,29 +146,29 @@ def check_run(run_dir: str | Path) -> InvariantReport:
             report.version_violations += 1
             report.problems.append(f"versions of {tid}: {sampled[:8]}... (high-water {high})")
 
-    # I5: each tool call's side effect at most once, across pauses, worker deaths and job restarts.
-    ledger = run.tool_ledger
-    if ledger.exists():
-        from collections import Counter
 
-        from streamrl.workloads.tools.ledger import read_ledger
+def _check_tool_effects(report: InvariantReport, ledger: Path, latest: pd.DataFrame) -> None:
+    """I5: each tool call's side effect at most once, across pauses, worker deaths and job restarts."""
+    if not ledger.exists():
+        return
+    from collections import Counter
 
-        lines = read_ledger(ledger)
-        report.tool_calls_executed = len(lines)
-        per_call = Counter((x["instance_id"], x["call_id"]) for x in lines)
-        repeated = sorted(k for k, n in per_call.items() if n > 1)
-        per_traj = Counter(x["instance_id"] for x in lines)
-        finished = latest[latest["status"] == "finished"]
-        over = [
-            (t, per_traj[t], int(n))
-            for t, n in zip(finished["trajectory_id"], finished["num_tool_calls"])
-            if per_traj[t] > n and not any(k[0] == t for k in repeated)
-        ]
-        report.tool_side_effects_repeated = len(repeated) + len(over)
-        report.problems += [f"tool call ran {per_call[k]} times: {k[0]} {k[1]}" for k in repeated]
-        report.problems += [f"{t}: {n} ledger lines for {c} tool calls" for t, n, c in over]
-    _check_answers(report, run.answer_ledger)
-    return report
+    from streamrl.workloads.tools.ledger import read_ledger
+
+    lines = read_ledger(ledger)
+    report.tool_calls_executed = len(lines)
+    per_call = Counter((x["instance_id"], x["call_id"]) for x in lines)
+    repeated = sorted(k for k, n in per_call.items() if n > 1)
+    per_traj = Counter(x["instance_id"] for x in lines)
+    finished = latest[latest["status"] == "finished"]
+    over = [
+        (t, per_traj[t], int(n))
+        for t, n in zip(finished["trajectory_id"], finished["num_tool_calls"])
+        if per_traj[t] > n and not any(k[0] == t for k in repeated)
+    ]
+    report.tool_side_effects_repeated = len(repeated) + len(over)
+    report.problems += [f"tool call ran {per_call[k]} times: {k[0]} {k[1]}" for k in repeated]
+    report.problems += [f"{t}: {n} ledger lines for {c} tool calls" for t, n, c in over]
 
 
 def _check_answers(report: InvariantReport, ledger: Path) -> None:

@@ -26,7 +26,8 @@ from streamrl.streaming.driver_state import DriverState
 from streamrl.streaming.pipeline import Pipeline, make_worker
 
 if TYPE_CHECKING:
-    from streamrl.streaming.actors.clients import LearnerClient
+    from streamrl.engines.config import EngineConfig
+    from streamrl.streaming.actors.clients import BufferClient, LearnerClient
     from streamrl.streaming.actors.engine import RayEngineClient
 
 logger = logging.getLogger(__name__)
@@ -157,12 +158,7 @@ def _launch_learner(cfg: StreamRLConfig, checkpoint: str | None) -> LearnerClien
 
 
 async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState | None) -> Pipeline:
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     from streamrl.observability.metrics import MetricsLogger
-    from streamrl.streaming.actors.buffer import create_buffer_actor
-    from streamrl.streaming.actors.clients import BufferClient
-    from streamrl.streaming.actors.engine import RayEngineClient
     from streamrl.streaming.prompt_filter import PromptFilter
     from streamrl.streaming.prompts import PromptStream
 
@@ -173,31 +169,12 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
     state = state or DriverState()
 
     timeout_s = cfg.trainer.step_timeout_s
-    # the buffer's log lives in RUN_DIR: on the driver's node (or a shared filesystem in a cluster)
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    buffer = BufferClient(
-        create_buffer_actor(
-            cfg.buffer, resume_learner_step=state.checkpoint_step if resuming else None, scheduling_strategy=here
-        ),
-        timeout_s=timeout_s,
-        timeouts=cfg.trainer.actor_timeouts,
-    )
+    buffer = _launch_buffer(cfg, state.checkpoint_step if resuming else None)
     if resuming:  # versions continue above every label the buffer or the driver has seen (I4)
         state.rewind_to_checkpoint(await buffer.max_policy_version())
         state.save(RunDir(run_dir).driver_state)
-    engine_path, weights, engine_version = engine_start(cfg, state, from_ckpt=from_ckpt)
-    engine_cfg = cfg.rollout.engine.model_copy(update={"model": engine_path})
+    engines, engine_cfg, engine_version = _launch_engines(cfg, state, from_ckpt=from_ckpt)
     start_version = state.policy_version
-    engines = [
-        RayEngineClient.launch(
-            cfg.placement.engine_config(engine_cfg.for_engine(i), i, cfg.rollout.num_engines),
-            f"engine-{i}",
-            policy_version=engine_version,
-            weights=weights,
-            timeouts=cfg.trainer.actor_timeouts,
-        )
-        for i in range(cfg.rollout.num_engines)
-    ]
     teachers = _launch_teachers(cfg, model_path, run_dir)
     learner = _launch_learner(cfg, state.checkpoint if from_ckpt else None)
     stream = PromptStream(
@@ -237,6 +214,41 @@ async def build_pipeline(cfg: StreamRLConfig, run_dir: Path, state: DriverState 
         n = await pipeline.resubmit_orphans()
         logger.info("resumed run at learner step %d: %d unfinished trajectories resubmitted", state.learner_step, n)
     return pipeline
+
+
+def _launch_buffer(cfg: StreamRLConfig, resume_learner_step: int | None) -> BufferClient:
+    """The buffer actor, on the driver's node: its log lives in RUN_DIR (or a shared filesystem in a
+    cluster)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from streamrl.streaming.actors.buffer import create_buffer_actor
+    from streamrl.streaming.actors.clients import BufferClient
+
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    actor = create_buffer_actor(cfg.buffer, resume_learner_step=resume_learner_step, scheduling_strategy=here)
+    return BufferClient(actor, timeout_s=cfg.trainer.step_timeout_s, timeouts=cfg.trainer.actor_timeouts)
+
+
+def _launch_engines(
+    cfg: StreamRLConfig, state: DriverState, *, from_ckpt: bool
+) -> tuple[list[RayEngineClient], EngineConfig, int]:
+    """The rollout engine actors on the weights the run starts from (`engine_start`); returns them,
+    their config (kept for `streamrl scale`) and the version they serve."""
+    from streamrl.streaming.actors.engine import RayEngineClient
+
+    engine_path, weights, engine_version = engine_start(cfg, state, from_ckpt=from_ckpt)
+    engine_cfg = cfg.rollout.engine.model_copy(update={"model": engine_path})
+    engines = [
+        RayEngineClient.launch(
+            cfg.placement.engine_config(engine_cfg.for_engine(i), i, cfg.rollout.num_engines),
+            f"engine-{i}",
+            policy_version=engine_version,
+            weights=weights,
+            timeouts=cfg.trainer.actor_timeouts,
+        )
+        for i in range(cfg.rollout.num_engines)
+    ]
+    return engines, engine_cfg, engine_version
 
 
 def _launch_teachers(cfg: StreamRLConfig, model_path: str, run_dir: Path) -> list[RayEngineClient]:
