@@ -30,6 +30,8 @@ PLACEMENT_LABELS = {"shared": "shared cores", "dedicated": "dedicated cores", "m
 # The results that make the map, by (tool latency, placement): bench/results/ paths.
 CELLS = {
     ("none", "shared"): "bench/results/learning_no_latency.json",
+    ("none", "dedicated"): "bench/results/learning_no_latency_dedicated.json",
+    ("none", "mixed"): "bench/results/learning_no_latency_best_placement.json",
     ("p50 2 s, p99 20 s", "shared"): "bench/results/learning_slow_tools.json",
     ("p50 2 s, p99 60 s (agentic)", "shared"): "bench/results/learning.json",
     ("p50 2 s, p99 60 s (agentic)", "dedicated"): "bench/results/learning_dedicated.json",
