@@ -207,12 +207,12 @@ def current_results(data: dict) -> list[dict]:
     return [r for entry in data.get("fault_families", []) for r in entry.get("results", []) if "superseded_by" not in r]
 
 
-def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int], progress: dict | None = None) -> dict:
-    """Faults by kind over the kill suite, the newest family entry, the power-loss simulator and the
-    fuzzers, with every loss and violation count summed over the runs that report them."""
+def armed_faults(results: list[dict]) -> tuple[dict[str, int], int]:
+    """The kill suite's fired faults by action, and the faults of results recorded before per-point
+    counts (kills, raises, delays in one number), which no action can claim."""
     kill_actions: dict[str, int] = {}
-    unsplit = 0  # faults of results recorded before per-point counts (kills, raises, delays in one number)
-    for r in data.get("results", []):
+    unsplit = 0
+    for r in results:
         if "fault_counts" not in r:
             killed = sum(s.get("rc") == -9 for s in r["segments"])  # each such segment took at least one kill
             kill_actions["segment_killed"] = kill_actions.get("segment_killed", 0) + killed
@@ -226,37 +226,12 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int], progress: dict
         kill_actions["runner_sigkill"] = (
             kill_actions.get("runner_sigkill", 0) + r["faults_injected"] - sum(fired.values())
         )
-    family_results = current_results(data)
-    io = [r for r in family_results if r.get("name") == "io"]
-    hostile = [r for r in family_results if "hostile_callbacks" in r]
-    invariants = [r.get("invariants") or {} for r in [*data.get("results", []), *family_results]]
-    losses = {key: sum(int(inv.get(key) or 0) for inv in invariants) for key in LOSS_KEYS}
-    losses["stranded"] = sum(int(inv.get("stranded") or 0) + int(inv.get("untracked") or 0) for inv in invariants)
-    losses["hangs"] = sum(int(r.get("hangs") or 0) for r in [*data.get("results", []), *family_results])
-    orphan = server_orphan_counts(family_results)
-    losses["orphans_adopted"] = orphan["orphans_adopted"]
-    losses["requests_to_foreign_servers"] = orphan["requests_to_foreign_servers"]
-    # where a non-zero count comes from: (fault_families entry, its commit, run, seed, counts)
-    nonzero = [
-        {
-            "entry": i,
-            "commit": entry.get("commit"),
-            "name": r["name"],
-            "seed": r.get("seed"),
-            "counts": {
-                k: v for k, v in (r.get("invariants") or {}).items() if k in (*LOSS_KEYS, "stranded", "untracked") and v
-            },
-        }
-        for i, entry in enumerate(data.get("fault_families", []))
-        for r in entry.get("results", [])
-        if "superseded_by" not in r
-        and any(v for k, v in (r.get("invariants") or {}).items() if k in (*LOSS_KEYS, "stranded", "untracked"))
-    ]
+    return kill_actions, unsplit
+
+
+def io_counts(io: list[dict]) -> dict:
+    """The `io` family's injected faults: in all, hard, short writes, by kind and by target."""
     return {
-        "kills": sum(kill_actions.get(k, 0) for k in ("kill_job", "kill_self", "runner_sigkill", "segment_killed")),
-        "other_armed_faults": {k: v for k, v in kill_actions.items() if k in ("raise", "delay")},
-        # armed faults of older records not split by kind: worker kills, sink raises, delays, failing syncs
-        "armed_faults_not_split_by_kind": unsplit,
         "io_faults": sum(r["io_faults_injected"] for r in io),
         "io_hard_faults": sum(r["io_hard_faults"] for r in io),
         "io_short_writes": sum(r["io_short_writes"] for r in io),
@@ -270,14 +245,54 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int], progress: dict
                 Counter(),
             )
         ),
+    }
+
+
+def _nonzero(invariants: dict) -> dict:
+    return {k: v for k, v in invariants.items() if k in (*LOSS_KEYS, "stranded", "untracked") and v}
+
+
+def losses_and_violations(data: dict, family_results: list[dict], orphan: dict) -> tuple[dict, list[dict]]:
+    """Every loss and violation count summed over the kill suite and the current family results, and
+    where each non-zero count comes from: (fault_families entry, its commit, run, seed, counts)."""
+    runs = [*data.get("results", []), *family_results]
+    invariants = [r.get("invariants") or {} for r in runs]
+    losses = {key: sum(int(inv.get(key) or 0) for inv in invariants) for key in LOSS_KEYS}
+    losses["stranded"] = sum(int(inv.get("stranded") or 0) + int(inv.get("untracked") or 0) for inv in invariants)
+    losses["hangs"] = sum(int(r.get("hangs") or 0) for r in runs)
+    losses["orphans_adopted"] = orphan["orphans_adopted"]
+    losses["requests_to_foreign_servers"] = orphan["requests_to_foreign_servers"]
+    sources = [
+        {"entry": i, "commit": entry.get("commit"), "name": r["name"], "seed": r.get("seed"), "counts": counts}
+        for i, entry in enumerate(data.get("fault_families", []))
+        for r in entry.get("results", [])
+        if "superseded_by" not in r and (counts := _nonzero(r.get("invariants") or {}))
+    ]
+    return losses, sources
+
+
+def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int], progress: dict[str, dict] | None = None) -> dict:
+    """Faults by kind over the kill suite, the newest family entry, the power-loss simulator and the
+    fuzzers, with every loss and violation count summed over the runs that report them. `progress`:
+    the progress bench's result per crashed process ("worker", "engine")."""
+    kill_actions, unsplit = armed_faults(data.get("results", []))
+    family_results = current_results(data)
+    orphan = server_orphan_counts(family_results)
+    losses, sources = losses_and_violations(data, family_results, orphan)
+    return {
+        "kills": sum(kill_actions.get(k, 0) for k in ("kill_job", "kill_self", "runner_sigkill", "segment_killed")),
+        "other_armed_faults": {k: v for k, v in kill_actions.items() if k in ("raise", "delay")},
+        # armed faults of older records not split by kind: worker kills, sink raises, delays, failing syncs
+        "armed_faults_not_split_by_kind": unsplit,
+        **io_counts([r for r in family_results if r.get("name") == "io"]),
         "power_loss_states_checked": (crash or {}).get("num_states_checked", 0),
         "power_loss_crash_points_checked": (crash or {}).get("num_crash_points_checked", 0),
         "fuzz_cases": sum(fuzz.values()),
-        "hostile_callbacks": sum(r["hostile_callbacks"] for r in hostile),
+        "hostile_callbacks": sum(r["hostile_callbacks"] for r in family_results if "hostile_callbacks" in r),
         "server_orphan": orphan,
-        "tokens_lost_per_crash": tokens_lost_per_crash(progress),
+        "tokens_lost_per_crash": {kind: tokens_lost_per_crash(p) for kind, p in (progress or {}).items() if p},
         "losses_and_violations": losses,
-        "losses_and_violations_from": nonzero,
+        "losses_and_violations_from": sources,
         "sources": {
             "kills": "results (kill suite): per point and action; for results recorded without "
             "per-point counts, the segments that died by SIGKILL (a lower bound)",
@@ -286,8 +301,9 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int], progress: dict
             "fuzz_cases": "max_examples of tests/fuzz/*.py (upper bound per run, not re-run)",
             "server_orphan": "every server_orphan entry of fault_families (engine processes, a recording stand-in "
             "for vllm serve)",
-            "tokens_lost_per_crash": "bench/results/progress_loss.json (a real worker and engine, SmolLM2, 16 "
-            "trajectories in flight, crashed at a seeded moment; by rollout.agent.progress_every_s)",
+            "tokens_lost_per_crash": "bench/results/progress_loss.json (worker) and progress_loss_engine.json "
+            "(engine): a real worker and engine, SmolLM2, 16 trajectories in flight, the worker's process or "
+            "one of its two engines crashed at a seeded moment; by rollout.agent.progress_every_s",
         },
         "fuzz_cases_by_test": fuzz,
     }
@@ -297,8 +313,14 @@ def write_by_kind(out_path: Path) -> dict:
     data = json.loads(out_path.read_text()) if out_path.exists() else {}
     crash_path = REPO / "bench/results/crash_consistency.json"
     crash = json.loads(crash_path.read_text()) if crash_path.exists() else None
-    progress_path = REPO / "bench/results/progress_loss.json"
-    progress = json.loads(progress_path.read_text()) if progress_path.exists() else None
+    progress = {
+        kind: json.loads(path.read_text())
+        for kind, path in (
+            ("worker", REPO / "bench/results/progress_loss.json"),
+            ("engine", REPO / "bench/results/progress_loss_engine.json"),
+        )
+        if path.exists()
+    }
     data["by_kind"] = by_kind(data, crash, fuzz_cases(), progress)
     out_path.write_text(json.dumps(data, indent=1))
     return data["by_kind"]

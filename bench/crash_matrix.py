@@ -26,6 +26,7 @@ Where a run's crashes come from:
   consumption, no tools, no gateway);
 - progress_loss.json: sampled tokens lost per crash of a worker's process (its in-flight
   generations; a job kill loses each worker's the same way), by `rollout.agent.progress_every_s`;
+  progress_loss_engine.json: the same for one of a worker's two engines dying (the worker lives);
 - the `length_bias` entry of crash_matrix.json (`bench/crash_lengths.py`): a job SIGKILLed twice,
   checked, and its trained lengths compared with an uncrashed run of the same seed (kept as is).
 """
@@ -149,21 +150,28 @@ def _sum_cell(runs: list[dict], key: str, why_not: str) -> dict:
     return {"value": sum(measured), "runs": len(measured)}
 
 
-def tokens_lost_cell(kind: str, progress: dict) -> dict:
-    """Sampled tokens lost per crash: measured for a worker's process (progress_loss.json), which a
-    job kill repeats for each worker; no other kind has been measured."""
-    summary = progress.get("summary") or {}
-    if kind not in ("worker", "job") or not summary:
+# which crash of the progress bench (`--crash`) stands for each kind: a job kill loses each worker's
+PROGRESS_CRASH = {"worker": "worker", "job": "worker", "engine": "engine"}
+PROGRESS_FILE = {"worker": "progress_loss.json", "engine": "progress_loss_engine.json"}
+
+
+def tokens_lost_cell(kind: str, progress: dict[str, dict]) -> dict:
+    """Sampled tokens lost per crash, from the progress bench's result for the process that crashed
+    (`progress`: by crashed process): a worker's (which a job kill repeats for each worker) or an
+    engine's; no other kind has been measured."""
+    crashed = PROGRESS_CRASH.get(kind)
+    result = (progress.get(crashed) or {}) if crashed else {}
+    summary = result.get("summary") or {}
+    if not summary:
         return {"value": None, "runs": 0, "not_measured": "no bench counts the tokens in flight at this crash"}
-    trials = progress.get("trials") or []
     return {
         "value": {name: round(s["tokens_lost_mean"], 1) for name, s in summary.items()},
         "per_running_trajectory": {name: round(s["tokens_lost_per_trajectory"], 1) for name, s in summary.items()},
-        "runs": len(trials),
+        "runs": len(result.get("trials") or []),
         "by": "rollout.agent.progress_every_s (off: no progress rows)",
-        "source": "progress_loss.json: "
-        + progress.get("command", "")
-        + f" ({progress.get('model')}, real vLLM engine and worker, the worker's process crashed at a seeded moment)",
+        "source": f"{PROGRESS_FILE[crashed]}: "
+        + result.get("command", "")
+        + f" ({result.get('model')}, real vLLM engine and worker, the {crashed} crashed at a seeded moment)",
     }
 
 
@@ -199,7 +207,7 @@ def power_loss_row(crash: dict) -> dict:
 
 def build(results: Path = RESULTS) -> dict:
     runs = runs_from_results(results)
-    progress = _read(results / "progress_loss.json")
+    progress = {crashed: _read(results / name) for crashed, name in PROGRESS_FILE.items()}
     crash = _read(results / "crash_consistency.json")
     matrix = {}
     for kind, what in KINDS.items():

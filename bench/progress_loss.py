@@ -1,7 +1,7 @@
 """Tokens a crash loses, with and without durable generation progress (`rollout.agent.progress_every_s`).
 
     python -m bench.progress_loss [--model smollm2] [--settings off 30 10] [--crashes 2]
-                                  [--out bench/results/progress_loss.json]
+                                  [--crash worker|engine] [--out bench/results/progress_loss.json]
 
 A real engine (vLLM in process, SmolLM2-135M-Instruct by default: it answers at length, as an agent
 turn does), a real `RolloutWorker` with the tool agent, and a real `ReplayBuffer` on disk: rows go to
@@ -12,6 +12,15 @@ the loops hold and those the engine has streamed for requests still running, the
 tasks are cancelled and the requests aborted. Tokens lost are the sampled tokens that no row in the
 buffer holds: what a resumed run would sample again. The cost side is the throughput (sampled tokens
 per second before the crash), the cuts and the tokens re-sent to the engine.
+
+`--crash engine` kills an engine instead of the worker (default out: `progress_loss_engine.json`).
+The worker routes over two engines (`ServerManager`, as a worker with two engines does); both are
+views of the one real engine, so the bench needs one model's memory. At the crash moment engine A
+dies: its running requests are aborted inside vLLM and each of its calls raises, as a call to a dead
+engine actor does, so the tokens A streamed for them never reach a loop: they are the loss. The worker
+goes on (`--after-s`), retrying on engine B from prompt + tokens so far. The trial checks what the
+claim rests on: no trajectory failed, every trajectory still holds each token it held at the crash
+(the same ids, as a prefix), and each one A was running sampled more or finished afterwards.
 
 Each setting is measured `--crashes` times at different crash moments, interleaved over settings so
 a slow spell of the machine touches them alike; one engine serves every trial.
@@ -37,8 +46,53 @@ def sampled(mask: list[int]) -> int:
     return sum(1 for m in mask if m)
 
 
+class EngineDied(RuntimeError):
+    """What a call to a dead engine raises (a dead Ray actor raises `RayActorError`): not the request's
+    fault, so the router marks the engine unhealthy and retries the request on another one."""
+
+
+class DyingEngine:
+    """One view of the real engine that can die: after `die()` every call raises `EngineDied`, and the
+    requests it was running are aborted inside vLLM with their streamed tokens thrown away."""
+
+    def __init__(self, engine: Any, engine_id: str) -> None:
+        self._engine = engine
+        self.engine_id = engine_id
+        self.running: set[str] = set()
+        self.dead = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        if self.dead:
+            raise EngineDied(f"{self.engine_id} is dead")
+        self.running.add(request_id)
+        try:
+            output = await self._engine.generate(request_id, *args, **kwargs)
+        finally:
+            self.running.discard(request_id)
+        if self.dead:  # aborted by the death: its tokens died with the engine
+            raise EngineDied(f"{self.engine_id} died while generating {request_id}")
+        return output
+
+    async def abort(self, request_id: str) -> None:
+        if not self.dead:
+            await self._engine.abort(request_id)
+
+    async def die(self) -> int:
+        """Die now; returns the tokens streamed for the requests it was running (lost with it)."""
+        self.dead = True
+        running = [r for r in self.running if r in self._engine._requests]
+        lost = sum(len(self._engine._requests[r].token_ids) for r in running)
+        for request_id in running:
+            await self._engine.abort(request_id)
+        return lost
+
+
 async def trial(engine: Any, tokenizer: Any, records: list, every_s: float | None, crash_at_s: float, args) -> dict:
-    """One run of the worker until the crash; the counts of what it sampled and what is durable."""
+    """One run of the worker until the crash; the counts of what it sampled and what is durable (a
+    worker crash) or what the surviving worker still holds (an engine crash)."""
     from streamrl.buffer.config import BufferConfig
     from streamrl.buffer.store import ReplayBuffer
     from streamrl.rollout.agent_loop import AgentContext
@@ -61,9 +115,10 @@ async def trial(engine: Any, tokenizer: Any, records: list, every_s: float | Non
         sampling=SamplingConfig(temperature=1.0),
         progress_every_s=every_s,
     )
+    engines = [DyingEngine(engine, "engine-a"), DyingEngine(engine, "engine-b")] if args.crash == "engine" else [engine]
     ctx = AgentContext(
         cfg=agent,
-        server=ServerManager([engine]),
+        server=ServerManager(engines),
         tokenizer=tokenizer,
         encoder=ObservationEncoder(tokenizer),
         parser=get_parser("hermes"),
@@ -90,31 +145,76 @@ async def trial(engine: Any, tokenizer: Any, records: list, every_s: float | Non
         worker.submit(data)
     start = time.monotonic()
     await asyncio.sleep(crash_at_s)
-    # the crash: count first, then stop everything
-    held = {d.trajectory_id: sampled(d.response_mask) for d in submitted}
-    in_flight = sum(len(r.token_ids) for r in engine._requests.values())  # streamed, not yet returned
-    running = len(worker._active)  # trajectories holding a slot: the ones a crash interrupts
-    elapsed = time.monotonic() - start
-    counters = ctx.counters
+    if args.crash == "engine":
+        result = await engine_death(engines, submitted, worker, start, args.after_s)
+    else:
+        result = worker_death(engine, submitted, worker, durable, start)
     await worker.shutdown()  # cancels every loop, as a killed process stops them
     for request_id in list(engine._requests):
         await engine.abort(request_id)
     buffer.close()
+    counters = ctx.counters
+    return {
+        "crash": args.crash,
+        "progress_every_s": every_s,
+        **result,
+        "trajectories_finished": worker.num_finished,
+        "progress_rows": counters.num_progress_rows,
+        "progress_cuts": counters.num_progress_cuts,
+        "reprefill_tokens": counters.num_reprefill_tokens,
+    }
+
+
+def worker_death(engine: Any, submitted: list, worker: Any, durable: dict[str, int], start: float) -> dict:
+    """The worker's process dies now: every sampled token that no buffer row holds is lost."""
+    held = {d.trajectory_id: sampled(d.response_mask) for d in submitted}
+    in_flight = sum(len(r.token_ids) for r in engine._requests.values())  # streamed, not yet returned
+    running = len(worker._active)  # trajectories holding a slot: the ones a crash interrupts
+    elapsed = time.monotonic() - start
     produced = sum(held.values()) + in_flight
     kept = sum(durable.get(tid, 0) for tid in held)
     return {
-        "progress_every_s": every_s,
         "crash_at_s": round(elapsed, 2),
         "sampled_tokens": produced,
         "durable_sampled_tokens": kept,
         "tokens_lost": produced - kept,
         "tokens_in_flight_at_crash": in_flight,
         "trajectories_running_at_crash": running,
-        "trajectories_finished": worker.num_finished,
         "sampled_tokens_per_s": produced / elapsed,
-        "progress_rows": counters.num_progress_rows,
-        "progress_cuts": counters.num_progress_cuts,
-        "reprefill_tokens": counters.num_reprefill_tokens,
+    }
+
+
+def trajectory_of(request_id: str) -> str:
+    return request_id.rsplit("-", 1)[0]  # request ids are `<trajectory id>-<hex>`
+
+
+async def engine_death(engines: list[DyingEngine], submitted: list, worker: Any, start: float, after_s: float) -> dict:
+    """Engine A dies now; the worker goes on for `after_s` on engine B. Lost: what A had streamed."""
+    dying, survivor = engines
+    running_on_a = {trajectory_of(r) for r in dying.running}
+    held = {d.trajectory_id: (list(d.response_ids), sampled(d.response_mask)) for d in submitted}
+    in_flight = sum(len(r.token_ids) for r in dying._engine._requests.values())
+    elapsed = time.monotonic() - start
+    failed_before = worker.num_failed
+    lost = await dying.die()
+    await asyncio.sleep(after_s)
+    by_id = {d.trajectory_id: d for d in submitted}
+    prefix_kept = all(list(by_id[t].response_ids[: len(ids)]) == ids for t, (ids, _) in held.items())
+    on_b = {trajectory_of(r) for r in survivor.running}
+    moved_on = sum(  # generating on engine B now, or sampled more there, or finished (left the worker's slots)
+        1 for t in running_on_a if t in on_b or sampled(by_id[t].response_mask) > held[t][1] or t not in worker._active
+    )
+    produced = sum(n for _, n in held.values()) + in_flight
+    return {
+        "crash_at_s": round(elapsed, 2),
+        "sampled_tokens": produced,
+        "tokens_lost": lost,
+        "tokens_in_flight_at_crash": in_flight,
+        "trajectories_running_at_crash": len(running_on_a),
+        "trajectories_running_on_dead_engine_that_went_on": moved_on,
+        "trajectories_failed_after_crash": worker.num_failed - failed_before,
+        "held_tokens_kept_as_prefix": prefix_kept,
+        "sampled_tokens_per_s": produced / elapsed,
     }
 
 
@@ -174,8 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--response-length", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(REPO / "bench/results/progress_loss.json"))
+    parser.add_argument("--crash", choices=["worker", "engine"], default="worker", help="which process dies")
+    parser.add_argument("--after-s", type=float, default=20.0, help="engine crash: how long the worker goes on")
+    parser.add_argument("--out", default=None, help="default: bench/results/progress_loss[_engine].json")
     args = parser.parse_args(argv)
+    suffix = "" if args.crash == "worker" else "_engine"
+    args.out = args.out or str(REPO / f"bench/results/progress_loss{suffix}.json")
     t0 = time.monotonic()
     result = asyncio.run(run(args))
     result = {

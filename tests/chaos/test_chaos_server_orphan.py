@@ -54,17 +54,12 @@ def test_by_kind_sums_the_server_orphan_cases_and_the_tokens_lost_per_crash():
         "refused_clearly": 1,
     }
     data = {"fault_families": [{"results": [case]}, {"results": [{**case, "requests_to_foreign_servers": 2}]}]}
-    progress = {
-        "summary": {
-            "off": {
-                "tokens_lost_mean": 2668.5,
-                "tokens_lost_per_trajectory": 166.8,
-                "lost_share": 0.319,
-                "sampled_tokens_per_s": 130.5,
-            }
-        }
-    }
-    kinds = chaos_families.by_kind(data, None, {}, progress)
+
+    def progress(lost: float) -> dict:
+        summary = {"tokens_lost_mean": lost, "tokens_lost_per_trajectory": 166.8, "lost_share": 0.319}
+        return {"summary": {"off": {**summary, "sampled_tokens_per_s": 130.5}}}
+
+    kinds = chaos_families.by_kind(data, None, {}, {"worker": progress(2668.5), "engine": progress(512.0)})
     assert kinds["server_orphan"] == {
         "cases": 2,
         "completed": 2,
@@ -74,6 +69,7 @@ def test_by_kind_sums_the_server_orphan_cases_and_the_tokens_lost_per_crash():
         "refused_clearly": 2,
     }
     assert kinds["losses_and_violations"]["requests_to_foreign_servers"] == 2  # a violation anywhere shows
-    assert kinds["tokens_lost_per_crash"]["off"]["tokens_lost"] == 2668.5
+    assert kinds["tokens_lost_per_crash"]["worker"]["off"]["tokens_lost"] == 2668.5
+    assert kinds["tokens_lost_per_crash"]["engine"]["off"]["tokens_lost"] == 512.0
     assert chaos_families.by_kind({}, None, {})["tokens_lost_per_crash"] == {}
     json.dumps(kinds)

@@ -63,9 +63,17 @@ def test_the_tokens_lost_cell_reads_the_progress_bench():
         "trials": [{}, {}],
         "summary": {"off": {"tokens_lost_mean": 2668.5, "tokens_lost_per_trajectory": 166.8}},
     }
-    cell = crash_matrix.tokens_lost_cell("worker", progress)
+    cell = crash_matrix.tokens_lost_cell("worker", {"worker": progress})
     assert cell["value"] == {"off": 2668.5} and cell["runs"] == 2
-    assert crash_matrix.tokens_lost_cell("engine", progress)["value"] is None
+    assert crash_matrix.tokens_lost_cell("job", {"worker": progress})["value"] == {"off": 2668.5}
+    assert (
+        crash_matrix.tokens_lost_cell("engine", {"worker": progress})["value"] is None
+    )  # a worker's is not an engine's
+    engine = crash_matrix.tokens_lost_cell(
+        "engine", {"engine": {**progress, "summary": {"10s": {**progress["summary"]["off"], "tokens_lost_mean": 40.0}}}}
+    )
+    assert engine["value"] == {"10s": 40.0} and "progress_loss_engine.json" in engine["source"]
+    assert crash_matrix.tokens_lost_cell("server_engine", {"worker": progress, "engine": progress})["value"] is None
     assert crash_matrix.cell_text(cell) == "2,668 (off)"
 
 
