@@ -301,9 +301,10 @@ def by_kind(data: dict, crash: dict | None, fuzz: dict[str, int], progress: dict
             "fuzz_cases": "max_examples of tests/fuzz/*.py (upper bound per run, not re-run)",
             "server_orphan": "every server_orphan entry of fault_families (engine processes, a recording stand-in "
             "for vllm serve)",
-            "tokens_lost_per_crash": "bench/results/progress_loss.json (worker) and progress_loss_engine.json "
-            "(engine): a real worker and engine, SmolLM2, 16 trajectories in flight, the worker's process or "
-            "one of its two engines crashed at a seeded moment; by rollout.agent.progress_every_s",
+            "tokens_lost_per_crash": "bench/results/progress_loss.json (worker), progress_loss_engine.json "
+            "(engine) and progress_loss_preempt.json (preempt): a real worker and engine, SmolLM2, 16 trajectories "
+            "in flight, the worker's process or one of its two engines crashed (or drained on notice) at a seeded "
+            "moment; by rollout.agent.progress_every_s",
         },
         "fuzz_cases_by_test": fuzz,
     }
@@ -313,14 +314,10 @@ def write_by_kind(out_path: Path) -> dict:
     data = json.loads(out_path.read_text()) if out_path.exists() else {}
     crash_path = REPO / "bench/results/crash_consistency.json"
     crash = json.loads(crash_path.read_text()) if crash_path.exists() else None
-    progress = {
-        kind: json.loads(path.read_text())
-        for kind, path in (
-            ("worker", REPO / "bench/results/progress_loss.json"),
-            ("engine", REPO / "bench/results/progress_loss_engine.json"),
-        )
-        if path.exists()
-    }
+    from bench.progress_loss import RESULT_FILES
+
+    paths = {crashed: REPO / "bench/results" / name for crashed, name in RESULT_FILES.items()}
+    progress = {crashed: json.loads(path.read_text()) for crashed, path in paths.items() if path.exists()}
     data["by_kind"] = by_kind(data, crash, fuzz_cases(), progress)
     out_path.write_text(json.dumps(data, indent=1))
     return data["by_kind"]

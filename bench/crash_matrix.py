@@ -26,7 +26,8 @@ Where a run's crashes come from:
   consumption, no tools, no gateway);
 - progress_loss.json: sampled tokens lost per crash of a worker's process (its in-flight
   generations; a job kill loses each worker's the same way), by `rollout.agent.progress_every_s`;
-  progress_loss_engine.json: the same for one of a worker's two engines dying (the worker lives);
+  progress_loss_engine.json: the same for one of a worker's two engines dying (the worker lives), and
+  progress_loss_preempt.json for one drained on a preemption notice;
 - the `length_bias` entry of crash_matrix.json (`bench/crash_lengths.py`): a job SIGKILLed twice,
   checked, and its trained lengths compared with an uncrashed run of the same seed (kept as is).
 """
@@ -39,6 +40,7 @@ import sys
 from pathlib import Path
 
 from bench.chaos_families import current_results
+from bench.progress_loss import RESULT_FILES
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench/results"
@@ -151,8 +153,7 @@ def _sum_cell(runs: list[dict], key: str, why_not: str) -> dict:
 
 
 # which crash of the progress bench (`--crash`) stands for each kind: a job kill loses each worker's
-PROGRESS_CRASH = {"worker": "worker", "job": "worker", "engine": "engine"}
-PROGRESS_FILE = {"worker": "progress_loss.json", "engine": "progress_loss_engine.json"}
+PROGRESS_CRASH = {"worker": "worker", "job": "worker", "engine": "engine", "preemption": "preempt"}
 
 
 def tokens_lost_cell(kind: str, progress: dict[str, dict]) -> dict:
@@ -169,7 +170,7 @@ def tokens_lost_cell(kind: str, progress: dict[str, dict]) -> dict:
         "per_running_trajectory": {name: round(s["tokens_lost_per_trajectory"], 1) for name, s in summary.items()},
         "runs": len(result.get("trials") or []),
         "by": "rollout.agent.progress_every_s (off: no progress rows)",
-        "source": f"{PROGRESS_FILE[crashed]}: "
+        "source": f"{RESULT_FILES[crashed]}: "
         + result.get("command", "")
         + f" ({result.get('model')}, real vLLM engine and worker, the {crashed} crashed at a seeded moment)",
     }
@@ -207,7 +208,7 @@ def power_loss_row(crash: dict) -> dict:
 
 def build(results: Path = RESULTS) -> dict:
     runs = runs_from_results(results)
-    progress = {crashed: _read(results / name) for crashed, name in PROGRESS_FILE.items()}
+    progress = {crashed: _read(results / name) for crashed, name in RESULT_FILES.items()}
     crash = _read(results / "crash_consistency.json")
     matrix = {}
     for kind, what in KINDS.items():

@@ -1,7 +1,7 @@
 """Tokens a crash loses, with and without durable generation progress (`rollout.agent.progress_every_s`).
 
     python -m bench.progress_loss [--model smollm2] [--settings off 30 10] [--crashes 2]
-                                  [--crash worker|engine] [--out bench/results/progress_loss.json]
+                                  [--crash worker|engine|preempt] [--out bench/results/progress_loss.json]
 
 A real engine (vLLM in process, SmolLM2-135M-Instruct by default: it answers at length, as an agent
 turn does), a real `RolloutWorker` with the tool agent, and a real `ReplayBuffer` on disk: rows go to
@@ -22,6 +22,11 @@ goes on (`--after-s`), retrying on engine B from prompt + tokens so far. The tri
 claim rests on: no trajectory failed, every trajectory still holds each token it held at the crash
 (the same ids, as a prefix), and each one A was running sampled more or finished afterwards.
 
+`--crash preempt` (default out: `progress_loss_preempt.json`) drains engine A on notice instead, as
+the worker actor does (`ServerManager.retire`): its running requests are aborted and return what
+they streamed. Lost: the tokens A had streamed for a trajectory that do not follow the tokens that
+trajectory held at the notice, once the drain is over (a drain loses none when it works).
+
 Each setting is measured `--crashes` times at different crash moments, interleaved over settings so
 a slow spell of the machine touches them alike; one engine serves every trial.
 """
@@ -40,6 +45,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+# the result file of each `--crash`, in bench/results/
+RESULT_FILES = {
+    "worker": "progress_loss.json",
+    "engine": "progress_loss_engine.json",
+    "preempt": "progress_loss_preempt.json",
+}
 
 
 def sampled(mask: list[int]) -> int:
@@ -115,7 +126,8 @@ async def trial(engine: Any, tokenizer: Any, records: list, every_s: float | Non
         sampling=SamplingConfig(temperature=1.0),
         progress_every_s=every_s,
     )
-    engines = [DyingEngine(engine, "engine-a"), DyingEngine(engine, "engine-b")] if args.crash == "engine" else [engine]
+    two = args.crash in ("engine", "preempt")
+    engines = [DyingEngine(engine, "engine-a"), DyingEngine(engine, "engine-b")] if two else [engine]
     ctx = AgentContext(
         cfg=agent,
         server=ServerManager(engines),
@@ -147,6 +159,8 @@ async def trial(engine: Any, tokenizer: Any, records: list, every_s: float | Non
     await asyncio.sleep(crash_at_s)
     if args.crash == "engine":
         result = await engine_death(engines, submitted, worker, start, args.after_s)
+    elif args.crash == "preempt":
+        result = await engine_preempted(engines, ctx.server, submitted, worker, start, args.after_s)
     else:
         result = worker_death(engine, submitted, worker, durable, start)
     await worker.shutdown()  # cancels every loop, as a killed process stops them
@@ -218,6 +232,49 @@ async def engine_death(engines: list[DyingEngine], submitted: list, worker: Any,
     }
 
 
+async def engine_preempted(
+    engines: list[DyingEngine], server: Any, submitted: list, worker: Any, start: float, after_s: float
+) -> dict:
+    """Engine A is preempted on notice: the worker drains it (`ServerManager.retire`, as the worker
+    actor does on the notice), its running requests return what they streamed and go on on engine B.
+    Lost: the tokens A had streamed that do not follow a trajectory's held tokens afterwards."""
+    draining, survivor = engines
+    streamed = {
+        trajectory_of(r): list(draining._engine._requests[r].token_ids)
+        for r in draining.running
+        if r in draining._engine._requests
+    }
+    held = {d.trajectory_id: list(d.response_ids) for d in submitted}
+    in_flight = sum(len(r.token_ids) for r in draining._engine._requests.values())
+    produced = sum(sampled(d.response_mask) for d in submitted) + in_flight
+    elapsed = time.monotonic() - start
+    failed_before = worker.num_failed
+    await server.retire(draining.engine_id)
+    await asyncio.sleep(after_s)
+    by_id = {d.trajectory_id: d for d in submitted}
+    lost = sum(
+        len(ids)
+        for t, ids in streamed.items()
+        if list(by_id[t].response_ids[: len(held[t]) + len(ids)]) != held[t] + ids
+    )
+    on_b = {trajectory_of(r) for r in survivor.running}
+    moved_on = sum(
+        1 for t in streamed if t in on_b or len(by_id[t].response_ids) > len(held[t]) or t not in worker._active
+    )
+    return {
+        "crash_at_s": round(elapsed, 2),
+        "sampled_tokens": produced,
+        "tokens_lost": lost,
+        "tokens_streamed_by_drained_engine": sum(len(ids) for ids in streamed.values()),
+        "tokens_in_flight_at_crash": in_flight,
+        "trajectories_running_at_crash": len(streamed),
+        "trajectories_running_on_drained_engine_that_went_on": moved_on,
+        "trajectories_failed_after_crash": worker.num_failed - failed_before,
+        "held_tokens_kept_as_prefix": all(list(by_id[t].response_ids[: len(ids)]) == ids for t, ids in held.items()),
+        "sampled_tokens_per_s": produced / elapsed,
+    }
+
+
 async def run(args) -> dict:
     from transformers import AutoTokenizer
 
@@ -274,12 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--response-length", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--crash", choices=["worker", "engine"], default="worker", help="which process dies")
+    parser.add_argument(
+        "--crash", choices=["worker", "engine", "preempt"], default="worker", help="which process dies (or is drained)"
+    )
     parser.add_argument("--after-s", type=float, default=20.0, help="engine crash: how long the worker goes on")
     parser.add_argument("--out", default=None, help="default: bench/results/progress_loss[_engine].json")
     args = parser.parse_args(argv)
-    suffix = "" if args.crash == "worker" else "_engine"
-    args.out = args.out or str(REPO / f"bench/results/progress_loss{suffix}.json")
+    args.out = args.out or str(REPO / "bench/results" / RESULT_FILES[args.crash])
     t0 = time.monotonic()
     result = asyncio.run(run(args))
     result = {

@@ -66,13 +66,13 @@ def test_the_tokens_lost_cell_reads_the_progress_bench():
     cell = crash_matrix.tokens_lost_cell("worker", {"worker": progress})
     assert cell["value"] == {"off": 2668.5} and cell["runs"] == 2
     assert crash_matrix.tokens_lost_cell("job", {"worker": progress})["value"] == {"off": 2668.5}
-    assert (
-        crash_matrix.tokens_lost_cell("engine", {"worker": progress})["value"] is None
-    )  # a worker's is not an engine's
-    engine = crash_matrix.tokens_lost_cell(
-        "engine", {"engine": {**progress, "summary": {"10s": {**progress["summary"]["off"], "tokens_lost_mean": 40.0}}}}
-    )
+    assert crash_matrix.tokens_lost_cell("engine", {"worker": progress})["value"] is None  # not an engine's
+    every = {"10s": {**progress["summary"]["off"], "tokens_lost_mean": 40.0}}
+    engine = crash_matrix.tokens_lost_cell("engine", {"engine": {**progress, "summary": every}})
     assert engine["value"] == {"10s": 40.0} and "progress_loss_engine.json" in engine["source"]
+    preempt = {**progress, "summary": every}
+    drained = crash_matrix.tokens_lost_cell("preemption", {"engine": progress, "preempt": preempt})
+    assert drained["value"] == {"10s": 40.0} and "progress_loss_preempt.json" in drained["source"]
     assert crash_matrix.tokens_lost_cell("server_engine", {"worker": progress, "engine": progress})["value"] is None
     assert crash_matrix.cell_text(cell) == "2,668 (off)"
 
