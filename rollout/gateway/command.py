@@ -146,6 +146,7 @@ def read_metrics(name: str, metrics_file: Path) -> dict[str, float]:
     """The named numbers command `name` left at `metrics_file` ({} when it wrote none): a JSON object
     of at most `MAX_METRICS_PER_SAMPLE` names (`METRIC_NAME`) to finite numbers, in a small regular
     file (opened as the reward file is). Anything else is ignored with a warning: they are advisory."""
+    name = f"{name} (${METRICS_FILE_ENV})"
     try:
         raw = _read_left_file(metrics_file, MAX_METRICS_FILE_BYTES)
     except OSError as exc:
@@ -158,12 +159,18 @@ def read_metrics(name: str, metrics_file: Path) -> dict[str, float]:
         metrics = json.loads(raw)
     except (ValueError, RecursionError):
         return _ignored(name, "not JSON")
+    return checked_metrics(name, metrics)
+
+
+def checked_metrics(name: str, metrics: object) -> dict[str, float]:
+    """`metrics` if it is a mapping of at most `MAX_METRICS_PER_SAMPLE` names (`METRIC_NAME`) to finite
+    numbers, as floats; anything else is ignored with a warning ({}): program metrics are advisory."""
     if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS_PER_SAMPLE:
         return _ignored(name, f"not a JSON object of at most {MAX_METRICS_PER_SAMPLE} names")
     out = {}
     for key, value in metrics.items():
-        if not METRIC_NAME.fullmatch(key):
-            return _ignored(name, f"name {key[:60]!r} is not {METRIC_NAME.pattern}")
+        if not isinstance(key, str) or not METRIC_NAME.fullmatch(key):
+            return _ignored(name, f"name {str(key)[:60]!r} is not {METRIC_NAME.pattern}")
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             return _ignored(name, f"{key} = {str(value)[:60]!r} is not a finite number")
         out[key] = float(value)
@@ -185,7 +192,7 @@ def _read_left_file(path: Path, limit: int) -> bytes | None:
 
 
 def _ignored(name: str, why: str) -> dict[str, float]:
-    logger.warning("command %s: its metrics file $%s is ignored: %s", name, METRICS_FILE_ENV, why)
+    logger.warning("program %s: its metrics are ignored: %s", name, why)
     return {}
 
 

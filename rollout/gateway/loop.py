@@ -7,7 +7,8 @@ token record into the trajectory (`session.py`). The program is either
 - `rollout.agent.gateway.program = "package.module:run"`: `run(base_url, api_key, sample)`, async (run
   on the worker's event loop, cancelled at the timeout) or sync (run in a daemon thread of the
   gateway's own bounded pool, `program_threads`; a sync program past its timeout fails the trajectory
-  but its thread runs on), returning the reward or None; or
+  but its thread runs on), returning the reward or None, or a `ProgramResult` (the reward and named
+  numbers of the sample, logged as a command's metrics file is); or
 - `rollout.agent.gateway.command = [...]`: a child process (`command.py`) with the URLs, the token
   and the sample without its ground truth (JSON) in a minimal environment; its reward is the number
   it writes to the file named by `STREAMRL_REWARD_FILE`.
@@ -32,11 +33,12 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from streamrl.rollout.agent_loop.base import AgentLoopBase, register
 from streamrl.rollout.agent_loop.scoring import finite
-from streamrl.rollout.gateway.command import ProgramError, run_command
+from streamrl.rollout.gateway.command import ProgramError, checked_metrics, run_command
 from streamrl.rollout.gateway.config import GatewayConfig
 from streamrl.rollout.gateway.session import Session
 from streamrl.rollout.types import AgentData, AgentState, FinishReason
@@ -45,6 +47,17 @@ from streamrl.tools.slots import ToolThreads
 logger = logging.getLogger(__name__)
 
 _PROGRAM_THREADS: ToolThreads | None = None  # `program_threads`
+
+
+@dataclass(frozen=True)
+class ProgramResult:
+    """What an in-process program may return instead of a bare reward: the reward (None: the run's
+    `reward_fn` scores the conversation) and named numbers of its sample, which are advisory and follow
+    a command's metrics file's rules (at most 16 names of `[a-z0-9_]`, finite values; anything else is
+    ignored with a warning), logged as `rollout/program/<name>/{sum,mean}`."""
+
+    reward: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 async def gateway_server(ctx: Any, cfg: GatewayConfig) -> Any:
@@ -108,7 +121,7 @@ async def run_program(
     on_metrics: Callable[[dict[str, float]], None] | None = None,
 ) -> float | None:
     """Run the configured program once; returns its reward (None: none given). A command's named
-    numbers (`command.read_metrics`) go to `on_metrics`."""
+    numbers (`command.read_metrics`) and a `ProgramResult`'s go to `on_metrics`."""
     if cfg.command is not None:
         return await run_command(cfg, base_url, api_key, sample, on_metrics)
     if cfg.program is None:
@@ -126,6 +139,10 @@ async def run_program(
         if not inspect.iscoroutinefunction(fn):
             logger.warning("sync program %s passed its timeout; its thread runs on until it returns", cfg.program)
         raise ProgramError(f"program {cfg.program} did not return within {cfg.timeout_s:g} s") from None
+    if isinstance(result, ProgramResult):
+        if on_metrics is not None:
+            on_metrics(checked_metrics(cfg.program, result.metrics))
+        result = result.reward
     return None if result is None else finite(f"the reward of program {cfg.program}", result)
 
 

@@ -14,7 +14,14 @@ import pytest
 
 from streamrl.engines.fake import FakeEngine
 from streamrl.rollout.gateway.config import GatewayConfig
-from streamrl.rollout.gateway.loop import GatewayAgentLoop, ProgramError, close_gateway, gateway_metrics, gateway_server
+from streamrl.rollout.gateway.loop import (
+    GatewayAgentLoop,
+    ProgramError,
+    ProgramResult,
+    close_gateway,
+    gateway_metrics,
+    gateway_server,
+)
 from streamrl.rollout.types import AgentState, FinishReason, TrajectoryStatus
 from streamrl.rollout.worker import RolloutWorker
 from tests.rollout.gateway.conftest import CALC_TOOL, gateway_ctx, new_data
@@ -42,6 +49,20 @@ async def tool_program(base_url: str, api_key: str, sample: dict) -> float:
 async def no_reward_program(base_url: str, api_key: str, sample: dict) -> None:
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
     await client.chat.completions.create(model="any", messages=sample["messages"])
+
+
+async def reporting_program(base_url: str, api_key: str, sample: dict) -> ProgramResult:
+    """Calls once and reports how it ended beside its reward, as an in-process harness would."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
+    await client.chat.completions.create(model="any", messages=sample["messages"])
+    return ProgramResult(reward=0.25, metrics={"exit_submitted": 1, "model_calls": 1})
+
+
+def bad_metrics_program(base_url: str, api_key: str, sample: dict) -> ProgramResult:
+    """A sync program whose numbers break the rules: ignored, and its reward (None) still stands."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key)
+    client.chat.completions.create(model="any", messages=sample["messages"])
+    return ProgramResult(metrics={"Model Calls": float("nan")})
 
 
 async def failing_program(base_url: str, api_key: str, sample: dict) -> float:
@@ -89,6 +110,28 @@ async def test_without_a_program_reward_the_reward_fn_scores_the_final_conversat
     assert traj.status is TrajectoryStatus.FINISHED and traj.reward == 1.0  # math_answer: \boxed{84} == 84
     assert data.messages[-1] == {"role": "assistant", "content": ANSWER}
     assert data.state is AgentState.TERMINATED and data.gateway["num_calls"] == 1
+
+
+async def test_an_in_process_programs_result_gives_its_reward_and_named_numbers(tiny_tokenizer, caplog):
+    ctx, _ = loop_ctx(tiny_tokenizer, [ANSWER, ANSWER], program=f"{HERE}:reporting_program")
+    try:
+        traj = await GatewayAgentLoop(ctx).run(new_data())
+        metrics = gateway_metrics(ctx)
+    finally:
+        await close_gateway(ctx)
+    assert traj.status is TrajectoryStatus.FINISHED and traj.reward == 0.25
+    assert metrics["rollout/program/num_samples"] == 1.0
+    assert metrics["rollout/program/exit_submitted/sum"] == 1.0 and metrics["rollout/program/model_calls/sum"] == 1.0
+
+    ctx, _ = loop_ctx(tiny_tokenizer, [ANSWER], program=f"{HERE}:bad_metrics_program")
+    try:
+        traj = await GatewayAgentLoop(ctx).run(new_data())
+        metrics = gateway_metrics(ctx)
+    finally:
+        await close_gateway(ctx)
+    assert traj.status is TrajectoryStatus.FINISHED and traj.reward == 1.0  # the reward_fn's: the program gave none
+    assert not [k for k in metrics if k.startswith("rollout/program/")]  # nothing counted
+    assert any("bad_metrics_program" in r.getMessage() and "is not" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_command_program_gets_the_url_and_prints_its_reward(tiny_tokenizer):
