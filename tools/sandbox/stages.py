@@ -2,7 +2,7 @@
 build the isolation and exec the program (launch -> setup -> init -> trampoline; with isolation
 "none", launch -> supervise -> trampoline).
 
-This file is not only imported: `sandbox._child_source()` runs the whole of it, followed by
+This file is not only imported: `sandbox.launch._child_source()` runs the whole of it, followed by
 `watch.py` (what init and the supervisor do while the program runs), as the stages' program
 (`python -c <source> <stage> <spec>`), so it stays standard library only, with only
 json/os/resource/sys at module level. Its functions call watch.py's by their bare names, which the

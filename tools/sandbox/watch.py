@@ -16,7 +16,7 @@ not do in that layer (part of the stages' program, see the end of this docstring
 A sandbox stopped for its budget exits with `LIMIT_EXCEEDED` and a last stderr line
 `LIMIT_MARKER <memory|processes>: <why>`, read by `execute.py`.
 
-This file is appended to `stages.py` to make the stages' program (`sandbox._child_source`), so it keeps
+This file is appended to `stages.py` to make the stages' program (`sandbox.launch._child_source`), so it keeps
 to the same rules: standard library only, os/signal at module level and the rest imported where used,
 and no `from __future__` import (here it would not be the program's first statement).
 """
