@@ -216,6 +216,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "curve_step": mean_curve(done, "served_step"),
             "rise_target_met": result.diff >= 0.10 and result.p_value < 0.05,
             "gradient_share": [r["gradient_share"] for r in done],
+            "time_split": [r.get("time_split") for r in done],  # runs merged from an older JSON lack it
         }
     if "async" in out and "sync" in out:
         target = out["sync"]["curve_wall"][-1][1]  # sync's final reward, the mean over every seed it ran
@@ -292,6 +293,27 @@ def gradient_share(run_dir: Path) -> dict[str, float] | None:
             keys = ("buffer/trajectories_generated", "buffer/trajectories_trained", "buffer/gradient_share")
             return {k.split("/", 1)[1]: float(row[k]) for k in keys}
     return None
+
+
+def time_split(run_dir: Path) -> dict[str, float] | None:
+    """Where a run's training time went, from its metrics: the learner's mean step seconds, the share
+    of the run the driver waited for a batch, the engines' busy share, and the groups the DAPO filter
+    dropped against those trained (one group per step at the benchmark's batch)."""
+    rows = (
+        [r for r in RunDir(run_dir).metric_records() if "learner/step_s" in r]
+        if RunDir(run_dir).metrics.exists()
+        else []
+    )
+    if not rows:
+        return None
+    last = rows[-1]
+    return {
+        "learner_step_s_mean": statistics.fmean(float(r["learner/step_s"]) for r in rows),
+        "learner_idle_ratio": float(last.get("learner/idle_ratio", float("nan"))),
+        "engine_busy_fraction": float(last.get("engine/busy_fraction", float("nan"))),
+        "groups_filtered": float(last.get("buffer/groups_filtered", float("nan"))),
+        "groups_trained": float(last.get("buffer/batches_sampled", len(rows))),
+    }
 
 
 def plot(summary: dict[str, Any], path: Path, title: str) -> None:
@@ -404,8 +426,17 @@ def main(argv: list[str] | None = None) -> int:
                     rc = evaluate_offline(run_dir, eval_prompts(args.config), root / "train.log")
             points = curve(run_dir) if run_dir.exists() else []
             share = gradient_share(run_dir) if run_dir.exists() else None
+            split = time_split(run_dir) if run_dir.exists() else None
             runs.append(
-                {"mode": mode, "seed": seed, "exit_code": rc, "wall_s": wall, "curve": points, "gradient_share": share}
+                {
+                    "mode": mode,
+                    "seed": seed,
+                    "exit_code": rc,
+                    "wall_s": wall,
+                    "curve": points,
+                    "gradient_share": share,
+                    "time_split": split,
+                }
             )
             line = " ".join(f"{p['served_step']}:{p['reward']:.3f}" for p in points)
             print(f"{mode} seed {seed}: rc={rc} {wall:.0f}s held-out by step {line}", flush=True)
