@@ -284,11 +284,16 @@ def merged_runs(path: Path, have: set[tuple[str, int]]) -> list[dict[str, Any]]:
     ]
 
 
+def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's metrics lines (none when it never wrote any)."""
+    run = RunDir(run_dir)
+    return run.metric_records() if run.metrics.exists() else []
+
+
 def gradient_share(run_dir: Path) -> dict[str, float] | None:
     """The run's last buffer counters: trajectories generated (finished members of settled groups),
     trained (members of groups the learner used) and their share."""
-    rows = RunDir(run_dir).metric_records() if RunDir(run_dir).metrics.exists() else []
-    for row in reversed(rows):
+    for row in reversed(metric_rows(run_dir)):
         if "buffer/trajectories_generated" in row:
             keys = ("buffer/trajectories_generated", "buffer/trajectories_trained", "buffer/gradient_share")
             return {k.split("/", 1)[1]: float(row[k]) for k in keys}
@@ -299,11 +304,7 @@ def time_split(run_dir: Path) -> dict[str, float] | None:
     """Where a run's training time went, from its metrics: the learner's mean step seconds, the share
     of the run the driver waited for a batch, the engines' busy share, and the groups the DAPO filter
     dropped against those trained (one group per step at the benchmark's batch)."""
-    rows = (
-        [r for r in RunDir(run_dir).metric_records() if "learner/step_s" in r]
-        if RunDir(run_dir).metrics.exists()
-        else []
-    )
+    rows = [r for r in metric_rows(run_dir) if "learner/step_s" in r]
     if not rows:
         return None
     last = rows[-1]
@@ -393,6 +394,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def run_record(mode: str, seed: int, exit_code: int, wall_s: float, run_dir: Path) -> dict[str, Any]:
+    """One run's entry of the result: its held-out curve and what its metrics say (none if it never started)."""
+    ran = run_dir.exists()
+    return {
+        "mode": mode,
+        "seed": seed,
+        "exit_code": exit_code,
+        "wall_s": wall_s,
+        "curve": curve(run_dir) if ran else [],
+        "gradient_share": gradient_share(run_dir) if ran else None,
+        "time_split": time_split(run_dir) if ran else None,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.machine import machine
 
@@ -424,20 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 if rc == 0 and args.offline_eval:
                     rc = evaluate_offline(run_dir, eval_prompts(args.config), root / "train.log")
-            points = curve(run_dir) if run_dir.exists() else []
-            share = gradient_share(run_dir) if run_dir.exists() else None
-            split = time_split(run_dir) if run_dir.exists() else None
-            runs.append(
-                {
-                    "mode": mode,
-                    "seed": seed,
-                    "exit_code": rc,
-                    "wall_s": wall,
-                    "curve": points,
-                    "gradient_share": share,
-                    "time_split": split,
-                }
-            )
+            runs.append(run_record(mode, seed, rc, wall, run_dir))
+            points = runs[-1]["curve"]
             line = " ".join(f"{p['served_step']}:{p['reward']:.3f}" for p in points)
             print(f"{mode} seed {seed}: rc={rc} {wall:.0f}s held-out by step {line}", flush=True)
     if args.merge:
